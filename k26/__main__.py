@@ -1,0 +1,81 @@
+"""Command line: `python -m k26 generate|info ...`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def default_model_dir() -> Path:
+    """The embedded default: until a trained tiny pair ships, a random tiny checkpoint written once."""
+    from .tiny import write_tiny_checkpoint
+
+    d = Path(os.environ.get("K26_CACHE", Path.home() / ".cache" / "k26")) / "tiny-random-k25"
+    if not (d / "model.safetensors.index.json").is_file():
+        print(f"[k26] no --model given: writing a random tiny K2.6-format checkpoint to {d}", file=sys.stderr)
+        write_tiny_checkpoint(d)
+    else:
+        print(f"[k26] no --model given: using the random tiny checkpoint at {d}", file=sys.stderr)
+    return d
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    from . import LLM, SamplingParams
+
+    llm = LLM(a.model or default_model_dir(), device=a.device, dtype=getattr(torch, DTYPES[a.dtype]),
+              max_model_len=a.max_model_len)
+    prompt = llm.tokenizer.chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+    sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed)
+    out = llm.generate(prompt, sp)[0]
+    print(out.text)
+    print(f"[k26] {len(out.token_ids)} tokens, finish_reason={out.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from .config import ModelConfig
+    from .kv_cache import LatentCache
+
+    cfg = ModelConfig.from_dir(a.model or default_model_dir())
+    for k, v in vars(cfg).items():
+        print(f"{k:28s} {v}")
+    print(f"{'softmax_scale':28s} {cfg.softmax_scale:.7f}")
+    print(f"{'kv bytes/token (bf16)':28s} {LatentCache.bytes_per_token(cfg)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="k26", description="Kimi K2.6 inference")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the Kimi chat format")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.set_defaults(fn=cmd_generate)
+    i = sub.add_parser("info", help="print the parsed model config")
+    i.add_argument("--model")
+    i.set_defaults(fn=cmd_info)
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, TypeError) as e:
+        print(f"k26: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

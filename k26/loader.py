@@ -1,0 +1,212 @@
+"""Checkpoint directory -> a loaded (and, for TP, sliced) `KimiK2`.
+
+Reads sharded safetensors (with `model.safetensors.index.json`) or a single file, memory-mapped, one
+tensor slice at a time: never the whole checkpoint in RAM. The model is built on the meta device,
+every tensor is checked against it (names, shapes, dtypes, int4 `weight_shape`) before any storage is
+allocated, and only then filled. All problems are reported together, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .model import KimiK2, TPInfo
+
+PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
+_SKIP = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\.|\.rotary_emb\.inv_freq$")
+_FLOAT = {"BF16", "F16", "F32"}
+_INT = {"I32", "I64", "I16", "I8", "U8"}
+
+# The one HF <-> k26 name table. k26 name regex -> (HF name template with \1.. groups and {e} for the
+# expert index, the dim split across TP ranks or None, whether the k26 tensor stacks experts on dim 0).
+# Shard dims are in HF (per-expert) coordinates: 0 = output rows (column parallel), 1 = input columns.
+NAME_TABLE: list[tuple[str, str, int | None, bool]] = [
+    (r"embed_tokens\.weight", "model.embed_tokens.weight", 0, False),
+    (r"norm\.weight", "model.norm.weight", None, False),
+    (r"lm_head\.weight", "lm_head.weight", 0, False),
+    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"model.layers.\1.\2.weight", None, False),
+    (r"layers\.(\d+)\.self_attn\.(q_a_proj|q_a_layernorm|kv_a_proj_with_mqa|kv_a_layernorm)\.weight",
+     r"model.layers.\1.self_attn.\2.weight", None, False),
+    (r"layers\.(\d+)\.self_attn\.(q_b_proj|kv_b_proj)\.weight", r"model.layers.\1.self_attn.\2.weight", 0, False),
+    (r"layers\.(\d+)\.self_attn\.o_proj\.weight", r"model.layers.\1.self_attn.o_proj.weight", 1, False),
+    (r"layers\.(\d+)\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight", r"model.layers.\1.mlp.\2\3.weight", 0, False),
+    (r"layers\.(\d+)\.mlp\.(shared_experts\.)?down_proj\.weight", r"model.layers.\1.mlp.\2down_proj.weight", 1, False),
+    (r"layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)", r"model.layers.\1.mlp.gate.\2", None, False),
+    (r"layers\.(\d+)\.mlp\.experts\.(gate|up)_packed", r"model.layers.\1.mlp.experts.{e}.\2_proj.weight_packed", 0, True),
+    (r"layers\.(\d+)\.mlp\.experts\.(gate|up)_scale", r"model.layers.\1.mlp.experts.{e}.\2_proj.weight_scale", 0, True),
+    (r"layers\.(\d+)\.mlp\.experts\.down_packed", r"model.layers.\1.mlp.experts.{e}.down_proj.weight_packed", 1, True),
+    (r"layers\.(\d+)\.mlp\.experts\.down_scale", r"model.layers.\1.mlp.experts.{e}.down_proj.weight_scale", 1, True),
+    (r"layers\.(\d+)\.mlp\.experts\.(gate|up)_proj", r"model.layers.\1.mlp.experts.{e}.\2_proj.weight", 0, True),
+    (r"layers\.(\d+)\.mlp\.experts\.down_proj", r"model.layers.\1.mlp.experts.{e}.down_proj.weight", 1, True),
+]
+_COMPILED = [(re.compile(k + "$"), hf, dim, stacked) for k, hf, dim, stacked in NAME_TABLE]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config describes; `problems` lists every mismatch."""
+
+    def __init__(self, path: Path, problems: list[str]):
+        self.problems = problems
+        shown = "\n  ".join(problems[:40])
+        more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
+        super().__init__(f"checkpoint {path} cannot be loaded ({len(problems)} problems):\n  {shown}{more}")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    key: str  # the name inside the file (with any prefix)
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype string: BF16, F32, I32, ...
+
+
+def read_index(path: Path) -> dict[str, TensorInfo]:
+    """Headers of every shard, keyed by HF name with `language_model.` stripped and vision skipped."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(path, [f"{index_file.name} is not a valid index ({e})"]) from e
+        files = sorted(set(weight_map.values()))
+    else:
+        weight_map = None
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(path, ["no *.safetensors files and no model.safetensors.index.json"])
+    problems: list[str] = []
+    infos: dict[str, TensorInfo] = {}
+    for fname in files:
+        f = path / fname
+        if not f.is_file():
+            problems.append(f"shard {fname} named by the index is missing")
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for key in h.keys():
+                    sl = h.get_slice(key)
+                    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+                    if _SKIP.search(name):
+                        continue
+                    if name in infos:
+                        problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
+                    infos[name] = TensorInfo(f, key, tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged header
+            problems.append(f"shard {fname} is corrupt or not a safetensors file: {e}")
+    if weight_map is not None:
+        for key, fname in weight_map.items():
+            name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+            if not _SKIP.search(name) and name not in infos and (path / fname).is_file():
+                problems.append(f"tensor {key} is listed in the index under {fname} but is not in that file")
+    if problems:
+        raise CheckpointError(path, problems)
+    return infos
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One checkpoint tensor that feeds (part of) one model parameter."""
+
+    param: str
+    hf: str
+    expert: int | None
+    dim: int | None
+
+
+def plan_load(model: KimiK2, infos: dict[str, TensorInfo], tp: TPInfo, path: Path) -> list[_Item]:
+    """Match every parameter to checkpoint tensors and check names, shapes and dtypes; raise on any problem."""
+    items: list[_Item] = []
+    problems: list[str] = []
+    used: set[str] = set()
+    for pname, p in model.named_parameters():
+        rule = next(((m, hf, d, s) for rx, hf, d, s in _COMPILED if (m := rx.match(pname))), None)
+        if rule is None:
+            raise AssertionError(f"model parameter {pname} has no entry in the loader's NAME_TABLE")
+        m, hf_tpl, dim, stacked = rule
+        hf_base = m.expand(hf_tpl)
+        local = tuple(p.shape[1:] if stacked else p.shape)
+        full = list(local)
+        if dim is not None and tp.size > 1:
+            full[dim] *= tp.size
+        for e in range(p.shape[0]) if stacked else [None]:
+            hf = hf_base.format(e=e) if stacked else hf_base
+            info = infos.get(hf)
+            if info is None:
+                problems.append(f"missing tensor {hf} (for {pname})")
+                continue
+            used.add(hf)
+            if info.shape != tuple(full):
+                problems.append(f"tensor {hf} has shape {list(info.shape)}, expected {full}")
+            want = {"I32"} if p.dtype == torch.int32 else _FLOAT
+            if info.dtype not in want:
+                problems.append(f"tensor {hf} has dtype {info.dtype}, expected one of {sorted(want)}")
+            items.append(_Item(pname, hf, e, dim if tp.size > 1 else None))
+            if hf.endswith(".weight_packed"):
+                problems += _check_weight_shape(infos, hf, full, used)
+    problems += [f"unexpected tensor {infos[n].key}" for n in sorted(set(infos) - used)]
+    if problems:
+        raise CheckpointError(path, problems)
+    return items
+
+
+def _check_weight_shape(infos: dict[str, TensorInfo], packed: str, full_packed: list[int], used: set[str]) -> list[str]:
+    name = packed.removesuffix("_packed") + "_shape"
+    info = infos.get(name)
+    if info is None:
+        return [f"missing tensor {name}"]
+    used.add(name)
+    if info.dtype not in _INT or info.shape != (2,):
+        return [f"tensor {name} must be 2 integers, got {info.dtype} {list(info.shape)}"]
+    with safe_open(str(info.file), framework="pt") as h:
+        got = h.get_tensor(info.key).tolist()
+    want = [full_packed[0], full_packed[1] * 8]
+    return [] if got == want else [f"tensor {name} says {got}, expected {want} from weight_packed"]
+
+
+def load_model(
+    path: str | Path,
+    cfg: ModelConfig | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    tp: TPInfo = TPInfo(),
+    progress: bool = True,
+) -> KimiK2:
+    path = Path(path)
+    cfg = cfg or ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = KimiK2(cfg, dtype=dtype, tp=tp).requires_grad_(False)
+    infos = read_index(path)
+    items = plan_load(model, infos, tp, path)
+
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[_Item]] = {}
+    for it in items:
+        by_file.setdefault(infos[it.hf].file, []).append(it)
+    bar = tqdm(total=len(items), desc=f"loading {path.name}", unit="tensor", disable=not progress)
+    for f, file_items in sorted(by_file.items()):
+        with safe_open(str(f), framework="pt") as h:
+            for it in file_items:
+                sl = h.get_slice(infos[it.hf].key)
+                if it.dim is None:
+                    t = sl[:]
+                else:
+                    n = infos[it.hf].shape[it.dim] // tp.size
+                    idx = [slice(None)] * len(infos[it.hf].shape)
+                    idx[it.dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+                    t = sl[tuple(idx)]
+                dst = params[it.param] if it.expert is None else params[it.param][it.expert]
+                dst.copy_(t.to(dst.dtype))
+                bar.update()
+    bar.close()
+    model.rope.reset_buffers()
+    return model.eval()

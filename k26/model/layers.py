@@ -1,0 +1,110 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, SwiGLU MLP, vocab-parallel embedding
+and head, and the tensor-parallel description passed in from above."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """Which shard of the weights this process holds, and how to combine partial results.
+
+    The collectives are passed in by the caller (k26.dist) so the model never owns a process group.
+    `all_reduce` sums a tensor over the group; `all_gather` concatenates along the last dim.
+    """
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is invalid for world size {self.size}")
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        if self.all_reduce is None:
+            raise RuntimeError(f"TP size {self.size} needs an all_reduce; none was provided")
+        return self.all_reduce(x)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        if self.all_gather is None:
+            raise RuntimeError(f"TP size {self.size} needs an all_gather; none was provided")
+        return self.all_gather(x)
+
+    def split(self, n: int, what: str) -> int:
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {self.size}")
+        return n // self.size
+
+
+def linear(in_f: int, out_f: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    """HF precision: normalise in fp32, round to the activation dtype, then multiply by the weight."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        n = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * n.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU, column-parallel gate/up and row-parallel down; the caller reduces across ranks."""
+
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = linear(dim, inter, dtype)
+        self.up_proj = linear(dim, inter, dtype)
+        self.down_proj = linear(inter, dim, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VocabEmbedding(nn.Module):
+    """Rows [rank·V/tp, (rank+1)·V/tp) of the embedding; other ranks contribute zeros to the sum."""
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, tp: TPInfo):
+        super().__init__()
+        self.tp = tp
+        self.part = tp.split(vocab, "vocab_size")
+        self.start = tp.rank * self.part
+        self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.part)
+        x = F.embedding(local.clamp(0, self.part - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.reduce(x)
+
+
+class VocabHead(nn.Module):
+    """lm_head rows of this rank; logits come back fp32 and gathered over the vocabulary."""
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, tp: TPInfo):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(tp.split(vocab, "vocab_size"), dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.gather(F.linear(x, self.weight).float())

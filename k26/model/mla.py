@@ -1,0 +1,74 @@
+"""Multi-head latent attention: the naive form (reference) beside the weight-absorbed form (serving).
+
+Both read keys and values from the same latent cache (c_kv after kv_a_layernorm, then k_pe after RoPE;
+576 values per token per layer for K2), so they agree for any mask up to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops import reference
+from .batch import AttnBatch
+from .layers import RMSNorm, TPInfo, linear
+from .rope import Rope
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        d, r = cfg.hidden_size, cfg.kv_lora_rank
+        self.q_a_proj = linear(d, cfg.q_lora_rank, dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype)
+        self.q_b_proj = linear(cfg.q_lora_rank, self.heads * cfg.qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = linear(d, r + cfg.qk_rope_head_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(r, cfg.latent_norm_eps, dtype)
+        self.kv_b_proj = linear(r, self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        self.o_proj = linear(self.heads * cfg.v_head_dim, d, dtype)
+
+    def forward(self, x_BND, batch: AttnBatch, cache_RLC, rope: Rope, absorb: bool = True):
+        cfg = self.cfg
+        B, N, _ = x_BND.shape
+        H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        q_BNHQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BND))).view(B, N, H, cfg.qk_head_dim)
+        q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = rope(q_pe, batch.positions_BN[:, :, None])
+        a_BNC = self.kv_a_proj_with_mqa(x_BND)
+        c_kv = self.kv_a_layernorm(a_BNC[..., :r])
+        k_pe = rope(a_BNC[..., r:], batch.positions_BN)
+        latent_BNC = torch.cat([c_kv, k_pe], dim=-1)
+        torch.ops.k26.mla_write_cache(cache_RLC, latent_BNC, batch.rows_B, batch.prefix_lens_B)
+
+        w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, r)
+        if absorb:
+            # q̃ = q_nope · W_UK lets every head score against the single shared latent key.
+            q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
+            q_abs = torch.cat([q_lat, q_pe], dim=-1)
+            o_lat, _ = torch.ops.k26.mla_tree_attention(
+                q_abs, cache_RLC, batch.rows_B, batch.prefix_lens_B, batch.mask_words_BNW, cfg.softmax_scale, r
+            )
+            o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
+        else:
+            o_BNHV = self._naive(q_nope, q_pe, batch, cache_RLC)
+        return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
+
+    def _naive(self, q_nope, q_pe, batch: AttnBatch, cache_RLC):
+        """Expand every visible latent row into per-head k_nope / v and attend as plain MHA."""
+        cfg = self.cfg
+        B, N, H, _ = q_nope.shape
+        nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        keys = int(batch.prefix_lens_B.max()) + N
+        lat_BLC = cache_RLC[batch.rows_B, :keys].to(q_nope.dtype)
+        kv_BLHX = self.kv_b_proj(lat_BLC[..., :r]).view(B, keys, H, nope + cfg.v_head_dim)
+        k_nope, v_BLHV = kv_BLHX.split([nope, cfg.v_head_dim], dim=-1)
+        k_BLHQ = torch.cat([k_nope, lat_BLC[..., None, r:].expand(-1, -1, H, -1)], dim=-1)
+        q_BNHQ = torch.cat([q_nope, q_pe], dim=-1)
+        s_BHNL = torch.einsum("bnhq,blhq->bhnl", q_BNHQ.float(), k_BLHQ.float()) * cfg.softmax_scale
+        vis_BNL = reference.visible_keys(batch.prefix_lens_B, batch.mask_words_BNW, N, keys)
+        s_BHNL = s_BHNL.masked_fill(~vis_BNL[:, None], float("-inf"))
+        p_BHNL = torch.softmax(s_BHNL, dim=-1).to(q_nope.dtype)
+        return torch.einsum("bhnl,blhv->bnhv", p_BHNL, v_BLHV)

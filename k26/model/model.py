@@ -1,0 +1,70 @@
+"""The K2 / K2.5 / K2.6 text model: embedding, 1 dense + N MoE decoder layers of MLA, final norm, head.
+
+`forward` takes token ids with an `AttnBatch` (causal chunk or tree) and the latent cache, and can
+hand back the residual stream after chosen layers for the DFlash drafter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .batch import AttnBatch
+from .layers import MLP, RMSNorm, TPInfo, VocabEmbedding, VocabHead
+from .mla import MLA
+from .moe import MoE
+from .rope import Rope
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, tp: TPInfo):
+        super().__init__()
+        self.tp = tp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLA(cfg, dtype, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.is_moe_layer(index):
+            self.mlp: nn.Module = MoE(cfg, dtype, tp)
+            self.dense = False
+        else:
+            self.mlp = MLP(cfg.hidden_size, tp.split(cfg.intermediate_size, "intermediate_size"), dtype)
+            self.dense = True
+
+    def forward(self, x, batch: AttnBatch, cache_RLC, rope: Rope, absorb: bool):
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache_RLC, rope, absorb)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (self.tp.reduce(h) if self.dense else h)
+
+
+class KimiK2(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPInfo = TPInfo()):
+        super().__init__()
+        self.cfg, self.dtype, self.tp = cfg, dtype, tp
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.rope = Rope(cfg.rope, cfg.qk_rope_head_dim)
+
+    def forward(
+        self,
+        ids_BN: torch.Tensor,
+        batch: AttnBatch,
+        cache_LRTC: torch.Tensor,
+        *,
+        aux_layers: tuple[int, ...] = (),
+        absorb: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the final-normed hidden states [B, N, D] and, if asked, the outputs of `aux_layers`
+        concatenated on the last dim [B, N, len(aux_layers)·D] (the DFlash context features)."""
+        x = self.embed_tokens(ids_BN)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, cache_LRTC[i], self.rope, absorb)
+            if i in aux_layers:
+                aux.append(x)
+        return self.norm(x), (torch.cat(aux, dim=-1) if aux_layers else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

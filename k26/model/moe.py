@@ -1,0 +1,106 @@
+"""K2 mixture of experts: sigmoid router with a selection-only correction bias, group-limited top-k,
+routed experts (int4 pack-quantized or bf16) split along the intermediate dim, and a shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops import reference
+from .layers import MLP, TPInfo
+
+
+class Router(nn.Module):
+    """noaux_tc gate: the bias chooses experts, the unbiased sigmoid scores weight them."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
+        choice_TE = scores_TE + self.e_score_correction_bias
+        if cfg.n_group > 1:
+            grouped = choice_TE.unflatten(-1, (cfg.n_group, -1))
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(-1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+            # -inf, not 0: a masked expert must never win even when every biased score is negative.
+            choice_TE = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+        ids_TK = choice_TE.topk(cfg.num_experts_per_tok, dim=-1).indices
+        w_TK = scores_TE.gather(-1, ids_TK)
+        if cfg.norm_topk_prob:
+            w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+        return w_TK * cfg.routed_scaling_factor, ids_TK
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Int4Experts(nn.Module):
+    """Experts stacked over E in the compressed-tensors layout: packed int32 along the input dim."""
+
+    def __init__(self, E: int, D: int, inter: int, dtype: torch.dtype, group: int):
+        super().__init__()
+        self.gate_packed = _param(E, inter, D // 8, dtype=torch.int32)
+        self.gate_scale = _param(E, inter, D // group, dtype=dtype)
+        self.up_packed = _param(E, inter, D // 8, dtype=torch.int32)
+        self.up_scale = _param(E, inter, D // group, dtype=dtype)
+        self.down_packed = _param(E, D, inter // 8, dtype=torch.int32)
+        self.down_scale = _param(E, D, inter // group, dtype=dtype)
+
+    def forward(self, x_TD, ids_TK, w_TK):
+        return torch.ops.k26.moe_w4a16(
+            x_TD, self.gate_packed, self.gate_scale, self.up_packed, self.up_scale,
+            self.down_packed, self.down_scale, ids_TK, w_TK,
+        )
+
+
+class DenseExperts(nn.Module):
+    """Unquantised experts (bf16 checkpoints), stacked over E."""
+
+    def __init__(self, E: int, D: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = _param(E, inter, D, dtype=dtype)
+        self.up_proj = _param(E, inter, D, dtype=dtype)
+        self.down_proj = _param(E, D, inter, dtype=dtype)
+
+    def forward(self, x_TD, ids_TK, w_TK):
+        return reference.moe_combine(
+            x_TD, ids_TK, w_TK, lambda e: (self.gate_proj[e], self.up_proj[e], self.down_proj[e])
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo):
+        super().__init__()
+        self.tp = tp
+        inter = tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        if cfg.quant.int4 and inter % cfg.quant.group_size:
+            raise ValueError(
+                f"moe_intermediate_size={cfg.moe_intermediate_size} / TP {tp.size} = {inter} splits an int4 "
+                f"group of {cfg.quant.group_size}; use a TP size that keeps groups whole"
+            )
+        self.gate = Router(cfg, dtype)
+        if cfg.quant.int4:
+            self.experts: nn.Module = Int4Experts(E, D, inter, dtype, cfg.quant.group_size)
+        else:
+            self.experts = DenseExperts(E, D, inter, dtype)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = MLP(D, tp.split(shared, "shared expert width"), dtype) if shared else None
+
+    def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
+        x_TD = x_BND.flatten(0, -2)
+        w_TK, ids_TK = self.gate(x_TD)
+        y_TD = self.experts(x_TD, ids_TK, w_TK)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return self.tp.reduce(y_TD.view_as(x_BND))

@@ -1,0 +1,74 @@
+"""`torch.ops.k26.*`: schemas, fakes for torch.compile/graph capture, and the reference kernels.
+
+Each op is registered once here with its pure-torch reference as the implementation for every
+device; CUDA kernels (later modules) override the "cuda" key without changing the schema.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from .reference import causal_words, tree_mask_to_words, words_to_tree_mask
+
+__all__ = [
+    "causal_words", "tree_mask_to_words", "words_to_tree_mask",
+    "dequantize_int4", "pack_int4", "quantize_int4", "unpack_int4", "OPS",
+]
+
+
+@torch.library.custom_op("k26::moe_w4a16", mutates_args=())
+def moe_w4a16(
+    x: torch.Tensor,
+    gate_packed: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_packed: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_packed: torch.Tensor,
+    down_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    return reference.moe_w4a16(
+        x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, topk_ids, topk_weights
+    )
+
+
+@moe_w4a16.register_fake
+def _(x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, topk_ids, topk_weights):
+    return x.new_empty(x.shape[0], down_packed.shape[1])
+
+
+@torch.library.custom_op("k26::mla_write_cache", mutates_args=("cache",))
+def mla_write_cache(
+    cache: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor
+) -> None:
+    reference.mla_write_cache(cache, latent, rows, prefix_lens)
+
+
+@mla_write_cache.register_fake
+def _(cache, latent, rows, prefix_lens):
+    return None
+
+
+@torch.library.custom_op("k26::mla_tree_attention", mutates_args=())
+def mla_tree_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    mask_words: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim)
+
+
+@mla_tree_attention.register_fake
+def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
+    B, N, H, _ = q.shape
+    return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
+
+
+OPS = ("moe_w4a16", "mla_write_cache", "mla_tree_attention")

@@ -1,0 +1,139 @@
+"""Kimi's tiktoken tokenizer: `tiktoken.model` ranks + the special tokens named in tokenizer_config.json,
+and the K2.5/K2.6 chat format built structurally.
+
+Security: user, system and tool text is always encoded as ordinary text, so a string such as
+"<|im_end|>" typed by a user becomes plain BPE pieces, never the control token. Special ids are
+inserted by `chat()` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+# Verbatim from tokenization_kimi.py; the `&&` class intersections need tiktoken's Rust regex engine.
+KIMI_PAT_STR = "[\\p{Han}]+|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+
+NUM_RESERVED_SPECIAL = 256
+# The reference registers 256 + 2 ids past the base vocabulary; the model's embedding covers only 256.
+NUM_SPECIAL_IDS = NUM_RESERVED_SPECIAL + 2
+_MAX_CHUNK_CHARS = 400_000  # the reference encodes in chunks of this many characters ...
+_MAX_RUN_CHARS = 25_000  # ... and splits longer runs of (non-)whitespace, for parity on odd inputs
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or inconsistent."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+class Tokenizer:
+    def __init__(self, ranks: dict[bytes, int], names: dict[int, str], name: str = "kimi"):
+        self.num_base = len(ranks)
+        specials = {}
+        for i in range(self.num_base, self.num_base + NUM_SPECIAL_IDS):
+            specials[names.get(i, f"<|reserved_token_{i}|>")] = i
+        if len(specials) != NUM_SPECIAL_IDS:
+            raise TokenizerError("tokenizer_config.json names two special ids the same")
+        self.special_ids = specials
+        self.enc = tiktoken.Encoding(name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+        self.n_words = self.enc.n_vocab
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        model_file, cfg_file = path / "tiktoken.model", path / "tokenizer_config.json"
+        for f in (model_file, cfg_file):
+            if not f.is_file():
+                raise TokenizerError(f"{f} is missing: the Kimi tokenizer needs tiktoken.model and tokenizer_config.json")
+        try:
+            ranks = load_tiktoken_bpe(str(model_file))
+        except Exception as e:  # tiktoken raises bare ValueError/binascii errors on a bad line
+            raise TokenizerError(f"{model_file} is not a tiktoken BPE file: {e}") from e
+        try:
+            added = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
+        except json.JSONDecodeError as e:
+            raise TokenizerError(f"{cfg_file} is not valid JSON: {e}") from e
+        names = {}
+        lo, hi = len(ranks), len(ranks) + NUM_SPECIAL_IDS
+        for key, tok in added.items():
+            i = int(key)
+            if not lo <= i < hi:
+                raise TokenizerError(
+                    f"{cfg_file}: added token {tok.get('content')!r} has id {i}, outside the special range [{lo}, {hi})"
+                )
+            names[i] = tok["content"]
+        return cls(ranks, names)
+
+    # -- text ---------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Ordinary text to ids; special-token strings inside `text` stay plain text."""
+        ids: list[int] = []
+        for start in range(0, len(text), _MAX_CHUNK_CHARS):
+            for piece in _split_long_runs(text[start : start + _MAX_CHUNK_CHARS]):
+                ids.extend(self.enc.encode_ordinary(piece))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(ids, errors="replace")
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return self.enc.decode_bytes(ids)
+
+    def token_id(self, name: str) -> int:
+        try:
+            return self.special_ids[name]
+        except KeyError:
+            raise TokenizerError(f"special token {name!r} is not defined by this tokenizer") from None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """<|im_end|> ends a chat turn, [EOS] ends a document."""
+        return tuple(self.special_ids[n] for n in ("<|im_end|>", "[EOS]") if n in self.special_ids)
+
+    # -- chat ---------------------------------------------------------------------------------
+    def chat(
+        self, messages: list[Message | dict], add_generation_prompt: bool = True, thinking: bool | None = None
+    ) -> list[int]:
+        """`<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per message, then the assistant header.
+
+        thinking=True opens `<think>`, False closes an empty `<think></think>` (K2.5/K2.6), None adds neither.
+        """
+        sp = self.token_id
+        ids: list[int] = []
+        for m in messages:
+            role, content = (m.role, m.content) if isinstance(m, Message) else (m.get("role"), m.get("content"))
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"chat message role {role!r} is not one of 'system', 'user', 'assistant'")
+            if not isinstance(content, str):
+                raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
+            ids += [sp(f"<|im_{role}|>"), *self.encode(role), sp("<|im_middle|>"), *self.encode(content), sp("<|im_end|>")]
+        if add_generation_prompt:
+            ids += [sp("<|im_assistant|>"), *self.encode("assistant"), sp("<|im_middle|>")]
+            if thinking is True:
+                ids.append(sp("<think>"))
+            elif thinking is False:
+                ids += [sp("<think>"), sp("</think>")]
+        return ids
+
+
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))
+
+
+def _split_long_runs(text: str):
+    """Cut `text` after every 25k characters of one unbroken (non-)whitespace run, as the reference does."""
+    pos = 0
+    for m in _LONG_RUN.finditer(text):
+        for cut in range(m.start() + _MAX_RUN_CHARS, m.end(), _MAX_RUN_CHARS):
+            yield text[pos:cut]
+            pos = cut
+    yield text[pos:]
