@@ -45,10 +45,12 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Int4Experts(nn.Module):
-    """Experts stacked over E in the compressed-tensors layout: packed int32 along the input dim."""
+    """Experts stacked over E in the compressed-tensors layout: packed int32 along the input dim.
+    Scales stay bf16 whatever the activation dtype: the checkpoint's weights are bf16(q·s)."""
 
-    def __init__(self, E: int, D: int, inter: int, dtype: torch.dtype, group: int):
+    def __init__(self, E: int, D: int, inter: int, group: int):
         super().__init__()
+        dtype = torch.bfloat16
         self.gate_packed = _param(E, inter, D // 8, dtype=torch.int32)
         self.gate_scale = _param(E, inter, D // group, dtype=dtype)
         self.up_packed = _param(E, inter, D // 8, dtype=torch.int32)
@@ -91,7 +93,7 @@ class MoE(nn.Module):
             )
         self.gate = Router(cfg, dtype)
         if cfg.quant.int4:
-            self.experts: nn.Module = Int4Experts(E, D, inter, dtype, cfg.quant.group_size)
+            self.experts: nn.Module = Int4Experts(E, D, inter, cfg.quant.group_size)
         else:
             self.experts = DenseExperts(E, D, inter, dtype)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts

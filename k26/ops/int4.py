@@ -30,11 +30,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W[o, i] = q[o, i] * s[o, i // group], one rounding to `dtype` (exact in fp32 for bf16 scales)."""
+    """W[o, i] = q[o, i] * s[o, i // group], rounded once to the scale's dtype as compressed-tensors
+    decompresses it (bf16 for Kimi), then widened to `dtype` if asked (a float32 model sees bf16 weights)."""
     q = unpack_int4(packed).to(torch.float32)
     group = q.shape[-1] // scale.shape[-1]
     s = scale.to(torch.float32).repeat_interleave(group, dim=-1)
-    return (q * s).to(dtype)
+    return (q * s).to(scale.dtype).to(dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

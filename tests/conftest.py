@@ -1,0 +1,31 @@
+import pytest
+import torch
+from k26.tiny import write_tiny_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu" in item.keywords and n < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "multigpu" in item.keywords and n < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA devices"))
+
+
+@pytest.fixture(scope="session")
+def tiny_k25(tmp_path_factory):
+    """K2.5/K2.6 layout: kimi_k25 + text_config, language_model. prefix, int4 experts, 3 shards."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("k25"), flavour="k25", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_k2(tmp_path_factory):
+    """K2-Thinking layout, with group-limited routing switched on to exercise that path."""
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("k2"), flavour="k2-thinking", seed=2, n_group=4, topk_group=2, shards=2
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), flavour="k25", quant="none", seed=3, shards=1)
