@@ -106,6 +106,23 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
+    def check_tp(self, world: int) -> None:
+        """Every dimension TP splits must divide by `world`, and int4 groups must stay whole."""
+        if not isinstance(world, int) or world < 1:
+            raise ConfigError(f"tensor-parallel size {world!r}: expected a positive integer")
+        bad = [
+            f"{name}={getattr(self, name)}"
+            for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size", "vocab_size")
+            if getattr(self, name) % world
+        ]
+        if self.quant.int4 and not bad and (self.moe_intermediate_size // world) % self.quant.group_size:
+            bad.append(
+                f"moe_intermediate_size={self.moe_intermediate_size} (/{world} splits an int4 group of "
+                f"{self.quant.group_size})"
+            )
+        if bad:
+            raise ConfigError(f"tensor-parallel size {world} does not divide {', '.join(bad)}")
+
     def replace(self, **changes: Any) -> ModelConfig:
         from dataclasses import replace
 

@@ -40,6 +40,7 @@ class DecoderLayer(nn.Module):
 class KimiK2(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TPInfo = TPInfo()):
         super().__init__()
+        cfg.check_tp(tp.size)
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_hidden_layers))

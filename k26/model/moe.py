@@ -86,11 +86,6 @@ class MoE(nn.Module):
         self.tp = tp
         inter = tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
         E, D = cfg.n_routed_experts, cfg.hidden_size
-        if cfg.quant.int4 and inter % cfg.quant.group_size:
-            raise ValueError(
-                f"moe_intermediate_size={cfg.moe_intermediate_size} / TP {tp.size} = {inter} splits an int4 "
-                f"group of {cfg.quant.group_size}; use a TP size that keeps groups whole"
-            )
         self.gate = Router(cfg, dtype)
         if cfg.quant.int4:
             self.experts: nn.Module = Int4Experts(E, D, inter, cfg.quant.group_size)

@@ -1,0 +1,127 @@
+"""The public API: LLM.score / LLM.generate / SamplingParams / the CLI, and every bad input."""
+
+import pytest
+import torch
+
+import k26
+from k26 import LLM, SamplingParams
+from k26.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_k25):
+    return LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_model_len=64, max_batch=2)
+
+
+def test_greedy_generate_follows_score_argmax(llm):
+    prompt = [5, 17, 300, 42, 9]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=[]))[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    seq = list(prompt)
+    for t in out.token_ids:
+        assert t == int(llm.score(seq)[-1].argmax())
+        seq.append(t)
+
+
+def test_batch_of_prompts_equals_one_by_one(llm):
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], "hello world", [40, 41]]  # 4 prompts > max_batch 2
+    sp = SamplingParams(max_tokens=5, stop_token_ids=[])
+    together = llm.generate(prompts, sp)
+    alone = [llm.generate(p, sp)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert together[2].prompt_token_ids == llm.tokenizer.encode("hello world")
+
+
+def test_stop_token_ends_generation(llm):
+    prompt = [5, 17, 300, 42, 9]
+    first = llm.generate(prompt, SamplingParams(max_tokens=3, stop_token_ids=[]))[0].token_ids
+    out = llm.generate(prompt, SamplingParams(max_tokens=10, stop_token_ids=[first[1]]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == first[:1]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=8, seed=7, stop_token_ids=[])
+    a, b = llm.generate([3, 4, 5], sp)[0], llm.generate([3, 4, 5], sp)[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_context_end_finishes_with_length(llm):
+    out = llm.generate(list(range(1, 60)), SamplingParams(max_tokens=50, stop_token_ids=[]))[0]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 64
+
+
+def test_max_tokens_zero(llm):
+    out = llm.generate([1, 2], SamplingParams(max_tokens=0))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+
+
+def test_top_k_one_is_greedy(llm):
+    g = llm.generate([9, 9, 9], SamplingParams(max_tokens=4, stop_token_ids=[]))[0].token_ids
+    s = llm.generate([9, 9, 9], SamplingParams(temperature=0.7, top_k=1, max_tokens=4, seed=1, stop_token_ids=[]))[0]
+    assert s.token_ids == g
+
+
+@pytest.mark.parametrize(
+    "prompt,needle",
+    [
+        (list(range(64)), "prompt 0 has 64 tokens; the context holds 64"),
+        ([1, 2, 640], "token id 640 at position 2 is outside the vocabulary [0, 640)"),
+        ([1, -3], "token id -3 at position 1"),
+        ([], "prompts is empty"),
+        ([[]], "prompt 0 is empty"),
+    ],
+)
+def test_bad_prompts(llm, prompt, needle):
+    with pytest.raises(ValueError) as e:
+        llm.generate(prompt)
+    assert needle in str(e.value)
+
+
+def test_bad_prompt_type(llm):
+    with pytest.raises(TypeError, match="prompt 0 is a dict"):
+        llm.generate([{"text": "x"}])
+
+
+def test_score_checks_ids(llm):
+    with pytest.raises(ValueError, match="token_ids: token id 10000"):
+        llm.score([1, 10000])
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(max_tokens=-1), "max_tokens=-1"),
+        (dict(temperature=-0.5), "temperature=-0.5"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(top_k=-2), "top_k=-2"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[")):
+        SamplingParams(**kwargs)
+
+
+def test_bad_constructor_args(tiny_k25):
+    with pytest.raises(ValueError, match="tp=0"):
+        LLM(tiny_k25, tp=0)
+    with pytest.raises(ValueError, match="max_model_len=5000"):
+        LLM(tiny_k25, device="cpu", max_model_len=5000, progress=False)
+
+
+def test_cli_generate_prints_text(tiny_k25, capsys):
+    assert main(["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "5", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "5 tokens" in captured.err or "finish_reason=stop" in captured.err
+    assert captured.out.strip() != "" or "finish_reason=stop" in captured.err
+
+
+def test_cli_reports_bad_input(tiny_k25, capsys):
+    assert main(["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "-1", "--device", "cpu"]) == 2
+    assert "max_tokens=-1" in capsys.readouterr().err
+
+
+def test_public_names():
+    for name in ("LLM", "SamplingParams", "RequestOutput"):
+        assert hasattr(k26, name)
