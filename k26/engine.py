@@ -26,7 +26,7 @@ Prompt = str | Sequence[int]
 class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # generated, without the stop token
-    text: str = ""
+    text: str = ""  # decoded token_ids, special tokens left out
     finish_reason: str | None = None  # "stop" | "length"
 
 
@@ -168,5 +168,5 @@ class LLM:
             alive[live] = 1
             lens = lens + alive.to(dev)
         for o in outs:
-            o.text = self.tokenizer.decode(o.token_ids)
+            o.text = self.tokenizer.decode(o.token_ids, skip_special=True)
         return outs

@@ -83,7 +83,9 @@ class Tokenizer:
                 ids.extend(self.enc.encode_ordinary(piece))
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        if skip_special:
+            ids = [i for i in ids if i < self.num_base]
         return self.enc.decode(ids, errors="replace")
 
     def decode_bytes(self, ids: list[int]) -> bytes:
