@@ -42,6 +42,7 @@ class LLM:
         max_batch: int = 8,
         absorb: bool = True,
         progress: bool = True,
+        cuda_kernels: bool = True,
     ):
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp={tp!r}: expected a positive integer")
@@ -68,7 +69,9 @@ class LLM:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: expected a positive integer")
         self.absorb = absorb
-        self.model: KimiK2 = load_model(self.path, self.config, device=self.device, dtype=self.dtype, progress=progress)
+        self.model: KimiK2 = load_model(
+            self.path, self.config, device=self.device, dtype=self.dtype, progress=progress, cuda_kernels=cuda_kernels
+        )
         self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
 
     # -- inputs --------------------------------------------------------------------------------

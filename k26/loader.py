@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +180,7 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     tp: TPInfo = TPInfo(),
     progress: bool = True,
+    cuda_kernels: bool = True,
 ) -> KimiK2:
     path = Path(path)
     cfg = cfg or ModelConfig.from_dir(path)
@@ -209,4 +211,22 @@ def load_model(
                 bar.update()
     bar.close()
     model.rope.reset_buffers()
+    if cuda_kernels and torch.device(device).type == "cuda":
+        use_cuda_kernels(model)
     return model.eval()
+
+
+def use_cuda_kernels(model: KimiK2) -> None:
+    """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time)."""
+    from .model.moe import Int4Experts
+    from .ops import build
+
+    experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
+    if not experts:
+        return
+    if not build.available():
+        warnings.warn("k26: CUDA kernels unavailable (no nvcc and no prebuilt library); int4 experts run the slow "
+                      "pure-torch reference", stacklevel=3)
+        return
+    for m in experts:
+        m.repack_()

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference
+from ..ops.moe_cuda import repack_experts
 from .layers import MLP, TPInfo
 
 
@@ -58,7 +59,22 @@ class Int4Experts(nn.Module):
         self.down_packed = _param(E, D, inter // 8, dtype=torch.int32)
         self.down_scale = _param(E, D, inter // group, dtype=dtype)
 
+        self.repacked = False
+
+    @torch.no_grad()
+    def repack_(self) -> None:
+        """Swap the checkpoint layout for the CUDA kernel's (csrc/moe_w4a16.cu), once, after loading."""
+        w13, s13, w2, s2 = repack_experts(
+            self.gate_packed, self.gate_scale, self.up_packed, self.up_scale, self.down_packed, self.down_scale
+        )
+        for name in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"):
+            delattr(self, name)
+        self.w13, self.s13, self.w2, self.s2 = (nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2))
+        self.repacked = True
+
     def forward(self, x_TD, ids_TK, w_TK):
+        if self.repacked:
+            return torch.ops.k26.moe_w4a16_repacked(x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK)
         return torch.ops.k26.moe_w4a16(
             x_TD, self.gate_packed, self.gate_scale, self.up_packed, self.up_scale,
             self.down_packed, self.down_scale, ids_TK, w_TK,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import moe_cuda, reference
 from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from .reference import causal_words, tree_mask_to_words, words_to_tree_mask
 
@@ -71,4 +71,4 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 
 
-OPS = ("moe_w4a16", "mla_write_cache", "mla_tree_attention")
+OPS = ("moe_w4a16", "moe_w4a16_repacked", "mla_write_cache", "mla_tree_attention")

@@ -1,0 +1,370 @@
+// Fused INT4 mixture of experts (W4A16, symmetric group 32) for Kimi K2.6.
+//
+//   out[t] = bf16( sum_k w[t,k] * bf16(down_e( bf16(silu(bf16 gate_e(x_t))) * bf16(up_e(x_t)) )) ),  e = ids[t,k]
+//
+// Four launches, all on the caller's stream, no host sync (CUDA-graph capturable):
+//   1. route:   one block groups the (token, k) pairs by expert, pads each expert's list to groups of
+//               8*NT tokens and writes the group table and its length to the device.
+//   2. gemm13:  per (expert group, 16-row tile pair): gate and up rows interleaved in one 16-row tile,
+//               so each lane holds gate and up of the same feature and applies silu(g)*u in registers.
+//               The K = hidden reduction is split over the 8 warps of a block and summed in shared memory.
+//   3. gemm2:   per (expert group, 16-row tile): the down projection, one warp per tile over all of K;
+//               writes each pair's bf16 expert output (the reference's per-expert rounding point).
+//   4. combine: out[t] = bf16(sum_k w[t,k] * y[t,k]) in a fixed order: deterministic, no atomics.
+//
+// "Swap AB": the weights are the mma A operand (16 output features per tile) and the few tokens per
+// expert are the n = 8 columns, so small batches waste no weight bandwidth. Weight layout (repacked
+// once at load by k26/ops/moe_cuda.py): per (expert, 16-row tile, 64-wide k chunk) 32 lanes x 16 B;
+// lane (g = lane/4, t = lane%4) holds rows g and g+8 at k in [16t, 16t+16) as 4 words, word j being the
+// m16n8k16 A fragment of k-step j with nibbles ordered [0,2,4,6,1,3,5,7]-style for lop3 extraction.
+// The k index of mma step j is permuted (lane t owns 16 consecutive k) so the B fragment of a lane is
+// 32 contiguous activation bytes: two 16-byte loads, no shuffles, no ldmatrix needed for B.
+// Dequant: (nibble | 0x4300) is bf16 128+u; minus 136 gives q exactly; one bf16 multiply by the scale
+// rounds once, bit-identical to compressed-tensors' bf16(q*s).
+//
+// Legality: warp-level mma.sync.m16n8k16 bf16 only (no wgmma / tcgen05 / TMA), at most 32 KB static
+// shared memory per block: legal on sm_120 (99 KB limit) and sm_90; built for sm_90a and sm_120a.
+// Speed and its benchmark: profiling/bench_moe.py, results in profiling/results/.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define K26_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int kRouteThreads = 1024;
+
+__device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t mask, uint32_t ex) {
+  uint32_t r;  // (a & mask) | ex in one instruction
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(ex));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 as_bf2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// One packed word -> the 4 A-fragment registers of one k-step, scaled by rows g (lo) and g+8 (hi).
+__device__ __forceinline__ void dequant(uint32_t w, uint32_t s_pair, uint32_t a[4]) {
+  const __nv_bfloat162 s2 = as_bf2(s_pair);
+  const __nv_bfloat162 s_lo = __bfloat162bfloat162(__low2bfloat16(s2));
+  const __nv_bfloat162 s_hi = __bfloat162bfloat162(__high2bfloat16(s2));
+  const __nv_bfloat162 bias = as_bf2(0x43084308u);  // 136.0: (128 + u) - 136 = u - 8 = q
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 v = __hsub2(as_bf2(lop_and_or(w >> (4 * i), 0x000f000fu, 0x43004300u)), bias);
+    a[i] = as_u32(__hmul2(v, (i & 1) ? s_hi : s_lo));
+  }
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// ---------------------------------------------------------------------------------------------
+// 1. Routing: group pairs by expert. Pairs with an id outside [0, E) are dropped (never read).
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(
+    const int64_t* __restrict__ ids, int P, int E, int group_tokens, int max_groups, int* __restrict__ sorted,
+    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups) {
+  extern __shared__ int sm[];
+  int* count = sm;           // [E]
+  int* cursor = sm + E;      // [E] pair offset of each expert, then a running cursor
+  int* gcursor = sm + 2 * E; // [E] first group of each expert
+  __shared__ int warp_tot[2][kRouteThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int p = tid; p < P; p += blockDim.x) {
+    const int64_t e = ids[p];
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  // Exclusive scans of pair counts and group counts, in chunks of blockDim experts.
+  int base_pairs = 0, base_groups = 0;
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + tid;
+    const int c = e < E ? count[e] : 0;
+    const int g = (c + group_tokens - 1) / group_tokens;
+    int ic = c, ig = g;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int vc = __shfl_up_sync(0xffffffffu, ic, o), vg = __shfl_up_sync(0xffffffffu, ig, o);
+      if (lane >= o) ic += vc, ig += vg;
+    }
+    if (lane == 31) warp_tot[0][warp] = ic, warp_tot[1][warp] = ig;
+    __syncthreads();
+    int wc = 0, wg = 0, tc = 0, tg = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+      if (w < warp) wc += warp_tot[0][w], wg += warp_tot[1][w];
+      tc += warp_tot[0][w], tg += warp_tot[1][w];
+    }
+    if (e < E) {
+      cursor[e] = base_pairs + wc + ic - c;
+      gcursor[e] = base_groups + wg + ig - g;
+    }
+    base_pairs += tc, base_groups += tg;
+    __syncthreads();
+  }
+  const int total_groups = min(base_groups, max_groups);
+  if (tid == 0) *num_groups = total_groups;
+  for (int e = tid; e < E; e += blockDim.x) {
+    const int c = count[e];
+    for (int j = 0; j * group_tokens < c; ++j) {
+      const int gi = gcursor[e] + j;
+      if (gi < max_groups) {
+        grp_expert[gi] = e;
+        grp_start[gi] = cursor[e] + j * group_tokens;
+        grp_len[gi] = min(group_tokens, c - j * group_tokens);
+      }
+    }
+  }
+  __syncthreads();
+  for (int p = tid; p < P; p += blockDim.x) {
+    const int64_t e = ids[p];
+    if (e >= 0 && e < E) sorted[atomicAdd(&cursor[e], 1)] = p;  // order within an expert is irrelevant
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2./3. Grouped swap-AB GEMM over one expert group per blockIdx.y.
+//   RT: 16-row tiles per warp (B fragments reused across them); NT: 8-token column tiles;
+//   WK: warps splitting K (reduced in shared memory); WM: warps on different row tiles.
+//   GATED: gate/up interleaved tiles -> act[slot, I] bf16; else down -> y[pair, D] bf16.
+template <int RT, int NT, int WK, int WM, bool GATED>
+__global__ void __launch_bounds__(32 * WK * WM) gemm_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
+    int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
+    const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
+    __nv_bfloat16* __restrict__ out, int out_ld) {
+  const int grp = blockIdx.y;
+  if (grp >= *num_groups) return;
+  const int e = grp_expert[grp], start = grp_start[grp], len = grp_len[grp];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wk = warp % WK, wm = warp / WK;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile0 = (blockIdx.x * WM + wm) * RT;
+  const bool active = tile0 < n_tiles;  // n_tiles is a multiple of RT
+  const int KC = K >> 6;
+
+  // Activation row of the token in column g of each n-tile (nullptr: padding column, contributes 0).
+  const uint4* brow[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int n = nt * 8 + g;
+    brow[nt] = nullptr;
+    if (n < len) {
+      const int slot = start + n;
+      const size_t row = GATED ? (size_t)(sorted[slot] / topk) : (size_t)slot;
+      brow[nt] = reinterpret_cast<const uint4*>(x + row * K) + 2 * t;
+    }
+  }
+
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.f;
+
+  if (active) {
+    const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
+    const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
+    constexpr int U = NT <= 1 ? 4 : 2;  // chunks in flight per warp
+    for (int c0 = c_begin; c0 < c_end; c0 += U) {
+      uint4 wv[U][RT];
+      uint32_t sv[U][RT];
+      uint4 bv[U][NT][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u;
+        if (c < c_end) {
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            const size_t idx = (tile_base + (size_t)r * KC + c) * 32 + lane;
+            wv[u][r] = __ldcs(w + idx);  // streamed once: evict-first, keep L2 for activations
+            sv[u][r] = __ldg(s + idx);
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if (brow[nt] != nullptr) {
+              bv[u][nt][0] = __ldg(brow[nt] + c * 8);
+              bv[u][nt][1] = __ldg(brow[nt] + c * 8 + 1);
+            } else {
+              bv[u][nt][0] = make_uint4(0, 0, 0, 0);
+              bv[u][nt][1] = make_uint4(0, 0, 0, 0);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (c0 + u < c_end) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+              const uint32_t word = j == 0 ? wv[u][r].x : j == 1 ? wv[u][r].y : j == 2 ? wv[u][r].z : wv[u][r].w;
+              uint32_t a[4];
+              dequant(word, sv[u][r], a);
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                const uint4 b = bv[u][nt][j >> 1];
+                const uint32_t b0 = (j & 1) ? b.z : b.x, b1 = (j & 1) ? b.w : b.y;
+                mma_bf16(acc[r][nt], a, b0, b1);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  if constexpr (WK > 1) {
+    __shared__ float red[WM][WK][RT * NT * 4][32];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[wm][wk][(r * NT + nt) * 4 + i][lane] = acc[r][nt][i];
+    __syncthreads();
+    if (wk != 0) return;
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float v = 0.f;
+#pragma unroll
+          for (int q = 0; q < WK; ++q) v += red[wm][q][(r * NT + nt) * 4 + i][lane];
+          acc[r][nt][i] = v;
+        }
+  }
+  if (!active) return;
+
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // token columns 2t and 2t+1
+        const int n = nt * 8 + 2 * t + h;
+        if (n >= len) continue;
+        if constexpr (GATED) {
+          // Rows g / g+8 of the tile are gate / up of feature (tile*8 + g); reference rounding points.
+          const float gate = bf16_round(acc[r][nt][h]), up = bf16_round(acc[r][nt][2 + h]);
+          const float act = bf16_round(gate / (1.f + __expf(-gate)));
+          out[(size_t)(start + n) * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
+        } else {
+          const size_t row = (size_t)sorted[start + n] * out_ld + (tile0 + r) * 16 + g;
+          out[row] = __float2bfloat16(acc[r][nt][h]);
+          out[row + 8] = __float2bfloat16(acc[r][nt][2 + h]);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. out[t, d] = bf16(sum_k w[t,k] * y[t*topk + k, d]) over valid experts, k in order.
+__global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float* __restrict__ topw,
+                               const int64_t* __restrict__ ids, int E, int topk, int D, __nv_bfloat16* __restrict__ out) {
+  const int tok = blockIdx.y;
+  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (d >= D) return;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k = 0; k < topk; ++k) {
+    const int64_t e = ids[tok * topk + k];
+    if (e < 0 || e >= E) continue;
+    const float wk = topw[tok * topk + k];
+    const uint4 v = *reinterpret_cast<const uint4*>(y + ((size_t)tok * topk + k) * D + d);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += wk * f.x;
+      acc[2 * i + 1] += wk * f.y;
+    }
+  }
+  uint4 o;
+  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  *reinterpret_cast<uint4*>(out + (size_t)tok * D + d) = o;
+}
+
+struct Workspace {
+  int *sorted, *grp_expert, *grp_start, *grp_len, *num_groups;
+  __nv_bfloat16 *act, *y;
+};
+
+size_t align_up(size_t v) { return (v + 255) & ~size_t(255); }
+
+size_t carve(void* base, int M, int D, int I, int E, int topk, int nt, Workspace* ws) {
+  const size_t P = (size_t)M * topk, G = (size_t)(P < (size_t)E ? P : E) + P / (8 * nt) + 1;
+  size_t off = 0;
+  char* b = static_cast<char*>(base);
+  auto take = [&](size_t bytes) { char* p = b ? b + off : nullptr; off += align_up(bytes); return p; };
+  int* sorted = (int*)take(P * 4);
+  int* ge = (int*)take(G * 4);
+  int* gs = (int*)take(G * 4);
+  int* gl = (int*)take(G * 4);
+  int* ng = (int*)take(4);
+  __nv_bfloat16* act = (__nv_bfloat16*)take(P * I * 2);
+  __nv_bfloat16* y = (__nv_bfloat16*)take(P * D * 2);
+  if (ws) *ws = Workspace{sorted, ge, gs, gl, ng, act, y};
+  return off;
+}
+
+template <int NT>
+cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
+                   const float* topw, void* out, void* ws_base, int M, int D, int I, int E, int topk, cudaStream_t st) {
+  Workspace ws;
+  carve(ws_base, M, D, I, E, topk, NT, &ws);
+  const int P = M * topk, G = (P < E ? P : E) + P / (8 * NT) + 1;
+  route_kernel<<<1, kRouteThreads, 3 * E * sizeof(int), st>>>(ids, P, E, 8 * NT, G, ws.sorted, ws.grp_expert,
+                                                              ws.grp_start, ws.grp_len, ws.num_groups);
+  // gate/up: I/8 interleaved tiles, 2 per block (1 at NT = 4, for registers), K = D split over 8 warps.
+  constexpr int RT1 = NT >= 4 ? 1 : 2, WK1 = 8;
+  const int tiles13 = I / 8;
+  gemm_kernel<RT1, NT, WK1, 1, true><<<dim3(tiles13 / RT1, G), 32 * WK1, 0, st>>>(
+      (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk, ws.sorted, ws.grp_expert,
+      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I);
+  // down: D/16 tiles, one per warp, 8 warps per block, K = I.
+  constexpr int WM2 = 8;
+  const int tiles2 = D / 16;
+  gemm_kernel<1, NT, 1, WM2, false><<<dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2, 0, st>>>(
+      ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk, ws.sorted, ws.grp_expert, ws.grp_start,
+      ws.grp_len, ws.num_groups, ws.y, D);
+  const int threads = 128;
+  combine_kernel<<<dim3((D / 8 + threads - 1) / threads, M), threads, 0, st>>>(ws.y, topw, ids, E, topk, D,
+                                                                               (__nv_bfloat16*)out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+K26_EXPORT size_t k26_moe_w4a16_workspace(int M, int D, int I, int E, int topk, int nt) {
+  return carve(nullptr, M, D, I, E, topk, nt, nullptr);
+}
+
+// Returns a cudaError_t (0 = success). Shapes are validated by the Python front door.
+K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
+                             const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
+                             int E, int topk, int nt, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (nt) {
+    case 1: return launch<1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
+    case 2: return launch<2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
+    case 4: return launch<4>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}

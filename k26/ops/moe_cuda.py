@@ -1,0 +1,173 @@
+"""Front door of the fused INT4 MoE kernel: the load-time repack, `torch.ops.k26.moe_w4a16_repacked`
+(CUDA kernel on GPU, the pure-torch reference elsewhere), and input checks before any launch.
+
+Repacked layout (see csrc/moe_w4a16.cu): per expert, 16-row tiles x 64-wide k chunks x 32 lanes x 4
+int32 words, each lane's 16 bytes being exactly its mma A fragments for four k-steps; scales one bf16
+pair (rows g, g+8) per lane per chunk. gate/up share tiles: rows 0..7 gate, rows 8..15 up of the same
+8 features, so silu(gate)·up happens in the GEMM's registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .int4 import unpack_int4
+from .reference import moe_combine
+
+# Lane (g, t), word j, pair i, half h -> row in tile and k in chunk (csrc/moe_w4a16.cu header).
+_g, _t, _j, _i, _h = torch.meshgrid(*(torch.arange(n) for n in (8, 4, 4, 4, 2)), indexing="ij")
+_ROW = _g + 8 * (_i % 2)
+_K = 16 * _t + 4 * _j + 2 * (_i // 2) + _h
+_SHIFT = (4 * (torch.arange(4)[:, None] + 4 * torch.arange(2)[None, :])).long()  # [i, h]
+
+
+def w13_row_order(inter: int) -> torch.Tensor:
+    """Row r of the stacked [gate; up] matrix that tile row (rt, r16) holds."""
+    rt = torch.arange(inter // 8)[:, None]
+    r = torch.arange(16)[None, :]
+    return torch.where(r < 8, 8 * rt + r, inter + 8 * rt + r - 8).flatten()
+
+
+def _to_i32(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def repack(packed: torch.Tensor, scale: torch.Tensor, row_order: torch.Tensor | None = None):
+    """compressed-tensors [E, R, K/8] int32 + [E, R, K/32] bf16 -> kernel layout (words, scale pairs)."""
+    E, R, K8 = packed.shape
+    K = K8 * 8
+    if R % 16 or K % 64:
+        raise ValueError(f"repack: rows {R} must be a multiple of 16 and K {K} of 64")
+    dev = packed.device
+    words, pairs = [], []
+    for e in range(E):  # one expert at a time keeps the int64 temporaries small
+        u = (unpack_int4(packed[e]).to(torch.int64) + 8)
+        s = scale[e]
+        if row_order is not None:
+            u, s = u[row_order.to(dev)], s[row_order.to(dev)]
+        tiles = u.view(R // 16, 16, K // 64, 64).permute(0, 2, 1, 3)  # [RT, KC, 16, 64]
+        sel = tiles[..., _ROW.to(dev), _K.to(dev)]  # [RT, KC, 8, 4, 4, 4, 2]
+        w = (sel << _SHIFT.to(dev)).sum((-1, -2))  # [RT, KC, g, t, j]
+        words.append(_to_i32(w).reshape(R // 16, K // 64, 32, 4))
+        sg = s.view(R // 16, 16, K // 64, 2).permute(0, 2, 1, 3)  # [RT, KC, 16 rows, 2 groups]
+        grp = (torch.arange(4, device=dev) // 2)  # lane t reads group t // 2 of the chunk
+        lo, hi = sg[:, :, :8][..., grp], sg[:, :, 8:][..., grp]  # [RT, KC, g, t]
+        pairs.append(torch.stack([lo, hi], dim=-1).reshape(R // 16, K // 64, 32, 2))
+    return torch.stack(words), torch.stack(pairs).to(torch.bfloat16)
+
+
+def unrepack(words: torch.Tensor, pairs: torch.Tensor, row_order: torch.Tensor | None = None):
+    """Inverse of `repack`: int8 codes [E, R, K] and bf16 scales [E, R, K/32]."""
+    E, RT, KC = words.shape[:3]
+    dev = words.device
+    nib = (words.view(E, RT, KC, 8, 4, 4)[..., None, None].long() >> _SHIFT.to(dev)) & 0xF
+    tiles = torch.empty(E, RT, KC, 16, 64, dtype=torch.int64, device=dev)
+    tiles[..., _ROW.to(dev), _K.to(dev)] = nib
+    q = (tiles.permute(0, 1, 3, 2, 4).reshape(E, RT * 16, KC * 64) - 8).to(torch.int8)
+    p = pairs.view(E, RT, KC, 8, 4, 2)[:, :, :, :, ::2]  # t = 0 and 2 carry groups 0 and 1
+    s = torch.cat([p[..., 0], p[..., 1]], dim=3)  # [E, RT, KC, 16 rows, 2 groups]
+    s = s.permute(0, 1, 3, 2, 4).reshape(E, RT * 16, KC * 2)
+    if row_order is not None:
+        inv = torch.argsort(row_order.to(dev))
+        q, s = q[:, inv], s[:, inv]
+    return q, s
+
+
+def repack_experts(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale):
+    inter = gate_packed.shape[1]
+    w13, s13 = repack(torch.cat([gate_packed, up_packed], 1), torch.cat([gate_scale, up_scale], 1), w13_row_order(inter))
+    w2, s2 = repack(down_packed, down_scale)
+    return w13, s13, w2, s2
+
+
+def _reference(x, w13, s13, w2, s2, topk_ids, topk_weights):
+    """Unrepack only the experts the batch touches, then the plain per-expert reference."""
+    inter = w13.shape[1] * 8
+    order = w13_row_order(inter)
+
+    def deq(q, s):
+        return (q.float() * s.float().repeat_interleave(32, -1)).to(s.dtype).to(x.dtype)
+
+    def weights(e: int):
+        q13, sc13 = unrepack(w13[e : e + 1], s13[e : e + 1], order)
+        q2, sc2 = unrepack(w2[e : e + 1], s2[e : e + 1])
+        w = deq(q13[0], sc13[0])
+        return w[:inter], w[inter:], deq(q2[0], sc2[0])
+
+    return moe_combine(x, topk_ids, topk_weights, weights)
+
+
+@torch.library.custom_op("k26::moe_w4a16_repacked", mutates_args=())
+def moe_w4a16_repacked(
+    x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights)
+
+
+@moe_w4a16_repacked.register_fake
+def _(x, w13, s13, w2, s2, topk_ids, topk_weights):
+    return x.new_empty(x.shape[0], w13.shape[2] * 64)
+
+
+def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights) -> tuple[int, int, int, int, int]:
+    """Every shape/dtype/device problem as a ValueError naming the argument, before any launch."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"moe_w4a16_repacked: {msg}")
+
+    need(x.dim() == 2 and x.dtype == torch.bfloat16, f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}")
+    M, D = x.shape
+    need(w13.dim() == 5 and w13.dtype == torch.int32 and w13.shape[3:] == (32, 4),
+         f"w13 must be int32 [E, I/8, D/64, 32, 4], got {w13.dtype} {list(w13.shape)}")
+    E, I = w13.shape[0], w13.shape[1] * 8
+    need(D % 64 == 0 and I % 64 == 0, f"hidden D={D} and intermediate I={I} must be multiples of 64")
+    need(w13.shape[2] * 64 == D, f"w13 holds D={w13.shape[2] * 64} but x has D={D}")
+    need(s13.shape == (E, I // 8, D // 64, 32, 2) and s13.dtype == torch.bfloat16,
+         f"s13 must be bf16 {[E, I // 8, D // 64, 32, 2]}, got {s13.dtype} {list(s13.shape)}")
+    need(w2.shape == (E, D // 16, I // 64, 32, 4) and w2.dtype == torch.int32,
+         f"w2 must be int32 {[E, D // 16, I // 64, 32, 4]}, got {w2.dtype} {list(w2.shape)}")
+    need(s2.shape == (E, D // 16, I // 64, 32, 2) and s2.dtype == torch.bfloat16,
+         f"s2 must be bf16 {[E, D // 16, I // 64, 32, 2]}, got {s2.dtype} {list(s2.shape)}")
+    need(topk_ids.dim() == 2 and topk_ids.shape[0] == M and not topk_ids.is_floating_point(),
+         f"topk_ids must be integer [M={M}, topk], got {topk_ids.dtype} {list(topk_ids.shape)}")
+    need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
+         f"topk_weights must be float {list(topk_ids.shape)}, got {topk_weights.dtype} {list(topk_weights.shape)}")
+    for name, t in (("x", x), ("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2), ("topk_ids", topk_ids),
+                    ("topk_weights", topk_weights)):
+        need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
+        need(t.is_contiguous(), f"{name} must be contiguous")
+    return M, D, I, E, topk_ids.shape[1]
+
+
+def pick_nt(pairs: int, experts: int) -> int:
+    """Token columns per expert group (8 per mma n-tile): wider only when experts see many tokens."""
+    per_expert = pairs / experts
+    return 1 if per_expert < 4 else 2 if per_expert < 12 else 4
+
+
+@moe_w4a16_repacked.register_kernel("cuda")
+def _(x, w13, s13, w2, s2, topk_ids, topk_weights):
+    from .build import library
+
+    M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights)
+    out = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
+    if M == 0:
+        return out
+    ids = topk_ids.to(torch.int64).contiguous()
+    if not torch.cuda.is_current_stream_capturing():
+        # The kernel drops out-of-range ids safely; outside capture we can afford to say so loudly.
+        bad = (ids < 0) | (ids >= E)
+        if bool(bad.any()):
+            raise ValueError(f"moe_w4a16_repacked: topk_ids holds {ids[bad][0].item()}, outside [0, {E})")
+    w = topk_weights.to(torch.float32).contiguous()
+    lib = library()
+    nt = pick_nt(M * topk, E)
+    ws = torch.empty(lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt), dtype=torch.uint8, device=x.device)
+    err = lib.k26_moe_w4a16(
+        x.data_ptr(), w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr(), ids.data_ptr(), w.data_ptr(),
+        out.data_ptr(), ws.data_ptr(), M, D, I, E, topk, nt, torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    if err:
+        raise RuntimeError(f"moe_w4a16_repacked: CUDA launch failed with error {err}")
+    return out

@@ -1,0 +1,114 @@
+"""The fused INT4 MoE CUDA kernel against the pure-torch reference, on fresh random data."""
+
+import pytest
+import torch
+
+from k26.ops.moe_cuda import _reference
+
+pytestmark = pytest.mark.gpu
+
+
+def poison_allocator(nbytes=1 << 28):
+    """Leave NaN in the caching allocator's free blocks: any output element the kernel forgets shows up."""
+    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+
+
+def random_repacked(E, D, inter, gen):
+    """Random nibbles are random in any layout: draw the kernel layout directly."""
+    def words(*shape):
+        return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32, device="cuda")
+
+    def scales(*shape):
+        return (torch.rand(*shape, generator=gen, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
+
+    return (words(E, inter // 8, D // 64, 32, 4), scales(E, inter // 8, D // 64, 32, 2),
+            words(E, D // 16, inter // 64, 32, 4), scales(E, D // 16, inter // 64, 32, 2))
+
+
+def routing(kind, M, E, K, gen):
+    if kind == "uniform":
+        return torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(M)])
+    if kind == "hot":  # expert 0 in every token's set
+        ids = torch.stack([torch.randperm(E - 1, generator=gen, device="cuda")[: K - 1] + 1 for _ in range(M)])
+        return torch.cat([torch.zeros(M, 1, dtype=torch.long, device="cuda"), ids], 1)
+    if kind == "same":  # every token to the same experts
+        return torch.randperm(E, generator=gen, device="cuda")[:K].expand(M, K).contiguous()
+    if kind == "each_once":  # M*K == E: every expert exactly once
+        return torch.randperm(E, generator=gen, device="cuda").view(M, K)
+    raise ValueError(kind)
+
+
+def check(E, K, D, inter, M, kind, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = random_repacked(E, D, inter, gen)
+    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = routing(kind, M, E, K, gen)
+    tw = torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    ref = _reference(x, *w, ids, tw).float()
+    poison_allocator()
+    got = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw).float()
+    assert torch.isfinite(got).all()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 33, 64, 128, 257, 512])
+def test_uniform_routing_many_batch_sizes(M):
+    check(E=64, K=8, D=512, inter=256, M=M, kind="uniform", seed=M)
+
+
+@pytest.mark.parametrize("kind", ["hot", "same"])
+@pytest.mark.parametrize("M", [1, 16, 200])
+def test_uneven_routing(kind, M):
+    check(E=32, K=4, D=256, inter=128, M=M, kind=kind, seed=7 + M)
+
+
+def test_every_expert_once():
+    check(E=64, K=8, D=256, inter=64, M=8, kind="each_once", seed=3)
+
+
+@pytest.mark.parametrize("E,K,D,inter", [(8, 2, 64, 64), (16, 1, 192, 320), (384, 8, 7168, 256), (16, 8, 7168, 2048)])
+@pytest.mark.parametrize("M", [1, 24])
+def test_shapes_including_k26(E, K, D, inter, M):
+    check(E=E, K=K, D=D, inter=inter, M=M, kind="uniform", seed=E + M)
+
+
+def test_graph_replay_matches_eager():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    E, K, D, inter, M = 64, 8, 512, 256, 16
+    w = random_repacked(E, D, inter, gen)
+    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = routing("uniform", M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda")
+    torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw)  # build/load before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw)
+    x.copy_(torch.randn(M, D, generator=gen, device="cuda"))
+    ids.copy_(routing("hot", M, E, K, gen))
+    g.replay()
+    ref = _reference(x, *w, ids, tw).float()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_out_of_range_ids_are_refused():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    w = random_repacked(8, 64, 64, gen)
+    x = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="outside \\[0, 8\\)"):
+        torch.ops.k26.moe_w4a16_repacked(x, *w, torch.tensor([[0, 9], [1, 2]], device="cuda"), torch.rand(2, 2, device="cuda"))
+
+
+def test_model_uses_kernel_after_gpu_load(tiny_k25):
+    from k26 import LLM
+    from k26.model import AttnBatch
+
+    fast = LLM(tiny_k25, device="cuda", progress=False)
+    slow = LLM(tiny_k25, device="cuda", progress=False, cuda_kernels=False)
+    assert fast.model.layers[1].mlp.experts.repacked and not slow.model.layers[1].mlp.experts.repacked
+    ids = torch.randint(0, 600, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device="cuda"), 40)
+    with torch.no_grad():  # the first MoE layer's output: before any routing can diverge
+        a = fast.model(ids, batch, fast.cache.kv_LRTC, aux_layers=(1,))[1].float()
+        b = slow.model(ids, batch, slow.cache.kv_LRTC, aux_layers=(1,))[1].float()
+    assert ((a - b).norm() / b.norm()).item() < 1e-2
