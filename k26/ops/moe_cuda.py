@@ -122,6 +122,7 @@ def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights) -> tuple[int, int,
          f"w13 must be int32 [E, I/8, D/64, 32, 4], got {w13.dtype} {list(w13.shape)}")
     E, I = w13.shape[0], w13.shape[1] * 8
     need(D % 64 == 0 and I % 64 == 0, f"hidden D={D} and intermediate I={I} must be multiples of 64")
+    need(E <= 4096, f"E={E} experts exceeds the routing kernel's 4096")
     need(w13.shape[2] * 64 == D, f"w13 holds D={w13.shape[2] * 64} but x has D={D}")
     need(s13.shape == (E, I // 8, D // 64, 32, 2) and s13.dtype == torch.bfloat16,
          f"s13 must be bf16 {[E, I // 8, D // 64, 32, 2]}, got {s13.dtype} {list(s13.shape)}")
@@ -143,7 +144,7 @@ def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights) -> tuple[int, int,
 def pick_nt(pairs: int, experts: int) -> int:
     """Token columns per expert group (8 per mma n-tile): wider only when experts see many tokens."""
     per_expert = pairs / experts
-    return 1 if per_expert < 4 else 2 if per_expert < 12 else 4
+    return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
 
 
 @moe_w4a16_repacked.register_kernel("cuda")

@@ -2,15 +2,16 @@
 //
 //   out[t] = bf16( sum_k w[t,k] * bf16(down_e( bf16(silu(bf16 gate_e(x_t))) * bf16(up_e(x_t)) )) ),  e = ids[t,k]
 //
-// Four launches, all on the caller's stream, no host sync (CUDA-graph capturable):
+// Three launches, all on the caller's stream, no host sync (CUDA-graph capturable):
 //   1. route:   one block groups the (token, k) pairs by expert, pads each expert's list to groups of
 //               8*NT tokens and writes the group table and its length to the device.
 //   2. gemm13:  per (expert group, 16-row tile pair): gate and up rows interleaved in one 16-row tile,
 //               so each lane holds gate and up of the same feature and applies silu(g)*u in registers.
 //               The K = hidden reduction is split over the 8 warps of a block and summed in shared memory.
 //   3. gemm2:   per (expert group, 16-row tile): the down projection, one warp per tile over all of K;
-//               writes each pair's bf16 expert output (the reference's per-expert rounding point).
-//   4. combine: out[t] = bf16(sum_k w[t,k] * y[t,k]) in a fixed order: deterministic, no atomics.
+//               writes each pair's bf16 expert output (the reference's per-expert rounding point). The
+//               last block to finish a row-block (an arrival counter) then combines it:
+//               out[t] = bf16(sum_k w[t,k] * y[t,k]) in k order: deterministic, no float atomics.
 //
 // "Swap AB": the weights are the mma A operand (16 output features per tile) and the few tokens per
 // expert are the n = 8 columns, so small batches waste no weight bandwidth. Weight layout (repacked
@@ -71,7 +72,8 @@ __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(_
 // 1. Routing: group pairs by expert. Pairs with an id outside [0, E) are dropped (never read).
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int64_t* __restrict__ ids, int P, int E, int group_tokens, int max_groups, int* __restrict__ sorted,
-    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups) {
+    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups,
+    int* __restrict__ counters, int n_counters, __nv_bfloat16* __restrict__ out, size_t out_elems) {
   extern __shared__ int sm[];
   int* count = sm;           // [E]
   int* cursor = sm + E;      // [E] pair offset of each expert, then a running cursor
@@ -79,6 +81,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   __shared__ int warp_tot[2][kRouteThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
+  for (int i = tid; i < n_counters; i += blockDim.x) counters[i] = 0;  // arms the down GEMM's combine
   __syncthreads();
   for (int p = tid; p < P; p += blockDim.x) {
     const int64_t e = ids[p];
@@ -113,6 +116,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   }
   const int total_groups = min(base_groups, max_groups);
   if (tid == 0) *num_groups = total_groups;
+  if (total_groups == 0)  // every id out of range: no GEMM block runs, so the output is zero here
+    for (size_t i = tid; i < out_elems; i += blockDim.x) out[i] = __float2bfloat16(0.f);
   for (int e = tid; e < E; e += blockDim.x) {
     const int c = count[e];
     for (int j = 0; j * group_tokens < c; ++j) {
@@ -136,12 +141,20 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
 //   RT: 16-row tiles per warp (B fragments reused across them); NT: 8-token column tiles;
 //   WK: warps splitting K (reduced in shared memory); WM: warps on different row tiles.
 //   GATED: gate/up interleaved tiles -> act[slot, I] bf16; else down -> y[pair, D] bf16.
-template <int RT, int NT, int WK, int WM, bool GATED>
-__global__ void __launch_bounds__(32 * WK * WM) gemm_kernel(
+struct CombineArgs {  // GEMM2 only: the last block of each row-block folds y into out
+  int* counters;         // [gridDim.x], zero on entry, left zero on exit
+  const float* topw;     // [M, topk]
+  const int64_t* ids;    // [M, topk]
+  int M, E;
+  __nv_bfloat16* out;    // [M, D]
+};
+
+template <int RT, int NT, int WK, int WM, bool GATED, int MINB>
+__global__ void __launch_bounds__(32 * WK * WM, MINB) gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
-    __nv_bfloat16* __restrict__ out, int out_ld) {
+    __nv_bfloat16* __restrict__ out, int out_ld, CombineArgs cmb) {
   const int grp = blockIdx.y;
   if (grp >= *num_groups) return;
   const int e = grp_expert[grp], start = grp_start[grp], len = grp_len[grp];
@@ -235,7 +248,7 @@ __global__ void __launch_bounds__(32 * WK * WM) gemm_kernel(
 #pragma unroll
         for (int i = 0; i < 4; ++i) red[wm][wk][(r * NT + nt) * 4 + i][lane] = acc[r][nt][i];
     __syncthreads();
-    if (wk != 0) return;
+    if (wk != 0) return;  // WK > 1 is only used by the gated GEMM, which has no block-wide epilogue
 #pragma unroll
     for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -248,61 +261,71 @@ __global__ void __launch_bounds__(32 * WK * WM) gemm_kernel(
           acc[r][nt][i] = v;
         }
   }
-  if (!active) return;
-
+  if (active) {
 #pragma unroll
-  for (int r = 0; r < RT; ++r) {
+    for (int r = 0; r < RT; ++r) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // token columns 2t and 2t+1
-        const int n = nt * 8 + 2 * t + h;
-        if (n >= len) continue;
-        if constexpr (GATED) {
-          // Rows g / g+8 of the tile are gate / up of feature (tile*8 + g); reference rounding points.
-          const float gate = bf16_round(acc[r][nt][h]), up = bf16_round(acc[r][nt][2 + h]);
-          const float act = bf16_round(gate / (1.f + __expf(-gate)));
-          out[(size_t)(start + n) * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
-        } else {
-          const size_t row = (size_t)sorted[start + n] * out_ld + (tile0 + r) * 16 + g;
-          out[row] = __float2bfloat16(acc[r][nt][h]);
-          out[row + 8] = __float2bfloat16(acc[r][nt][2 + h]);
+        for (int h = 0; h < 2; ++h) {  // token columns 2t and 2t+1
+          const int n = nt * 8 + 2 * t + h;
+          if (n >= len) continue;
+          if constexpr (GATED) {
+            // Rows g / g+8 of the tile are gate / up of feature (tile*8 + g); reference rounding points.
+            const float gate = bf16_round(acc[r][nt][h]), up = bf16_round(acc[r][nt][2 + h]);
+            const float act = bf16_round(gate / (1.f + __expf(-gate)));
+            out[(size_t)(start + n) * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
+          } else {
+            const size_t row = (size_t)sorted[start + n] * out_ld + (tile0 + r) * 16 + g;
+            out[row] = __float2bfloat16(acc[r][nt][h]);
+            out[row + 8] = __float2bfloat16(acc[r][nt][2 + h]);
+          }
         }
       }
     }
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// 4. out[t, d] = bf16(sum_k w[t,k] * y[t*topk + k, d]) over valid experts, k in order.
-__global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float* __restrict__ topw,
-                               const int64_t* __restrict__ ids, int E, int topk, int D, __nv_bfloat16* __restrict__ out) {
-  const int tok = blockIdx.y;
-  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
-  if (d >= D) return;
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < topk; ++k) {
-    const int64_t e = ids[tok * topk + k];
-    if (e < 0 || e >= E) continue;
-    const float wk = topw[tok * topk + k];
-    const uint4 v = *reinterpret_cast<const uint4*>(y + ((size_t)tok * topk + k) * D + d);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      acc[2 * i] += wk * f.x;
-      acc[2 * i + 1] += wk * f.y;
+  if constexpr (!GATED) {
+    // Last-block combine: every group adds one arrival per row-block; the last one to arrive sums
+    // y over k for all tokens of these rows, in k order (deterministic), and re-arms the counter.
+    __shared__ int last;
+    __threadfence();  // this thread's y stores reach L2 before the block's arrival is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      last = atomicAdd(&cmb.counters[blockIdx.x], 1) == *num_groups - 1;
     }
-  }
-  uint4 o;
-  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int d0 = blockIdx.x * WM * RT * 16, rows = min(WM * RT * 16, n_tiles * 16 - d0);
+    const int per_tok = rows / 8;
+    for (int item = threadIdx.x; item < cmb.M * per_tok; item += blockDim.x) {
+      const int tok = item / per_tok, d = d0 + (item % per_tok) * 8;
+      float a8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int k = 0; k < topk; ++k) {
+        const int64_t e = cmb.ids[tok * topk + k];
+        if (e < 0 || e >= cmb.E) continue;
+        const float wk = cmb.topw[tok * topk + k];
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(out + ((size_t)tok * topk + k) * out_ld + d));
+        const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-  *reinterpret_cast<uint4*>(out + (size_t)tok * D + d) = o;
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(hv[i]);
+          a8[2 * i] += wk * f.x;
+          a8[2 * i + 1] += wk * f.y;
+        }
+      }
+      uint4 o;
+      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(a8[2 * i], a8[2 * i + 1]);
+      *reinterpret_cast<uint4*>(cmb.out + (size_t)tok * out_ld + d) = o;
+    }
+    if (threadIdx.x == 0) cmb.counters[blockIdx.x] = 0;
+  }
 }
 
 struct Workspace {
-  int *sorted, *grp_expert, *grp_start, *grp_len, *num_groups;
+  int *sorted, *grp_expert, *grp_start, *grp_len, *num_groups, *counters;
   __nv_bfloat16 *act, *y;
 };
 
@@ -318,35 +341,37 @@ size_t carve(void* base, int M, int D, int I, int E, int topk, int nt, Workspace
   int* gs = (int*)take(G * 4);
   int* gl = (int*)take(G * 4);
   int* ng = (int*)take(4);
+  int* counters = (int*)take((size_t)(D / 16 + 3) / 4 * 4);
   __nv_bfloat16* act = (__nv_bfloat16*)take(P * I * 2);
   __nv_bfloat16* y = (__nv_bfloat16*)take(P * D * 2);
-  if (ws) *ws = Workspace{sorted, ge, gs, gl, ng, act, y};
+  if (ws) *ws = Workspace{sorted, ge, gs, gl, ng, counters, act, y};
   return off;
 }
 
-template <int NT>
+template <int NT, int RT1>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
                    const float* topw, void* out, void* ws_base, int M, int D, int I, int E, int topk, cudaStream_t st) {
   Workspace ws;
   carve(ws_base, M, D, I, E, topk, NT, &ws);
   const int P = M * topk, G = (P < E ? P : E) + P / (8 * NT) + 1;
+  constexpr int WM2 = 4;
+  const int tiles2 = D / 16, blocks2 = (tiles2 + WM2 - 1) / WM2;
   route_kernel<<<1, kRouteThreads, 3 * E * sizeof(int), st>>>(ids, P, E, 8 * NT, G, ws.sorted, ws.grp_expert,
-                                                              ws.grp_start, ws.grp_len, ws.num_groups);
-  // gate/up: I/8 interleaved tiles, 2 per block (1 at NT = 4, for registers), K = D split over 8 warps.
-  constexpr int RT1 = NT >= 4 ? 1 : 2, WK1 = 8;
+                                                              ws.grp_start, ws.grp_len, ws.num_groups, ws.counters,
+                                                              blocks2, (__nv_bfloat16*)out, (size_t)M * D);
+  // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
+  constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  gemm_kernel<RT1, NT, WK1, 1, true><<<dim3(tiles13 / RT1, G), 32 * WK1, 0, st>>>(
+  const CombineArgs none{nullptr, nullptr, nullptr, 0, 0, nullptr};
+  gemm_kernel<RT1, NT, WK1, 1, true, 1><<<dim3(tiles13 / RT1, G), 32 * WK1, 0, st>>>(
       (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk, ws.sorted, ws.grp_expert,
-      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I);
-  // down: D/16 tiles, one per warp, 8 warps per block, K = I.
-  constexpr int WM2 = 8;
-  const int tiles2 = D / 16;
-  gemm_kernel<1, NT, 1, WM2, false><<<dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2, 0, st>>>(
+      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I, none);
+  // down: D/16 tiles, one per warp, 4 warps per block, K = I; 6 blocks per SM (<= 85 registers) keep
+  // most of an M = 1 grid of the K2.6 TP8 shape (8 experts x 112 blocks) resident in one wave.
+  const CombineArgs cmb{ws.counters, topw, ids, M, E, (__nv_bfloat16*)out};
+  gemm_kernel<1, NT, 1, WM2, false, NT == 1 ? 6 : 4><<<dim3(blocks2, G), 32 * WM2, 0, st>>>(
       ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk, ws.sorted, ws.grp_expert, ws.grp_start,
-      ws.grp_len, ws.num_groups, ws.y, D);
-  const int threads = 128;
-  combine_kernel<<<dim3((D / 8 + threads - 1) / threads, M), threads, 0, st>>>(ws.y, topw, ids, E, topk, D,
-                                                                               (__nv_bfloat16*)out);
+      ws.grp_len, ws.num_groups, ws.y, D, cmb);
   return cudaGetLastError();
 }
 
@@ -361,10 +386,14 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
                              int E, int topk, int nt, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  // Few pairs: one gate/up tile per warp doubles the blocks in flight; many: two tiles share B loads.
+  const bool few = M * topk <= 64;
   switch (nt) {
-    case 1: return launch<1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
-    case 2: return launch<2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
-    case 4: return launch<4>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
+    case 1:
+      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st)
+                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
+    case 2: return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
+    case 4: return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
