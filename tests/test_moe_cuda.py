@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k26.ops.moe_cuda import _reference
+from k26.ops.moe_cuda import _reference, repack_scales, w13_row_order
 
 pytestmark = pytest.mark.gpu
 
@@ -15,15 +15,16 @@ def poison_allocator(nbytes=1 << 28):
 
 
 def random_repacked(E, D, inter, gen):
-    """Random nibbles are random in any layout: draw the kernel layout directly."""
+    """Random nibbles are random in any layout, so draw the kernel's words directly; scales are drawn per
+    (row, group of 32) as in a checkpoint and repacked (lanes of one group share a scale)."""
     def words(*shape):
         return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32, device="cuda")
 
-    def scales(*shape):
-        return (torch.rand(*shape, generator=gen, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
+    def scales(rows, k):
+        return (torch.rand(E, rows, k // 32, generator=gen, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
 
-    return (words(E, inter // 8, D // 64, 32, 4), scales(E, inter // 8, D // 64, 32, 2),
-            words(E, D // 16, inter // 64, 32, 4), scales(E, D // 16, inter // 64, 32, 2))
+    return (words(E, inter // 8, D // 64, 32, 4), repack_scales(scales(2 * inter, D), w13_row_order(inter)),
+            words(E, D // 16, inter // 64, 32, 4), repack_scales(scales(D, inter)))
 
 
 def routing(kind, M, E, K, gen):

@@ -32,6 +32,17 @@ def _to_i32(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
 
 
+def repack_scales(scale: torch.Tensor, row_order: torch.Tensor | None = None) -> torch.Tensor:
+    """[E, R, K/32] -> [E, R/16, K/64, 32, 2]: lane (g, t) gets rows (g, g+8) of group t // 2 of each chunk."""
+    E, R, K32 = scale.shape
+    if row_order is not None:
+        scale = scale[:, row_order.to(scale.device)]
+    sg = scale.view(E, R // 16, 16, K32 // 2, 2).permute(0, 1, 3, 2, 4)  # [E, RT, KC, 16 rows, 2 groups]
+    grp = torch.arange(4, device=scale.device) // 2
+    lo, hi = sg[:, :, :, :8][..., grp], sg[:, :, :, 8:][..., grp]  # [E, RT, KC, g, t]
+    return torch.stack([lo, hi], dim=-1).reshape(E, R // 16, K32 // 2, 32, 2).to(torch.bfloat16).contiguous()
+
+
 def repack(packed: torch.Tensor, scale: torch.Tensor, row_order: torch.Tensor | None = None):
     """compressed-tensors [E, R, K/8] int32 + [E, R, K/32] bf16 -> kernel layout (words, scale pairs)."""
     E, R, K8 = packed.shape
@@ -39,21 +50,16 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, row_order: torch.Tensor | 
     if R % 16 or K % 64:
         raise ValueError(f"repack: rows {R} must be a multiple of 16 and K {K} of 64")
     dev = packed.device
-    words, pairs = [], []
+    words = []
     for e in range(E):  # one expert at a time keeps the int64 temporaries small
-        u = (unpack_int4(packed[e]).to(torch.int64) + 8)
-        s = scale[e]
+        u = unpack_int4(packed[e]).to(torch.int64) + 8
         if row_order is not None:
-            u, s = u[row_order.to(dev)], s[row_order.to(dev)]
+            u = u[row_order.to(dev)]
         tiles = u.view(R // 16, 16, K // 64, 64).permute(0, 2, 1, 3)  # [RT, KC, 16, 64]
         sel = tiles[..., _ROW.to(dev), _K.to(dev)]  # [RT, KC, 8, 4, 4, 4, 2]
         w = (sel << _SHIFT.to(dev)).sum((-1, -2))  # [RT, KC, g, t, j]
         words.append(_to_i32(w).reshape(R // 16, K // 64, 32, 4))
-        sg = s.view(R // 16, 16, K // 64, 2).permute(0, 2, 1, 3)  # [RT, KC, 16 rows, 2 groups]
-        grp = (torch.arange(4, device=dev) // 2)  # lane t reads group t // 2 of the chunk
-        lo, hi = sg[:, :, :8][..., grp], sg[:, :, 8:][..., grp]  # [RT, KC, g, t]
-        pairs.append(torch.stack([lo, hi], dim=-1).reshape(R // 16, K // 64, 32, 2))
-    return torch.stack(words), torch.stack(pairs).to(torch.bfloat16)
+    return torch.stack(words), repack_scales(scale, row_order)
 
 
 def unrepack(words: torch.Tensor, pairs: torch.Tensor, row_order: torch.Tensor | None = None):
