@@ -211,8 +211,8 @@ def load_model(
                 bar.update()
     bar.close()
     model.rope.reset_buffers()
-    if cuda_kernels and torch.device(device).type == "cuda":
-        use_cuda_kernels(model)
+    if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
+        use_cuda_kernels(model)  # the kernels are bf16-activation kernels; other dtypes keep the reference
     return model.eval()
 
 

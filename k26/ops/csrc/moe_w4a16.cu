@@ -2,16 +2,16 @@
 //
 //   out[t] = bf16( sum_k w[t,k] * bf16(down_e( bf16(silu(bf16 gate_e(x_t))) * bf16(up_e(x_t)) )) ),  e = ids[t,k]
 //
-// Three launches, all on the caller's stream, no host sync (CUDA-graph capturable):
+// Four launches, all on the caller's stream, no host sync (CUDA-graph capturable):
 //   1. route:   one block groups the (token, k) pairs by expert, pads each expert's list to groups of
 //               8*NT tokens and writes the group table and its length to the device.
 //   2. gemm13:  per (expert group, 16-row tile pair): gate and up rows interleaved in one 16-row tile,
 //               so each lane holds gate and up of the same feature and applies silu(g)*u in registers.
 //               The K = hidden reduction is split over the 8 warps of a block and summed in shared memory.
 //   3. gemm2:   per (expert group, 16-row tile): the down projection, one warp per tile over all of K;
-//               writes each pair's bf16 expert output (the reference's per-expert rounding point). The
-//               block that completes a token's rows (per row-block arrival counters) combines them:
-//               out[t] = bf16(sum_k w[t,k] * y[t,k]) in k order: deterministic, no float atomics.
+//               writes each pair's bf16 expert output (the reference's per-expert rounding point).
+//   4. combine: out[t] = bf16(sum_k w[t,k] * y[t,k]) in k order: deterministic, no float atomics. (Fusing
+//               it into gemm2 with arrival counters measured slower: the fences stretch every block.)
 //
 // "Swap AB": the weights are the mma A operand (16 output features per tile) and the few tokens per
 // expert are the n = 8 columns, so small batches waste no weight bandwidth. Weight layout (repacked
@@ -72,8 +72,7 @@ __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(_
 // 1. Routing: group pairs by expert. Pairs with an id outside [0, E) are dropped (never read).
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int64_t* __restrict__ ids, int P, int E, int group_tokens, int max_groups, int* __restrict__ sorted,
-    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups,
-    int* __restrict__ counters, int n_counters, __nv_bfloat16* __restrict__ out, size_t out_elems, int topk_of_route) {
+    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups) {
   extern __shared__ int sm[];
   int* count = sm;           // [E]
   int* cursor = sm + E;      // [E] pair offset of each expert, then a running cursor
@@ -81,7 +80,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   __shared__ int warp_tot[2][kRouteThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
-  for (int i = tid; i < n_counters; i += blockDim.x) counters[i] = 0;  // arms the down GEMM's combine
   __syncthreads();
   for (int p = tid; p < P; p += blockDim.x) {
     const int64_t e = ids[p];
@@ -116,18 +114,6 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
   }
   const int total_groups = min(base_groups, max_groups);
   if (tid == 0) *num_groups = total_groups;
-  // A token whose ids are all out of range reaches no GEMM block: its output row is zero, set here.
-  const int M = P / topk_of_route;
-  const size_t D = out_elems / M;
-  for (int tok = warp; tok < M; tok += blockDim.x >> 5) {
-    bool any = false;
-    for (int k = 0; k < topk_of_route; ++k) {
-      const int64_t e = ids[tok * topk_of_route + k];
-      any |= e >= 0 && e < E;
-    }
-    if (!any)
-      for (size_t i = lane; i < D; i += 32) out[tok * D + i] = __float2bfloat16(0.f);
-  }
   for (int e = tid; e < E; e += blockDim.x) {
     const int c = count[e];
     for (int j = 0; j * group_tokens < c; ++j) {
@@ -151,20 +137,12 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
 //   RT: 16-row tiles per warp (B fragments reused across them); NT: 8-token column tiles;
 //   WK: warps splitting K (reduced in shared memory); WM: warps on different row tiles.
 //   GATED: gate/up interleaved tiles -> act[slot, I] bf16; else down -> y[pair, D] bf16.
-struct CombineArgs {  // GEMM2 only: the last block of each row-block folds y into out
-  int* counters;         // [gridDim.x], zero on entry, left zero on exit
-  const float* topw;     // [M, topk]
-  const int64_t* ids;    // [M, topk]
-  int M, E;
-  __nv_bfloat16* out;    // [M, D]
-};
-
 template <int RT, int NT, int WK, int WM, bool GATED, int MINB>
 __global__ void __launch_bounds__(32 * WK * WM, MINB) gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
-    __nv_bfloat16* __restrict__ out, int out_ld, CombineArgs cmb) {
+    __nv_bfloat16* __restrict__ out, int out_ld) {
   const int grp = blockIdx.y;
   if (grp >= *num_groups) return;
   const int e = grp_expert[grp], start = grp_start[grp], len = grp_len[grp];
@@ -294,69 +272,38 @@ __global__ void __launch_bounds__(32 * WK * WM, MINB) gemm_kernel(
       }
     }
   }
-  if constexpr (!GATED) {
-    // Combine as soon as a token is complete: each (row-block, token) counts the groups that wrote its
-    // y rows; the block that brings the count to the token's number of valid experts sums
-    // out[t] = bf16(sum_k w[t,k] * y[t,k]) over these rows in k order (deterministic) and re-arms it.
-    __shared__ int done[NT * 8];
-    __shared__ int n_done;
-    if (threadIdx.x == 0) n_done = 0;
-    __threadfence();  // this thread's y stores reach L2 before the block's arrival is counted
-    __syncthreads();
-    if ((int)threadIdx.x < len) {
-      const int tok = sorted[start + threadIdx.x] / topk;
-      int need = 0;
-      for (int k = 0; k < topk; ++k) {
-        const int64_t ek = cmb.ids[tok * topk + k];
-        need += ek >= 0 && ek < cmb.E;
-      }
-      int* cnt = cmb.counters + (size_t)blockIdx.x * cmb.M + tok;
-      if (atomicAdd(cnt, 1) == need - 1) {
-        *cnt = 0;
-        done[atomicAdd(&n_done, 1)] = tok;
-      }
-    }
-    __syncthreads();
-    if (n_done == 0) return;
-    __threadfence();
-    const int d0 = blockIdx.x * WM * RT * 16, per_tok = min(WM * RT * 16, n_tiles * 16 - d0) / 8;
-    for (int item = threadIdx.x; item < n_done * per_tok; item += blockDim.x) {
-      const int tok = done[item / per_tok], d = d0 + (item % per_tok) * 8;
-      float a8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int k0 = 0; k0 < topk; k0 += 8) {
-        uint4 v[8];
-        float wk[8];
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. out[t, d] = bf16(sum_k w[t,k] * y[t*topk + k, d]) over valid experts, k in order.
+__global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float* __restrict__ topw,
+                               const int64_t* __restrict__ ids, int E, int topk, int D, __nv_bfloat16* __restrict__ out) {
+  const int tok = blockIdx.y;
+  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (d >= D) return;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k = 0; k < topk; ++k) {
+    const int64_t e = ids[tok * topk + k];
+    if (e < 0 || e >= E) continue;
+    const float wk = topw[tok * topk + k];
+    const uint4 v = *reinterpret_cast<const uint4*>(y + ((size_t)tok * topk + k) * D + d);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {  // all loads first: one round trip, not topk
-          const int kk = k0 + k;
-          const int64_t e = kk < topk ? cmb.ids[tok * topk + kk] : -1;
-          const bool valid = e >= 0 && e < cmb.E;
-          wk[k] = valid ? cmb.topw[tok * topk + kk] : 0.f;
-          v[k] = valid ? __ldcg(reinterpret_cast<const uint4*>(out + ((size_t)tok * topk + kk) * out_ld + d))
-                       : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(hv[i]);
-            a8[2 * i] += wk[k] * f.x;
-            a8[2 * i + 1] += wk[k] * f.y;
-          }
-        }
-      }
-      uint4 o;
-      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(a8[2 * i], a8[2 * i + 1]);
-      *reinterpret_cast<uint4*>(cmb.out + (size_t)tok * out_ld + d) = o;
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += wk * f.x;
+      acc[2 * i + 1] += wk * f.y;
     }
   }
+  uint4 o;
+  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  *reinterpret_cast<uint4*>(out + (size_t)tok * D + d) = o;
 }
 
 struct Workspace {
-  int *sorted, *grp_expert, *grp_start, *grp_len, *num_groups, *counters;
+  int *sorted, *grp_expert, *grp_start, *grp_len, *num_groups;
   __nv_bfloat16 *act, *y;
 };
 
@@ -372,10 +319,9 @@ size_t carve(void* base, int M, int D, int I, int E, int topk, int nt, Workspace
   int* gs = (int*)take(G * 4);
   int* gl = (int*)take(G * 4);
   int* ng = (int*)take(4);
-  int* counters = (int*)take((size_t)(D / 16 + 7) / 8 * M * 4);  // [row-blocks of the down GEMM, M]
   __nv_bfloat16* act = (__nv_bfloat16*)take(P * I * 2);
   __nv_bfloat16* y = (__nv_bfloat16*)take(P * D * 2);
-  if (ws) *ws = Workspace{sorted, ge, gs, gl, ng, counters, act, y};
+  if (ws) *ws = Workspace{sorted, ge, gs, gl, ng, act, y};
   return off;
 }
 
@@ -385,23 +331,23 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   Workspace ws;
   carve(ws_base, M, D, I, E, topk, NT, &ws);
   const int P = M * topk, G = (P < E ? P : E) + P / (8 * NT) + 1;
-  constexpr int WM2 = 8;
-  const int tiles2 = D / 16, blocks2 = (tiles2 + WM2 - 1) / WM2;
   route_kernel<<<1, kRouteThreads, 3 * E * sizeof(int), st>>>(ids, P, E, 8 * NT, G, ws.sorted, ws.grp_expert,
-                                                              ws.grp_start, ws.grp_len, ws.num_groups, ws.counters,
-                                                              blocks2 * M, (__nv_bfloat16*)out, (size_t)M * D, topk);
+                                                              ws.grp_start, ws.grp_len, ws.num_groups);
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  const CombineArgs none{nullptr, nullptr, nullptr, 0, 0, nullptr};
   gemm_kernel<RT1, NT, WK1, 1, true, 1><<<dim3(tiles13 / RT1, G), 32 * WK1, 0, st>>>(
       (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk, ws.sorted, ws.grp_expert,
-      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I, none);
+      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I);
   // down: D/16 tiles, one per warp, 8 warps per block, K = I.
-  const CombineArgs cmb{ws.counters, topw, ids, M, E, (__nv_bfloat16*)out};
-  gemm_kernel<1, NT, 1, WM2, false, NT == 1 ? 3 : 2><<<dim3(blocks2, G), 32 * WM2, 0, st>>>(
+  constexpr int WM2 = 8;
+  const int tiles2 = D / 16;
+  gemm_kernel<1, NT, 1, WM2, false, 1><<<dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2, 0, st>>>(
       ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk, ws.sorted, ws.grp_expert, ws.grp_start,
-      ws.grp_len, ws.num_groups, ws.y, D, cmb);
+      ws.grp_len, ws.num_groups, ws.y, D);
+  const int threads = 128;
+  combine_kernel<<<dim3((D / 8 + threads - 1) / threads, M), threads, 0, st>>>(ws.y, topw, ids, E, topk, D,
+                                                                               (__nv_bfloat16*)out);
   return cudaGetLastError();
 }
 
