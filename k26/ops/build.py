@@ -4,7 +4,7 @@ also on machines without a GPU), report registers / shared memory / spills per k
     python -m k26.ops.build [--arch sm_90a,sm_120a] [--out DIR]
 
 Fails on any register spill and on more than 99 KB (101,376 B) of static shared memory for sm_120a,
-sm_120's per-block limit. The library is cached under k26/ops/_build/ keyed by the sources' hash.
+sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source. The library is cached under k26/ops/_build/ keyed by the sources' hash.
 """
 
 from __future__ import annotations
@@ -122,6 +122,10 @@ def library() -> ctypes.CDLL:
         _LIB.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 6
         _LIB.k26_moe_w4a16.restype = ctypes.c_int
         _LIB.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+        _LIB.k26_mla_tree_attn_workspace.restype = ctypes.c_size_t
+        _LIB.k26_mla_tree_attn_workspace.argtypes = [ctypes.c_int] * 4
+        _LIB.k26_mla_tree_attn.restype = ctypes.c_int
+        _LIB.k26_mla_tree_attn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
     return _LIB
 
 

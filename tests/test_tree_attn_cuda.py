@@ -1,0 +1,104 @@
+"""The MLA tree-attention CUDA kernel against the pure-torch reference, on random data and random trees."""
+
+import pytest
+import torch
+
+from k26.ops import reference, tree_mask_to_words
+
+pytestmark = pytest.mark.gpu
+
+
+def random_ancestors(B, N, gen):
+    anc = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, N)]
+        for i in range(N):
+            j = i
+            while j >= 0:
+                anc[b, i, j] = True
+                j = parents[j]
+    return anc
+
+
+def case(B, N, H, lens, seed, causal=False):
+    gen = torch.Generator().manual_seed(seed)
+    max_len = max(lens) + N + 3
+    cache = torch.randn(B + 1, max_len, 576, generator=gen).to(torch.bfloat16).cuda()
+    q = (torch.randn(B, N, H, 576, generator=gen) * 0.5).to(torch.bfloat16).cuda()
+    rows = torch.randperm(B + 1, generator=gen)[:B].cuda()
+    prefix = torch.tensor(lens).cuda()
+    anc = torch.ones(B, N, N, dtype=torch.bool).tril() if causal else random_ancestors(B, N, gen)
+    words = tree_mask_to_words(anc).cuda()
+    return q, cache, rows, prefix, words
+
+
+def poison():
+    torch.full((1 << 27,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+
+
+def compare(args, scale=0.1446796):
+    ref_o, ref_l = reference.mla_tree_attention(*args, scale, 512)
+    poison()
+    out, lse = torch.ops.k26.mla_tree_attention(*args, scale, 512)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    err = ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+    lerr = ((lse - ref_l).abs() / ref_l.abs().clamp_min(1)).max().item()
+    assert err < 1e-2 and lerr < 1e-3, (err, lerr)
+
+
+@pytest.mark.parametrize("N", [1, 2, 7, 8, 16, 64, 128, 256])
+def test_tree_sizes(N):
+    compare(case(1, N, 8, [1000], seed=N))
+
+
+@pytest.mark.parametrize("H", [8, 16, 64])
+def test_heads(H):
+    compare(case(1, 16, H, [3000], seed=H))
+
+
+@pytest.mark.parametrize("L", [0, 1, 15, 17, 255, 4096, 16384])
+def test_prefix_lengths(L):
+    compare(case(1, 8, 8, [L], seed=L))
+
+
+def test_long_prefix_decode():
+    compare(case(1, 1, 8, [131072], seed=7))
+
+
+def test_long_prefix_tree():
+    compare(case(1, 64, 8, [65536], seed=8))
+
+
+def test_batch_with_mixed_lengths():
+    compare(case(3, 16, 16, [0, 777, 5000], seed=9))
+
+
+def test_causal_chain():
+    compare(case(2, 16, 8, [100, 2000], seed=10, causal=True))
+
+
+def test_graph_replay_follows_new_lengths():
+    q, cache, rows, prefix, words = case(2, 16, 8, [3000, 1500], seed=11)
+    torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)  # load before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)
+    prefix.copy_(torch.tensor([10, 2900]))
+    q.copy_(torch.randn_like(q, dtype=torch.float32).to(torch.bfloat16))
+    g.replay()
+    ref_o, ref_l = reference.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)
+    assert ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item() < 1e-2
+
+
+def test_refuses_overflowing_prefix():
+    q, cache, rows, prefix, words = case(1, 8, 8, [100], seed=12)
+    prefix.fill_(cache.shape[1])
+    with pytest.raises(ValueError, match="exceeds the cache length"):
+        torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)
+
+
+def test_refuses_bad_mask_shape():
+    q, cache, rows, prefix, words = case(1, 8, 8, [100], seed=13)
+    with pytest.raises(ValueError, match="mask_words must be int64"):
+        torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words[:, :4], 0.1, 512)
