@@ -190,9 +190,9 @@ __global__ void __launch_bounds__(THREADS) split_kernel(Params p) {
         alpha = exp2f(m_run - mx);  // 0 when m_run is -inf
 #pragma unroll
         for (int j = 0; j < BN; ++j) {
-          const __nv_bfloat16 pb = __float2bfloat16(exp2f(sc[j] - mx));
-          sP[lane * LDP + j] = pb;
-          sum += __bfloat162float(pb);  // the same rounded p that multiplies V
+          const float pj = exp2f(sc[j] - mx);
+          sP[lane * LDP + j] = __float2bfloat16(pj);
+          sum += pj;  // unrounded, as FlashAttention does: keeps the log-sum-exp fp32-accurate
         }
         m_run = mx;
       } else {
