@@ -1,13 +1,14 @@
 """k26: Kimi K2.6 inference with DDTree speculative decoding."""
 
 from .config import ConfigError, ModelConfig
-from .engine import LLM, RequestOutput
+from .engine import LLM, RequestOutput, SpecStats
 from .loader import CheckpointError
 from .sampling import SamplingParams
+from .spec.step import SpecConfig
 from .tokenizer import Message, Tokenizer
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "ModelConfig", "ConfigError", "CheckpointError",
+    "LLM", "SamplingParams", "SpecConfig", "SpecStats", "RequestOutput", "ModelConfig", "ConfigError", "CheckpointError",
     "Tokenizer", "Message",
 ]
 __version__ = "0.1.0"

@@ -159,14 +159,14 @@ class ModelConfig:
             prefix = "text_config."
         else:
             text, prefix = raw, ""
-        f = _Fields(text, prefix)
+        f = Fields(text, prefix)
 
-        _expect(f, "hidden_act", "silu")
-        _expect(f, "scoring_func", "sigmoid")
-        _expect(f, "topk_method", "noaux_tc")
-        _expect(f, "attention_bias", False)
-        _expect(f, "tie_word_embeddings", False)
-        _expect(f, "moe_layer_freq", 1)
+        expect(f, "hidden_act", "silu")
+        expect(f, "scoring_func", "sigmoid")
+        expect(f, "topk_method", "noaux_tc")
+        expect(f, "attention_bias", False)
+        expect(f, "tie_word_embeddings", False)
+        expect(f, "moe_layer_freq", 1)
         if f.get("q_lora_rank") is None:
             raise ConfigError(f"{prefix}q_lora_rank is null: models without a q LoRA are not supported")
         nextn = f.get("num_nextn_predict_layers", 0) or 0
@@ -176,7 +176,7 @@ class ModelConfig:
         # The quantization block may sit at the top, inside text_config, or both (K2.5/K2.6).
         qraw = text.get("quantization_config", raw.get("quantization_config"))
         quant = _parse_quant(qraw, prefix if "quantization_config" in text else "")
-        rope = _parse_rope(f, prefix)
+        rope = parse_rope(f, prefix)
 
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -240,7 +240,7 @@ class ModelConfig:
             raise bad("bos_token_id", "outside the vocabulary")
 
 
-class _Fields:
+class Fields:
     """Typed access to one JSON object, naming the offending field on every error."""
 
     def __init__(self, d: dict[str, Any], prefix: str):
@@ -269,12 +269,12 @@ class _Fields:
         return float(v)
 
 
-def _expect(f: _Fields, key: str, value: Any) -> None:
+def expect(f: Fields, key: str, value: Any) -> None:
     if key in f.d and f.d[key] is not None and f.d[key] != value:
         raise ConfigError(f"{f.prefix}{key}={f.d[key]!r} is not supported; k26 implements {value!r}")
 
 
-def _parse_rope(f: _Fields, prefix: str) -> RopeConfig:
+def parse_rope(f: Fields, prefix: str) -> RopeConfig:
     rs = f.get("rope_scaling") or f.get("rope_parameters")
     key = "rope_scaling" if f.get("rope_scaling") else "rope_parameters"
     theta = f.get("rope_theta", (rs or {}).get("rope_theta"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .drafter_config import DrafterConfig
 
 
 @dataclass
@@ -34,3 +35,17 @@ class LatentCache:
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> int:
         return cfg.num_hidden_layers * cfg.latent_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class DrafterCache:
+    """Per-layer K/V of committed context rows only: [layers, rows, max_len, kv_heads, head_dim].
+    Block rows are never stored, so nothing has to be cropped after a draft."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: DrafterConfig, rows: int, max_len: int, dtype: torch.dtype, device) -> DrafterCache:
+        shape = (cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
+from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
@@ -230,3 +231,40 @@ def use_cuda_kernels(model: KimiK2) -> None:
         return
     for m in experts:
         m.repack_()
+
+
+def load_drafter(
+    path: str | Path,
+    target: ModelConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    cfg: DrafterConfig | None = None,
+):
+    """A DFlash drafter directory -> `DFlashDrafter`. Tensor names are the module names, with an optional
+    `model.` prefix; every missing, unexpected, mis-shaped or mis-typed tensor is named at once."""
+    from .model.drafter import DFlashDrafter
+
+    path = Path(path)
+    cfg = cfg or DrafterConfig.from_dir(path)
+    cfg.check_target(target)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg, dtype).requires_grad_(False)
+    infos = {k.removeprefix("model."): v for k, v in read_index(path).items()}
+    params = dict(model.named_parameters())
+    problems = [f"missing tensor {n}" for n in params if n not in infos]
+    problems += [f"unexpected tensor {infos[n].key}" for n in infos if n not in params]
+    for n, p in params.items():
+        if n in infos and infos[n].shape != tuple(p.shape):
+            problems.append(f"tensor {n} has shape {list(infos[n].shape)}, expected {list(p.shape)}")
+        if n in infos and infos[n].dtype not in _FLOAT:
+            problems.append(f"tensor {n} has dtype {infos[n].dtype}, expected one of {sorted(_FLOAT)}")
+    if problems:
+        raise CheckpointError(path, problems)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    for n, p in params.items():
+        with safe_open(str(infos[n].file), framework="pt") as h:
+            p.copy_(h.get_tensor(infos[n].key).to(p.dtype))
+    model.rope.reset_buffers()
+    return model.eval()

@@ -208,3 +208,50 @@ def write_tiny_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return out
+
+
+def write_tiny_drafter(
+    out: str | Path, target_dir: str | Path, *, layers: int = 1, block_size: int = 8, heads: int = 4,
+    kv_heads: int = 2, head_dim: int = 32, intermediate: int = 256, seed: int = 0,
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> Path:
+    """A random DFlash drafter in the Kimi DFlash format for the tiny target at `target_dir`."""
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    text = tcfg.get("text_config", tcfg)
+    D, L = text["hidden_size"], text["num_hidden_layers"]
+    ids = list(target_layer_ids) if target_layer_ids is not None else sorted({min(1, L - 1), L - 1})
+    first_special = text["vocab_size"] - 256
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": D,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "num_hidden_layers": layers, "intermediate_size": intermediate, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "vocab_size": text["vocab_size"], "attention_bias": False,
+        "max_position_embeddings": text["max_position_embeddings"], "rope_theta": text["rope_theta"],
+        "rope_scaling": dict(text["rope_scaling"]), "num_target_layers": L, "block_size": block_size,
+        "dflash_config": {"target_layer_ids": ids, "mask_token_id": first_special + SPECIAL_OFFSETS["[UNK]"]},
+        "torch_dtype": "bfloat16",
+    }
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(o: int, i: int) -> torch.Tensor:
+        return (torch.randn(o, i, generator=gen) / i**0.5).to(torch.bfloat16)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
+
+    t = {"fc.weight": w(D, len(ids) * D), "hidden_norm.weight": norm(D), "norm.weight": norm(D)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        t |= {
+            p + "input_layernorm.weight": norm(D), p + "post_attention_layernorm.weight": norm(D),
+            p + "self_attn.q_proj.weight": w(heads * head_dim, D), p + "self_attn.k_proj.weight": w(kv_heads * head_dim, D),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, D), p + "self_attn.o_proj.weight": w(D, heads * head_dim),
+            p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim),
+            p + "mlp.gate_proj.weight": w(intermediate, D), p + "mlp.up_proj.weight": w(intermediate, D),
+            p + "mlp.down_proj.weight": w(D, intermediate),
+        }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

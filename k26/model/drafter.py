@@ -1,0 +1,124 @@
+"""The DFlash drafter (Kimi-K2.5/K2.6 DFlash format): Qwen3-style layers conditioned on target features.
+
+Context rows (target hidden states of `target_layer_ids`, concatenated, through fc + hidden_norm) exist
+only as per-layer K/V in the drafter cache; the block `[bonus, MASK x (B-1)]` is embedded with the
+target's embedding, attends non-causally to all cached context and to itself, and its last B-1 hidden
+states go through the target's lm_head. RoPE is NeoX (half-split) over the full head_dim, with YaRN
+frequencies and the attention factor on cos/sin (legacy by default, see DrafterConfig).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..drafter_config import DrafterConfig
+from .layers import MLP, RMSNorm, linear
+from .rope import yarn_inv_freq
+
+
+class NeoxRope(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", yarn_inv_freq(cfg.rope, cfg.head_dim).float(), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = yarn_inv_freq(self.cfg.rope, self.cfg.head_dim).float().to(self.inv_freq.device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, heads, hd], positions [B, T]."""
+        ang = positions.float()[..., None, None] * self.inv_freq
+        m = self.cfg.attention_factor
+        cos, sin = ang.cos() * m, ang.sin() * m
+        x32 = x.float()
+        x1, x2 = x32.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        D, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = linear(D, cfg.num_attention_heads * hd, dtype)
+        self.k_proj = linear(D, cfg.num_key_value_heads * hd, dtype)
+        self.v_proj = linear(D, cfg.num_key_value_heads * hd, dtype)
+        self.o_proj = linear(cfg.num_attention_heads * hd, D, dtype)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+
+    def kv(self, h_BTD: torch.Tensor, pos_BT: torch.Tensor, rope: NeoxRope):
+        B, T, _ = h_BTD.shape
+        k = self.k_norm(self.k_proj(h_BTD).view(B, T, -1, self.cfg.head_dim))
+        return rope(k, pos_BT), self.v_proj(h_BTD).view(B, T, -1, self.cfg.head_dim)
+
+    def forward(self, h_BSD, pos_BS, ctx_k, ctx_v, ctx_visible_BL, rope: NeoxRope):
+        """Block queries over [cached context ; block] keys, no causal mask."""
+        cfg = self.cfg
+        B, S, _ = h_BSD.shape
+        q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, cfg.head_dim)), pos_BS)
+        k_blk, v_blk = self.kv(h_BSD, pos_BS, rope)
+        k = torch.cat([ctx_k, k_blk], dim=1)  # [B, L + S, Hkv, hd]
+        v = torch.cat([ctx_v, v_blk], dim=1)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        vis = torch.cat([ctx_visible_BL, ctx_visible_BL.new_ones(B, S)], dim=1)
+        s = torch.einsum("bshd,blhd->bhsl", q.float(), k.float()) * cfg.head_dim**-0.5
+        s = s.masked_fill(~vis[:, None, None, :], float("-inf"))
+        a = torch.einsum("bhsl,blhd->bshd", torch.softmax(s, dim=-1).to(v.dtype), v)
+        return self.o_proj(a.reshape(B, S, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = DrafterAttention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.fc = linear(len(cfg.target_layer_ids) * D, D, dtype)
+        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DrafterLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
+        self.rope = NeoxRope(cfg)
+
+    def context_kv(self, feat_BCX: torch.Tensor, pos_BC: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k, v) [B, C, Hkv, hd] of context rows: fc + hidden_norm once, then each layer's K/V."""
+        ctx = self.hidden_norm(self.fc(feat_BCX))
+        return [layer.self_attn.kv(ctx, pos_BC, self.rope) for layer in self.layers]
+
+    def append_context(self, cache_k, cache_v, feat_BCX, pos_BC, rows_B, valid_BC=None) -> None:
+        """Write context rows at their positions of the drafter cache [layers, rows, T, Hkv, hd].
+        Rows with valid False (padding) are not written."""
+        for i, (k, v) in enumerate(self.context_kv(feat_BCX, pos_BC)):
+            r = rows_B[:, None].expand_as(pos_BC)
+            if valid_BC is not None:
+                r, p, k, v = r[valid_BC], pos_BC[valid_BC], k[valid_BC], v[valid_BC]
+            else:
+                p = pos_BC
+            cache_k[i][r, p] = k.to(cache_k.dtype)
+            cache_v[i][r, p] = v.to(cache_v.dtype)
+
+    def forward(self, x_BSD, pos_BS, cache_k, cache_v, rows_B, ctx_lens_B) -> torch.Tensor:
+        """Block hidden states after the final norm [B, S, D]; context = cache positions < ctx_lens."""
+        keys = int(ctx_lens_B.max())  # the reference path reads only the live part of the cache
+        vis = torch.arange(keys, device=x_BSD.device)[None, :] < ctx_lens_B[:, None]
+        for i, layer in enumerate(self.layers):
+            ck, cv = cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys]
+            x_BSD = x_BSD + layer.self_attn(layer.input_layernorm(x_BSD), pos_BS, ck, cv, vis, self.rope)
+            x_BSD = x_BSD + layer.mlp(layer.post_attention_layernorm(x_BSD))
+        return self.norm(x_BSD)
+
+
+def drafter_logits(hidden_BSD: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    """fp32 log-probabilities of depths 1..B-1 (rows 1.. of the block) through the target's head."""
+    return F.log_softmax(lm_head(hidden_BSD[:, 1:]).float(), dim=-1)

@@ -1,0 +1,87 @@
+"""One speculative step on the device: draft (DFlash block forward), tree build, verify (target forward
+over [bonus, nodes] with the ancestor mask), acceptance walk, KV commit, drafter-context update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..kv_cache import DrafterCache
+from ..model import AttnBatch, KimiK2
+from ..model.drafter import DFlashDrafter, drafter_logits
+from ..sampling import SamplingParams
+from .accept import accept_walk, commit_latent, emitted_tokens, target_choices
+from .tree import DraftTree, build_ddtree, chain_tree
+
+MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: Literal["ar", "dflash", "ddtree"] = "ddtree"
+    budget: int | None = None  # ddtree nodes besides the root; default block_size - 1 (the chain's count)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ar", "dflash", "ddtree"):
+            raise ValueError(f"SpecConfig.method={self.method!r}: expected 'ar', 'dflash' or 'ddtree'")
+        if self.budget is not None and (not isinstance(self.budget, int) or not 1 <= self.budget <= MAX_BUDGET):
+            raise ValueError(f"SpecConfig.budget={self.budget!r}: expected an integer in [1, {MAX_BUDGET}]")
+
+
+@dataclass
+class StepResult:
+    emitted: torch.Tensor  # [B, max_depth + 1] accepted drafts then the new bonus, -1 after
+    n_emitted: torch.Tensor  # [B] accepted drafts + 1
+    bonus: torch.Tensor  # [B] the next root
+
+
+def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
+    """Per-depth drafter log-probs [B, block - 1, V] for the block [bonus, MASK x (block - 1)]."""
+    cfg = drafter.cfg
+    B = bonus.shape[0]
+    ids = torch.cat([bonus[:, None], bonus.new_full((B, cfg.block_size - 1), cfg.mask_token_id)], dim=1)
+    pos = start[:, None] + torch.arange(cfg.block_size, device=bonus.device)
+    h = drafter(target.embed_tokens(ids), pos, dcache.k, dcache.v, rows, start)
+    return drafter_logits(h, target.lm_head)
+
+
+def build_tree(logprobs: torch.Tensor, spec: SpecConfig) -> DraftTree:
+    if spec.method == "dflash":
+        return chain_tree(logprobs)
+    return build_ddtree(logprobs, spec.budget or logprobs.shape[1])
+
+
+def speculative_step(
+    target: KimiK2, drafter: DFlashDrafter, cache_LRTC, dcache: DrafterCache, rows, start, bonus, alive,
+    spec: SpecConfig, sp: SamplingParams, gen: torch.Generator | None, absorb: bool = True, timer=None,
+) -> StepResult:
+    """Advance every live sequence by its accepted drafts + 1 bonus; caches are updated in place."""
+    t = timer or (lambda name: _null())
+    with t("draft"):
+        tree = build_tree(draft(target, drafter, dcache, rows, start, bonus), spec)
+        tree.tokens[:, 0] = bonus
+    with t("verify"):
+        batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words())
+        h, aux = target(tree.tokens, batch, cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=absorb)
+        choice = target_choices(target.logits(h), sp, gen)
+    path, n_acc, new_bonus = accept_walk(tree, choice)
+    # Finished rows stay frozen: nothing of theirs is committed.
+    path = torch.where(alive[:, None], path, -1)
+    path[:, 0] = torch.where(alive, 0, -1)
+    commit_latent(cache_LRTC, rows, start, path.clamp_min(0))
+    J = path.shape[1]
+    feat = aux.gather(1, path.clamp_min(0)[:, :, None].expand(-1, -1, aux.shape[2]))
+    pos = start[:, None] + torch.arange(J, device=start.device)
+    drafter.append_context(dcache.k, dcache.v, feat, pos, rows, valid_BC=path >= 0)
+    emitted = emitted_tokens(tree, path, new_bonus)
+    return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
