@@ -28,13 +28,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     from . import LLM, SamplingParams
 
-    llm = LLM(a.model or default_model_dir(), device=a.device, dtype=getattr(torch, DTYPES[a.dtype]),
-              max_model_len=a.max_model_len)
+    from . import SpecConfig
+
+    if a.spec != "ar" and not a.drafter:
+        raise ValueError(f"--spec {a.spec} needs --drafter DIR")
+    llm = LLM(a.model or default_model_dir(), drafter=a.drafter, device=a.device,
+              dtype=getattr(torch, DTYPES[a.dtype]), max_model_len=a.max_model_len)
+    spec = SpecConfig(method=a.spec, budget=a.budget)
     prompt = llm.tokenizer.chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed)
-    out = llm.generate(prompt, sp)[0]
+    out = llm.generate(prompt, sp, spec)[0]
     print(out.text)
-    print(f"[k26] {len(out.token_ids)} tokens, finish_reason={out.finish_reason}", file=sys.stderr)
+    extra = ""
+    if a.spec != "ar":
+        st = out.stats
+        extra = (f", {len(st.accepted_per_step)} verify steps, tau={st.tau:.2f}, "
+                 f"draft {st.draft_s * 1e3:.1f} ms, verify {st.verify_s * 1e3:.1f} ms")
+    print(f"[k26] {len(out.token_ids)} tokens, finish_reason={out.finish_reason}{extra}", file=sys.stderr)
     return 0
 
 
@@ -65,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--drafter", help="DFlash drafter directory (enables --spec dflash|ddtree)")
+    g.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
+    g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root")
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("info", help="print the parsed model config")
     i.add_argument("--model")

@@ -24,7 +24,7 @@ def num_splits(batch: int, rows: int, device: torch.device) -> int:
     """Prefix splits so batch 1 fills the GPU: about two blocks per SM; fixed by shapes, so per bucket."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     tiles = math.ceil(rows / BLOCK_ROWS) * batch
-    return max(1, min(64, math.ceil(2 * sms / tiles)))
+    return max(1, min(256, math.ceil(2 * sms / tiles)))
 
 
 def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:

@@ -41,27 +41,31 @@ class DraftTree:
         return tree_mask_to_words(self.ancestors)
 
 
-@lru_cache(maxsize=64)
-def _admissible(budget: int, K: int) -> tuple[list[int], list[int]]:
-    """(i, j) with (i+1)(j+1) <= budget, j < K: the only children that can enter the next beam."""
+@lru_cache(maxsize=256)
+def _admissible(budget: int, K: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(i, j) with (i+1)(j+1) <= budget, i < width, j < K: the only children that can enter the next beam.
+    Cached device tensors, so a graph capture never copies from the host."""
     pi, pj = [], []
-    for i in range(budget):
+    for i in range(min(budget, width)):
         for j in range(min(K, budget // (i + 1))):
             pi.append(i)
             pj.append(j)
-    return pi, pj
+    return torch.tensor(pi, device=device), torch.tensor(pj, device=device)
 
 
 def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
     """logprobs [B, L, V] (per-depth drafter log-probabilities) -> the optimal tree of `budget` nodes."""
     if budget < 1:
         raise ValueError(f"budget={budget}: must be >= 1")
-    B, L, V = logprobs.shape
-    dev = logprobs.device
-    K = min(budget, V)
-    lp, tok = logprobs.topk(K, dim=-1)  # [B, L, K], sorted descending
+    lp, tok = logprobs.topk(min(budget, logprobs.shape[2]), dim=-1)  # [B, L, K], sorted descending
+    return build_ddtree_from_topk(lp, tok, budget)
+
+
+def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> DraftTree:
+    """The tree from per-depth top-K (log-prob, token) pairs sorted descending, K = min(budget, V)."""
+    B, L, K = lp.shape
+    dev = lp.device
     lp = lp.double()
-    neg = torch.tensor(float("-inf"), dtype=torch.float64, device=dev)
 
     # Depth 1: the K candidates in rank order (which is also lexicographic order).
     beam_score = lp[:, 0, :].clone()  # [B, W]
@@ -73,11 +77,7 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
     for d in range(1, L):
         # Score rank of each beam member (stable: ties keep lexicographic order).
         order = torch.sort(beam_score, dim=-1, descending=True, stable=True).indices  # [B, W]
-        pi, pj = _admissible(min(budget, beam_score.shape[1] * K), K)
-        pi_t = torch.tensor(pi, device=dev)
-        pj_t = torch.tensor(pj, device=dev)
-        keep = pi_t < beam_score.shape[1]
-        pi_t, pj_t = pi_t[keep], pj_t[keep]
+        pi_t, pj_t = _admissible(budget, K, beam_score.shape[1], dev)
         par_lex = order[:, pi_t]  # [B, P] lexicographic position of each candidate's parent
         cand_score = beam_score.gather(1, par_lex) + lp[:, d, :].gather(1, pj_t.expand(B, -1))
         cand_lex = par_lex * K + pj_t  # lexicographic key of the candidate
@@ -99,7 +99,7 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
     sizes = [s.shape[1] for s in scores]
     all_score = torch.cat(scores, dim=1)
     all_depth = torch.cat([torch.full((B, n), d + 1, device=dev) for d, n in enumerate(sizes)], dim=1)
-    offsets = torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)
+    offsets = [sum(sizes[:d]) for d in range(len(sizes))]
     all_parent = torch.cat(
         [torch.where(p >= 0, p + (offsets[d - 1] if d else 0), -1) for d, p in enumerate(parents)], dim=1
     )  # index of the parent within the union, -1 for depth 1
@@ -119,7 +119,8 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
     depths = torch.cat([root, all_depth.gather(1, pick), root.expand(B, pad) + 1], 1)
     valid_t = torch.cat([torch.ones_like(root, dtype=torch.bool), valid, torch.zeros(B, pad, dtype=torch.bool, device=dev)], 1)
     parents_t = torch.where(valid_t | (parents_t < 0), parents_t, 0)
-    score_t = torch.cat([torch.zeros(B, 1, dtype=torch.float64, device=dev), node_score, neg.expand(B, pad)], 1)
+    score_t = torch.cat([torch.zeros(B, 1, dtype=torch.float64, device=dev), node_score,
+                         torch.full((B, pad), float("-inf"), dtype=torch.float64, device=dev)], 1)
     return DraftTree(tokens, parents_t, depths, valid_t, _ancestors(parents_t, valid_t, L), score_t, L)
 
 

@@ -8,7 +8,7 @@
 // Design: the N*H query rows of a sequence are tiled 32 at a time; grid = (row tiles, S + 1 splits, B),
 // row tiles of a split adjacent so a KV tile fetched from HBM is re-read from L2 by the other row tiles.
 // Splits 0..S-1 cover the prefix with no mask (the active split count adapts on the device to L_b, at
-// least 256 keys each); split S is the tree block with the bitmask. Each split keeps an online softmax
+// least 128 keys each); split S is the tree block with the bitmask. Each split keeps an online softmax
 // and writes its normalised partial output and log-sum-exp; a merge kernel combines them in fp32.
 // Per 16-key tile: cp.async double-buffered K tile, S = Q K^T by 8 warps (row tile x key tile x K-half,
 // halves summed in shared memory), softmax by one warp, O += P V with each warp owning 64 of the 512
@@ -31,7 +31,7 @@ constexpr int DQK = 576, DV = 512;
 constexpr int BM = 32, BN = 16, THREADS = 256;
 constexpr int LDS = DQK + 8;  // padded row: 1168 B = 292 words, ldmatrix rows land on distinct banks
 constexpr int LDP = 24;       // P rows padded likewise
-constexpr int MIN_SPLIT_KEYS = 256;
+constexpr int MIN_SPLIT_KEYS = 128;
 
 constexpr size_t SMEM_Q = BM * LDS * 2, SMEM_K = 2 * BN * LDS * 2, SMEM_S = 2 * BM * BN * 4, SMEM_P = BM * LDP * 2;
 constexpr size_t SMEM_BYTES = SMEM_Q + SMEM_K + SMEM_S + SMEM_P + 3 * BM * 4;
