@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from ..ops import tree_mask_to_words
+from ..ops import tree_mask_to_words, words_to_tree_mask
 
 
 @dataclass
@@ -29,7 +29,7 @@ class DraftTree:
     parents: torch.Tensor  # [B, 1 + n] int64; root -1, parents[i] < i
     depths: torch.Tensor  # [B, 1 + n] int64; root 0
     valid: torch.Tensor  # [B, 1 + n] bool; False for padding nodes (never visible, never accepted)
-    ancestors: torch.Tensor  # [B, 1 + n, 1 + n] bool: j is i or an ancestor of i
+    words: torch.Tensor  # [B, 1 + n, ceil((1 + n) / 64)] int64 ancestor-or-self bitmask (tree attention's mask)
     scores: torch.Tensor  # [B, 1 + n] float64 log q(u); root 0
     max_depth: int  # static: the drafter's L = block - 1, the longest path the walk may take
 
@@ -37,8 +37,13 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def ancestors(self) -> torch.Tensor:
+        """[B, 1 + n, 1 + n] bool: j is i or an ancestor of i."""
+        return words_to_tree_mask(self.words, self.num_nodes)
+
     def mask_words(self) -> torch.Tensor:
-        return tree_mask_to_words(self.ancestors)
+        return self.words
 
 
 @lru_cache(maxsize=256)
@@ -62,7 +67,14 @@ def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
 
 
 def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> DraftTree:
-    """The tree from per-depth top-K (log-prob, token) pairs sorted descending, K = min(budget, V)."""
+    """The tree from per-depth top-K (log-prob, token) pairs sorted descending, K = min(budget, V).
+    On CUDA one thread block per tree builds it (csrc/ddtree_build.cu); elsewhere the torch version below."""
+    if lp.is_cuda and budget <= 512 and lp.shape[1] <= 15:
+        from ..ops.tree_cuda import build_ddtree_cuda
+
+        t = build_ddtree_cuda(lp, tok, budget)
+        if t is not None:
+            return DraftTree(*t, lp.shape[1])
     B, L, K = lp.shape
     dev = lp.device
     lp = lp.double()
@@ -121,7 +133,7 @@ def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> 
     parents_t = torch.where(valid_t | (parents_t < 0), parents_t, 0)
     score_t = torch.cat([torch.zeros(B, 1, dtype=torch.float64, device=dev), node_score,
                          torch.full((B, pad), float("-inf"), dtype=torch.float64, device=dev)], 1)
-    return DraftTree(tokens, parents_t, depths, valid_t, _ancestors(parents_t, valid_t, L), score_t, L)
+    return DraftTree(tokens, parents_t, depths, valid_t, tree_mask_to_words(_ancestors(parents_t, valid_t, L)), score_t, L)
 
 
 def _ancestors(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -148,7 +160,7 @@ def chain_tree(logprobs: torch.Tensor) -> DraftTree:
     anc = torch.ones(L + 1, L + 1, dtype=torch.bool, device=dev).tril().expand(B, -1, -1)
     scores = torch.cat([root.double(), lp.double().cumsum(-1)], 1)
     return DraftTree(torch.cat([root, tok], 1), parents, ar.expand(B, -1).clone(),
-                     torch.ones(B, L + 1, dtype=torch.bool, device=dev), anc, scores, L)
+                     torch.ones(B, L + 1, dtype=torch.bool, device=dev), tree_mask_to_words(anc), scores, L)
 
 
 def build_ddtree_heap(logprobs: torch.Tensor, budget: int) -> list[tuple[list[int], list[int], list[int]]]:
