@@ -97,11 +97,13 @@ def test_sampling_walk_matches_autoregressive_distribution():
 
 
 def test_greedy_walk_follows_argmax():
-    lp = torch.log_softmax(torch.randn(1, 3, 10), -1)
+    lp = torch.log_softmax(torch.randn(1, 3, 10, generator=torch.Generator().manual_seed(4)), -1)
     tree = build_ddtree(lp, 6)
     logits = torch.full((1, 7, 10), -5.0)
-    # make the target agree with node 1's token at the root, then stop
+    # the target agrees with node 1's token at the root, then picks a token none of node 1's children carry
     logits[0, 0, tree.tokens[0, 1]] = 5.0
+    children = set(tree.tokens[0][tree.parents[0] == 1].tolist())
+    logits[0, 1, next(t for t in range(10) if t not in children)] = 5.0
     path, n_acc, bonus = accept_walk(tree, target_choices(logits, SamplingParams(), None))
     assert path[0, :2].tolist() == [0, 1] and int(n_acc) == 1
     assert int(bonus) == int(logits[0, 1].argmax())
