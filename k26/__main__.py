@@ -60,6 +60,24 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    text = run_bench(a)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from .bench import run_profile
+
+    print(run_profile(a))
+    print(f"[k26] torch.profiler trace written to {a.out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="k26", description="Kimi K2.6 inference")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -82,6 +100,26 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("info", help="print the parsed model config")
     i.add_argument("--model")
     i.set_defaults(fn=cmd_info)
+    bn = sub.add_parser("bench", help="tokens/s of AR eager / AR graphs / DFlash / DDTree / HF generate()")
+    bn.add_argument("--model")
+    bn.add_argument("--drafter")
+    bn.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    bn.add_argument("--batch", type=int, default=1)
+    bn.add_argument("--max-tokens", type=int, default=128)
+    bn.add_argument("--budget", type=int, default=12)
+    bn.add_argument("--compile", action="store_true")
+    bn.add_argument("--no-hf", action="store_true")
+    bn.add_argument("--out")
+    bn.set_defaults(fn=cmd_bench)
+    pr = sub.add_parser("profile", help="write a torch.profiler trace of a short generation")
+    pr.add_argument("--model")
+    pr.add_argument("--drafter")
+    pr.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    pr.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
+    pr.add_argument("--budget", type=int, default=12)
+    pr.add_argument("--max-tokens", type=int, default=32)
+    pr.add_argument("--out", default="k26-trace.json")
+    pr.set_defaults(fn=cmd_profile)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

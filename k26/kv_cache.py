@@ -39,13 +39,14 @@ class LatentCache:
 
 @dataclass
 class DrafterCache:
-    """Per-layer K/V of committed context rows only: [layers, rows, max_len, kv_heads, head_dim].
-    Block rows are never stored, so nothing has to be cropped after a draft."""
+    """Per-layer K/V of committed context rows only: [layers, rows + 1, max_len, kv_heads, head_dim].
+    Block rows are never stored, so nothing has to be cropped after a draft. The extra last row is a
+    trash row that absorbs padding writes, keeping every write static-shaped."""
 
     k: torch.Tensor
     v: torch.Tensor
 
     @classmethod
     def allocate(cls, cfg: DrafterConfig, rows: int, max_len: int, dtype: torch.dtype, device) -> DrafterCache:
-        shape = (cfg.num_hidden_layers, rows, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, rows + 1, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -15,6 +15,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] | None = None  # None = the tokenizer's end-of-turn ids
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -35,6 +36,10 @@ class SamplingParams:
             if not all(isinstance(i, int) and i >= 0 for i in ids):
                 raise bad("stop_token_ids", "must be non-negative integers")
             object.__setattr__(self, "stop_token_ids", ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise bad("stop", "must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
 
 
 def sample(logits_BV: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

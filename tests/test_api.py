@@ -125,3 +125,24 @@ def test_cli_reports_bad_input(tiny_k25, capsys):
 def test_public_names():
     for name in ("LLM", "SamplingParams", "RequestOutput"):
         assert hasattr(k26, name)
+
+
+def test_stream_yields_the_generated_text(llm):
+    sp = SamplingParams(max_tokens=12, stop_token_ids=[])
+    pieces = list(llm.stream([5, 17, 300], sp))
+    full = llm.generate([[5, 17, 300]], sp)[0]
+    assert "".join(pieces) == full.text and len(pieces) >= 1
+
+
+def test_stop_string_cuts_the_text(llm):
+    sp = SamplingParams(max_tokens=20, stop_token_ids=[])
+    full = llm.generate([[8, 9, 10]], sp)[0]
+    stop = full.text[3:5]
+    assert stop
+    out = llm.generate([[8, 9, 10]], SamplingParams(max_tokens=20, stop_token_ids=[], stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.find(stop)]
+
+
+def test_bad_stop_strings():
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=[""])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..drafter_config import DrafterConfig
+from ..ops.reference import live_keys
 from .layers import MLP, RMSNorm, linear
 from .rope import yarn_inv_freq
 
@@ -98,19 +99,19 @@ class DFlashDrafter(nn.Module):
 
     def append_context(self, cache_k, cache_v, feat_BCX, pos_BC, rows_B, valid_BC=None) -> None:
         """Write context rows at their positions of the drafter cache [layers, rows, T, Hkv, hd].
-        Rows with valid False (padding) are not written."""
+        Rows with valid False (padding) go to the cache's last row, a trash row no sequence owns, so the
+        write has a static shape (no boolean indexing, no host sync)."""
+        r = rows_B[:, None].expand_as(pos_BC)
+        p = pos_BC.clamp_max(cache_k.shape[2] - 1)
+        if valid_BC is not None:
+            r = torch.where(valid_BC, r, cache_k.shape[1] - 1)
         for i, (k, v) in enumerate(self.context_kv(feat_BCX, pos_BC)):
-            r = rows_B[:, None].expand_as(pos_BC)
-            if valid_BC is not None:
-                r, p, k, v = r[valid_BC], pos_BC[valid_BC], k[valid_BC], v[valid_BC]
-            else:
-                p = pos_BC
             cache_k[i][r, p] = k.to(cache_k.dtype)
             cache_v[i][r, p] = v.to(cache_v.dtype)
 
     def forward(self, x_BSD, pos_BS, cache_k, cache_v, rows_B, ctx_lens_B) -> torch.Tensor:
         """Block hidden states after the final norm [B, S, D]; context = cache positions < ctx_lens."""
-        keys = int(ctx_lens_B.max())  # the reference path reads only the live part of the cache
+        keys = live_keys(ctx_lens_B, 0, cache_k.shape[2])  # live part eagerly, whole rows under graphs
         vis = torch.arange(keys, device=x_BSD.device)[None, :] < ctx_lens_B[:, None]
         for i, layer in enumerate(self.layers):
             ck, cv = cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys]

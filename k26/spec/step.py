@@ -13,7 +13,7 @@ from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
 from ..sampling import SamplingParams
 from .accept import accept_walk, commit_latent, emitted_tokens, target_choices
-from .tree import DraftTree, build_ddtree, chain_tree
+from .tree import DraftTree, build_ddtree, chain_tree, pad_tree
 
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
 
@@ -47,20 +47,27 @@ def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, st
     return drafter_logits(h, target.lm_head)
 
 
-def build_tree(logprobs: torch.Tensor, spec: SpecConfig) -> DraftTree:
-    if spec.method == "dflash":
-        return chain_tree(logprobs)
-    return build_ddtree(logprobs, spec.budget or logprobs.shape[1])
+def build_tree(logprobs: torch.Tensor, spec: SpecConfig, nodes: int | None = None) -> DraftTree:
+    tree = chain_tree(logprobs) if spec.method == "dflash" else build_ddtree(logprobs, spec.budget or logprobs.shape[1])
+    return pad_tree(tree, nodes) if nodes else tree
+
+
+def verify_nodes(spec: SpecConfig, block_size: int) -> int:
+    """Verify tokens per sequence of one step: the root plus the tree's nodes."""
+    if spec.method == "ar":
+        return 1
+    return block_size if spec.method == "dflash" else 1 + (spec.budget or block_size - 1)
 
 
 def speculative_step(
     target: KimiK2, drafter: DFlashDrafter, cache_LRTC, dcache: DrafterCache, rows, start, bonus, alive,
     spec: SpecConfig, sp: SamplingParams, gen: torch.Generator | None, absorb: bool = True, timer=None,
+    nodes: int | None = None,
 ) -> StepResult:
     """Advance every live sequence by its accepted drafts + 1 bonus; caches are updated in place."""
     t = timer or (lambda name: _null())
     with t("draft"):
-        tree = build_tree(draft(target, drafter, dcache, rows, start, bonus), spec)
+        tree = build_tree(draft(target, drafter, dcache, rows, start, bonus), spec, nodes)
         tree.tokens[:, 0] = bonus
     with t("verify"):
         batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words())

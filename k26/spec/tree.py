@@ -189,3 +189,33 @@ def build_ddtree_heap(logprobs: torch.Tensor, budget: int) -> list[tuple[list[in
                 heapq.heappush(heap, (-(-neg + lp[d][0]), d + 1, ranks + (0,), node, -neg))
         out.append((tokens, parents, depths))
     return out
+
+
+def pad_tree(tree: DraftTree, nodes: int) -> DraftTree:
+    """Pad to a bucket's node count: padding nodes see only themselves and are never accepted."""
+    extra = nodes - tree.num_nodes
+    if extra < 0:
+        raise ValueError(f"tree of {tree.num_nodes} nodes does not fit a bucket of {nodes}")
+    if extra == 0:
+        return tree
+    B, N0, W0 = tree.words.shape
+    dev = tree.tokens.device
+    W = (nodes + 63) // 64
+    words = torch.zeros(B, nodes, W, dtype=torch.int64, device=dev)
+    words[:, :N0, :W0] = tree.words
+    words[:, N0:] = _self_words(N0, nodes, dev)
+    z = torch.zeros(B, extra, dtype=torch.long, device=dev)
+    return DraftTree(
+        torch.cat([tree.tokens, z], 1), torch.cat([tree.parents, z], 1), torch.cat([tree.depths, z + 1], 1),
+        torch.cat([tree.valid, z.bool()], 1), words,
+        torch.cat([tree.scores, torch.full((B, extra), float("-inf"), dtype=torch.float64, device=dev)], 1),
+        tree.max_depth,
+    )
+
+
+@lru_cache(maxsize=64)
+def _self_words(first: int, nodes: int, device: torch.device) -> torch.Tensor:
+    idx = torch.arange(first, nodes)
+    eye = torch.zeros(nodes - first, nodes, dtype=torch.bool)
+    eye[torch.arange(nodes - first), idx] = True
+    return tree_mask_to_words(eye[None])[0].to(device)

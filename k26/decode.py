@@ -1,0 +1,281 @@
+"""Decode loops over one batch of prompts: autoregressive, DFlash and DDTree, eager or one CUDA-graph
+replay per step. Each loop is a generator that yields after every step, so `generate` drains it and
+`stream` forwards the increments.
+
+Graph mode: per (method, budget, sampling) a `StepGraphs` captures the whole step per bucket before
+the batch's prefill (the caches are scratch then); the host loop is replay, one small copy of the
+emitted tokens back, bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .graphs import Bucket, StepGraphs, StepState, pick_bucket
+from .model import AttnBatch
+from .ops.reference import static_shapes
+from .profiling import nvtx_range
+from .sampling import SamplingParams, sample
+from .spec.step import SpecConfig, speculative_step, verify_nodes
+
+
+@dataclass
+class SpecStats:
+    accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per target forward
+    draft_s: float = 0.0  # eager only: graph steps are one replay with no phase boundaries
+    verify_s: float = 0.0
+    host_s: float = 0.0  # CPU time between steps, waits excluded (graph mode)
+    steps: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward (accepted drafts + the bonus), prefill excluded."""
+        return sum(self.accepted_per_step) / len(self.accepted_per_step) if self.accepted_per_step else 1.0
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated, without the stop token
+    text: str = ""  # decoded token_ids, special tokens left out, cut before a stop string
+    finish_reason: str | None = None  # "stop" | "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class Decoder:
+    """Runs batches on an `LLM`'s model, drafter and caches."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.runners: dict[tuple, StepGraphs] = {}
+        self.target = llm.model_fwd  # compiled or plain
+
+    # -- shared pieces ---------------------------------------------------------------------------
+    def _prefill(self, prompts, rows, aux_layers):
+        llm, dev = self.llm, self.llm.device
+        B, T = len(prompts), max(map(len, prompts))
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        with nvtx_range("prefill"):
+            batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows)
+            h, aux = llm.model(ids.to(dev), batch, llm.cache.kv_LRTC, aux_layers=aux_layers, absorb=llm.absorb)
+            if aux_layers:
+                pos = torch.arange(T, device=dev).expand(B, T)
+                llm.drafter.append_context(llm.dcache.k, llm.dcache.v, aux, pos, rows, valid_BC=pos < lens[:, None])
+        return h[torch.arange(B, device=dev), lens - 1], lens
+
+    def _emit(self, outs, live: list[int], new: list[list[int]], stops: set[int], sp: SamplingParams) -> None:
+        """Append each live sequence's new tokens, stopping at a stop id / string, max_tokens or the context."""
+        for b in list(live):
+            o = outs[b]
+            for t in new[b]:
+                if t in stops:
+                    o.finish_reason = "stop"
+                    break
+                o.token_ids.append(t)
+                if sp.stop and self._cut_at_stop_string(o, sp.stop):
+                    break
+                if len(o.token_ids) >= sp.max_tokens or len(o.prompt_token_ids) + len(o.token_ids) >= self.llm.max_model_len:
+                    o.finish_reason = "length"
+                    break
+            if o.finish_reason:
+                live.remove(b)
+
+    def _cut_at_stop_string(self, o: RequestOutput, stop: tuple[str, ...]) -> bool:
+        text = self.llm.tokenizer.decode(o.token_ids, skip_special=True)
+        hits = [text.find(s) for s in stop if s in text]
+        if not hits:
+            return False
+        o.text, o.finish_reason = text[: min(hits)], "stop"
+        return True
+
+    def _room(self, outs, live, nodes: int) -> bool:
+        llm = self.llm
+        room = llm.max_model_len - nodes
+        if llm.dcache is not None:
+            room = min(room, llm.dcache.k.shape[2] - llm.drafter.cfg.block_size)
+        return max(len(outs[b].prompt_token_ids) + len(outs[b].token_ids) for b in live) <= room
+
+    # -- entry -----------------------------------------------------------------------------------
+    def run(self, prompts: list[list[int]], sp: SamplingParams, spec: SpecConfig) -> Iterator[list[RequestOutput]]:
+        llm = self.llm
+        outs = [RequestOutput(prompt_token_ids=p) for p in prompts]
+        if sp.max_tokens == 0:
+            for o in outs:
+                o.finish_reason = "length"
+            yield outs
+            return
+        block = llm.drafter.cfg.block_size if llm.drafter is not None else 1
+        nodes = verify_nodes(spec, block)
+        graph = None
+        if llm.graphs:
+            graph = self._runner(spec, sp)
+            bucket = pick_bucket(llm.buckets_for(spec), len(prompts), nodes)
+            graph.capture([bucket], progress=llm.progress)
+        stops = set(sp.stop_token_ids if sp.stop_token_ids is not None else llm.tokenizer.stop_ids)
+        gen = None
+        if sp.seed is not None:
+            if graph is not None:  # graphs draw from the device's default generator
+                torch.cuda.manual_seed(sp.seed)
+            else:
+                gen = torch.Generator(device=llm.device).manual_seed(sp.seed)
+        B, dev = len(prompts), llm.device
+        rows = torch.arange(B, device=dev)
+        aux_layers = llm.drafter.cfg.target_layer_ids if spec.method != "ar" else ()
+        h, lens = self._prefill(prompts, rows, aux_layers)
+        bonus = sample(llm.model.logits(h), sp, gen)
+        live = list(range(B))
+        self._emit(outs, live, [[t] for t in bonus.tolist()], stops, sp)
+        yield outs
+        if graph is not None:
+            yield from self._graph_loop(graph, bucket, outs, live, lens, bonus, stops, sp, nodes)
+        else:
+            yield from self._eager_loop(outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes)
+        for o in outs:
+            if not o.text:
+                o.text = llm.tokenizer.decode(o.token_ids, skip_special=True)
+
+    # -- eager -----------------------------------------------------------------------------------
+    def _eager_loop(self, outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes):
+        llm, B, dev = self.llm, len(outs), self.llm.device
+        timer = _Timer(dev) if spec.method != "ar" else None
+        while live:
+            alive = torch.zeros(B, dtype=torch.bool)
+            alive[live] = True
+            alive = alive.to(dev)
+            if spec.method != "ar":
+                if not self._room(outs, live, nodes):
+                    for b in live:  # no room for another verify tree
+                        outs[b].finish_reason = "length"
+                    break
+                r = speculative_step(llm.model, llm.drafter, llm.cache.kv_LRTC, llm.dcache, rows, lens, bonus, alive,
+                                     spec, sp, gen, llm.absorb, timer)
+                emitted, counts = r.emitted.tolist(), r.n_emitted.tolist()  # the step's one host read
+                for b in live:
+                    outs[b].stats.accepted_per_step.append(counts[b])
+                self._emit(outs, live, [e[: counts[b]] for b, e in enumerate(emitted)], stops, sp)
+                lens, bonus = lens + r.n_emitted, r.bonus
+            else:
+                batch = AttnBatch.causal(lens, 1, rows)
+                h, _ = llm.model(bonus[:, None], batch, llm.cache.kv_LRTC, absorb=llm.absorb)
+                bonus = sample(llm.model.logits(h[:, 0]), sp, gen)
+                lens = lens + alive.long()  # finished rows stay frozen and only rewrite their own last slot
+                self._emit(outs, live, [[t] for t in bonus.tolist()], stops, sp)
+            yield outs
+        if timer is not None:
+            for o in outs:
+                o.stats.draft_s, o.stats.verify_s = timer.total("draft"), timer.total("verify")
+
+    # -- graphs ----------------------------------------------------------------------------------
+    def _runner(self, spec: SpecConfig, sp: SamplingParams) -> StepGraphs:
+        key = (spec, sp.temperature, sp.top_p, sp.top_k)
+        if key not in self.runners:
+            llm = self.llm
+            width = llm.drafter.cfg.block_size if spec.method != "ar" else 1
+
+            def step(state: StepState, bucket: Bucket) -> None:
+                with static_shapes():
+                    if spec.method == "ar":
+                        batch = AttnBatch.causal(state.start, 1, state.rows)
+                        h, _ = self.target(state.bonus[:, None], batch, llm.cache.kv_LRTC, absorb=llm.absorb)
+                        tok = sample(llm.model.logits(h[:, 0]), sp, None)
+                        state.emitted[:, 0].copy_(tok)
+                        state.n_emitted.copy_(state.alive.long())
+                    else:
+                        r = speculative_step(self.target, llm.drafter, llm.cache.kv_LRTC, llm.dcache, state.rows,
+                                             state.start, state.bonus, state.alive, spec, sp, None, llm.absorb,
+                                             nodes=bucket.nodes)
+                        state.emitted.copy_(r.emitted)
+                        state.n_emitted.copy_(r.n_emitted)
+                        tok = r.bonus
+                    state.start.add_(state.n_emitted)
+                    state.bonus.copy_(torch.where(state.alive, tok, state.bonus))
+
+            self.runners[key] = StepGraphs(step, width, llm.device)
+        return self.runners[key]
+
+    def _graph_loop(self, graph: StepGraphs, bucket, outs, live, lens, bonus, stops, sp, nodes):
+        B = len(outs)
+        state = graph.states[bucket]
+        state.reset()
+        state.start[:B] = lens
+        state.bonus[:B] = bonus
+        state.alive[:B] = True
+        host_em = torch.empty_like(state.emitted, device="cpu").pin_memory()
+        host_n = torch.empty_like(state.n_emitted, device="cpu").pin_memory()
+        done = torch.cuda.Event()
+        host = 0.0
+        while live:
+            if not self._room(outs, live, nodes):
+                for b in live:
+                    outs[b].finish_reason = "length"
+                break
+            t0 = time.perf_counter()
+            graph.replay(bucket)
+            host_em.copy_(state.emitted, non_blocking=True)  # the step's one small device-to-host copy
+            host_n.copy_(state.n_emitted, non_blocking=True)
+            done.record()
+            t1 = time.perf_counter()
+            done.synchronize()
+            t2 = time.perf_counter()
+            counts, emitted = host_n.tolist(), host_em.tolist()
+            was = set(live)
+            for b in live:
+                outs[b].stats.accepted_per_step.append(counts[b])
+            self._emit(outs, live, [e[: counts[b]] for b, e in enumerate(emitted)], stops, sp)
+            for b in was - set(live):
+                state.alive[b] = False  # rare: a sequence finished
+            host += (t1 - t0) + (time.perf_counter() - t2)
+            for b in range(B):
+                outs[b].stats.steps += b in was
+                outs[b].stats.host_s = host
+            yield outs
+
+
+class _Timer:
+    """Phase times without a sync per step: CUDA events on GPU (read at the end), wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    def __call__(self, name: str):
+        return _Span(self, name)
+
+    def total(self, name: str) -> float:
+        spans = self.spans.get(name, [])
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return sum(spans)
+
+
+class _Span:
+    def __init__(self, timer: _Timer, name: str):
+        self.t, self.name = timer, name
+
+    def __enter__(self):
+        self.r = nvtx_range(self.name)
+        self.r.__enter__()
+        if self.t.cuda:
+            self.a = torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.a = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.t.cuda:
+            b = torch.cuda.Event(enable_timing=True)
+            b.record()
+            self.t.spans.setdefault(self.name, []).append((self.a, b))
+        else:
+            self.t.spans.setdefault(self.name, []).append(time.perf_counter() - self.a)
+        self.r.__exit__(*exc)
+        return False

@@ -1,0 +1,87 @@
+"""Own CUDA-graph capture per bucket (nano-vllm style): static state in, static results out, the whole
+step — for speculative methods draft, tree, verify, accept, commit, context update — in one replay.
+
+Rules followed (gpu-targets.md §6): everything compiled and built before capture, two warm-ups on a
+side stream, largest bucket first into one shared memory pool, no host sync inside the step, every
+per-step input lives in a static buffer that the step itself advances (start += emitted, bonus = next).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..profiling import nvtx_range
+from .buckets import Bucket
+
+
+@dataclass
+class StepState:
+    """Static buffers of one bucket; the captured step reads and advances them in place."""
+
+    rows: torch.Tensor  # [Bb] cache row per sequence (dummy rows: spare cache rows)
+    start: torch.Tensor  # [Bb] committed length
+    bonus: torch.Tensor  # [Bb] next root token
+    alive: torch.Tensor  # [Bb] bool
+    emitted: torch.Tensor  # [Bb, J] tokens emitted by the last step, -1 after
+    n_emitted: torch.Tensor  # [Bb]
+
+    @classmethod
+    def allocate(cls, bucket: Bucket, width: int, device) -> StepState:
+        z = torch.zeros(bucket.batch, dtype=torch.long, device=device)
+        return cls(torch.arange(bucket.batch, device=device), z.clone(), z.clone(),
+                   torch.zeros(bucket.batch, dtype=torch.bool, device=device),
+                   torch.full((bucket.batch, width), -1, dtype=torch.long, device=device), z.clone())
+
+    def reset(self) -> None:
+        self.start.zero_(), self.bonus.zero_(), self.alive.zero_(), self.emitted.fill_(-1), self.n_emitted.zero_()
+
+
+class StepGraphs:
+    """Captures `step(state)` once per bucket and replays it."""
+
+    def __init__(self, step: Callable[[StepState, Bucket], None], width: int, device: torch.device):
+        self.step, self.width, self.device = step, width, device
+        self.states: dict[Bucket, StepState] = {}
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.report: list[tuple[Bucket, float, int]] = []  # (bucket, capture seconds, pool bytes added)
+        self.pool = None
+
+    def capture(self, buckets: list[Bucket], progress: bool = True) -> None:
+        todo = sorted(set(buckets) - set(self.graphs), reverse=True)  # largest first: smaller reuse its pool
+        if not todo:
+            return
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        for bucket in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
+            with nvtx_range(f"capture b{bucket.batch} n{bucket.nodes}"):
+                state = StepState.allocate(bucket, self.width, self.device)
+                t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+                try:
+                    side = torch.cuda.Stream(self.device)
+                    side.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(side):
+                        for _ in range(2):  # compile, autotune, load kernels, allocate: never during capture
+                            self.step(state, bucket)
+                            state.reset()
+                    torch.cuda.current_stream(self.device).wait_stream(side)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        self.step(state, bucket)
+                    torch.cuda.synchronize(self.device)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"CUDA graph capture of bucket (batch {bucket.batch}, nodes {bucket.nodes}) failed: {e}. "
+                        "Reduce max_batch, the DDTree budget or max_model_len, or pass graphs=False"
+                    ) from e
+                state.reset()
+                self.states[bucket], self.graphs[bucket] = state, g
+                self.report.append((bucket, time.perf_counter() - t0, torch.cuda.memory_reserved(self.device) - m0))
+
+    def replay(self, bucket: Bucket) -> StepState:
+        with nvtx_range("replay"):
+            self.graphs[bucket].replay()
+        return self.states[bucket]
