@@ -166,6 +166,8 @@ class Decoder:
                 h, _ = llm.model(bonus[:, None], batch, llm.cache.kv_LRTC, absorb=llm.absorb)
                 bonus = sample(llm.model.logits(h[:, 0]), sp, gen)
                 lens = lens + alive.long()  # finished rows stay frozen and only rewrite their own last slot
+                for b in live:
+                    outs[b].stats.accepted_per_step.append(1)
                 self._emit(outs, live, [[t] for t in bonus.tolist()], stops, sp)
             yield outs
         if timer is not None:
