@@ -1,0 +1,233 @@
+"""K2.6-scale speed on one GPU: the full 61-layer target at one TP rank's shard shapes (default rank 0 of
+TP 8), random weights in the loaded layouts (bf16 + repacked int4 experts), plus a DFlash drafter at
+the same rank's shapes, against the byte roofline measured in the same run.
+
+    python profiling/bench_k26.py [--tp 8] [--layers 61] [--ctx 4096,32768] [--nodes 1,8,16,32,64] [--out F]
+
+Collectives are excluded (the TP group is a no-op here; they are measured on two GPUs and modelled for
+eight). Every step is a CUDA-graph replay (median). Bytes per step: every non-routed parameter of the
+rank once, the routed experts a verify of N tokens touches — counted from the actual routing of the
+step's tokens, layer by layer — and the latent KV of the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_moe import copy_bandwidth, events_time  # noqa: E402
+
+from k26.config import ModelConfig  # noqa: E402
+from k26.drafter_config import DrafterConfig  # noqa: E402
+from k26.kv_cache import DrafterCache  # noqa: E402
+from k26.model import AttnBatch, KimiK2, TPInfo  # noqa: E402
+from k26.model.drafter import DFlashDrafter  # noqa: E402
+from k26.model.moe import Int4Experts  # noqa: E402
+from k26.ops.moe_cuda import repack_scales, w13_row_order  # noqa: E402
+from k26.ops.reference import static_shapes  # noqa: E402
+from k26.sampling import SamplingParams  # noqa: E402
+from k26.spec.step import SpecConfig, speculative_step  # noqa: E402
+from k26.tiny import quantization_config  # noqa: E402
+
+K26_TEXT = dict(
+    model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
+    n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1,
+    moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", rms_norm_eps=1e-5,
+    max_position_embeddings=262144, rope_theta=50000.0, num_nextn_predict_layers=0,
+    rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                      mscale=1.0, mscale_all_dim=1.0),
+    quantization_config=quantization_config(),
+)
+
+
+def drafter_config(tp: int) -> DrafterConfig:
+    """Kimi-K2.5-DFlash at one TP rank: 64/tp query heads, 8/tp (>= 1) KV heads, 18432/tp MLP columns."""
+    raw = dict(hidden_size=7168, num_attention_heads=64 // tp, num_key_value_heads=max(1, 8 // tp), head_dim=128,
+               num_hidden_layers=6, intermediate_size=18432 // tp, rms_norm_eps=1e-6, vocab_size=163840,
+               max_position_embeddings=262144, rope_theta=50000.0, rope_scaling=K26_TEXT["rope_scaling"],
+               block_size=8, dflash_config=dict(target_layer_ids=[1, 12, 24, 35, 47, 58], mask_token_id=163838))
+    return DrafterConfig.from_dict(raw)
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, skew: bool) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.dtype == torch.int32:
+            p.random_(generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            # a correction bias like a trained router's; "skew" makes a few experts popular
+            p.normal_(0, 0.5 if skew else 0.02, generator=g)
+        elif "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("_scale"):
+            p.uniform_(0.002, 0.01, generator=g)
+        else:
+            p.normal_(0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
+    for m in model.modules():
+        if isinstance(m, Int4Experts):  # random words are random in any layout: draw the kernel layout directly
+            E, inter, D = m.gate_packed.shape[0], m.gate_packed.shape[1], m.gate_packed.shape[2] * 8
+            w13 = torch.randint(-(2**31), 2**31 - 1, (E, inter // 8, D // 64, 32, 4), dtype=torch.int32, device="cuda")
+            w2 = torch.randint(-(2**31), 2**31 - 1, (E, D // 16, inter // 64, 32, 4), dtype=torch.int32, device="cuda")
+            s13 = repack_scales(torch.cat([m.gate_scale, m.up_scale], 1), w13_row_order(inter))
+            s2 = repack_scales(m.down_scale)
+            for n in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"):
+                delattr(m, n)
+            m.w13, m.s13, m.w2, m.s2 = (torch.nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2))
+            m.repacked = True
+
+
+def graph_step_time(fn, reset) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+            reset()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+
+    def replay():
+        reset()
+        g.replay()
+
+    t = events_time(replay, reps=15)
+    t_reset = events_time(reset, reps=15)
+    del g
+    return max(t - t_reset, 0.0)
+
+
+def param_bytes(model, routed: bool) -> int:
+    tot = 0
+    for m in model.modules():
+        own = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        if isinstance(m, Int4Experts) == routed:
+            tot += own
+    return tot
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--ctx", default="4096,32768")
+    ap.add_argument("--nodes", default="1,8,16,32,64")
+    ap.add_argument("--skew", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
+    cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
+    ident = lambda x: x  # noqa: E731  collectives excluded here, measured on two GPUs and modelled
+    tp = TPInfo(0, a.tp, all_reduce=ident, all_gather=ident)
+    dev = torch.device("cuda")
+    with torch.device("meta"):
+        model = KimiK2(cfg, torch.bfloat16, tp).requires_grad_(False)
+    model.to_empty(device=dev)
+    randomize(model, a.skew)
+    model.rope.reset_buffers()
+    model.eval()
+    dcfg = drafter_config(a.tp)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(dcfg, torch.bfloat16).requires_grad_(False)
+    drafter.to_empty(device=dev)
+    randomize(drafter, False)
+    drafter.rope.reset_buffers()
+    copy_bw = copy_bandwidth()
+    commit = os.environ.get("K26_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    nonrouted, routed_all = param_bytes(model, False), param_bytes(model, True)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    per_expert = routed_all / max(moe_layers, 1) / cfg.n_routed_experts
+    lines = [f"# bench_k26 — {datetime.date.today()}", "",
+             f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {commit}",
+             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} --nodes {a.nodes}"
+             f"{' --skew' if a.skew else ''}`",
+             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; non-routed {nonrouted / 1e9:.2f} GB, "
+             f"routed {routed_all / 1e9:.1f} GB ({per_expert / 1e6:.2f} MB per expert per layer); drafter "
+             f"{sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9:.2f} GB",
+             f"- copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read+write bytes)",
+             "- collectives excluded (no-op group); bytes = non-routed params + touched experts (counted from this "
+             "step's routing) + latent KV", "",
+             "| step | ctx L | verify N | time ms | experts/layer | GB read | GB/s | % copy BW |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    touched: list[int] = []
+    counting = [False]  # the hook syncs with the host: on for one eager pass, off for warm-ups and capture
+
+    def count(mod, args):
+        if counting[0]:
+            touched.append(int(args[1].unique().numel()))
+
+    for m in model.modules():
+        if isinstance(m, Int4Experts):
+            m.register_forward_pre_hook(count)
+    for L in ctxs:
+        cache = torch.zeros(cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev)
+        dcache = DrafterCache.allocate(dcfg, 1, L + 512, torch.bfloat16, dev)
+        rows, start = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), L, device=dev)
+        kv_bytes = cfg.num_hidden_layers * L * cfg.latent_dim * 2
+        for N in nodes:
+            ids = torch.randint(0, cfg.vocab_size, (1, N), device=dev)
+            anc = torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None]
+            batch = AttnBatch.tree(start, anc, rows)
+
+            def verify():
+                with static_shapes():
+                    h, _ = model(ids, batch, cache, aux_layers=dcfg.target_layer_ids)
+                    model.logits(h)
+
+            touched.clear()
+            counting[0] = True
+            verify()
+            counting[0] = False
+            experts = statistics.mean(touched) if touched else 0
+            t = graph_step_time(verify, lambda: None)
+            gb = (nonrouted + experts * per_expert * moe_layers + kv_bytes) / 1e9
+            lines.append(f"| {'decode' if N == 1 else 'verify'} | {L} | {N} | {t * 1e3:.2f} | {experts:.0f} | {gb:.2f} | "
+                         f"{gb / t:.0f} | {100 * gb * 1e9 / t / copy_bw:.0f}% |")
+            print(lines[-1], flush=True)
+        bonus = torch.randint(0, cfg.vocab_size, (1,), device=dev)
+        alive = torch.ones(1, dtype=torch.bool, device=dev)
+        sp = SamplingParams()
+        for spec in (SpecConfig("dflash"), SpecConfig("ddtree", 8), SpecConfig("ddtree", 15), SpecConfig("ddtree", 31)):
+            st = start.clone()
+
+            def step():
+                with static_shapes():
+                    speculative_step(model, drafter, cache, dcache, rows, st, bonus, alive, spec, sp, None)
+
+            t = graph_step_time(step, lambda: st.copy_(start))
+            lines.append(f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "
+                         f"{8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |")
+            print(lines[-1], flush=True)
+        dstart = start.clone()
+
+        def draft_only():
+            with static_shapes():
+                from k26.spec.step import draft
+
+                draft(model, drafter, dcache, rows, dstart, bonus)
+
+        t = graph_step_time(draft_only, lambda: None)
+        lines.append(f"| draft forward (drafter + lm_head shard) | {L} | 8 | {t * 1e3:.2f} | | | | |")
+        print(lines[-1], flush=True)
+        del cache, dcache
+        torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
