@@ -32,12 +32,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if a.spec != "ar" and not a.drafter:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun --nproc-per-node N: one rank per process
+    tp = a.tp or world
+    if world > 1 and tp != world:
+        raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE {world}")
     llm = LLM(a.model or default_model_dir(), drafter=a.drafter, device=a.device,
-              dtype=getattr(torch, DTYPES[a.dtype]), max_model_len=a.max_model_len)
+              dtype=getattr(torch, DTYPES[a.dtype]), max_model_len=a.max_model_len, tp=tp,
+              progress=int(os.environ.get("RANK", 0)) == 0)
     spec = SpecConfig(method=a.spec, budget=a.budget)
     prompt = llm.tokenizer.chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed)
     out = llm.generate(prompt, sp, spec)[0]
+    llm.close()
+    if int(os.environ.get("RANK", 0)) != 0:
+        return 0
     print(out.text)
     extra = ""
     if a.spec != "ar":
@@ -96,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--drafter", help="DFlash drafter directory (enables --spec dflash|ddtree)")
     g.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
     g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)")
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("info", help="print the parsed model config")
     i.add_argument("--model")

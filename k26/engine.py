@@ -6,6 +6,8 @@ then decoded one token per step for the whole batch, each sequence in its own ca
 
 from __future__ import annotations
 
+import atexit
+import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -16,6 +18,7 @@ from .kv_cache import DrafterCache, LatentCache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
 from .decode import Decoder, RequestOutput, SpecStats
+from .dist import _worker, check_world, init_from_env, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .sampling import SamplingParams
 from .spec.step import SpecConfig, verify_nodes
@@ -42,12 +45,17 @@ class LLM:
         buckets: Sequence[tuple[int, int]] | None = None,
         compile: bool = False,
     ):
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tp={tp!r}: expected a positive integer")
-        if tp != 1:
-            raise ValueError(f"tp={tp}: tensor-parallel execution is not available in this build yet; use tp=1")
+        check_world(tp)
         self.path = Path(model_path)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._workers: list = []
+        if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+            self._spawn_ranks(tp, model_path, dict(
+                drafter=drafter, device=device, dtype=dtype, tp=tp, max_model_len=max_model_len, max_batch=max_batch,
+                absorb=absorb, progress=False, cuda_kernels=cuda_kernels, graphs=graphs, buckets=buckets,
+                compile=compile))
+        self.rank, world, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
+        self.tp_size = tp
+        self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or torch.bfloat16
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
@@ -68,7 +76,8 @@ class LLM:
             raise ValueError(f"max_batch={max_batch}: expected a positive integer")
         self.absorb = absorb
         self.model: KimiK2 = load_model(
-            self.path, self.config, device=self.device, dtype=self.dtype, progress=progress, cuda_kernels=cuda_kernels
+            self.path, self.config, device=self.device, dtype=self.dtype, progress=progress and self.rank == 0,
+            cuda_kernels=cuda_kernels, tp=tp_info(self.rank, tp),
         )
         self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
         self.drafter, self.dcache = None, None
@@ -87,6 +96,50 @@ class LLM:
         # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
         self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
         self.decoder = Decoder(self)
+
+    # -- tensor parallel driven from one Python process -------------------------------------------
+    def _spawn_ranks(self, world: int, model_path, kwargs: dict) -> None:
+        """Start ranks 1..world-1 as processes mirroring this one's calls; this process becomes rank 0."""
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
+        ctx = mp.get_context("spawn")
+        for r in range(1, world):
+            inbox, outbox = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=_worker, args=(r, world, port, str(model_path), kwargs, inbox, outbox), daemon=True)
+            p.start()
+            self._workers.append((p, inbox, outbox))
+        atexit.register(self.close)
+
+    def _mirror(self, name: str, *args, **kw) -> None:
+        for _, inbox, _ in self._workers:
+            inbox.put((name, args, kw))
+
+    def close(self) -> None:
+        """Stop the ranks this LLM started (tp > 1 from Python) and the process group it joined."""
+        if not self._workers:
+            return
+        for p, inbox, _ in self._workers:
+            inbox.put(None)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for p, _, _ in self._workers:
+            p.join(timeout=60)
+        self._workers = []
+        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(k, None)
+
+    def _check_workers(self) -> None:
+        for p, _, outbox in self._workers:
+            while not outbox.empty():
+                kind, msg = outbox.get()
+                if kind == "error":
+                    raise RuntimeError(f"tensor-parallel rank failed: {msg}")
 
     def buckets_for(self, spec: SpecConfig) -> list[Bucket]:
         """The configured buckets, or one per power-of-two batch size at this method's verify width."""
@@ -123,6 +176,7 @@ class LLM:
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [T, vocab] of every position of one sequence, computed in a single forward."""
         ids = self._check_ids(token_ids, "token_ids")
+        self._mirror("score", ids)
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
         batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device=self.device), len(ids), rows)
         h, _ = self.model(torch.tensor([ids], device=self.device), batch, self.cache.kv_LRTC, absorb=self.absorb)
@@ -151,6 +205,7 @@ class LLM:
         encoded, sp, spec = self._prepare(prompt, sampling, spec)
         if len(encoded) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
+        self._mirror("stream", encoded[0], sp, spec)
         sent = ""
         for outs in self.decoder.run(encoded, sp, spec):
             o = outs[0]
@@ -166,6 +221,7 @@ class LLM:
         """One output per prompt; a single string or id list counts as one prompt. `spec` picks the decoding
         method (default: DDTree with a drafter loaded, else autoregressive)."""
         encoded, sp, spec = self._prepare(prompts, sampling, spec)
+        self._mirror("generate", encoded, sp, spec)
         outs: list[RequestOutput] = []
         for start in range(0, len(encoded), self.cache.rows):
             last = None

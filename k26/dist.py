@@ -1,0 +1,84 @@
+"""Tensor parallelism: the process group and the two collectives the model needs, passed into the model
+as a `TPInfo` (the model never owns a group). NCCL on GPU (capturable inside CUDA graphs), gloo on CPU.
+
+Every rank computes identical logits (the vocab-parallel head all-gathers them) and samples with the
+same seed, so every rank builds the same tree and accepts the same tokens with no extra broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .model.layers import TPInfo
+
+
+def tp_info(rank: int, size: int, group=None) -> TPInfo:
+    if size == 1:
+        return TPInfo()
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's last-dim shard, in rank order."""
+        x = x.contiguous()
+        flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # rank-major
+        dist.all_gather_into_tensor(flat, x, group=group)
+        return flat.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+
+    return TPInfo(rank, size, all_reduce, all_gather)
+
+
+def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
+    """torchrun: RANK / WORLD_SIZE / LOCAL_RANK from the environment; NCCL with a GPU, gloo without."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(dev)
+            dist.init_process_group("nccl", device_id=dev, timeout=timedelta(minutes=10))
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    return rank, world, dev
+
+
+def check_world(size: int) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tp={size!r}: expected a positive integer")
+    if dist.is_initialized() and dist.get_world_size() != size:
+        raise ValueError(f"tp={size} but the initialised process group has {dist.get_world_size()} ranks")
+
+
+def _worker(rank: int, world: int, addr: str, model_path, kwargs: dict, inbox, outbox) -> None:
+    """A rank driven by `LLM(tp=N)` in the parent: mirrors every call the parent makes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=addr, RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from .engine import LLM
+
+    try:
+        llm = LLM(model_path, **kwargs)
+        outbox.put(("ready", None))
+    except Exception as e:  # report, then leave: the parent raises it
+        outbox.put(("error", repr(e)))
+        return
+    while True:
+        cmd = inbox.get()
+        if cmd is None:
+            break
+        name, args, kw = cmd
+        try:
+            result = getattr(llm, name)(*args, **kw)
+            if name == "stream":
+                for _ in result:
+                    pass
+        except Exception as e:
+            outbox.put(("error", repr(e)))
+    dist.destroy_process_group()

@@ -1,0 +1,47 @@
+"""Tensor parallel on CPU with gloo: TP 2 and 4 compute what TP 1 computes (ranks driven from Python)."""
+
+import pytest
+import torch
+
+from k26 import LLM, SamplingParams, SpecConfig
+from k26.tiny import write_tiny_checkpoint, write_tiny_drafter
+
+
+@pytest.fixture(scope="module")
+def tiny_tp(tmp_path_factory):
+    # moe_intermediate_size 128 keeps whole int4 groups of 32 at TP 4
+    d = write_tiny_checkpoint(tmp_path_factory.mktemp("tp"), seed=4, moe_intermediate_size=128, shards=2)
+    return d, write_tiny_drafter(tmp_path_factory.mktemp("tpd"), d, layers=1, seed=2)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_tp):
+    d, dr = tiny_tp
+    llm = LLM(d, drafter=dr, device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128)
+    ids = torch.randint(0, 600, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [ids[:9], ids[3:17]]
+    sp = SamplingParams(max_tokens=12, stop_token_ids=[])
+    return ids, llm.score(ids), [o.token_ids for o in llm.generate(prompts, sp, SpecConfig("ar"))], prompts, sp
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_matches_tp1(tiny_tp, reference, world):
+    d, dr = tiny_tp
+    ids, logits1, ar1, prompts, sp = reference
+    llm = LLM(d, drafter=dr, device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128,
+              tp=world)
+    try:
+        logits = llm.score(ids)
+        assert ((logits - logits1).norm() / logits1.norm()).item() < 1e-5
+        assert [o.token_ids for o in llm.generate(prompts, sp, SpecConfig("ar"))] == ar1
+        assert [o.token_ids for o in llm.generate(prompts, sp, SpecConfig("ddtree", 6))] == ar1
+        llm._check_workers()
+    finally:
+        llm.close()
+
+
+def test_tp_that_does_not_divide(tiny_tp):
+    with pytest.raises(ValueError, match="tensor-parallel size 3 does not divide"):
+        from k26.config import ModelConfig
+
+        ModelConfig.from_dir(tiny_tp[0]).check_tp(3)
