@@ -16,6 +16,11 @@ import torch.distributed as dist
 from .model.layers import TPInfo
 
 
+def timeout() -> timedelta:
+    """A rank that dies makes the others fail within this long instead of hanging (K26_DIST_TIMEOUT s)."""
+    return timedelta(seconds=float(os.environ.get("K26_DIST_TIMEOUT", 300)))
+
+
 def tp_info(rank: int, size: int, group=None) -> TPInfo:
     if size == 1:
         return TPInfo()
@@ -44,10 +49,26 @@ def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
     if world > 1 and not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(dev)
-            dist.init_process_group("nccl", device_id=dev, timeout=timedelta(minutes=10))
+            dist.init_process_group("nccl", device_id=dev, timeout=timeout())
         else:
-            dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+            dist.init_process_group("gloo", timeout=timeout())
     return rank, world, dev
+
+
+def same_checkpoint_on_every_rank(path) -> None:
+    """Every rank must load the same checkpoint: compare a digest of config.json and the tensor index."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = Path(path) / name
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, h.hexdigest())
+    if len(set(digests)) > 1:
+        raise RuntimeError(f"tensor-parallel ranks loaded different checkpoints (digests {digests}); rank "
+                           f"{dist.get_rank()} has {path}")
 
 
 def check_world(size: int) -> None:

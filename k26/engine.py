@@ -18,7 +18,7 @@ from .kv_cache import DrafterCache, LatentCache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
 from .decode import Decoder, RequestOutput, SpecStats
-from .dist import _worker, check_world, init_from_env, tp_info
+from .dist import _worker, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .sampling import SamplingParams
 from .spec.step import SpecConfig, verify_nodes
@@ -75,6 +75,8 @@ class LLM:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: expected a positive integer")
         self.absorb = absorb
+        if tp > 1:
+            same_checkpoint_on_every_rank(self.path)
         self.model: KimiK2 = load_model(
             self.path, self.config, device=self.device, dtype=self.dtype, progress=progress and self.rank == 0,
             cuda_kernels=cuda_kernels, tp=tp_info(self.rank, tp),
@@ -82,8 +84,10 @@ class LLM:
         self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
         self.drafter, self.dcache = None, None
         if drafter is not None:
-            self.drafter = load_drafter(drafter, self.config, device=self.device, dtype=self.dtype)
-            self.dcache = DrafterCache.allocate(self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device)
+            self.drafter = load_drafter(drafter, self.config, device=self.device, dtype=self.dtype,
+                                        tp=self.model.tp)
+            self.dcache = DrafterCache.allocate(self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device,
+                                                tp_size=tp)
         self.progress = progress
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
@@ -121,18 +125,22 @@ class LLM:
             inbox.put((name, args, kw))
 
     def close(self) -> None:
-        """Stop the ranks this LLM started (tp > 1 from Python) and the process group it joined."""
-        if not self._workers:
-            return
-        for p, inbox, _ in self._workers:
+        """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
+        graphs hangs), and stop the ranks it started."""
+        if hasattr(self, "decoder"):
+            self.decoder.runners.clear()
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for _, inbox, _ in self._workers:
             inbox.put(None)
-        if torch.distributed.is_initialized():
+        if getattr(self, "tp_size", 1) > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         for p, _, _ in self._workers:
             p.join(timeout=60)
+        if self._workers:
+            for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+                os.environ.pop(k, None)
         self._workers = []
-        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            os.environ.pop(k, None)
 
     def _check_workers(self) -> None:
         for p, _, outbox in self._workers:

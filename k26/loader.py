@@ -233,6 +233,15 @@ def use_cuda_kernels(model: KimiK2) -> None:
         m.repack_()
 
 
+# Drafter tensors split across TP ranks (dim 0: column parallel, dim 1: row parallel); the rest is replicated.
+DRAFTER_SHARDS = [(re.compile(r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight$"), 0),
+                  (re.compile(r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$"), 1)]
+
+
+def drafter_shard_dim(name: str) -> int | None:
+    return next((d for rx, d in DRAFTER_SHARDS if rx.search(name)), None)
+
+
 def load_drafter(
     path: str | Path,
     target: ModelConfig,
@@ -240,24 +249,30 @@ def load_drafter(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     cfg: DrafterConfig | None = None,
+    tp: TPInfo = TPInfo(),
 ):
-    """A DFlash drafter directory -> `DFlashDrafter`. Tensor names are the module names, with an optional
-    `model.` prefix; every missing, unexpected, mis-shaped or mis-typed tensor is named at once."""
+    """A DFlash drafter directory -> `DFlashDrafter` (this rank's shard). Tensor names are the module names,
+    with an optional `model.` prefix; every missing, unexpected, mis-shaped or mis-typed tensor is named."""
     from .model.drafter import DFlashDrafter
 
     path = Path(path)
     cfg = cfg or DrafterConfig.from_dir(path)
     cfg.check_target(target)
     with torch.device("meta"):
-        model = DFlashDrafter(cfg, dtype).requires_grad_(False)
+        model = DFlashDrafter(cfg, dtype, tp).requires_grad_(False)
     infos = {k.removeprefix("model."): v for k, v in read_index(path).items()}
     params = dict(model.named_parameters())
     problems = [f"missing tensor {n}" for n in params if n not in infos]
     problems += [f"unexpected tensor {infos[n].key}" for n in infos if n not in params]
     for n, p in params.items():
-        if n in infos and infos[n].shape != tuple(p.shape):
-            problems.append(f"tensor {n} has shape {list(infos[n].shape)}, expected {list(p.shape)}")
-        if n in infos and infos[n].dtype not in _FLOAT:
+        if n not in infos:
+            continue
+        full = list(p.shape)
+        if (d := drafter_shard_dim(n)) is not None:
+            full[d] *= tp.size
+        if list(infos[n].shape) != full:
+            problems.append(f"tensor {n} has shape {list(infos[n].shape)}, expected {full}")
+        if infos[n].dtype not in _FLOAT:
             problems.append(f"tensor {n} has dtype {infos[n].dtype}, expected one of {sorted(_FLOAT)}")
     if problems:
         raise CheckpointError(path, problems)
@@ -265,6 +280,15 @@ def load_drafter(
     params = dict(model.named_parameters())
     for n, p in params.items():
         with safe_open(str(infos[n].file), framework="pt") as h:
-            p.copy_(h.get_tensor(infos[n].key).to(p.dtype))
+            sl = h.get_slice(infos[n].key)
+            d = drafter_shard_dim(n)
+            if d is None or tp.size == 1:
+                t = sl[:]
+            else:
+                k = p.shape[d]
+                idx = [slice(None)] * 2
+                idx[d] = slice(tp.rank * k, (tp.rank + 1) * k)
+                t = sl[tuple(idx)]
+            p.copy_(t.to(p.dtype))
     model.rope.reset_buffers()
     return model.eval()

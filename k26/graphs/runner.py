@@ -68,10 +68,12 @@ class StepGraphs:
                             self.step(state, bucket)
                             state.reset()
                     torch.cuda.current_stream(self.device).wait_stream(side)
+                    _barrier()  # every TP rank captures the same collectives in the same order
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool):
                         self.step(state, bucket)
                     torch.cuda.synchronize(self.device)
+                    _barrier()
                 except Exception as e:
                     raise RuntimeError(
                         f"CUDA graph capture of bucket (batch {bucket.batch}, nodes {bucket.nodes}) failed: {e}. "
@@ -85,3 +87,10 @@ class StepGraphs:
         with nvtx_range("replay"):
             self.graphs[bucket].replay()
         return self.states[bucket]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

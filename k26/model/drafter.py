@@ -15,7 +15,7 @@ from torch import nn
 
 from ..drafter_config import DrafterConfig
 from ..ops.reference import live_keys
-from .layers import MLP, RMSNorm, linear
+from .layers import MLP, RMSNorm, TPInfo, linear
 from .rope import yarn_inv_freq
 
 
@@ -39,14 +39,18 @@ class NeoxRope(nn.Module):
 
 
 class DrafterAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype):
+    """GQA with q/k norms; under TP each rank holds heads/tp query and kv_heads/tp KV heads."""
+
+    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype, tp: TPInfo):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         D, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = linear(D, cfg.num_attention_heads * hd, dtype)
-        self.k_proj = linear(D, cfg.num_key_value_heads * hd, dtype)
-        self.v_proj = linear(D, cfg.num_key_value_heads * hd, dtype)
-        self.o_proj = linear(cfg.num_attention_heads * hd, D, dtype)
+        self.heads = tp.split(cfg.num_attention_heads, "drafter num_attention_heads")
+        self.kv_heads = tp.split(cfg.num_key_value_heads, "drafter num_key_value_heads")
+        self.q_proj = linear(D, self.heads * hd, dtype)
+        self.k_proj = linear(D, self.kv_heads * hd, dtype)
+        self.v_proj = linear(D, self.kv_heads * hd, dtype)
+        self.o_proj = linear(self.heads * hd, D, dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
 
@@ -63,32 +67,35 @@ class DrafterAttention(nn.Module):
         k_blk, v_blk = self.kv(h_BSD, pos_BS, rope)
         k = torch.cat([ctx_k, k_blk], dim=1)  # [B, L + S, Hkv, hd]
         v = torch.cat([ctx_v, v_blk], dim=1)
-        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         vis = torch.cat([ctx_visible_BL, ctx_visible_BL.new_ones(B, S)], dim=1)
         s = torch.einsum("bshd,blhd->bhsl", q.float(), k.float()) * cfg.head_dim**-0.5
         s = s.masked_fill(~vis[:, None, None, :], float("-inf"))
         a = torch.einsum("bhsl,blhd->bshd", torch.softmax(s, dim=-1).to(v.dtype), v)
-        return self.o_proj(a.reshape(B, S, -1))
+        return self.tp.reduce(self.o_proj(a.reshape(B, S, -1)))
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype):
+    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype, tp: TPInfo):
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DrafterAttention(cfg, dtype)
+        self.self_attn = DrafterAttention(cfg, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.mlp = MLP(cfg.hidden_size, tp.split(cfg.intermediate_size, "drafter intermediate_size"), dtype)
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16):
+    """fc and the norms are replicated; attention heads and the MLP are split across TP ranks."""
+
+    def __init__(self, cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16, tp: TPInfo = TPInfo()):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         D = cfg.hidden_size
         self.fc = linear(len(cfg.target_layer_ids) * D, D, dtype)
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.layers = nn.ModuleList(DrafterLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, dtype, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.rope = NeoxRope(cfg)
 
@@ -116,7 +123,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             ck, cv = cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys]
             x_BSD = x_BSD + layer.self_attn(layer.input_layernorm(x_BSD), pos_BS, ck, cv, vis, self.rope)
-            x_BSD = x_BSD + layer.mlp(layer.post_attention_layernorm(x_BSD))
+            x_BSD = x_BSD + self.tp.reduce(layer.mlp(layer.post_attention_layernorm(x_BSD)))
         return self.norm(x_BSD)
 
 
