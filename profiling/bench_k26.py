@@ -125,9 +125,12 @@ def main() -> None:
     ap.add_argument("--ctx", default="4096,32768")
     ap.add_argument("--nodes", default="1,8,16,32,64")
     ap.add_argument("--skew", action="store_true")
+    ap.add_argument("--breakdown-nodes", default="1,16")
+    ap.add_argument("--quick-specs", action="store_true", help="whole-step timings for DFlash and budget 15 only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
+    a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",")]
     cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
     ident = lambda x: x  # noqa: E731  collectives excluded here, measured on two GPUs and modelled
     tp = TPInfo(0, a.tp, all_reduce=ident, all_gather=ident)
@@ -200,7 +203,8 @@ def main() -> None:
         bonus = torch.randint(0, cfg.vocab_size, (1,), device=dev)
         alive = torch.ones(1, dtype=torch.bool, device=dev)
         sp = SamplingParams()
-        for spec in (SpecConfig("dflash"), SpecConfig("ddtree", 8), SpecConfig("ddtree", 15), SpecConfig("ddtree", 31)):
+        for spec in (SpecConfig("dflash"), SpecConfig("ddtree", 15)) if a.quick_specs else (
+                SpecConfig("dflash"), SpecConfig("ddtree", 8), SpecConfig("ddtree", 15), SpecConfig("ddtree", 31)):
             st = start.clone()
 
             def step():
@@ -224,9 +228,52 @@ def main() -> None:
         print(lines[-1], flush=True)
         del cache, dcache
         torch.cuda.empty_cache()
+    lines += breakdown(model, cfg, dcfg, dev, ctxs[0], a.breakdown_nodes)
+    print("\n".join(lines[-40:]), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+CATEGORIES = [("MoE (int4 kernel: route, gate/up, down, combine)", ("gemm_kernel", "route_kernel", "combine_kernel")),
+              ("MLA tree attention (split + merge)", ("split_kernel", "merge_kernel")),
+              ("dense GEMM/GEMV (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitK")),
+              ("latent cache write / gather / scatter", ("index", "scatter", "gather")),
+              ("elementwise, norms, RoPE, reductions", ("elementwise", "reduce", "vectorized", "unrolled", "softmax",
+                                                         "cat", "copy", "fill", "where"))]
+
+
+def breakdown(model, cfg, dcfg, dev, L, nodes) -> list[str]:
+    """Device time per kernel category of one eager verify step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = ["", f"Per-op breakdown, one eager step at L = {L} (torch.profiler device time):", "",
+           "| N | category | kernels | µs | share |", "|---|---|---|---|---|"]
+    cache = torch.zeros(cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev)
+    rows, start = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), L, device=dev)
+    for N in nodes:
+        ids = torch.randint(0, cfg.vocab_size, (1, N), device=dev)
+        batch = AttnBatch.tree(start, torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None], rows)
+        with static_shapes():
+            model(ids, batch, cache)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                h, _ = model(ids, batch, cache)
+                model.logits(h)
+                torch.cuda.synchronize()
+        evs = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in evs)
+        seen = set()
+        for name, keys in CATEGORIES:
+            sel = [e for e in evs if e.key not in seen and any(k.lower() in e.key.lower() for k in keys)]
+            seen |= {e.key for e in sel}
+            t = sum(e.device_time_total for e in sel)
+            out.append(f"| {N} | {name} | {sum(e.count for e in sel)} | {t:.0f} | {100 * t / total:.0f}% |")
+        rest = [e for e in evs if e.key not in seen]
+        t = sum(e.device_time_total for e in rest)
+        out.append(f"| {N} | other | {sum(e.count for e in rest)} | {t:.0f} | {100 * t / total:.0f}% |")
+        out.append(f"| {N} | **total** | {sum(e.count for e in evs)} | {total:.0f} | 100% |")
+    return out
 
 
 if __name__ == "__main__":
