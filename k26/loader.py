@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,9 +224,7 @@ def use_cuda_kernels(model: KimiK2) -> None:
     experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
     if not experts:
         return
-    if not build.available():
-        warnings.warn("k26: CUDA kernels unavailable (no nvcc and no prebuilt library); int4 experts run the slow "
-                      "pure-torch reference", stacklevel=3)
+    if not build.available():  # warns once; the int4 experts keep the reference layout
         return
     for m in experts:
         m.repack_()

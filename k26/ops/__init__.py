@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import moe_cuda, reference
+from . import moe_cuda, reference  # noqa: F401  (moe_cuda registers its op)
 from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from .reference import causal_words, tree_mask_to_words, words_to_tree_mask
 

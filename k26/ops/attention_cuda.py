@@ -13,7 +13,7 @@ import math
 import torch
 
 from . import reference
-from .build import library
+from .build import available, library
 
 DQK, DV = 576, 512
 MAX_NEW_TOKENS = 256  # 4 ancestor words per row: the largest verify bucket the kernel is built for
@@ -49,7 +49,7 @@ def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
 def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
     check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim)
     B, N, H, C = q.shape
-    if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV:
+    if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or not available():
         return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim)
     if N > MAX_NEW_TOKENS:
         raise ValueError(f"mla_tree_attention: N={N} new tokens exceeds the kernel's maximum {MAX_NEW_TOKENS}")

@@ -133,12 +133,22 @@ def library() -> ctypes.CDLL:
     return _LIB
 
 
+_AVAILABLE: bool | None = None
+
+
 def available() -> bool:
-    try:
-        library()
-        return True
-    except (BuildError, OSError):
-        return False
+    """Whether the kernel library loads (built or buildable here); warns once when it does not."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            library()
+            _AVAILABLE = True
+        except (BuildError, OSError) as e:
+            import warnings
+
+            warnings.warn(f"k26: CUDA kernels unavailable ({e}); the pure-torch references run instead", stacklevel=2)
+            _AVAILABLE = False
+    return _AVAILABLE
 
 
 def main(argv: list[str] | None = None) -> int:
