@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import subprocess
 import time
@@ -41,36 +40,11 @@ def _hf_baseline(model_dir: Path, prompts, max_tokens: int, device) -> float | N
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     except ImportError:
         return None
-    from safetensors import safe_open
+    from .hf_state import deepseek_v3_state
 
-    from .ops.int4 import dequantize_int4
-
-    raw = json.loads((model_dir / "config.json").read_text())
-    text = raw.get("text_config", raw)
-    cfg = DeepseekV3Config(**{k: v for k, v in text.items() if k not in ("quantization_config", "architectures", "model_type")})
-    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
-    tensors = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                tensors[k.removeprefix("language_model.")] = h.get_tensor(k)
-    state = {}
-    for k, v in tensors.items():
-        if k.endswith(("weight_scale", "weight_shape")) or k.startswith(("vision_tower", "mm_projector")):
-            continue
-        if k.endswith("weight_packed"):
-            base = k.removesuffix("_packed")
-            state[base] = dequantize_int4(v, tensors[base + "_scale"], torch.bfloat16)
-        else:
-            state[k] = v
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}.mlp.experts."
-        if f"{p}0.gate_proj.weight" in state:
-            E = cfg.n_routed_experts
-            state[p + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{p}{e}.gate_proj.weight"),
-                                                                state.pop(f"{p}{e}.up_proj.weight")]) for e in range(E)])
-            state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight") for e in range(E)])
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, strict=True)
+    text, state = deepseek_v3_state(model_dir, torch.bfloat16)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**text)).to(torch.bfloat16)
+    model.load_state_dict(state, strict=True)
     model = model.to(device).eval()
     toks, dt = 0, 0.0
     for p in prompts:

@@ -130,17 +130,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path, **overrides: Any) -> ModelConfig:
-        path = Path(path)
-        cfg_file = path / "config.json"
-        if not path.is_dir():
-            raise ConfigError(f"checkpoint directory {str(path)!r} does not exist")
-        if not cfg_file.is_file():
-            raise ConfigError(f"{cfg_file} is missing: a checkpoint directory needs config.json")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from e
-        return cls.from_dict(raw, **overrides)
+        return cls.from_dict(read_config_json(path, "checkpoint"), **overrides)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], **overrides: Any) -> ModelConfig:
@@ -238,6 +228,20 @@ class ModelConfig:
                     raise bad(name, f"int4 experts need a multiple of the group size {g}")
         if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size + 2:
             raise bad("bos_token_id", "outside the vocabulary")
+
+
+def read_config_json(path: str | Path, what: str) -> dict[str, Any]:
+    """The config.json of a checkpoint / drafter directory, with a clear error for each way it is absent."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise ConfigError(f"{what} directory {str(path)!r} does not exist")
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} is missing: a {what} directory needs config.json")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from e
 
 
 class Fields:

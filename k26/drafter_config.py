@@ -3,13 +3,12 @@ config.json with Qwen3 fields, `block_size` and `dflash_config` {target_layer_id
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import ConfigError, Fields, ModelConfig, RopeConfig, expect, parse_rope
+from .config import ConfigError, Fields, ModelConfig, RopeConfig, expect, parse_rope, read_config_json
 
 
 @dataclass(frozen=True)
@@ -46,14 +45,7 @@ class DrafterConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path, **overrides: Any) -> DrafterConfig:
-        f = Path(path) / "config.json"
-        if not f.is_file():
-            raise ConfigError(f"drafter {f} is missing")
-        try:
-            raw = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"drafter {f} is not valid JSON: {e}") from e
-        return cls.from_dict(raw, **overrides)
+        return cls.from_dict(read_config_json(path, "drafter"), **overrides)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], **overrides: Any) -> DrafterConfig:

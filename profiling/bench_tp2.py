@@ -13,23 +13,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
-
-def events(fn, reps=20):
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_moe import events_time as events  # noqa: E402
 
 
 def main() -> None:
