@@ -20,6 +20,7 @@ from .model import AttnBatch
 from .ops.reference import static_shapes
 from .profiling import nvtx_range
 from .sampling import SamplingParams, sample
+from .spec.budget import BudgetPolicy
 from .spec.step import SpecConfig, speculative_step, verify_nodes
 
 
@@ -52,6 +53,7 @@ class Decoder:
     def __init__(self, llm):
         self.llm = llm
         self.runners: dict[tuple, StepGraphs] = {}
+        self.policies: dict[tuple, BudgetPolicy] = {}
         self.target = llm.model_fwd  # compiled or plain
 
     # -- shared pieces ---------------------------------------------------------------------------
@@ -113,11 +115,17 @@ class Decoder:
             return
         block = llm.drafter.cfg.block_size if llm.drafter is not None else 1
         nodes = verify_nodes(spec, block)
-        graph = None
+        graph, policy, buckets = None, None, None
         if llm.graphs:
             graph = self._runner(spec, sp)
-            bucket = pick_bucket(llm.buckets_for(spec), len(prompts), nodes)
-            graph.capture([bucket], progress=llm.progress)
+            if spec.auto:  # one bucket per candidate budget, sharing the batch's static state
+                batch = pick_bucket(llm.buckets_for(spec), len(prompts), nodes).batch
+                buckets = [Bucket(batch, c + 1) for c in spec.candidates]
+            else:
+                buckets = [pick_bucket(llm.buckets_for(spec), len(prompts), nodes)]
+            graph.capture(buckets, progress=llm.progress)
+        if spec.auto:
+            policy = self._policy(spec, sp, graph, buckets, len(prompts))
         stops = set(sp.stop_token_ids if sp.stop_token_ids is not None else llm.tokenizer.stop_ids)
         gen = None
         if sp.seed is not None:
@@ -134,15 +142,15 @@ class Decoder:
         self._emit(outs, live, [[t] for t in bonus.tolist()], stops, sp)
         yield outs
         if graph is not None:
-            yield from self._graph_loop(graph, bucket, outs, live, lens, bonus, stops, sp, nodes)
+            yield from self._graph_loop(graph, buckets, outs, live, lens, bonus, stops, sp, nodes)
         else:
-            yield from self._eager_loop(outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes)
+            yield from self._eager_loop(outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes, policy)
         for o in outs:
             if not o.text:
                 o.text = llm.tokenizer.decode(o.token_ids, skip_special=True)
 
     # -- eager -----------------------------------------------------------------------------------
-    def _eager_loop(self, outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes):
+    def _eager_loop(self, outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes, policy=None):
         llm, B, dev = self.llm, len(outs), self.llm.device
         timer = _Timer(dev) if spec.method != "ar" else None
         while live:
@@ -155,7 +163,7 @@ class Decoder:
                         outs[b].finish_reason = "length"
                     break
                 r = speculative_step(llm.model, llm.drafter, llm.cache.kv_LRTC, llm.dcache, rows, lens, bonus, alive,
-                                     spec, sp, gen, llm.absorb, timer)
+                                     spec, sp, gen, llm.absorb, timer, policy=policy)
                 emitted, counts = r.emitted.tolist(), r.n_emitted.tolist()  # the step's one host read
                 for b in live:
                     outs[b].stats.accepted_per_step.append(counts[b])
@@ -190,11 +198,15 @@ class Decoder:
                         state.emitted[:, 0].copy_(tok)
                         state.n_emitted.copy_(state.alive.long())
                     else:
+                        policy = self.policies.get((spec, bucket.batch)) if spec.auto else None
+                        step_spec = spec.fixed(bucket.nodes - 1) if spec.auto else spec
                         r = speculative_step(self.target, llm.drafter, llm.cache.kv_LRTC, llm.dcache, state.rows,
-                                             state.start, state.bonus, state.alive, spec, sp, None, llm.absorb,
-                                             nodes=bucket.nodes)
+                                             state.start, state.bonus, state.alive, step_spec, sp, None, llm.absorb,
+                                             nodes=bucket.nodes, policy=policy)
                         state.emitted.copy_(r.emitted)
                         state.n_emitted.copy_(r.n_emitted)
+                        if r.choice is not None:
+                            state.choice.copy_(r.choice.view(1))
                         tok = r.bonus
                     state.start.add_(state.n_emitted)
                     state.bonus.copy_(torch.where(state.alive, tok, state.bonus))
@@ -202,8 +214,51 @@ class Decoder:
             self.runners[key] = StepGraphs(step, width, llm.device)
         return self.runners[key]
 
-    def _graph_loop(self, graph: StepGraphs, bucket, outs, live, lens, bonus, stops, sp, nodes):
+    def _policy(self, spec: SpecConfig, sp: SamplingParams, graph: StepGraphs | None, buckets, batch: int):
+        """The budget policy of this batch size: costs given in the SpecConfig, else measured once (before
+        the batch's prefill, while the caches are scratch) by graph replays or eager steps."""
+        key = (spec, batch if graph is None else buckets[0].batch)
+        if key not in self.policies:
+            llm = self.llm
+            if spec.costs is not None:
+                t_draft, t_verify = spec.costs[0], spec.costs[1:]
+            else:
+                t_draft, t_verify = 0.0, [self._measure(spec, sp, graph, b, c, batch) for b, c in
+                                          zip(buckets or [None] * len(spec.candidates), spec.candidates)]
+            self.policies[key] = BudgetPolicy.create(spec.candidates, t_draft, t_verify, llm.device)
+        return self.policies[key]
+
+    def _measure(self, spec, sp, graph, bucket, budget: int, batch: int) -> float:
+        """Seconds per whole step at one candidate budget (draft included, so t_draft is 0)."""
+        llm = self.llm
+        if graph is not None:
+            state = graph.states[bucket]
+            state.start.fill_(16), state.alive.fill_(True)
+            graph.replay(bucket)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                state.start.fill_(16)
+                graph.replay(bucket)
+            torch.cuda.synchronize()
+            state.reset()
+            return (time.perf_counter() - t0) / 3
+        dev = llm.device
+        rows, start = torch.arange(batch, device=dev), torch.full((batch,), 16, device=dev)
+        bonus, alive = torch.zeros(batch, dtype=torch.long, device=dev), torch.ones(batch, dtype=torch.bool, device=dev)
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            speculative_step(llm.model, llm.drafter, llm.cache.kv_LRTC, llm.dcache, rows, start, bonus, alive,
+                             spec.fixed(budget), sp, None, llm.absorb)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def _graph_loop(self, graph: StepGraphs, buckets, outs, live, lens, bonus, stops, sp, nodes):
         B = len(outs)
+        bucket = buckets[-1]  # adaptive: start with the largest, then follow each step's choice
         state = graph.states[bucket]
         state.reset()
         state.start[:B] = lens
@@ -211,6 +266,7 @@ class Decoder:
         state.alive[:B] = True
         host_em = torch.empty_like(state.emitted, device="cpu").pin_memory()
         host_n = torch.empty_like(state.n_emitted, device="cpu").pin_memory()
+        host_c = torch.empty_like(state.choice, device="cpu").pin_memory()
         done = torch.cuda.Event()
         host = 0.0
         while live:
@@ -222,11 +278,13 @@ class Decoder:
             graph.replay(bucket)
             host_em.copy_(state.emitted, non_blocking=True)  # the step's one small device-to-host copy
             host_n.copy_(state.n_emitted, non_blocking=True)
+            host_c.copy_(state.choice, non_blocking=True)
             done.record()
             t1 = time.perf_counter()
             done.synchronize()
             t2 = time.perf_counter()
             counts, emitted = host_n.tolist(), host_em.tolist()
+            bucket = buckets[int(host_c[0])] if len(buckets) > 1 else bucket
             was = set(live)
             for b in live:
                 outs[b].stats.accepted_per_step.append(counts[b])

@@ -11,7 +11,7 @@ from k26.tiny import write_tiny_drafter
 
 pytestmark = pytest.mark.gpu
 
-SPECS = [SpecConfig("ar"), SpecConfig("dflash"), SpecConfig("ddtree", 5), SpecConfig("ddtree", 12)]
+SPECS = [SpecConfig("ar"), SpecConfig("dflash"), SpecConfig("ddtree", 5), SpecConfig("ddtree", 12)]  # fixed budgets
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +90,13 @@ def test_no_recompiles_over_100_steps(tiny_k25):
     out = llm.generate([[4, 5, 6, 7]], SamplingParams(max_tokens=120, stop_token_ids=[]))
     assert len(out[0].token_ids) == 120
     assert dynamo_utils.counters["stats"]["unique_graphs"] == before
+
+
+def test_auto_budget_in_graphs_is_lossless(pair):
+    graphed, _ = pair
+    ps = prompts(3, seed=11)
+    sp = SamplingParams(max_tokens=40, stop_token_ids=[])
+    ar = graphed.generate(ps, sp, SpecConfig("ar"))
+    auto = graphed.generate(ps, sp, SpecConfig("ddtree", "auto"))
+    assert [o.token_ids for o in auto] == [o.token_ids for o in ar]
+    assert graphed.decoder.policies

@@ -29,20 +29,24 @@ class StepState:
     alive: torch.Tensor  # [Bb] bool
     emitted: torch.Tensor  # [Bb, J] tokens emitted by the last step, -1 after
     n_emitted: torch.Tensor  # [Bb]
+    choice: torch.Tensor  # [1] adaptive budget: the candidate the last step's tree favours
 
     @classmethod
     def allocate(cls, bucket: Bucket, width: int, device) -> StepState:
         z = torch.zeros(bucket.batch, dtype=torch.long, device=device)
         return cls(torch.arange(bucket.batch, device=device), z.clone(), z.clone(),
                    torch.zeros(bucket.batch, dtype=torch.bool, device=device),
-                   torch.full((bucket.batch, width), -1, dtype=torch.long, device=device), z.clone())
+                   torch.full((bucket.batch, width), -1, dtype=torch.long, device=device), z.clone(),
+                   torch.zeros(1, dtype=torch.long, device=device))
 
     def reset(self) -> None:
         self.start.zero_(), self.bonus.zero_(), self.alive.zero_(), self.emitted.fill_(-1), self.n_emitted.zero_()
+        self.choice.zero_()
 
 
 class StepGraphs:
-    """Captures `step(state)` once per bucket and replays it."""
+    """Captures `step(state)` once per bucket and replays it. Buckets of one batch size share their
+    static state, so consecutive steps may replay different buckets (adaptive budgets)."""
 
     def __init__(self, step: Callable[[StepState, Bucket], None], width: int, device: torch.device):
         self.step, self.width, self.device = step, width, device
@@ -58,7 +62,8 @@ class StepGraphs:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         for bucket in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
             with nvtx_range(f"capture b{bucket.batch} n{bucket.nodes}"):
-                state = StepState.allocate(bucket, self.width, self.device)
+                state = next((st for b, st in self.states.items() if b.batch == bucket.batch), None)
+                state = state or StepState.allocate(bucket, self.width, self.device)
                 t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
                 try:
                     side = torch.cuda.Stream(self.device)

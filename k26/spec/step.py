@@ -13,6 +13,7 @@ from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
 from ..sampling import SamplingParams
 from .accept import accept_walk, commit_latent, emitted_tokens, target_choices
+from .budget import truncate_tree
 from .tree import DraftTree, build_ddtree, chain_tree, pad_tree
 
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
@@ -21,13 +22,31 @@ MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel
 @dataclass(frozen=True)
 class SpecConfig:
     method: Literal["ar", "dflash", "ddtree"] = "ddtree"
-    budget: int | None = None  # ddtree nodes besides the root; default block_size - 1 (the chain's count)
+    # DDTree nodes besides the root: an integer, or "auto" (the default) to pick among `candidates` each
+    # step by expected tokens per second (spec/budget.py); None means block_size - 1 (the chain's count).
+    budget: int | Literal["auto"] | None = "auto"
+    candidates: tuple[int, ...] = (3, 7, 15, 31)
+    costs: tuple[float, ...] | None = None  # (t_draft, t_verify per candidate) in seconds; None: measured
 
     def __post_init__(self) -> None:
         if self.method not in ("ar", "dflash", "ddtree"):
             raise ValueError(f"SpecConfig.method={self.method!r}: expected 'ar', 'dflash' or 'ddtree'")
-        if self.budget is not None and (not isinstance(self.budget, int) or not 1 <= self.budget <= MAX_BUDGET):
-            raise ValueError(f"SpecConfig.budget={self.budget!r}: expected an integer in [1, {MAX_BUDGET}]")
+        b = self.budget
+        if b is not None and b != "auto" and (not isinstance(b, int) or not 1 <= b <= MAX_BUDGET):
+            raise ValueError(f"SpecConfig.budget={b!r}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
+        c = tuple(self.candidates)
+        if not c or list(c) != sorted(set(c)) or c[0] < 1 or c[-1] > MAX_BUDGET:
+            raise ValueError(f"SpecConfig.candidates={self.candidates!r}: ascending budgets in [1, {MAX_BUDGET}]")
+        object.__setattr__(self, "candidates", c)
+        if self.costs is not None and len(self.costs) != len(c) + 1:
+            raise ValueError(f"SpecConfig.costs needs t_draft and one verify time per candidate ({len(c) + 1} values)")
+
+    @property
+    def auto(self) -> bool:
+        return self.method == "ddtree" and self.budget == "auto"
+
+    def fixed(self, budget: int) -> SpecConfig:
+        return SpecConfig(self.method, budget, self.candidates, self.costs)
 
 
 @dataclass
@@ -35,6 +54,7 @@ class StepResult:
     emitted: torch.Tensor  # [B, max_depth + 1] accepted drafts then the new bonus, -1 after
     n_emitted: torch.Tensor  # [B] accepted drafts + 1
     bonus: torch.Tensor  # [B] the next root
+    choice: torch.Tensor | None = None  # "auto": index of the best candidate for this step's tree
 
 
 def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
@@ -53,21 +73,35 @@ def build_tree(logprobs: torch.Tensor, spec: SpecConfig, nodes: int | None = Non
 
 
 def verify_nodes(spec: SpecConfig, block_size: int) -> int:
-    """Verify tokens per sequence of one step: the root plus the tree's nodes."""
+    """Verify tokens per sequence of one step (the largest, for "auto"): the root plus the tree's nodes."""
     if spec.method == "ar":
         return 1
-    return block_size if spec.method == "dflash" else 1 + (spec.budget or block_size - 1)
+    if spec.method == "dflash":
+        return block_size
+    return 1 + (spec.candidates[-1] if spec.auto else spec.budget or block_size - 1)
 
 
 def speculative_step(
     target: KimiK2, drafter: DFlashDrafter, cache_LRTC, dcache: DrafterCache, rows, start, bonus, alive,
     spec: SpecConfig, sp: SamplingParams, gen: torch.Generator | None, absorb: bool = True, timer=None,
-    nodes: int | None = None,
+    nodes: int | None = None, policy=None,
 ) -> StepResult:
-    """Advance every live sequence by its accepted drafts + 1 bonus; caches are updated in place."""
+    """Advance every live sequence by its accepted drafts + 1 bonus; caches are updated in place.
+
+    With a budget policy ("auto") the tree is built at the largest candidate and cut to the chosen one:
+    eagerly the choice for this very tree (one tiny read), in a graph the budget is the bucket's
+    (`spec.budget`), and the choice is returned for the host to pick the next bucket."""
     t = timer or (lambda name: _null())
+    pick = None
     with t("draft"):
-        tree = build_tree(draft(target, drafter, dcache, rows, start, bonus), spec, nodes)
+        lp = draft(target, drafter, dcache, rows, start, bonus)
+        if policy is not None:
+            full = build_ddtree(lp, policy.largest)
+            pick = policy.choose(full)
+            budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
+            tree = pad_tree(truncate_tree(full, budget), nodes) if nodes else truncate_tree(full, budget)
+        else:
+            tree = build_tree(lp, spec, nodes)
         tree.tokens[:, 0] = bonus
     with t("verify"):
         batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words())
@@ -83,7 +117,10 @@ def speculative_step(
     pos = start[:, None] + torch.arange(J, device=start.device)
     drafter.append_context(dcache.k, dcache.v, feat, pos, rows, valid_BC=path >= 0)
     emitted = emitted_tokens(tree, path, new_bonus)
-    return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus)
+    if policy is not None:
+        used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
+        policy.update(full, used, n_acc, alive)
+    return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus, pick)
 
 
 class _null:

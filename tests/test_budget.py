@@ -1,0 +1,74 @@
+"""Cost-aware adaptive budget: prefix property, the selection rule, calibration, losslessness."""
+
+import pytest
+import torch
+
+import k26.spec.step as step_mod
+from k26 import SamplingParams, SpecConfig
+from k26.spec.budget import BudgetPolicy, truncate_tree
+from k26.spec.tree import build_ddtree
+
+
+def lp(seed, sharp):
+    return torch.log_softmax(torch.randn(2, 7, 300, generator=torch.Generator().manual_seed(seed)) * sharp, -1)
+
+
+@pytest.mark.parametrize("small", [1, 3, 7, 15])
+def test_smaller_budget_tree_is_a_prefix(small):
+    x = lp(small, 3.0)
+    a, b = truncate_tree(build_ddtree(x, 31), small), build_ddtree(x, small)
+    for f in ("tokens", "parents", "depths", "valid", "words"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_equal_costs_and_confident_drafts_pick_the_largest():
+    pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
+    assert int(pol.choose(build_ddtree(lp(0, 30.0), 31))) == 3
+
+
+def test_dominant_verify_cost_picks_the_smallest():
+    pol = BudgetPolicy.create((3, 7, 15, 31), 0.001, (1.0, 2.0, 4.0, 8.0), "cpu")
+    assert int(pol.choose(build_ddtree(lp(0, 1.0), 31))) == 0
+
+
+def test_calibration_follows_observed_acceptance():
+    tree = build_ddtree(lp(1, 30.0), 31)  # confident: predicts long acceptance
+    over = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
+    for _ in range(20):
+        over.update(tree, torch.tensor(3), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool))
+    assert over.log_k.item() > 0.1  # over-confident drafter: q(u)^k with k > 1 shrinks the estimates
+    under = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
+    weak = build_ddtree(lp(1, 0.3), 31)
+    for _ in range(20):
+        under.update(weak, torch.tensor(3), torch.full((2,), 7), torch.ones(2, dtype=torch.bool))
+    assert under.log_k.item() < -0.1
+
+
+def test_bad_budget_configs():
+    with pytest.raises(ValueError, match="candidates"):
+        SpecConfig("ddtree", "auto", candidates=(7, 3))
+    with pytest.raises(ValueError, match="costs"):
+        SpecConfig("ddtree", "auto", costs=(0.1, 0.2))
+    with pytest.raises(ValueError, match="budget='many'"):
+        SpecConfig("ddtree", "many")
+
+
+@pytest.mark.parametrize("costs", [(0.0, 1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 3.0, 9.0, 27.0)])
+def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
+    from k26 import LLM
+    from k26.tiny import write_tiny_drafter
+
+    from test_spec import oracle_draft
+
+    d = write_tiny_drafter(tiny_k25.parent / "auto-drafter", tiny_k25, layers=1, seed=3)
+    llm = LLM(tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=4, max_model_len=256)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 600, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(4)]
+    sp = SamplingParams(max_tokens=20, stop_token_ids=[])
+    ar = llm.generate(prompts, sp, SpecConfig("ar"))
+    ref = {b: p + a.token_ids for b, (p, a) in enumerate(zip(prompts, ar))}
+    monkeypatch.setattr(step_mod, "draft", oracle_draft(ref, noise=0.3, seed=1))
+    out = llm.generate(prompts, sp, SpecConfig("ddtree", "auto", costs=costs))
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    assert llm.decoder.policies  # the policy was built and used
