@@ -89,7 +89,9 @@ class LLM:
             self.dcache = DrafterCache.allocate(self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device,
                                                 tp_size=tp)
         self.progress = progress
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        # Graphs by default for bf16 on CUDA: other dtypes run the reference ops, which read lengths back
+        # to the host and so cannot be captured.
+        self.graphs = (self.device.type == "cuda" and self.dtype == torch.bfloat16) if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA device")
         self.user_buckets = [Bucket(*b) for b in buckets] if buckets else None
