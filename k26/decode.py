@@ -27,6 +27,7 @@ from .spec.step import SpecConfig, speculative_step, verify_nodes
 @dataclass
 class SpecStats:
     accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per target forward
+    budgets: list[int] = field(default_factory=list)  # DDTree budget verified at each step
     draft_s: float = 0.0  # eager only: graph steps are one replay with no phase boundaries
     verify_s: float = 0.0
     host_s: float = 0.0  # CPU time between steps, waits excluded (graph mode)
@@ -167,6 +168,8 @@ class Decoder:
                 emitted, counts = r.emitted.tolist(), r.n_emitted.tolist()  # the step's one host read
                 for b in live:
                     outs[b].stats.accepted_per_step.append(counts[b])
+                    if r.budget is not None:
+                        outs[b].stats.budgets.append(r.budget)
                 self._emit(outs, live, [e[: counts[b]] for b, e in enumerate(emitted)], stops, sp)
                 lens, bonus = lens + r.n_emitted, r.bonus
             else:
@@ -284,10 +287,14 @@ class Decoder:
             done.synchronize()
             t2 = time.perf_counter()
             counts, emitted = host_n.tolist(), host_em.tolist()
-            bucket = buckets[int(host_c[0])] if len(buckets) > 1 else bucket
             was = set(live)
             for b in live:
                 outs[b].stats.accepted_per_step.append(counts[b])
+                if bucket.nodes > 1:
+                    outs[b].stats.budgets.append(bucket.nodes - 1)
+            # adaptive budget: the next step replays the bucket this step's tree favoured (one step late:
+            # a graph cannot branch on its own draft)
+            bucket = buckets[int(host_c[0])] if len(buckets) > 1 else bucket
             self._emit(outs, live, [e[: counts[b]] for b, e in enumerate(emitted)], stops, sp)
             for b in was - set(live):
                 state.alive[b] = False  # rare: a sequence finished

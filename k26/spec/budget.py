@@ -33,10 +33,10 @@ class BudgetPolicy:
     cost: torch.Tensor  # [C] seconds per step of each candidate, on the device
     index: torch.Tensor  # [C] int64: node index (budget - 1) closing each candidate prefix
     position: tuple[torch.Tensor, ...]  # [] int64 per candidate: its own index (graph-safe constants)
-    lr: float = 0.05
+    lr: float = 0.2
 
     @classmethod
-    def create(cls, candidates, t_draft: float, t_verify, device, k: float = 1.0, lr: float = 0.05) -> BudgetPolicy:
+    def create(cls, candidates, t_draft: float, t_verify, device, k: float = 1.0, lr: float = 0.2) -> BudgetPolicy:
         cands = tuple(int(c) for c in candidates)
         if not cands or list(cands) != sorted(set(cands)) or cands[0] < 1:
             raise ValueError(f"budget candidates {candidates!r}: expected ascending distinct budgets >= 1")

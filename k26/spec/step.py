@@ -55,6 +55,7 @@ class StepResult:
     n_emitted: torch.Tensor  # [B] accepted drafts + 1
     bonus: torch.Tensor  # [B] the next root
     choice: torch.Tensor | None = None  # "auto": index of the best candidate for this step's tree
+    budget: int | None = None  # the budget this step verified (host-known: eager pick or graph bucket)
 
 
 def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
@@ -120,7 +121,8 @@ def speculative_step(
     if policy is not None:
         used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
         policy.update(full, used, n_acc, alive)
-    return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus, pick)
+    return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus, pick,
+                      budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None)
 
 
 class _null:
