@@ -23,7 +23,7 @@
 // Dequant: (nibble | 0x4300) is bf16 128+u; minus 136 gives q exactly; one bf16 multiply by the scale
 // rounds once, bit-identical to compressed-tensors' bf16(q*s).
 //
-// Legality: warp-level mma.sync.m16n8k16 bf16 only (no wgmma / tcgen05 / TMA), at most 32 KB static
+// Legality: warp-level mma.sync.m16n8k16 bf16 only (no warpgroup MMA, no tensor memory, no TMA), <= 32 KB static
 // shared memory per block: legal on sm_120 (99 KB limit) and sm_90; built for sm_90a and sm_120a.
 // Speed and its benchmark: profiling/bench_moe.py, results in profiling/results/.
 
