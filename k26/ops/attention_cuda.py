@@ -13,7 +13,6 @@ import math
 import torch
 
 from . import reference
-from .build import available, library
 
 DQK, DV = 576, 512
 MAX_NEW_TOKENS = 256  # 4 ancestor words per row: the largest verify bucket the kernel is built for
@@ -47,6 +46,8 @@ def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
 
 @torch.library.register_kernel("k26::mla_tree_attention", "cuda")
 def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
+    from .build import available, library  # lazily: `python -m k26.ops.build` must not import itself first
+
     check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim)
     B, N, H, C = q.shape
     if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or not available():
