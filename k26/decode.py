@@ -55,6 +55,7 @@ class Decoder:
         self.llm = llm
         self.runners: dict[tuple, StepGraphs] = {}
         self.policies: dict[tuple, BudgetPolicy] = {}
+        self.measured: dict[tuple, bool] = {}
         self.target = llm.model_fwd  # compiled or plain
 
     # -- shared pieces ---------------------------------------------------------------------------
@@ -117,16 +118,21 @@ class Decoder:
         block = llm.drafter.cfg.block_size if llm.drafter is not None else 1
         nodes = verify_nodes(spec, block)
         graph, policy, buckets = None, None, None
+        batch = len(prompts)
         if llm.graphs:
             graph = self._runner(spec, sp)
-            if spec.auto:  # one bucket per candidate budget, sharing the batch's static state
-                batch = pick_bucket(llm.buckets_for(spec), len(prompts), nodes).batch
-                buckets = [Bucket(batch, c + 1) for c in spec.candidates]
-            else:
-                buckets = [pick_bucket(llm.buckets_for(spec), len(prompts), nodes)]
+            fit = pick_bucket(llm.buckets_for(spec), len(prompts), nodes)
+            batch = fit.batch
+            # adaptive: one bucket per candidate budget, sharing the batch's static state
+            buckets = [Bucket(batch, c + 1) for c in spec.candidates] if spec.auto else [fit]
+        if spec.auto:  # exists before capture: the graphs read its device tensors
+            policy = self._policy(spec, batch)
+        if graph is not None:
             graph.capture(buckets, progress=llm.progress)
-        if spec.auto:
-            policy = self._policy(spec, sp, graph, buckets, len(prompts))
+        if policy is not None and spec.costs is None and not self.measured.get((spec, batch)):
+            policy.set_costs(0.0, [self._measure(spec, sp, graph, b, c, batch) for b, c in
+                                   zip(buckets or [None] * len(spec.candidates), spec.candidates)])
+            self.measured[(spec, batch)] = True
         stops = set(sp.stop_token_ids if sp.stop_token_ids is not None else llm.tokenizer.stop_ids)
         gen = None
         if sp.seed is not None:
@@ -217,18 +223,13 @@ class Decoder:
             self.runners[key] = StepGraphs(step, width, llm.device)
         return self.runners[key]
 
-    def _policy(self, spec: SpecConfig, sp: SamplingParams, graph: StepGraphs | None, buckets, batch: int):
-        """The budget policy of this batch size: costs given in the SpecConfig, else measured once (before
-        the batch's prefill, while the caches are scratch) by graph replays or eager steps."""
-        key = (spec, batch if graph is None else buckets[0].batch)
+    def _policy(self, spec: SpecConfig, batch: int) -> BudgetPolicy:
+        """The budget policy of one (spec, batch size): costs from the SpecConfig, else equal placeholders
+        that `run` replaces by measurement (graph replays or eager steps) before the batch's prefill."""
+        key = (spec, batch)
         if key not in self.policies:
-            llm = self.llm
-            if spec.costs is not None:
-                t_draft, t_verify = spec.costs[0], spec.costs[1:]
-            else:
-                t_draft, t_verify = 0.0, [self._measure(spec, sp, graph, b, c, batch) for b, c in
-                                          zip(buckets or [None] * len(spec.candidates), spec.candidates)]
-            self.policies[key] = BudgetPolicy.create(spec.candidates, t_draft, t_verify, llm.device)
+            costs = spec.costs or (0.0, *([1.0] * len(spec.candidates)))
+            self.policies[key] = BudgetPolicy.create(spec.candidates, costs[0], costs[1:], self.llm.device)
         return self.policies[key]
 
     def _measure(self, spec, sp, graph, bucket, budget: int, batch: int) -> float:

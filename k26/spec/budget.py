@@ -48,6 +48,11 @@ class BudgetPolicy:
                    torch.tensor([c - 1 for c in cands], device=device),
                    tuple(torch.tensor(i, device=device) for i in range(len(cands))), lr)
 
+    def set_costs(self, t_draft: float, t_verify) -> None:
+        """Replace the costs in place (captured graphs read the same device tensor)."""
+        self.t_draft, self.t_verify = float(t_draft), tuple(float(t) for t in t_verify)
+        self.cost.copy_(torch.tensor([self.t_draft + t for t in self.t_verify]))
+
     @property
     def largest(self) -> int:
         return self.candidates[-1]
