@@ -132,6 +132,7 @@ class Decoder:
         if policy is not None and spec.costs is None and not self.measured.get((spec, batch)):
             policy.set_costs(0.0, [self._measure(spec, sp, graph, b, c, batch) for b, c in
                                    zip(buckets or [None] * len(spec.candidates), spec.candidates)])
+            policy.log_k.zero_()  # the timing steps ran on scratch data: forget what they taught
             self.measured[(spec, batch)] = True
         stops = set(sp.stop_token_ids if sp.stop_token_ids is not None else llm.tokenizer.stop_ids)
         gen = None
