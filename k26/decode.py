@@ -74,6 +74,11 @@ class Decoder:
                 llm.drafter.append_context(llm.dcache.k, llm.dcache.v, aux, pos, rows, valid_BC=pos < lens[:, None])
         return h[torch.arange(B, device=dev), lens - 1], lens
 
+    def _next(self, h, sp: SamplingParams, gen):
+        """Next token from final hidden states: the shards' argmax merged when greedy, else a sample."""
+        head = self.llm.model.lm_head
+        return head.argmax(h) if sp.temperature == 0 else sample(self.llm.model.logits(h), sp, gen)
+
     def _emit(self, outs, live: list[int], new: list[list[int]], stops: set[int], sp: SamplingParams) -> None:
         """Append each live sequence's new tokens, stopping at a stop id / string, max_tokens or the context."""
         for b in list(live):
@@ -145,7 +150,7 @@ class Decoder:
         rows = torch.arange(B, device=dev)
         aux_layers = llm.drafter.cfg.target_layer_ids if spec.method != "ar" else ()
         h, lens = self._prefill(prompts, rows, aux_layers)
-        bonus = sample(llm.model.logits(h), sp, gen)
+        bonus = self._next(h, sp, gen)
         live = list(range(B))
         self._emit(outs, live, [[t] for t in bonus.tolist()], stops, sp)
         yield outs
@@ -182,7 +187,7 @@ class Decoder:
             else:
                 batch = AttnBatch.causal(lens, 1, rows)
                 h, _ = llm.model(bonus[:, None], batch, llm.cache.kv_LRTC, absorb=llm.absorb)
-                bonus = sample(llm.model.logits(h[:, 0]), sp, gen)
+                bonus = self._next(h[:, 0], sp, gen)
                 lens = lens + alive.long()  # finished rows stay frozen and only rewrite their own last slot
                 for b in live:
                     outs[b].stats.accepted_per_step.append(1)
@@ -204,7 +209,7 @@ class Decoder:
                     if spec.method == "ar":
                         batch = AttnBatch.causal(state.start, 1, state.rows)
                         h, _ = self.target(state.bonus[:, None], batch, llm.cache.kv_LRTC, absorb=llm.absorb)
-                        tok = sample(llm.model.logits(h[:, 0]), sp, None)
+                        tok = self._next(h[:, 0], sp, None)
                         state.emitted[:, 0].copy_(tok)
                         state.n_emitted.copy_(state.alive.long())
                     else:

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import k26.spec.step as step_mod  # noqa: E402
 from k26 import LLM, SamplingParams, SpecConfig  # noqa: E402
 from k26.tiny import write_tiny_checkpoint, write_tiny_drafter  # noqa: E402
-from test_spec import oracle_draft  # noqa: E402
+from test_spec import as_topk, oracle_draft  # noqa: E402
 
 COST_MS = {8: 24.90, 15: 28.24, 31: 30.87}
 
@@ -54,7 +54,7 @@ def main() -> None:
     for noise in (0.05, 0.3, 0.6):
         for budget in (*cands, "auto"):
             torch.manual_seed(0)
-            step_mod.draft = oracle_draft(ref, noise=noise, seed=int(noise * 100))
+            step_mod.draft_topk = as_topk(oracle_draft(ref, noise=noise, seed=int(noise * 100)))
             spec = SpecConfig("ddtree", budget, candidates=cands, costs=costs)
             llm.decoder.policies.clear()
             outs = llm.generate(prompts, sp, spec)

@@ -58,7 +58,7 @@ def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     from k26 import LLM
     from k26.tiny import write_tiny_drafter
 
-    from test_spec import oracle_draft
+    from test_spec import as_topk, oracle_draft
 
     d = write_tiny_drafter(tiny_k25.parent / "auto-drafter", tiny_k25, layers=1, seed=3)
     llm = LLM(tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=4, max_model_len=256)
@@ -68,7 +68,7 @@ def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     sp = SamplingParams(max_tokens=20, stop_token_ids=[])
     ar = llm.generate(prompts, sp, SpecConfig("ar"))
     ref = {b: p + a.token_ids for b, (p, a) in enumerate(zip(prompts, ar))}
-    monkeypatch.setattr(step_mod, "draft", oracle_draft(ref, noise=0.3, seed=1))
+    monkeypatch.setattr(step_mod, "draft_topk", as_topk(oracle_draft(ref, noise=0.3, seed=1)))
     out = llm.generate(prompts, sp, SpecConfig("ddtree", "auto", costs=costs))
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     assert llm.decoder.policies  # the policy was built and used

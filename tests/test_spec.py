@@ -141,6 +141,14 @@ def oracle_draft(reference: dict, noise: float, seed: int):
     return draft
 
 
+def as_topk(draft):
+    """Adapt a full-vocabulary drafter stand-in to the step's `draft_topk` hook."""
+    def draft_topk(target, drafter, dcache, rows, start, bonus, k):
+        return draft(target, drafter, dcache, rows, start, bonus).topk(k, dim=-1)
+
+    return draft_topk
+
+
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree"), SpecConfig("ddtree", 4),
                                   SpecConfig("ddtree", 16), SpecConfig("ddtree", 40)])
 def test_greedy_lossless_with_oracle_drafts(llm, spec, monkeypatch):
@@ -153,7 +161,7 @@ def test_greedy_lossless_with_oracle_drafts(llm, spec, monkeypatch):
     for start in range(0, 24, 8):
         chunk = prompts[start : start + 8]
         ref = {b: p + a.token_ids for b, (p, a) in enumerate(zip(chunk, ar[start : start + 8]))}
-        monkeypatch.setattr(step_mod, "draft", oracle_draft(ref, noise=0.3, seed=start))
+        monkeypatch.setattr(step_mod, "draft_topk", as_topk(oracle_draft(ref, noise=0.3, seed=start)))
         out = llm.generate(chunk, sp, spec)
         for o, a in zip(out, ar[start : start + 8]):
             assert o.token_ids == a.token_ids
@@ -183,7 +191,7 @@ def test_spec_sampling_is_seeded(llm):
 def test_stop_token_inside_accepted_block(llm, monkeypatch):
     sp = SamplingParams(max_tokens=30, stop_token_ids=[])
     ar = llm.generate([[4, 5, 6]], sp, SpecConfig("ar"))[0].token_ids
-    monkeypatch.setattr(step_mod, "draft", oracle_draft({0: [4, 5, 6] + ar}, noise=0.0, seed=1))
+    monkeypatch.setattr(step_mod, "draft_topk", as_topk(oracle_draft({0: [4, 5, 6] + ar}, noise=0.0, seed=1)))
     stop = ar[5]
     out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=30, stop_token_ids=[stop]), SpecConfig("ddtree", 8))[0]
     assert out.finish_reason == "stop" and out.token_ids == ar[: ar.index(stop)]
@@ -279,3 +287,13 @@ def test_bad_spec_config(llm, tiny_k25):
 
 def test_public_spec_names():
     assert k26.SpecConfig is SpecConfig
+
+
+def test_head_topk_and_argmax_match_full_vocab(llm):
+    h = torch.randn(2, 3, llm.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    head = llm.model.lm_head
+    full = torch.log_softmax(head(h), -1)
+    lp, ids = head.topk_logprobs(h, 9)
+    want_lp, want_ids = full.topk(9, dim=-1)
+    assert torch.allclose(lp, want_lp, atol=1e-5) and torch.equal(ids, want_ids)
+    assert torch.equal(head.argmax(h), full.argmax(-1))

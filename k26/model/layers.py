@@ -99,12 +99,38 @@ class VocabEmbedding(nn.Module):
 
 
 class VocabHead(nn.Module):
-    """lm_head rows of this rank; logits come back fp32 and gathered over the vocabulary."""
+    """lm_head rows of this rank. `forward` gathers full fp32 logits; `argmax` and `topk_logprobs` merge
+    shard-local results instead (a few values per rank), identically on every rank."""
 
     def __init__(self, vocab: int, dim: int, dtype: torch.dtype, tp: TPInfo):
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(tp.split(vocab, "vocab_size"), dim, dtype=dtype), requires_grad=False)
+        self.part = tp.split(vocab, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.gather(F.linear(x, self.weight).float())
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Global token ids of the largest logit; ties go to the smallest id, as torch.argmax does."""
+        local = F.linear(x, self.weight).float()
+        if self.tp.size == 1:
+            return local.argmax(-1)
+        v, i = local.max(-1)
+        vals = self.tp.gather(v[..., None])  # [..., tp], rank order = id order
+        ids = self.tp.gather((i + self.tp.rank * self.part)[..., None])
+        return ids.gather(-1, vals.argmax(-1, keepdim=True))[..., 0]
+
+    def topk_logprobs(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most probable tokens under log_softmax over the whole vocabulary: (log-probs, global ids),
+        sorted descending; each rank contributes its top-k and its log-sum-exp."""
+        local = F.linear(x, self.weight).float()
+        lse = local.logsumexp(-1)
+        kk = min(k, self.part)
+        v, i = local.topk(kk, dim=-1)
+        if self.tp.size > 1:
+            v, i = self.tp.gather(v), self.tp.gather(i + self.tp.rank * self.part)
+            lse = self.tp.gather(lse[..., None]).logsumexp(-1)
+            v, j = v.topk(min(k, v.shape[-1]), dim=-1)
+            i = i.gather(-1, j)
+        return v - lse[..., None], i

@@ -14,7 +14,7 @@ from ..model.drafter import DFlashDrafter, drafter_logits
 from ..sampling import SamplingParams
 from .accept import accept_walk, commit_latent, emitted_tokens, target_choices
 from .budget import truncate_tree
-from .tree import DraftTree, build_ddtree, chain_tree, pad_tree
+from .tree import DraftTree, build_ddtree_from_topk, chain_from_topk, pad_tree
 
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
 
@@ -58,19 +58,29 @@ class StepResult:
     budget: int | None = None  # the budget this step verified (host-known: eager pick or graph bucket)
 
 
-def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
-    """Per-depth drafter log-probs [B, block - 1, V] for the block [bonus, MASK x (block - 1)]."""
+def draft_hidden(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
+    """Drafter hidden states [B, block, D] of the block [bonus, MASK x (block - 1)]."""
     cfg = drafter.cfg
     B = bonus.shape[0]
     ids = torch.cat([bonus[:, None], bonus.new_full((B, cfg.block_size - 1), cfg.mask_token_id)], dim=1)
     pos = start[:, None] + torch.arange(cfg.block_size, device=bonus.device)
-    h = drafter(target.embed_tokens(ids), pos, dcache.k, dcache.v, rows, start)
-    return drafter_logits(h, target.lm_head)
+    return drafter(target.embed_tokens(ids), pos, dcache.k, dcache.v, rows, start)
 
 
-def build_tree(logprobs: torch.Tensor, spec: SpecConfig, nodes: int | None = None) -> DraftTree:
-    tree = chain_tree(logprobs) if spec.method == "dflash" else build_ddtree(logprobs, spec.budget or logprobs.shape[1])
-    return pad_tree(tree, nodes) if nodes else tree
+def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
+    """Per-depth drafter log-probs over the whole vocabulary [B, block - 1, V] (gathered under TP)."""
+    return drafter_logits(draft_hidden(target, drafter, dcache, rows, start, bonus), target.lm_head)
+
+
+def draft_topk(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, k: int):
+    """Per-depth top-k (log-probs, token ids) [B, block - 1, k], merged from vocabulary shards under TP:
+    all the tree builder needs (Lemma 1 of the DDTree paper: K = min(budget, V) suffices)."""
+    h = draft_hidden(target, drafter, dcache, rows, start, bonus)
+    return target.lm_head.topk_logprobs(h[:, 1:], k)
+
+
+def tree_budget(spec: SpecConfig, block_size: int) -> int:
+    return 1 if spec.method == "dflash" else spec.budget if isinstance(spec.budget, int) else block_size - 1
 
 
 def verify_nodes(spec: SpecConfig, block_size: int) -> int:
@@ -95,19 +105,22 @@ def speculative_step(
     t = timer or (lambda name: _null())
     pick = None
     with t("draft"):
-        lp = draft(target, drafter, dcache, rows, start, bonus)
+        largest = policy.largest if policy is not None else tree_budget(spec, drafter.cfg.block_size)
+        lp, tok = draft_topk(target, drafter, dcache, rows, start, bonus, min(largest, target.cfg.vocab_size))
         if policy is not None:
-            full = build_ddtree(lp, policy.largest)
+            full = build_ddtree_from_topk(lp, tok, policy.largest)
             pick = policy.choose(full)
             budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
-            tree = pad_tree(truncate_tree(full, budget), nodes) if nodes else truncate_tree(full, budget)
+            tree = truncate_tree(full, budget)
         else:
-            tree = build_tree(lp, spec, nodes)
+            tree = chain_from_topk(lp, tok) if spec.method == "dflash" else build_ddtree_from_topk(lp, tok, largest)
+        tree = pad_tree(tree, nodes) if nodes else tree
         tree.tokens[:, 0] = bonus
     with t("verify"):
         batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words())
         h, aux = target(tree.tokens, batch, cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=absorb)
-        choice = target_choices(target.logits(h), sp, gen)
+        # greedy merges the shards' argmax (no full-vocabulary gather); sampling gathers the logits
+        choice = target.lm_head.argmax(h) if sp.temperature == 0 else target_choices(target.logits(h), sp, gen)
     path, n_acc, new_bonus = accept_walk(tree, choice)
     # Finished rows stay frozen: nothing of theirs is committed.
     path = torch.where(alive[:, None], path, -1)

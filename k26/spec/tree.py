@@ -151,9 +151,15 @@ def _ancestors(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> to
 
 def chain_tree(logprobs: torch.Tensor) -> DraftTree:
     """The DFlash chain: the top-1 token at every depth (the top-1 special case of the tree)."""
-    B, L, _ = logprobs.shape
     lp, tok = logprobs.max(dim=-1)
-    dev = logprobs.device
+    return chain_from_topk(lp[..., None], tok[..., None])
+
+
+def chain_from_topk(lp: torch.Tensor, tok: torch.Tensor) -> DraftTree:
+    """The chain from per-depth top-K (log-prob, token) pairs sorted descending (only rank 0 is used)."""
+    lp, tok = lp[..., 0], tok[..., 0]
+    B, L = lp.shape
+    dev = lp.device
     root = torch.zeros(B, 1, dtype=torch.long, device=dev)
     ar = torch.arange(L + 1, device=dev)
     parents = (ar - 1).expand(B, L + 1).clone()
