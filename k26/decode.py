@@ -10,7 +10,7 @@ emitted tokens back, bookkeeping.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -105,6 +105,7 @@ class Decoder:
         return True
 
     def _room(self, outs, live, nodes: int) -> bool:
+        """Whether every live sequence still has cache room for a speculative step of `nodes` tokens."""
         llm = self.llm
         room = llm.max_model_len - nodes
         if llm.dcache is not None:
@@ -135,11 +136,18 @@ class Decoder:
         if graph is not None:
             graph.capture(buckets, progress=llm.progress)
         if policy is not None and spec.costs is None and not self.measured.get((spec, batch)):
-            policy.set_costs(0.0, [self._measure(spec, sp, graph, b, c, batch) for b, c in
-                                   zip(buckets or [None] * len(spec.candidates), spec.candidates)])
+            costs = [self._measure(spec, sp, graph, b, c, batch) for b, c in
+                     zip(buckets or [None] * len(spec.candidates), spec.candidates)]
+            if llm.tp_size > 1:  # every rank must pick the same budget: agree on the slowest timings
+                t = torch.tensor(costs, device=llm.device)
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+                costs = t.tolist()
+            policy.set_costs(0.0, costs)
             policy.log_k.zero_()  # the timing steps ran on scratch data: forget what they taught
             self.measured[(spec, batch)] = True
         stops = set(sp.stop_token_ids if sp.stop_token_ids is not None else llm.tokenizer.stop_ids)
+        if llm.tp_size > 1 and sp.seed is None and sp.temperature > 0:
+            sp = replace(sp, seed=_shared_seed(dev=llm.device))  # every rank must draw the same samples
         gen = None
         if sp.seed is not None:
             if graph is not None:  # graphs draw from the device's default generator
@@ -155,9 +163,10 @@ class Decoder:
         self._emit(outs, live, [[t] for t in bonus.tolist()], stops, sp)
         yield outs
         if graph is not None:
-            yield from self._graph_loop(graph, buckets, outs, live, lens, bonus, stops, sp, nodes)
-        else:
-            yield from self._eager_loop(outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes, policy)
+            nodes = max(b.nodes for b in buckets)  # padded buckets write this far
+            lens, bonus = yield from self._graph_loop(graph, buckets, outs, live, lens, bonus, stops, sp, nodes)
+            spec = SpecConfig("ar")  # out of room for another graph step: plain decoding to the end
+        yield from self._eager_loop(outs, live, rows, lens, bonus, stops, sp, spec, gen, nodes, policy)
         for o in outs:
             if not o.text:
                 o.text = llm.tokenizer.decode(o.token_ids, skip_special=True)
@@ -170,11 +179,9 @@ class Decoder:
             alive = torch.zeros(B, dtype=torch.bool)
             alive[live] = True
             alive = alive.to(dev)
+            if spec.method != "ar" and not self._room(outs, live, nodes):
+                spec = SpecConfig("ar")  # no room for another verify tree: finish like plain decoding
             if spec.method != "ar":
-                if not self._room(outs, live, nodes):
-                    for b in live:  # no room for another verify tree
-                        outs[b].finish_reason = "length"
-                    break
                 r = speculative_step(llm.model, llm.drafter, llm.cache.kv_LRTC, llm.dcache, rows, lens, bonus, alive,
                                      spec, sp, gen, llm.absorb, timer, policy=policy)
                 emitted, counts = r.emitted.tolist(), r.n_emitted.tolist()  # the step's one host read
@@ -241,20 +248,21 @@ class Decoder:
     def _measure(self, spec, sp, graph, bucket, budget: int, batch: int) -> float:
         """Seconds per whole step at one candidate budget (draft included, so t_draft is 0)."""
         llm = self.llm
+        at = max(0, min(16, llm.max_model_len - budget - llm.drafter.cfg.block_size - 1))
         if graph is not None:
             state = graph.states[bucket]
-            state.start.fill_(16), state.alive.fill_(True)
+            state.start.fill_(at), state.alive.fill_(True)
             graph.replay(bucket)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(3):
-                state.start.fill_(16)
+                state.start.fill_(at)
                 graph.replay(bucket)
             torch.cuda.synchronize()
             state.reset()
             return (time.perf_counter() - t0) / 3
         dev = llm.device
-        rows, start = torch.arange(batch, device=dev), torch.full((batch,), 16, device=dev)
+        rows, start = torch.arange(batch, device=dev), torch.full((batch,), at, device=dev)
         bonus, alive = torch.zeros(batch, dtype=torch.long, device=dev), torch.ones(batch, dtype=torch.bool, device=dev)
         best = float("inf")
         for _ in range(2):
@@ -273,7 +281,7 @@ class Decoder:
         state.reset()
         state.start[:B] = lens
         state.bonus[:B] = bonus
-        state.alive[:B] = True
+        state.alive[:B] = torch.tensor([b in live for b in range(B)], device=state.alive.device)
         host_em = torch.empty_like(state.emitted, device="cpu").pin_memory()
         host_n = torch.empty_like(state.n_emitted, device="cpu").pin_memory()
         host_c = torch.empty_like(state.choice, device="cpu").pin_memory()
@@ -281,8 +289,6 @@ class Decoder:
         host = 0.0
         while live:
             if not self._room(outs, live, nodes):
-                for b in live:
-                    outs[b].finish_reason = "length"
                 break
             t0 = time.perf_counter()
             graph.replay(bucket)
@@ -310,6 +316,16 @@ class Decoder:
                 outs[b].stats.steps += b in was
                 outs[b].stats.host_s = host
             yield outs
+        return state.start[:B].clone(), state.bonus[:B].clone()
+
+
+def _shared_seed(dev: torch.device) -> int:
+    """A fresh seed chosen on rank 0 and broadcast, so every TP rank samples the same tokens."""
+    import torch.distributed as dist
+
+    t = torch.randint(0, 2**62, (1,), device=dev) if dist.get_rank() == 0 else torch.zeros(1, dtype=torch.long, device=dev)
+    dist.broadcast(t, src=0)
+    return int(t)
 
 
 class _Timer:

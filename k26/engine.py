@@ -238,6 +238,7 @@ class LLM:
             for last in self.decoder.run(encoded[start : start + self.cache.rows], sp, spec):
                 pass
             outs += last
+        self._check_workers()
         return outs
 
 

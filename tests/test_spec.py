@@ -297,3 +297,15 @@ def test_head_topk_and_argmax_match_full_vocab(llm):
     want_lp, want_ids = full.topk(9, dim=-1)
     assert torch.allclose(lp, want_lp, atol=1e-5) and torch.equal(ids, want_ids)
     assert torch.equal(head.argmax(h), full.argmax(-1))
+
+
+def test_spec_runs_to_the_context_end_like_ar(tiny_k25, drafter_dir):
+    llm = LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, max_batch=2,
+              max_model_len=64)
+    prompts = [list(range(3, 43)), list(range(50, 60))]
+    sp = SamplingParams(max_tokens=60, stop_token_ids=[])
+    ar = llm.generate(prompts, sp, SpecConfig("ar"))
+    for spec in (SpecConfig("dflash"), SpecConfig("ddtree", 12)):
+        out = llm.generate(prompts, sp, spec)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+        assert [o.finish_reason for o in out] == [o.finish_reason for o in ar]

@@ -62,9 +62,12 @@ class BudgetPolicy:
         q = torch.where(tree.valid[:, 1:], (tree.scores[:, 1:].float() * self.log_k.exp()).exp(), 0.0)
         return q.cumsum(dim=1)[:, self.index]
 
-    def choose(self, tree: DraftTree) -> torch.Tensor:
-        """Index of the candidate with the best expected tokens/s summed over the batch ([] int64, device)."""
-        return ((1 + self.expected(tree)).sum(dim=0) / self.cost).argmax()
+    def choose(self, tree: DraftTree, alive: torch.Tensor | None = None) -> torch.Tensor:
+        """Index of the candidate with the best expected tokens/s summed over the live rows ([] int64)."""
+        gain = 1 + self.expected(tree)
+        if alive is not None:
+            gain = gain * alive[:, None]
+        return (gain.sum(dim=0) / self.cost).argmax()
 
     def update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor) -> None:
         """Move k so the predicted accepted count of the chosen prefix tracks the observed one (device only)."""

@@ -103,13 +103,16 @@ def speculative_step(
     eagerly the choice for this very tree (one tiny read), in a graph the budget is the bucket's
     (`spec.budget`), and the choice is returned for the host to pick the next bucket."""
     t = timer or (lambda name: _null())
+    # Finished rows still run (the batch is rectangular) but at position 0 of their own row: their frozen
+    # length could sit too close to the end of the cache for a whole tree.
+    start = torch.where(alive, start, 0)
     pick = None
     with t("draft"):
         largest = policy.largest if policy is not None else tree_budget(spec, drafter.cfg.block_size)
         lp, tok = draft_topk(target, drafter, dcache, rows, start, bonus, min(largest, target.cfg.vocab_size))
         if policy is not None:
             full = build_ddtree_from_topk(lp, tok, policy.largest)
-            pick = policy.choose(full)
+            pick = policy.choose(full, alive)
             budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
             tree = truncate_tree(full, budget)
         else:

@@ -46,7 +46,7 @@ class DraftTree:
         return self.words
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=None)  # never evicted: captured graphs read these tensors
 def _admissible(budget: int, K: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(i, j) with (i+1)(j+1) <= budget, i < width, j < K: the only children that can enter the next beam.
     Cached device tensors, so a graph capture never copies from the host."""
@@ -219,7 +219,7 @@ def pad_tree(tree: DraftTree, nodes: int) -> DraftTree:
     )
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=None)  # never evicted: captured graphs read these tensors
 def _self_words(first: int, nodes: int, device: torch.device) -> torch.Tensor:
     idx = torch.arange(first, nodes)
     eye = torch.zeros(nodes - first, nodes, dtype=torch.bool)
