@@ -1,0 +1,39 @@
+"""The training corpus: Python standard-library sources, present on every machine.
+
+The module list is pinned (modules that exist in 3.11, 3.12 and 3.13) and sorted, so the corpus is
+deterministic per Python version; a fixed set of modules is held out for evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MODULES = (
+    "argparse ast base64 bdb bisect bz2 calendar cmd code codecs codeop colorsys compileall configparser "
+    "contextlib copy csv dataclasses datetime difflib dis doctest enum filecmp fileinput fnmatch fractions "
+    "ftplib functools getopt gettext glob graphlib gzip hashlib heapq hmac imaplib inspect ipaddress keyword "
+    "linecache locale lzma mailbox mimetypes netrc numbers operator optparse os pathlib pdb pickle pickletools "
+    "pkgutil platform plistlib poplib posixpath pprint profile pstats py_compile pyclbr pydoc queue quopri "
+    "random reprlib rlcompleter runpy sched secrets selectors shelve shlex shutil signal site smtplib socket "
+    "socketserver ssl stat statistics string stringprep struct subprocess symtable sysconfig tabnanny tarfile "
+    "tempfile textwrap threading timeit token tokenize trace traceback tracemalloc types typing uuid warnings "
+    "wave weakref webbrowser zipapp zipfile zipimport"
+).split()
+HELD_OUT = ("bisect", "fractions", "graphlib", "heapq", "netrc", "sched", "shlex", "textwrap")
+
+
+def stdlib_dir() -> Path:
+    return Path(os.path.dirname(os.__file__))
+
+
+def files(split: str) -> list[Path]:
+    """'train' or 'eval' source files, sorted; modules missing on this Python are skipped."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split {split!r}: expected 'train' or 'eval'")
+    names = [m for m in MODULES if (m in HELD_OUT) == (split == "eval")]
+    return [p for p in (stdlib_dir() / f"{m}.py" for m in sorted(names)) if p.is_file()]
+
+
+def text(split: str) -> str:
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files(split))
