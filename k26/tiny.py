@@ -76,7 +76,7 @@ def quantization_config() -> dict:
     }
 
 
-def _text_config(s: dict, first_special: int, quant: str) -> dict:
+def text_config(s: dict, first_special: int, quant: str) -> dict:
     vocab = first_special + 256
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": vocab,
@@ -174,10 +174,23 @@ def write_tiny_checkpoint(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     first_special = write_tokenizer(out, s["base_vocab"])
-    text = _text_config(s, first_special, quant)
+    text = text_config(s, first_special, quant)
     gen = torch.Generator().manual_seed(seed)
     tensors = random_tensors(s, text["vocab_size"], quant, gen)
 
+    extra = {}
+    if flavour == "k25":  # a text-only engine must skip these
+        extra["vision_tower.patch_embed.weight"] = torch.randn(32, 3, 2, 2, generator=gen).to(torch.bfloat16)
+        extra["mm_projector.proj.0.weight"] = torch.randn(text["hidden_size"], 32, generator=gen).to(torch.bfloat16)
+    return save_checkpoint(out, text, tensors, flavour=flavour, shards=shards, extra=extra)
+
+
+def save_checkpoint(out: str | Path, text: dict, tensors: dict[str, torch.Tensor], *, flavour: str = "k25",
+                    shards: int = 1, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """config.json (K2.5/K2.6 nesting or K2-Thinking flat), shards and index for HF-named text tensors."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    first_special = text["vocab_size"] - 256
     if flavour == "k25":
         cfg = {
             "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
@@ -185,15 +198,11 @@ def write_tiny_checkpoint(
             "media_placeholder_token_id": first_special + 21, "tie_word_embeddings": False,
             "text_config": text, "vision_config": {"model_type": "moonvit", "num_hidden_layers": 1, "hidden_size": 32},
         }
-        if quant == "int4":
-            cfg["quantization_config"] = quantization_config()
-        tensors = {"language_model." + k: v for k, v in tensors.items()}
-        # A text-only engine must skip these.
-        tensors["vision_tower.patch_embed.weight"] = torch.randn(32, 3, 2, 2, generator=gen).to(torch.bfloat16)
-        tensors["mm_projector.proj.0.weight"] = torch.randn(text["hidden_size"], 32, generator=gen).to(torch.bfloat16)
+        if "quantization_config" in text:
+            cfg["quantization_config"] = text["quantization_config"]
+        tensors = {"language_model." + k: v for k, v in tensors.items()} | (extra or {})
     else:
         cfg = text
-
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     names = sorted(tensors)
     per = -(-len(names) // shards)

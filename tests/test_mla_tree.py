@@ -76,3 +76,11 @@ def test_tree_forward_equals_path_forwards(llm, absorb):
             path = prompts[b] + tokens[b, path_to(i, parents)].tolist()
             ref = llm.score(path)[-1]
             assert ((tree_logits[b, i] - ref).norm() / ref.norm()).item() < 1e-5, (b, i)
+
+
+def test_training_forward_equals_cached_forward(llm):
+    ids = torch.randint(0, 600, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        train_h, _ = llm.model.forward_train(ids)
+        h, _ = llm.model(ids, AttnBatch.causal(torch.zeros(2, dtype=torch.long), 13), llm.cache.kv_LRTC, absorb=False)
+    assert ((train_h - h).norm() / h.norm()).item() < 1e-5

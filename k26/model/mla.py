@@ -57,18 +57,36 @@ class MLA(nn.Module):
         return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
 
     def _naive(self, q_nope, q_pe, batch: AttnBatch, cache_RLC):
-        """Expand every visible latent row into per-head k_nope / v and attend as plain MHA."""
+        """Expand every visible latent row of the cache into per-head k_nope / v and attend as plain MHA."""
+        N = q_nope.shape[1]
+        keys = int(batch.prefix_lens_B.max()) + N
+        lat_BLC = cache_RLC[batch.rows_B, :keys].to(q_nope.dtype)
+        vis_BNL = reference.visible_keys(batch.prefix_lens_B, batch.mask_words_BNW, N, keys)
+        return self._attend_latent(q_nope, q_pe, lat_BLC, vis_BNL)
+
+    def _attend_latent(self, q_nope, q_pe, lat_BLC, vis_BNL):
         cfg = self.cfg
         B, N, H, _ = q_nope.shape
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        keys = int(batch.prefix_lens_B.max()) + N
-        lat_BLC = cache_RLC[batch.rows_B, :keys].to(q_nope.dtype)
-        kv_BLHX = self.kv_b_proj(lat_BLC[..., :r]).view(B, keys, H, nope + cfg.v_head_dim)
+        kv_BLHX = self.kv_b_proj(lat_BLC[..., :r]).view(B, lat_BLC.shape[1], H, nope + cfg.v_head_dim)
         k_nope, v_BLHV = kv_BLHX.split([nope, cfg.v_head_dim], dim=-1)
         k_BLHQ = torch.cat([k_nope, lat_BLC[..., None, r:].expand(-1, -1, H, -1)], dim=-1)
         q_BNHQ = torch.cat([q_nope, q_pe], dim=-1)
         s_BHNL = torch.einsum("bnhq,blhq->bhnl", q_BNHQ.float(), k_BLHQ.float()) * cfg.softmax_scale
-        vis_BNL = reference.visible_keys(batch.prefix_lens_B, batch.mask_words_BNW, N, keys)
         s_BHNL = s_BHNL.masked_fill(~vis_BNL[:, None], float("-inf"))
         p_BHNL = torch.softmax(s_BHNL, dim=-1).to(q_nope.dtype)
         return torch.einsum("bhnl,blhv->bnhv", p_BHNL, v_BLHV)
+
+    def forward_train(self, x_BTD, positions_BT, rope: Rope):
+        """Causal self-attention over the sequence itself, no cache: the differentiable training path."""
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        q_BTHQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, cfg.qk_head_dim)
+        q_nope, q_pe = q_BTHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = rope(q_pe, positions_BT[:, :, None])
+        a_BTC = self.kv_a_proj_with_mqa(x_BTD)
+        lat_BTC = torch.cat([self.kv_a_layernorm(a_BTC[..., :r]), rope(a_BTC[..., r:], positions_BT)], dim=-1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril().expand(B, T, T)
+        o = self._attend_latent(q_nope, q_pe, lat_BTC, causal)
+        return self.tp.reduce(self.o_proj(o.reshape(B, T, H * cfg.v_head_dim)))

@@ -69,3 +69,18 @@ class KimiK2(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def forward_train(self, ids_BT: torch.Tensor, aux_layers: tuple[int, ...] = ()):
+        """Differentiable causal forward over whole sequences (no cache): final hidden states and, if asked,
+        the outputs of `aux_layers` concatenated (drafter training features)."""
+        B, T = ids_BT.shape
+        pos = torch.arange(T, device=ids_BT.device).expand(B, T)
+        x = self.embed_tokens(ids_BT)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn.forward_train(layer.input_layernorm(x), pos, self.rope)
+            h = layer.mlp(layer.post_attention_layernorm(x))
+            x = x + (self.tp.reduce(h) if layer.dense else h)
+            if i in aux_layers:
+                aux.append(x)
+        return self.norm(x), (torch.cat(aux, dim=-1) if aux_layers else None)
