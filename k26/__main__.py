@@ -10,17 +10,7 @@ from pathlib import Path
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def default_model_dir() -> Path:
-    """The embedded default: until a trained tiny pair ships, a random tiny checkpoint written once."""
-    from .tiny import write_tiny_checkpoint
-
-    d = Path(os.environ.get("K26_CACHE", Path.home() / ".cache" / "k26")) / "tiny-random-k25"
-    if not (d / "model.safetensors.index.json").is_file():
-        print(f"[k26] no --model given: writing a random tiny K2.6-format checkpoint to {d}", file=sys.stderr)
-        write_tiny_checkpoint(d)
-    else:
-        print(f"[k26] no --model given: using the random tiny checkpoint at {d}", file=sys.stderr)
-    return d
+from .embedded import default_drafter_dir, default_model_dir  # noqa: E402
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -30,6 +20,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     from . import SpecConfig
 
+    if not a.model and not a.drafter:  # the embedded pair: the default model comes with its drafter
+        a.drafter = default_drafter_dir()
+        if a.spec is None and a.drafter:
+            a.spec = "ddtree"
+    a.spec = a.spec or "ar"
     if a.spec != "ar" and not a.drafter:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun --nproc-per-node N: one rank per process
@@ -39,7 +34,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     llm = LLM(a.model or default_model_dir(), drafter=a.drafter, device=a.device,
               dtype=getattr(torch, DTYPES[a.dtype]), max_model_len=a.max_model_len, tp=tp,
               progress=int(os.environ.get("RANK", 0)) == 0)
-    spec = SpecConfig(method=a.spec, budget=a.budget)
+    spec = SpecConfig(method=a.spec, budget=a.budget if a.budget is not None else "auto")
     prompt = llm.tokenizer.chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed)
     out = llm.generate(prompt, sp, spec)[0]
@@ -102,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--drafter", help="DFlash drafter directory (enables --spec dflash|ddtree)")
-    g.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
+    g.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default=None,
+                   help="decoding method (default: ddtree with the embedded pair, else ar)")
     g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)")
     g.set_defaults(fn=cmd_generate)

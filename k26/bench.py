@@ -60,7 +60,7 @@ def _hf_baseline(model_dir: Path, prompts, max_tokens: int, device) -> float | N
 
 
 def run_bench(a: argparse.Namespace) -> str:
-    from .__main__ import default_model_dir
+    from .embedded import default_model_dir
 
     model_dir = Path(a.model) if a.model else default_model_dir()
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -101,7 +101,7 @@ def run_profile(a: argparse.Namespace) -> str:
     """A torch.profiler trace of a short generation (nsys may be absent): Chrome trace JSON."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .__main__ import default_model_dir
+    from .embedded import default_model_dir
 
     llm = LLM(a.model or default_model_dir(), drafter=a.drafter, device=a.device, progress=False)
     spec = SpecConfig(a.spec, a.budget if a.spec == "ddtree" else None)

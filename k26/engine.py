@@ -30,7 +30,7 @@ Prompt = str | Sequence[int]
 class LLM:
     def __init__(
         self,
-        model_path: str | Path,
+        model_path: str | Path | None = None,
         *,
         drafter: str | Path | None = None,
         device: str | torch.device | None = None,
@@ -46,6 +46,10 @@ class LLM:
         compile: bool = False,
     ):
         check_world(tp)
+        if model_path is None:  # the embedded pair
+            from .embedded import default_drafter_dir, default_model_dir
+
+            model_path, drafter = default_model_dir(), drafter or default_drafter_dir()
         self.path = Path(model_path)
         self._workers: list = []
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:

@@ -17,7 +17,7 @@ import tempfile
 import torch
 
 from k26 import LLM, SamplingParams, SpecConfig
-from k26.__main__ import default_model_dir
+from k26.embedded import default_model_dir
 from k26.tiny import write_tiny_drafter
 
 
