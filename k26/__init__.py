@@ -1,7 +1,8 @@
 """k26: Kimi K2.6 inference with DDTree speculative decoding."""
 
 from .config import ConfigError, ModelConfig
-from .engine import LLM, RequestOutput, SpecStats
+from .decode import RequestOutput, SpecStats
+from .engine import LLM
 from .loader import CheckpointError
 from .sampling import SamplingParams
 from .spec.step import SpecConfig

@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .kv_cache import DrafterCache, LatentCache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
-from .decode import Decoder, RequestOutput, SpecStats
+from .decode import Decoder, RequestOutput
 from .dist import _worker, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .sampling import SamplingParams

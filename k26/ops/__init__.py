@@ -71,6 +71,6 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 
 
-from . import attention_cuda  # noqa: E402  (registers the CUDA kernel of mla_tree_attention)
+from . import attention_cuda  # noqa: E402, F401  (registers the CUDA kernel of mla_tree_attention)
 
 OPS = ("moe_w4a16", "moe_w4a16_repacked", "mla_write_cache", "mla_tree_attention")

@@ -14,6 +14,7 @@ drafter is over-confident). The ordering of nodes, hence the trees, do not depen
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from .tree import DraftTree
 
 K_RANGE = (0.1, 10.0)
-_LOG_K = (-2.302585, 2.302585)  # log of K_RANGE
+_LOG_K = (math.log(K_RANGE[0]), math.log(K_RANGE[1]))
 
 
 @dataclass
@@ -43,7 +44,7 @@ class BudgetPolicy:
         if len(t_verify) != len(cands) or t_draft < 0 or min(t_verify) <= 0:
             raise ValueError(f"verify costs {t_verify!r} must be positive, one per candidate {cands}")
         t_verify = tuple(float(t) for t in t_verify)
-        return cls(cands, float(t_draft), t_verify, torch.tensor(float(torch.tensor(k).log()), device=device),
+        return cls(cands, float(t_draft), t_verify, torch.tensor(math.log(k), device=device),
                    torch.tensor([t_draft + t for t in t_verify], device=device),
                    torch.tensor([c - 1 for c in cands], device=device),
                    tuple(torch.tensor(i, device=device) for i in range(len(cands))), lr)

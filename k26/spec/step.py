@@ -14,7 +14,7 @@ from ..model.drafter import DFlashDrafter, drafter_logits
 from ..sampling import SamplingParams
 from .accept import accept_walk, commit_latent, emitted_tokens, target_choices
 from .budget import truncate_tree
-from .tree import DraftTree, build_ddtree_from_topk, chain_from_topk, pad_tree
+from .tree import build_ddtree_from_topk, chain_from_topk, pad_tree
 
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
 
