@@ -8,13 +8,14 @@ inserted by `chat()` itself.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 # Verbatim from tokenization_kimi.py; the `&&` class intersections need tiktoken's Rust regex engine.
 KIMI_PAT_STR = "[\\p{Han}]+|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
@@ -56,8 +57,8 @@ class Tokenizer:
             if not f.is_file():
                 raise TokenizerError(f"{f} is missing: the Kimi tokenizer needs tiktoken.model and tokenizer_config.json")
         try:
-            ranks = load_tiktoken_bpe(str(model_file))
-        except Exception as e:  # tiktoken raises bare ValueError/binascii errors on a bad line
+            ranks = read_ranks(model_file)
+        except (ValueError, binascii.Error) as e:
             raise TokenizerError(f"{model_file} is not a tiktoken BPE file: {e}") from e
         try:
             added = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
@@ -129,6 +130,17 @@ class Tokenizer:
 
 
 _LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))
+
+
+def read_ranks(path: str | Path) -> dict[bytes, int]:
+    """A tiktoken BPE file (`base64-token rank` per line). Read directly: tiktoken's loader caches files by
+    path in a temp directory, so a tokenizer rewritten at the same path would come back stale."""
+    ranks = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line.strip():
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+    return ranks
 
 
 def _split_long_runs(text: str):

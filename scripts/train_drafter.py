@@ -63,7 +63,7 @@ def loss_and_acc(drafter, target, x, anchors, gamma: float):
     logits = block_logits(drafter, target, x, feats, anchors)
     S = cfg.block_size
     want = x.gather(1, (anchors[..., None] + torch.arange(1, S, device=x.device)).flatten(1)).view(*anchors.shape, S - 1)
-    ce = F.cross_entropy(logits.flatten(0, 2), want.flatten(), reduction="none").view_as(want)
+    ce = F.cross_entropy(logits.flatten(0, 2).float(), want.flatten(), reduction="none").view_as(want)
     w = torch.exp(-(torch.arange(S - 1, device=x.device, dtype=torch.float32)) / gamma)
     acc = (logits.argmax(-1) == want).float().mean(dim=(0, 1))  # top-1 accuracy per depth
     return (ce * w).sum() / (w.sum() * ce.shape[0] * ce.shape[1]), acc
@@ -104,18 +104,22 @@ def main() -> None:
     S, t0, step, log = a.block, time.time(), 0, []
     ev_x = eval_ids[: (len(eval_ids) // a.seq) * a.seq].view(-1, a.seq)[:16].to(dev)
     ev_anchors = anchors_for(ev_x.shape[0], a.seq, a.anchors, S, torch.Generator().manual_seed(1)).to(dev)
-    while time.time() < t0 + a.minutes * 60:
+    amp = torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda")
+    deadline = t0 + a.minutes * 60
+    while time.time() < deadline:
+        frac = min(1.0, (time.time() - t0) / (deadline - t0))
         starts = torch.randint(0, len(train_ids) - a.seq, (a.batch,), generator=gen).tolist()
         x = torch.stack([train_ids[s : s + a.seq] for s in starts]).to(dev)
         for g in opt.param_groups:
-            g["lr"] = a.lr * min(1.0, (step + 1) / 50)
-        loss, _ = loss_and_acc(drafter, target, x, anchors_for(a.batch, a.seq, a.anchors, S, gen).to(dev), a.gamma)
+            g["lr"] = a.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        with amp:
+            loss, _ = loss_and_acc(drafter, target, x, anchors_for(a.batch, a.seq, a.anchors, S, gen).to(dev), a.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         if step % 50 == 0:
-            with torch.no_grad():
+            with torch.no_grad(), amp:
                 ev, acc = loss_and_acc(drafter, target, ev_x, ev_anchors, a.gamma)
             log.append((step, round(time.time() - t0), loss.item(), ev.item(), acc.tolist()))
             print(f"step {step} t={log[-1][1]}s loss {loss.item():.3f} eval {ev.item():.3f} "

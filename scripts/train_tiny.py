@@ -23,7 +23,7 @@ from k26.config import ModelConfig
 from k26.model import KimiK2
 from k26.model.moe import MoE
 from k26.tiny import DEFAULT_SIZES, save_checkpoint, text_config
-from k26.tokenizer import Tokenizer
+from k26.tokenizer import Tokenizer, read_ranks
 from k26.train import bpe, corpus
 from k26.train.export import hf_tensors
 
@@ -48,13 +48,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", help="reuse this directory's tiktoken.model instead of training a new BPE")
     a = ap.parse_args()
     out = Path(a.out)
     torch.manual_seed(a.seed)
     dev = torch.device(a.device)
 
     t0 = time.time()
-    first = bpe.save_tokenizer(out, bpe.train_bpe(corpus.text("train"), a.vocab))
+    if a.tokenizer:  # the BPE is deterministic for a corpus; retraining it only costs minutes
+        first = bpe.save_tokenizer(out, read_ranks(Path(a.tokenizer) / "tiktoken.model"))
+    else:
+        first = bpe.save_tokenizer(out, bpe.train_bpe(corpus.text("train"), a.vocab))
     tok = Tokenizer.from_dir(out)
     train_ids = torch.tensor(tok.encode(corpus.text("train")), dtype=torch.long)
     eval_ids = torch.tensor(tok.encode(corpus.text("eval")), dtype=torch.long)
@@ -90,14 +94,19 @@ def main() -> None:
     for i, m in enumerate(moes):  # count tokens per expert for the bias update
         m.gate.register_forward_hook(lambda mod, inp, outp, i=i: loads.__setitem__(i, torch.bincount(
             outp[1].flatten(), minlength=mod.cfg.n_routed_experts).float()))
-    log, step, deadline = [], 0, time.time() + a.minutes * 60
+    # bf16 autocast on the GPU (fp32 master weights); the LR follows warm-up then cosine over the wall clock.
+    amp = torch.autocast("cuda", torch.bfloat16, enabled=dev.type == "cuda")
+    log, step, start = [], 0, time.time()
+    deadline = start + a.minutes * 60
     while time.time() < deadline:
         x = next(data).to(dev)
-        lr = a.lr * min(1.0, (step + 1) / 100)
+        frac = (time.time() - start) / (deadline - start)
+        lr = a.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        h, _ = model.forward_train(x[:, :-1])
-        loss = F.cross_entropy(model.logits(h).flatten(0, 1), x[:, 1:].flatten())
+        with amp:
+            h, _ = model.forward_train(x[:, :-1])
+            loss = F.cross_entropy(model.logits(h).flatten(0, 1).float(), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -109,8 +118,9 @@ def main() -> None:
         if step % 50 == 0:
             with torch.no_grad():
                 e = eval_ids[: (len(eval_ids) // (a.seq + 1)) * (a.seq + 1)].view(-1, a.seq + 1)[:32].to(dev)
-                he, _ = model.forward_train(e[:, :-1])
-                ev = F.cross_entropy(model.logits(he).flatten(0, 1), e[:, 1:].flatten()).item()
+                with amp:
+                    he, _ = model.forward_train(e[:, :-1])
+                    ev = F.cross_entropy(model.logits(he).flatten(0, 1).float(), e[:, 1:].flatten()).item()
             log.append((step, round(time.time() - t0), loss.item(), ev))
             print(f"step {step} t={log[-1][1]}s train {loss.item():.3f} eval {ev:.3f}", flush=True)
         step += 1
