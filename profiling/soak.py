@@ -2,8 +2,7 @@
 
     python profiling/soak.py [--steps 10000] [--out FILE.md]
 
-Runs DDTree graph steps over rotating prompts on the tiny default model + a tiny drafter until the step
-count is reached, sampling GPU allocated/reserved memory and the process RSS every 1000 steps.
+Runs DDTree graph steps over rotating prompts on the embedded default pair until the step count is reached, sampling GPU allocated/reserved memory and the process RSS every 1000 steps.
 """
 
 from __future__ import annotations
@@ -12,13 +11,12 @@ import argparse
 import datetime
 import os
 import resource
-import tempfile
+import time
 
 import torch
 
 from k26 import LLM, SamplingParams, SpecConfig
-from k26.embedded import default_model_dir
-from k26.tiny import write_tiny_drafter
+from k26.embedded import default_drafter_dir, default_model_dir
 
 
 def main() -> None:
@@ -27,10 +25,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     model = default_model_dir()
-    drafter = write_tiny_drafter(tempfile.mkdtemp(), model, layers=2)
+    drafter = default_drafter_dir()
     llm = LLM(model, drafter=drafter, device="cuda", progress=False, max_batch=4, max_model_len=1024)
     g = torch.Generator().manual_seed(0)
-    steps, rows, nxt = 0, [], 1000
+    steps, rows, nxt, t0 = 0, [], 1000, time.perf_counter()
     while steps < a.steps:
         prompts = [torch.randint(0, 300, (int(torch.randint(4, 64, (1,), generator=g)),), generator=g).tolist()
                    for _ in range(4)]
@@ -38,14 +36,14 @@ def main() -> None:
         steps += max(len(o.stats.accepted_per_step) for o in outs)
         if steps >= nxt:
             torch.cuda.synchronize()
-            rows.append((steps, torch.cuda.memory_allocated() / 1e6, torch.cuda.memory_reserved() / 1e6,
+            rows.append((steps, time.perf_counter() - t0, torch.cuda.memory_allocated() / 1e6, torch.cuda.memory_reserved() / 1e6,
                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3))
             print(rows[-1], flush=True)
             nxt += 1000
     text = [f"# soak — {datetime.date.today()}", "", f"- device: {torch.cuda.get_device_name()}; commit: "
             f"{os.environ.get('K26_COMMIT', 'unknown')}", f"- command: `python profiling/soak.py --steps {a.steps}`", "",
-            "| steps | GPU allocated MB | GPU reserved MB | host max RSS MB |", "|---|---|---|---|"]
-    text += [f"| {s} | {al:.1f} | {re:.1f} | {rss:.0f} |" for s, al, re, rss in rows]
+            "| steps | s | GPU allocated MB | GPU reserved MB | host max RSS MB |", "|---|---|---|---|---|"]
+    text += [f"| {s} | {t:.0f} | {al:.1f} | {re:.1f} | {rss:.0f} |" for s, t, al, re, rss in rows]
     print("\n".join(text))
     if a.out:
         open(a.out, "w").write("\n".join(text) + "\n")

@@ -56,16 +56,28 @@ def block_logits(drafter, target, x, feats, anchors):
     return target.lm_head(h)
 
 
-def loss_and_acc(drafter, target, x, anchors, gamma: float):
+def loss_and_acc(drafter, target, x, anchors, gamma: float, distill: bool):
+    """Decayed per-position loss and top-1 agreement with the target's own argmax, by depth.
+
+    `distill`: the label at depth k is the target's next-token distribution at anchor + k - 1 (teacher
+    forced on the text) rather than the text's token. Acceptance asks the drafter to match the target, not
+    the text, and a tiny target is right about the text only a third of the time, so hard text labels
+    teach the drafter mostly what verification then rejects."""
     cfg = drafter.cfg
-    with torch.no_grad():
-        _, feats = target.forward_train(x, aux_layers=cfg.target_layer_ids)
-    logits = block_logits(drafter, target, x, feats, anchors)
     S = cfg.block_size
-    want = x.gather(1, (anchors[..., None] + torch.arange(1, S, device=x.device)).flatten(1)).view(*anchors.shape, S - 1)
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), want.flatten(), reduction="none").view_as(want)
+    with torch.no_grad():
+        h, feats = target.forward_train(x, aux_layers=cfg.target_layer_ids)
+        pos = (anchors[..., None] + torch.arange(S - 1, device=x.device)).flatten(1)  # predicts pos + 1
+        teacher = target.logits(h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))).float()
+        teacher = teacher.view(*anchors.shape, S - 1, -1)
+    logits = block_logits(drafter, target, x, feats, anchors).float()
+    if distill:
+        ce = -(teacher.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    else:
+        want = x.gather(1, pos + 1).view(*anchors.shape, S - 1)
+        ce = F.cross_entropy(logits.flatten(0, 2), want.flatten(), reduction="none").view_as(want)
     w = torch.exp(-(torch.arange(S - 1, device=x.device, dtype=torch.float32)) / gamma)
-    acc = (logits.argmax(-1) == want).float().mean(dim=(0, 1))  # top-1 accuracy per depth
+    acc = (logits.argmax(-1) == teacher.argmax(-1)).float().mean(dim=(0, 1))
     return (ce * w).sum() / (w.sum() * ce.shape[0] * ce.shape[1]), acc
 
 
@@ -90,6 +102,8 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--gamma", type=float, default=4.0)  # block 8: gamma 4 (the published recipe)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--labels", choices=("target", "text"), default="target",
+                    help="distil the target's distributions (default) or fit the text's tokens")
     a = ap.parse_args()
     dev, out = torch.device(a.device), Path(a.out)
     write_tiny_drafter(out, a.target, layers=a.layers, block_size=a.block, heads=a.heads, kv_heads=a.kv_heads,
@@ -113,14 +127,15 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = a.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         with amp:
-            loss, _ = loss_and_acc(drafter, target, x, anchors_for(a.batch, a.seq, a.anchors, S, gen).to(dev), a.gamma)
+            loss, _ = loss_and_acc(drafter, target, x, anchors_for(a.batch, a.seq, a.anchors, S, gen).to(dev), a.gamma,
+                                   a.labels == "target")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         if step % 50 == 0:
             with torch.no_grad(), amp:
-                ev, acc = loss_and_acc(drafter, target, ev_x, ev_anchors, a.gamma)
+                ev, acc = loss_and_acc(drafter, target, ev_x, ev_anchors, a.gamma, a.labels == "target")
             log.append((step, round(time.time() - t0), loss.item(), ev.item(), acc.tolist()))
             print(f"step {step} t={log[-1][1]}s loss {loss.item():.3f} eval {ev.item():.3f} "
                   f"top-1 by depth {[round(v, 2) for v in acc.tolist()]}", flush=True)
@@ -129,7 +144,7 @@ def main() -> None:
               str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "train_log.md").write_text(
         f"# train_drafter — {time.strftime('%Y-%m-%d')}\n\n- device: {dev}; {step} steps in {a.minutes} min; "
-        f"block {S}, {a.layers} layers\n\n| step | s | train loss | held-out loss | held-out top-1 by depth |\n"
+        f"block {S}, {a.layers} layers, labels: {a.labels}; top-1 = agreement with the target's argmax\n\n| step | s | train loss | held-out loss | held-out top-1 (target argmax) by depth |\n"
         "|---|---|---|---|---|\n" + "\n".join(
             f"| {s} | {t} | {tr:.3f} | {ev:.3f} | {' '.join(f'{v:.2f}' for v in acc)} |" for s, t, tr, ev, acc in log)
         + "\n")
