@@ -60,12 +60,21 @@ def _hf_baseline(model_dir: Path, prompts, max_tokens: int, device) -> float | N
 
 
 def run_bench(a: argparse.Namespace) -> str:
-    from .embedded import default_model_dir
+    from .embedded import default_drafter_dir, default_model_dir
 
     model_dir = Path(a.model) if a.model else default_model_dir()
+    if not a.model and not a.drafter:
+        a.drafter = default_drafter_dir()
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 300, (32,), generator=g).tolist() for _ in range(a.batch)]
+    if a.model:  # an arbitrary checkpoint: random ids (its tokenizer's vocabulary is unknown here)
+        prompts = [torch.randint(0, 300, (32,), generator=g).tolist() for _ in range(a.batch)]
+    else:  # the embedded pair: held-out text, so τ means what it says
+        from .tokenizer import Tokenizer
+        from .train import corpus
+
+        ids = Tokenizer.from_dir(model_dir).encode(corpus.text("eval"))
+        prompts = [ids[s : s + 32] for s in torch.randint(0, len(ids) - 32, (a.batch,), generator=g).tolist()]
     sp = SamplingParams(max_tokens=a.max_tokens, stop_token_ids=[])
     rows = []
     kw = dict(device=dev, progress=False, max_batch=max(a.batch, 1), drafter=a.drafter, compile=a.compile)
@@ -75,10 +84,13 @@ def run_bench(a: argparse.Namespace) -> str:
     graphs = None
     if dev.type == "cuda":
         graphs = LLM(model_dir, graphs=True, **kw)
-        modes = [SpecConfig("ar")] + ([SpecConfig("dflash"), SpecConfig("ddtree", a.budget)] if a.drafter else [])
+        modes = [SpecConfig("ar")]
+        if a.drafter:
+            modes += [SpecConfig("dflash"), SpecConfig("ddtree", a.budget), SpecConfig("ddtree", "auto")]
         for spec in modes:
             tps, tau, host, _ = _timed_generate(graphs, prompts, sp, spec)
-            rows.append((f"{spec.method} graphs" + (f" (budget {spec.budget})" if spec.budget else ""), tps, tau, host))
+            rows.append((f"{spec.method} graphs" + (f" (budget {spec.budget})" if spec.method == "ddtree" else ""),
+                         tps, tau, host))
     hf = _hf_baseline(model_dir, prompts, a.max_tokens, dev) if not a.no_hf else None
     if hf:
         rows.append(("HF transformers generate()", hf, 1.0, float("nan")))

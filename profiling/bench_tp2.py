@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 profiling/bench_tp2.py --out FILE.md
 
 1. In-graph vs eager NCCL all-reduce latency for 7168 x N bf16 (N = 1..256), 50 calls per graph.
-2. The tiny model at TP 2 (bf16): greedy tokens with graphs == without graphs, and == TP 1 run on rank 0
-   alone (printed, and recorded with the share of a TP 2 graph step spent in collectives).
+2. The embedded pair at TP 2 (bf16): greedy tokens with graphs == without graphs, DDTree == AR, and the
+   batch-1 graph step time; then `python profiling/bench_tp2.py --tp1 FILE.md.json --out FILE.md` runs TP 1
+   on one GPU and appends tokens TP 2 == TP 1 and the step times side by side.
 Exits with os._exit once results are written: NCCL teardown after graph capture can hang (gpu-targets.md).
 """
 
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,10 +25,51 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe import events_time as events  # noqa: E402
 
 
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
+
+
+def run_pair(device: str, tp: int) -> tuple[dict, dict]:
+    """Greedy tokens (graphs and eager, AR and DDTree) and batch-1 graph step times of the embedded pair."""
+    from k26 import LLM, SamplingParams, SpecConfig
+
+    sp = SamplingParams(max_tokens=48, stop_token_ids=[])
+    res, times = {}, {}
+    for graphs in (True, False):
+        llm = LLM(device=device, tp=tp, graphs=graphs, progress=False, max_batch=2, max_model_len=512)
+        for spec in (SpecConfig("ar"), SpecConfig("ddtree", 8)):
+            res[f"{'graphs' if graphs else 'eager'} {spec.method}"] = [
+                o.token_ids for o in llm.generate(PROMPTS, sp, spec)]
+            if graphs:  # batch 1, after the batch-2 run captured and warmed the buckets
+                llm.generate(PROMPTS[:1], sp, spec)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = llm.generate(PROMPTS[:1], sp, spec)[0]
+                torch.cuda.synchronize()
+                times[f"{spec.method} step"] = (time.perf_counter() - t0) / len(out.stats.accepted_per_step)
+        llm.close()
+    return res, times
+
+
+def tp1_check(tp2_json: str, out: str | None) -> None:
+    """Rank 0's view of TP 1 on one GPU against the TP 2 run's saved tokens and step times."""
+    saved = json.load(open(tp2_json))
+    res, times = run_pair("cuda", tp=1)
+    lines = ["", "| TP 2 vs TP 1 (same pair, bf16, greedy) | |", "|---|---|"]
+    lines += [f"| {k}: tokens TP 2 == TP 1 | {saved['res'][k] == v} |" for k, v in res.items()]
+    lines += [f"| {k}: ms TP 1 / TP 2 | {v * 1e3:.3f} / {saved['times'][k] * 1e3:.3f} |" for k, v in times.items()]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        open(out, "a").write(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tp1", metavar="TP2_JSON", help="run TP 1 alone and compare with a TP 2 run's tokens")
     a = ap.parse_args()
+    if a.tp1:
+        return tp1_check(a.tp1, a.out)
     from k26.dist import init_from_env
 
     rank, world, dev = init_from_env("cuda")
@@ -48,31 +92,19 @@ def main() -> None:
         t_graph = events(g.replay) / 50
         t_eager = events(lambda: dist.all_reduce(x))
         lines.append(f"| N = {N} ({N * 7168 * 2 / 1024:.0f} KiB) | {t_graph * 1e6:.1f} | {t_eager * 1e6:.1f} |")
-    from k26 import LLM, SamplingParams, SpecConfig
-    from k26.tiny import write_tiny_checkpoint, write_tiny_drafter
-
-    d = "/tmp/k26-tp2-tiny"
+    res, times = run_pair(str(dev), tp=2)
     if rank == 0:
-        write_tiny_checkpoint(d, seed=4, moe_intermediate_size=128, shards=2)
-        write_tiny_drafter(d + "-drafter", d, layers=1, seed=2)
-    dist.barrier()
-    sp = SamplingParams(max_tokens=24, stop_token_ids=[])
-    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
-    res = {}
-    for graphs in (True, False):
-        llm = LLM(d, drafter=d + "-drafter", device=str(dev), tp=2, graphs=graphs, progress=False, max_batch=2,
-                  max_model_len=256)
-        for spec in (SpecConfig("ar"), SpecConfig("ddtree", 6)):
-            res[(graphs, spec.method)] = [o.token_ids for o in llm.generate(prompts, sp, spec)]
-    if rank == 0:
-        lines += ["", "| TP 2 tiny model (bf16), greedy | tokens equal |", "|---|---|",
-                  f"| AR graphs == AR eager | {res[(True, 'ar')] == res[(False, 'ar')]} |",
-                  f"| DDTree graphs == DDTree eager | {res[(True, 'ddtree')] == res[(False, 'ddtree')]} |",
-                  f"| DDTree graphs == AR graphs (lossless) | {res[(True, 'ddtree')] == res[(True, 'ar')]} |"]
+        lines += ["", "| TP 2, embedded pair (bf16), greedy | tokens equal |", "|---|---|",
+                  f"| AR graphs == AR eager | {res['graphs ar'] == res['eager ar']} |",
+                  f"| DDTree graphs == DDTree eager | {res['graphs ddtree'] == res['eager ddtree']} |",
+                  f"| DDTree graphs == AR graphs (lossless) | {res['graphs ddtree'] == res['graphs ar']} |", "",
+                  "| TP 2 graphs, batch 1 | ms / step |", "|---|---|"]
+        lines += [f"| {k} | {v * 1e3:.3f} |" for k, v in times.items()]
         text = "\n".join(lines) + "\n"
         print(text, flush=True)
         if a.out:
             open(a.out, "w").write(text)
+            json.dump(dict(res=res, times=times), open(a.out + ".json", "w"))
     sys.stdout.flush()
     os._exit(0)
 
