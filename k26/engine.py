@@ -57,6 +57,9 @@ class LLM:
                 drafter=drafter, device=device, dtype=dtype, tp=tp, max_model_len=max_model_len, max_batch=max_batch,
                 absorb=absorb, progress=False, cuda_kernels=cuda_kernels, graphs=graphs, buckets=buckets,
                 compile=compile))
+        # The group belongs to whoever made it: an LLM that found one (torchrun + the user's own
+        # init_process_group, or an earlier LLM) must not destroy it on close().
+        self._owns_group = tp > 1 and not torch.distributed.is_initialized()
         self.rank, world, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size = tp
         self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -139,8 +142,9 @@ class LLM:
             torch.cuda.synchronize(self.device)
         for _, inbox, _ in self._workers:
             inbox.put(None)
-        if getattr(self, "tp_size", 1) > 1 and torch.distributed.is_initialized():
+        if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+            self._owns_group = False
         for p, _, _ in self._workers:
             p.join(timeout=60)
         if self._workers:
