@@ -25,17 +25,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe import events_time as events  # noqa: E402
 
 
+DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
 
 
-def run_pair(device: str, tp: int) -> tuple[dict, dict]:
+def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict]:
     """Greedy tokens (graphs and eager, AR and DDTree) and batch-1 graph step times of the embedded pair."""
     from k26 import LLM, SamplingParams, SpecConfig
 
     sp = SamplingParams(max_tokens=48, stop_token_ids=[])
     res, times = {}, {}
     for graphs in (True, False):
-        llm = LLM(device=device, tp=tp, graphs=graphs, progress=False, max_batch=2, max_model_len=512)
+        llm = LLM(device=device, tp=tp, dtype=dtype, graphs=graphs, progress=False, max_batch=2, max_model_len=512)
         for spec in (SpecConfig("ar"), SpecConfig("ddtree", 8)):
             res[f"{'graphs' if graphs else 'eager'} {spec.method}"] = [
                 o.token_ids for o in llm.generate(PROMPTS, sp, spec)]
@@ -54,8 +55,8 @@ def run_pair(device: str, tp: int) -> tuple[dict, dict]:
 def tp1_check(tp2_json: str, out: str | None) -> None:
     """Rank 0's view of TP 1 on one GPU against the TP 2 run's saved tokens and step times."""
     saved = json.load(open(tp2_json))
-    res, times = run_pair("cuda", tp=1)
-    lines = ["", "| TP 2 vs TP 1 (same pair, bf16, greedy) | |", "|---|---|"]
+    res, times = run_pair("cuda", tp=1, dtype=DTYPE[saved["dtype"]])
+    lines = ["", f"| TP 2 vs TP 1 (same pair, {saved['dtype']}, greedy) | |", "|---|---|"]
     lines += [f"| {k}: tokens TP 2 == TP 1 | {saved['res'][k] == v} |" for k, v in res.items()]
     lines += [f"| {k}: ms TP 1 / TP 2 | {v * 1e3:.3f} / {saved['times'][k] * 1e3:.3f} |" for k, v in times.items()]
     text = "\n".join(lines) + "\n"
@@ -67,6 +68,7 @@ def tp1_check(tp2_json: str, out: str | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dtype", choices=sorted(DTYPE), default="bf16")
     ap.add_argument("--tp1", metavar="TP2_JSON", help="run TP 1 alone and compare with a TP 2 run's tokens")
     a = ap.parse_args()
     if a.tp1:
@@ -93,9 +95,9 @@ def main() -> None:
         t_graph = events(g.replay) / 50
         t_eager = events(lambda: dist.all_reduce(x))
         lines.append(f"| N = {N} ({N * 7168 * 2 / 1024:.0f} KiB) | {t_graph * 1e6:.1f} | {t_eager * 1e6:.1f} |")
-    res, times = run_pair(str(dev), tp=2)
+    res, times = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype])
     if rank == 0:
-        lines += ["", "| TP 2, embedded pair (bf16), greedy | tokens equal |", "|---|---|",
+        lines += ["", f"| TP 2, embedded pair ({a.dtype}), greedy | tokens equal |", "|---|---|",
                   f"| AR graphs == AR eager | {res['graphs ar'] == res['eager ar']} |",
                   f"| DDTree graphs == DDTree eager | {res['graphs ddtree'] == res['eager ddtree']} |",
                   f"| DDTree graphs == AR graphs (lossless) | {res['graphs ddtree'] == res['graphs ar']} |", "",
@@ -105,7 +107,7 @@ def main() -> None:
         print(text, flush=True)
         if a.out:
             open(a.out, "w").write(text)
-            json.dump(dict(res=res, times=times), open(a.out + ".json", "w"))
+            json.dump(dict(res=res, times=times, dtype=a.dtype), open(a.out + ".json", "w"))
     sys.stdout.flush()
     os._exit(0)
 
