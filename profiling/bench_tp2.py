@@ -35,7 +35,8 @@ def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple
 
     sp = SamplingParams(max_tokens=48, stop_token_ids=[])
     res, times = {}, {}
-    for graphs in (True, False):
+    # fp32 runs eager only: the int4 MoE kernel takes bf16 activations, and its fp32 reference is not capturable
+    for graphs in (True, False) if dtype == torch.bfloat16 else (False,):
         llm = LLM(device=device, tp=tp, dtype=dtype, graphs=graphs, progress=False, max_batch=2, max_model_len=512)
         for spec in (SpecConfig("ar"), SpecConfig("ddtree", 8)):
             res[f"{'graphs' if graphs else 'eager'} {spec.method}"] = [
@@ -98,9 +99,9 @@ def main() -> None:
     res, times = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype])
     if rank == 0:
         lines += ["", f"| TP 2, embedded pair ({a.dtype}), greedy | tokens equal |", "|---|---|",
-                  f"| AR graphs == AR eager | {res['graphs ar'] == res['eager ar']} |",
-                  f"| DDTree graphs == DDTree eager | {res['graphs ddtree'] == res['eager ddtree']} |",
-                  f"| DDTree graphs == AR graphs (lossless) | {res['graphs ddtree'] == res['graphs ar']} |", "",
+                  f"| AR graphs == AR eager | {res.get('graphs ar', 'n/a') == res['eager ar']} |",
+                  f"| DDTree graphs == DDTree eager | {res.get('graphs ddtree', 'n/a') == res['eager ddtree']} |",
+                  f"| DDTree eager == AR eager (lossless) | {res['eager ddtree'] == res['eager ar']} |", "",
                   "| TP 2 graphs, batch 1 | ms / step |", "|---|---|"]
         lines += [f"| {k} | {v * 1e3:.3f} |" for k, v in times.items()]
         text = "\n".join(lines) + "\n"
