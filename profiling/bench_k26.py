@@ -127,10 +127,13 @@ def main() -> None:
     ap.add_argument("--skew", action="store_true")
     ap.add_argument("--breakdown-nodes", default="1,16")
     ap.add_argument("--quick-specs", action="store_true", help="whole-step timings for DFlash and budget 15 only")
+    ap.add_argument("--no-specs", action="store_true", help="decode/verify rows only (no whole steps, no draft)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
-    a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",")]
+    a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]
     cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
     ident = lambda x: x  # noqa: E731  collectives excluded here, measured on two GPUs and modelled
     tp = TPInfo(0, a.tp, all_reduce=ident, all_gather=ident)
@@ -141,6 +144,9 @@ def main() -> None:
     randomize(model, a.skew)
     model.rope.reset_buffers()
     model.eval()
+    if a.compile:  # fullgraph off: a graph break costs fusion here, it must not abort the measurement
+        for layer in model.layers:
+            layer.compile(dynamic=False)
     dcfg = drafter_config(a.tp)
     with torch.device("meta"):
         drafter = DFlashDrafter(dcfg, torch.bfloat16).requires_grad_(False)
@@ -156,7 +162,7 @@ def main() -> None:
     lines = [f"# bench_k26 — {datetime.date.today()}", "",
              f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {commit}",
              f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} --nodes {a.nodes}"
-             f"{' --skew' if a.skew else ''}`",
+             f"{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}`",
              f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; non-routed {nonrouted / 1e9:.2f} GB, "
              f"routed {routed_all / 1e9:.1f} GB ({per_expert / 1e6:.2f} MB per expert per layer); drafter "
              f"{sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9:.2f} GB",
@@ -192,7 +198,8 @@ def main() -> None:
 
             touched.clear()
             counting[0] = True
-            verify()
+            with torch.compiler.set_stance("force_eager"):  # the counting hook syncs: never traced
+                verify()
             counting[0] = False
             experts = statistics.mean(touched) if touched else 0
             t = graph_step_time(verify, lambda: None)
@@ -203,8 +210,9 @@ def main() -> None:
         bonus = torch.randint(0, cfg.vocab_size, (1,), device=dev)
         alive = torch.ones(1, dtype=torch.bool, device=dev)
         sp = SamplingParams()
-        for spec in (SpecConfig("dflash"), SpecConfig("ddtree", 15)) if a.quick_specs else (
-                SpecConfig("dflash"), SpecConfig("ddtree", 8), SpecConfig("ddtree", 15), SpecConfig("ddtree", 31)):
+        specs = () if a.no_specs else (SpecConfig("dflash"), SpecConfig("ddtree", 15)) if a.quick_specs else (
+                SpecConfig("dflash"), SpecConfig("ddtree", 8), SpecConfig("ddtree", 15), SpecConfig("ddtree", 31))
+        for spec in specs:
             st = start.clone()
 
             def step():
@@ -215,17 +223,18 @@ def main() -> None:
             lines.append(f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "
                          f"{8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |")
             print(lines[-1], flush=True)
-        dstart = start.clone()
+        if not a.no_specs:
+            dstart = start.clone()
 
-        def draft_only():
-            with static_shapes():
-                from k26.spec.step import draft
+            def draft_only():
+                with static_shapes():
+                    from k26.spec.step import draft
 
-                draft(model, drafter, dcache, rows, dstart, bonus)
+                    draft(model, drafter, dcache, rows, dstart, bonus)
 
-        t = graph_step_time(draft_only, lambda: None)
-        lines.append(f"| draft forward (drafter + lm_head shard) | {L} | 8 | {t * 1e3:.2f} | | | | |")
-        print(lines[-1], flush=True)
+            t = graph_step_time(draft_only, lambda: None)
+            lines.append(f"| draft forward (drafter + lm_head shard) | {L} | 8 | {t * 1e3:.2f} | | | | |")
+            print(lines[-1], flush=True)
         del cache, dcache
         torch.cuda.empty_cache()
     lines += breakdown(model, cfg, dcfg, dev, ctxs[0], a.breakdown_nodes)

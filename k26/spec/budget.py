@@ -7,9 +7,13 @@ with E from the tree itself (Prop. 1 of the DDTree paper: the sum of the node pr
 drafter's marginals) and t_verify measured per candidate bucket. Because nodes are listed in pop order,
 the tree of any smaller budget is a prefix of the largest one: one draft, one build, any budget.
 
-Calibration: the drafter's marginals are over- or under-confident, so node probabilities are q(u)^k
-with k fitted online on the device from the accepted counts the step already produces (k > 1 when the
-drafter is over-confident). The ordering of nodes, hence the trees, do not depend on k.
+Calibration, per depth: a node u at depth d counts as q(u)^k_d. The nodes of one depth in a tree are
+distinct token paths, so the sum of their q is the drafter's probability that verification accepts at least
+d tokens; each step compares it, depth by depth, with the observed indicator (accepted >= d) and moves
+log k_d towards agreement, on the device. One global k cannot do this: a drafter is typically well
+calibrated at depth 1 and increasingly over-confident deeper (its errors compound along the path), so a
+single exponent fitted to the total over-shrinks the first depths and under-shrinks the last. The ordering
+of nodes, hence the trees, do not depend on k.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from .tree import DraftTree
 
 K_RANGE = (0.1, 10.0)
+MAX_DEPTH = 32  # calibration slots; deeper nodes share the last one
 _LOG_K = (math.log(K_RANGE[0]), math.log(K_RANGE[1]))
 
 
@@ -30,7 +35,7 @@ class BudgetPolicy:
     candidates: tuple[int, ...]  # budgets (nodes besides the root), ascending
     t_draft: float  # seconds per draft (drafter forward + tree build)
     t_verify: tuple[float, ...]  # seconds per verify+accept+commit, one per candidate
-    log_k: torch.Tensor  # [] float32 on the device: the calibration exponent, log-space
+    log_k: torch.Tensor  # [MAX_DEPTH] float32 on the device: log k_d for depths 1..MAX_DEPTH
     cost: torch.Tensor  # [C] seconds per step of each candidate, on the device
     index: torch.Tensor  # [C] int64: node index (budget - 1) closing each candidate prefix
     position: tuple[torch.Tensor, ...]  # [] int64 per candidate: its own index (graph-safe constants)
@@ -44,7 +49,7 @@ class BudgetPolicy:
         if len(t_verify) != len(cands) or t_draft < 0 or min(t_verify) <= 0:
             raise ValueError(f"verify costs {t_verify!r} must be positive, one per candidate {cands}")
         t_verify = tuple(float(t) for t in t_verify)
-        return cls(cands, float(t_draft), t_verify, torch.tensor(math.log(k), device=device),
+        return cls(cands, float(t_draft), t_verify, torch.full((MAX_DEPTH,), math.log(k), device=device),
                    torch.tensor([t_draft + t for t in t_verify], device=device),
                    torch.tensor([c - 1 for c in cands], device=device),
                    tuple(torch.tensor(i, device=device) for i in range(len(cands))), lr)
@@ -58,10 +63,14 @@ class BudgetPolicy:
     def largest(self) -> int:
         return self.candidates[-1]
 
+    def _q(self, tree: DraftTree) -> torch.Tensor:
+        """[B, n] calibrated probabilities q(u)^k_depth(u) of the non-root nodes (0 for padding)."""
+        slot = (tree.depths[:, 1:] - 1).clamp(0, MAX_DEPTH - 1)
+        return torch.where(tree.valid[:, 1:], (tree.scores[:, 1:].float() * self.log_k.exp()[slot]).exp(), 0.0)
+
     def expected(self, tree: DraftTree) -> torch.Tensor:
         """[B, len(candidates)] calibrated E[accepted drafts] of each candidate prefix of the tree."""
-        q = torch.where(tree.valid[:, 1:], (tree.scores[:, 1:].float() * self.log_k.exp()).exp(), 0.0)
-        return q.cumsum(dim=1)[:, self.index]
+        return self._q(tree).cumsum(dim=1)[:, self.index]
 
     def choose(self, tree: DraftTree, alive: torch.Tensor | None = None) -> torch.Tensor:
         """Index of the candidate with the best expected tokens/s summed over the live rows ([] int64)."""
@@ -71,11 +80,17 @@ class BudgetPolicy:
         return (gain.sum(dim=0) / self.cost).argmax()
 
     def update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor) -> None:
-        """Move k so the predicted accepted count of the chosen prefix tracks the observed one (device only)."""
-        pred = (self.expected(tree).gather(1, choice.view(1, 1).expand(tree.tokens.shape[0], 1))[:, 0] * alive).sum()
-        obs = (accepted.float() * alive).sum()
-        # over-confident (pred > obs) -> larger k -> smaller q(u)^k
-        step = self.lr * (pred - obs) / (pred + 1.0)
+        """Move each k_d so the predicted P(accepted >= d) of the verified prefix tracks the observed one."""
+        q = self._q(tree)
+        n = q.shape[1]
+        live = alive.float()[:, None]
+        in_prefix = (torch.arange(n, device=q.device) <= self.index[choice]).float()  # [n]
+        slot = (tree.depths[:, 1:] - 1).clamp(0, MAX_DEPTH - 1)
+        pred = torch.zeros(MAX_DEPTH, device=q.device).index_add_(0, slot.flatten(), (q * in_prefix * live).flatten())
+        d = torch.arange(1, MAX_DEPTH + 1, device=q.device)
+        obs = ((accepted[:, None] >= d).float() * live).sum(0)
+        # over-confident at depth d (pred > obs) -> larger k_d -> smaller q^k; bounded, zero where unseen
+        step = self.lr * (pred - obs) / (pred + obs + 1e-3)
         self.log_k.copy_((self.log_k + step).clamp(_LOG_K[0], _LOG_K[1]))
 
 
