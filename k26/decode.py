@@ -143,7 +143,7 @@ class Decoder:
                 torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
                 costs = t.tolist()
             policy.set_costs(0.0, costs)
-            policy.log_k.zero_()  # the timing steps ran on scratch data: forget what they taught
+            policy.reset()  # the timing steps ran on scratch data: forget what they taught
             self.measured[(spec, batch)] = True
         stops = set(sp.stop_token_ids if sp.stop_token_ids is not None else llm.tokenizer.stop_ids)
         if llm.tp_size > 1 and sp.seed is None and sp.temperature > 0:

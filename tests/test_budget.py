@@ -72,3 +72,27 @@ def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     out = llm.generate(prompts, sp, SpecConfig("ddtree", "auto", costs=costs))
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     assert llm.decoder.policies  # the policy was built and used
+
+
+def test_calibration_is_per_depth():
+    """Right at depth 1, over-confident deeper: k_1 stays put while the deeper exponents grow."""
+    tree = build_ddtree(lp(2, 3.0), 31)
+    pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
+    for _ in range(40):
+        q = pol._q(tree)
+        d1 = (q * (tree.depths[:, 1:] == 1)).sum(1)  # predicted P(accept >= 1) per row
+        obs = (torch.rand(2, generator=torch.Generator().manual_seed(_)) < d1).long()  # depth 1 as predicted
+        pol.update(tree, torch.tensor(3), obs, torch.ones(2, dtype=torch.bool))
+    assert abs(pol.log_k[0].item()) < 0.6 < pol.log_k[2].item()
+
+
+def test_long_run_rate_buys_a_bigger_tree_when_it_pays():
+    """Ratio rule vs long-run rule: once the policy earns R tokens/s, a bigger tree whose extra tokens cost
+    less than R is worth taking even though its own ratio is lower."""
+    tree = build_ddtree(lp(0, 3.0), 31)
+    pol = BudgetPolicy.create((3, 31), 0.0, (1.0, 2.0), "cpu")
+    gain = 1 + pol.expected(tree).sum(0)
+    assert int((gain / pol.cost).argmax()) == 0 and int(pol.choose(tree)) == 0  # no history: the ratio rule
+    pol.tokens.fill_(1.0)  # a low long-run rate: 1 token per 1e6 s
+    pol.seconds.fill_(1e6)
+    assert int(pol.choose(tree)) == int(gain.argmax()) == 1

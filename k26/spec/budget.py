@@ -1,11 +1,18 @@
 """Cost-aware adaptive DDTree budget: each step verifies the prefix of the best-first tree that maximises
 expected tokens per second,
 
-    rate(n) = (1 + E[accepted | first n nodes]) / (t_draft + t_verify(n)),
+    choose n maximising  gain(n) - R * cost(n),   gain(n) = 1 + E[accepted | first n nodes],
+                                                  cost(n) = t_draft + t_verify(n),
 
 with E from the tree itself (Prop. 1 of the DDTree paper: the sum of the node probabilities under the
 drafter's marginals) and t_verify measured per candidate bucket. Because nodes are listed in pop order,
 the tree of any smaller budget is a prefix of the largest one: one draft, one build, any budget.
+
+R is the long-run rate, tokens per second, tracked on the device from the steps already taken. Maximising
+each step's own ratio gain(n) / cost(n) is not what maximises tokens per second over many steps: a
+confident step should buy a bigger tree whenever its marginal tokens cost less than the rate the policy
+already earns, even if its ratio drops (the renewal-reward / Dinkelbach argument). Before any step R is
+that step's best ratio, so the first choice is the ratio rule's.
 
 Calibration, per depth: a node u at depth d counts as q(u)^k_d. The nodes of one depth in a tree are
 distinct token paths, so the sum of their q is the drafter's probability that verification accepts at least
@@ -39,7 +46,10 @@ class BudgetPolicy:
     cost: torch.Tensor  # [C] seconds per step of each candidate, on the device
     index: torch.Tensor  # [C] int64: node index (budget - 1) closing each candidate prefix
     position: tuple[torch.Tensor, ...]  # [] int64 per candidate: its own index (graph-safe constants)
+    tokens: torch.Tensor  # [] float32: decayed sum of emitted tokens (live rows) ...
+    seconds: torch.Tensor  # [] float32: ... and of the costs charged for them; their ratio is R
     lr: float = 0.2
+    decay: float = 0.05
 
     @classmethod
     def create(cls, candidates, t_draft: float, t_verify, device, k: float = 1.0, lr: float = 0.2) -> BudgetPolicy:
@@ -52,7 +62,14 @@ class BudgetPolicy:
         return cls(cands, float(t_draft), t_verify, torch.full((MAX_DEPTH,), math.log(k), device=device),
                    torch.tensor([t_draft + t for t in t_verify], device=device),
                    torch.tensor([c - 1 for c in cands], device=device),
-                   tuple(torch.tensor(i, device=device) for i in range(len(cands))), lr)
+                   tuple(torch.tensor(i, device=device) for i in range(len(cands))),
+                   torch.zeros((), device=device), torch.zeros((), device=device), lr)
+
+    def reset(self) -> None:
+        """Forget calibration and rate (in place: captured graphs keep reading the same tensors)."""
+        self.log_k.zero_()
+        self.tokens.zero_()
+        self.seconds.zero_()
 
     def set_costs(self, t_draft: float, t_verify) -> None:
         """Replace the costs in place (captured graphs read the same device tensor)."""
@@ -73,11 +90,14 @@ class BudgetPolicy:
         return self._q(tree).cumsum(dim=1)[:, self.index]
 
     def choose(self, tree: DraftTree, alive: torch.Tensor | None = None) -> torch.Tensor:
-        """Index of the candidate with the best expected tokens/s summed over the live rows ([] int64)."""
+        """Index of the candidate maximising gain - R * cost, gains summed over the live rows ([] int64)."""
         gain = 1 + self.expected(tree)
         if alive is not None:
             gain = gain * alive[:, None]
-        return (gain.sum(dim=0) / self.cost).argmax()
+        gain = gain.sum(dim=0)
+        # no history yet: this step's best ratio, which makes the rule pick exactly that ratio's argmax
+        rate = torch.where(self.seconds > 0, self.tokens / self.seconds.clamp_min(1e-12), (gain / self.cost).max())
+        return (gain - rate * self.cost).argmax()
 
     def update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor) -> None:
         """Move each k_d so the predicted P(accepted >= d) of the verified prefix tracks the observed one."""
@@ -92,6 +112,8 @@ class BudgetPolicy:
         # over-confident at depth d (pred > obs) -> larger k_d -> smaller q^k; bounded, zero where unseen
         step = self.lr * (pred - obs) / (pred + obs + 1e-3)
         self.log_k.copy_((self.log_k + step).clamp(_LOG_K[0], _LOG_K[1]))
+        self.tokens.mul_(1 - self.decay).add_(((accepted + 1).float() * live[:, 0]).sum())
+        self.seconds.mul_(1 - self.decay).add_(self.cost[choice])
 
 
 def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
