@@ -31,16 +31,24 @@ def test_dominant_verify_cost_picks_the_smallest():
     assert int(pol.choose(build_ddtree(lp(0, 1.0), 31))) == 0
 
 
+def chain_path(accepted: torch.Tensor, J: int = 8) -> torch.Tensor:
+    """Accepted node indices for `accepted` drafts along nodes 1, 2, ...: root first, -1 past the end."""
+    j = torch.arange(J)
+    return torch.where(j <= accepted[:, None], j, -1)
+
+
 def test_calibration_follows_observed_acceptance():
     tree = build_ddtree(lp(1, 30.0), 31)  # confident: predicts long acceptance
     over = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
     for _ in range(20):
-        over.update(tree, torch.tensor(3), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool))
+        acc = torch.zeros(2, dtype=torch.long)
+        over.update(tree, torch.tensor(3), acc, torch.ones(2, dtype=torch.bool), chain_path(acc))
     assert over.log_k[0].item() > 0.1  # over-confident drafter: q(u)^k with k > 1 shrinks the estimates
     under = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
     weak = build_ddtree(lp(1, 0.3), 31)
     for _ in range(20):
-        under.update(weak, torch.tensor(3), torch.full((2,), 7), torch.ones(2, dtype=torch.bool))
+        acc = torch.full((2,), 7)
+        under.update(weak, torch.tensor(3), acc, torch.ones(2, dtype=torch.bool), chain_path(acc))
     assert under.log_k[0].item() < -0.1
 
 
@@ -78,12 +86,25 @@ def test_calibration_is_per_depth():
     """Right at depth 1, over-confident deeper: k_1 stays put while the deeper exponents grow."""
     tree = build_ddtree(lp(2, 3.0), 31)
     pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
-    for _ in range(40):
+    for _ in range(200):
         q = pol._q(tree)
         d1 = (q * (tree.depths[:, 1:] == 1)).sum(1)  # predicted P(accept >= 1) per row
         obs = (torch.rand(2, generator=torch.Generator().manual_seed(_)) < d1).long()  # depth 1 as predicted
-        pol.update(tree, torch.tensor(3), obs, torch.ones(2, dtype=torch.bool))
-    assert abs(pol.log_k[0].item()) < 0.6 < pol.log_k[2].item()
+        pol.update(tree, torch.tensor(3), obs, torch.ones(2, dtype=torch.bool), chain_path(obs))
+    assert abs(pol.log_k[0].item()) < 0.3 < pol.log_k[2].item()
+
+
+def test_node_multipliers_track_observed_hits():
+    """Node 1 always accepted, every other node never: c_1 rises towards 1 / q_1, the rest fall."""
+    tree = build_ddtree(lp(3, 2.0), 15)
+    pol = BudgetPolicy.create((3, 15), 0.0, (1.0, 1.0), "cpu")
+    q = pol._q(tree)
+    for _ in range(100):
+        acc = torch.ones(2, dtype=torch.long)
+        path = torch.tensor([[0, 1, -1, -1, -1, -1, -1, -1]] * 2)
+        pol.update(tree, torch.tensor(1), acc, torch.ones(2, dtype=torch.bool), path)
+    p = pol._p(pol._q(tree))
+    assert (p[:, 0] > q[:, 0]).all() and (p[:, 1:] < q[:, 1:] * 0.3).all()
 
 
 def test_long_run_rate_buys_a_bigger_tree_when_it_pays():

@@ -136,7 +136,7 @@ def speculative_step(
     emitted = emitted_tokens(tree, path, new_bonus)
     if policy is not None:
         used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
-        policy.update(full, used, n_acc, alive)
+        policy.update(full, used, n_acc, alive, path)
     return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus, pick,
                       budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None)
 
