@@ -104,7 +104,7 @@ def test_node_multipliers_track_observed_hits():
         path = torch.tensor([[0, 1, -1, -1, -1, -1, -1, -1]] * 2)
         pol.update(tree, torch.tensor(1), acc, torch.ones(2, dtype=torch.bool), path)
     p = pol._p(pol._q(tree))
-    assert (p[:, 0] > q[:, 0]).all() and (p[:, 1:] < q[:, 1:] * 0.3).all()
+    assert (p[:, 0] > q[:, 0]).all() and p[:, 1:].sum() < 0.4 * q[:, 1:].sum()
 
 
 def test_long_run_rate_buys_a_bigger_tree_when_it_pays():
