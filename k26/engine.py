@@ -66,6 +66,15 @@ class LLM:
         self.dtype = dtype or torch.bfloat16
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
+        # Graphs by default for bf16 on CUDA: other dtypes run the reference ops, which read lengths back
+        # to the host and so cannot be captured.
+        self.graphs = (self.device.type == "cuda" and self.dtype == torch.bfloat16) if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("graphs=True needs a CUDA device")
+        if self.graphs and self.dtype != torch.bfloat16:
+            raise ValueError(f"graphs=True needs dtype=torch.bfloat16 (got {self.dtype}): the CUDA kernels take bf16, "
+                             "and the reference ops other dtypes run read lengths back to the host, which a CUDA "
+                             "graph cannot capture; pass graphs=False")
         self.config = ModelConfig.from_dir(self.path)
         self.tokenizer = Tokenizer.from_dir(self.path)
         if self.tokenizer.num_base + 256 != self.config.vocab_size:
@@ -96,11 +105,6 @@ class LLM:
             self.dcache = DrafterCache.allocate(self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device,
                                                 tp_size=tp)
         self.progress = progress
-        # Graphs by default for bf16 on CUDA: other dtypes run the reference ops, which read lengths back
-        # to the host and so cannot be captured.
-        self.graphs = (self.device.type == "cuda" and self.dtype == torch.bfloat16) if graphs is None else graphs
-        if self.graphs and self.device.type != "cuda":
-            raise ValueError("graphs=True needs a CUDA device")
         self.user_buckets = [Bucket(*b) for b in buckets] if buckets else None
         for b in self.user_buckets or []:
             if b.batch > max_batch:

@@ -80,6 +80,11 @@ def test_capture_report_and_bucket_errors(pair):
         pick_bucket(graphed.buckets_for(SpecConfig("ar")), 99, 1)
 
 
+def test_graphs_refuse_non_bf16(tiny_k25):
+    with pytest.raises(ValueError, match="graphs=True needs dtype=torch.bfloat16"):
+        LLM(tiny_k25, device="cuda", dtype=torch.float32, graphs=True, progress=False, max_model_len=64)
+
+
 def test_no_recompiles_over_100_steps(tiny_k25):
     import torch._dynamo.utils as dynamo_utils
 
