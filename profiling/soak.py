@@ -2,7 +2,8 @@
 
     python profiling/soak.py [--steps 10000] [--out FILE.md]
 
-Runs DDTree graph steps over rotating prompts on the embedded default pair until the step count is reached, sampling GPU allocated/reserved memory and the process RSS every 1000 steps.
+Runs DDTree graph steps over rotating prompts on the embedded default pair until the step count is
+reached, sampling GPU allocated/reserved memory and the process RSS every 1000 steps.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def main() -> None:
         steps += max(len(o.stats.accepted_per_step) for o in outs)
         if steps >= nxt:
             torch.cuda.synchronize()
-            rows.append((steps, time.perf_counter() - t0, torch.cuda.memory_allocated() / 1e6, torch.cuda.memory_reserved() / 1e6,
-                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3))
+            rows.append((steps, time.perf_counter() - t0, torch.cuda.memory_allocated() / 1e6,
+                         torch.cuda.memory_reserved() / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3))
             print(rows[-1], flush=True)
             nxt += 1000
     text = [f"# soak — {datetime.date.today()}", "", f"- device: {torch.cuda.get_device_name()}; commit: "

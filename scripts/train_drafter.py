@@ -144,7 +144,8 @@ def main() -> None:
               str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "train_log.md").write_text(
         f"# train_drafter — {time.strftime('%Y-%m-%d')}\n\n- device: {dev}; {step} steps in {a.minutes} min; "
-        f"block {S}, {a.layers} layers, labels: {a.labels}; top-1 = agreement with the target's argmax\n\n| step | s | train loss | held-out loss | held-out top-1 (target argmax) by depth |\n"
+        f"block {S}, {a.layers} layers, labels: {a.labels}; top-1 = agreement with the target's argmax\n\n"
+        "| step | s | train loss | held-out loss | held-out top-1 (target argmax) by depth |\n"
         "|---|---|---|---|---|\n" + "\n".join(
             f"| {s} | {t} | {tr:.3f} | {ev:.3f} | {' '.join(f'{v:.2f}' for v in acc)} |" for s, t, tr, ev, acc in log)
         + "\n")
