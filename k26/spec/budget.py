@@ -120,8 +120,9 @@ class BudgetPolicy:
         # no history yet: this step's best ratio, which makes the rule pick exactly that ratio's argmax
         rate = torch.where(self.seconds > 0, self.tokens / self.seconds.clamp_min(1e-12), (gain / self.cost).max())
         best = (gain - rate * self.cost).argmax()
-        # every explore_every-th step verifies the largest prefix: the only way the multipliers of nodes the
-        # rule stopped choosing keep being observed (verifying n nodes observes every index <= n)
+        # Optional: every explore_every-th step verifies the largest prefix, so nodes the rule stopped choosing
+        # are observed again. Off by default: an unobserved node keeps its ratio estimate, and in the budget
+        # simulation forced exploration cost more than it taught.
         if self.explore_every <= 0:
             return best
         explore = (self.steps % self.explore_every) == self.explore_every - 1
