@@ -22,17 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
 from bench_moe import copy_bandwidth, events_time, gemm_rate, graph_time  # noqa: E402
 
 from k26.ops import tree_mask_to_words  # noqa: E402
+from k26.spec.tree import ancestors_from_parents  # noqa: E402
 
 
 def random_tree(N: int, gen: torch.Generator) -> torch.Tensor:
     parents = [-1] + [int(torch.randint(max(0, i - 4), i, (1,), generator=gen)) for i in range(1, N)]
-    anc = torch.zeros(N, N, dtype=torch.bool)
-    for i in range(N):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
-    return anc
+    return ancestors_from_parents(torch.tensor([parents]))[0]
 
 
 def setup(B, N, H, L, gen):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from oracles import random_prompts
 
 import k26.spec.step as step_mod
 from k26 import SamplingParams, SpecConfig
@@ -63,16 +64,14 @@ def test_bad_budget_configs():
 
 @pytest.mark.parametrize("costs", [(0.0, 1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 3.0, 9.0, 27.0)])
 def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
+    from test_spec import as_topk, oracle_draft
+
     from k26 import LLM
     from k26.tiny import write_tiny_drafter
 
-    from test_spec import as_topk, oracle_draft
-
     d = write_tiny_drafter(tiny_k25.parent / "auto-drafter", tiny_k25, layers=1, seed=3)
     llm = LLM(tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=4, max_model_len=256)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 600, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(4)]
+    prompts = random_prompts(4, 2, 20, seed=7)
     sp = SamplingParams(max_tokens=20, stop_token_ids=[])
     ar = llm.generate(prompts, sp, SpecConfig("ar"))
     ref = {b: p + a.token_ids for b, (p, a) in enumerate(zip(prompts, ar))}

@@ -3,6 +3,7 @@ recompiles with torch.compile."""
 
 import pytest
 import torch
+from oracles import random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.graphs import Bucket
@@ -26,8 +27,7 @@ def pair(tiny_k25, drafter_dir):
 
 
 def prompts(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 600, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return random_prompts(n, 3, 30, seed)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)

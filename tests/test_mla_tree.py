@@ -6,18 +6,13 @@ import torch
 from k26 import LLM
 from k26.model import AttnBatch
 from k26.ops import tree_mask_to_words, words_to_tree_mask
+from k26.spec.tree import ancestors_from_parents
 
 
 def random_tree(n, gen):
     """parents[i] < i; ancestors[i, j] = j is i or an ancestor of i."""
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            anc[i, j] = True
-            j = parents[j]
-    return parents, anc
+    return parents, ancestors_from_parents(torch.tensor([parents]))[0]
 
 
 def path_to(i, parents):

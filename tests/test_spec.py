@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from oracles import random_prompts
 
 import k26
 import k26.spec.step as step_mod
@@ -152,9 +153,7 @@ def as_topk(draft):
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree"), SpecConfig("ddtree", 4),
                                   SpecConfig("ddtree", 16), SpecConfig("ddtree", 40)])
 def test_greedy_lossless_with_oracle_drafts(llm, spec, monkeypatch):
-    gen = torch.Generator().manual_seed(len(str(spec)))
-    prompts = [torch.randint(0, 600, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(24)]
+    prompts = random_prompts(24, 1, 30, seed=len(str(spec)))
     sp = SamplingParams(max_tokens=24, stop_token_ids=[])
     ar = llm.generate(prompts, sp, SpecConfig("ar"))
     taus = []
@@ -171,9 +170,7 @@ def test_greedy_lossless_with_oracle_drafts(llm, spec, monkeypatch):
 
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 10)])
 def test_greedy_lossless_with_real_drafter(llm, spec):
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 600, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(40)]
+    prompts = random_prompts(40, 1, 40, seed=3)
     sp = SamplingParams(max_tokens=16, stop_token_ids=[])
     ar = llm.generate(prompts, sp, SpecConfig("ar"))
     out = llm.generate(prompts, sp, spec)

@@ -3,6 +3,7 @@ divergence in bf16."""
 
 import pytest
 import torch
+from oracles import random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.spec.tree import build_ddtree, build_ddtree_heap
@@ -45,9 +46,7 @@ def test_tree_build_is_graph_capturable():
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 12)])
 def test_greedy_lossless_fp32_on_gpu(tiny_k25, drafter_dir, spec):
     llm = LLM(tiny_k25, drafter=drafter_dir, device="cuda", dtype=torch.float32, progress=False, max_batch=8)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 600, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(24)]
+    prompts = random_prompts(24, 1, 40, seed=1)
     sp = SamplingParams(max_tokens=16, stop_token_ids=[])
     ar = llm.generate(prompts, sp, SpecConfig("ar"))
     out = llm.generate(prompts, sp, spec)

@@ -4,20 +4,14 @@ import pytest
 import torch
 
 from k26.ops import reference, tree_mask_to_words
+from k26.spec.tree import ancestors_from_parents
 
 pytestmark = pytest.mark.gpu
 
 
 def random_ancestors(B, N, gen):
-    anc = torch.zeros(B, N, N, dtype=torch.bool)
-    for b in range(B):
-        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, N)]
-        for i in range(N):
-            j = i
-            while j >= 0:
-                anc[b, i, j] = True
-                j = parents[j]
-    return anc
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, N)] for _ in range(B)]
+    return ancestors_from_parents(torch.tensor(parents))
 
 
 def case(B, N, H, lens, seed, causal=False):

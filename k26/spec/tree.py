@@ -133,12 +133,16 @@ def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> 
     parents_t = torch.where(valid_t | (parents_t < 0), parents_t, 0)
     score_t = torch.cat([torch.zeros(B, 1, dtype=torch.float64, device=dev), node_score,
                          torch.full((B, pad), float("-inf"), dtype=torch.float64, device=dev)], 1)
-    return DraftTree(tokens, parents_t, depths, valid_t, tree_mask_to_words(_ancestors(parents_t, valid_t, L)), score_t, L)
+    return DraftTree(tokens, parents_t, depths, valid_t, tree_mask_to_words(ancestors_from_parents(parents_t, valid_t, L)), score_t, L)
 
 
-def _ancestors(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[B, N, N] ancestor-or-self mask by walking every node up `max_depth` steps at once."""
+def ancestors_from_parents(parents: torch.Tensor, valid: torch.Tensor | None = None,
+                           max_depth: int | None = None) -> torch.Tensor:
+    """[B, N, N] ancestor-or-self mask of parents [B, N] (root -1, parents[i] < i) by walking every node up
+    `max_depth` steps at once (default N - 1: any tree); invalid (padding) nodes see only themselves."""
     B, N = parents.shape
+    valid = torch.ones_like(parents, dtype=torch.bool) if valid is None else valid
+    max_depth = N - 1 if max_depth is None else max_depth
     anc = torch.zeros(B, N, N, dtype=torch.bool, device=parents.device)
     cur = torch.arange(N, device=parents.device).expand(B, N).clone()
     for _ in range(max_depth + 1):
