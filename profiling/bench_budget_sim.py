@@ -1,6 +1,6 @@
 """Adaptive vs fixed DDTree budgets — a SIMULATION with K2.6-scale step costs (CPU, labelled as such).
 
-    python profiling/bench_budget_sim.py [--prompts 8 --tokens 48] [--out FILE.md]
+    python profiling/bench_budget_sim.py [--prompts 24 --tokens 64] [--out FILE.md]
 
 Acceptance is real: the embedded trained pair (k26/default: target + DFlash drafter, GPU-trained) decodes
 held-out text at batch 1, greedy and at temperature 1, so the drafter's confidences are a trained
@@ -39,8 +39,8 @@ def run(llm, prompts, sp, spec) -> tuple[list[int], list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=64)
     a = ap.parse_args()
     llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512)
     ids = llm.tokenizer.encode(corpus.text("eval"))

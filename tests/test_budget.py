@@ -1,4 +1,4 @@
-"""Cost-aware adaptive budget: prefix property, the selection rule, calibration, losslessness."""
+"""Cost-aware adaptive budget: prefix property, the selection rule, calibration, exploration, losslessness."""
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ def test_equal_costs_and_confident_drafts_pick_the_largest():
 
 
 def test_dominant_verify_cost_picks_the_smallest():
-    pol = BudgetPolicy.create((3, 7, 15, 31), 0.001, (1.0, 2.0, 4.0, 8.0), "cpu")
+    pol = BudgetPolicy.create((3, 7, 15, 31), 0.001, (1.0, 2.0, 4.0, 8.0), "cpu", warmup=0)
     assert int(pol.choose(build_ddtree(lp(0, 1.0), 31))) == 0
 
 
@@ -39,18 +39,24 @@ def chain_path(accepted: torch.Tensor, J: int = 8) -> torch.Tensor:
 
 
 def test_calibration_follows_observed_acceptance():
-    tree = build_ddtree(lp(1, 30.0), 31)  # confident: predicts long acceptance
-    over = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
+    """Confident drafts that are never accepted stop buying big trees; weak drafts that are always accepted
+    start buying them."""
+    ones = torch.ones(2, dtype=torch.bool)
+    costs = (1.0, 1.2, 1.5, 2.0)
+    tree = build_ddtree(lp(1, 30.0), 31)  # confident: the raw marginals promise a long accepted chain
+    over = BudgetPolicy.create((3, 7, 15, 31), 0.0, costs, "cpu", warmup=0, explore_every=0)
+    assert int(over.choose(tree)) > 0
     for _ in range(20):
         acc = torch.zeros(2, dtype=torch.long)
-        over.update(tree, torch.tensor(3), acc, torch.ones(2, dtype=torch.bool), chain_path(acc))
-    assert over.log_k[0].item() > 0.1  # over-confident drafter: q(u)^k with k > 1 shrinks the estimates
-    under = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
+        over.update(tree, torch.tensor(3), acc, ones, chain_path(acc))
+    assert over.expected(tree)[:, -1].max() < 0.3 and int(over.choose(tree)) == 0
     weak = build_ddtree(lp(1, 0.3), 31)
+    under = BudgetPolicy.create((3, 7, 15, 31), 0.0, costs, "cpu", warmup=0, explore_every=0)
+    assert int(under.choose(weak)) == 0
     for _ in range(20):
         acc = torch.full((2,), 7)
-        under.update(weak, torch.tensor(3), acc, torch.ones(2, dtype=torch.bool), chain_path(acc))
-    assert under.log_k[0].item() < -0.1
+        under.update(weak, torch.tensor(3), acc, ones, chain_path(acc))
+    assert int(under.choose(weak)) == 1  # nodes 1..7 are the accepted chain, the rest never pays
 
 
 def test_bad_budget_configs():
@@ -81,36 +87,57 @@ def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     assert llm.decoder.policies  # the policy was built and used
 
 
-def test_calibration_is_per_depth():
-    """Right at depth 1, over-confident deeper: k_1 stays put while the deeper exponents grow."""
-    tree = build_ddtree(lp(2, 3.0), 31)
+def test_increments_learn_their_slope():
+    """Accepted increments twice the drafter's mass: the fitted increments of the verified candidates land
+    near 2 f (much nearer than the raw marginals), and the never-verified candidate keeps its prior."""
+    pol = BudgetPolicy.create((3, 7, 15), 0.0, (1.0, 1.0, 1.0), "cpu")
+    gen = torch.Generator().manual_seed(0)
+    fs = []
+    for i in range(300):
+        tree = build_ddtree(lp(10 + i, 0.5 + 5 * torch.rand((), generator=gen).item()), 15)
+        f = pol._increments(tree)
+        fs.append(f)
+        y = (2 * f[:, :2] + torch.rand(2, 2, generator=gen) - 0.5).round().clamp(0, 3).long()  # E[y] ~ 2 f
+        # the sums only read how many path nodes fall in each prefix: candidate 0's count on nodes 1.., then
+        # candidate 1's on nodes 4..
+        path = torch.full((2, 9), -1)
+        path[:, 0] = 0
+        for r in range(2):
+            nodes = list(range(1, 1 + y[r, 0])) + list(range(4, 4 + y[r, 1]))
+            path[r, 1 : 1 + len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+        pol.update(tree, torch.tensor(1), y.sum(1), torch.ones(2, dtype=torch.bool), path)
+    a, b = pol.coefficients()
+    assert abs(a[2]) < 1e-6 and abs(b[2] - 1) < 1e-6  # never verified: the raw marginals
+    f = torch.cat(fs)[:, :2]
+    fitted = (a[:2] + b[:2] * f - 2 * f).abs().mean()
+    assert fitted < 0.3 * f.abs().mean(), (a, b)
+
+
+def test_only_verified_candidates_are_calibrated():
+    tree = build_ddtree(lp(4, 2.0), 31)
     pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
-    for _ in range(200):
-        q = pol._q(tree)
-        d1 = (q * (tree.depths[:, 1:] == 1)).sum(1)  # predicted P(accept >= 1) per row
-        obs = (torch.rand(2, generator=torch.Generator().manual_seed(_)) < d1).long()  # depth 1 as predicted
-        pol.update(tree, torch.tensor(3), obs, torch.ones(2, dtype=torch.bool), chain_path(obs))
-    assert abs(pol.log_k[0].item()) < 0.3 < pol.log_k[2].item()
+    acc = torch.ones(2, dtype=torch.long)
+    pol.update(tree, torch.tensor(1), acc, torch.tensor([True, False]), chain_path(acc))
+    assert pol.stats[:2, 0].tolist() == [1.0, 1.0] and pol.stats[2:].abs().sum() == 0
+    assert pol.stats[0, 2] == 1 and pol.stats[1, 2] == 0  # node 1 lies in candidate 0's prefix
 
 
-def test_node_multipliers_track_observed_hits():
-    """Node 1 always accepted, every other node never: c_1 rises towards 1 / q_1, the rest fall."""
-    tree = build_ddtree(lp(3, 2.0), 15)
-    pol = BudgetPolicy.create((3, 15), 0.0, (1.0, 1.0), "cpu")
-    q = pol._q(tree)
-    for _ in range(100):
-        acc = torch.ones(2, dtype=torch.long)
-        path = torch.tensor([[0, 1, -1, -1, -1, -1, -1, -1]] * 2)
-        pol.update(tree, torch.tensor(1), acc, torch.ones(2, dtype=torch.bool), path)
-    p = pol._p(pol._q(tree))
-    assert (p[:, 0] > q[:, 0]).all() and p[:, 1:].sum() < 0.4 * q[:, 1:].sum()
+def test_warmup_and_exploration_verify_the_largest():
+    tree = build_ddtree(lp(0, 1.0), 31)
+    pol = BudgetPolicy.create((3, 7, 15, 31), 0.001, (1.0, 2.0, 4.0, 8.0), "cpu", warmup=2, explore_every=5)
+    picks = []
+    for _ in range(10):
+        picks.append(int(pol.choose(tree)))
+        acc = torch.zeros(2, dtype=torch.long)
+        pol.update(tree, torch.tensor(picks[-1]), acc, torch.ones(2, dtype=torch.bool), chain_path(acc))
+    assert picks == [3, 3, 0, 0, 3, 0, 0, 0, 0, 3]
 
 
 def test_long_run_rate_buys_a_bigger_tree_when_it_pays():
     """Ratio rule vs long-run rule: once the policy earns R tokens/s, a bigger tree whose extra tokens cost
     less than R is worth taking even though its own ratio is lower."""
     tree = build_ddtree(lp(0, 3.0), 31)
-    pol = BudgetPolicy.create((3, 31), 0.0, (1.0, 2.0), "cpu")
+    pol = BudgetPolicy.create((3, 31), 0.0, (1.0, 2.0), "cpu", warmup=0)
     gain = 1 + pol.expected(tree).sum(0)
     assert int((gain / pol.cost).argmax()) == 0 and int(pol.choose(tree)) == 0  # no history: the ratio rule
     pol.tokens.fill_(1.0)  # a low long-run rate: 1 token per 1e6 s

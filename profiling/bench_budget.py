@@ -1,0 +1,91 @@
+"""Adaptive vs fixed DDTree budgets on the GPU, measured: the embedded trained pair, CUDA graphs, batch 1.
+
+    python profiling/bench_budget.py [--prompts 16 --tokens 96 --rounds 3] [--compile] [--out FILE.md]
+
+Every mode (each fixed candidate budget, then `auto` over the same candidates) decodes the same held-out
+prompts one request at a time; the rounds interleave the modes so clock and thermal drift hit all of them
+alike, and the table reports the median round. One untimed round first captures every graph and lets
+`auto` measure its buckets and calibrate, as a server that has been running would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+
+import torch
+
+from k26 import LLM, SamplingParams, SpecConfig
+from k26.train import corpus
+
+CANDIDATES = SpecConfig("ddtree", "auto").candidates
+
+
+def one_round(llm: LLM, prompts, sp, spec) -> tuple[float, list[int], list[int]]:
+    """Seconds over all prompts (batch 1), accepted drafts per step, and budget per step."""
+    acc, used, dt = [], [], 0.0
+    for p in prompts:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        o = llm.generate([p], sp, spec)[0]
+        torch.cuda.synchronize()
+        dt += time.perf_counter() - t0
+        acc += o.stats.accepted_per_step
+        used += o.stats.budgets
+    return dt, acc, used
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    llm = LLM(device="cuda", graphs=True, compile=a.compile, progress=False, max_batch=1, max_model_len=512)
+    ids = llm.tokenizer.encode(corpus.text("eval"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [ids[s : s + 48] for s in torch.randint(0, len(ids) - 64, (a.prompts,), generator=g).tolist()]
+    specs = {str(b): SpecConfig("ddtree", b) for b in CANDIDATES} | {"auto": SpecConfig("ddtree", "auto")}
+    lines = [f"# bench_budget — {datetime.date.today()} (measured: GPU wall-clock, CUDA graphs, batch 1)", "",
+             f"- device: {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}; "
+             f"compile: {a.compile}",
+             f"- the embedded trained pair; {a.prompts} held-out prompts of 48 tokens, {a.tokens} new tokens each, "
+             f"one request at a time; median of {a.rounds} interleaved rounds after one untimed round",
+             f"- command: `python profiling/bench_budget.py --prompts {a.prompts} --tokens {a.tokens} "
+             f"--rounds {a.rounds}{' --compile' if a.compile else ''}`", ""]
+    for temp in (0.0, 1.0):
+        sp = SamplingParams(temperature=temp, max_tokens=a.tokens, stop_token_ids=[], seed=0)
+        for spec in specs.values():
+            one_round(llm, prompts, sp, spec)  # capture, measure the buckets, calibrate
+        runs = {k: [] for k in specs}
+        for _ in range(a.rounds):
+            for k, spec in specs.items():
+                runs[k].append(one_round(llm, prompts, sp, spec))
+        pol = llm.decoder.policies[(specs["auto"], 1)]
+        lines += [f"## T = {temp}", "", "measured whole-step cost per bucket (auto's start-up timing): " +
+                  ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in zip(pol.candidates, pol.t_verify)), "",
+                  "| budget | τ | tokens/s (median) | rounds | vs best fixed | budgets used (last round) |",
+                  "|---|---|---|---|---|---|"]
+        tps = {k: [sum(acc) / dt for dt, acc, _ in r] for k, r in runs.items()}
+        med = {k: statistics.median(v) for k, v in tps.items()}
+        best = max(v for k, v in med.items() if k != "auto")
+        for k, r in runs.items():
+            dt, acc, used = r[-1]
+            counts = {c: used.count(c) for c in CANDIDATES if c in used}
+            lines.append(f"| {k} | {sum(acc) / len(acc):.2f} | {med[k]:.0f} | "
+                         f"{' / '.join(f'{x:.0f}' for x in tps[k])} | {med[k] / best:.3f} | {counts} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        open(a.out, "w").write(text)
+
+
+if __name__ == "__main__":
+    main()
