@@ -137,7 +137,8 @@ class BudgetPolicy:
         obs = torch.stack([w, w * f, w * y, w * f * f, w * f * y], dim=2).sum(0)  # [C, 5]
         self.stats.mul_(1 - self.decay * seen[:, None]).add_(obs)
         self.tokens.mul_(1 - self.rate_decay).add_(((accepted + 1).float() * live[:, 0]).sum())
-        self.seconds.mul_(1 - self.rate_decay).add_(self.cost[choice])
+        # gather, not cost[choice]: a 0-d index tensor is read back to the host, which a graph cannot capture
+        self.seconds.mul_(1 - self.rate_decay).add_(self.cost.gather(0, choice.reshape(1)).squeeze(0))
         self.steps.add_(1)
 
 
