@@ -34,6 +34,7 @@ The largest candidate is only observed when chosen. The first `warmup` steps and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,9 @@ class BudgetPolicy:
     rate_decay: float = 0.05
     warmup: int = 4
     explore_every: int = 128
+    # In a captured step the ~80 tiny kernels of choose + update cost ~7 % of a small model's step
+    # (measured, 2026-11-30-bench_budget-h200.md); compiled they fuse into a handful.
+    compiled: bool = False
 
     @classmethod
     def create(cls, candidates, t_draft: float, t_verify, device, **kw) -> BudgetPolicy:
@@ -111,6 +115,15 @@ class BudgetPolicy:
 
     def choose(self, tree: DraftTree, alive: torch.Tensor | None = None) -> torch.Tensor:
         """Index of the candidate maximising gain - R * cost, gains summed over the live rows ([] int64)."""
+        return (_compiled("choose") if self.compiled else BudgetPolicy._choose)(self, tree, alive)
+
+    def update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor,
+               path: torch.Tensor) -> None:
+        """Calibrate on what this step verified (the chosen prefix) and observed (`path`: accepted node
+        indices, root first, -1 past the end), and fold the step into the long-run rate. Device only."""
+        (_compiled("update") if self.compiled else BudgetPolicy._update)(self, tree, choice, accepted, alive, path)
+
+    def _choose(self, tree: DraftTree, alive: torch.Tensor | None) -> torch.Tensor:
         gain = 1 + self.expected(tree)
         if alive is not None:
             gain = gain * alive[:, None]
@@ -123,10 +136,8 @@ class BudgetPolicy:
             explore |= (self.steps % self.explore_every) == self.explore_every - 1
         return torch.where(explore, len(self.candidates) - 1, best)
 
-    def update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor,
-               path: torch.Tensor) -> None:
-        """Calibrate on what this step verified (the chosen prefix) and observed (`path`: accepted node
-        indices, root first, -1 past the end), and fold the step into the long-run rate. Device only."""
+    def _update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor,
+                path: torch.Tensor) -> None:
         f = self._increments(tree)
         # accepted drafts inside each candidate's prefix: path nodes 1..budget (a path only climbs in index)
         inside = ((path[:, 1:, None] >= 1) & (path[:, 1:, None] <= self.index + 1)).sum(1).float()  # [B, C]
@@ -140,6 +151,11 @@ class BudgetPolicy:
         # gather, not cost[choice]: a 0-d index tensor is read back to the host, which a graph cannot capture
         self.seconds.mul_(1 - self.rate_decay).add_(self.cost.gather(0, choice.reshape(1)).squeeze(0))
         self.steps.add_(1)
+
+
+@functools.cache
+def _compiled(name: str):
+    return torch.compile(getattr(BudgetPolicy, "_" + name), fullgraph=True, dynamic=False)
 
 
 def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
