@@ -136,15 +136,7 @@ class Decoder:
         if graph is not None:
             graph.capture(buckets, progress=llm.progress)
         if policy is not None and spec.costs is None and not self.measured.get((spec, batch)):
-            # two passes over the candidates, keep each one's best: the first timings also ramp the clocks up
-            pairs = list(zip(buckets or [None] * len(spec.candidates), spec.candidates))
-            costs = [min(t) for t in zip(*[[self._measure(spec, sp, graph, b, c, batch) for b, c in pairs]
-                                           for _ in range(2)])]
-            if llm.tp_size > 1:  # every rank must pick the same budget: agree on the slowest timings
-                t = torch.tensor(costs, device=llm.device)
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-                costs = t.tolist()
-            policy.set_costs(0.0, costs)
+            policy.set_costs(0.0, *self._measure_costs(spec, sp, graph, buckets, batch))
             policy.reset()  # the timing steps ran on scratch data: forget what they taught
             self.measured[(spec, batch)] = True
         stops = set(sp.stop_token_ids if sp.stop_token_ids is not None else llm.tokenizer.stop_ids)
@@ -245,13 +237,28 @@ class Decoder:
         if key not in self.policies:
             costs = spec.costs or (0.0, *([1.0] * len(spec.candidates)))
             self.policies[key] = BudgetPolicy.create(spec.candidates, costs[0], costs[1:], self.llm.device,
-                                                     compiled=self.llm.graphs)
+                                                     per_token=spec.cost_per_token, compiled=self.llm.graphs)
         return self.policies[key]
 
-    def _measure(self, spec, sp, graph, bucket, budget: int, batch: int) -> float:
-        """Seconds per whole step at one candidate budget (draft included, so t_draft is 0)."""
+    def _measure_costs(self, spec, sp, graph, buckets, batch: int) -> tuple[list[float], list[float]]:
+        """Per candidate: seconds per whole step at context 0 and per context token, from timings at a short
+        and a long context (the line through them; flat when the cache is too short to tell them apart)."""
         llm = self.llm
-        at = max(0, min(16, llm.max_model_len - budget - llm.drafter.cfg.block_size - 1))
+        near = 16
+        far = llm.max_model_len - spec.candidates[-1] - llm.drafter.cfg.block_size - 1
+        ats = (near, far) if far - near >= 256 else (max(0, min(near, far)),)
+        pairs = list(zip(buckets or [None] * len(spec.candidates), spec.candidates))
+        # each timed twice, the best kept: the first timing also ramps the clocks up
+        t = torch.tensor([[min(self._measure(spec, sp, graph, b, c, batch, at) for _ in range(2)) for b, c in pairs]
+                          for at in ats], device=llm.device)
+        if llm.tp_size > 1:  # every rank must pick the same budget: agree on the slowest timings
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        slope = ((t[-1] - t[0]) / (ats[-1] - ats[0])).clamp_min(0) if len(ats) > 1 else torch.zeros_like(t[0])
+        return (t[0] - slope * ats[0]).clamp_min(1e-6).tolist(), slope.tolist()
+
+    def _measure(self, spec, sp, graph, bucket, budget: int, batch: int, at: int) -> float:
+        """Seconds per whole step at one candidate budget and context length (draft included: t_draft 0)."""
+        llm = self.llm
         if graph is not None:
             state = graph.states[bucket]
             state.start.fill_(at), state.alive.fill_(True)

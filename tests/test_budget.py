@@ -59,7 +59,42 @@ def test_calibration_follows_observed_acceptance():
     assert int(under.choose(weak)) == 1  # nodes 1..7 are the accepted chain, the rest never pays
 
 
+def test_long_context_buys_smaller_trees():
+    """Same tree, same calibration: the per-token cost (tree attention reads the whole cache per node)
+    moves the choice from the largest candidate at short context to the smallest at long context."""
+    tree = build_ddtree(lp(0, 3.0), 31)
+    pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu", per_token=(0.0, 1e-3, 2e-3, 4e-3),
+                              warmup=0)
+    alive = torch.ones(2, dtype=torch.bool)
+    assert int(pol.choose(tree, alive, torch.tensor([0, 0]))) == 3
+    assert int(pol.choose(tree, alive, torch.tensor([4000, 4000]))) == 0
+    # a finished row's length does not count
+    assert int(pol.choose(tree, torch.tensor([True, False]), torch.tensor([0, 100000]))) == 3
+    acc = torch.ones(2, dtype=torch.long)
+    pol.update(tree, torch.tensor(3), acc, alive, chain_path(acc), torch.tensor([1000, 3000]))
+    assert pol.seconds.item() == pytest.approx(1.0 + 4e-3 * 2000)  # charged at the mean live length
+
+
+def test_measured_costs_have_a_context_slope(tiny_k25):
+    from k26 import LLM
+    from k26.tiny import write_tiny_drafter
+
+    d = write_tiny_drafter(tiny_k25.parent / "slope-drafter", tiny_k25, layers=1, seed=3)
+    llm = LLM(tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512)
+    spec = SpecConfig("ddtree", "auto", candidates=(3, 15))
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop_token_ids=[]), spec)
+    pol = llm.decoder.policies[(spec, 1)]
+    assert min(pol.t_verify) > 0 and (pol.slope >= 0).all()
+    assert pol.cost.tolist() != [1.0, 1.0]  # measured, not the placeholders
+
+
 def test_bad_budget_configs():
+    with pytest.raises(ValueError, match="cost_per_token"):
+        SpecConfig("ddtree", "auto", candidates=(3, 7), costs=(0.0, 1.0, 1.0), cost_per_token=(1e-6,))
+    with pytest.raises(ValueError, match="cost_per_token"):
+        SpecConfig("ddtree", "auto", candidates=(3, 7), cost_per_token=(1e-6, 1e-6))
+    with pytest.raises(ValueError, match="per-token"):
+        BudgetPolicy.create((3, 7), 0.0, (1.0, 1.0), "cpu", per_token=(-1.0, 0.0))
     with pytest.raises(ValueError, match="candidates"):
         SpecConfig("ddtree", "auto", candidates=(7, 3))
     with pytest.raises(ValueError, match="costs"):

@@ -2,9 +2,13 @@
 expected tokens per second,
 
     choose n maximising  gain(n) - R * cost(n),   gain(n) = 1 + E[accepted | first n nodes],
-                                                  cost(n) = t_draft + t_verify(n),
+                                                  cost(n) = t_draft + t_verify(n) + s(n) * L,
 
-with t_verify measured per candidate bucket. Because nodes are listed in pop order, the tree of any
+with t_verify and the per-context-token slope s measured per candidate bucket and L the mean context of
+the live rows. The slope is the tree-attention term: every verified node reads the whole latent cache, so
+at long context a big tree costs far more than at short context (K2.6 rank, eager: budget 31 - 8 is
++6 ms at 4K and +12 ms at 32K; a budget-15 step 28 ms at 4K, 59 ms at 128K, which the line through 4K and
+32K predicts to 1.5 %). A cost table taken at one length picks trees far too big at long context. Because nodes are listed in pop order, the tree of any
 smaller budget is a prefix of the largest one: one draft, one build, any budget.
 
 R is the long-run rate, tokens per second, tracked on the device from the steps already taken. Maximising
@@ -50,7 +54,8 @@ class BudgetPolicy:
     t_draft: float  # seconds per draft (drafter forward + tree build)
     t_verify: tuple[float, ...]  # seconds per verify+accept+commit, one per candidate
     stats: torch.Tensor  # [C, 5] float32: decayed sums (1, f, y, f^2, f y) of each candidate's increments
-    cost: torch.Tensor  # [C] seconds per step of each candidate, on the device
+    cost: torch.Tensor  # [C] seconds per step of each candidate at context 0, on the device
+    slope: torch.Tensor  # [C] seconds per context token (mean over the live rows) of each candidate
     index: torch.Tensor  # [C] int64: node index (budget - 1) closing each candidate prefix
     position: tuple[torch.Tensor, ...]  # [] int64 per candidate: its own index (graph-safe constants)
     tokens: torch.Tensor  # [] float32: decayed sum of emitted tokens (live rows) ...
@@ -65,15 +70,19 @@ class BudgetPolicy:
     compiled: bool = False
 
     @classmethod
-    def create(cls, candidates, t_draft: float, t_verify, device, **kw) -> BudgetPolicy:
+    def create(cls, candidates, t_draft: float, t_verify, device, per_token=None, **kw) -> BudgetPolicy:
         cands = tuple(int(c) for c in candidates)
         if not cands or list(cands) != sorted(set(cands)) or cands[0] < 1:
             raise ValueError(f"budget candidates {candidates!r}: expected ascending distinct budgets >= 1")
         if len(t_verify) != len(cands) or t_draft < 0 or min(t_verify) <= 0:
             raise ValueError(f"verify costs {t_verify!r} must be positive, one per candidate {cands}")
+        per_token = tuple(float(s) for s in (per_token or [0.0] * len(cands)))
+        if len(per_token) != len(cands) or min(per_token) < 0:
+            raise ValueError(f"per-token costs {per_token!r} must be >= 0, one per candidate {cands}")
         t_verify = tuple(float(t) for t in t_verify)
         return cls(cands, float(t_draft), t_verify, torch.zeros(len(cands), 5, device=device),
                    torch.tensor([t_draft + t for t in t_verify], device=device),
+                   torch.tensor(per_token, device=device),
                    torch.tensor([c - 1 for c in cands], device=device),
                    tuple(torch.tensor(i, device=device) for i in range(len(cands))),
                    torch.zeros((), device=device), torch.zeros((), device=device),
@@ -86,10 +95,18 @@ class BudgetPolicy:
         self.seconds.zero_()
         self.steps.zero_()
 
-    def set_costs(self, t_draft: float, t_verify) -> None:
-        """Replace the costs in place (captured graphs read the same device tensor)."""
+    def set_costs(self, t_draft: float, t_verify, per_token=None) -> None:
+        """Replace the costs in place (captured graphs read the same device tensors)."""
         self.t_draft, self.t_verify = float(t_draft), tuple(float(t) for t in t_verify)
         self.cost.copy_(torch.tensor([self.t_draft + t for t in self.t_verify]))
+        self.slope.copy_(torch.tensor([float(s) for s in per_token or [0.0] * len(self.candidates)]))
+
+    def step_cost(self, alive: torch.Tensor | None, length: torch.Tensor | None) -> torch.Tensor:
+        """[C] seconds per step of each candidate at the live rows' mean context length."""
+        if length is None:
+            return self.cost
+        w = torch.ones_like(length, dtype=torch.float32) if alive is None else alive.float()
+        return self.cost + self.slope * (length.float() * w).sum() / w.sum().clamp_min(1.0)
 
     @property
     def largest(self) -> int:
@@ -113,31 +130,35 @@ class BudgetPolicy:
         a, b = self.coefficients()
         return (a + b * self._increments(tree)).clamp_min(0).cumsum(dim=1)
 
-    def choose(self, tree: DraftTree, alive: torch.Tensor | None = None) -> torch.Tensor:
-        """Index of the candidate maximising gain - R * cost, gains summed over the live rows ([] int64)."""
-        return (_compiled("choose") if self.compiled else BudgetPolicy._choose)(self, tree, alive)
+    def choose(self, tree: DraftTree, alive: torch.Tensor | None = None,
+               length: torch.Tensor | None = None) -> torch.Tensor:
+        """Index of the candidate maximising gain - R * cost, gains summed over the live rows ([] int64);
+        `length` [B]: the rows' context lengths (None: costs at context 0)."""
+        return (_compiled("choose") if self.compiled else BudgetPolicy._choose)(self, tree, alive, length)
 
     def update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor,
-               path: torch.Tensor) -> None:
+               path: torch.Tensor, length: torch.Tensor | None = None) -> None:
         """Calibrate on what this step verified (the chosen prefix) and observed (`path`: accepted node
         indices, root first, -1 past the end), and fold the step into the long-run rate. Device only."""
-        (_compiled("update") if self.compiled else BudgetPolicy._update)(self, tree, choice, accepted, alive, path)
+        fn = _compiled("update") if self.compiled else BudgetPolicy._update
+        fn(self, tree, choice, accepted, alive, path, length)
 
-    def _choose(self, tree: DraftTree, alive: torch.Tensor | None) -> torch.Tensor:
+    def _choose(self, tree: DraftTree, alive: torch.Tensor | None, length: torch.Tensor | None) -> torch.Tensor:
+        cost = self.step_cost(alive, length)
         gain = 1 + self.expected(tree)
         if alive is not None:
             gain = gain * alive[:, None]
         gain = gain.sum(dim=0)
         # no history yet: this step's best ratio, which makes the rule pick exactly that ratio's argmax
-        rate = torch.where(self.seconds > 0, self.tokens / self.seconds.clamp_min(1e-12), (gain / self.cost).max())
-        best = (gain - rate * self.cost).argmax()
+        rate = torch.where(self.seconds > 0, self.tokens / self.seconds.clamp_min(1e-12), (gain / cost).max())
+        best = (gain - rate * cost).argmax()
         explore = self.steps < self.warmup
         if self.explore_every > 0:
             explore |= (self.steps % self.explore_every) == self.explore_every - 1
         return torch.where(explore, len(self.candidates) - 1, best)
 
     def _update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor,
-                path: torch.Tensor) -> None:
+                path: torch.Tensor, length: torch.Tensor | None) -> None:
         f = self._increments(tree)
         # accepted drafts inside each candidate's prefix: path nodes 1..budget (a path only climbs in index)
         inside = ((path[:, 1:, None] >= 1) & (path[:, 1:, None] <= self.index + 1)).sum(1).float()  # [B, C]
@@ -149,7 +170,8 @@ class BudgetPolicy:
         self.stats.mul_(1 - self.decay * seen[:, None]).add_(obs)
         self.tokens.mul_(1 - self.rate_decay).add_(((accepted + 1).float() * live[:, 0]).sum())
         # gather, not cost[choice]: a 0-d index tensor is read back to the host, which a graph cannot capture
-        self.seconds.mul_(1 - self.rate_decay).add_(self.cost.gather(0, choice.reshape(1)).squeeze(0))
+        cost = self.step_cost(alive, length)
+        self.seconds.mul_(1 - self.rate_decay).add_(cost.gather(0, choice.reshape(1)).squeeze(0))
         self.steps.add_(1)
 
 

@@ -27,6 +27,8 @@ class SpecConfig:
     budget: int | Literal["auto"] | None = "auto"
     candidates: tuple[int, ...] = (3, 7, 15, 31)
     costs: tuple[float, ...] | None = None  # (t_draft, t_verify per candidate) in seconds; None: measured
+    # with `costs`: seconds per context token per candidate (the tree-attention term); None: 0
+    cost_per_token: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("ar", "dflash", "ddtree"):
@@ -40,13 +42,16 @@ class SpecConfig:
         object.__setattr__(self, "candidates", c)
         if self.costs is not None and len(self.costs) != len(c) + 1:
             raise ValueError(f"SpecConfig.costs needs t_draft and one verify time per candidate ({len(c) + 1} values)")
+        s = self.cost_per_token
+        if s is not None and (self.costs is None or len(s) != len(c) or min(s) < 0):
+            raise ValueError(f"SpecConfig.cost_per_token={s!r}: needs `costs` and one value >= 0 per candidate")
 
     @property
     def auto(self) -> bool:
         return self.method == "ddtree" and self.budget == "auto"
 
     def fixed(self, budget: int) -> SpecConfig:
-        return SpecConfig(self.method, budget, self.candidates, self.costs)
+        return SpecConfig(self.method, budget, self.candidates, self.costs, self.cost_per_token)
 
 
 @dataclass
@@ -112,7 +117,7 @@ def speculative_step(
         lp, tok = draft_topk(target, drafter, dcache, rows, start, bonus, min(largest, target.cfg.vocab_size))
         if policy is not None:
             full = build_ddtree_from_topk(lp, tok, policy.largest)
-            pick = policy.choose(full, alive)
+            pick = policy.choose(full, alive, start)
             budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
             tree = truncate_tree(full, budget)
         else:
@@ -136,7 +141,7 @@ def speculative_step(
     emitted = emitted_tokens(tree, path, new_bonus)
     if policy is not None:
         used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
-        policy.update(full, used, n_acc, alive, path)
+        policy.update(full, used, n_acc, alive, path, start)
     return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus, pick,
                       budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None)
 
