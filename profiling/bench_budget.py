@@ -2,9 +2,9 @@
 
     python profiling/bench_budget.py [--prompts 16 --tokens 96 --rounds 3] [--compile] [--out FILE.md]
 
-Every mode (each fixed candidate budget, then `auto` over the same candidates) decodes the same held-out
-prompts one request at a time; the rounds interleave the modes so clock and thermal drift hit all of them
-alike, and the table reports the median round. One untimed round first captures every graph and lets
+Every mode (each fixed candidate budget, and `auto` over the same candidates) decodes the same held-out
+prompts one request at a time, interleaved per prompt (prompt 1 in every mode, then prompt 2, ...) so host
+and clock drift hit all modes alike; the table reports the median over rounds. One untimed round first captures every graph and lets
 `auto` measure its buckets and calibrate, as a server that has been running would have.
 """
 
@@ -24,18 +24,18 @@ from k26.train import corpus
 CANDIDATES = SpecConfig("ddtree", "auto").candidates
 
 
-def one_round(llm: LLM, prompts, sp, spec) -> tuple[float, list[int], list[int]]:
-    """Seconds over all prompts (batch 1), accepted drafts per step, and budget per step."""
-    acc, used, dt = [], [], 0.0
+def one_round(llm: LLM, prompts, sp, specs: dict) -> dict[str, tuple[float, list[int], list[int]]]:
+    """Per mode: seconds over all prompts (batch 1), accepted drafts per step, and budget per step."""
+    out = {k: (0.0, [], []) for k in specs}
     for p in prompts:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        o = llm.generate([p], sp, spec)[0]
-        torch.cuda.synchronize()
-        dt += time.perf_counter() - t0
-        acc += o.stats.accepted_per_step
-        used += o.stats.budgets
-    return dt, acc, used
+        for k, spec in specs.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o = llm.generate([p], sp, spec)[0]
+            torch.cuda.synchronize()
+            dt, acc, used = out[k]
+            out[k] = (dt + time.perf_counter() - t0, acc + o.stats.accepted_per_step, used + o.stats.budgets)
+    return out
 
 
 def main() -> None:
@@ -60,15 +60,15 @@ def main() -> None:
              f"--rounds {a.rounds}{' --compile' if a.compile else ''}`", ""]
     for temp in (0.0, 1.0):
         sp = SamplingParams(temperature=temp, max_tokens=a.tokens, stop_token_ids=[], seed=0)
-        for spec in specs.values():
-            one_round(llm, prompts, sp, spec)  # capture, measure the buckets, calibrate
+        one_round(llm, prompts, sp, specs)  # capture, measure the buckets, calibrate
         runs = {k: [] for k in specs}
         for _ in range(a.rounds):
-            for k, spec in specs.items():
-                runs[k].append(one_round(llm, prompts, sp, spec))
+            for k, r in one_round(llm, prompts, sp, specs).items():
+                runs[k].append(r)
         pol = llm.decoder.policies[(specs["auto"], 1)]
-        lines += [f"## T = {temp}", "", "measured whole-step cost per bucket (auto's start-up timing): " +
-                  ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in zip(pol.candidates, pol.t_verify)), "",
+        lines += [f"## T = {temp}", "", "auto's start-up timing per bucket (whole step at context 0 + per context "
+                  "token): " + ", ".join(f"{c}: {t * 1e3:.3f} ms + {s * 1e6:.2f} µs/token" for c, t, s in
+                                         zip(pol.candidates, pol.t_verify, pol.slope.tolist())), "",
                   "| budget | τ | tokens/s (median) | rounds | vs best fixed | budgets used (last round) |",
                   "|---|---|---|---|---|---|"]
         tps = {k: [sum(acc) / dt for dt, acc, _ in r] for k, r in runs.items()}
