@@ -72,3 +72,24 @@ def test_a_dead_rank_fails_the_others(tiny_tp, monkeypatch):
             llm.score([1, 2, 3])
     finally:
         llm.close()
+
+
+def test_tp8_on_gloo_matches_tp1(tmp_path_factory):
+    """TP 8 (the K2.6 deployment width) on CPU: every sharded dimension divides by 8, ranks agree on the
+    adaptive budget's measured costs and on every tree, and the output is TP 1's."""
+    d = write_tiny_checkpoint(tmp_path_factory.mktemp("tp8"), seed=5, num_attention_heads=8,
+                              moe_intermediate_size=256, shards=2)
+    dr = write_tiny_drafter(tmp_path_factory.mktemp("tp8d"), d, layers=1, seed=6, heads=8, kv_heads=8)
+    kw = dict(drafter=dr, device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=96)
+    ids = torch.randint(0, 600, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts, sp = [ids[:7], ids[5:20]], SamplingParams(max_tokens=10, stop_token_ids=[])
+    one = LLM(d, **kw)
+    logits1, ar1 = one.score(ids), [o.token_ids for o in one.generate(prompts, sp, SpecConfig("ar"))]
+    llm = LLM(d, tp=8, **kw)
+    try:
+        assert ((llm.score(ids) - logits1).norm() / logits1.norm()).item() < 1e-5
+        for spec in (SpecConfig("ar"), SpecConfig("ddtree", 6), SpecConfig("ddtree", "auto", candidates=(3, 7))):
+            assert [o.token_ids for o in llm.generate(prompts, sp, spec)] == ar1, spec
+        llm._check_workers()
+    finally:
+        llm.close()
