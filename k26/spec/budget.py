@@ -6,10 +6,12 @@ expected tokens per second,
 
 with t_verify and the per-context-token slope s measured per candidate bucket and L the mean context of
 the live rows. The slope is the tree-attention term: every verified node reads the whole latent cache, so
-at long context a big tree costs far more than at short context (K2.6 rank, eager: budget 31 - 8 is
-+6 ms at 4K and +12 ms at 32K; a budget-15 step 28 ms at 4K, 59 ms at 128K, which the line through 4K and
-32K predicts to 1.5 %). A cost table taken at one length picks trees far too big at long context. Because nodes are listed in pop order, the tree of any
-smaller budget is a prefix of the largest one: one draft, one build, any budget.
+a big tree costs far more at long context than at short (K2.6 rank, eager: budget 31 costs 6 ms more
+than budget 8 at 4K, 12 ms more at 32K; the line through 4K and 32K predicts the measured 128K budget-15
+step within 2 %). A cost table timed at one length would buy trees far too big at long context.
+
+Because nodes are listed in pop order, the tree of any smaller budget is a prefix of the largest one:
+one draft, one build, any budget.
 
 R is the long-run rate, tokens per second, tracked on the device from the steps already taken. Maximising
 each step's own ratio gain(n) / cost(n) is not what maximises tokens per second over many steps: a
@@ -27,10 +29,10 @@ marginals). The increments are regressed, not the totals, because two candidates
 steps share their noise: the difference of two separately fitted totals is the noisiest number in the
 rule. Why this form (measured on the trained pair, `profiling/results/*bench_budget_sim*`): the drafter
 is under-confident by ~2x at the top, so raw marginals mislead; per-depth exponents and per-node ratios
-fitted online lost 1-3.5 % to the best fixed budget; and no cheap feature of the tree or of the recent
-acceptance predicts the per-step marginal gain well enough to win more than ~0.4 % over the best constant
-choice on homogeneous text, so the calibration's job is mostly to find that constant choice fast and to
-follow the confidence where it does move (a prompt that copies, a change of topic).
+fitted online lost 1-3.5 % to the best fixed budget; and no cheap feature of the tree (prefix and
+per-depth masses) predicts the per-step marginal gain well enough to win more than ~0.4 % over the best
+constant choice on held-out text (`bench_budget_replay`), so the calibration's job is mostly to find that
+constant choice fast, per cost profile and context length, and to follow the confidence where it moves.
 
 The largest candidate is only observed when chosen. The first `warmup` steps and every
 `explore_every`-th step verify it, so an under-confident drafter cannot hide the value of a big tree.
