@@ -23,7 +23,7 @@ def test_smaller_budget_tree_is_a_prefix(small):
 
 
 def test_equal_costs_and_confident_drafts_pick_the_largest():
-    pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu")
+    pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu", warmup=0)
     assert int(pol.choose(build_ddtree(lp(0, 30.0), 31))) == 3
 
 
