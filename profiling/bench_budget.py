@@ -75,7 +75,7 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in tps.items()}
         best = max(v for k, v in med.items() if k != "auto")
         for k, r in runs.items():
-            dt, acc, used = r[-1]
+            _, acc, used = r[-1]
             counts = {c: used.count(c) for c in CANDIDATES if c in used}
             lines.append(f"| {k} | {sum(acc) / len(acc):.2f} | {med[k]:.0f} | "
                          f"{' / '.join(f'{x:.0f}' for x in tps[k])} | {med[k] / best:.3f} | {counts} |")
@@ -84,7 +84,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
-        open(a.out, "w").write(text)
+        with open(a.out, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

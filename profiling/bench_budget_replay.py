@@ -140,7 +140,8 @@ def main() -> None:
             print(row, flush=True)
     text = "\n".join(lines) + "\n"
     if a.out:
-        open(a.out, "w").write(text)
+        with open(a.out, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

@@ -86,15 +86,18 @@ def main() -> None:
                 results["auto, one length"] = run(llm, prompts, sp, spec)
                 llm.decoder.policies.clear()
                 pol = llm.decoder._policy(spec, 1)
-                results["auto"] = run(llm, prompts, sp, spec, lambda i: pol.set_costs(
-                    0.0, [cost_at(c, ctx[i]) / 1e3 for c in cands]))
+
+                def at_context(i, pol=pol, ctx=ctx, cands=cands):  # what the per-token term computes at L_i
+                    pol.set_costs(0.0, [cost_at(c, ctx[i]) / 1e3 for c in cands])
+
+                results["auto"] = run(llm, prompts, sp, spec, at_context)
             else:
                 results["auto"] = run(llm, prompts, sp, spec)
 
-            def charged(b, used, which):
-                return sum((cost_at(u, ctx[w]) if name == MIXED else table[u]) for u, w in zip(used, which)) / 1e3
+            def charged(used, which, ctx=ctx, table=table, mixed=name == MIXED):
+                return sum((cost_at(u, ctx[w]) if mixed else table[u]) for u, w in zip(used, which)) / 1e3
 
-            rate = {b: sum(acc) / charged(b, used, which) for b, (acc, used, which) in results.items()}
+            rate = {b: sum(acc) / charged(used, which) for b, (acc, used, which) in results.items()}
             best = max(rate[b] for b in cands)
             for b, (acc, used, which) in results.items():
                 counts = {c: used.count(c) for c in cands if c in used}
@@ -103,7 +106,8 @@ def main() -> None:
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if a.out:
-        open(a.out, "w").write(text)
+        with open(a.out, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

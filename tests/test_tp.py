@@ -80,7 +80,7 @@ def test_tp8_on_gloo_matches_tp1(tmp_path_factory):
     d = write_tiny_checkpoint(tmp_path_factory.mktemp("tp8"), seed=5, num_attention_heads=8,
                               moe_intermediate_size=256, shards=2)
     dr = write_tiny_drafter(tmp_path_factory.mktemp("tp8d"), d, layers=1, seed=6, heads=8, kv_heads=8)
-    kw = dict(drafter=dr, device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=96)
+    kw = {"drafter": dr, "device": "cpu", "dtype": torch.float32, "progress": False, "max_batch": 2, "max_model_len": 96}
     ids = torch.randint(0, 600, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts, sp = [ids[:7], ids[5:20]], SamplingParams(max_tokens=10, stop_token_ids=[])
     one = LLM(d, **kw)
