@@ -236,8 +236,9 @@ class Decoder:
         key = (spec, batch)
         if key not in self.policies:
             costs = spec.costs or (0.0, *([1.0] * len(spec.candidates)))
+            g = self.llm.graphs  # graphs: compiled policy, and the choice applies to the next step
             self.policies[key] = BudgetPolicy.create(spec.candidates, costs[0], costs[1:], self.llm.device,
-                                                     per_token=spec.cost_per_token, compiled=self.llm.graphs)
+                                                     per_token=spec.cost_per_token, rows=batch, compiled=g, lagged=g)
         return self.policies[key]
 
     def _measure_costs(self, spec, sp, graph, buckets, batch: int) -> tuple[list[float], list[float]]:

@@ -122,30 +122,47 @@ def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     assert llm.decoder.policies  # the policy was built and used
 
 
-def test_increments_learn_their_slope():
-    """Accepted increments twice the drafter's mass: the fitted increments of the verified candidates land
-    near 2 f (much nearer than the raw marginals), and the never-verified candidate keeps its prior."""
-    pol = BudgetPolicy.create((3, 7, 15), 0.0, (1.0, 1.0, 1.0), "cpu")
+def feed_twice_the_mass(pol: BudgetPolicy, steps: int = 300) -> torch.Tensor:
+    """Steps on random trees whose candidates 0 and 1 accept ~2x the drafter's mass of their nodes (the
+    sums only count path nodes per prefix: candidate 0's on nodes 1.., candidate 1's on nodes 4..).
+    Returns the increments f [steps * 2, 2] of those candidates."""
     gen = torch.Generator().manual_seed(0)
     fs = []
-    for i in range(300):
+    for i in range(steps):
         tree = build_ddtree(lp(10 + i, 0.5 + 5 * torch.rand((), generator=gen).item()), 15)
         f = pol._increments(tree)
-        fs.append(f)
+        fs.append(f[:, :2])
         y = (2 * f[:, :2] + torch.rand(2, 2, generator=gen) - 0.5).round().clamp(0, 3).long()  # E[y] ~ 2 f
-        # the sums only read how many path nodes fall in each prefix: candidate 0's count on nodes 1.., then
-        # candidate 1's on nodes 4..
         path = torch.full((2, 9), -1)
         path[:, 0] = 0
         for r in range(2):
             nodes = list(range(1, 1 + y[r, 0])) + list(range(4, 4 + y[r, 1]))
             path[r, 1 : 1 + len(nodes)] = torch.tensor(nodes, dtype=torch.long)
         pol.update(tree, torch.tensor(1), y.sum(1), torch.ones(2, dtype=torch.bool), path)
+    return torch.cat(fs)
+
+
+def test_increments_learn_their_slope():
+    """Accepted increments twice the drafter's mass: the fitted increments of the verified candidates land
+    near 2 f (much nearer than the raw marginals), and the never-verified candidate keeps its prior."""
+    pol = BudgetPolicy.create((3, 7, 15), 0.0, (1.0, 1.0, 1.0), "cpu")
+    f = feed_twice_the_mass(pol)
     a, b = pol.coefficients()
     assert abs(a[2]) < 1e-6 and abs(b[2] - 1) < 1e-6  # never verified: the raw marginals
-    f = torch.cat(fs)[:, :2]
-    fitted = (a[:2] + b[:2] * f - 2 * f).abs().mean()
-    assert fitted < 0.3 * f.abs().mean(), (a, b)
+    assert (a[:2] + b[:2] * f - 2 * f).abs().mean() < 0.3 * f.abs().mean(), (a, b)
+
+
+def test_lagged_fit_learns_that_the_previous_tree_says_little():
+    """Graphs choose the next step's bucket from this step's tree. With independent trees the lagged fit
+    finds (almost) no slope — it predicts the mean — while the same-step fit finds the true one."""
+    pol = BudgetPolicy.create((3, 7, 15), 0.0, (1.0, 1.0, 1.0), "cpu", rows=2, lagged=True)
+    f = feed_twice_the_mass(pol)
+    _, b_now = pol.coefficients()
+    a_lag, b_lag = pol.coefficients(lagged=True)
+    assert (b_now[:2] > 1.3).all() and (b_lag[:2].abs() < 0.5).all(), (b_now, b_lag)
+    assert ((a_lag[:2] + b_lag[:2] * f.mean(0)) - 2 * f.mean(0)).abs().max() < 0.3  # the mean increment
+    pol.reset()
+    assert (pol.prev_f < 0).all() and pol.lag_stats.abs().sum() == 0
 
 
 def test_only_verified_candidates_are_calibrated():

@@ -34,6 +34,12 @@ per-depth masses) predicts the per-step marginal gain well enough to win more th
 constant choice on held-out text (`bench_budget_replay`), so the calibration's job is mostly to find that
 constant choice fast, per cost profile and context length, and to follow the confidence where it moves.
 
+In CUDA graphs the choice is one step late: a graph cannot branch on its own draft, so this step's tree
+picks the next step's bucket. Predicting the next step's increments with this step's same-step fit would
+over-react to a tree that is not the one being verified, so a lagged policy fits a second regression,
+this step's increments on the previous step's masses, and chooses with that one (on the trained pair it
+learns that the previous tree says little, and settles on the best constant budget).
+
 The largest candidate is only observed when chosen. The first `warmup` steps and every
 `explore_every`-th step verify it, so an under-confident drafter cannot hide the value of a big tree.
 """
@@ -56,6 +62,8 @@ class BudgetPolicy:
     t_draft: float  # seconds per draft (drafter forward + tree build)
     t_verify: tuple[float, ...]  # seconds per verify+accept+commit, one per candidate
     stats: torch.Tensor  # [C, 5] float32: decayed sums (1, f, y, f^2, f y) of each candidate's increments
+    lag_stats: torch.Tensor  # [C, 5] the same with f from the previous step's tree (lagged choice)
+    prev_f: torch.Tensor  # [B, C] the previous step's increments, per row
     cost: torch.Tensor  # [C] seconds per step of each candidate at context 0, on the device
     slope: torch.Tensor  # [C] seconds per context token (mean over the live rows) of each candidate
     index: torch.Tensor  # [C] int64: node index (budget - 1) closing each candidate prefix
@@ -70,9 +78,11 @@ class BudgetPolicy:
     # In a captured step the ~80 tiny kernels of choose + update cost ~7 % of a small model's step
     # (measured, 2026-11-30-bench_budget-h200.md); compiled they fuse into a handful.
     compiled: bool = False
+    lagged: bool = False  # the choice applies to the next step (graphs), not to the tree it was made on
 
     @classmethod
-    def create(cls, candidates, t_draft: float, t_verify, device, per_token=None, **kw) -> BudgetPolicy:
+    def create(cls, candidates, t_draft: float, t_verify, device, per_token=None, rows: int = 1,
+               **kw) -> BudgetPolicy:
         cands = tuple(int(c) for c in candidates)
         if not cands or list(cands) != sorted(set(cands)) or cands[0] < 1:
             raise ValueError(f"budget candidates {candidates!r}: expected ascending distinct budgets >= 1")
@@ -83,6 +93,7 @@ class BudgetPolicy:
             raise ValueError(f"per-token costs {per_token!r} must be >= 0, one per candidate {cands}")
         t_verify = tuple(float(t) for t in t_verify)
         return cls(cands, float(t_draft), t_verify, torch.zeros(len(cands), 5, device=device),
+                   torch.zeros(len(cands), 5, device=device), torch.full((rows, len(cands)), -1.0, device=device),
                    torch.tensor([t_draft + t for t in t_verify], device=device),
                    torch.tensor(per_token, device=device),
                    torch.tensor([c - 1 for c in cands], device=device),
@@ -93,6 +104,8 @@ class BudgetPolicy:
     def reset(self) -> None:
         """Forget calibration and rate (in place: captured graphs keep reading the same tensors)."""
         self.stats.zero_()
+        self.lag_stats.zero_()
+        self.prev_f.fill_(-1.0)  # < 0: no previous step yet
         self.tokens.zero_()
         self.seconds.zero_()
         self.steps.zero_()
@@ -120,16 +133,18 @@ class BudgetPolicy:
         total = q.cumsum(dim=1)[:, self.index]
         return torch.cat([total[:, :1], total.diff(dim=1)], dim=1)
 
-    def coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([C], [C]) ridge fit a + b f of each candidate's accepted increment, prior a = 0, b = 1."""
-        w, sf, sy, sff, sfy = self.stats.unbind(1)
+    def coefficients(self, lagged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """([C], [C]) ridge fit a + b f of each candidate's accepted increment, prior a = 0, b = 1; `lagged`:
+        of the next step's increment on this step's masses."""
+        w, sf, sy, sff, sfy = (self.lag_stats if lagged else self.stats).unbind(1)
         a11, a22, b2 = w + PRIOR, sff + PRIOR, sfy + PRIOR
         det = a11 * a22 - sf * sf
         return (a22 * sy - sf * b2) / det, (a11 * b2 - sf * sy) / det
 
-    def expected(self, tree: DraftTree) -> torch.Tensor:
-        """[B, C] calibrated E[accepted drafts] of each candidate prefix of the tree (nondecreasing)."""
-        a, b = self.coefficients()
+    def expected(self, tree: DraftTree, lagged: bool = False) -> torch.Tensor:
+        """[B, C] calibrated E[accepted drafts] of each candidate prefix of the tree (`lagged`: of the next
+        step's tree), nondecreasing."""
+        a, b = self.coefficients(lagged)
         return (a + b * self._increments(tree)).clamp_min(0).cumsum(dim=1)
 
     def choose(self, tree: DraftTree, alive: torch.Tensor | None = None,
@@ -147,7 +162,7 @@ class BudgetPolicy:
 
     def _choose(self, tree: DraftTree, alive: torch.Tensor | None, length: torch.Tensor | None) -> torch.Tensor:
         cost = self.step_cost(alive, length)
-        gain = 1 + self.expected(tree)
+        gain = 1 + self.expected(tree, self.lagged)
         if alive is not None:
             gain = gain * alive[:, None]
         gain = gain.sum(dim=0)
@@ -168,13 +183,22 @@ class BudgetPolicy:
         live = alive.float()[:, None]
         seen = (torch.arange(len(self.candidates), device=f.device) <= choice).float()  # [C]
         w = live * seen
-        obs = torch.stack([w, w * f, w * y, w * f * f, w * f * y], dim=2).sum(0)  # [C, 5]
-        self.stats.mul_(1 - self.decay * seen[:, None]).add_(obs)
+        keep = 1 - self.decay * seen[:, None]
+        self.stats.mul_(keep).add_(_sums(w, f, y))
+        if self.lagged:
+            w = w * (self.prev_f[:, :1] >= 0)
+            self.lag_stats.mul_(keep).add_(_sums(w, self.prev_f, y))
+            self.prev_f.copy_(f)
         self.tokens.mul_(1 - self.rate_decay).add_(((accepted + 1).float() * live[:, 0]).sum())
         # gather, not cost[choice]: a 0-d index tensor is read back to the host, which a graph cannot capture
         cost = self.step_cost(alive, length)
         self.seconds.mul_(1 - self.rate_decay).add_(cost.gather(0, choice.reshape(1)).squeeze(0))
         self.steps.add_(1)
+
+
+def _sums(w: torch.Tensor, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[C, 5] weighted sums (1, f, y, f^2, f y) over the rows."""
+    return torch.stack([w, w * f, w * y, w * f * f, w * f * y], dim=2).sum(0)
 
 
 @functools.cache
