@@ -74,7 +74,7 @@ def run_bench(a: argparse.Namespace) -> str:
         from .train import corpus
 
         ids = Tokenizer.from_dir(model_dir).encode(corpus.text("eval"))
-        prompts = [ids[s : s + 32] for s in torch.randint(0, len(ids) - 32, (a.batch,), generator=g).tolist()]
+        prompts = corpus.windows(ids, a.batch, 32, g)
     sp = SamplingParams(max_tokens=a.max_tokens, stop_token_ids=[])
     rows = []
     kw = dict(device=dev, progress=False, max_batch=max(a.batch, 1), drafter=a.drafter, compile=a.compile)

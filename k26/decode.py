@@ -249,9 +249,8 @@ class Decoder:
         far = llm.max_model_len - spec.candidates[-1] - llm.drafter.cfg.block_size - 1
         ats = (near, far) if far - near >= 256 else (max(0, min(near, far)),)
         pairs = list(zip(buckets or [None] * len(spec.candidates), spec.candidates))
-        # each timed twice, the best kept: the first timing also ramps the clocks up
-        t = torch.tensor([[min(self._measure(spec, sp, graph, b, c, batch, at) for _ in range(2)) for b, c in pairs]
-                          for at in ats], device=llm.device)
+        t = torch.tensor([[self._measure(spec, sp, graph, b, c, batch, at) for b, c in pairs] for at in ats],
+                         device=llm.device)
         if llm.tp_size > 1:  # every rank must pick the same budget: agree on the slowest timings
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         slope = ((t[-1] - t[0]) / (ats[-1] - ats[0])).clamp_min(0) if len(ats) > 1 else torch.zeros_like(t[0])
@@ -265,7 +264,9 @@ class Decoder:
             state.start.fill_(at), state.alive.fill_(True)
             graph.replay(bucket)
             best = float("inf")
-            for _ in range(3):  # best of three: one timing sample was too noisy to rank buckets 3 % apart
+            # best of three after a warm replay: one sample was too noisy to rank buckets 3 % apart, and the first
+            # timings also ramp the clocks up
+            for _ in range(3):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(3):

@@ -48,8 +48,7 @@ def main() -> None:
     a = ap.parse_args()
     llm = LLM(device="cuda", graphs=True, compile=a.compile, progress=False, max_batch=1, max_model_len=512)
     ids = llm.tokenizer.encode(corpus.text("eval"))
-    g = torch.Generator().manual_seed(3)
-    prompts = [ids[s : s + 48] for s in torch.randint(0, len(ids) - 64, (a.prompts,), generator=g).tolist()]
+    prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(3), room=16)
     specs = {str(b): SpecConfig("ddtree", b) for b in CANDIDATES} | {"auto": SpecConfig("ddtree", "auto")}
     lines = [f"# bench_budget — {datetime.date.today()} (measured: GPU wall-clock, CUDA graphs, batch 1)", "",
              f"- device: {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}; "

@@ -28,8 +28,8 @@ from k26 import LLM, SamplingParams, SpecConfig
 from k26.spec.budget import BudgetPolicy
 from k26.train import corpus
 
-PROFILES = {"K2.6 compiled, 4K": {8: 17.22, 15: 18.29, 31: 22.10},
-            "K2.6 eager, 32K": {8: 30.72, 15: 34.93, 31: 43.05}}
+from bench_budget_sim import PROFILES  # the measured K2.6-rank step costs, one table
+
 CANDS = (8, 15, 31)
 
 
@@ -107,8 +107,7 @@ def main() -> None:
     a = ap.parse_args()
     llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512)
     ids = llm.tokenizer.encode(corpus.text("eval"))
-    g = torch.Generator().manual_seed(7)
-    prompts = [ids[s : s + 48] for s in torch.randint(0, len(ids) - 64, (a.prompts,), generator=g).tolist()]
+    prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(7), room=16)
     lines = [f"# bench_budget_replay — {datetime.date.today()} (SIMULATION: recorded steps, modelled time)", "",
              f"- steps: the embedded trained pair at budget {CANDS[-1]} on {a.prompts} held-out prompts, {a.tokens} "
              "new tokens, batch 1, CPU fp32 [measured]; costs: the K2.6 profiles of bench_budget_sim [charged]",

@@ -63,8 +63,7 @@ def main() -> None:
     a = ap.parse_args()
     llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512)
     ids = llm.tokenizer.encode(corpus.text("eval"))
-    g = torch.Generator().manual_seed(1)
-    prompts = [ids[s : s + 48] for s in torch.randint(0, len(ids) - 64, (a.prompts,), generator=g).tolist()]
+    prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(1), room=16)
     lines = [f"# bench_budget_sim — {datetime.date.today()} (SIMULATION: real acceptance, modelled time)", "",
              f"- acceptance: the embedded trained pair on {a.prompts} held-out prompts, {a.tokens} new tokens, "
              "batch 1, CPU fp32 [measured]",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 MODULES = (
     "argparse ast base64 bdb bisect bz2 calendar cmd code codecs codeop colorsys compileall configparser "
     "contextlib copy csv dataclasses datetime difflib dis doctest enum filecmp fileinput fnmatch fractions "
@@ -49,3 +51,9 @@ def _is_test(p: Path) -> bool:
 
 def text(split: str) -> str:
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files(split))
+
+
+def windows(ids: list[int], n: int, length: int, gen: torch.Generator, room: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` token ids at random offsets (from `gen`), each followed by at least `room`
+    more ids of the text: held-out prompts for the benches."""
+    return [ids[s : s + length] for s in torch.randint(0, len(ids) - length - room, (n,), generator=gen).tolist()]
