@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from .int4 import unpack_int4
 from .reference import moe_combine
 
 # Lane (g, t), word j, pair i, half h -> row in tile and k in chunk (csrc/moe_w4a16.cu header).
@@ -28,8 +27,14 @@ def w13_row_order(inter: int) -> torch.Tensor:
     return torch.where(r < 8, 8 * rt + r, inter + 8 * rt + r - 8).flatten()
 
 
-def _to_i32(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+def _scale_pairs(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Tile rows g and g+8 of the scales, [E, RT, 8, K/32] each -> [E, RT, K/64, 32, 2] bf16 pairs."""
+    E, RT, _, K32 = lo.shape
+
+    def lanes(s):  # [E, RT, 8, KC, 2 groups] -> [E, RT, KC, g, t]: lane t reads group t // 2
+        return s.unflatten(3, (K32 // 2, 2)).permute(0, 1, 3, 2, 4).repeat_interleave(2, dim=-1)
+
+    return torch.stack([lanes(lo), lanes(hi)], dim=-1).reshape(E, RT, K32 // 2, 32, 2).to(torch.bfloat16)
 
 
 def repack_scales(scale: torch.Tensor, row_order: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,10 +42,38 @@ def repack_scales(scale: torch.Tensor, row_order: torch.Tensor | None = None) ->
     E, R, K32 = scale.shape
     if row_order is not None:
         scale = scale[:, row_order.to(scale.device)]
-    sg = scale.view(E, R // 16, 16, K32 // 2, 2).permute(0, 1, 3, 2, 4)  # [E, RT, KC, 16 rows, 2 groups]
-    grp = torch.arange(4, device=scale.device) // 2
-    lo, hi = sg[:, :, :, :8][..., grp], sg[:, :, :, 8:][..., grp]  # [E, RT, KC, g, t]
-    return torch.stack([lo, hi], dim=-1).reshape(E, R // 16, K32 // 2, 32, 2).to(torch.bfloat16).contiguous()
+    sg = scale.view(E, R // 16, 2, 8, K32)
+    return _scale_pairs(sg[:, :, 0], sg[:, :, 1])
+
+
+# int32 elements of one expert chunk in `_repack_words`: bounds the temporaries (a few times this, int32).
+_CHUNK_ELEMS = 1 << 24
+
+
+def _repack_words(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Tile rows g and g+8 of the packed words, int32 [E, RT, 8, K/8] each -> [E, RT, K/64, 32, 4] int32.
+
+    The repack only moves nibbles (the uint4b8 codes are kept as stored), so it works on the int32 words:
+    word (g, t, j) of a chunk takes the 16-bit half j % 2 of source word 2t + j // 2 of rows g and g+8,
+    nibbles 0..3 of row g going to nibbles 0, 4, 2, 6 and those of row g+8 to 1, 5, 3, 7 (pair i, half h
+    at nibble i + 4h; csrc/moe_w4a16.cu). A few elementwise ops per expert chunk, on the weights' device.
+    """
+    E, RT, _, K8 = lo.shape
+    KC = K8 // 8
+    out = torch.empty(E, RT, KC, 8, 4, 4, dtype=torch.int32, device=lo.device)  # [.., g, t, j]
+    step = max(1, _CHUNK_ELEMS // max(1, RT * 8 * K8))
+
+    def spread(rows: torch.Tensor, half: int) -> torch.Tensor:  # nibbles 0..3 of a half -> 0, 16, 8, 24
+        x = rows.unflatten(-1, (KC, 4, 2))  # [e, RT, g, KC, t, j // 2]
+        x = x >> 16 if half else x
+        return (x & 0x0F0F) | ((x & 0xF0F0) << 12)
+
+    for e0 in range(0, E, step):
+        sl = slice(e0, min(E, e0 + step))
+        for half in range(2):
+            w = spread(lo[sl], half) | (spread(hi[sl], half) << 4)  # int32 wraps the top nibble into the sign
+            out[sl, ..., half::2] = w.permute(0, 1, 3, 2, 4, 5)
+    return out.view(E, RT, KC, 32, 4)
 
 
 def repack(packed: torch.Tensor, scale: torch.Tensor, row_order: torch.Tensor | None = None):
@@ -49,17 +82,12 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, row_order: torch.Tensor | 
     K = K8 * 8
     if R % 16 or K % 64:
         raise ValueError(f"repack: rows {R} must be a multiple of 16 and K {K} of 64")
-    dev = packed.device
-    words = []
-    for e in range(E):  # one expert at a time keeps the int64 temporaries small
-        u = unpack_int4(packed[e]).to(torch.int64) + 8
-        if row_order is not None:
-            u = u[row_order.to(dev)]
-        tiles = u.view(R // 16, 16, K // 64, 64).permute(0, 2, 1, 3)  # [RT, KC, 16, 64]
-        sel = tiles[..., _ROW.to(dev), _K.to(dev)]  # [RT, KC, 8, 4, 4, 4, 2]
-        w = (sel << _SHIFT.to(dev)).sum((-1, -2))  # [RT, KC, g, t, j]
-        words.append(_to_i32(w).reshape(R // 16, K // 64, 32, 4))
-    return torch.stack(words), repack_scales(scale, row_order)
+    if packed.dtype != torch.int32:
+        raise TypeError(f"repack: expected int32 words, got {packed.dtype}")
+    if row_order is not None:
+        packed = packed[:, row_order.to(packed.device)]
+    pw = packed.view(E, R // 16, 2, 8, K8)
+    return _repack_words(pw[:, :, 0], pw[:, :, 1]), repack_scales(scale, row_order)
 
 
 def unrepack(words: torch.Tensor, pairs: torch.Tensor, row_order: torch.Tensor | None = None):
@@ -80,8 +108,16 @@ def unrepack(words: torch.Tensor, pairs: torch.Tensor, row_order: torch.Tensor |
 
 
 def repack_experts(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale):
-    inter = gate_packed.shape[1]
-    w13, s13 = repack(torch.cat([gate_packed, up_packed], 1), torch.cat([gate_scale, up_scale], 1), w13_row_order(inter))
+    """The layer's experts in the kernel layout; w13 tiles hold 8 gate rows then the same 8 up rows
+    (`w13_row_order`), read straight from gate and up without concatenating them."""
+    E, inter, K8 = gate_packed.shape
+    if inter % 8:
+        raise ValueError(f"repack_experts: intermediate size {inter} must be a multiple of 8")
+    if K8 % 8:
+        raise ValueError(f"repack_experts: hidden size {K8 * 8} must be a multiple of 64")
+    w13 = _repack_words(gate_packed.view(E, inter // 8, 8, K8), up_packed.view(E, inter // 8, 8, K8))
+    K32 = gate_scale.shape[-1]
+    s13 = _scale_pairs(gate_scale.reshape(E, inter // 8, 8, K32), up_scale.reshape(E, inter // 8, 8, K32))
     w2, s2 = repack(down_packed, down_scale)
     return w13, s13, w2, s2
 
