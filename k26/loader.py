@@ -122,17 +122,28 @@ class _Item:
     dim: int | None
 
 
-def plan_load(model: KimiK2, infos: dict[str, TensorInfo], tp: TPInfo, path: Path) -> list[_Item]:
-    """Match every parameter to checkpoint tensors and check names, shapes and dtypes; raise on any problem."""
+def target_rule(pname: str) -> tuple[str, int | None, bool]:
+    """A `KimiK2` parameter -> (HF name, `{e}` for the expert, its TP dim in HF coordinates, stacked)."""
+    for rx, hf, dim, stacked in _COMPILED:
+        if m := rx.match(pname):
+            return m.expand(hf), dim, stacked
+    raise AssertionError(f"model parameter {pname} has no entry in the loader's NAME_TABLE")
+
+
+def drafter_rule(pname: str) -> tuple[str, int | None, bool]:
+    """A drafter's tensors are named as its modules (the `model.` prefix is stripped when read)."""
+    return pname, drafter_shard_dim(pname), False
+
+
+def plan_load(model: torch.nn.Module, infos: dict[str, TensorInfo], tp: TPInfo, path: Path,
+              rule=target_rule) -> list[_Item]:
+    """Match every parameter to checkpoint tensors and check names, shapes and dtypes; raise on any problem.
+    The one validation path of target and drafter: `rule` maps a parameter to its checkpoint name(s)."""
     items: list[_Item] = []
     problems: list[str] = []
     used: set[str] = set()
     for pname, p in model.named_parameters():
-        rule = next(((m, hf, d, s) for rx, hf, d, s in _COMPILED if (m := rx.match(pname))), None)
-        if rule is None:
-            raise AssertionError(f"model parameter {pname} has no entry in the loader's NAME_TABLE")
-        m, hf_tpl, dim, stacked = rule
-        hf_base = m.expand(hf_tpl)
+        hf_base, dim, stacked = rule(pname)
         local = tuple(p.shape[1:] if stacked else p.shape)
         full = list(local)
         if dim is not None and tp.size > 1:
@@ -141,7 +152,7 @@ def plan_load(model: KimiK2, infos: dict[str, TensorInfo], tp: TPInfo, path: Pat
             hf = hf_base.format(e=e) if stacked else hf_base
             info = infos.get(hf)
             if info is None:
-                problems.append(f"missing tensor {hf} (for {pname})")
+                problems.append(f"missing tensor {hf}" + (f" (for {pname})" if hf != pname else ""))
                 continue
             used.add(hf)
             if info.shape != tuple(full):
@@ -156,6 +167,32 @@ def plan_load(model: KimiK2, infos: dict[str, TensorInfo], tp: TPInfo, path: Pat
     if problems:
         raise CheckpointError(path, problems)
     return items
+
+
+def fill(model: torch.nn.Module, items: list[_Item], infos: dict[str, TensorInfo], tp: TPInfo,
+         bar: tqdm | None = None) -> None:
+    """Copy each planned tensor (this rank's slice of it) into the model, one file open at a time: the one
+    TP-slicing path of target and drafter."""
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[_Item]] = {}
+    for it in items:
+        by_file.setdefault(infos[it.hf].file, []).append(it)
+    for f, file_items in sorted(by_file.items()):
+        with safe_open(str(f), framework="pt") as h:
+            for it in file_items:
+                info = infos[it.hf]
+                sl = h.get_slice(info.key)
+                if it.dim is None:
+                    t = sl[:]
+                else:
+                    n = info.shape[it.dim] // tp.size
+                    idx = [slice(None)] * len(info.shape)
+                    idx[it.dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+                    t = sl[tuple(idx)]
+                dst = params[it.param] if it.expert is None else params[it.param][it.expert]
+                dst.copy_(t.to(dst.dtype))
+                if bar is not None:
+                    bar.update()
 
 
 def _check_weight_shape(infos: dict[str, TensorInfo], packed: str, full_packed: list[int], used: set[str]) -> list[str]:
@@ -190,25 +227,8 @@ def load_model(
     items = plan_load(model, infos, tp, path)
 
     model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    by_file: dict[Path, list[_Item]] = {}
-    for it in items:
-        by_file.setdefault(infos[it.hf].file, []).append(it)
     bar = tqdm(total=len(items), desc=f"loading {path.name}", unit="tensor", disable=not progress)
-    for f, file_items in sorted(by_file.items()):
-        with safe_open(str(f), framework="pt") as h:
-            for it in file_items:
-                sl = h.get_slice(infos[it.hf].key)
-                if it.dim is None:
-                    t = sl[:]
-                else:
-                    n = infos[it.hf].shape[it.dim] // tp.size
-                    idx = [slice(None)] * len(infos[it.hf].shape)
-                    idx[it.dim] = slice(tp.rank * n, (tp.rank + 1) * n)
-                    t = sl[tuple(idx)]
-                dst = params[it.param] if it.expert is None else params[it.param][it.expert]
-                dst.copy_(t.to(dst.dtype))
-                bar.update()
+    fill(model, items, infos, tp, bar)
     bar.close()
     model.rope.reset_buffers()
     if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
@@ -258,34 +278,8 @@ def load_drafter(
     with torch.device("meta"):
         model = DFlashDrafter(cfg, dtype, tp).requires_grad_(False)
     infos = {k.removeprefix("model."): v for k, v in read_index(path).items()}
-    params = dict(model.named_parameters())
-    problems = [f"missing tensor {n}" for n in params if n not in infos]
-    problems += [f"unexpected tensor {infos[n].key}" for n in infos if n not in params]
-    for n, p in params.items():
-        if n not in infos:
-            continue
-        full = list(p.shape)
-        if (d := drafter_shard_dim(n)) is not None:
-            full[d] *= tp.size
-        if list(infos[n].shape) != full:
-            problems.append(f"tensor {n} has shape {list(infos[n].shape)}, expected {full}")
-        if infos[n].dtype not in _FLOAT:
-            problems.append(f"tensor {n} has dtype {infos[n].dtype}, expected one of {sorted(_FLOAT)}")
-    if problems:
-        raise CheckpointError(path, problems)
+    items = plan_load(model, infos, tp, path, rule=drafter_rule)
     model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    for n, p in params.items():
-        with safe_open(str(infos[n].file), framework="pt") as h:
-            sl = h.get_slice(infos[n].key)
-            d = drafter_shard_dim(n)
-            if d is None or tp.size == 1:
-                t = sl[:]
-            else:
-                k = p.shape[d]
-                idx = [slice(None)] * 2
-                idx[d] = slice(tp.rank * k, (tp.rank + 1) * k)
-                t = sl[tuple(idx)]
-            p.copy_(t.to(p.dtype))
+    fill(model, items, infos, tp)
     model.rope.reset_buffers()
     return model.eval()
