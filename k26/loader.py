@@ -56,6 +56,9 @@ class CheckpointError(ValueError):
 
     def __init__(self, path: Path, problems: list[str]):
         self.problems = problems
+        if len(problems) == 1:  # one cause: one line
+            super().__init__(f"checkpoint {path} cannot be loaded: {problems[0]}")
+            return
         shown = "\n  ".join(problems[:40])
         more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
         super().__init__(f"checkpoint {path} cannot be loaded ({len(problems)} problems):\n  {shown}{more}")
@@ -85,6 +88,7 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(path, ["no *.safetensors files and no model.safetensors.index.json"])
     problems: list[str] = []
     infos: dict[str, TensorInfo] = {}
+    unreadable: set[str] = set()  # its tensors are reported once, in the shard's own line
     for fname in files:
         f = path / fname
         if not f.is_file():
@@ -101,10 +105,15 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
                         problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
                     infos[name] = TensorInfo(f, key, tuple(sl.get_shape()), sl.get_dtype())
         except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged header
-            problems.append(f"shard {fname} is corrupt or not a safetensors file: {e}")
+            unreadable.add(fname)
+            listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0
+            held = f" (it holds {listed} tensors of the index; truncated or still downloading?)" if listed else ""
+            problems.append(f"shard {fname} is corrupt or not a safetensors file{held}: {e}")
     if weight_map is not None:
         for key, fname in weight_map.items():
             name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+            if fname in unreadable:
+                continue
             if not _SKIP.search(name) and name not in infos and (path / fname).is_file():
                 problems.append(f"tensor {key} is listed in the index under {fname} but is not in that file")
     if problems:
