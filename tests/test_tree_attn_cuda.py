@@ -16,9 +16,10 @@ def random_ancestors(B, N, gen):
 
 def case(B, N, H, lens, seed, causal=False):
     gen = torch.Generator().manual_seed(seed)
+    dgen = torch.Generator(device="cuda").manual_seed(seed)  # long caches: drawn on the device
     max_len = max(lens) + N + 3
-    cache = torch.randn(B + 1, max_len, 576, generator=gen).to(torch.bfloat16).cuda()
-    q = (torch.randn(B, N, H, 576, generator=gen) * 0.5).to(torch.bfloat16).cuda()
+    cache = torch.randn(B + 1, max_len, 576, generator=dgen, device="cuda").to(torch.bfloat16)
+    q = (torch.randn(B, N, H, 576, generator=dgen, device="cuda") * 0.5).to(torch.bfloat16)
     rows = torch.randperm(B + 1, generator=gen)[:B].cuda()
     prefix = torch.tensor(lens).cuda()
     anc = torch.ones(B, N, N, dtype=torch.bool).tril() if causal else random_ancestors(B, N, gen)
@@ -37,8 +38,56 @@ def compare(args, scale=0.1446796):
     out, lse = torch.ops.k26.mla_tree_attention(*args, scale, 512)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err = ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
-    lerr = ((lse - ref_l).abs() / ref_l.abs().clamp_min(1)).max().item()
-    assert err < 1e-2 and lerr < 1e-3, (err, lerr)
+    lerr = (lse - ref_l).abs().max().item()
+    assert err <= 3e-3 and lerr <= 1e-3, (err, lerr)
+
+
+# The grid of the attention-v2 issue: fresh random trees and lengths; the reference's fp32 scores must fit.
+GRID = [
+    (N, L, H)
+    for H in (8, 16, 64)
+    for N in (1, 2, 7, 16, 63, 64, 65, 200, 256)
+    for L in (0, 1, 63, 64, 65, 4095, 20011, 131071)
+    if N * H * (L + N) <= 3 * 2**28
+]
+
+
+@pytest.mark.parametrize("N, L, H", GRID)
+def test_matches_reference_on_the_issue_grid(N, L, H):
+    compare(case(1, N, H, [L], seed=1000 * N + 7 * H + L))
+
+
+@pytest.mark.parametrize("B, N, H", [(2, 1, 8), (4, 7, 8), (4, 16, 16), (3, 65, 8), (2, 200, 8)])
+def test_batches_with_mixed_lengths_match_reference(B, N, H):
+    gen = torch.Generator().manual_seed(B * N * H)
+    lens = [int(x) for x in torch.randint(0, 9000, (B,), generator=gen)]
+    lens[0] = 0
+    compare(case(B, N, H, lens, seed=B + N + H))
+
+
+def test_results_are_bitwise_deterministic():
+    args = case(1, 16, 8, [50000], seed=21)
+    a = torch.ops.k26.mla_tree_attention(*args, 0.1, 512)
+    b = torch.ops.k26.mla_tree_attention(*args, 0.1, 512)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_many_graph_replays_with_changing_lengths_stay_exact():
+    """The merge counters live in a reused workspace and are reset by the kernel: every replay is checked."""
+    q, cache, rows, prefix, words = case(2, 4, 8, [30000, 20000], seed=22)
+    torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)
+    gen = torch.Generator().manual_seed(23)
+    for _ in range(50):
+        prefix.copy_(torch.randint(0, cache.shape[1] - 4, (2,), generator=gen))
+        q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        g.replay()
+        ref_o, ref_l = reference.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)
+        assert ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item() <= 3e-3
+        assert (lse - ref_l).abs().max().item() <= 1e-3
 
 
 @pytest.mark.parametrize("N", [1, 2, 7, 8, 16, 64, 128, 256])
@@ -82,7 +131,8 @@ def test_graph_replay_follows_new_lengths():
     q.copy_(torch.randn_like(q, dtype=torch.float32).to(torch.bfloat16))
     g.replay()
     ref_o, ref_l = reference.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512)
-    assert ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item() < 1e-2
+    assert ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item() <= 3e-3
+    assert (lse - ref_l).abs().max().item() <= 1e-3
 
 
 def test_refuses_overflowing_prefix():

@@ -16,14 +16,59 @@ from . import reference
 
 DQK, DV = 576, 512
 MAX_NEW_TOKENS = 256  # 4 ancestor words per row: the largest verify bucket the kernel is built for
-BLOCK_ROWS = 32
+# Keys per split at least: below this a split's fixed cost (Q load, pipeline fill, partial write and its
+# share of the merge) outweighs the bandwidth another SM adds. Tuned on an H200 (profiling/bench_tree_attn.py).
+MIN_SPLIT_KEYS = 64
 
 
-def num_splits(batch: int, rows: int, device: torch.device) -> int:
-    """Prefix splits so batch 1 fills the GPU: about two blocks per SM; fixed by shapes, so per bucket."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = math.ceil(rows / BLOCK_ROWS) * batch
-    return max(1, min(256, math.ceil(2 * sms / tiles)))
+class _Plans:
+    """Per (device, B, N, H) launch plan, computed once: the split count from the kernel's occupancy and
+    the SM count, and the workspace whose counter region the kernel keeps zero between calls."""
+
+    def __init__(self) -> None:
+        self._splits: dict[tuple, int] = {}
+        self._workspaces: dict[tuple, torch.Tensor] = {}
+
+    def splits(self, lib, device: torch.device, B: int, N: int, H: int) -> int:
+        key = (device, B, N, H)
+        if key not in self._splits:
+            per_sm = lib.k26_mla_tree_attn_blocks_per_sm(N, H)
+            if per_sm <= 0:
+                raise RuntimeError(f"mla_tree_attention: occupancy query failed with CUDA error {-per_sm}")
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            row_tiles = math.ceil(N * H / lib.k26_mla_tree_attn_tile_rows(N, H))
+            self._splits[key] = max(1, min(1024, math.ceil(per_sm * sms / (B * row_tiles))))
+        return self._splits[key]
+
+    def workspace(self, lib, device: torch.device, B: int, N: int, H: int, S: int) -> torch.Tensor:
+        key = (device, B, N, H, S)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = torch.empty(lib.k26_mla_tree_attn_workspace(B, N, H, S), dtype=torch.uint8, device=device)
+            ws[: lib.k26_mla_tree_attn_counter_bytes(B, N, H, S)].zero_()
+            if torch.cuda.is_current_stream_capturing():
+                return ws  # owned by the graph's pool (its zeroing is captured too): never cached
+            self._workspaces[key] = ws
+        return ws
+
+
+PLANS = _Plans()
+
+
+def _bind(lib) -> None:
+    """ctypes signatures of the kernel's entry points (set once per loaded library)."""
+    if getattr(lib, "_k26_attn_bound", False):
+        return
+    for name in ("k26_mla_tree_attn_workspace", "k26_mla_tree_attn_counter_bytes"):
+        getattr(lib, name).restype = ctypes.c_size_t
+        getattr(lib, name).argtypes = [ctypes.c_int] * 4
+    lib.k26_mla_tree_attn_tile_rows.restype = ctypes.c_int
+    lib.k26_mla_tree_attn_tile_rows.argtypes = [ctypes.c_int] * 2
+    lib.k26_mla_tree_attn_blocks_per_sm.restype = ctypes.c_int
+    lib.k26_mla_tree_attn_blocks_per_sm.argtypes = [ctypes.c_int] * 2
+    lib.k26_mla_tree_attn.restype = ctypes.c_int
+    lib.k26_mla_tree_attn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
+    lib._k26_attn_bound = True
 
 
 def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
@@ -32,7 +77,7 @@ def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
             raise ValueError(f"mla_tree_attention: {msg}")
 
     need(q.dim() == 4, f"q must be [B, N, H, C], got {list(q.shape)}")
-    B, N, H, C = q.shape
+    B, N, _, C = q.shape
     need(cache.dim() == 3 and cache.shape[2] == C, f"cache must be [rows, max_len, {C}], got {list(cache.shape)}")
     need(cache.dtype == q.dtype, f"cache dtype {cache.dtype} differs from q's {q.dtype}")
     need(0 < v_dim <= C, f"v_dim={v_dim} must lie in (0, {C}]")
@@ -55,23 +100,24 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
     if N > MAX_NEW_TOKENS:
         raise ValueError(f"mla_tree_attention: N={N} new tokens exceeds the kernel's maximum {MAX_NEW_TOKENS}")
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()
-    if not torch.cuda.is_current_stream_capturing():
-        # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
-        if bool((prefix64 + N > cache.shape[1]).any()) or bool(((rows64 < 0) | (rows64 >= cache.shape[0])).any()):
-            raise ValueError(
-                f"mla_tree_attention: prefix_lens + {N} exceeds the cache length {cache.shape[1]} or a row is "
-                f"outside [0, {cache.shape[0]})"
-            )
+    # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
+    capturing = torch.cuda.is_current_stream_capturing()
+    if not capturing and bool(((prefix64 + N > cache.shape[1]) | (rows64 < 0) | (rows64 >= cache.shape[0])).any()):
+        raise ValueError(
+            f"mla_tree_attention: prefix_lens + {N} exceeds the cache length {cache.shape[1]} or a row is "
+            f"outside [0, {cache.shape[0]})"
+        )
     qc, cc, words = q.contiguous(), cache.contiguous(), mask_words.contiguous()
     out = torch.empty(B, N, H, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, N, H, dtype=torch.float32, device=q.device)
     lib = library()
-    S = num_splits(B, N * H, q.device)
-    ws = torch.empty(lib.k26_mla_tree_attn_workspace(B, N, H, S), dtype=torch.uint8, device=q.device)
+    _bind(lib)
+    S = PLANS.splits(lib, q.device, B, N, H)
+    ws = PLANS.workspace(lib, q.device, B, N, H, S)
     err = lib.k26_mla_tree_attn(
         qc.data_ptr(), cc.data_ptr(), rows64.data_ptr(), prefix64.data_ptr(), words.data_ptr(), out.data_ptr(),
-        lse.data_ptr(), ws.data_ptr(), B, N, H, words.shape[2], cache.shape[1], S, ctypes.c_float(scale),
-        torch.cuda.current_stream(q.device).cuda_stream,
+        lse.data_ptr(), ws.data_ptr(), B, N, H, words.shape[2], cache.shape[1], S, MIN_SPLIT_KEYS,
+        ctypes.c_float(scale), torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:
         raise RuntimeError(f"mla_tree_attention: CUDA launch failed with error {err}")

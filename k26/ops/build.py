@@ -122,14 +122,10 @@ def library() -> ctypes.CDLL:
         _LIB.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 6
         _LIB.k26_moe_w4a16.restype = ctypes.c_int
         _LIB.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
-        _LIB.k26_mla_tree_attn_workspace.restype = ctypes.c_size_t
-        _LIB.k26_mla_tree_attn_workspace.argtypes = [ctypes.c_int] * 4
         _LIB.k26_ddtree_scratch.restype = ctypes.c_size_t
         _LIB.k26_ddtree_scratch.argtypes = [ctypes.c_int] * 3
         _LIB.k26_ddtree_build.restype = ctypes.c_int
         _LIB.k26_ddtree_build.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 8
-        _LIB.k26_mla_tree_attn.restype = ctypes.c_int
-        _LIB.k26_mla_tree_attn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
     return _LIB
 
 

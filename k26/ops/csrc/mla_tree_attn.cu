@@ -1,22 +1,31 @@
-// MLA tree attention over the latent KV cache (absorbed MLA: one shared 576-wide key per token, values
+// MLA tree attention v2 over the latent KV cache (absorbed MLA: one shared 576-wide key per token, values
 // its first 512 dims) for DDTree verification, decode (N = 1) and DFlash chains (causal trees).
 //
 //   out[b, n, h] = softmax_j(scale * q[b, n, h] . K[b, j]) V[b, j],   lse[b, n, h] = log sum_j exp(...)
 //   keys j: the prefix cache[rows[b], 0 .. L_b) (all visible) then the N new rows cache[rows[b], L_b + i]
 //   (visible when bit i of the ancestor mask words[b, n] is set).
 //
-// Design: the N*H query rows of a sequence are tiled 32 at a time; grid = (row tiles, S + 1 splits, B),
-// row tiles of a split adjacent so a KV tile fetched from HBM is re-read from L2 by the other row tiles.
-// Splits 0..S-1 cover the prefix with no mask (the active split count adapts on the device to L_b, at
-// least 128 keys each); split S is the tree block with the bitmask. Each split keeps an online softmax
-// and writes its normalised partial output and log-sum-exp; a merge kernel combines them in fp32.
-// Per 16-key tile: cp.async double-buffered K tile, S = Q K^T by 8 warps (row tile x key tile x K-half,
-// halves summed in shared memory), softmax by one warp, O += P V with each warp owning 64 of the 512
-// output columns (V = the first 512 dims of the same K tile, read through ldmatrix.trans).
+// One launch per call. grid = (row tiles, S_max splits, B): a block owns BM = 16 or 32 query rows of one
+// sequence (the N*H rows, heads fastest) and one contiguous chunk of the sequence's L_b + N keys; the tree
+// block is simply the end of the last chunk, masked per key. The active split count adapts on the device
+// to the live length (at least `min_keys` keys a split), so one graph serves every context length.
+// Row tiles of a split are adjacent in the grid, so a KV tile fetched from HBM is re-read from L2.
 //
-// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async only; 80.8 KB dynamic shared memory per block:
+// Per block: Q lives in registers (warp w holds rows x dims [144 (w/2), +144) as mma A fragments); keys
+// stream through a 4-stage cp.async pipeline of 16-key tiles (3 tiles, 55 KB, in flight while one is
+// computed); per tile S = Q K^T is split over 8 warps (2 key n-tiles x 4 dim quarters, partial sums added
+// in shared memory), the online softmax runs on all 256 threads (a row's 16 keys across 16 / MT lanes,
+// reductions by shuffles), then O += P V with each warp owning 64 of the 512 output columns (V = the first
+// 512 dims of the same K tile, through ldmatrix.trans). Three barriers per tile, none for the softmax.
+//
+// Split-KV merge in the same launch: every split writes its normalised partial (o, lse) to the workspace;
+// the partials form a tree of fan-in 8 and the last block to finish a node (an atomic counter per node,
+// reset by that block, so graph replays need no memset) merges its children in fp32 — the last one at the
+// root writes `out` and `lse`. The merge order is fixed by the tree, so results are deterministic.
+//
+// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async only; <= 87 KB dynamic shared memory per block:
 // legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
-// Benchmark: profiling/bench_tree_attn.py, results in profiling/results/.
+// Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay), results in profiling/results/.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -28,14 +37,27 @@
 namespace {
 
 constexpr int DQK = 576, DV = 512;
-constexpr int BM = 32, BN = 16, THREADS = 256;
-constexpr int LDS = DQK + 8;  // padded row: 1168 B = 292 words, ldmatrix rows land on distinct banks
-constexpr int LDP = 24;       // P rows padded likewise
-constexpr int MIN_SPLIT_KEYS = 128;
+constexpr int BN = 16;            // keys per tile
+constexpr int NSTAGE = 4;         // cp.async stages of 18.7 KB: three tiles in flight during compute
+constexpr int THREADS = 256;      // 8 warps
+constexpr int LDS = DQK + 8;      // padded smem row, 1168 B: ldmatrix rows land on distinct banks
+constexpr int KQ = 4;             // dim quarters of the S = Q K^T product (144 dims = 9 k-steps each)
+constexpr int KSTEPS = DQK / 16 / KQ;
+constexpr int LDSS = BN + 4;      // fp32 partial-score row
+constexpr int LDP = BN + 8;       // bf16 P row (48 B: 16-B aligned rows for ldmatrix)
+constexpr int FANIN = 8;          // merge tree fan-in
+constexpr int CHUNK_PER_ROW = DQK / 8;  // 16-byte chunks per cache row
 
-constexpr size_t SMEM_Q = BM * LDS * 2, SMEM_K = 2 * BN * LDS * 2, SMEM_S = 2 * BM * BN * 4, SMEM_P = BM * LDP * 2;
-constexpr size_t SMEM_BYTES = SMEM_Q + SMEM_K + SMEM_S + SMEM_P + 3 * BM * 4;
-static_assert(SMEM_BYTES <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
+template <int MT>
+struct Cfg {
+  static constexpr int BM = 16 * MT;
+  static constexpr size_t K = (size_t)NSTAGE * BN * LDS * 2;
+  static constexpr size_t S = (size_t)KQ * BM * LDSS * 4;
+  static constexpr size_t P = (size_t)BM * LDP * 2;
+  static constexpr size_t SMEM = K + S + P + 3 * BM * 4;
+  static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
+  static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
+};
 
 struct Params {
   const __nv_bfloat16* q;      // [B, N, H, 576]
@@ -43,16 +65,18 @@ struct Params {
   const int64_t* rows;         // [B]
   const int64_t* prefix;       // [B]
   const int64_t* words;        // [B, N, W]
-  float* o_part;               // [B, S + 1, R_pad, 512]
-  float* lse_part;             // [B, S + 1, R_pad]
-  int N, H, W, R, R_pad, max_len, S;
+  __nv_bfloat16* out;          // [B, N, H, 512]
+  float* lse;                  // [B, N, H]
+  int* counters;               // [B, RT, counter slots]   zero at rest
+  float* lse_part;             // [B, RT, slots, BM]
+  float* o_part;               // [B, RT, slots, BM, 512]
+  int N, H, W, R, RT, max_len, S_max, min_keys, slots, cslots;
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(valid ? 16 : 0));
@@ -65,11 +89,14 @@ __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
+__device__ __forceinline__ void ldsm_x2(uint32_t r[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
 __device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
-
 __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -77,241 +104,390 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__global__ void __launch_bounds__(THREADS) split_kernel(Params p) {
+// Split geometry, identical in every block of a sequence: chunk (keys per split, a multiple of BN) and
+// the active split count for T = live keys.
+__device__ __forceinline__ void split_geometry(const Params& p, int T, int& chunk, int& active) {
+  const int want = max(1, min(p.S_max, (T + p.min_keys - 1) / p.min_keys));
+  chunk = ((T + want - 1) / want + BN - 1) / BN * BN;
+  active = (T + chunk - 1) / chunk;
+}
+
+// Slot offset of merge-tree level `lvl` (level 0: the splits) and of its counters (one per parent).
+__device__ __forceinline__ int level_offset(int S_max, int lvl, bool counters) {
+  int off = 0, n = S_max;
+  for (int l = 0; l < lvl; ++l) {
+    const int parents = (n + FANIN - 1) / FANIN;
+    off += counters ? parents : n;
+    n = parents;
+  }
+  return off;
+}
+
+// Merge the children [first, first + nch) of level `lvl` into the parent slot of level lvl + 1, or into
+// out / lse when the parent is the root.
+template <int MT>
+__device__ void merge_children(const Params& p, int b, int rt, int lvl, int first, int nch, int parent, bool root) {
+  constexpr int BM = Cfg<MT>::BM;
+  const int row0 = rt * BM, rows_real = min(BM, p.R - row0);
+  const size_t tile = (size_t)b * p.RT + rt;
+  const int src0 = level_offset(p.S_max, lvl, false) + first;
+  const int dst = level_offset(p.S_max, lvl + 1, false) + parent;
+  const float* lp = p.lse_part + (tile * p.slots + src0) * BM;
+  const float* op = p.o_part + (tile * p.slots + src0) * BM * DV;
+  for (int item = threadIdx.x; item < rows_real * (DV / 4); item += THREADS) {
+    const int r = item / (DV / 4), c = (item % (DV / 4)) * 4;
+    float ls[FANIN], mx = -CUDART_INF_F;
+#pragma unroll
+    for (int k = 0; k < FANIN; ++k) {
+      ls[k] = k < nch ? __ldcg(lp + (size_t)k * BM + r) : -CUDART_INF_F;
+      mx = fmaxf(mx, ls[k]);
+    }
+    float4 v[FANIN];
+#pragma unroll
+    for (int k = 0; k < FANIN; ++k)
+      if (k < nch) v[k] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)k * BM + r) * DV + c));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+    if (mx != -CUDART_INF_F) {
+#pragma unroll
+      for (int k = 0; k < FANIN; ++k) {
+        if (k >= nch || ls[k] == -CUDART_INF_F) continue;
+        const float w = __expf(ls[k] - mx);
+        acc[0] += w * v[k].x, acc[1] += w * v[k].y, acc[2] += w * v[k].z, acc[3] += w * v[k].w;
+        wsum += w;
+      }
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    const float lse = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
+    if (root) {
+      __nv_bfloat16* o = p.out + ((size_t)b * p.R + row0 + r) * DV + c;
+      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc[0] * inv, acc[1] * inv);
+      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc[2] * inv, acc[3] * inv);
+      if (c == 0) p.lse[(size_t)b * p.R + row0 + r] = lse;
+    } else {
+      float* o = p.o_part + ((tile * p.slots + dst) * BM + r) * DV + c;
+      __stcg(reinterpret_cast<float4*>(o), make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv));
+      if (c == 0) __stcg(p.lse_part + (tile * p.slots + dst) * BM + r, lse);
+    }
+  }
+}
+
+// Called by every thread of a split block after its partial is written: climbs the merge tree while this
+// block is the last child of a node to arrive.
+template <int MT>
+__device__ void merge_up(const Params& p, int b, int rt, int split, int active) {
+  __shared__ int s_last;
+  const size_t tile = (size_t)b * p.RT + rt;
+  int node = split, n = active;
+  for (int lvl = 0; n > 1; ++lvl) {
+    const int parent = node / FANIN, first = parent * FANIN, nch = min(FANIN, n - first);
+    const int parents = (n + FANIN - 1) / FANIN;
+    __threadfence();  // this block's partial is visible device-wide before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int* cnt = p.counters + tile * p.cslots + level_offset(p.S_max, lvl, true) + parent;
+      const int last = atomicAdd(cnt, 1) == nch - 1;
+      if (last) atomicExch(cnt, 0);  // every child has arrived: reset for the next call / graph replay
+      s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // acquire: the siblings' partials are read after their counts
+    merge_children<MT>(p, b, rt, lvl, first, nch, parent, parents == 1);
+    node = parent, n = parents;
+  }
+}
+
+template <int MT>
+__global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Params p) {
+  using C = Cfg<MT>;
+  constexpr int BM = C::BM;
+  constexpr int LPR = 16 / MT;  // softmax lanes per query row (MT keys each)
   extern __shared__ __align__(16) uint8_t smem[];
-  __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem + SMEM_Q);
-  float* sS = reinterpret_cast<float*>(smem + SMEM_Q + SMEM_K);  // [2 halves][BM][BN]
-  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + SMEM_Q + SMEM_K + SMEM_S);
-  float* sAlpha = reinterpret_cast<float*>(smem + SMEM_Q + SMEM_K + SMEM_S + SMEM_P);
+  __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* sS = reinterpret_cast<float*>(smem + C::K);  // [KQ][BM][LDSS]
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S);
+  float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P);
   float* sM = sAlpha + BM;
   float* sL = sM + BM;
 
-  const int rt_blk = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int row0 = rt_blk * BM;
+  const int row0 = rt * BM;
   const int L = static_cast<int>(p.prefix[b]);
-  const bool tree = split == p.S;
-  int k0, k1;
-  if (tree) {
-    k0 = L, k1 = L + p.N;
-  } else {
-    const int active = min(p.S, max(1, (L + MIN_SPLIT_KEYS - 1) / MIN_SPLIT_KEYS));
-    const int chunk = ((L + active - 1) / active + BN - 1) / BN * BN;
-    k0 = split * chunk, k1 = min(L, k0 + chunk);
-  }
-  k1 = min(k1, p.max_len);  // never read past the sequence's cache row
-  const size_t part = (size_t)b * (p.S + 1) + split;
-  if (k0 >= k1) {  // empty split: the merge skips it
-    if (tid < BM) p.lse_part[part * p.R_pad + row0 + tid] = -CUDART_INF_F;
-    return;
-  }
+  const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
+  int chunk, active;
+  split_geometry(p, T, chunk, active);
+  if (split >= active) return;
+  const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
+  const int n_tiles = (k1 - k0 + BN - 1) / BN;
 
-  // Q tile (rows past R are zero) and the first K tile.
-  for (int i = tid; i < BM * (DQK / 8); i += THREADS) {
-    const int r = i / (DQK / 8), c = (i % (DQK / 8)) * 8;
-    const int row = min(row0 + r, p.R - 1);
-    cp_async16(sQ + r * LDS + c, p.q + ((size_t)b * p.R + row) * DQK + c, row0 + r < p.R);
-  }
-  auto load_k = [&](int buf, int key0) {
-    for (int i = tid; i < BN * (DQK / 8); i += THREADS) {
-      const int r = i / (DQK / 8), c = (i % (DQK / 8)) * 8;
-      const int key = min(key0 + r, k1 - 1);
-      cp_async16(sK + (buf * BN + r) * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+  auto load_tile = [&](int it) {
+    if (it < n_tiles) {
+      const int key0 = k0 + it * BN;
+      __nv_bfloat16* dst = sK + (it % NSTAGE) * BN * LDS;
+      for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
+        const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+        const int key = min(key0 + r, k1 - 1);
+        cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+      }
     }
+    cp_commit();  // always commit, so the group count per iteration stays uniform
   };
-  load_k(0, k0);
-  cp_commit();
 
-  float m_run = -CUDART_INF_F, l_run = 0.f;  // warp 0, lane = row
-  const int my_row = row0 + lane;
-  const int64_t* my_words = p.words + ((size_t)b * p.N + min(my_row, p.R - 1) / p.H) * p.W;
-
-  float o[2][8][4];
+  // Q (rows past R zero-filled) staged in the last MT stages, the first tiles alongside it.
+  {
+    __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
+    for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const int row = min(row0 + r, p.R - 1);
+      cp_async16(sQ + r * LDS + c, p.q + ((size_t)b * p.R + row) * DQK + c, row0 + r < p.R);
+    }
+    for (int it = 0; it < NSTAGE - MT; ++it) {
+      if (it < n_tiles) {
+        const int key0 = k0 + it * BN;
+        __nv_bfloat16* dst = sK + it * BN * LDS;
+        for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
+          const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+          const int key = min(key0 + r, k1 - 1);
+          cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+        }
+      }
+    }
+    cp_commit();
+  }
+  const int nt = warp & 1, kq = warp >> 1;  // S-phase role: key n-tile, dim quarter
+  uint32_t qa[MT][KSTEPS][4];
+  cp_wait<0>();
+  __syncthreads();
+  {
+    const __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
 #pragma unroll
-  for (int a = 0; a < 2; ++a)
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk)
+        ldsm_x4(qa[m][kk], sQ + (m * 16 + (lane & 15)) * LDS + kq * 144 + kk * 16 + (lane >> 4) * 8);
+  }
+  __syncthreads();  // Q read: its stages may now take tiles
+  for (int it = NSTAGE - MT; it < NSTAGE - 1; ++it) load_tile(it);
+
+  // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
+  const int sr = tid / LPR, sc = (tid % LPR) * MT;
+  const int64_t* my_words = p.words + ((size_t)b * p.N + min(row0 + sr, p.R - 1) / p.H) * p.W;
+  float m_run = -CUDART_INF_F, l_run = 0.f;
+
+  float o[MT][8][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) o[a][n][i] = 0.f;
+      for (int i = 0; i < 4; ++i) o[m][n][i] = 0.f;
 
-  const int srt = warp & 1, skt = (warp >> 1) & 1, skh = warp >> 2;  // S-phase role
-  const int n_tiles = (k1 - k0 + BN - 1) / BN;
   for (int it = 0; it < n_tiles; ++it) {
-    const int buf = it & 1, key0 = k0 + it * BN;
-    if (it + 1 < n_tiles) {
-      load_k(buf ^ 1, key0 + BN);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    __syncthreads();
-    const __nv_bfloat16* tK = sK + buf * BN * LDS;
+    cp_wait<NSTAGE - 2>();
+    __syncthreads();  // tile `it` landed for all; everyone finished tile it - 1, so its stage is free
+    load_tile(it + NSTAGE - 1);
+    const __nv_bfloat16* tK = sK + (it % NSTAGE) * BN * LDS;
+    const int key0 = k0 + it * BN;
 
-    // S = Q K^T: this warp does rows srt*16.., keys skt*8.., dims [skh*288, skh*288 + 288).
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 3
-    for (int ks = 0; ks < 18; ks += 2) {
-      const int d0 = skh * 288 + ks * 16;
+    // S partial over this warp's dim quarter for keys nt*8 .. +8.
+    float s[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.f;
+    const __nv_bfloat16* kb = tK + (nt * 8 + (lane & 7)) * LDS + kq * 144;
+#pragma unroll
+    for (int kk = 0; kk + 1 < KSTEPS; kk += 2) {
       uint32_t bk[4];
-      ldsm_x4(bk, tK + (skt * 8 + (lane & 7)) * LDS + d0 + (lane >> 3) * 8);
+      ldsm_x4(bk, kb + kk * 16 + (lane >> 3) * 8);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t a[4];
-        ldsm_x4(a, sQ + (srt * 16 + (lane & 15)) * LDS + d0 + h * 16 + (lane >> 4) * 8);
-        mma_bf16(s, a, bk[2 * h], bk[2 * h + 1]);
+      for (int m = 0; m < MT; ++m) {
+        mma_bf16(s[m], qa[m][kk], bk[0], bk[1]);
+        mma_bf16(s[m], qa[m][kk + 1], bk[2], bk[3]);
       }
     }
-    float* sSh = sS + skh * BM * BN;
-    sSh[(srt * 16 + g) * BN + skt * 8 + 2 * t] = s[0];
-    sSh[(srt * 16 + g) * BN + skt * 8 + 2 * t + 1] = s[1];
-    sSh[(srt * 16 + g + 8) * BN + skt * 8 + 2 * t] = s[2];
-    sSh[(srt * 16 + g + 8) * BN + skt * 8 + 2 * t + 1] = s[3];
+    {
+      uint32_t bk[2];
+      ldsm_x2(bk, kb + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) mma_bf16(s[m], qa[m][KSTEPS - 1], bk[0], bk[1]);
+    }
+    float* sSq = sS + kq * BM * LDSS;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      *reinterpret_cast<float2*>(sSq + (m * 16 + g) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
+      *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
+    }
     __syncthreads();
 
-    if (warp == 0) {  // online softmax, one lane per query row
-      float sc[BN];
-      float mx = m_run;
+    // Online softmax: this thread's MT scores of row sr; row reductions over its LPR lanes.
+    float sv[MT], mx = -CUDART_INF_F;
 #pragma unroll
-      for (int j = 0; j < BN; ++j) {
-        const int key = key0 + j;
-        bool vis = key < k1 && my_row < p.R;
-        if (tree && vis) {
-          const int i = key - L;
-          vis = (my_words[i >> 6] >> (i & 63)) & 1;
-        }
-        sc[j] = vis ? (sS[lane * BN + j] + sS[BM * BN + lane * BN + j]) * p.scale_log2 : -CUDART_INF_F;
-        mx = fmaxf(mx, sc[j]);
+    for (int j = 0; j < MT; ++j) {
+      const int key = key0 + sc + j;
+      bool vis = key < k1;
+      if (vis && key >= L) {
+        const int i = key - L;
+        vis = (my_words[i >> 6] >> (i & 63)) & 1;
       }
-      float alpha = 1.f, sum = 0.f;
-      if (mx != -CUDART_INF_F) {
-        alpha = exp2f(m_run - mx);  // 0 when m_run is -inf
+      float acc = 0.f;
 #pragma unroll
-        for (int j = 0; j < BN; ++j) {
-          const float pj = exp2f(sc[j] - mx);
-          sP[lane * LDP + j] = __float2bfloat16(pj);
-          sum += pj;  // unrounded, as FlashAttention does: keeps the log-sum-exp fp32-accurate
-        }
-        m_run = mx;
-      } else {
-#pragma unroll
-        for (int j = 0; j < BN; ++j) sP[lane * LDP + j] = __float2bfloat16(0.f);
-      }
-      l_run = l_run * alpha + sum;
-      sAlpha[lane] = alpha;
+      for (int q4 = 0; q4 < KQ; ++q4) acc += sS[(q4 * BM + sr) * LDSS + sc + j];
+      sv[j] = vis ? acc * p.scale_log2 : -CUDART_INF_F;
+      mx = fmaxf(mx, sv[j]);
     }
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_new = fmaxf(m_run, mx);
+    float alpha = 1.f, sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const float pj = m_new == -CUDART_INF_F ? 0.f : exp2f(sv[j] - m_new);
+      sP[sr * LDP + sc + j] = __float2bfloat16(pj);
+      sum += pj;  // unrounded, as FlashAttention does: keeps the log-sum-exp fp32-accurate
+    }
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (m_new != -CUDART_INF_F) alpha = exp2f(m_run - m_new);  // 0 when m_run is -inf
+    l_run = l_run * alpha + sum;
+    m_run = m_new;
+    if (tid % LPR == 0) sAlpha[sr] = alpha;
     __syncthreads();
 
     // O = alpha * O + P V over this warp's 64 output columns.
+    uint32_t pa[MT][4];
 #pragma unroll
-    for (int a = 0; a < 2; ++a) {
-      const float al0 = sAlpha[a * 16 + g], al1 = sAlpha[a * 16 + g + 8];
+    for (int m = 0; m < MT; ++m) {
+      const float al0 = sAlpha[m * 16 + g], al1 = sAlpha[m * 16 + g + 8];
 #pragma unroll
-      for (int n = 0; n < 8; ++n) o[a][n][0] *= al0, o[a][n][1] *= al0, o[a][n][2] *= al1, o[a][n][3] *= al1;
+      for (int n = 0; n < 8; ++n) o[m][n][0] *= al0, o[m][n][1] *= al0, o[m][n][2] *= al1, o[m][n][3] *= al1;
+      ldsm_x4(pa[m], sP + (m * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
     }
-    uint32_t pa[2][4];
-#pragma unroll
-    for (int a = 0; a < 2; ++a) ldsm_x4(pa[a], sP + (a * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
 #pragma unroll
     for (int n2 = 0; n2 < 4; ++n2) {
-      const int c = warp * 64 + n2 * 16;
       uint32_t vb[4];
-      ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + c + (lane >> 4) * 8);
+      ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        mma_bf16(o[a][2 * n2], pa[a], vb[0], vb[1]);
-        mma_bf16(o[a][2 * n2 + 1], pa[a], vb[2], vb[3]);
+      for (int m = 0; m < MT; ++m) {
+        mma_bf16(o[m][2 * n2], pa[m], vb[0], vb[1]);
+        mma_bf16(o[m][2 * n2 + 1], pa[m], vb[2], vb[3]);
       }
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this K buffer
   }
+  cp_wait<0>();  // no copy may land in shared memory after the block exits
 
-  if (warp == 0) {
-    sM[lane] = m_run;
-    sL[lane] = l_run;
-    if (my_row < p.R_pad)
-      p.lse_part[part * p.R_pad + my_row] =
-          l_run > 0.f ? (m_run + __log2f(l_run)) * 0.69314718055994531f : -CUDART_INF_F;
-  }
+  if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
   __syncthreads();
-  float* op = p.o_part + part * p.R_pad * DV;
+  const size_t tile = (size_t)b * p.RT + rt;
+  const bool direct = active == 1;  // one split: no partial, write the result
 #pragma unroll
-  for (int a = 0; a < 2; ++a) {
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int r = a * 16 + g + hh * 8;
-      const float l = sL[r];
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int r = m * 16 + g + hh * 8;
+      if (row0 + r >= p.R) continue;
+      const float l = sL[r], inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
         const int c = warp * 64 + n * 8 + 2 * t;
-        *reinterpret_cast<float2*>(op + (size_t)(row0 + r) * DV + c) =
-            make_float2(o[a][n][2 * hh] * inv, o[a][n][2 * hh + 1] * inv);
+        const float x = o[m][n][2 * hh] * inv, y = o[m][n][2 * hh + 1] * inv;
+        if (direct)
+          *reinterpret_cast<__nv_bfloat162*>(p.out + ((size_t)b * p.R + row0 + r) * DV + c) = __floats2bfloat162_rn(x, y);
+        else
+          __stcg(reinterpret_cast<float2*>(p.o_part + ((tile * p.slots + split) * BM + r) * DV + c), make_float2(x, y));
       }
     }
   }
-}
-
-// out[b, row] = sum_s w_s O_s / sum_s w_s with w_s = exp(lse_s - max lse); lse = max + log(sum w).
-__global__ void merge_kernel(Params p, __nv_bfloat16* __restrict__ out, float* __restrict__ lse_out) {
-  const int row = blockIdx.x, b = blockIdx.y, c = threadIdx.x * 4;
-  const int parts = p.S + 1;
-  const float* lp = p.lse_part + (size_t)b * parts * p.R_pad + row;
-  float mx = -CUDART_INF_F;
-  for (int s = 0; s < parts; ++s) mx = fmaxf(mx, lp[(size_t)s * p.R_pad]);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-  if (mx != -CUDART_INF_F) {
-    for (int s = 0; s < parts; ++s) {
-      const float ls = lp[(size_t)s * p.R_pad];
-      if (ls == -CUDART_INF_F) continue;
-      const float w = __expf(ls - mx);
-      const float4 v = *reinterpret_cast<const float4*>(p.o_part + (((size_t)b * parts + s) * p.R_pad + row) * DV + c);
-      acc[0] += w * v.x, acc[1] += w * v.y, acc[2] += w * v.z, acc[3] += w * v.w;
-      wsum += w;
-    }
+  if (tid < BM && row0 + tid < p.R) {
+    const float l = sL[tid];
+    const float lse = l > 0.f ? (sM[tid] + __log2f(l)) * 0.69314718055994531f : -CUDART_INF_F;
+    if (direct)
+      p.lse[(size_t)b * p.R + row0 + tid] = lse;
+    else
+      __stcg(p.lse_part + (tile * p.slots + split) * BM + tid, lse);
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  __nv_bfloat16* o = out + ((size_t)b * p.R + row) * DV + c;
-  *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc[0] * inv, acc[1] * inv);
-  *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc[2] * inv, acc[3] * inv);
-  if (threadIdx.x == 0) lse_out[(size_t)b * p.R + row] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
+  if (!direct) merge_up<MT>(p, b, rt, split, active);
 }
 
-size_t carve(int B, int R, int S, float** o_part, float** lse_part, char* base) {
-  const int R_pad = (R + BM - 1) / BM * BM;
-  const size_t o_bytes = (size_t)B * (S + 1) * R_pad * DV * 4;
-  const size_t l_bytes = (size_t)B * (S + 1) * R_pad * 4;
-  if (base) *o_part = reinterpret_cast<float*>(base), *lse_part = reinterpret_cast<float*>(base + o_bytes);
-  return o_bytes + l_bytes;
+int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
+
+// Workspace layout: counters (int32, zero at rest) | lse partials | o partials, 256-B aligned.
+struct Layout {
+  int BM, RT, slots, cslots;
+  size_t counters, lse, o, total;
+};
+
+Layout layout(int B, int N, int H, int S_max) {
+  Layout w;
+  w.BM = tile_rows(N, H);
+  w.RT = (N * H + w.BM - 1) / w.BM;
+  w.slots = 0, w.cslots = 0;
+  for (int n = S_max; n > 1; n = (n + FANIN - 1) / FANIN) w.slots += n, w.cslots += (n + FANIN - 1) / FANIN;
+  w.slots = w.slots > 0 ? w.slots : 1;
+  w.cslots = w.cslots > 0 ? w.cslots : 1;
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t tiles = (size_t)B * w.RT;
+  w.counters = 0;
+  w.lse = up(tiles * w.cslots * 4);
+  w.o = w.lse + up(tiles * w.slots * w.BM * 4);
+  w.total = w.o + tiles * w.slots * w.BM * DV * 4;
+  return w;
+}
+
+template <int MT>
+cudaError_t allow_smem() {
+  static bool attr_set = false;  // per process; the attribute is per function, not per device
+  if (attr_set) return cudaSuccess;
+  const cudaError_t e =
+      cudaFuncSetAttribute(tree_attn_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<MT>::SMEM);
+  attr_set = e == cudaSuccess;
+  return e;
+}
+
+template <int MT>
+int launch(const Params& p, int B, cudaStream_t st) {
+  if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
+  tree_attn_kernel<MT><<<dim3(p.RT, p.S_max, B), THREADS, Cfg<MT>::SMEM, st>>>(p);
+  return (int)cudaGetLastError();
 }
 
 }  // namespace
 
-K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S) {
-  return carve(B, N * H, S, nullptr, nullptr, nullptr);
+// Bytes of workspace for a (B, N, H, S_max) call; its first `k26_mla_tree_attn_counter_bytes` bytes must
+// be zeroed once when it is allocated (the kernel leaves them zero).
+K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S_max) { return layout(B, N, H, S_max).total; }
+K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max) {
+  return layout(B, N, H, S_max).lse;
 }
-
-K26_EXPORT int k26_mla_tree_attn_smem() { return (int)SMEM_BYTES; }
+K26_EXPORT int k26_mla_tree_attn_tile_rows(int N, int H) { return tile_rows(N, H); }
+// Resident blocks per SM the kernel is built for (launch bounds + shared memory): sizes the split count.
+K26_EXPORT int k26_mla_tree_attn_blocks_per_sm(int N, int H) {
+  int n = 0;
+  cudaError_t e;
+  if (tile_rows(N, H) == 16) {
+    e = allow_smem<1>();
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tree_attn_kernel<1>, THREADS, Cfg<1>::SMEM);
+  } else {
+    e = allow_smem<2>();
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tree_attn_kernel<2>, THREADS, Cfg<2>::SMEM);
+  }
+  return e == cudaSuccess ? n : -(int)e;
+}
 
 // Returns a cudaError_t. Shapes are validated by the Python front door (k26/ops/attention_cuda.py).
 K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t* rows, const int64_t* prefix,
                                  const int64_t* words, void* out, float* lse, void* workspace, int B, int N, int H,
-                                 int W, int max_len, int S, float scale, void* stream) {
-  static bool attr_set = false;  // per process; the attribute is per function, not per device
-  if (!attr_set) {
-    const cudaError_t e = cudaFuncSetAttribute(split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
-    if (e != cudaSuccess) return (int)e;
-    attr_set = true;
-  }
+                                 int W, int max_len, int S_max, int min_keys, float scale, void* stream) {
+  const Layout w = layout(B, N, H, S_max);
+  char* ws = static_cast<char*>(workspace);
   Params p;
   p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
-  p.words = words, p.N = N, p.H = H, p.W = W, p.R = N * H, p.R_pad = (N * H + BM - 1) / BM * BM,
-  p.max_len = max_len, p.S = S, p.scale_log2 = scale * 1.4426950408889634f;
-  carve(B, p.R, S, &p.o_part, &p.lse_part, static_cast<char*>(workspace));
+  p.words = words, p.out = (__nv_bfloat16*)out, p.lse = lse;
+  p.counters = reinterpret_cast<int*>(ws + w.counters), p.lse_part = reinterpret_cast<float*>(ws + w.lse),
+  p.o_part = reinterpret_cast<float*>(ws + w.o);
+  p.N = N, p.H = H, p.W = W, p.R = N * H, p.RT = w.RT, p.max_len = max_len, p.S_max = S_max,
+  p.min_keys = min_keys < BN ? BN : min_keys, p.slots = w.slots, p.cslots = w.cslots;
+  p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  split_kernel<<<dim3(p.R_pad / BM, S + 1, B), THREADS, SMEM_BYTES, st>>>(p);
-  merge_kernel<<<dim3(p.R, B), DV / 4, 0, st>>>(p, (__nv_bfloat16*)out, lse);
-  return (int)cudaGetLastError();
+  return w.BM == 16 ? launch<1>(p, B, st) : launch<2>(p, B, st);
 }
