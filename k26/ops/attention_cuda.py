@@ -37,7 +37,8 @@ class _Plans:
                 raise RuntimeError(f"mla_tree_attention: occupancy query failed with CUDA error {-per_sm}")
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             row_tiles = math.ceil(N * H / lib.k26_mla_tree_attn_tile_rows(N, H))
-            self._splits[key] = max(1, min(1024, math.ceil(per_sm * sms / (B * row_tiles))))
+            # One full wave: a partial second wave would double the time of the blocks in it.
+            self._splits[key] = max(1, min(1024, per_sm * sms // (B * row_tiles)))
         return self._splits[key]
 
     def workspace(self, lib, device: torch.device, B: int, N: int, H: int, S: int) -> torch.Tensor:
@@ -113,10 +114,12 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
     lib = library()
     _bind(lib)
     S = PLANS.splits(lib, q.device, B, N, H)
+    # A split's merge cost grows with its rows, its streaming work with its keys: scale the minimum.
+    min_keys = MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(N, H) // 16
     ws = PLANS.workspace(lib, q.device, B, N, H, S)
     err = lib.k26_mla_tree_attn(
         qc.data_ptr(), cc.data_ptr(), rows64.data_ptr(), prefix64.data_ptr(), words.data_ptr(), out.data_ptr(),
-        lse.data_ptr(), ws.data_ptr(), B, N, H, words.shape[2], cache.shape[1], S, MIN_SPLIT_KEYS,
+        lse.data_ptr(), ws.data_ptr(), B, N, H, words.shape[2], cache.shape[1], S, min_keys,
         ctypes.c_float(scale), torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:

@@ -45,7 +45,6 @@ constexpr int KQ = 4;             // dim quarters of the S = Q K^T product (144 
 constexpr int KSTEPS = DQK / 16 / KQ;
 constexpr int LDSS = BN + 4;      // fp32 partial-score row
 constexpr int LDP = BN + 8;       // bf16 P row (48 B: 16-B aligned rows for ldmatrix)
-constexpr int FANIN = 8;          // merge tree fan-in
 constexpr int CHUNK_PER_ROW = DQK / 8;  // 16-byte chunks per cache row
 
 template <int MT>
@@ -57,6 +56,7 @@ struct Cfg {
   static constexpr size_t SMEM = K + S + P + 3 * BM * 4;
   static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
   static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
+  static_assert(S >= (size_t)(32 + 1) * BM * 4, "the merge's weights reuse the score buffer");
 };
 
 struct Params {
@@ -112,89 +112,102 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
   active = (T + chunk - 1) / chunk;
 }
 
-// Slot offset of merge-tree level `lvl` (level 0: the splits) and of its counters (one per parent).
-__device__ __forceinline__ int level_offset(int S_max, int lvl, bool counters) {
-  int off = 0, n = S_max;
-  for (int l = 0; l < lvl; ++l) {
-    const int parents = (n + FANIN - 1) / FANIN;
-    off += counters ? parents : n;
-    n = parents;
-  }
-  return off;
+// The merge tree: at most two levels. Up to ONE_LEVEL splits are merged at once by the last to finish;
+// more are grouped F = ceil(sqrt(active)) at a time, the last of each group merging it into a level-1
+// slot, the last of those merging the level-1 slots into out / lse. Two short levels keep the merge tail
+// (bytes read by one block) near 1 us; a deeper tree pays a fence + atomic + L2 round trip per level.
+constexpr int ONE_LEVEL = 12;
+constexpr int MAX_FANIN = 32;
+constexpr int MERGE_LOADS = 4;  // float4 loads in flight per thread per merge step  // ceil(sqrt(1024)): the largest split count the front door asks for
+
+__device__ __forceinline__ int fanin(int active) {
+  if (active <= ONE_LEVEL) return active;
+  int f = (int)ceilf(sqrtf((float)active));
+  while (f * f < active) ++f;
+  return f;
 }
 
-// Merge the children [first, first + nch) of level `lvl` into the parent slot of level lvl + 1, or into
-// out / lse when the parent is the root.
+// Merge partial slots [src, src + nch) (all BM rows of one row tile) into slot dst, or into out / lse when
+// dst < 0. Weights are computed once per row in shared memory (sw: [MAX_FANIN][BM] + [BM]), then every
+// thread streams float4 columns with several loads in flight.
 template <int MT>
-__device__ void merge_children(const Params& p, int b, int rt, int lvl, int first, int nch, int parent, bool root) {
+__device__ __noinline__ void merge_slots(const Params& p, int b, int rt, int src, int nch, int dst, float* sw) {
   constexpr int BM = Cfg<MT>::BM;
   const int row0 = rt * BM, rows_real = min(BM, p.R - row0);
   const size_t tile = (size_t)b * p.RT + rt;
-  const int src0 = level_offset(p.S_max, lvl, false) + first;
-  const int dst = level_offset(p.S_max, lvl + 1, false) + parent;
-  const float* lp = p.lse_part + (tile * p.slots + src0) * BM;
-  const float* op = p.o_part + (tile * p.slots + src0) * BM * DV;
-  for (int item = threadIdx.x; item < rows_real * (DV / 4); item += THREADS) {
-    const int r = item / (DV / 4), c = (item % (DV / 4)) * 4;
-    float ls[FANIN], mx = -CUDART_INF_F;
-#pragma unroll
-    for (int k = 0; k < FANIN; ++k) {
-      ls[k] = k < nch ? __ldcg(lp + (size_t)k * BM + r) : -CUDART_INF_F;
-      mx = fmaxf(mx, ls[k]);
-    }
-    float4 v[FANIN];
-#pragma unroll
-    for (int k = 0; k < FANIN; ++k)
-      if (k < nch) v[k] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)k * BM + r) * DV + c));
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-    if (mx != -CUDART_INF_F) {
-#pragma unroll
-      for (int k = 0; k < FANIN; ++k) {
-        if (k >= nch || ls[k] == -CUDART_INF_F) continue;
-        const float w = __expf(ls[k] - mx);
-        acc[0] += w * v[k].x, acc[1] += w * v[k].y, acc[2] += w * v[k].z, acc[3] += w * v[k].w;
-        wsum += w;
-      }
+  const float* lp = p.lse_part + (tile * p.slots + src) * BM;
+  const float* op = p.o_part + (tile * p.slots + src) * BM * DV;
+  float* slse = sw + MAX_FANIN * BM;
+  for (int i = threadIdx.x; i < nch * BM; i += THREADS) sw[i] = __ldcg(lp + i);  // [k][r]
+  __syncthreads();
+  if (threadIdx.x < BM) {
+    const int r = threadIdx.x;
+    float mx = -CUDART_INF_F, wsum = 0.f;
+    for (int k = 0; k < nch; ++k) mx = fmaxf(mx, sw[k * BM + r]);
+    for (int k = 0; k < nch; ++k) {
+      const float w = mx == -CUDART_INF_F ? 0.f : __expf(sw[k * BM + r] - mx);  // 0 for an empty partial
+      sw[k * BM + r] = w, wsum += w;
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    const float lse = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
-    if (root) {
+    for (int k = 0; k < nch; ++k) sw[k * BM + r] *= inv;
+    slse[r] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
+  }
+  __syncthreads();
+  for (int item = threadIdx.x; item < rows_real * (DV / 4); item += THREADS) {
+    const int r = item / (DV / 4), c = (item % (DV / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k0 = 0; k0 < nch; k0 += MERGE_LOADS) {
+      float4 v[MERGE_LOADS];
+#pragma unroll
+      for (int k = 0; k < MERGE_LOADS; ++k)
+        if (k0 + k < nch) v[k] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)(k0 + k) * BM + r) * DV + c));
+#pragma unroll
+      for (int k = 0; k < MERGE_LOADS; ++k) {
+        if (k0 + k >= nch) break;
+        const float w = sw[(k0 + k) * BM + r];
+        acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
+      }
+    }
+    if (dst < 0) {
       __nv_bfloat16* o = p.out + ((size_t)b * p.R + row0 + r) * DV + c;
-      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc[0] * inv, acc[1] * inv);
-      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc[2] * inv, acc[3] * inv);
-      if (c == 0) p.lse[(size_t)b * p.R + row0 + r] = lse;
+      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc.x, acc.y);
+      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc.z, acc.w);
+      if (c == 0) p.lse[(size_t)b * p.R + row0 + r] = slse[r];
     } else {
-      float* o = p.o_part + ((tile * p.slots + dst) * BM + r) * DV + c;
-      __stcg(reinterpret_cast<float4*>(o), make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv));
-      if (c == 0) __stcg(p.lse_part + (tile * p.slots + dst) * BM + r, lse);
+      __stcg(reinterpret_cast<float4*>(p.o_part + ((tile * p.slots + dst) * BM + r) * DV + c), acc);
+      if (c == 0) __stcg(p.lse_part + (tile * p.slots + dst) * BM + r, slse[r]);
     }
   }
 }
 
-// Called by every thread of a split block after its partial is written: climbs the merge tree while this
-// block is the last child of a node to arrive.
-template <int MT>
-__device__ void merge_up(const Params& p, int b, int rt, int split, int active) {
+// Whether this block is the last of `nch` to arrive at counter `cnt` (then it resets the counter).
+__device__ __forceinline__ bool arrive_last(int* cnt, int nch) {
   __shared__ int s_last;
-  const size_t tile = (size_t)b * p.RT + rt;
-  int node = split, n = active;
-  for (int lvl = 0; n > 1; ++lvl) {
-    const int parent = node / FANIN, first = parent * FANIN, nch = min(FANIN, n - first);
-    const int parents = (n + FANIN - 1) / FANIN;
-    __threadfence();  // this block's partial is visible device-wide before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int* cnt = p.counters + tile * p.cslots + level_offset(p.S_max, lvl, true) + parent;
-      const int last = atomicAdd(cnt, 1) == nch - 1;
-      if (last) atomicExch(cnt, 0);  // every child has arrived: reset for the next call / graph replay
-      s_last = last;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();  // acquire: the siblings' partials are read after their counts
-    merge_children<MT>(p, b, rt, lvl, first, nch, parent, parents == 1);
-    node = parent, n = parents;
+  __threadfence();  // this block's partial is visible device-wide before the count says so
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int last = atomicAdd(cnt, 1) == nch - 1;
+    if (last) atomicExch(cnt, 0);  // every child has arrived: zero again for the next call / graph replay
+    s_last = last;
   }
+  __syncthreads();
+  if (s_last) __threadfence();  // acquire: the siblings' partials are read after their counts
+  return s_last;
+}
+
+// Called by every thread of a split block once its partial is written.
+template <int MT>
+__device__ void merge_up(const Params& p, int b, int rt, int split, int active, float* sw) {
+  int* cnt = p.counters + ((size_t)b * p.RT + rt) * p.cslots;
+  const int f = fanin(active);
+  if (f == active) {
+    if (arrive_last(cnt, active)) merge_slots<MT>(p, b, rt, 0, active, -1, sw);
+    return;
+  }
+  const int group = split / f, first = group * f, nch = min(f, active - first), groups = (active + f - 1) / f;
+  if (!arrive_last(cnt + 1 + group, nch)) return;
+  merge_slots<MT>(p, b, rt, first, nch, p.S_max + group, sw);
+  if (arrive_last(cnt, groups)) merge_slots<MT>(p, b, rt, p.S_max, groups, -1, sw);
 }
 
 template <int MT>
@@ -292,9 +305,12 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     const int key0 = k0 + it * BN;
 
     // S partial over this warp's dim quarter for keys nt*8 .. +8.
-    float s[MT][4];
+    // Two accumulators per m-tile (MT 2) halve the dependent-MMA chain: latency, not throughput, bounds a tile.
+    float s[MT][4], s2[MT][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.f;
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[m][i] = s2[m][i] = 0.f;
     const __nv_bfloat16* kb = tK + (nt * 8 + (lane & 7)) * LDS + kq * 144;
 #pragma unroll
     for (int kk = 0; kk + 1 < KSTEPS; kk += 2) {
@@ -303,14 +319,16 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         mma_bf16(s[m], qa[m][kk], bk[0], bk[1]);
-        mma_bf16(s[m], qa[m][kk + 1], bk[2], bk[3]);
+        mma_bf16(MT == 1 ? s[m] : s2[m], qa[m][kk + 1], bk[2], bk[3]);  // MT 1: registers are at the cap
       }
     }
-    {
-      uint32_t bk[2];
-      ldsm_x2(bk, kb + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
+    uint32_t bl[2];
+    ldsm_x2(bl, kb + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
 #pragma unroll
-      for (int m = 0; m < MT; ++m) mma_bf16(s[m], qa[m][KSTEPS - 1], bk[0], bk[1]);
+    for (int m = 0; m < MT; ++m) {
+      mma_bf16(s[m], qa[m][KSTEPS - 1], bl[0], bl[1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[m][i] += s2[m][i];
     }
     float* sSq = sS + kq * BM * LDSS;
 #pragma unroll
@@ -406,7 +424,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     else
       __stcg(p.lse_part + (tile * p.slots + split) * BM + tid, lse);
   }
-  if (!direct) merge_up<MT>(p, b, rt, split, active);
+  if (!direct) merge_up<MT>(p, b, rt, split, active, sS);  // the score buffer is free now
 }
 
 int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
@@ -421,10 +439,10 @@ Layout layout(int B, int N, int H, int S_max) {
   Layout w;
   w.BM = tile_rows(N, H);
   w.RT = (N * H + w.BM - 1) / w.BM;
-  w.slots = 0, w.cslots = 0;
-  for (int n = S_max; n > 1; n = (n + FANIN - 1) / FANIN) w.slots += n, w.cslots += (n + FANIN - 1) / FANIN;
-  w.slots = w.slots > 0 ? w.slots : 1;
-  w.cslots = w.cslots > 0 ? w.cslots : 1;
+  int groups = 1;  // level-1 slots: ceil(active / fanin(active)) <= ceil(sqrt(S_max)) + 1
+  while (groups * groups < S_max) ++groups;
+  w.slots = S_max + groups + 1;
+  w.cslots = groups + 2;  // [0]: the root counter, [1 + g]: group g's
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   const size_t tiles = (size_t)B * w.RT;
   w.counters = 0;
