@@ -40,19 +40,29 @@ def tp_info(rank: int, size: int, group=None) -> TPInfo:
     return TPInfo(rank, size, all_reduce, all_gather)
 
 
-def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
-    """torchrun: RANK / WORLD_SIZE / LOCAL_RANK from the environment; NCCL with a GPU, gloo without."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", rank))
+def init_group(rank: int, world: int, device: str | None = None, store=None, local: int | None = None):
+    """Join (or find) the process group: NCCL with a GPU (device cuda:`local`), gloo without. `store`:
+    an explicit rendezvous (the rank driver's); None reads MASTER_ADDR / MASTER_PORT (torchrun)."""
     use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    dev = torch.device("cuda", rank if local is None else local) if use_cuda else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
+        kw = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
         if use_cuda:
             torch.cuda.set_device(dev)
-            dist.init_process_group("nccl", device_id=dev, timeout=timeout())
+            dist.init_process_group("nccl", device_id=dev, timeout=timeout(), **kw)
         else:
-            dist.init_process_group("gloo", timeout=timeout())
+            dist.init_process_group("gloo", timeout=timeout(), **kw)
     return rank, world, dev
+
+
+def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
+    """torchrun: RANK / WORLD_SIZE / LOCAL_RANK from the environment; a group already made (by the rank
+    driver or the user) gives its own rank and size."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return init_group(rank, world, device, local=int(os.environ.get("LOCAL_RANK", rank)))
 
 
 def same_checkpoint_on_every_rank(path) -> None:
@@ -76,30 +86,3 @@ def check_world(size: int) -> None:
         raise ValueError(f"tp={size!r}: expected a positive integer")
     if dist.is_initialized() and dist.get_world_size() != size:
         raise ValueError(f"tp={size} but the initialised process group has {dist.get_world_size()} ranks")
-
-
-def _worker(rank: int, world: int, addr: str, model_path, kwargs: dict, inbox, outbox) -> None:
-    """A rank driven by `LLM(tp=N)` in the parent: mirrors every call the parent makes."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=addr, RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    from .engine import LLM
-
-    try:
-        llm = LLM(model_path, **kwargs)
-        outbox.put(("ready", None))
-    except Exception as e:  # report, then leave: the parent raises it
-        outbox.put(("error", repr(e)))
-        return
-    while True:
-        cmd = inbox.get()
-        if cmd is None:
-            break
-        name, args, kw = cmd
-        try:
-            result = getattr(llm, name)(*args, **kw)
-            if name == "stream":
-                for _ in result:
-                    pass
-        except Exception as e:
-            outbox.put(("error", repr(e)))
-    dist.destroy_process_group()

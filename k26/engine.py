@@ -6,8 +6,11 @@ then decoded one token per step for the whole batch, each sequence in its own ca
 
 from __future__ import annotations
 
-import atexit
+import contextlib
+import functools
+import inspect
 import os
+import weakref
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -18,13 +21,34 @@ from .kv_cache import DrafterCache, LatentCache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
 from .decode import Decoder, RequestOutput
-from .dist import _worker, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
+from .dist import check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .sampling import SamplingParams
 from .spec.step import SpecConfig, verify_nodes
 from .tokenizer import Tokenizer
+from .tp_driver import RankGroup
 
 Prompt = str | Sequence[int]
+
+
+def _surfacing_rank_errors(method):
+    """Run `method` (a generator: its iteration) so that a collective failing because a TP rank died
+    raises that rank's own error text."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def gen(self, *args, **kw):
+            with self._surface_rank_errors():
+                return (yield from method(self, *args, **kw))
+
+        return gen
+
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        with self._surface_rank_errors():
+            return method(self, *args, **kw)
+
+    return call
 
 
 class LLM:
@@ -51,15 +75,17 @@ class LLM:
 
             model_path, drafter = default_model_dir(), drafter or default_drafter_dir()
         self.path = Path(model_path)
-        self._workers: list = []
-        if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-            self._spawn_ranks(tp, model_path, dict(
-                drafter=drafter, device=device, dtype=dtype, tp=tp, max_model_len=max_model_len, max_batch=max_batch,
-                absorb=absorb, progress=False, cuda_kernels=cuda_kernels, graphs=graphs, buckets=buckets,
-                compile=compile))
         # The group belongs to whoever made it: an LLM that found one (torchrun + the user's own
         # init_process_group, or an earlier LLM) must not destroy it on close().
         self._owns_group = tp > 1 and not torch.distributed.is_initialized()
+        self._ranks: RankGroup | None = None
+        if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+            # Ranks 1..tp-1 build this same LLM in their own processes and mirror its calls; this one joins as 0.
+            self._ranks = RankGroup(tp, type(self), (str(self.path),), dict(
+                drafter=drafter, device=device, dtype=dtype, tp=tp, max_model_len=max_model_len, max_batch=max_batch,
+                absorb=absorb, progress=False, cuda_kernels=cuda_kernels, graphs=graphs, buckets=buckets,
+                compile=compile), str(device) if device else None)
+            weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
         self.rank, world, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size = tp
         self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -92,7 +118,8 @@ class LLM:
             raise ValueError(f"max_batch={max_batch}: expected a positive integer")
         self.absorb = absorb
         if tp > 1:
-            same_checkpoint_on_every_rank(self.path)
+            with self._surface_rank_errors():
+                same_checkpoint_on_every_rank(self.path)
         self.model: KimiK2 = load_model(
             self.path, self.config, device=self.device, dtype=self.dtype, progress=progress and self.rank == 0,
             cuda_kernels=cuda_kernels, tp=tp_info(self.rank, tp),
@@ -113,29 +140,17 @@ class LLM:
         # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
         self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
         self.decoder = Decoder(self)
+        if self._ranks is not None:
+            self._ranks.wait_ready()  # a rank that failed to build raises its own error here
 
     # -- tensor parallel driven from one Python process -------------------------------------------
-    def _spawn_ranks(self, world: int, model_path, kwargs: dict) -> None:
-        """Start ranks 1..world-1 as processes mirroring this one's calls; this process becomes rank 0."""
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = str(sock.getsockname()[1])
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
-        ctx = mp.get_context("spawn")
-        for r in range(1, world):
-            inbox, outbox = ctx.Queue(), ctx.Queue()
-            p = ctx.Process(target=_worker, args=(r, world, port, str(model_path), kwargs, inbox, outbox), daemon=True)
-            p.start()
-            self._workers.append((p, inbox, outbox))
-        atexit.register(self.close)
-
     def _mirror(self, name: str, *args, **kw) -> None:
-        for _, inbox, _ in self._workers:
-            inbox.put((name, args, kw))
+        if self._ranks is not None:
+            self._ranks.mirror(name, *args, **kw)
+
+    def _surface_rank_errors(self):
+        """A collective that failed because a rank died raises that rank's own error instead."""
+        return self._ranks.surface() if self._ranks is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
@@ -144,24 +159,16 @@ class LLM:
             self.decoder.runners.clear()
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for _, inbox, _ in self._workers:
-            inbox.put(None)
+        if getattr(self, "_ranks", None) is not None:
+            self._ranks.close()
         if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
             self._owns_group = False
-        for p, _, _ in self._workers:
-            p.join(timeout=60)
-        if self._workers:
-            for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-                os.environ.pop(k, None)
-        self._workers = []
 
     def _check_workers(self) -> None:
-        for p, _, outbox in self._workers:
-            while not outbox.empty():
-                kind, msg = outbox.get()
-                if kind == "error":
-                    raise RuntimeError(f"tensor-parallel rank failed: {msg}")
+        """Raise the error of a rank that reported one."""
+        if self._ranks is not None:
+            self._ranks.check()
 
     def buckets_for(self, spec: SpecConfig) -> list[Bucket]:
         """The configured buckets, or one per power-of-two batch size at this method's verify width."""
@@ -195,6 +202,7 @@ class LLM:
 
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
+    @_surfacing_rank_errors
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [T, vocab] of every position of one sequence, computed in a single forward."""
         ids = self._check_ids(token_ids, "token_ids")
@@ -220,6 +228,7 @@ class LLM:
         return [self._encode(p, i) for i, p in enumerate(prompts)], sp, spec
 
     @torch.inference_mode()
+    @_surfacing_rank_errors
     def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None
     ) -> Iterator[str]:
@@ -237,6 +246,7 @@ class LLM:
                 sent = text
 
     @torch.inference_mode()
+    @_surfacing_rank_errors
     def generate(
         self, prompts: Prompt | list[Prompt], sampling: SamplingParams | None = None, spec: SpecConfig | None = None
     ) -> list[RequestOutput]:

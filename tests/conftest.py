@@ -1,6 +1,6 @@
 import pytest
 import torch
-from k26.tiny import write_tiny_checkpoint
+from k26.tiny import write_tiny_checkpoint, write_tiny_drafter
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,3 +29,11 @@ def tiny_k2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_bf16(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), flavour="k25", quant="none", seed=3, shards=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_tp(tmp_path_factory):
+    """A target + drafter pair whose sharded dims divide by 4 (moe_intermediate_size 128 keeps whole int4
+    groups of 32 at TP 4; 4 drafter heads)."""
+    d = write_tiny_checkpoint(tmp_path_factory.mktemp("tp"), seed=4, moe_intermediate_size=128, shards=2)
+    return d, write_tiny_drafter(tmp_path_factory.mktemp("tpd"), d, layers=1, seed=2, heads=4, kv_heads=4)
