@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import numbers
 import os
+import warnings
 import weakref
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import torch
 
@@ -20,7 +22,7 @@ from .config import ModelConfig
 from .kv_cache import DrafterCache, LatentCache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
-from .decode import Decoder, RequestOutput
+from .decode import DecodeContext, Decoder, RequestOutput
 from .dist import check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .sampling import SamplingParams
@@ -70,6 +72,7 @@ class LLM:
         compile: bool = False,
     ):
         check_world(tp)
+        check_device(device)
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
 
@@ -128,7 +131,7 @@ class LLM:
         self.drafter, self.dcache = None, None
         if drafter is not None:
             self.drafter = load_drafter(drafter, self.config, device=self.device, dtype=self.dtype,
-                                        tp=self.model.tp)
+                                        tp=self.model.tp, cuda_kernels=cuda_kernels)
             self.dcache = DrafterCache.allocate(self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device,
                                                 tp_size=tp)
         self.progress = progress
@@ -139,7 +142,9 @@ class LLM:
         # torch.compile of the model body: fixed shapes per bucket, lengths and positions as tensors, so
         # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
         self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
-        self.decoder = Decoder(self)
+        self.decoder = Decoder(DecodeContext(
+            self.model, self.model_fwd, self.drafter, self.cache, self.dcache, self.tokenizer, self.max_model_len,
+            self.device, self.buckets_for, tp, absorb, self.graphs, progress))
         if self._ranks is not None:
             self._ranks.wait_ready()  # a rank that failed to build raises its own error here
 
@@ -179,13 +184,25 @@ class LLM:
 
     # -- inputs --------------------------------------------------------------------------------
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        if isinstance(ids, str):  # a str is a Sequence too: its characters would pass for token ids
+            raise TypeError(f"{what} is a str; expected token ids: encode the text first, llm.tokenizer.encode(text)")
+        if isinstance(ids, (bytes, bytearray)):  # iterating bytes yields ints: they would be taken for token ids
+            raise TypeError(f"{what} is {type(ids).__name__}; expected a str or token ids: decode it first, "
+                            "data.decode('utf-8')")
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+                raise TypeError(f"{what} is a {ids.dim()}-d {ids.dtype} tensor; expected a 1-d integer tensor of token ids")
+            ids = ids.tolist()
         ids = list(ids)
         if not ids:
             raise ValueError(f"{what} is empty")
         V = self.config.vocab_size
         for pos, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{what}: token id {t!r} at position {pos} is a {type(t).__name__}; expected an int")
+            if not 0 <= t < V:
                 raise ValueError(f"{what}: token id {t!r} at position {pos} is outside the vocabulary [0, {V})")
+        ids = [int(t) for t in ids]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"{what} has {len(ids)} tokens; the context holds {self.max_model_len} (max_model_len), "
@@ -196,7 +213,7 @@ class LLM:
     def _encode(self, prompt: Prompt, i: int) -> list[int]:
         if isinstance(prompt, str):
             return self._check_ids(self.tokenizer.encode(prompt), f"prompt {i}")
-        if isinstance(prompt, Sequence):
+        if isinstance(prompt, (Sequence, torch.Tensor)):
             return self._check_ids(prompt, f"prompt {i}")
         raise TypeError(f"prompt {i} is a {type(prompt).__name__}; expected a string or a list of token ids")
 
@@ -221,7 +238,11 @@ class LLM:
             raise ValueError(f"spec method {spec.method!r} needs a drafter: LLM(..., drafter=DIR)")
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if spec.method != "ar":
+            spec = fit_spec(spec, self.max_model_len, self.drafter.cfg.block_size)
+        if isinstance(prompts, (str, bytes, bytearray, torch.Tensor)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)
+        ):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty")
@@ -231,19 +252,21 @@ class LLM:
     @_surfacing_rank_errors
     def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None
-    ) -> Iterator[str]:
-        """Yield text increments of one prompt as tokens are accepted (whole UTF-8 characters only)."""
+    ) -> Generator[str, None, RequestOutput]:
+        """Yield text increments of one prompt as tokens are accepted (whole UTF-8 characters only); the
+        generator returns the finished `RequestOutput`."""
         encoded, sp, spec = self._prepare(prompt, sampling, spec)
         if len(encoded) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
         self._mirror("stream", encoded[0], sp, spec)
-        sent = ""
+        sent, o = "", None
         for outs in self.decoder.run(encoded, sp, spec):
             o = outs[0]
             text = o.text if o.finish_reason == "stop" and o.text else _complete_utf8(self.tokenizer, o.token_ids)
             if len(text) > len(sent):
                 yield text[len(sent):]
                 sent = text
+        return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
 
     @torch.inference_mode()
     @_surfacing_rank_errors
@@ -273,3 +296,50 @@ def _complete_utf8(tok: Tokenizer, ids: list[int]) -> str:
         except UnicodeDecodeError:
             continue
     return data.decode("utf-8", errors="replace")
+
+
+def check_device(device) -> None:
+    """A device the user names must exist here: found before any loading, said in one line."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N' ({e})") from None
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)"
+        raise ValueError(f"device={device!r}: CUDA is not available ({why}, torch {torch.__version__}); use device='cpu'")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfig:
+    """The speculative method as it fits the context. A step writes its whole verify tree past the sequence
+    (the drafter its block), and the adaptive budget times its largest candidate at start-up, so a budget B
+    needs max_model_len >= B + block_size + 1. "auto" keeps the candidates that fit (AR if none; said once);
+    a fixed budget or DFlash chain refused when not even one step fits (later steps without room decode AR)."""
+    room = max_model_len - block_size - 1  # the largest budget a step can verify
+    if spec.auto:
+        fit = tuple(c for c in spec.candidates if c <= room)
+        if fit == spec.candidates:
+            return spec
+        if not fit:
+            warnings.warn(f"max_model_len={max_model_len} leaves no room for a DDTree step (the smallest candidate "
+                          f"budget {spec.candidates[0]} + drafter block {block_size} + 1 > {max_model_len}): "
+                          "decoding autoregressively", stacklevel=3)
+            return SpecConfig("ar")
+        n = len(fit)
+        costs = spec.costs[: n + 1] if spec.costs else None
+        per_token = spec.cost_per_token[:n] if spec.cost_per_token else None
+        warnings.warn(f"max_model_len={max_model_len}: DDTree budgets limited to {fit} of {spec.candidates} "
+                      f"(a budget B needs B + drafter block {block_size} + 1 context tokens)", stacklevel=3)
+        return SpecConfig("ddtree", "auto", fit, costs, per_token)
+    nodes = verify_nodes(spec, block_size)
+    need = max(nodes, block_size) + 2  # one prompt token and the bonus, then the step's tree (drafter block)
+    if max_model_len < need:
+        what = f"a DFlash step ({nodes} verify tokens)" if spec.method == "dflash" else f"DDTree budget {nodes - 1}"
+        raise ValueError(f"max_model_len={max_model_len} is too small for {what} with drafter block {block_size}: "
+                         f"it needs {need}; raise max_model_len, lower the budget, or use spec 'ar'")
+    return spec

@@ -59,3 +59,61 @@ def sample(logits_BV: torch.Tensor, p: SamplingParams, generator: torch.Generato
     # argmax(p / Exp(1)) samples from p (the exponential race) without a multinomial's host sync.
     q = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return (probs / q).argmax(-1)
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling of one decode batch, as device tensors so that one captured graph serves any mix
+    of requests (continuous batching admits rows with their own parameters between steps).
+
+    `noise` holds Exp(1) draws [B, N, V] filled before the step from each row's own generator (seeded
+    requests reproduce) or the batch's shared one: the step itself never touches a generator, so it is
+    graph-safe and every TP rank, filling from identically seeded generators, draws the same samples."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    greedy: bool  # host-known: every row greedy, so the shards' argmax serves and no noise is needed
+    filtered: bool  # host-known: some row uses top_p < 1 or top_k > 0 (needs the sort)
+    noise: torch.Tensor | None = None  # [B, >= N, V] exponential draws; None when greedy
+
+    @classmethod
+    def of(cls, params: list[SamplingParams | None], device, noise: torch.Tensor | None = None) -> RowSampling:
+        """From one SamplingParams per row (None: a free row, sampled greedily)."""
+        ps = [p or SamplingParams() for p in params]
+        f32 = {"dtype": torch.float32, "device": device}
+        greedy = all(p.temperature == 0 for p in ps)
+        return cls(torch.tensor([float(p.temperature) for p in ps], **f32),
+                   torch.tensor([float(p.top_p) for p in ps], **f32),
+                   torch.tensor([p.top_k for p in ps], dtype=torch.long, device=device), greedy,
+                   any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps), None if greedy else noise)
+
+    def rows(self, index: torch.Tensor) -> RowSampling:
+        """The sub-batch of rows `index` (prefill of newly admitted rows)."""
+        noise = None if self.noise is None else self.noise[index]
+        return RowSampling(self.temperature[index], self.top_p[index], self.top_k[index], self.greedy,
+                           self.filtered, noise)
+
+
+def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+    """One token per row and position [B, N] from fp32 logits, each row with its own temperature, top-p
+    and top-k; greedy rows take the argmax. No host sync, no generator: graph-safe."""
+    B, N, V = logits_BNV.shape
+    logits = logits_BNV.float()
+    best = logits.argmax(-1)
+    if rs.greedy:
+        return best
+    t = rs.temperature[:, None, None]
+    logits = logits / torch.where(t > 0, t, 1.0)
+    q = rs.noise[:, :N, :V]
+    if not rs.filtered:  # the exponential race over the full softmax
+        return torch.where(t[..., 0] > 0, (torch.softmax(logits, -1) / q).argmax(-1), best)
+    srt, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(rs.top_k > 0, rs.top_k.clamp(max=V), V)[:, None, None].expand(B, N, 1)
+    srt = srt.masked_fill(srt < srt.gather(-1, k - 1), float("-inf"))  # ties with the k-th stay, as `sample`
+    p = torch.softmax(srt, dim=-1)
+    # drop a token when the mass before it already reaches top_p; the first token always stays
+    p = p.masked_fill((p.cumsum(-1) - p) >= rs.top_p[:, None, None], 0.0)
+    # the race runs in sorted order: the draws are i.i.d., so which one meets which token does not matter
+    pick = order.gather(-1, (p / q).argmax(-1, keepdim=True))[..., 0]
+    return torch.where(t[..., 0] > 0, pick, best)

@@ -33,8 +33,8 @@ from k26.model.drafter import DFlashDrafter  # noqa: E402
 from k26.model.moe import Int4Experts  # noqa: E402
 from k26.ops.moe_cuda import repack_scales, w13_row_order  # noqa: E402
 from k26.ops.reference import static_shapes  # noqa: E402
-from k26.sampling import SamplingParams  # noqa: E402
-from k26.spec.step import SpecConfig, speculative_step  # noqa: E402
+from k26.sampling import RowSampling  # noqa: E402
+from k26.spec.step import SpecConfig, StepModels, speculative_step  # noqa: E402
 from k26.tiny import quantization_config  # noqa: E402
 
 K26_TEXT = dict(
@@ -209,7 +209,7 @@ def main() -> None:
             print(lines[-1], flush=True)
         bonus = torch.randint(0, cfg.vocab_size, (1,), device=dev)
         alive = torch.ones(1, dtype=torch.bool, device=dev)
-        sp = SamplingParams()
+        sp = RowSampling.of([None], dev)
         specs = () if a.no_specs else (SpecConfig("dflash"), SpecConfig("ddtree", 15)) if a.quick_specs else (
                 SpecConfig("dflash"), SpecConfig("ddtree", 8), SpecConfig("ddtree", 15), SpecConfig("ddtree", 31))
         for spec in specs:
@@ -217,7 +217,7 @@ def main() -> None:
 
             def step():
                 with static_shapes():
-                    speculative_step(model, drafter, cache, dcache, rows, st, bonus, alive, spec, sp, None)
+                    speculative_step(StepModels(model, drafter, cache, dcache), rows, st, bonus, alive, spec, sp)
 
             t = graph_step_time(step, lambda: st.copy_(start))
             lines.append(f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "

@@ -9,13 +9,14 @@ per-step input lives in a static buffer that the step itself advances (start += 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from ..profiling import nvtx_range
+from ..sampling import RowSampling
 from .buckets import Bucket
 
 
@@ -30,14 +31,24 @@ class StepState:
     emitted: torch.Tensor  # [Bb, J] tokens emitted by the last step, -1 after
     n_emitted: torch.Tensor  # [Bb]
     choice: torch.Tensor  # [1] adaptive budget: the candidate the last step's tree favours
+    temperature: torch.Tensor  # [Bb] float32 per-row sampling (continuous batching mixes requests)
+    top_p: torch.Tensor  # [Bb] float32
+    top_k: torch.Tensor  # [Bb] int64
+    noise: torch.Tensor | None = None  # [Bb, nodes of the largest bucket, V] Exp(1) draws (sampled graphs)
 
     @classmethod
     def allocate(cls, bucket: Bucket, width: int, device) -> StepState:
         z = torch.zeros(bucket.batch, dtype=torch.long, device=device)
+        f = torch.zeros(bucket.batch, dtype=torch.float32, device=device)
         return cls(torch.arange(bucket.batch, device=device), z.clone(), z.clone(),
                    torch.zeros(bucket.batch, dtype=torch.bool, device=device),
                    torch.full((bucket.batch, width), -1, dtype=torch.long, device=device), z.clone(),
-                   torch.zeros(1, dtype=torch.long, device=device))
+                   torch.zeros(1, dtype=torch.long, device=device), f.clone(), f + 1, z.clone())
+
+    def sampling(self, greedy: bool) -> RowSampling:
+        """The per-row sampling view the captured step reads (sampled graphs always take the filtered
+        path: one graph serves every mix of top-p / top-k)."""
+        return RowSampling(self.temperature, self.top_p, self.top_k, greedy, not greedy, self.noise)
 
     def reset(self) -> None:
         self.start.zero_(), self.bonus.zero_(), self.alive.zero_(), self.emitted.fill_(-1), self.n_emitted.zero_()
@@ -48,9 +59,13 @@ class StepGraphs:
     """Captures `step(state)` once per bucket and replays it. Buckets of one batch size share their
     static state, so consecutive steps may replay different buckets (adaptive budgets)."""
 
-    def __init__(self, step: Callable[[StepState, Bucket], None], width: int, device: torch.device):
+    def __init__(self, step: Callable[[StepState, Bucket], None], width: int, device: torch.device,
+                 states: dict[Bucket, StepState] | None = None, vocab: int = 0):
         self.step, self.width, self.device = step, width, device
-        self.states: dict[Bucket, StepState] = {}
+        # shared with the other runners of the same method (greedy / sampled graphs of one batch state), so
+        # a batch can switch between them from one step to the next
+        self.states: dict[Bucket, StepState] = {} if states is None else states
+        self.vocab = vocab  # > 0: the step samples, and reads noise [Bb, nodes, vocab]
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.report: list[tuple[Bucket, float, int]] = []  # (bucket, capture seconds, pool bytes added)
         self.pool = None
@@ -64,6 +79,8 @@ class StepGraphs:
             with nvtx_range(f"capture b{bucket.batch} n{bucket.nodes}"):
                 state = next((st for b, st in self.states.items() if b.batch == bucket.batch), None)
                 state = state or StepState.allocate(bucket, self.width, self.device)
+                if self.vocab and state.noise is None:  # largest bucket first: this is the batch's widest
+                    state.noise = torch.ones(bucket.batch, bucket.nodes, self.vocab, device=self.device)
                 t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
                 try:
                     side = torch.cuda.Stream(self.device)

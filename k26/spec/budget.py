@@ -212,3 +212,17 @@ def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
     w = (n + 63) // 64
     return DraftTree(tree.tokens[:, :n], tree.parents[:, :n], tree.depths[:, :n], tree.valid[:, :n],
                      tree.words[:, :n, :w], tree.scores[:, :n], tree.max_depth)
+
+
+def timing_contexts(max_model_len: int, largest: int, block: int, near: int = 16) -> tuple[int, ...]:
+    """Context lengths at which to time each candidate step: a short and a long one (the longest a step of
+    the largest tree fits at), or only the short one when the cache is too short to tell them apart."""
+    far = max_model_len - largest - block - 1
+    return (near, far) if far - near >= 256 else (max(0, min(near, far)),)
+
+
+def fit_costs(t_AC: torch.Tensor, ats: tuple[int, ...]) -> tuple[list[float], list[float]]:
+    """Per candidate, seconds per whole step at context 0 and per context token: the line through the
+    timings [len(ats), C] (flat with one context)."""
+    slope = ((t_AC[-1] - t_AC[0]) / (ats[-1] - ats[0])).clamp_min(0) if len(ats) > 1 else torch.zeros_like(t_AC[0])
+    return (t_AC[0] - slope * ats[0]).clamp_min(1e-6).tolist(), slope.tolist()

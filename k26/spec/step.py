@@ -3,6 +3,7 @@ over [bonus, nodes] with the ancestor mask), acceptance walk, KV commit, drafter
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,8 +12,9 @@ import torch
 from ..kv_cache import DrafterCache
 from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
-from ..sampling import SamplingParams
-from .accept import accept_walk, commit_latent, emitted_tokens, target_choices
+from ..profiling import nvtx_range
+from ..sampling import RowSampling, sample_rows
+from .accept import accept_walk, commit_latent, emitted_tokens
 from .budget import truncate_tree
 from .tree import build_ddtree_from_topk, chain_from_topk, pad_tree
 
@@ -97,9 +99,26 @@ def verify_nodes(spec: SpecConfig, block_size: int) -> int:
     return 1 + (spec.candidates[-1] if spec.auto else spec.budget or block_size - 1)
 
 
+@dataclass(frozen=True)
+class StepModels:
+    """What a decode step runs on: the target (compiled or plain), the drafter and both caches."""
+
+    target: KimiK2
+    drafter: DFlashDrafter | None
+    cache_LRTC: torch.Tensor
+    dcache: DrafterCache | None
+    absorb: bool = True
+
+    def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+        """Next token per row from final hidden states: the shards' argmax merged when every row is greedy,
+        else a per-row sample from the gathered logits."""
+        if rs.greedy:
+            return self.target.lm_head.argmax(h_BD)
+        return sample_rows(self.target.logits(h_BD)[:, None], rs)[:, 0]
+
+
 def speculative_step(
-    target: KimiK2, drafter: DFlashDrafter, cache_LRTC, dcache: DrafterCache, rows, start, bonus, alive,
-    spec: SpecConfig, sp: SamplingParams, gen: torch.Generator | None, absorb: bool = True, timer=None,
+    m: StepModels, rows, start, bonus, alive, spec: SpecConfig, rs: RowSampling, timer=None,
     nodes: int | None = None, policy=None,
 ) -> StepResult:
     """Advance every live sequence by its accepted drafts + 1 bonus; caches are updated in place.
@@ -108,13 +127,14 @@ def speculative_step(
     eagerly the choice for this very tree (one tiny read), in a graph the budget is the bucket's
     (`spec.budget`), and the choice is returned for the host to pick the next bucket."""
     t = timer or (lambda name: _null())
+    target, drafter = m.target, m.drafter
     # Finished rows still run (the batch is rectangular) but at position 0 of their own row: their frozen
     # length could sit too close to the end of the cache for a whole tree.
     start = torch.where(alive, start, 0)
     pick = None
     with t("draft"):
         largest = policy.largest if policy is not None else tree_budget(spec, drafter.cfg.block_size)
-        lp, tok = draft_topk(target, drafter, dcache, rows, start, bonus, min(largest, target.cfg.vocab_size))
+        lp, tok = draft_topk(target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size))
         if policy is not None:
             full = build_ddtree_from_topk(lp, tok, policy.largest)
             pick = policy.choose(full, alive, start)
@@ -126,24 +146,67 @@ def speculative_step(
         tree.tokens[:, 0] = bonus
     with t("verify"):
         batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words())
-        h, aux = target(tree.tokens, batch, cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=absorb)
+        h, aux = target(tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb)
         # greedy merges the shards' argmax (no full-vocabulary gather); sampling gathers the logits
-        choice = target.lm_head.argmax(h) if sp.temperature == 0 else target_choices(target.logits(h), sp, gen)
+        choice = target.lm_head.argmax(h) if rs.greedy else sample_rows(target.logits(h), rs)
     path, n_acc, new_bonus = accept_walk(tree, choice)
     # Finished rows stay frozen: nothing of theirs is committed.
     path = torch.where(alive[:, None], path, -1)
     path[:, 0] = torch.where(alive, 0, -1)
-    commit_latent(cache_LRTC, rows, start, path.clamp_min(0))
+    commit_latent(m.cache_LRTC, rows, start, path.clamp_min(0))
     J = path.shape[1]
     feat = aux.gather(1, path.clamp_min(0)[:, :, None].expand(-1, -1, aux.shape[2]))
     pos = start[:, None] + torch.arange(J, device=start.device)
-    drafter.append_context(dcache.k, dcache.v, feat, pos, rows, valid_BC=path >= 0)
+    drafter.append_context(m.dcache.k, m.dcache.v, feat, pos, rows, valid_BC=path >= 0)
     emitted = emitted_tokens(tree, path, new_bonus)
     if policy is not None:
         used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
         policy.update(full, used, n_acc, alive, path, start)
     return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus, pick,
                       budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None)
+
+
+class PhaseTimer:
+    """Phase times without a sync per step: CUDA events on GPU (read at the end), wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    def __call__(self, name: str):
+        return _Span(self, name)
+
+    def total(self, name: str) -> float:
+        spans = self.spans.get(name, [])
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return sum(spans)
+
+
+class _Span:
+    def __init__(self, timer: PhaseTimer, name: str):
+        self.t, self.name = timer, name
+
+    def __enter__(self):
+        self.r = nvtx_range(self.name)
+        self.r.__enter__()
+        if self.t.cuda:
+            self.a = torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.a = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.t.cuda:
+            b = torch.cuda.Event(enable_timing=True)
+            b.record()
+            self.t.spans.setdefault(self.name, []).append((self.a, b))
+        else:
+            self.t.spans.setdefault(self.name, []).append(time.perf_counter() - self.a)
+        self.r.__exit__(*exc)
+        return False
 
 
 class _null:

@@ -1,0 +1,109 @@
+"""Decode steps as CUDA-graph replays: the captured body (AR or one speculative step over a bucket's static
+state) and the host side of a step (replay, one small device-to-host copy, the adaptive bucket choice).
+
+The body reads the batch from the static `StepState` and advances it in place (start += emitted, bonus =
+next), so the host between replays only copies the emitted tokens back and, at step boundaries, writes
+the rows it admits or retires (continuous batching) into the same buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..model import AttnBatch
+from ..ops.reference import static_shapes
+from ..spec.budget import BudgetPolicy
+from ..spec.step import SpecConfig, StepModels, speculative_step
+from .buckets import Bucket
+from .runner import StepGraphs, StepState
+
+
+def graph_step(m: StepModels, spec: SpecConfig, greedy: bool,
+               policy_for: Callable[[int], BudgetPolicy | None]) -> Callable[[StepState, Bucket], None]:
+    """The body captured per bucket: one decode step of every row of the bucket's static state."""
+
+    def step(state: StepState, bucket: Bucket) -> None:
+        rs = state.sampling(greedy)
+        with static_shapes():
+            if spec.method == "ar":
+                batch = AttnBatch.causal(state.start, 1, state.rows)
+                h, _ = m.target(state.bonus[:, None], batch, m.cache_LRTC, absorb=m.absorb)
+                tok = m.next_token(h[:, 0], rs)
+                state.emitted[:, 0].copy_(tok)
+                state.n_emitted.copy_(state.alive.long())
+            else:
+                policy = policy_for(bucket.batch) if spec.auto else None
+                step_spec = spec.fixed(bucket.nodes - 1) if spec.auto else spec
+                r = speculative_step(m, state.rows, state.start, state.bonus, state.alive, step_spec, rs,
+                                     nodes=bucket.nodes, policy=policy)
+                state.emitted.copy_(r.emitted)
+                state.n_emitted.copy_(r.n_emitted)
+                if r.choice is not None:
+                    state.choice.copy_(r.choice.view(1))
+                tok = r.bonus
+            state.start.add_(state.n_emitted)
+            state.bonus.copy_(torch.where(state.alive, tok, state.bonus))
+
+    return step
+
+
+class GraphStepper:
+    """Host side of graph decoding for one batch: replays the current bucket of the greedy or the sampled
+    graphs (both captured over the same static state), reads the step's tokens back, and follows the
+    adaptive budget's choice to the next bucket (one step late: a graph cannot branch on its own draft)."""
+
+    def __init__(self, runners: dict[bool, StepGraphs], buckets: list[Bucket]):
+        self.runners, self.buckets = runners, buckets
+        self.bucket = buckets[-1]  # adaptive: start with the largest, then follow each step's choice
+        self.state = next(iter(runners.values())).states[self.bucket]
+        self.host_em = torch.empty_like(self.state.emitted, device="cpu").pin_memory()
+        self.host_n = torch.empty_like(self.state.n_emitted, device="cpu").pin_memory()
+        self.host_c = torch.empty_like(self.state.choice, device="cpu").pin_memory()
+        self.done = torch.cuda.Event()
+        self.host_s = 0.0  # CPU time of the steps, waits excluded
+
+    @property
+    def nodes(self) -> int:
+        """Verify tokens a step may write past a row's length (the padded buckets write this far)."""
+        return max(b.nodes for b in self.buckets)
+
+    def __call__(self, greedy: bool) -> tuple[list[list[int]], list[int], int | None]:
+        """One replay: (emitted tokens per row, their counts, the budget verified or None)."""
+        st, bucket = self.state, self.bucket
+        t0 = time.perf_counter()
+        self.runners[greedy].replay(bucket)
+        self.host_em.copy_(st.emitted, non_blocking=True)  # the step's one small device-to-host copy
+        self.host_n.copy_(st.n_emitted, non_blocking=True)
+        self.host_c.copy_(st.choice, non_blocking=True)
+        self.done.record()
+        t1 = time.perf_counter()
+        self.done.synchronize()
+        t2 = time.perf_counter()
+        counts, emitted = self.host_n.tolist(), self.host_em.tolist()
+        if len(self.buckets) > 1:
+            self.bucket = self.buckets[int(self.host_c[0])]
+        self.host_s += (t1 - t0) + (time.perf_counter() - t2)
+        return [e[:n] for e, n in zip(emitted, counts)], counts, bucket.nodes - 1 if bucket.nodes > 1 else None
+
+    def time_candidate(self, bucket: Bucket, at: int) -> float:
+        """Seconds per whole replay of `bucket` at context `at` (scratch caches: before any prefill)."""
+        graph = next(iter(self.runners.values()))
+        state = graph.states[bucket]
+        state.start.fill_(at), state.alive.fill_(True)
+        graph.replay(bucket)
+        best = float("inf")
+        # best of three after a warm replay: one sample was too noisy to rank buckets 3 % apart, and the
+        # first timings also ramp the clocks up
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                state.start.fill_(at)
+                graph.replay(bucket)
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t0) / 3)
+        state.reset()
+        return best
