@@ -247,16 +247,19 @@ def load_model(
 
 def use_cuda_kernels(model: KimiK2) -> None:
     """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time)."""
-    from .model.moe import Int4Experts
+    from .model.moe import Int4Experts, Router
     from .ops import build
 
     experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
-    if not experts:
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not (experts or routers):
         return
     if not build.available():  # warns once; the int4 experts keep the reference layout
         return
     for m in experts:
         m.repack_()
+    for r in routers:
+        r.fuse_()  # one kernel from hidden state to top-k ids / weights (csrc/moe_router.cu)
 
 
 # Drafter tensors split across TP ranks (dim 0: column parallel, dim 1: row parallel); the rest is replicated.

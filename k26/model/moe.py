@@ -4,17 +4,18 @@ routed experts (int4 pack-quantized or bf16) split along the intermediate dim, a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference
 from ..ops.moe_cuda import repack_experts
+from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
 
 
 class Router(nn.Module):
-    """noaux_tc gate: the bias chooses experts, the unbiased sigmoid scores weight them."""
+    """noaux_tc gate: the bias chooses experts, the unbiased sigmoid scores weight them
+    (`reference.moe_router` is the specification; after `fuse_()` one CUDA kernel computes it)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -22,23 +23,27 @@ class Router(nn.Module):
         E = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("barrier", None, persistent=False)  # the fused kernel's grid-barrier scratch
+
+    @torch.no_grad()
+    def fuse_(self) -> None:
+        """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on; bf16 weight on CUDA, once loaded."""
+        self.barrier = router_barrier(self.weight.device)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
-        choice_TE = scores_TE + self.e_score_correction_bias
-        if cfg.n_group > 1:
-            grouped = choice_TE.unflatten(-1, (cfg.n_group, -1))
-            group_score = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_score, dtype=torch.bool)
-            keep.scatter_(-1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
-            # -inf, not 0: a masked expert must never win even when every biased score is negative.
-            choice_TE = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
-        ids_TK = choice_TE.topk(cfg.num_experts_per_tok, dim=-1).indices
-        w_TK = scores_TE.gather(-1, ids_TK)
-        if cfg.norm_topk_prob:
-            w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
-        return w_TK * cfg.routed_scaling_factor, ids_TK
+        args = (
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+        if self.barrier is not None and x_TD.dtype == torch.bfloat16:
+            return torch.ops.k26.moe_router(
+                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *args
+            )
+        return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *args)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -65,19 +70,33 @@ class Int4Experts(nn.Module):
     def repack_(self) -> None:
         """Swap the checkpoint layout for the CUDA kernel's (csrc/moe_w4a16.cu), once, after loading."""
         w13, s13, w2, s2 = repack_experts(
-            self.gate_packed, self.gate_scale, self.up_packed, self.up_scale, self.down_packed, self.down_scale
+            self.gate_packed,
+            self.gate_scale,
+            self.up_packed,
+            self.up_scale,
+            self.down_packed,
+            self.down_scale,
         )
         for name in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"):
             delattr(self, name)
-        self.w13, self.s13, self.w2, self.s2 = (nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2))
+        self.w13, self.s13, self.w2, self.s2 = (
+            nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2)
+        )
         self.repacked = True
 
     def forward(self, x_TD, ids_TK, w_TK):
         if self.repacked:
             return torch.ops.k26.moe_w4a16_repacked(x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK)
         return torch.ops.k26.moe_w4a16(
-            x_TD, self.gate_packed, self.gate_scale, self.up_packed, self.up_scale,
-            self.down_packed, self.down_scale, ids_TK, w_TK,
+            x_TD,
+            self.gate_packed,
+            self.gate_scale,
+            self.up_packed,
+            self.up_scale,
+            self.down_packed,
+            self.down_scale,
+            ids_TK,
+            w_TK,
         )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import moe_cuda, reference  # noqa: F401  (moe_cuda registers its op)
+from . import moe_cuda, reference, router_cuda  # noqa: F401  (moe_cuda, router_cuda register their ops)
 from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from .reference import causal_words, tree_mask_to_words, words_to_tree_mask
 
@@ -73,4 +73,4 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
 
 from . import attention_cuda  # noqa: E402, F401  (registers the CUDA kernel of mla_tree_attention)
 
-OPS = ("moe_w4a16", "moe_w4a16_repacked", "mla_write_cache", "mla_tree_attention")
+OPS = ("moe_w4a16", "moe_w4a16_repacked", "moe_router", "mla_write_cache", "mla_tree_attention")

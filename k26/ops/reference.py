@@ -98,6 +98,27 @@ def mla_tree_attention(q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scal
     return out.to(q_BNHC.dtype), lse_BNH
 
 
+def moe_router(x_TD, weight_ED, bias_E, n_group: int, topk_group: int, topk: int, renormalize: bool, scale: float):
+    """noaux_tc routing: the biased sigmoid scores choose (group-limited top-k), the unbiased ones weight.
+
+    Returns fp32 weights [T, topk] (renormalised if asked, times `scale`) and int64 ids [T, topk].
+    """
+    scores_TE = F.linear(x_TD.float(), weight_ED.float()).sigmoid()
+    choice_TE = scores_TE + bias_E
+    if n_group > 1:
+        grouped = choice_TE.unflatten(-1, (n_group, -1))
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(-1, group_score.topk(topk_group, dim=-1).indices, True)
+        # -inf, not 0: a masked expert must never win even when every biased score is negative.
+        choice_TE = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+    ids_TK = choice_TE.topk(topk, dim=-1).indices
+    w_TK = scores_TE.gather(-1, ids_TK)
+    if renormalize:
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+    return w_TK * scale, ids_TK
+
+
 def expert_mlp(x_TD, w_gate_ID, w_up_ID, w_down_DI):
     return F.linear(F.silu(F.linear(x_TD, w_gate_ID)) * F.linear(x_TD, w_up_ID), w_down_DI)
 

@@ -1,0 +1,302 @@
+// Fused MoE router for Kimi K2.6 (noaux_tc): one launch from the normed hidden state to the routing
+// the expert kernel takes (top-k ids int64 [M, K] and weights fp32 [M, K]).
+//
+//   logits = x · Wᵀ (bf16 weight read as stored, bf16 products exact, fp32 accumulation)
+//   score  = sigmoid(logits);  choice = score + correction_bias          (bias selects, score weights)
+//   groups (n_group > 1): keep the topk_group groups with the largest sum of their two best choices
+//   ids    = top-k of choice over kept groups (descending, ties to the lower index)
+//   w      = score[ids] / (Σ score[ids] + 1e-20) (if renormalize) · routed_scaling_factor
+//
+// One launch, two phases separated by a grid barrier:
+//   1. logits: work items (64-token tile, 16-row tile of W, k range); the 8 warps of a block split the
+//      item's k range, mma.sync.m16n8k16 with W rows as the A operand ("swap AB": 16 experts x 8
+//      tokens per mma, so M = 1 wastes no weight bytes) and reduce in shared memory in warp order;
+//      each item writes one fp32 partial per (k range, token, expert). A few k ranges per row tile
+//      give the grid enough blocks to stream the 5.5 MB weight at bandwidth.
+//   2. per token (one block each): partials summed in k-range order (deterministic), sigmoid, bias into
+//      shared memory; one warp runs the group-limited top-k with warp shuffles and writes the outputs.
+// The k index inside each 64-wide chunk is permuted identically for A and B (lane t owns k in
+// [16t, 16t + 16)), so each lane's fragments are 32 contiguous bytes of a W row / an x row: plain
+// 16-byte loads, no ldmatrix, no shared-memory staging.
+// The barrier needs every block resident: the grid is capped at SMs x occupancy (queried); its two
+// int32 counters (arrivals, departures) start at zero and every launch leaves them at zero.
+//
+// Legality: warp-level mma.sync bf16 only, <= 48 KB static shared memory per block: legal on sm_120
+// (99 KB) and sm_90; built for sm_90a and sm_120a. No host sync: CUDA-graph capturable.
+// Speed and its benchmark: profiling/bench_moe.py (router row and whole block), results in profiling/results/.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#define K26_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxE = 1024;   // experts held in shared memory by phase 2
+constexpr int kMaxTopk = 32;  // one lane per chosen expert when writing the outputs
+constexpr int kMaxGroups = 32;
+
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+struct Args {
+  const __nv_bfloat16* x;  // [M, D]
+  const __nv_bfloat16* w;  // [E, D]
+  const float* bias;       // [E]
+  int* barrier;            // [2], zero on entry and exit
+  float* partial;          // [KS, M, E]
+  float* out_w;            // [M, K]
+  int64_t* out_ids;        // [M, K]
+  int M, D, E, n_group, topk_group, topk, renormalize, ks, chunks_per_ks;
+  float scale;
+};
+
+// Phase 1, one warp: 16 W rows x (8·NT tokens) over chunks [c0, c1) of 64 k.
+template <int NT>
+__device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float acc[NT][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint4* wr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + g + 8 * h;
+    wr[h] = row < a.E ? reinterpret_cast<const uint4*>(a.w + (size_t)row * a.D) + 2 * t : nullptr;
+  }
+  const uint4* xr[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = m0 + nt * 8 + g;
+    xr[nt] = tok < a.M ? reinterpret_cast<const uint4*>(a.x + (size_t)tok * a.D) + 2 * t : nullptr;
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+  constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks of W in flight per warp
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int c = c0; c < c1; c += U) {
+    uint4 wv[U][2][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+          wv[u][h][q] = (c + u < c1 && wr[h]) ? __ldcs(wr[h] + (size_t)(c + u) * 8 + q) : zero;  // streamed once
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c + u >= c1) break;
+      uint4 xv[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) xv[nt][q] = xr[nt] ? __ldg(xr[nt] + (size_t)(c + u) * 8 + q) : zero;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int q = j >> 1, i0 = 2 * (j & 1);
+        const uint32_t a0 = word(wv[u][0][q], i0), a2 = word(wv[u][0][q], i0 + 1);
+        const uint32_t a1 = word(wv[u][1][q], i0), a3 = word(wv[u][1][q], i0 + 1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[nt], a0, a1, a2, a3, word(xv[nt][q], i0), word(xv[nt][q], i0 + 1));
+      }
+    }
+  }
+}
+
+template <int NT>
+__device__ void logits_phase(const Args& a, float (*red)[NT * 4][32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row_tiles = (a.E + 15) / 16, m_tiles = (a.M + 8 * NT - 1) / (8 * NT);
+  const int kc = a.D / 64, items = m_tiles * row_tiles * a.ks;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int rt = item % row_tiles, ks = (item / row_tiles) % a.ks, mt = item / (row_tiles * a.ks);
+    const int cb = ks * a.chunks_per_ks, ce = min(kc, cb + a.chunks_per_ks), n = ce - cb;
+    float acc[NT][4];
+    dot_tile<NT>(a, mt * 8 * NT, rt * 16, cb + warp * n / kWarps, cb + (warp + 1) * n / kWarps, acc);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
+    __syncthreads();
+    for (int v = threadIdx.x; v < NT * 4 * 32; v += kThreads) {
+      const int l = v & 31, i = (v >> 5) & 3, nt = v >> 7;
+      const int row = rt * 16 + (l >> 2) + 8 * (i >> 1);
+      const int tok = mt * 8 * NT + nt * 8 + 2 * (l & 3) + (i & 1);
+      if (row >= a.E || tok >= a.M) continue;
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += red[w][nt * 4 + i][l];  // fixed order: deterministic
+      a.partial[((size_t)ks * a.M + tok) * a.E + row] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// All blocks are resident (grid capped by occupancy), so spinning cannot starve a block that has not
+// started. Arrivals count up to gridDim; departures let the last block re-arm both counters to zero.
+__device__ void grid_barrier(int* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(&bar[0], 1);
+    while (atomicAdd(&bar[0], 0) < (int)gridDim.x) __nanosleep(32);
+    __threadfence();
+    if (atomicAdd(&bar[1], 1) == (int)gridDim.x - 1) {
+      atomicExch(&bar[0], 0);
+      atomicExch(&bar[1], 0);
+    }
+  }
+  __syncthreads();
+}
+
+// Warp argmax over (value, index): larger value wins, ties go to the lower index; NaN marks "taken".
+__device__ __forceinline__ void warp_argmax(float& v, int& idx) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (oi >= 0 && (idx < 0 || ov > v || (ov == v && oi < idx))) v = ov, idx = oi;
+  }
+}
+
+// One warp: the group-limited top-k of one token from choice[] / score[] in shared memory.
+__device__ void select_topk(const Args& a, float* choice, const float* score, int tok) {
+  const int lane = threadIdx.x & 31;
+  uint32_t keep = 0xffffffffu;
+  if (a.n_group > 1) {
+    const int gs = a.E / a.n_group;
+    float gscore = -INFINITY;
+    for (int gi = 0; gi < a.n_group; ++gi) {
+      float b1 = -INFINITY, b2 = -INFINITY;  // this lane's two best of the group
+      for (int e = gi * gs + lane; e < (gi + 1) * gs; e += 32) {
+        const float v = choice[e];
+        if (v > b1) b2 = b1, b1 = v; else if (v > b2) b2 = v;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
+        if (o1 > b1) b2 = fmaxf(b1, o2), b1 = o1; else b2 = fmaxf(b2, o1);
+      }
+      if (lane == gi) gscore = b1 + b2;
+    }
+    keep = 0;
+    for (int k = 0; k < a.topk_group; ++k) {
+      float v = (lane < a.n_group && !(keep >> lane & 1)) ? gscore : -INFINITY;
+      int idx = (lane < a.n_group && !(keep >> lane & 1)) ? lane : -1;
+      warp_argmax(v, idx);
+      if (idx >= 0) keep |= 1u << idx;
+    }
+    // Experts of dropped groups can only be chosen after every kept one (-inf, as the reference).
+    for (int e = lane; e < a.E; e += 32)
+      if (!(keep >> (e / gs) & 1)) choice[e] = -INFINITY;
+    __syncwarp();
+  }
+  int mine = -1;  // lane k holds the k-th choice
+  for (int k = 0; k < a.topk; ++k) {
+    float v = -INFINITY;
+    int idx = -1;
+    for (int e = lane; e < a.E; e += 32) {
+      const float c = choice[e];
+      if (!isnan(c) && (idx < 0 || c > v)) v = c, idx = e;  // ascending e: ties keep the lower index
+    }
+    warp_argmax(v, idx);
+    if (lane == k) mine = idx;
+    if (lane == 0) choice[idx] = NAN;
+    __syncwarp();
+  }
+  const float s = lane < a.topk ? score[mine] : 0.f;
+  float sum = 0.f;  // in k order, as every lane sees the same sequence
+  for (int k = 0; k < a.topk; ++k) sum += __shfl_sync(0xffffffffu, s, k);
+  if (lane < a.topk) {
+    const float w = a.renormalize ? s / (sum + 1e-20f) : s;
+    a.out_w[(size_t)tok * a.topk + lane] = w * a.scale;
+    a.out_ids[(size_t)tok * a.topk + lane] = mine;
+  }
+}
+
+template <int NT>
+__global__ void __launch_bounds__(kThreads, NT == 8 ? 1 : 2) router_kernel(Args a) {  // NT 8: 64 accumulators
+  __shared__ float red[kWarps][NT * 4][32];
+  __shared__ float choice[kMaxE], score[kMaxE];
+  logits_phase<NT>(a, red);
+  grid_barrier(a.barrier);
+  for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
+    for (int e = threadIdx.x; e < a.E; e += kThreads) {
+      float l = 0.f;
+      for (int k = 0; k < a.ks; ++k) l += __ldcg(a.partial + ((size_t)k * a.M + tok) * a.E + e);  // k order
+      const float s = 1.f / (1.f + expf(-l));
+      score[e] = s;
+      choice[e] = s + a.bias[e];
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) select_topk(a, choice, score, tok);
+    __syncthreads();
+  }
+}
+
+struct Plan {
+  int nt, ks, chunks_per_ks, grid;
+};
+
+template <int NT>
+int max_grid() {
+  int dev = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, router_kernel<NT>, kThreads, 0);
+  return sms * (per_sm > 0 ? per_sm : 1);
+}
+
+// Token tile from M; enough k ranges that ~2 blocks per SM stream W, never more than the resident grid.
+Plan plan(int M, int D, int E) {
+  Plan p;
+  p.nt = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8;
+  const int limit = p.nt == 1 ? max_grid<1>() : p.nt == 2 ? max_grid<2>() : p.nt == 4 ? max_grid<4>() : max_grid<8>();
+  const int kc = D / 64, row_tiles = (E + 15) / 16, m_tiles = (M + 8 * p.nt - 1) / (8 * p.nt);
+  int ks = (limit + row_tiles * m_tiles - 1) / (row_tiles * m_tiles);
+  ks = ks < 1 ? 1 : ks > kc / kWarps ? (kc / kWarps > 0 ? kc / kWarps : 1) : ks;
+  p.chunks_per_ks = (kc + ks - 1) / ks;
+  p.ks = (kc + p.chunks_per_ks - 1) / p.chunks_per_ks;
+  const int items = row_tiles * m_tiles * p.ks;
+  p.grid = items < limit ? items : limit;
+  if (p.grid < M && M <= limit) p.grid = M;  // phase 2 runs one token per block
+  return p;
+}
+
+}  // namespace
+
+K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
+  const Plan p = plan(M, D, E);
+  return (size_t)p.ks * M * E * sizeof(float);
+}
+
+// Returns a cudaError_t (0 = success). Shapes are validated by the Python front door (k26/ops/router_cuda.py):
+// D % 64 == 0, E <= 1024, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group.
+K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
+                              float* out_w, int64_t* out_ids, int M, int D, int E, int n_group, int topk_group,
+                              int topk, int renormalize, float scale, void* stream) {
+  if (E > kMaxE || topk > kMaxTopk || topk > E || n_group > kMaxGroups || D % 64) return (int)cudaErrorInvalidValue;
+  const Plan p = plan(M, D, E);
+  Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids,
+         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, scale};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (p.nt) {
+    case 1: router_kernel<1><<<p.grid, kThreads, 0, st>>>(a); break;
+    case 2: router_kernel<2><<<p.grid, kThreads, 0, st>>>(a); break;
+    case 4: router_kernel<4><<<p.grid, kThreads, 0, st>>>(a); break;
+    default: router_kernel<8><<<p.grid, kThreads, 0, st>>>(a); break;
+  }
+  return (int)cudaGetLastError();
+}

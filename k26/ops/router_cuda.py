@@ -1,0 +1,132 @@
+"""Front door of the fused MoE router (csrc/moe_router.cu): `torch.ops.k26.moe_router`, input checks
+before any launch, and the CUDA kernel (the pure-torch reference `reference.moe_router` elsewhere).
+
+The op returns what `moe_w4a16_repacked` takes: fp32 weights [M, topk] and int64 ids [M, topk].
+`barrier` is the kernel's grid-barrier scratch: int32 [2], zero before and after every call; its owner
+(the model's `Router`) allocates it once with `router_barrier`. The reference ignores it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import reference
+
+
+def router_barrier(device: torch.device | str) -> torch.Tensor:
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+@torch.library.custom_op("k26::moe_router", mutates_args=())
+def moe_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    barrier: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    topk: int,
+    renormalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+
+
+@moe_router.register_fake
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+    M = x.shape[0]
+    return x.new_empty(M, topk, dtype=torch.float32), x.new_empty(M, topk, dtype=torch.int64)
+
+
+MAX_EXPERTS, MAX_TOPK, MAX_GROUPS = 1024, 32, 32  # csrc/moe_router.cu: kMaxE, kMaxTopk, kMaxGroups
+
+
+def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: int) -> tuple[int, int, int]:
+    """Every shape/dtype/device problem of the CUDA path as a ValueError naming the argument."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"moe_router: {msg}")
+
+    need(
+        x.dim() == 2 and x.dtype == torch.bfloat16,
+        f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}",
+    )
+    M, D = x.shape
+    need(
+        weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[1] == D,
+        f"weight must be bf16 [E, D={D}], got {weight.dtype} {list(weight.shape)}",
+    )
+    E = weight.shape[0]
+    need(0 < E <= MAX_EXPERTS, f"E={E} experts: the kernel holds 1..{MAX_EXPERTS}")
+    need(
+        bias.shape == (E,) and bias.dtype == torch.float32,
+        f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}",
+    )
+    need(barrier.shape == (2,) and barrier.dtype == torch.int32, "barrier must be int32 [2] (router_barrier)")
+    need(0 < topk <= min(E, MAX_TOPK), f"topk={topk} must be in [1, {min(E, MAX_TOPK)}]")
+    need(
+        0 < n_group <= MAX_GROUPS and E % n_group == 0,
+        f"n_group={n_group} must divide E={E} and be <= {MAX_GROUPS}",
+    )
+    need(0 < topk_group <= n_group, f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    need(n_group == 1 or E // n_group >= 2, f"groups of {E // n_group} expert: group scores sum the best two")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("barrier", barrier)):
+        need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
+        need(t.is_contiguous(), f"{name} must be contiguous")
+    return M, D, E
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def _library() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is None:
+        from .build import library
+
+        lib = library()
+        lib.k26_moe_router_workspace.restype = ctypes.c_size_t
+        lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
+        lib.k26_moe_router.restype = ctypes.c_int
+        lib.k26_moe_router.argtypes = (
+            [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_void_p]
+        )
+        _LIB = lib
+    return _LIB
+
+
+@moe_router.register_kernel("cuda")
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+    M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk)
+    if D % 64:  # the kernel tiles k by 64; no K2 checkpoint has such a hidden size
+        return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+    out_w = torch.empty(M, topk, dtype=torch.float32, device=x.device)
+    out_ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)
+    if M == 0:
+        return out_w, out_ids
+    lib = _library()
+    ws = torch.empty(lib.k26_moe_router_workspace(M, D, E) // 4, dtype=torch.float32, device=x.device)
+    err = lib.k26_moe_router(
+        x.data_ptr(),
+        weight.data_ptr(),
+        bias.data_ptr(),
+        barrier.data_ptr(),
+        ws.data_ptr(),
+        out_w.data_ptr(),
+        out_ids.data_ptr(),
+        M,
+        D,
+        E,
+        n_group,
+        topk_group,
+        topk,
+        int(renormalize),
+        scale,
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    if err:
+        raise RuntimeError(f"moe_router: CUDA launch failed with error {err}")
+    return out_w, out_ids
