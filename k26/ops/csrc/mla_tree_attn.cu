@@ -12,11 +12,11 @@
 // Row tiles of a split are adjacent in the grid, so a KV tile fetched from HBM is re-read from L2.
 //
 // Per block: Q lives in registers (warp w holds rows x dims [144 (w/2), +144) as mma A fragments); keys
-// stream through a 4-stage cp.async pipeline of 16-key tiles (3 tiles, 55 KB, in flight while one is
-// computed); per tile S = Q K^T is split over 8 warps (2 key n-tiles x 4 dim quarters, partial sums added
-// in shared memory), the online softmax runs on all 256 threads (a row's 16 keys across 16 / MT lanes,
-// reductions by shuffles), then O += P V with each warp owning 64 of the 512 output columns (V = the first
-// 512 dims of the same K tile, through ldmatrix.trans). Three barriers per tile, none for the softmax.
+// stream through a 4-stage cp.async pipeline of 16-key tiles; per tile S = Q K^T is split over 8 warps
+// (2 key n-tiles x 4 dim quarters, partial sums added in shared memory), the online softmax runs on all
+// 256 threads (a row's 16 keys across 16 / MT lanes, reductions by shuffles), and O += P V has each warp
+// owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
+// Software-pipelined: P V of tile i and S of tile i + 1 share one barrier interval, so two barriers a tile.
 //
 // Split-KV merge in the same launch: every split writes its normalised partial (o, lse) to the workspace;
 // the partials form a tree of fan-in 8 and the last block to finish a node (an atomic counter per node,
@@ -115,10 +115,10 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
 // The merge tree: at most two levels. Up to ONE_LEVEL splits are merged at once by the last to finish;
 // more are grouped F = ceil(sqrt(active)) at a time, the last of each group merging it into a level-1
 // slot, the last of those merging the level-1 slots into out / lse. Two short levels keep the merge tail
-// (bytes read by one block) near 1 us; a deeper tree pays a fence + atomic + L2 round trip per level.
+// (bytes read by one block) short; a deeper tree pays a fence + atomic + L2 round trip per level.
 constexpr int ONE_LEVEL = 12;
-constexpr int MAX_FANIN = 32;
-constexpr int MERGE_LOADS = 4;  // float4 loads in flight per thread per merge step  // ceil(sqrt(1024)): the largest split count the front door asks for
+constexpr int MAX_FANIN = 32;    // ceil(sqrt(1024)): the largest split count the front door asks for
+constexpr int MERGE_LOADS = 16;  // float4 loads in flight per thread: 64 KB a block, a few L2 round trips
 
 __device__ __forceinline__ int fanin(int active) {
   if (active <= ONE_LEVEL) return active;
@@ -297,14 +297,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[m][n][i] = 0.f;
 
-  for (int it = 0; it < n_tiles; ++it) {
-    cp_wait<NSTAGE - 2>();
-    __syncthreads();  // tile `it` landed for all; everyone finished tile it - 1, so its stage is free
-    load_tile(it + NSTAGE - 1);
-    const __nv_bfloat16* tK = sK + (it % NSTAGE) * BN * LDS;
-    const int key0 = k0 + it * BN;
-
-    // S partial over this warp's dim quarter for keys nt*8 .. +8.
+  // S partial over this warp's dim quarter for keys nt*8 .. +8 of the tile in `stage` -> sS.
+  auto score_tile = [&](int stage) {
+    const __nv_bfloat16* tK = sK + stage * BN * LDS;
     // Two accumulators per m-tile (MT 2) halve the dependent-MMA chain: latency, not throughput, bounds a tile.
     float s[MT][4], s2[MT][4];
 #pragma unroll
@@ -324,21 +319,20 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     }
     uint32_t bl[2];
     ldsm_x2(bl, kb + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
+    float* sSq = sS + kq * BM * LDSS;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       mma_bf16(s[m], qa[m][KSTEPS - 1], bl[0], bl[1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[m][i] += s2[m][i];
-    }
-    float* sSq = sS + kq * BM * LDSS;
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
       *reinterpret_cast<float2*>(sSq + (m * 16 + g) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
       *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
     }
-    __syncthreads();
+  };
 
-    // Online softmax: this thread's MT scores of row sr; row reductions over its LPR lanes.
+  // Online softmax of the tile starting at key0: this thread's MT scores of row sr, reductions over its
+  // LPR lanes by shuffles; P -> sP (bf16), the rescale factor -> sAlpha.
+  auto softmax_tile = [&](int key0) {
     float sv[MT], mx = -CUDART_INF_F;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
@@ -370,9 +364,11 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     l_run = l_run * alpha + sum;
     m_run = m_new;
     if (tid % LPR == 0) sAlpha[sr] = alpha;
-    __syncthreads();
+  };
 
-    // O = alpha * O + P V over this warp's 64 output columns.
+  // O = alpha * O + P V over this warp's 64 output columns, V = the tile in `stage`.
+  auto pv_tile = [&](int stage) {
+    const __nv_bfloat16* tK = sK + stage * BN * LDS;
     uint32_t pa[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -391,6 +387,22 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
         mma_bf16(o[m][2 * n2 + 1], pa[m], vb[2], vb[3]);
       }
     }
+  };
+
+  // Software-pipelined: P V of tile `it` and S of tile `it + 1` are independent, so they run between the
+  // same two barriers and their MMAs overlap; the softmax of `it + 1` follows. Tile 0's S and softmax
+  // run ahead of the loop (tile 0 landed with Q).
+  score_tile(0);
+  __syncthreads();
+  softmax_tile(k0);
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_wait<NSTAGE - 3>();  // tile it + 1 landed
+    __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
+    load_tile(it + NSTAGE - 1);
+    pv_tile(it % NSTAGE);
+    score_tile((it + 1) % NSTAGE);  // past the last tile this scores a stale stage; the result is unused
+    __syncthreads();
+    if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN);
   }
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
