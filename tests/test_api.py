@@ -122,9 +122,20 @@ def test_cli_reports_bad_input(tiny_k25, capsys):
     assert "max_tokens=-1" in capsys.readouterr().err
 
 
-def test_public_names():
-    for name in ("LLM", "SamplingParams", "RequestOutput"):
-        assert hasattr(k26, name)
+def test_every_name_the_readme_uses_is_exported():
+    """`k26.X` in the README's examples and the names of k26's `__all__` resolve, and `from k26 import *`
+    gives exactly `__all__` (a renamed or dropped export fails here, not in a user's script)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    used = set(re.findall(r"\bk26\.([A-Z]\w+)\(", readme))
+    assert {"LLM", "SamplingParams", "SpecConfig"} <= used
+    assert used <= set(k26.__all__), used - set(k26.__all__)
+    star: dict = {}
+    exec("from k26 import *", star)
+    assert set(star) - {"__builtins__"} == set(k26.__all__)
+    assert all(isinstance(star[n], type) for n in k26.__all__)
 
 
 def test_stream_yields_the_generated_text(llm):

@@ -6,7 +6,7 @@ from oracles import random_prompts
 
 import k26.spec.step as step_mod
 from k26 import SamplingParams, SpecConfig
-from k26.spec.budget import BudgetPolicy, truncate_tree
+from k26.spec.budget import BudgetPolicy, fit_costs, timing_contexts, truncate_tree
 from k26.spec.tree import build_ddtree
 
 
@@ -84,8 +84,21 @@ def test_measured_costs_have_a_context_slope(tiny_k25):
     spec = SpecConfig("ddtree", "auto", candidates=(3, 15))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop_token_ids=[]), spec)
     pol = llm.decoder.policies[(spec, 1)]
-    assert min(pol.t_verify) > 0 and (pol.slope >= 0).all()
+    assert min(pol.t_verify) > 0
     assert pol.cost.tolist() != [1.0, 1.0]  # measured, not the placeholders
+    # 512 tokens leave room for a short and a long timing context: the line through both is fitted
+    assert len(timing_contexts(512, 15, llm.drafter.cfg.block_size)) == 2
+
+
+def test_fitted_costs_follow_the_context_slope():
+    """Timings at a short and a long context give each candidate the line through them; a candidate timed
+    faster at the long context (noise) gets no negative slope but its short-context cost."""
+    ats = (16, 400)
+    t = torch.tensor([[1e-3, 2e-3, 5e-3], [1e-3 + 384e-6, 2e-3 + 768e-7, 4e-3]])
+    cost, slope = fit_costs(t, ats)
+    assert slope == pytest.approx([1e-6, 2e-7, 0.0])
+    assert cost == pytest.approx([1e-3 - 16e-6, 2e-3 - 32e-7, 5e-3])
+    assert fit_costs(t[:1], ats[:1])[1] == [0.0, 0.0, 0.0]  # one context: flat
 
 
 def test_bad_budget_configs():
@@ -119,7 +132,9 @@ def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     monkeypatch.setattr(step_mod, "draft_topk", as_topk(oracle_draft(ref, noise=0.3, seed=1)))
     out = llm.generate(prompts, sp, SpecConfig("ddtree", "auto", costs=costs))
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
-    assert llm.decoder.policies  # the policy was built and used
+    pol = next(iter(llm.decoder.policies.values()))  # the policy was built and chose every step
+    assert int(pol.steps) == max(o.stats.steps for o in out)
+    assert {b for o in out for b in o.stats.budgets} <= set(SpecConfig("ddtree", "auto").candidates)
 
 
 def feed_twice_the_mass(pol: BudgetPolicy, steps: int = 300) -> torch.Tensor:

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from oracles import random_prompts
 
-import k26
 import k26.spec.step as step_mod
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.config import ConfigError
@@ -280,10 +279,6 @@ def test_bad_spec_config(llm, tiny_k25):
     plain = LLM(tiny_k25, device="cpu", progress=False)
     with pytest.raises(ValueError, match="needs a drafter"):
         plain.generate([1, 2], spec=SpecConfig("dflash"))
-
-
-def test_public_spec_names():
-    assert k26.SpecConfig is SpecConfig
 
 
 def test_head_topk_and_argmax_match_full_vocab(llm):
