@@ -191,7 +191,7 @@ def main() -> None:
             anc = torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None]
             batch = AttnBatch.tree(start, anc, rows)
 
-            def verify():
+            def verify(ids=ids, batch=batch, cache=cache):  # bound now: called within this iteration
                 with static_shapes():
                     h, _ = model(ids, batch, cache, aux_layers=dcfg.target_layer_ids)
                     model.logits(h)
@@ -215,18 +215,18 @@ def main() -> None:
         for spec in specs:
             st = start.clone()
 
-            def step():
+            def step(st=st, spec=spec, cache=cache, dcache=dcache, rows=rows, bonus=bonus, alive=alive, sp=sp):
                 with static_shapes():
                     speculative_step(StepModels(model, drafter, cache, dcache), rows, st, bonus, alive, spec, sp)
 
-            t = graph_step_time(step, lambda: st.copy_(start))
+            t = graph_step_time(step, lambda st=st, start=start: st.copy_(start))
             lines.append(f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "
                          f"{8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |")
             print(lines[-1], flush=True)
         if not a.no_specs:
             dstart = start.clone()
 
-            def draft_only():
+            def draft_only(dcache=dcache, rows=rows, dstart=dstart, bonus=bonus):
                 with static_shapes():
                     from k26.spec.step import draft
 

@@ -98,7 +98,7 @@ def main() -> None:
             for _ in range(50):
                 dist.all_reduce(x)
         t_graph = events(g.replay) / 50
-        t_eager = events(lambda: dist.all_reduce(x))
+        t_eager = events(lambda x=x: dist.all_reduce(x))
         lines.append(f"| N = {N} ({N * 7168 * 2 / 1024:.0f} KiB) | {t_graph * 1e6:.1f} | {t_eager * 1e6:.1f} |")
     res, times = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype])
     if rank == 0:

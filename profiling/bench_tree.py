@@ -42,9 +42,9 @@ def main() -> None:
         for budget in (16, 32, 64, 128, 256, 512):
             lp = torch.log_softmax(torch.randn(1, L, V, device="cuda") * 3, dim=-1)
             K = min(budget, V)
-            t_topk = graph_time(lambda: lp.topk(K, dim=-1), 1)
+            t_topk = graph_time(lambda lp=lp, K=K: lp.topk(K, dim=-1), 1)
             top_lp, top_tok = lp.topk(K, dim=-1)
-            t_build = graph_time(lambda: build_ddtree_from_topk(top_lp, top_tok, budget), 1)
+            t_build = graph_time(lambda lp=top_lp, tok=top_tok, b=budget: build_ddtree_from_topk(lp, tok, b), 1)
             cpu_lp = lp.cpu()
             times = []
             for _ in range(5):
