@@ -1,0 +1,209 @@
+"""The engine thread: the only thread that touches the model, its caches and its graphs.
+
+HTTP handlers `submit` requests into a bounded waiting queue and read their tokens from an asyncio queue
+that the engine fills through the handler's event loop (`call_soon_threadsafe`), so neither side ever
+blocks the other. At every step boundary the engine retires finished and cancelled rows, admits waiting
+requests into the free rows (their prefill runs there, between two steps), then advances every live row
+by one step (continuous batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..decode import BatchState, Decoder
+from ..sampling import SamplingParams
+from ..spec.step import SpecConfig
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Event:
+    """What the engine tells a handler: the request's new tokens, and at the end why it finished (with the
+    final text when a stop string cut it), or an error."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: bool = False  # set by the handler (client gone); the engine frees the row at the next boundary
+    sent: int = 0  # tokens already pushed
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def push(self, ev: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the handler's loop is gone (server shutting down)
+            self.cancelled = True
+
+
+@dataclass
+class Metrics:
+    """Counters and gauges for /metrics (read by the HTTP thread; plain ints and floats, no locks needed)."""
+
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    row_steps: int = 0  # live rows summed over steps
+    step_tokens: int = 0  # tokens those steps emitted: step_tokens / row_steps is tau
+    step_seconds: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # (time, tokens)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        now = time.perf_counter()
+        pts = [(t, n) for t, n in list(self.recent) if now - t <= window]
+        if len(pts) < 2:
+            return 0.0
+        return sum(n for _, n in pts[1:]) / max(pts[-1][0] - pts[0][0], 1e-9)
+
+
+class Engine:
+    """Owns the `LLM`; `start()` runs the decode loop in its own thread."""
+
+    def __init__(self, llm, spec: SpecConfig, max_batch: int | None = None, max_waiting: int = 64):
+        self.llm, self.spec = llm, spec
+        self.max_batch = min(max_batch or llm.cache.rows, llm.cache.rows)
+        self.max_waiting = max_waiting
+        self.inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.pending = 0  # submitted, not yet admitted (inbox + waiting)
+        self.lock = threading.Lock()
+        self.metrics = Metrics()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name="k26-engine", daemon=True)
+        self.rows: dict[int, Request] = {}
+
+    # -- HTTP side --------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        with self.lock:
+            if self.pending >= self.max_waiting:
+                self.metrics.rejected += 1
+                raise QueueFull(f"the server is at capacity: {self.pending} requests wait for a free row "
+                                f"(max_waiting={self.max_waiting}); retry later")
+            self.pending += 1
+        self.metrics.requests += 1
+        self.inbox.put(req)
+
+    def start(self, timeout: float = 600.0) -> None:
+        self.thread.start()
+        self.ready.wait(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"the engine failed to start: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(timeout=30)
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                dec: Decoder = self.llm.decoder
+                state = dec.open(self.spec, self.max_batch)  # captures graphs, measures the budget's costs
+                self.ready.set()
+                while self._take(block=not state.live and not self.waiting):
+                    self._boundary(dec, state)
+        except BaseException as e:  # noqa: BLE001 - reported to start() or to every open request
+            self.error = e
+            self.ready.set()
+            for req in list(self.rows.values()) + list(self.waiting):
+                req.push(Event([], error=f"engine failed: {e}"))
+            raise
+
+    def _take(self, block: bool) -> bool:
+        """Move submitted requests into the waiting queue; False once told to stop."""
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                if item is None:
+                    return False
+                self.waiting.append(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _boundary(self, dec: Decoder, state: BatchState) -> None:
+        """Retire cancelled rows, admit waiting requests into free rows, then one step of every live row."""
+        m = self.metrics
+        for slot, req in list(self.rows.items()):
+            if req.cancelled:
+                dec.release(state, slot)
+                del self.rows[slot]
+                m.cancelled += 1
+        admit = []
+        while self.waiting and len(admit) < len(state.free_slots()):
+            req = self.waiting.popleft()
+            with self.lock:
+                self.pending -= 1
+            if req.cancelled:
+                m.cancelled += 1
+                continue
+            admit.append(req)
+        try:
+            if admit:
+                slots = dec.admit(state, [r.prompt_ids for r in admit], [r.params for r in admit])
+                self.rows.update(zip(slots, admit))
+                m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
+                self._publish(dec, state, slots)
+            if state.live:
+                t0 = time.perf_counter()
+                n = len(state.live)
+                stepped = dec.step(state)
+                m.steps, m.row_steps, m.step_seconds = m.steps + 1, m.row_steps + n, m.step_seconds + time.perf_counter() - t0
+                before = m.generated_tokens
+                self._publish(dec, state, stepped)
+                m.step_tokens += m.generated_tokens - before
+        except Exception as e:  # a failed step fails its requests, not the server
+            for slot, req in list(self.rows.items()):
+                req.push(Event([], error=f"{type(e).__name__}: {e}"))
+                dec.release(state, slot)
+                del self.rows[slot]
+        m.running, m.waiting = len(state.live), self.pending
+
+    def _publish(self, dec: Decoder, state: BatchState, slots: list[int]) -> None:
+        """Push each row's new tokens to its handler; finished rows leave the batch."""
+        m, now, total = self.metrics, time.perf_counter(), 0
+        for slot in slots:
+            req, out = self.rows.get(slot), state.outs[slot]
+            if req is None or out is None:
+                continue
+            new = out.token_ids[req.sent :]
+            req.sent += len(new)
+            total += len(new)
+            if out.finish_reason is None:
+                if new:
+                    req.push(Event(new))
+                continue
+            req.push(Event(new, out.finish_reason, out.text))
+            dec.release(state, slot)
+            del self.rows[slot]
+            m.finished += 1
+        m.generated_tokens += total
+        m.recent.append((now, total))
