@@ -245,11 +245,17 @@ def load_model(
     return model.eval()
 
 
-def use_cuda_kernels(model: KimiK2) -> None:
-    """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time)."""
+def use_cuda_kernels(model: torch.nn.Module) -> None:
+    """Switch the dense projections to the small-M linear kernel; repack int4 experts for the fused CUDA MoE
+    kernel, layer by layer (one layer's copy at a time)."""
+    from .model.layers import Linear, VocabHead
     from .model.moe import Int4Experts, Router
     from .ops import build
 
+    if build.available():  # warns once otherwise; the projections keep F.linear
+        for m in model.modules():
+            if isinstance(m, (Linear, VocabHead)):
+                m.use_kernel = True  # torch.ops.k26.linear: the small-M streaming kernel (csrc/linear_smallm.cu)
     experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
     routers = [m for m in model.modules() if isinstance(m, Router)]
     if not (experts or routers):
@@ -279,6 +285,7 @@ def load_drafter(
     dtype: torch.dtype = torch.bfloat16,
     cfg: DrafterConfig | None = None,
     tp: TPInfo = TPInfo(),
+    cuda_kernels: bool = True,
 ):
     """A DFlash drafter directory -> `DFlashDrafter` (this rank's shard). Tensor names are the module names,
     with an optional `model.` prefix; every missing, unexpected, mis-shaped or mis-typed tensor is named."""
@@ -294,4 +301,6 @@ def load_drafter(
     model.to_empty(device=device)
     fill(model, items, infos, tp)
     model.rope.reset_buffers()
+    if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
+        use_cuda_kernels(model)  # the drafter's projections; it has no experts or router
     return model.eval()

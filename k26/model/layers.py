@@ -3,12 +3,14 @@ and head, and the tensor-parallel description passed in from above."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import ops  # noqa: F401  (registers torch.ops.k26.linear)
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,19 @@ class TPInfo:
         return n // self.size
 
 
-def linear(in_f: int, out_f: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+class Linear(nn.Linear):
+    """A bias-free projection. With `use_kernel` (set by the loader for CUDA bf16 models) it runs
+    `torch.ops.k26.linear`, the small-M streaming kernel; that op runs F.linear itself for shapes the
+    kernel does not serve (prefill, M > 64), so the flag never changes results beyond rounding."""
+
+    use_kernel: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.k26.linear(x, self.weight) if self.use_kernel else F.linear(x, self.weight)
+
+
+def linear(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
+    return Linear(in_f, out_f, bias=False, dtype=dtype)
 
 
 class RMSNorm(nn.Module):
@@ -108,12 +121,18 @@ class VocabHead(nn.Module):
         self.part = tp.split(vocab, "vocab_size")
         self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=dtype), requires_grad=False)
 
+    use_kernel: bool = False  # as Linear's: set by the loader for CUDA bf16 models
+
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's fp32 logits."""
+        return (torch.ops.k26.linear(x, self.weight) if self.use_kernel else F.linear(x, self.weight)).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.gather(F.linear(x, self.weight).float())
+        return self.tp.gather(self.local_logits(x))
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Global token ids of the largest logit; ties go to the smallest id, as torch.argmax does."""
-        local = F.linear(x, self.weight).float()
+        local = self.local_logits(x)
         if self.tp.size == 1:
             return local.argmax(-1)
         v, i = local.max(-1)
@@ -124,7 +143,7 @@ class VocabHead(nn.Module):
     def topk_logprobs(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most probable tokens under log_softmax over the whole vocabulary: (log-probs, global ids),
         sorted descending; each rank contributes its top-k and its log-sum-exp."""
-        local = F.linear(x, self.weight).float()
+        local = self.local_logits(x)
         lse = local.logsumexp(-1)
         kk = min(k, self.part)
         v, i = local.topk(kk, dim=-1)

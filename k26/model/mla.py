@@ -51,7 +51,10 @@ class MLA(nn.Module):
             o_lat, _ = torch.ops.k26.mla_tree_attention(
                 q_abs, cache_RLC, batch.rows_B, batch.prefix_lens_B, batch.mask_words_BNW, cfg.softmax_scale, r
             )
-            o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
+            if self.kv_b_proj.use_kernel:  # W_UV per head straight from kv_b's rows (a strided view, no copy)
+                o_BNHV = torch.ops.k26.linear_grouped(o_lat.to(x_BND.dtype), w_kv[:, nope:])
+            else:
+                o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
         else:
             o_BNHV = self._naive(q_nope, q_pe, batch, cache_RLC)
         return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))

@@ -72,5 +72,9 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
 
 
 from . import attention_cuda  # noqa: E402, F401  (registers the CUDA kernel of mla_tree_attention)
+from . import linear_cuda  # noqa: E402, F401  (registers linear / linear_grouped with their CUDA kernel)
 
-OPS = ("moe_w4a16", "moe_w4a16_repacked", "moe_router", "mla_write_cache", "mla_tree_attention")
+OPS = (
+    "moe_w4a16", "moe_w4a16_repacked", "moe_router", "mla_write_cache", "mla_tree_attention", "linear",
+    "linear_grouped",
+)

@@ -1,0 +1,142 @@
+"""The small-M linear kernel against its pure-torch reference on fresh random inputs, outputs poisoned
+first: K2.6 projection shapes, odd K and N, every M up to 64, split-K counters reused, residual, groups,
+strided weights, graph replay."""
+
+import pytest
+import torch
+
+import k26.ops  # noqa: F401  (registers the ops)
+from k26.ops.linear_cuda import launch, linear_grouped_reference, linear_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def poison_allocator(nbytes=1 << 28):
+    """Leave NaN in the caching allocator's free blocks: any output element the kernel forgets shows up."""
+    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+
+
+def rand(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+
+def close(got, ref, tol=1e-2):
+    got, ref = got.float(), ref.float()
+    assert torch.isfinite(got).all()
+    err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < tol, err
+
+
+def check(M, N, K, seed, residual=False, splits=None):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x, w = rand(M, K, gen=gen), rand(N, K, gen=gen, scale=K**-0.5)
+    r = rand(M, N, gen=gen) if residual else None
+    ref = linear_reference(x, w, r)
+    poison_allocator()
+    if splits is None:
+        got = torch.ops.k26.linear(x, w, r)
+    else:
+        got = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch(x, w, r, got, groups=1, strides=(K, 0, K, 0, N, 0), splits=splits)
+    close(got, ref)
+
+
+K26_SHAPES = {  # [N, K] at one TP8 rank of K2.6 (hidden 7168) and the drafter
+    "q_a+kv_a": (2112, 7168),
+    "q_b": (1536, 1536),
+    "o_proj": (7168, 1024),
+    "gate+up": (4608, 7168),
+    "down": (7168, 2304),
+    "drafter_q": (1024, 7168),
+    "drafter_kv": (256, 7168),
+}
+
+
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("name", sorted(K26_SHAPES))
+def test_k26_projection_shapes(name, M):
+    check(M, *K26_SHAPES[name], seed=M)
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 15, 16, 17, 31, 33, 48, 63, 64])
+def test_every_m_up_to_64(M):
+    check(M, 200, 1000, seed=100 + M)
+
+
+@pytest.mark.parametrize("N,K", [(1, 8), (17, 40), (63, 72), (65, 1032), (100, 7176), (300, 88), (129, 2056)])
+@pytest.mark.parametrize("M", [1, 3, 16, 40])
+def test_odd_n_and_k(N, K, M):
+    check(M, N, K, seed=N + K + M)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 28])
+def test_split_counts_agree(splits):
+    check(16, 256, 7168, seed=splits, splits=splits)
+
+
+def test_counters_are_reset_between_calls():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = rand(2112, 7168, gen=gen, scale=0.01)
+    for _ in range(3):
+        x = rand(4, 7168, gen=gen)
+        close(torch.ops.k26.linear(x, w), linear_reference(x, w))
+
+
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_residual_epilogue(M):
+    check(M, 7168, 1024, seed=7 + M, residual=True)
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_grouped_w_uv_on_strided_kv_b(M):
+    """W_UV is the second half of each head's kv_b rows: a strided view, no copy."""
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    H, nope, v, r = 8, 128, 128, 512
+    kv_b = rand(H * (nope + v), r, gen=gen, scale=r**-0.5)
+    w_uv = kv_b.view(H, nope + v, r)[:, nope:]
+    x = rand(M, H, r, gen=gen)
+    ref = linear_grouped_reference(x, w_uv)
+    poison_allocator()
+    close(torch.ops.k26.linear_grouped(x, w_uv), ref)
+
+
+def test_leading_dims_and_non_contiguous_x():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = rand(2, 3, 2 * 512, gen=gen)[..., ::2]  # stride 2 in K: copied, not refused
+    w = rand(96, 512, gen=gen)
+    close(torch.ops.k26.linear(x, w), linear_reference(x, w))
+
+
+def test_unsupported_runs_the_reference():
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x, w = rand(65, 64, gen=gen), rand(32, 64, gen=gen)  # M > 64
+    assert torch.equal(torch.ops.k26.linear(x, w), linear_reference(x, w))
+    xf, wf = x.float(), w.float()
+    assert torch.equal(torch.ops.k26.linear(xf, wf), linear_reference(xf, wf))
+
+
+def test_graph_replay_matches_eager():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x, w = rand(16, 7168, gen=gen), rand(2112, 7168, gen=gen, scale=0.01)
+    torch.ops.k26.linear(x, w)  # load the library and the counters before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.k26.linear(x, w)
+    for _ in range(2):
+        x.copy_(rand(16, 7168, gen=gen))
+        g.replay()
+        assert torch.equal(out, torch.ops.k26.linear(x, w))
+
+
+def test_model_projections_use_the_kernel(tiny_k25):
+    from k26 import LLM
+
+    fast = LLM(tiny_k25, device="cuda", progress=False)
+    slow = LLM(tiny_k25, device="cuda", progress=False, cuda_kernels=False)
+    attn = fast.model.layers[0].self_attn
+    assert attn.q_b_proj.use_kernel and fast.model.lm_head.use_kernel
+    assert not slow.model.layers[0].self_attn.q_b_proj.use_kernel
+    ids = torch.randint(0, 600, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    a, b = fast.score(ids), slow.score(ids)  # 40 tokens: every projection within the kernel's M <= 64
+    assert ((a - b).norm() / b.norm()).item() < 2e-2
