@@ -17,8 +17,8 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from k26 import LLM, SamplingParams, SpecConfig  # noqa: E402
-from k26.server import Engine, create_app  # noqa: E402
+from k26 import LLM, SamplingParams, SpecConfig
+from k26.server import Engine, create_app
 
 MODEL = "k26-test"
 SPEC = SpecConfig("ddtree", 8)
@@ -54,7 +54,7 @@ def served():
             break
         time.sleep(0.05)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    yield dict(url=url, client=client, engine=engine, refs=refs, short=short, llm=llm)
+    yield {"url": url, "client": client, "engine": engine, "refs": refs, "short": short, "llm": llm}
     server.should_exit = True
     thread.join(timeout=10)
     engine.stop()
@@ -146,15 +146,15 @@ def test_stop_string_and_seeded_sampling(served):
     stop = full[3:5]
     cut = c.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], **greedy()).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
-    kw = dict(
-        model=MODEL,
-        prompt=PROMPTS[1],
-        temperature=1.0,
-        top_p=0.9,
-        max_tokens=10,
-        seed=7,
-        extra_body={"top_k": 50},
-    )
+    kw = {
+        "model": MODEL,
+        "prompt": PROMPTS[1],
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "max_tokens": 10,
+        "seed": 7,
+        "extra_body": {"top_k": 50},
+    }
     a = c.completions.create(**kw).choices[0].text
     with ThreadPoolExecutor(
         4
