@@ -156,9 +156,22 @@ class Decoder:
             z = torch.zeros(cap, dtype=torch.long, device=dev)
             lens, bonus, alive, noise = z, z.clone(), torch.zeros(cap, dtype=torch.bool, device=dev), None
         seed = _shared_seed(dev) if ctx.tp_size > 1 else int(torch.randint(0, 2**62, ()))
-        state = BatchState(spec, lens, bonus, alive, torch.Generator(device=dev).manual_seed(seed), noise, nodes, graph,
-                           policy, [None] * cap, [None] * cap, [frozenset()] * cap, [None] * cap,
-                           timer=PhaseTimer(dev) if spec.method != "ar" and graph is None else None)
+        state = BatchState(
+            spec,
+            lens,
+            bonus,
+            alive,
+            torch.Generator(device=dev).manual_seed(seed),
+            noise,
+            nodes,
+            graph,
+            policy,
+            [None] * cap,
+            [None] * cap,
+            [frozenset()] * cap,
+            [None] * cap,
+            timer=PhaseTimer(dev) if spec.method != "ar" and graph is None else None,
+        )
         return state
 
     def admit(self, state: BatchState, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
@@ -168,8 +181,12 @@ class Decoder:
         slots = state.free_slots()[: len(prompts)]
         for b, p, sp in zip(slots, prompts, params):
             state.outs[b], state.params[b] = RequestOutput(prompt_token_ids=p), sp
-            state.stops[b] = frozenset(sp.stop_token_ids if sp.stop_token_ids is not None else ctx.tokenizer.stop_ids)
-            state.gens[b] = None if sp.seed is None else torch.Generator(device=ctx.device).manual_seed(sp.seed)
+            state.stops[b] = frozenset(
+                sp.stop_token_ids if sp.stop_token_ids is not None else ctx.tokenizer.stop_ids
+            )
+            state.gens[b] = (
+                None if sp.seed is None else torch.Generator(device=ctx.device).manual_seed(sp.seed)
+            )
             if state.graph is not None:  # the per-row sampling the captured step reads
                 st = state.graph.state
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
@@ -184,7 +201,11 @@ class Decoder:
         state.live += [b for b, _ in go]
         rs = self._sampling(state, [b for b, _ in go])
         h, lens = self._prefill([p for _, p in go], rows, state.spec.method != "ar")
-        state.lens[rows], state.bonus[rows], state.alive[rows] = lens, ctx.models().next_token(h, rs.rows(rows)), True
+        state.lens[rows], state.bonus[rows], state.alive[rows] = (
+            lens,
+            ctx.models().next_token(h, rs.rows(rows)),
+            True,
+        )
         self._emit(state, [b for b, _ in go], {b: [t] for (b, _), t in zip(go, state.bonus[rows].tolist())})
         return slots
 
@@ -206,15 +227,28 @@ class Decoder:
         if state.graph is not None and room:
             new, counts, budget = state.graph(state.greedy)
         elif room and state.spec.method != "ar":
-            r = speculative_step(ctx.models(), torch.arange(state.capacity, device=ctx.device), state.lens,
-                                 state.bonus, state.alive, state.spec, rs, state.timer, policy=state.policy)
+            r = speculative_step(
+                ctx.models(),
+                torch.arange(state.capacity, device=ctx.device),
+                state.lens,
+                state.bonus,
+                state.alive,
+                state.spec,
+                rs,
+                state.timer,
+                policy=state.policy,
+            )
             counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
             new, budget = [e[:n] for e, n in zip(r.emitted.tolist(), counts)], r.budget
             state.lens.add_(r.n_emitted), state.bonus.copy_(r.bonus)
         else:  # AR, or no room for another verify tree: this step decodes one token like AR
             rows = torch.arange(state.capacity, device=ctx.device)
-            h, _ = ctx.model(state.bonus[:, None], AttnBatch.causal(state.lens, 1, rows), ctx.cache.kv_LRTC,
-                             absorb=ctx.absorb)
+            h, _ = ctx.model(
+                state.bonus[:, None],
+                AttnBatch.causal(state.lens, 1, rows),
+                ctx.cache.kv_LRTC,
+                absorb=ctx.absorb,
+            )
             state.bonus.copy_(ctx.models().next_token(h[:, 0], rs))
             state.lens.add_(state.alive.long())  # finished rows stay frozen, rewriting only their own slot
             counts, budget = [1] * state.capacity, None
@@ -228,7 +262,9 @@ class Decoder:
         self._emit(state, was, {b: new[b] for b in was})
         return was
 
-    def run(self, prompts: list[list[int]], sp: SamplingParams, spec: SpecConfig) -> Iterator[list[RequestOutput]]:
+    def run(
+        self, prompts: list[list[int]], sp: SamplingParams, spec: SpecConfig
+    ) -> Iterator[list[RequestOutput]]:
         """One fixed batch from prefill to the end, yielding the outputs after every step."""
         state = self.open(spec, len(prompts), kinds=(sp.temperature == 0,))
         self.admit(state, prompts, [sp] * len(prompts))
@@ -249,10 +285,14 @@ class Decoder:
         aux_layers = ctx.drafter.cfg.target_layer_ids if aux else ()
         with nvtx_range("prefill"):
             batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows)
-            h, feats = ctx.model(ids.to(dev), batch, ctx.cache.kv_LRTC, aux_layers=aux_layers, absorb=ctx.absorb)
+            h, feats = ctx.model(
+                ids.to(dev), batch, ctx.cache.kv_LRTC, aux_layers=aux_layers, absorb=ctx.absorb
+            )
             if aux_layers:
                 pos = torch.arange(T, device=dev).expand(B, T)
-                ctx.drafter.append_context(ctx.dcache.k, ctx.dcache.v, feats, pos, rows, valid_BC=pos < lens[:, None])
+                ctx.drafter.append_context(
+                    ctx.dcache.k, ctx.dcache.v, feats, pos, rows, valid_BC=pos < lens[:, None]
+                )
         return h[torch.arange(B, device=dev), lens - 1], lens
 
     def _sampling(self, state: BatchState, rows: list[int], nodes: int | None = None) -> RowSampling:
@@ -287,7 +327,10 @@ class Decoder:
                 if sp.stop and self._cut_at_stop_string(o, sp.stop):
                     self._finish(state, b, "stop")
                     break
-                if len(o.token_ids) >= sp.max_tokens or len(o.prompt_token_ids) + len(o.token_ids) >= self.ctx.max_model_len:
+                if (
+                    len(o.token_ids) >= sp.max_tokens
+                    or len(o.prompt_token_ids) + len(o.token_ids) >= self.ctx.max_model_len
+                ):
                     self._finish(state, b, "length")
                     break
 
@@ -318,8 +361,13 @@ class Decoder:
         room = ctx.max_model_len - nodes
         if ctx.dcache is not None:
             room = min(room, ctx.dcache.k.shape[2] - ctx.drafter.cfg.block_size)
-        return max((len(o.prompt_token_ids) + len(o.token_ids) for o in map(state.outs.__getitem__, state.live)),
-                   default=0) <= room
+        return (
+            max(
+                (len(o.prompt_token_ids) + len(o.token_ids) for o in map(state.outs.__getitem__, state.live)),
+                default=0,
+            )
+            <= room
+        )
 
     # -- graphs and the adaptive budget -----------------------------------------------------------
     def _runner(self, spec: SpecConfig, greedy: bool) -> StepGraphs:
@@ -327,9 +375,16 @@ class Decoder:
         if key not in self.runners:
             ctx = self.ctx
             width = ctx.drafter.cfg.block_size if spec.method != "ar" else 1
-            step = graph_step(ctx.models(ctx.target), spec, greedy, lambda batch: self.policies.get((spec, batch)))
-            self.runners[key] = StepGraphs(step, width, ctx.device, states=self.states.setdefault(spec, {}),
-                                           vocab=0 if greedy else ctx.model.cfg.vocab_size)
+            step = graph_step(
+                ctx.models(ctx.target), spec, greedy, lambda batch: self.policies.get((spec, batch))
+            )
+            self.runners[key] = StepGraphs(
+                step,
+                width,
+                ctx.device,
+                states=self.states.setdefault(spec, {}),
+                vocab=0 if greedy else ctx.model.cfg.vocab_size,
+            )
         return self.runners[key]
 
     def _policy(self, spec: SpecConfig, batch: int) -> BudgetPolicy:
@@ -339,8 +394,16 @@ class Decoder:
         if key not in self.policies:
             costs = spec.costs or (0.0, *([1.0] * len(spec.candidates)))
             g = self.ctx.graphs  # graphs: compiled policy, and the choice applies to the next step
-            self.policies[key] = BudgetPolicy.create(spec.candidates, costs[0], costs[1:], self.ctx.device,
-                                                     per_token=spec.cost_per_token, rows=batch, compiled=g, lagged=g)
+            self.policies[key] = BudgetPolicy.create(
+                spec.candidates,
+                costs[0],
+                costs[1:],
+                self.ctx.device,
+                per_token=spec.cost_per_token,
+                rows=batch,
+                compiled=g,
+                lagged=g,
+            )
         return self.policies[key]
 
     def _measure_costs(self, spec, graph: GraphStepper | None, buckets, batch: int):
@@ -360,7 +423,10 @@ class Decoder:
         """Seconds per whole eager step at one budget and context length (best of two; draft included)."""
         dev = self.ctx.device
         rows, start = torch.arange(batch, device=dev), torch.full((batch,), at, device=dev)
-        bonus, alive = torch.zeros(batch, dtype=torch.long, device=dev), torch.ones(batch, dtype=torch.bool, device=dev)
+        bonus, alive = (
+            torch.zeros(batch, dtype=torch.long, device=dev),
+            torch.ones(batch, dtype=torch.bool, device=dev),
+        )
         rs = RowSampling.of([None] * batch, dev)
         best = float("inf")
         for _ in range(2):
@@ -376,6 +442,10 @@ def _shared_seed(dev: torch.device) -> int:
     """A fresh seed chosen on rank 0 and broadcast, so every TP rank samples the same tokens."""
     import torch.distributed as dist
 
-    t = torch.randint(0, 2**62, (1,), device=dev) if dist.get_rank() == 0 else torch.zeros(1, dtype=torch.long, device=dev)
+    t = (
+        torch.randint(0, 2**62, (1,), device=dev)
+        if dist.get_rank() == 0
+        else torch.zeros(1, dtype=torch.long, device=dev)
+    )
     dist.broadcast(t, src=0)
     return int(t)

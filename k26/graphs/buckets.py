@@ -21,7 +21,9 @@ def pick_bucket(buckets: list[Bucket], batch: int, nodes: int) -> Bucket:
     fits = [b for b in buckets if b.batch >= batch and b.nodes >= nodes]
     if not fits:
         have = ", ".join(f"(batch {b.batch}, nodes {b.nodes})" for b in sorted(buckets))
-        raise ValueError(f"no graph bucket holds batch {batch} with {nodes} verify tokens; buckets are {have}")
+        raise ValueError(
+            f"no graph bucket holds batch {batch} with {nodes} verify tokens; buckets are {have}"
+        )
     return min(fits, key=lambda b: (b.batch * b.nodes, b.batch))
 
 

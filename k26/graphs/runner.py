@@ -40,10 +40,18 @@ class StepState:
     def allocate(cls, bucket: Bucket, width: int, device) -> StepState:
         z = torch.zeros(bucket.batch, dtype=torch.long, device=device)
         f = torch.zeros(bucket.batch, dtype=torch.float32, device=device)
-        return cls(torch.arange(bucket.batch, device=device), z.clone(), z.clone(),
-                   torch.zeros(bucket.batch, dtype=torch.bool, device=device),
-                   torch.full((bucket.batch, width), -1, dtype=torch.long, device=device), z.clone(),
-                   torch.zeros(1, dtype=torch.long, device=device), f.clone(), f + 1, z.clone())
+        return cls(
+            torch.arange(bucket.batch, device=device),
+            z.clone(),
+            z.clone(),
+            torch.zeros(bucket.batch, dtype=torch.bool, device=device),
+            torch.full((bucket.batch, width), -1, dtype=torch.long, device=device),
+            z.clone(),
+            torch.zeros(1, dtype=torch.long, device=device),
+            f.clone(),
+            f + 1,
+            z.clone(),
+        )
 
     def sampling(self, greedy: bool) -> RowSampling:
         """The per-row sampling view the captured step reads (sampled graphs always take the filtered
@@ -51,7 +59,13 @@ class StepState:
         return RowSampling(self.temperature, self.top_p, self.top_k, greedy, not greedy, self.noise)
 
     def reset(self) -> None:
-        self.start.zero_(), self.bonus.zero_(), self.alive.zero_(), self.emitted.fill_(-1), self.n_emitted.zero_()
+        (
+            self.start.zero_(),
+            self.bonus.zero_(),
+            self.alive.zero_(),
+            self.emitted.fill_(-1),
+            self.n_emitted.zero_(),
+        )
         self.choice.zero_()
 
 
@@ -59,8 +73,14 @@ class StepGraphs:
     """Captures `step(state)` once per bucket and replays it. Buckets of one batch size share their
     static state, so consecutive steps may replay different buckets (adaptive budgets)."""
 
-    def __init__(self, step: Callable[[StepState, Bucket], None], width: int, device: torch.device,
-                 states: dict[Bucket, StepState] | None = None, vocab: int = 0):
+    def __init__(
+        self,
+        step: Callable[[StepState, Bucket], None],
+        width: int,
+        device: torch.device,
+        states: dict[Bucket, StepState] | None = None,
+        vocab: int = 0,
+    ):
         self.step, self.width, self.device = step, width, device
         # shared with the other runners of the same method (greedy / sampled graphs of one batch state), so
         # a batch can switch between them from one step to the next
@@ -98,12 +118,15 @@ class StepGraphs:
                     _barrier()
                 except Exception as e:
                     raise RuntimeError(
-                        f"CUDA graph capture of bucket (batch {bucket.batch}, nodes {bucket.nodes}) failed: {e}. "
+                        f"CUDA graph capture of bucket (batch {bucket.batch}, nodes {bucket.nodes}) "
+                        f"failed: {e}. "
                         "Reduce max_batch, the DDTree budget or max_model_len, or pass graphs=False"
                     ) from e
                 state.reset()
                 self.states[bucket], self.graphs[bucket] = state, g
-                self.report.append((bucket, time.perf_counter() - t0, torch.cuda.memory_reserved(self.device) - m0))
+                self.report.append(
+                    (bucket, time.perf_counter() - t0, torch.cuda.memory_reserved(self.device) - m0)
+                )
 
     def replay(self, bucket: Bucket) -> StepState:
         with nvtx_range("replay"):

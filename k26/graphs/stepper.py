@@ -21,8 +21,9 @@ from .buckets import Bucket
 from .runner import StepGraphs, StepState
 
 
-def graph_step(m: StepModels, spec: SpecConfig, greedy: bool,
-               policy_for: Callable[[int], BudgetPolicy | None]) -> Callable[[StepState, Bucket], None]:
+def graph_step(
+    m: StepModels, spec: SpecConfig, greedy: bool, policy_for: Callable[[int], BudgetPolicy | None]
+) -> Callable[[StepState, Bucket], None]:
     """The body captured per bucket: one decode step of every row of the bucket's static state."""
 
     def step(state: StepState, bucket: Bucket) -> None:
@@ -37,8 +38,17 @@ def graph_step(m: StepModels, spec: SpecConfig, greedy: bool,
             else:
                 policy = policy_for(bucket.batch) if spec.auto else None
                 step_spec = spec.fixed(bucket.nodes - 1) if spec.auto else spec
-                r = speculative_step(m, state.rows, state.start, state.bonus, state.alive, step_spec, rs,
-                                     nodes=bucket.nodes, policy=policy)
+                r = speculative_step(
+                    m,
+                    state.rows,
+                    state.start,
+                    state.bonus,
+                    state.alive,
+                    step_spec,
+                    rs,
+                    nodes=bucket.nodes,
+                    policy=policy,
+                )
                 state.emitted.copy_(r.emitted)
                 state.n_emitted.copy_(r.n_emitted)
                 if r.choice is not None:
@@ -86,7 +96,11 @@ class GraphStepper:
         if len(self.buckets) > 1:
             self.bucket = self.buckets[int(self.host_c[0])]
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
-        return [e[:n] for e, n in zip(emitted, counts)], counts, bucket.nodes - 1 if bucket.nodes > 1 else None
+        return (
+            [e[:n] for e, n in zip(emitted, counts)],
+            counts,
+            bucket.nodes - 1 if bucket.nodes > 1 else None,
+        )
 
     def time_candidate(self, bucket: Bucket, at: int) -> float:
         """Seconds per whole replay of `bucket` at context `at` (scratch caches: before any prefill)."""

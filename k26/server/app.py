@@ -35,7 +35,9 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.exception_handler(405)
     async def bad_method(request: Request, _):
-        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
+        return JSONResponse(
+            APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405
+        )
 
     @app.get("/health")
     async def health():
@@ -45,8 +47,18 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "k26", "max_model_len": llm.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "k26",
+                    "max_model_len": llm.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -65,8 +77,14 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        p = parse(body, chat=chat, model=model_name, tok=llm.tokenizer, vocab=llm.config.vocab_size,
-                  max_model_len=llm.max_model_len)
+        p = parse(
+            body,
+            chat=chat,
+            model=model_name,
+            tok=llm.tokenizer,
+            vocab=llm.config.vocab_size,
+            max_model_len=llm.max_model_len,
+        )
         req = EngineRequest(p.prompt_ids, p.params, asyncio.get_running_loop())
         try:
             engine.submit(req)
@@ -74,8 +92,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if p.stream:
-            return StreamingResponse(_stream(req, rid, chat, p.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                _stream(req, rid, chat, p.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await _whole(request, req, rid, chat)
 
     async def _whole(request: Request, req: EngineRequest, rid: str, chat: bool):
@@ -84,7 +105,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             while ev is None or ev.finish_reason is None:
                 try:
                     ev = await asyncio.wait_for(req.events.get(), timeout=1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await request.is_disconnected():
                         req.cancelled = True
                         return JSONResponse(APIError(499, "client closed the request").body(), 499)
@@ -95,7 +116,9 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             req.cancelled = True
             raise
         text = ev.text if ev.text is not None else llm.tokenizer.decode(ids, skip_special=True)
-        return completion_body(rid, model_name, chat, text, ev.finish_reason, usage(len(req.prompt_ids), len(ids)))
+        return completion_body(
+            rid, model_name, chat, text, ev.finish_reason, usage(len(req.prompt_ids), len(ids))
+        )
 
     async def _stream(req: EngineRequest, rid: str, chat: bool, include_usage: bool):
         ids, sent, first = [], "", True
@@ -111,14 +134,18 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                 ids += ev.token_ids
                 text = ev.text if ev.text is not None else _complete_utf8(llm.tokenizer, ids)
                 if len(text) > len(sent) or ev.finish_reason is not None:
-                    piece, sent = text[len(sent):], text
-                    yield _sse(completion_body(rid, model_name, chat, piece, ev.finish_reason, None, delta=True,
-                                               first=first))
+                    piece, sent = text[len(sent) :], text
+                    yield _sse(
+                        completion_body(
+                            rid, model_name, chat, piece, ev.finish_reason, None, delta=True, first=first
+                        )
+                    )
                     first = False
                 if ev.finish_reason is not None:
                     if include_usage:
-                        body = completion_body(rid, model_name, chat, "", None, usage(len(req.prompt_ids), len(ids)),
-                                               delta=True)
+                        body = completion_body(
+                            rid, model_name, chat, "", None, usage(len(req.prompt_ids), len(ids)), delta=True
+                        )
                         body["choices"] = []
                         yield _sse(body)
                     break
@@ -149,8 +176,18 @@ def prometheus(engine: Engine) -> str:
         ("k26_generation_tokens_total", "counter", "tokens generated", m.generated_tokens),
         ("k26_steps_total", "counter", "decode steps (one target forward each)", m.steps),
         ("k26_step_seconds_total", "counter", "seconds spent in decode steps", m.step_seconds),
-        ("k26_generation_tokens_per_second", "gauge", "tokens generated per second, last 10 s", m.tokens_per_second()),
-        ("k26_tau", "gauge", "tokens per row per step (accepted drafts + 1)", m.step_tokens / max(m.row_steps, 1)),
+        (
+            "k26_generation_tokens_per_second",
+            "gauge",
+            "tokens generated per second, last 10 s",
+            m.tokens_per_second(),
+        ),
+        (
+            "k26_tau",
+            "gauge",
+            "tokens per row per step (accepted drafts + 1)",
+            m.step_tokens / max(m.row_steps, 1),
+        ),
         ("k26_step_seconds_mean", "gauge", "mean seconds per decode step", m.step_seconds / max(m.steps, 1)),
         ("k26_requests_running", "gauge", "requests in the batch", m.running),
         ("k26_requests_waiting", "gauge", "requests waiting for a free row", m.waiting),

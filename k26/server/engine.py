@@ -105,8 +105,10 @@ class Engine:
         with self.lock:
             if self.pending >= self.max_waiting:
                 self.metrics.rejected += 1
-                raise QueueFull(f"the server is at capacity: {self.pending} requests wait for a free row "
-                                f"(max_waiting={self.max_waiting}); retry later")
+                raise QueueFull(
+                    f"the server is at capacity: {self.pending} requests wait for a free row "
+                    f"(max_waiting={self.max_waiting}); retry later"
+                )
             self.pending += 1
         self.metrics.requests += 1
         self.inbox.put(req)
@@ -130,7 +132,7 @@ class Engine:
                 self.ready.set()
                 while self._take(block=not state.live and not self.waiting):
                     self._boundary(dec, state)
-        except BaseException as e:  # noqa: BLE001 - reported to start() or to every open request
+        except BaseException as e:
             self.error = e
             self.ready.set()
             for req in list(self.rows.values()) + list(self.waiting):
@@ -176,11 +178,15 @@ class Engine:
                 t0 = time.perf_counter()
                 n = len(state.live)
                 stepped = dec.step(state)
-                m.steps, m.row_steps, m.step_seconds = m.steps + 1, m.row_steps + n, m.step_seconds + time.perf_counter() - t0
+                m.steps, m.row_steps, m.step_seconds = (
+                    m.steps + 1,
+                    m.row_steps + n,
+                    m.step_seconds + time.perf_counter() - t0,
+                )
                 before = m.generated_tokens
                 self._publish(dec, state, stepped)
                 m.step_tokens += m.generated_tokens - before
-        except Exception as e:  # a failed step fails its requests, not the server
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             for slot, req in list(self.rows.items()):
                 req.push(Event([], error=f"{type(e).__name__}: {e}"))
                 dec.release(state, slot)

@@ -15,8 +15,14 @@ from ..tokenizer import Tokenizer
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
@@ -24,16 +30,52 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "n",
-          "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+}
 COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
-CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                 "function_call", "parallel_tool_calls", "response_format"}
+CHAT = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+}
 # accepted when they ask for nothing beyond plain generation; anything else is refused by name
-NEUTRAL = {"n": (None, 1), "logprobs": (None, False, 0), "echo": (None, False), "best_of": (None, 1),
-           "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "logit_bias": (None, {}), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-           "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, False, True)}
+NEUTRAL = {
+    "n": (None, 1),
+    "logprobs": (None, False, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+}
 MAX_STOP = 4
 
 
@@ -63,20 +105,34 @@ def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_
     if "model" not in body:
         raise APIError(400, "missing required parameter: 'model'", "model")
     if body["model"] != model:
-        raise APIError(404, f"the model {body['model']!r} does not exist; this server serves {model!r}", "model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {body['model']!r} does not exist; this server serves {model!r}",
+            "model",
+            code="model_not_found",
+        )
     ids, what = (_messages(body, tok), "messages") if chat else (_prompt(body, tok, vocab), "prompt")
     if len(ids) >= max_model_len:
-        raise APIError(400, f"{what}: {len(ids)} tokens, but the context holds {max_model_len} (max_model_len), "
-                       "leaving no room to generate", what, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{what}: {len(ids)} tokens, but the context holds {max_model_len} (max_model_len), "
+            "leaving no room to generate",
+            what,
+            code="context_length_exceeded",
+        )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream={stream!r}: expected true or false", "stream")
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):
         raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true", "stream_options")
-    return Parsed(ids, _sampling(body, chat, max_model_len - len(ids)), stream,
-                  bool(opts and opts.get("include_usage")), chat)
+    return Parsed(
+        ids,
+        _sampling(body, chat, max_model_len - len(ids)),
+        stream,
+        bool(opts and opts.get("include_usage")),
+        chat,
+    )
 
 
 def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
@@ -103,10 +159,17 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, f"stop={body.get('stop')!r}: expected a non-empty string or up to {MAX_STOP} of them",
-                       "stop")
-    return SamplingParams(temperature=float(t), top_p=float(top_p), top_k=top_k, max_tokens=min(mt, room),
-                          seed=seed, stop=tuple(stop))
+        raise APIError(
+            400, f"stop={body.get('stop')!r}: expected a non-empty string or up to {MAX_STOP} of them", "stop"
+        )
+    return SamplingParams(
+        temperature=float(t),
+        top_p=float(top_p),
+        top_k=top_k,
+        max_tokens=min(mt, room),
+        seed=seed,
+        stop=tuple(stop),
+    )
 
 
 def _prompt(body: dict, tok: Tokenizer, vocab: int) -> list[int]:
@@ -123,10 +186,13 @@ def _prompt(body: dict, tok: Tokenizer, vocab: int) -> list[int]:
             raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
         ids = list(p)
     elif isinstance(p, list):
-        raise APIError(400, "prompt: a list of several prompts is not supported; send one request per prompt",
-                       "prompt")
+        raise APIError(
+            400, "prompt: a list of several prompts is not supported; send one request per prompt", "prompt"
+        )
     else:
-        raise APIError(400, f"prompt: expected a string or a list of token ids, got {type(p).__name__}", "prompt")
+        raise APIError(
+            400, f"prompt: expected a string or a list of token ids, got {type(p).__name__}", "prompt"
+        )
     if not ids:
         raise APIError(400, "prompt is empty", "prompt")
     return ids
@@ -144,24 +210,36 @@ def _messages(body: dict, tok: Tokenizer) -> list[int]:
         if not isinstance(m, dict) or "role" not in m:
             raise APIError(400, f"{where}: expected an object with 'role' and 'content'", where)
         if m["role"] not in ("system", "user", "assistant", "developer"):
-            raise APIError(400, f"{where}.role={m['role']!r}: expected 'system', 'user' or 'assistant' (tool "
-                           "messages are not supported)", f"{where}.role")
+            raise APIError(
+                400,
+                f"{where}.role={m['role']!r}: expected 'system', 'user' or 'assistant' (tool "
+                "messages are not supported)",
+                f"{where}.role",
+            )
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
             raise APIError(400, f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
-        plain.append({"role": "system" if m["role"] == "developer" else m["role"],
-                      "content": _content(m.get("content"), where)})
+        plain.append(
+            {
+                "role": "system" if m["role"] == "developer" else m["role"],
+                "content": _content(m.get("content"), where),
+            }
+        )
     return tok.chat(plain)
 
 
 def _content(c: Any, where: str) -> str:
     if isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   for p in c):
+    if isinstance(c, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c
+    ):
         return "".join(p["text"] for p in c)
-    raise APIError(400, f"{where}.content: expected a string or a list of text parts (images and audio are not "
-                   "supported)", f"{where}.content")
+    raise APIError(
+        400,
+        f"{where}.content: expected a string or a list of text parts (images and audio are not supported)",
+        f"{where}.content",
+    )
 
 
 def _int(x: Any) -> bool:
@@ -182,16 +260,28 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(rid: str, model: str, chat: bool, text: str, finish: str | None, use: dict | None,
-                    delta: bool = False, first: bool = False) -> dict:
+def completion_body(
+    rid: str,
+    model: str,
+    chat: bool,
+    text: str,
+    finish: str | None,
+    use: dict | None,
+    delta: bool = False,
+    first: bool = False,
+) -> dict:
     """A whole response (delta=False) or one streamed chunk, in the endpoint's OpenAI shape."""
     if chat:
         if delta:
             msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": msg, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         obj = "chat.completion.chunk" if delta else "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

@@ -81,8 +81,9 @@ class BudgetPolicy:
     lagged: bool = False  # the choice applies to the next step (graphs), not to the tree it was made on
 
     @classmethod
-    def create(cls, candidates, t_draft: float, t_verify, device, per_token=None, rows: int = 1,
-               **kw) -> BudgetPolicy:
+    def create(
+        cls, candidates, t_draft: float, t_verify, device, per_token=None, rows: int = 1, **kw
+    ) -> BudgetPolicy:
         cands = tuple(int(c) for c in candidates)
         if not cands or list(cands) != sorted(set(cands)) or cands[0] < 1:
             raise ValueError(f"budget candidates {candidates!r}: expected ascending distinct budgets >= 1")
@@ -92,14 +93,22 @@ class BudgetPolicy:
         if len(per_token) != len(cands) or min(per_token) < 0:
             raise ValueError(f"per-token costs {per_token!r} must be >= 0, one per candidate {cands}")
         t_verify = tuple(float(t) for t in t_verify)
-        return cls(cands, float(t_draft), t_verify, torch.zeros(len(cands), 5, device=device),
-                   torch.zeros(len(cands), 5, device=device), torch.full((rows, len(cands)), -1.0, device=device),
-                   torch.tensor([t_draft + t for t in t_verify], device=device),
-                   torch.tensor(per_token, device=device),
-                   torch.tensor([c - 1 for c in cands], device=device),
-                   tuple(torch.tensor(i, device=device) for i in range(len(cands))),
-                   torch.zeros((), device=device), torch.zeros((), device=device),
-                   torch.zeros((), dtype=torch.long, device=device), **kw)
+        return cls(
+            cands,
+            float(t_draft),
+            t_verify,
+            torch.zeros(len(cands), 5, device=device),
+            torch.zeros(len(cands), 5, device=device),
+            torch.full((rows, len(cands)), -1.0, device=device),
+            torch.tensor([t_draft + t for t in t_verify], device=device),
+            torch.tensor(per_token, device=device),
+            torch.tensor([c - 1 for c in cands], device=device),
+            tuple(torch.tensor(i, device=device) for i in range(len(cands))),
+            torch.zeros((), device=device),
+            torch.zeros((), device=device),
+            torch.zeros((), dtype=torch.long, device=device),
+            **kw,
+        )
 
     def reset(self) -> None:
         """Forget calibration and rate (in place: captured graphs keep reading the same tensors)."""
@@ -147,20 +156,30 @@ class BudgetPolicy:
         a, b = self.coefficients(lagged)
         return (a + b * self._increments(tree)).clamp_min(0).cumsum(dim=1)
 
-    def choose(self, tree: DraftTree, alive: torch.Tensor | None = None,
-               length: torch.Tensor | None = None) -> torch.Tensor:
+    def choose(
+        self, tree: DraftTree, alive: torch.Tensor | None = None, length: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Index of the candidate maximising gain - R * cost, gains summed over the live rows ([] int64);
         `length` [B]: the rows' context lengths (None: costs at context 0)."""
         return (_compiled("choose") if self.compiled else BudgetPolicy._choose)(self, tree, alive, length)
 
-    def update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor,
-               path: torch.Tensor, length: torch.Tensor | None = None) -> None:
+    def update(
+        self,
+        tree: DraftTree,
+        choice: torch.Tensor,
+        accepted: torch.Tensor,
+        alive: torch.Tensor,
+        path: torch.Tensor,
+        length: torch.Tensor | None = None,
+    ) -> None:
         """Calibrate on what this step verified (the chosen prefix) and observed (`path`: accepted node
         indices, root first, -1 past the end), and fold the step into the long-run rate. Device only."""
         fn = _compiled("update") if self.compiled else BudgetPolicy._update
         fn(self, tree, choice, accepted, alive, path, length)
 
-    def _choose(self, tree: DraftTree, alive: torch.Tensor | None, length: torch.Tensor | None) -> torch.Tensor:
+    def _choose(
+        self, tree: DraftTree, alive: torch.Tensor | None, length: torch.Tensor | None
+    ) -> torch.Tensor:
         cost = self.step_cost(alive, length)
         gain = 1 + self.expected(tree, self.lagged)
         if alive is not None:
@@ -174,8 +193,15 @@ class BudgetPolicy:
             explore |= (self.steps % self.explore_every) == self.explore_every - 1
         return torch.where(explore, len(self.candidates) - 1, best)
 
-    def _update(self, tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, alive: torch.Tensor,
-                path: torch.Tensor, length: torch.Tensor | None) -> None:
+    def _update(
+        self,
+        tree: DraftTree,
+        choice: torch.Tensor,
+        accepted: torch.Tensor,
+        alive: torch.Tensor,
+        path: torch.Tensor,
+        length: torch.Tensor | None,
+    ) -> None:
         f = self._increments(tree)
         # accepted drafts inside each candidate's prefix: path nodes 1..budget (a path only climbs in index)
         inside = ((path[:, 1:, None] >= 1) & (path[:, 1:, None] <= self.index + 1)).sum(1).float()  # [B, C]
@@ -210,8 +236,15 @@ def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
     """The first `budget` nodes (pop order): exactly the tree of that budget."""
     n = budget + 1
     w = (n + 63) // 64
-    return DraftTree(tree.tokens[:, :n], tree.parents[:, :n], tree.depths[:, :n], tree.valid[:, :n],
-                     tree.words[:, :n, :w], tree.scores[:, :n], tree.max_depth)
+    return DraftTree(
+        tree.tokens[:, :n],
+        tree.parents[:, :n],
+        tree.depths[:, :n],
+        tree.valid[:, :n],
+        tree.words[:, :n, :w],
+        tree.scores[:, :n],
+        tree.max_depth,
+    )
 
 
 def timing_contexts(max_model_len: int, largest: int, block: int, near: int = 16) -> tuple[int, ...]:
@@ -224,5 +257,9 @@ def timing_contexts(max_model_len: int, largest: int, block: int, near: int = 16
 def fit_costs(t_AC: torch.Tensor, ats: tuple[int, ...]) -> tuple[list[float], list[float]]:
     """Per candidate, seconds per whole step at context 0 and per context token: the line through the
     timings [len(ats), C] (flat with one context)."""
-    slope = ((t_AC[-1] - t_AC[0]) / (ats[-1] - ats[0])).clamp_min(0) if len(ats) > 1 else torch.zeros_like(t_AC[0])
+    slope = (
+        ((t_AC[-1] - t_AC[0]) / (ats[-1] - ats[0])).clamp_min(0)
+        if len(ats) > 1
+        else torch.zeros_like(t_AC[0])
+    )
     return (t_AC[0] - slope * ats[0]).clamp_min(1e-6).tolist(), slope.tolist()

@@ -40,13 +40,19 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.budget={b!r}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
         c = tuple(self.candidates)
         if not c or list(c) != sorted(set(c)) or c[0] < 1 or c[-1] > MAX_BUDGET:
-            raise ValueError(f"SpecConfig.candidates={self.candidates!r}: ascending budgets in [1, {MAX_BUDGET}]")
+            raise ValueError(
+                f"SpecConfig.candidates={self.candidates!r}: ascending budgets in [1, {MAX_BUDGET}]"
+            )
         object.__setattr__(self, "candidates", c)
         if self.costs is not None and len(self.costs) != len(c) + 1:
-            raise ValueError(f"SpecConfig.costs needs t_draft and one verify time per candidate ({len(c) + 1} values)")
+            raise ValueError(
+                f"SpecConfig.costs needs t_draft and one verify time per candidate ({len(c) + 1} values)"
+            )
         s = self.cost_per_token
         if s is not None and (self.costs is None or len(s) != len(c) or min(s) < 0):
-            raise ValueError(f"SpecConfig.cost_per_token={s!r}: needs `costs` and one value >= 0 per candidate")
+            raise ValueError(
+                f"SpecConfig.cost_per_token={s!r}: needs `costs` and one value >= 0 per candidate"
+            )
 
     @property
     def auto(self) -> bool:
@@ -65,7 +71,9 @@ class StepResult:
     budget: int | None = None  # the budget this step verified (host-known: eager pick or graph bucket)
 
 
-def draft_hidden(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
+def draft_hidden(
+    target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus
+) -> torch.Tensor:
     """Drafter hidden states [B, block, D] of the block [bonus, MASK x (block - 1)]."""
     cfg = drafter.cfg
     B = bonus.shape[0]
@@ -118,8 +126,16 @@ class StepModels:
 
 
 def speculative_step(
-    m: StepModels, rows, start, bonus, alive, spec: SpecConfig, rs: RowSampling, timer=None,
-    nodes: int | None = None, policy=None,
+    m: StepModels,
+    rows,
+    start,
+    bonus,
+    alive,
+    spec: SpecConfig,
+    rs: RowSampling,
+    timer=None,
+    nodes: int | None = None,
+    policy=None,
 ) -> StepResult:
     """Advance every live sequence by its accepted drafts + 1 bonus; caches are updated in place.
 
@@ -134,19 +150,27 @@ def speculative_step(
     pick = None
     with t("draft"):
         largest = policy.largest if policy is not None else tree_budget(spec, drafter.cfg.block_size)
-        lp, tok = draft_topk(target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size))
+        lp, tok = draft_topk(
+            target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size)
+        )
         if policy is not None:
             full = build_ddtree_from_topk(lp, tok, policy.largest)
             pick = policy.choose(full, alive, start)
             budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
             tree = truncate_tree(full, budget)
         else:
-            tree = chain_from_topk(lp, tok) if spec.method == "dflash" else build_ddtree_from_topk(lp, tok, largest)
+            tree = (
+                chain_from_topk(lp, tok)
+                if spec.method == "dflash"
+                else build_ddtree_from_topk(lp, tok, largest)
+            )
         tree = pad_tree(tree, nodes) if nodes else tree
         tree.tokens[:, 0] = bonus
     with t("verify"):
         batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words())
-        h, aux = target(tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb)
+        h, aux = target(
+            tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb
+        )
         # greedy merges the shards' argmax (no full-vocabulary gather); sampling gathers the logits
         choice = target.lm_head.argmax(h) if rs.greedy else sample_rows(target.logits(h), rs)
     path, n_acc, new_bonus = accept_walk(tree, choice)
@@ -162,8 +186,13 @@ def speculative_step(
     if policy is not None:
         used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
         policy.update(full, used, n_acc, alive, path, start)
-    return StepResult(emitted, torch.where(alive, n_acc + 1, 0), new_bonus, pick,
-                      budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None)
+    return StepResult(
+        emitted,
+        torch.where(alive, n_acc + 1, 0),
+        new_bonus,
+        pick,
+        budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None,
+    )
 
 
 class PhaseTimer:
