@@ -34,6 +34,19 @@
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
+// Phase timestamps for profiling/debug/attn_trace.py (built with -DK26_ATTN_TRACE; absent otherwise).
+#ifdef K26_ATTN_TRACE
+__device__ unsigned long long g_attn_trace[1024][8];
+#define TRACE(k)                                                                                   \
+  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y < 1024) {             \
+    unsigned long long t_;                                                                         \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                         \
+    g_attn_trace[blockIdx.y][k] = t_;                                                              \
+  }
+#else
+#define TRACE(k)
+#endif
+
 namespace {
 
 constexpr int DQK = 576, DV = 512;
@@ -201,13 +214,23 @@ __device__ void merge_up(const Params& p, int b, int rt, int split, int active, 
   int* cnt = p.counters + ((size_t)b * p.RT + rt) * p.cslots;
   const int f = fanin(active);
   if (f == active) {
-    if (arrive_last(cnt, active)) merge_slots<MT>(p, b, rt, 0, active, -1, sw);
+    if (arrive_last(cnt, active)) {
+      TRACE(6);
+      merge_slots<MT>(p, b, rt, 0, active, -1, sw);
+      TRACE(7);
+    }
     return;
   }
   const int group = split / f, first = group * f, nch = min(f, active - first), groups = (active + f - 1) / f;
   if (!arrive_last(cnt + 1 + group, nch)) return;
+  TRACE(4);
   merge_slots<MT>(p, b, rt, first, nch, p.S_max + group, sw);
-  if (arrive_last(cnt, groups)) merge_slots<MT>(p, b, rt, p.S_max, groups, -1, sw);
+  TRACE(5);
+  if (arrive_last(cnt, groups)) {
+    TRACE(6);
+    merge_slots<MT>(p, b, rt, p.S_max, groups, -1, sw);
+    TRACE(7);
+  }
 }
 
 template <int MT>
@@ -231,6 +254,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   int chunk, active;
   split_geometry(p, T, chunk, active);
   if (split >= active) return;
+  TRACE(0);
   const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
@@ -282,6 +306,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
         ldsm_x4(qa[m][kk], sQ + (m * 16 + (lane & 15)) * LDS + kq * 144 + kk * 16 + (lane >> 4) * 8);
   }
   __syncthreads();  // Q read: its stages may now take tiles
+  TRACE(1);
   for (int it = NSTAGE - MT; it < NSTAGE - 1; ++it) load_tile(it);
 
   // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
@@ -404,6 +429,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     __syncthreads();
     if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN);
   }
+  TRACE(2);
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
   if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
@@ -436,6 +462,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     else
       __stcg(p.lse_part + (tile * p.slots + split) * BM + tid, lse);
   }
+  TRACE(3);
   if (!direct) merge_up<MT>(p, b, rt, split, active, sS);  // the score buffer is free now
 }
 
@@ -489,6 +516,15 @@ K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S_max) { 
 K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max) {
   return layout(B, N, H, S_max).lse;
 }
+#ifdef K26_ATTN_TRACE
+K26_EXPORT int k26_mla_tree_attn_trace(void* host) {
+  return (int)cudaMemcpyFromSymbol(host, g_attn_trace, sizeof(g_attn_trace));
+}
+K26_EXPORT int k26_mla_tree_attn_trace_reset() {
+  static unsigned long long zeros[1024][8];
+  return (int)cudaMemcpyToSymbol(g_attn_trace, zeros, sizeof(zeros));
+}
+#endif
 K26_EXPORT int k26_mla_tree_attn_tile_rows(int N, int H) { return tile_rows(N, H); }
 // Resident blocks per SM the kernel is built for (launch bounds + shared memory): sizes the split count.
 K26_EXPORT int k26_mla_tree_attn_blocks_per_sm(int N, int H) {

@@ -1,0 +1,102 @@
+"""Per-phase timestamps of the MLA tree-attention kernel (row tile 0, sequence 0, every split): builds a
+copy of the kernel with -DK26_ATTN_TRACE, runs one shape, prints when each split started, had Q, left its
+key loop, wrote its partial, and when the merges ran (µs from the first block's start).
+
+    python profiling/debug/attn_trace.py --n 1 --l 4096
+"""
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from k26.ops import attention_cuda, tree_mask_to_words
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--n", type=int, default=1)
+ap.add_argument("--h", type=int, default=8)
+ap.add_argument("--l", type=int, default=4096)
+a = ap.parse_args()
+src = Path(attention_cuda.__file__).parent / "csrc" / "mla_tree_attn.cu"
+so = Path(tempfile.gettempdir()) / "k26_attn_trace.so"
+subprocess.run(
+    [
+        "nvcc",
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-DK26_ATTN_TRACE",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-o",
+        str(so),
+        str(src),
+    ],
+    check=True,
+)
+lib = ctypes.CDLL(str(so))
+attention_cuda._bind(lib)
+gen = torch.Generator(device="cuda").manual_seed(0)
+cache = torch.randn(1, a.l + a.n, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+q = torch.randn(1, a.n, a.h, 576, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.3
+words = tree_mask_to_words(torch.ones(1, a.n, a.n, dtype=torch.bool).tril()).cuda()
+rows, prefix = torch.zeros(1, dtype=torch.long, device="cuda"), torch.full((1,), a.l, device="cuda")
+out = torch.empty(1, a.n, a.h, 512, dtype=torch.bfloat16, device="cuda")
+lse = torch.empty(1, a.n, a.h, dtype=torch.float32, device="cuda")
+S = attention_cuda.PLANS.splits(lib, q.device, 1, a.n, a.h)
+ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S)
+mk = attention_cuda.MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(a.n, a.h) // 16
+flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+for _ in range(4):
+    flush.fill_(1)
+    assert lib.k26_mla_tree_attn_trace_reset() == 0
+    torch.cuda.synchronize()
+    err = lib.k26_mla_tree_attn(
+        q.data_ptr(),
+        cache.data_ptr(),
+        rows.data_ptr(),
+        prefix.data_ptr(),
+        words.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        ws.data_ptr(),
+        1,
+        a.n,
+        a.h,
+        words.shape[2],
+        cache.shape[1],
+        S,
+        mk,
+        ctypes.c_float(0.1),
+        torch.cuda.current_stream().cuda_stream,
+    )
+    assert err == 0, err
+    torch.cuda.synchronize()
+host = (ctypes.c_ulonglong * (1024 * 8))()
+assert lib.k26_mla_tree_attn_trace(host) == 0
+t = torch.tensor(list(host), dtype=torch.float64).view(1024, 8)
+used = t[:, 0] > 0
+t0 = t[used, 0].min()
+rel = torch.where(t > 0, (t - t0) / 1e3, torch.full_like(t, float("nan")))
+names = [
+    "start",
+    "Q in regs",
+    "loop done",
+    "partial written",
+    "group last",
+    "group merged",
+    "root last",
+    "root merged",
+]
+print(f"S_max={S} min_keys={mk} splits traced={int(used.sum())}")
+for k, nm in enumerate(names):
+    col = rel[used, k]
+    col = col[~col.isnan()]
+    if col.numel():
+        print(
+            f"{nm:16s} n={col.numel():4d} min {col.min():7.2f} median {col.median():7.2f} max {col.max():7.2f} µs"
+        )
