@@ -98,5 +98,6 @@ for k, nm in enumerate(names):
     col = col[~col.isnan()]
     if col.numel():
         print(
-            f"{nm:16s} n={col.numel():4d} min {col.min():7.2f} median {col.median():7.2f} max {col.max():7.2f} µs"
+            f"{nm:16s} n={col.numel():4d} min {col.min():7.2f} "
+            f"median {col.median():7.2f} max {col.max():7.2f} µs"
         )
