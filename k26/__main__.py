@@ -81,6 +81,12 @@ def cmd_profile(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .server.cli import serve
+
+    return serve(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="k26", description="Kimi K2.6 inference")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -125,6 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--max-tokens", type=int, default=32)
     pr.add_argument("--out", default="k26-trace.json")
     pr.set_defaults(fn=cmd_profile)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    sv.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
+    sv.add_argument("--drafter", help="DFlash drafter directory")
+    sv.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default=None,
+                    help="decoding method (default: ddtree with a drafter, else ar)")
+    sv.add_argument("--budget", default=None, help="DDTree nodes besides the root: N or auto (default)")
+    sv.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (1 for now)")
+    sv.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    sv.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
+    sv.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond which 429 answers")
+    sv.add_argument("--max-model-len", type=int, default=None)
+    sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: dir name)")
+    sv.set_defaults(fn=cmd_serve)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)
