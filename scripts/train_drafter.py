@@ -29,7 +29,6 @@ def block_logits(drafter, target, x, feats, anchors):
     Bs, T = x.shape
     nA, S, D = anchors.shape[1], cfg.block_size, cfg.hidden_size
     dev = x.device
-    ctx = drafter.hidden_norm(drafter.fc(feats))
     pos_ctx = torch.arange(T, device=dev).expand(Bs, T)
     ids = torch.full((Bs, nA, S), cfg.mask_token_id, device=dev)
     ids[:, :, 0] = x.gather(1, anchors)
@@ -38,20 +37,9 @@ def block_logits(drafter, target, x, feats, anchors):
     row_blk = torch.arange(nA, device=dev).repeat_interleave(S)
     ctx_vis = torch.arange(T, device=dev)[None, None, :] < anchors[:, row_blk][..., None]
     blk_vis = (row_blk[:, None] == row_blk[None, :]).expand(Bs, -1, -1)
-    mask = torch.cat([ctx_vis, blk_vis], dim=2)[:, None]
-    for layer in drafter.layers:
-        at = layer.self_attn
-        hn = layer.input_layernorm(h)
-        q = drafter.rope(at.q_norm(at.q_proj(hn).view(Bs, nA * S, -1, cfg.head_dim)), pos_blk)
-        kc, vc = at.kv(ctx, pos_ctx, drafter.rope)
-        kb, vb = at.kv(hn, pos_blk, drafter.rope)
-        rep = at.heads // at.kv_heads
-        k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
-        v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           scale=cfg.head_dim**-0.5)
-        h = h + at.o_proj(o.transpose(1, 2).reshape(Bs, nA * S, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    visible = torch.cat([ctx_vis, blk_vis], dim=2)  # [Bs, nA * S, T + nA * S]: own context prefix, own block
+    for layer, (kc, vc) in zip(drafter.layers, drafter.context_kv(feats, pos_ctx), strict=True):
+        h = layer(h, pos_blk, kc, vc, visible, drafter.rope)  # the inference layer, many blocks per row
     h = drafter.norm(h).view(Bs, nA, S, D)[:, :, 1:]
     return target.lm_head(h)
 

@@ -59,8 +59,10 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self.k_proj(h_BTD).view(B, T, -1, self.cfg.head_dim))
         return rope(k, pos_BT), self.v_proj(h_BTD).view(B, T, -1, self.cfg.head_dim)
 
-    def forward(self, h_BSD, pos_BS, ctx_k, ctx_v, ctx_visible_BL, rope: NeoxRope):
-        """Block queries over [cached context ; block] keys, no causal mask."""
+    def forward(self, h_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope):
+        """Block queries over [context ; block] keys. `visible`: [B, L] context rows each query sees, the
+        block seen whole (inference: one block per row); or [B, S, L + S] per query (training: many
+        blocks per row, each seeing its own context prefix and itself)."""
         cfg = self.cfg
         B, S, _ = h_BSD.shape
         q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, cfg.head_dim)), pos_BS)
@@ -69,9 +71,10 @@ class DrafterAttention(nn.Module):
         v = torch.cat([ctx_v, v_blk], dim=1)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        vis = torch.cat([ctx_visible_BL, ctx_visible_BL.new_ones(B, S)], dim=1)
+        if visible.dim() == 2:
+            visible = torch.cat([visible, visible.new_ones(B, S)], dim=1)[:, None]  # [B, 1, L + S]
         s = torch.einsum("bshd,blhd->bhsl", q.float(), k.float()) * cfg.head_dim**-0.5
-        s = s.masked_fill(~vis[:, None, None, :], float("-inf"))
+        s = s.masked_fill(~visible[:, None], float("-inf"))
         a = torch.einsum("bhsl,blhd->bshd", torch.softmax(s, dim=-1).to(v.dtype), v)
         return self.tp.reduce(self.o_proj(a.reshape(B, S, -1)))
 
@@ -84,6 +87,11 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(cfg, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg.hidden_size, tp.split(cfg.intermediate_size, "drafter intermediate_size"), dtype)
+
+    def forward(self, x_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope) -> torch.Tensor:
+        """One pre-norm residual layer; `visible` as in `DrafterAttention.forward`."""
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), pos_BS, ctx_k, ctx_v, visible, rope)
+        return x_BSD + self.tp.reduce(self.mlp(self.post_attention_layernorm(x_BSD)))
 
 
 class DFlashDrafter(nn.Module):
@@ -121,9 +129,7 @@ class DFlashDrafter(nn.Module):
         keys = live_keys(ctx_lens_B, 0, cache_k.shape[2])  # live part eagerly, whole rows under graphs
         vis = torch.arange(keys, device=x_BSD.device)[None, :] < ctx_lens_B[:, None]
         for i, layer in enumerate(self.layers):
-            ck, cv = cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys]
-            x_BSD = x_BSD + layer.self_attn(layer.input_layernorm(x_BSD), pos_BS, ck, cv, vis, self.rope)
-            x_BSD = x_BSD + self.tp.reduce(layer.mlp(layer.post_attention_layernorm(x_BSD)))
+            x_BSD = layer(x_BSD, pos_BS, cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys], vis, self.rope)
         return self.norm(x_BSD)
 
 

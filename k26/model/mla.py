@@ -30,7 +30,9 @@ class MLA(nn.Module):
         self.kv_b_proj = linear(r, self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
         self.o_proj = linear(self.heads * cfg.v_head_dim, d, dtype)
 
-    def forward(self, x_BND, batch: AttnBatch, cache_RLC, rope: Rope, absorb: bool = True):
+    def forward(self, x_BND, batch: AttnBatch, cache_RLC: torch.Tensor | None, rope: Rope, absorb=True):
+        """Attention of the new tokens over the cache (written first); with no cache (training) over the new
+        tokens alone, in the naive form, with prefix lengths 0."""
         cfg = self.cfg
         B, N, _ = x_BND.shape
         H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -41,6 +43,10 @@ class MLA(nn.Module):
         c_kv = self.kv_a_layernorm(a_BNC[..., :r])
         k_pe = rope(a_BNC[..., r:], batch.positions_BN)
         latent_BNC = torch.cat([c_kv, k_pe], dim=-1)
+        if cache_RLC is None:  # no cache (training): the new tokens attend among themselves, differentiably
+            vis_BNN = reference.words_to_tree_mask(batch.mask_words_BNW, N)
+            o_BNHV = self._attend_latent(q_nope, q_pe, latent_BNC, vis_BNN)
+            return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
         torch.ops.k26.mla_write_cache(cache_RLC, latent_BNC, batch.rows_B, batch.prefix_lens_B)
 
         w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, r)
@@ -79,17 +85,3 @@ class MLA(nn.Module):
         s_BHNL = s_BHNL.masked_fill(~vis_BNL[:, None], float("-inf"))
         p_BHNL = torch.softmax(s_BHNL, dim=-1).to(q_nope.dtype)
         return torch.einsum("bhnl,blhv->bnhv", p_BHNL, v_BLHV)
-
-    def forward_train(self, x_BTD, positions_BT, rope: Rope):
-        """Causal self-attention over the sequence itself, no cache: the differentiable training path."""
-        cfg = self.cfg
-        B, T, _ = x_BTD.shape
-        H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q_BTHQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))).view(B, T, H, cfg.qk_head_dim)
-        q_nope, q_pe = q_BTHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = rope(q_pe, positions_BT[:, :, None])
-        a_BTC = self.kv_a_proj_with_mqa(x_BTD)
-        lat_BTC = torch.cat([self.kv_a_layernorm(a_BTC[..., :r]), rope(a_BTC[..., r:], positions_BT)], dim=-1)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril().expand(B, T, T)
-        o = self._attend_latent(q_nope, q_pe, lat_BTC, causal)
-        return self.tp.reduce(self.o_proj(o.reshape(B, T, H * cfg.v_head_dim)))

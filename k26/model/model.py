@@ -52,17 +52,18 @@ class KimiK2(nn.Module):
         self,
         ids_BN: torch.Tensor,
         batch: AttnBatch,
-        cache_LRTC: torch.Tensor,
+        cache_LRTC: torch.Tensor | None,
         *,
         aux_layers: tuple[int, ...] = (),
         absorb: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final-normed hidden states [B, N, D] and, if asked, the outputs of `aux_layers`
-        concatenated on the last dim [B, N, len(aux_layers)·D] (the DFlash context features)."""
+        concatenated on the last dim [B, N, len(aux_layers)·D] (the DFlash context features). With
+        `cache_LRTC` None (training) the tokens attend only among themselves."""
         x = self.embed_tokens(ids_BN)
         aux = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, cache_LRTC[i], self.rope, absorb)
+            x = layer(x, batch, None if cache_LRTC is None else cache_LRTC[i], self.rope, absorb)
             if i in aux_layers:
                 aux.append(x)
         return self.norm(x), (torch.cat(aux, dim=-1) if aux_layers else None)
@@ -71,16 +72,8 @@ class KimiK2(nn.Module):
         return self.lm_head(hidden)
 
     def forward_train(self, ids_BT: torch.Tensor, aux_layers: tuple[int, ...] = ()):
-        """Differentiable causal forward over whole sequences (no cache): final hidden states and, if asked,
-        the outputs of `aux_layers` concatenated (drafter training features)."""
+        """Differentiable causal forward over whole sequences: `forward` with no cache (each layer's attention
+        then runs over the sequence itself); final hidden states and, if asked, the `aux_layers` outputs."""
         B, T = ids_BT.shape
-        pos = torch.arange(T, device=ids_BT.device).expand(B, T)
-        x = self.embed_tokens(ids_BT)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn.forward_train(layer.input_layernorm(x), pos, self.rope)
-            h = layer.mlp(layer.post_attention_layernorm(x))
-            x = x + (self.tp.reduce(h) if layer.dense else h)
-            if i in aux_layers:
-                aux.append(x)
-        return self.norm(x), (torch.cat(aux, dim=-1) if aux_layers else None)
+        batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=ids_BT.device), T)
+        return self.forward(ids_BT, batch, None, aux_layers=aux_layers)
