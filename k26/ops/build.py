@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -107,44 +108,35 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
     return out
 
 
-_LIB: ctypes.CDLL | None = None
-
-
+@functools.cache  # one load per process; `library.cache_clear()` forgets it (a failed load is not cached)
 def library() -> ctypes.CDLL:
     """The loaded kernel library, built on first use if no cached build matches the sources."""
-    global _LIB
-    if _LIB is None:
-        path = Path(os.environ["K26_OPS_LIB"]) if "K26_OPS_LIB" in os.environ else library_path()
-        if not path.exists():
-            build(out=path, verbose=False)
-        _LIB = ctypes.CDLL(str(path))
-        _LIB.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
-        _LIB.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 6
-        _LIB.k26_moe_w4a16.restype = ctypes.c_int
-        _LIB.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
-        _LIB.k26_ddtree_scratch.restype = ctypes.c_size_t
-        _LIB.k26_ddtree_scratch.argtypes = [ctypes.c_int] * 3
-        _LIB.k26_ddtree_build.restype = ctypes.c_int
-        _LIB.k26_ddtree_build.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 8
-    return _LIB
+    path = Path(os.environ["K26_OPS_LIB"]) if "K26_OPS_LIB" in os.environ else library_path()
+    if not path.exists():
+        build(out=path, verbose=False)
+    lib = ctypes.CDLL(str(path))
+    lib.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
+    lib.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 6
+    lib.k26_moe_w4a16.restype = ctypes.c_int
+    lib.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+    lib.k26_ddtree_scratch.restype = ctypes.c_size_t
+    lib.k26_ddtree_scratch.argtypes = [ctypes.c_int] * 3
+    lib.k26_ddtree_build.restype = ctypes.c_int
+    lib.k26_ddtree_build.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 8
+    return lib
 
 
-_AVAILABLE: bool | None = None
-
-
+@functools.cache
 def available() -> bool:
     """Whether the kernel library loads (built or buildable here); warns once when it does not."""
-    global _AVAILABLE
-    if _AVAILABLE is None:
-        try:
-            library()
-            _AVAILABLE = True
-        except (BuildError, OSError) as e:
-            import warnings
+    try:
+        library()
+        return True
+    except (BuildError, OSError) as e:
+        import warnings
 
-            warnings.warn(f"k26: CUDA kernels unavailable ({e}); the pure-torch references run instead", stacklevel=2)
-            _AVAILABLE = False
-    return _AVAILABLE
+        warnings.warn(f"k26: CUDA kernels unavailable ({e}); the pure-torch references run instead", stacklevel=2)
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
