@@ -131,7 +131,6 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
 // (bytes read by one block) short; a deeper tree pays a fence + atomic + L2 round trip per level.
 constexpr int ONE_LEVEL = 12;
 constexpr int MAX_FANIN = 32;    // ceil(sqrt(1024)): the largest split count the front door asks for
-constexpr int MERGE_LOADS = 16;  // float4 loads in flight per thread: 64 KB a block, a few L2 round trips
 
 __device__ __forceinline__ int fanin(int active) {
   if (active <= ONE_LEVEL) return active;
@@ -166,28 +165,44 @@ __device__ __noinline__ void merge_slots(const Params& p, int b, int rt, int src
     slse[r] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
   }
   __syncthreads();
-  for (int item = threadIdx.x; item < rows_real * (DV / 4); item += THREADS) {
-    const int r = item / (DV / 4), c = (item % (DV / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int k0 = 0; k0 < nch; k0 += MERGE_LOADS) {
-      float4 v[MERGE_LOADS];
+  // Each thread owns J float4 outputs (rows r_j = tid / 128 + 2 j) and reads CK children's values for all
+  // of them per round: 16 independent 16-B loads in flight, so a merge costs ~nch / CK L2 round trips.
+  constexpr int J = BM * (DV / 4) / THREADS, CK = 16 / J;
+  const int c = (threadIdx.x % (DV / 4)) * 4, r0 = threadIdx.x / (DV / 4);
+  float4 acc[J];
 #pragma unroll
-      for (int k = 0; k < MERGE_LOADS; ++k)
-        if (k0 + k < nch) v[k] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)(k0 + k) * BM + r) * DV + c));
+  for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k0 = 0; k0 < nch; k0 += CK) {
+    float4 v[CK][J];
 #pragma unroll
-      for (int k = 0; k < MERGE_LOADS; ++k) {
-        if (k0 + k >= nch) break;
-        const float w = sw[(k0 + k) * BM + r];
-        acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
+    for (int kc = 0; kc < CK; ++kc)
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int r = r0 + j * (THREADS / (DV / 4));
+        if (k0 + kc < nch && r < rows_real)
+          v[kc][j] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)(k0 + kc) * BM + r) * DV + c));
       }
-    }
+#pragma unroll
+    for (int kc = 0; kc < CK; ++kc)
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int r = r0 + j * (THREADS / (DV / 4));
+        if (k0 + kc >= nch || r >= rows_real) continue;
+        const float w = sw[(k0 + kc) * BM + r];
+        acc[j].x += w * v[kc][j].x, acc[j].y += w * v[kc][j].y, acc[j].z += w * v[kc][j].z, acc[j].w += w * v[kc][j].w;
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int r = r0 + j * (THREADS / (DV / 4));
+    if (r >= rows_real) continue;
     if (dst < 0) {
       __nv_bfloat16* o = p.out + ((size_t)b * p.R + row0 + r) * DV + c;
-      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc.x, acc.y);
-      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc.z, acc.w);
+      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc[j].x, acc[j].y);
+      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc[j].z, acc[j].w);
       if (c == 0) p.lse[(size_t)b * p.R + row0 + r] = slse[r];
     } else {
-      __stcg(reinterpret_cast<float4*>(p.o_part + ((tile * p.slots + dst) * BM + r) * DV + c), acc);
+      __stcg(reinterpret_cast<float4*>(p.o_part + ((tile * p.slots + dst) * BM + r) * DV + c), acc[j]);
       if (c == 0) __stcg(p.lse_part + (tile * p.slots + dst) * BM + r, slse[r]);
     }
   }
@@ -249,11 +264,23 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int row0 = rt * BM;
+  // Q first (it depends on nothing): its load overlaps the reads of the sequence's length and row.
+  {
+    __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
+    for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const int row = min(row0 + r, p.R - 1);
+      cp_async16(sQ + r * LDS + c, p.q + ((size_t)b * p.R + row) * DQK + c, row0 + r < p.R);
+    }
+  }
   const int L = static_cast<int>(p.prefix[b]);
   const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
   int chunk, active;
   split_geometry(p, T, chunk, active);
-  if (split >= active) return;
+  if (split >= active) {
+    cp_wait<0>();  // nothing may land in shared memory after the block exits
+    return;
+  }
   TRACE(0);
   const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
@@ -272,14 +299,8 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     cp_commit();  // always commit, so the group count per iteration stays uniform
   };
 
-  // Q (rows past R zero-filled) staged in the last MT stages, the first tiles alongside it.
+  // Q (rows past R zero-filled, issued above) is staged in the last MT stages, the first tiles alongside.
   {
-    __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
-    for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
-      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
-      const int row = min(row0 + r, p.R - 1);
-      cp_async16(sQ + r * LDS + c, p.q + ((size_t)b * p.R + row) * DQK + c, row0 + r < p.R);
-    }
     for (int it = 0; it < NSTAGE - MT; ++it) {
       if (it < n_tiles) {
         const int key0 = k0 + it * BN;
