@@ -74,10 +74,11 @@ class DecodeContext:
     absorb: bool = True
     graphs: bool = False
     progress: bool = False
+    static: bool = False  # eager steps with the graphs' static shapes too (AttnBatch.static): for comparisons
 
     def models(self, target: Callable | None = None) -> StepModels:
         kv, dc = self.cache.kv_LRTC, self.dcache
-        return StepModels(target or self.model, self.drafter, kv, dc, self.absorb)
+        return StepModels(target or self.model, self.drafter, kv, dc, self.absorb, self.static)
 
 
 @dataclass
@@ -245,7 +246,7 @@ class Decoder:
             rows = torch.arange(state.capacity, device=ctx.device)
             h, _ = ctx.model(
                 state.bonus[:, None],
-                AttnBatch.causal(state.lens, 1, rows),
+                AttnBatch.causal(state.lens, 1, rows, static=ctx.static),
                 ctx.cache.kv_LRTC,
                 absorb=ctx.absorb,
             )

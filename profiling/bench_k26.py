@@ -32,7 +32,6 @@ from k26.model import AttnBatch, KimiK2, TPInfo  # noqa: E402
 from k26.model.drafter import DFlashDrafter  # noqa: E402
 from k26.model.moe import Int4Experts  # noqa: E402
 from k26.ops.moe_cuda import repack_scales, w13_row_order  # noqa: E402
-from k26.ops.reference import static_shapes  # noqa: E402
 from k26.sampling import RowSampling  # noqa: E402
 from k26.spec.step import SpecConfig, StepModels, speculative_step  # noqa: E402
 from k26.tiny import quantization_config  # noqa: E402
@@ -189,12 +188,11 @@ def main() -> None:
         for N in nodes:
             ids = torch.randint(0, cfg.vocab_size, (1, N), device=dev)
             anc = torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None]
-            batch = AttnBatch.tree(start, anc, rows)
+            batch = AttnBatch.tree(start, anc, rows, static=True)  # sync-free, as under graphs
 
             def verify(ids=ids, batch=batch, cache=cache):  # bound now: called within this iteration
-                with static_shapes():
-                    h, _ = model(ids, batch, cache, aux_layers=dcfg.target_layer_ids)
-                    model.logits(h)
+                h, _ = model(ids, batch, cache, aux_layers=dcfg.target_layer_ids)
+                model.logits(h)
 
             touched.clear()
             counting[0] = True
@@ -216,8 +214,7 @@ def main() -> None:
             st = start.clone()
 
             def step(st=st, spec=spec, cache=cache, dcache=dcache, rows=rows, bonus=bonus, alive=alive, sp=sp):
-                with static_shapes():
-                    speculative_step(StepModels(model, drafter, cache, dcache), rows, st, bonus, alive, spec, sp)
+                speculative_step(StepModels(model, drafter, cache, dcache, static=True), rows, st, bonus, alive, spec, sp)
 
             t = graph_step_time(step, lambda st=st, start=start: st.copy_(start))
             lines.append(f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "
@@ -227,10 +224,9 @@ def main() -> None:
             dstart = start.clone()
 
             def draft_only(dcache=dcache, rows=rows, dstart=dstart, bonus=bonus):
-                with static_shapes():
-                    from k26.spec.step import draft
+                from k26.spec.step import draft
 
-                    draft(model, drafter, dcache, rows, dstart, bonus)
+                draft(model, drafter, dcache, rows, dstart, bonus, static=True)
 
             t = graph_step_time(draft_only, lambda: None)
             lines.append(f"| draft forward (drafter + lm_head shard) | {L} | 8 | {t * 1e3:.2f} | | | | |")
@@ -262,14 +258,13 @@ def breakdown(model, cfg, dcfg, dev, L, nodes) -> list[str]:
     rows, start = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), L, device=dev)
     for N in nodes:
         ids = torch.randint(0, cfg.vocab_size, (1, N), device=dev)
-        batch = AttnBatch.tree(start, torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None], rows)
-        with static_shapes():
-            model(ids, batch, cache)
+        batch = AttnBatch.tree(start, torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None], rows, static=True)
+        model(ids, batch, cache)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            h, _ = model(ids, batch, cache)
+            model.logits(h)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                h, _ = model(ids, batch, cache)
-                model.logits(h)
-                torch.cuda.synchronize()
         evs = [e for e in prof.key_averages() if e.device_time_total > 0]
         total = sum(e.device_time_total for e in evs)
         seen = set()

@@ -8,13 +8,13 @@ the rows it admits or retires (continuous batching) into the same buffers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 import torch
 
 from ..model import AttnBatch
-from ..ops.reference import static_shapes
 from ..spec.budget import BudgetPolicy
 from ..spec.step import SpecConfig, StepModels, speculative_step
 from .buckets import Bucket
@@ -24,38 +24,39 @@ from .runner import StepGraphs, StepState
 def graph_step(
     m: StepModels, spec: SpecConfig, greedy: bool, policy_for: Callable[[int], BudgetPolicy | None]
 ) -> Callable[[StepState, Bucket], None]:
-    """The body captured per bucket: one decode step of every row of the bucket's static state."""
+    """The body captured per bucket: one decode step of every row of the bucket's static state, with static
+    shapes (whole cache rows, no host sync) so that warm-ups, capture and an eager call run the same code."""
+    m = dataclasses.replace(m, static=True)
 
     def step(state: StepState, bucket: Bucket) -> None:
         rs = state.sampling(greedy)
-        with static_shapes():
-            if spec.method == "ar":
-                batch = AttnBatch.causal(state.start, 1, state.rows)
-                h, _ = m.target(state.bonus[:, None], batch, m.cache_LRTC, absorb=m.absorb)
-                tok = m.next_token(h[:, 0], rs)
-                state.emitted[:, 0].copy_(tok)
-                state.n_emitted.copy_(state.alive.long())
-            else:
-                policy = policy_for(bucket.batch) if spec.auto else None
-                step_spec = spec.fixed(bucket.nodes - 1) if spec.auto else spec
-                r = speculative_step(
-                    m,
-                    state.rows,
-                    state.start,
-                    state.bonus,
-                    state.alive,
-                    step_spec,
-                    rs,
-                    nodes=bucket.nodes,
-                    policy=policy,
-                )
-                state.emitted.copy_(r.emitted)
-                state.n_emitted.copy_(r.n_emitted)
-                if r.choice is not None:
-                    state.choice.copy_(r.choice.view(1))
-                tok = r.bonus
-            state.start.add_(state.n_emitted)
-            state.bonus.copy_(torch.where(state.alive, tok, state.bonus))
+        if spec.method == "ar":
+            batch = AttnBatch.causal(state.start, 1, state.rows, static=True)
+            h, _ = m.target(state.bonus[:, None], batch, m.cache_LRTC, absorb=m.absorb)
+            tok = m.next_token(h[:, 0], rs)
+            state.emitted[:, 0].copy_(tok)
+            state.n_emitted.copy_(state.alive.long())
+        else:
+            policy = policy_for(bucket.batch) if spec.auto else None
+            step_spec = spec.fixed(bucket.nodes - 1) if spec.auto else spec
+            r = speculative_step(
+                m,
+                state.rows,
+                state.start,
+                state.bonus,
+                state.alive,
+                step_spec,
+                rs,
+                nodes=bucket.nodes,
+                policy=policy,
+            )
+            state.emitted.copy_(r.emitted)
+            state.n_emitted.copy_(r.n_emitted)
+            if r.choice is not None:
+                state.choice.copy_(r.choice.view(1))
+            tok = r.bonus
+        state.start.add_(state.n_emitted)
+        state.bonus.copy_(torch.where(state.alive, tok, state.bonus))
 
     return step
 

@@ -20,23 +20,28 @@ class AttnBatch:
     rows_B: torch.Tensor  # int64 cache row of each sequence
     prefix_lens_B: torch.Tensor  # int64 tokens already in the cache, all visible
     mask_words_BNW: torch.Tensor  # int64 ancestor bitmask among the N new tokens (self included)
+    # Reference paths attend over whole cache rows (masked) instead of reading the live length back to the
+    # host: slower, but sync-free, so CUDA-graph capturable and replay-identical (graph bodies set it).
+    static: bool = False
 
     @property
     def num_new(self) -> int:
         return self.positions_BN.shape[1]
 
     @classmethod
-    def causal(cls, prefix_lens_B: torch.Tensor, n: int, rows_B: torch.Tensor | None = None) -> AttnBatch:
+    def causal(cls, prefix_lens_B: torch.Tensor, n: int, rows_B: torch.Tensor | None = None,
+               static: bool = False) -> AttnBatch:
         dev = prefix_lens_B.device
         b = prefix_lens_B.shape[0]
         rows = torch.arange(b, device=dev) if rows_B is None else rows_B
         pos = prefix_lens_B[:, None] + torch.arange(n, device=dev)
-        return cls(pos, rows, prefix_lens_B, causal_words(b, n, dev))
+        return cls(pos, rows, prefix_lens_B, causal_words(b, n, dev), static)
 
     @classmethod
-    def tree(cls, prefix_lens_B: torch.Tensor, ancestors_BNN: torch.Tensor, rows_B: torch.Tensor | None = None):
+    def tree(cls, prefix_lens_B: torch.Tensor, ancestors_BNN: torch.Tensor, rows_B: torch.Tensor | None = None,
+             static: bool = False):
         """ancestors[b, i, j]: node j is i itself or an ancestor of i; node 0 is the root."""
         b = prefix_lens_B.shape[0]
         rows = torch.arange(b, device=prefix_lens_B.device) if rows_B is None else rows_B
         depth_BN = ancestors_BNN.sum(-1) - 1
-        return cls(prefix_lens_B[:, None] + depth_BN, rows, prefix_lens_B, tree_mask_to_words(ancestors_BNN))
+        return cls(prefix_lens_B[:, None] + depth_BN, rows, prefix_lens_B, tree_mask_to_words(ancestors_BNN), static)

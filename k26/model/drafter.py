@@ -124,9 +124,10 @@ class DFlashDrafter(nn.Module):
             cache_k[i][r, p] = k.to(cache_k.dtype)
             cache_v[i][r, p] = v.to(cache_v.dtype)
 
-    def forward(self, x_BSD, pos_BS, cache_k, cache_v, rows_B, ctx_lens_B) -> torch.Tensor:
-        """Block hidden states after the final norm [B, S, D]; context = cache positions < ctx_lens."""
-        keys = live_keys(ctx_lens_B, 0, cache_k.shape[2])  # live part eagerly, whole rows under graphs
+    def forward(self, x_BSD, pos_BS, cache_k, cache_v, rows_B, ctx_lens_B, static: bool = False) -> torch.Tensor:
+        """Block hidden states after the final norm [B, S, D]; context = cache positions < ctx_lens.
+        `static`: whole cache rows, no host sync (graph bodies), as `AttnBatch.static`."""
+        keys = live_keys(ctx_lens_B, 0, cache_k.shape[2], static)
         vis = torch.arange(keys, device=x_BSD.device)[None, :] < ctx_lens_B[:, None]
         for i, layer in enumerate(self.layers):
             x_BSD = layer(x_BSD, pos_BS, cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys], vis, self.rope)

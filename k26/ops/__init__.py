@@ -61,12 +61,13 @@ def mla_tree_attention(
     mask_words: torch.Tensor,
     scale: float,
     v_dim: int,
+    static: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim)
+    return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static)
 
 
 @mla_tree_attention.register_fake
-def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
+def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     B, N, H, _ = q.shape
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 

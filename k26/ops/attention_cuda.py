@@ -91,13 +91,13 @@ def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
 
 
 @torch.library.register_kernel("k26::mla_tree_attention", "cuda")
-def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim):
+def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     from .build import available, library  # lazily: `python -m k26.ops.build` must not import itself first
 
     check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim)
     B, N, H, C = q.shape
     if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or not available():
-        return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim)
+        return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static)
     if N > MAX_NEW_TOKENS:
         raise ValueError(f"mla_tree_attention: N={N} new tokens exceeds the kernel's maximum {MAX_NEW_TOKENS}")
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()

@@ -7,36 +7,22 @@ CUDA kernels that replace them on GPU may not.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
 from .int4 import dequantize_int4
 
 WORD_BITS = 64  # ancestor bitmask: bit j of word j // 64 in row i says node i sees new token j
-_STATIC = [False]
-
-
-@contextlib.contextmanager
-def static_shapes():
-    """Inside, reference paths attend over whole cache rows (masked) instead of reading the live length
-    back to the host: slower, but free of host syncs, so CUDA-graph capturable and replay-identical."""
-    old = _STATIC[0]
-    _STATIC[0] = True
-    try:
-        yield
-    finally:
-        _STATIC[0] = old
 
 
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def live_keys(lengths: torch.Tensor, extra: int, capacity: int) -> int:
-    """How many cache slots a reference path reads: the live maximum, or the whole row when static."""
-    if _STATIC[0] or capturing():
+def live_keys(lengths: torch.Tensor, extra: int, capacity: int, static: bool = False) -> int:
+    """How many cache slots a reference path reads: the live maximum, or the whole row when `static` (the
+    caller's sync-free mode, see `AttnBatch.static`) or inside a CUDA-graph capture."""
+    if static or capturing():
         return capacity
     return min(capacity, int(lengths.max()) + extra)
 
@@ -79,15 +65,17 @@ def mla_write_cache(cache_RLC, latent_BNC, rows_B, prefix_lens_B) -> None:
     cache_RLC[rows_B[:, None], pos_BN] = latent_BNC.to(cache_RLC.dtype)
 
 
-def mla_tree_attention(q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scale: float, v_dim: int):
+def mla_tree_attention(q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scale: float, v_dim: int,
+                       static: bool = False):
     """Absorbed MLA over the latent cache: one shared 576-wide key per token, values its first v_dim.
+    `static`: whole cache rows, no host sync (`live_keys`).
 
     Returns out [B, N, H, v_dim] in q's dtype and the fp32 log-sum-exp [B, N, H].
     """
     B, N, H, C = q_BNHC.shape
-    if not (_STATIC[0] or capturing()) and int(prefix_lens_B.max()) + N > cache_RLC.shape[1]:
+    if not (static or capturing()) and int(prefix_lens_B.max()) + N > cache_RLC.shape[1]:
         raise ValueError(f"mla_tree_attention: prefix + {N} new tokens exceeds cache length {cache_RLC.shape[1]}")
-    keys = live_keys(prefix_lens_B, N, cache_RLC.shape[1])
+    keys = live_keys(prefix_lens_B, N, cache_RLC.shape[1], static)
     kv_BLC = cache_RLC[rows_B, :keys].float()
     s_BNHL = torch.einsum("bnhc,blc->bnhl", q_BNHC.float(), kv_BLC) * scale
     vis_BNL = visible_keys(prefix_lens_B, words_BNW, N, keys)

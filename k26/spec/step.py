@@ -72,25 +72,28 @@ class StepResult:
 
 
 def draft_hidden(
-    target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus
+    target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, static: bool = False
 ) -> torch.Tensor:
-    """Drafter hidden states [B, block, D] of the block [bonus, MASK x (block - 1)]."""
+    """Drafter hidden states [B, block, D] of the block [bonus, MASK x (block - 1)]; `static` as
+    `AttnBatch.static`."""
     cfg = drafter.cfg
     B = bonus.shape[0]
     ids = torch.cat([bonus[:, None], bonus.new_full((B, cfg.block_size - 1), cfg.mask_token_id)], dim=1)
     pos = start[:, None] + torch.arange(cfg.block_size, device=bonus.device)
-    return drafter(target.embed_tokens(ids), pos, dcache.k, dcache.v, rows, start)
+    return drafter(target.embed_tokens(ids), pos, dcache.k, dcache.v, rows, start, static)
 
 
-def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus) -> torch.Tensor:
+def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus,
+          static: bool = False) -> torch.Tensor:
     """Per-depth drafter log-probs over the whole vocabulary [B, block - 1, V] (gathered under TP)."""
-    return drafter_logits(draft_hidden(target, drafter, dcache, rows, start, bonus), target.lm_head)
+    return drafter_logits(draft_hidden(target, drafter, dcache, rows, start, bonus, static), target.lm_head)
 
 
-def draft_topk(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, k: int):
+def draft_topk(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, k: int,
+               static: bool = False):
     """Per-depth top-k (log-probs, token ids) [B, block - 1, k], merged from vocabulary shards under TP:
     all the tree builder needs (Lemma 1 of the DDTree paper: K = min(budget, V) suffices)."""
-    h = draft_hidden(target, drafter, dcache, rows, start, bonus)
+    h = draft_hidden(target, drafter, dcache, rows, start, bonus, static)
     return target.lm_head.topk_logprobs(h[:, 1:], k)
 
 
@@ -116,6 +119,7 @@ class StepModels:
     cache_LRTC: torch.Tensor
     dcache: DrafterCache | None
     absorb: bool = True
+    static: bool = False  # whole cache rows, no host sync (graph bodies): see AttnBatch.static
 
     def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> torch.Tensor:
         """Next token per row from final hidden states: the shards' argmax merged when every row is greedy,
@@ -151,7 +155,7 @@ def speculative_step(
     with t("draft"):
         largest = policy.largest if policy is not None else tree_budget(spec, drafter.cfg.block_size)
         lp, tok = draft_topk(
-            target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size)
+            target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size), m.static
         )
         if policy is not None:
             full = build_ddtree_from_topk(lp, tok, policy.largest)
@@ -167,7 +171,7 @@ def speculative_step(
         tree = pad_tree(tree, nodes) if nodes else tree
         tree.tokens[:, 0] = bonus
     with t("verify"):
-        batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words())
+        batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words(), m.static)
         h, aux = target(
             tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb
         )
