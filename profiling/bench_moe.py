@@ -12,12 +12,23 @@ routing (uniform; skewed = Zipf(1.2) expert popularity):
   - reference: the pure-torch op on the checkpoint layout (dequantise touched experts, matmul), eager.
 "Weight MB" = int4 + scale bytes of the distinct experts touched (what must cross HBM); GB/s and
 "% copy" use it against the device-to-device copy rate measured in the same run (read + write bytes).
+
+    python profiling/bench_moe.py --block [--out FILE.md] [--shapes tp8,tp1] [--ms 1,2,4,8,16,32,64]
+
+The whole MoE block as `k26/model/moe.py` runs it on CUDA (normed hidden in, block output out, before the
+all-reduce): fused router kernel -> int4 expert op with the bf16 shared expert in its grids; against the same
+with the shared expert as separate GEMMs, and the block before issue 17 (reference router: fp32 copy of the
+weight, GEMV, topk; separate shared expert), L distinct layers per graph replay and
+the L2 flushed before each replay (cold). Skewed routing: 10 experts get a large correction bias, so every
+token picks 8 of those 10. Bytes = router + shared expert + touched routed experts (logical size: int4 +
+one bf16 scale per 32); "launches" counts the CUDA kernels of one eager block (torch.profiler).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import subprocess
@@ -28,8 +39,15 @@ import torch.nn.functional as F
 
 from k26.ops import reference
 from k26.ops.moe_cuda import pick_nt
+from k26.ops.router_cuda import router_barrier
 
-SHAPES = {"tp8": dict(E=384, D=7168, I=256, K=8, layers=8), "tp1": dict(E=384, D=7168, I=2048, K=8, layers=2)}
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import graph_time_cold, mma_sync_peak
+
+SHAPES = {
+    "tp8": {"E": 384, "D": 7168, "I": 256, "K": 8, "layers": 8},
+    "tp1": {"E": 384, "D": 7168, "I": 2048, "K": 8, "layers": 2},
+}
 
 
 def events_time(fn, reps: int = 20) -> float:
@@ -119,13 +137,30 @@ def bench_shape(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[
     def scales(*s):
         return (torch.rand(*s, generator=gen, device="cuda") * 0.02 + 1e-3).to(torch.bfloat16)
 
-    layers = [(words(E, I // 8, D // 64, 32, 4), scales(E, I // 8, D // 64, 32, 2),
-               words(E, D // 16, I // 64, 32, 4), scales(E, D // 16, I // 64, 32, 2)) for _ in range(L)]
-    bf_layers = [(torch.randn(E, 2 * I, D, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02,
-                  torch.randn(E, D, I, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02)
-                 for _ in range(max(1, L // 4))]
-    ct = (words(E, I, D // 8), scales(E, I, D // 32), words(E, I, D // 8), scales(E, I, D // 32),
-          words(E, D, I // 8), scales(E, D, I // 32))
+    layers = [
+        (
+            words(E, I // 8, D // 64, 32, 4),
+            scales(E, I // 8, D // 64, 32, 2),
+            words(E, D // 16, I // 64, 32, 4),
+            scales(E, D // 16, I // 64, 32, 2),
+        )
+        for _ in range(L)
+    ]
+    bf_layers = [
+        (
+            torch.randn(E, 2 * I, D, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02,
+            torch.randn(E, D, I, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02,
+        )
+        for _ in range(max(1, L // 4))
+    ]
+    ct = (
+        words(E, I, D // 8),
+        scales(E, I, D // 32),
+        words(E, I, D // 8),
+        scales(E, I, D // 32),
+        words(E, D, I // 8),
+        scales(E, D, I // 32),
+    )
     for kind in ("uniform", "skewed"):
         for M in ms:
             x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
@@ -134,32 +169,36 @@ def bench_shape(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[
             touched = int(ids.unique().numel())
             mb = touched * expert_bytes(D, I) / 1e6
 
-            def k26_all():
+            def k26_all(x=x, ids=ids, tw=tw):
                 for w in layers:
                     torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw)
 
             t = graph_time(k26_all, L)
 
-            def bf_all():
+            def bf_all(x=x, ids=ids, tw=tw):
                 for w13, w2 in bf_layers:
                     grouped_mm_moe(x, w13, w2, ids, tw)
 
             try:
                 t_bf = graph_time(bf_all, len(bf_layers))
-            except Exception as e:  # report, do not hide, a peer that cannot run
+            except Exception as e:  # noqa: BLE001  (report, do not hide, a peer that cannot run)
                 print(f"grouped_mm failed at M={M}: {e}", file=sys.stderr)
                 t_bf = float("nan")
-            t_ref = (events_time(lambda: reference.moe_w4a16(x, *ct, ids, tw), reps=3)
-                     if M in (1, 16, 64) else float("nan"))
+            t_ref = (
+                events_time(lambda x=x, ids=ids, tw=tw: reference.moe_w4a16(x, *ct, ids, tw), reps=3)
+                if M in (1, 16, 64)
+                else float("nan")
+            )
             gbs = mb / 1e3 / t
-            best_peer = min(v for v in (t_bf, t_ref) if v == v) if (t_bf == t_bf or t_ref == t_ref) else float("nan")
+            finite = [v for v in (t_bf, t_ref) if math.isfinite(v)]
+            best_peer = min(finite) if finite else float("nan")
             rows.append(
                 f"| {name} | {kind} | {M} | {touched} | {mb:.1f} | {t * 1e6:.1f} | {gbs:.0f} | "
-                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_bf * 1e6:.1f} | {t_ref * 1e6:.0f} | {best_peer / t:.1f}x | "
+                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_bf * 1e6:.1f} | {t_ref * 1e6:.0f} | "
+                f"{best_peer / t:.1f}x | "
                 f"{pick_nt(M * K, E)} |"
             )
             print(rows[-1], flush=True)
-    del layers, bf_layers, ct
     torch.cuda.empty_cache()
 
 
@@ -169,10 +208,16 @@ def kernel_breakdown(shp: dict, M: int) -> list[str]:
 
     E, D, I, K = shp["E"], shp["D"], shp["I"], shp["K"]
     gen = torch.Generator(device="cuda").manual_seed(1)
-    w = (torch.randint(-(2**31), 2**31 - 1, (E, I // 8, D // 64, 32, 4), generator=gen, dtype=torch.int32, device="cuda"),
-         torch.rand(E, I // 8, D // 64, 32, 2, generator=gen, device="cuda").to(torch.bfloat16),
-         torch.randint(-(2**31), 2**31 - 1, (E, D // 16, I // 64, 32, 4), generator=gen, dtype=torch.int32, device="cuda"),
-         torch.rand(E, D // 16, I // 64, 32, 2, generator=gen, device="cuda").to(torch.bfloat16))
+    w = (
+        torch.randint(
+            -(2**31), 2**31 - 1, (E, I // 8, D // 64, 32, 4), generator=gen, dtype=torch.int32, device="cuda"
+        ),
+        torch.rand(E, I // 8, D // 64, 32, 2, generator=gen, device="cuda").to(torch.bfloat16),
+        torch.randint(
+            -(2**31), 2**31 - 1, (E, D // 16, I // 64, 32, 4), generator=gen, dtype=torch.int32, device="cuda"
+        ),
+        torch.rand(E, D // 16, I // 64, 32, 2, generator=gen, device="cuda").to(torch.bfloat16),
+    )
     x = torch.randn(M, D, device="cuda").to(torch.bfloat16)
     ids = routing("uniform", M, E, K, gen)
     tw = torch.rand(M, K, device="cuda")
@@ -190,37 +235,194 @@ def kernel_breakdown(shp: dict, M: int) -> list[str]:
     return out
 
 
+ROUTE = (1, 1, 8, True, 2.827)  # K2.6: n_group, topk_group, top-k, renormalise, routed_scaling_factor
+
+
+def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
+    """One layer's MoE weights at random: router like a trained one, `hot` experts favoured by the bias."""
+
+    def words(*s):
+        return torch.randint(-(2**31), 2**31 - 1, s, generator=gen, dtype=torch.int32, device="cuda")
+
+    def scales(*s):
+        return (torch.rand(*s, generator=gen, device="cuda") * 0.02 + 1e-3).to(torch.bfloat16)
+
+    def bf(*s):
+        return (torch.randn(*s, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+
+    bias = torch.randn(E, generator=gen, device="cuda") * 0.05
+    if hot:
+        bias[torch.randperm(E, generator=gen, device="cuda")[:hot]] += 10.0
+    experts = (
+        words(E, I // 8, D // 64, 32, 4),
+        scales(E, I // 8, D // 64, 32, 2),
+        words(E, D // 16, I // 64, 32, 4),
+        scales(E, D // 16, I // 64, 32, 2),
+    )
+    return {
+        "router": bf(E, D),
+        "bias": bias,
+        "barrier": router_barrier("cuda"),
+        "experts": experts,
+        "gate": bf(I, D),
+        "up": bf(I, D),
+        "down": bf(D, I),
+    }
+
+
+def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
+    """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused": router
+    kernel, shared expert in the expert kernel's grids; "router": router kernel, shared expert as its own
+    three GEMMs; "unfused": the reference router (fp32 weight copy, GEMV, topk), separate shared expert."""
+    if mode == "unfused":
+        tw, ids = reference.moe_router(x, lw["router"], lw["bias"], *ROUTE)
+    else:
+        tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
+    if mode == "fused":
+        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, lw["gate"], lw["up"], lw["down"])
+    y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw)
+    return y + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
+
+
+def launches(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    return sum(1 for ev in prof.events() if ev.device_type == DeviceType.CUDA and "Mem" not in ev.name)
+
+
+def bench_block(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[str]) -> None:
+    E, D, I, L = shp["E"], shp["D"], shp["I"], shp["layers"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for kind, hot in (("uniform", 0), ("skewed", 10)):
+        layers = [block_layer(E, D, I, hot, gen) for _ in range(L)]
+        for M in ms:
+            x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+            touched = statistics.mean(
+                int(
+                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)[1]
+                    .unique()
+                    .numel()
+                )
+                for lw in layers
+            )
+            mb = (E * D * 2 + 3 * D * I * 2 + touched * expert_bytes(D, I)) / 1e6
+
+            def blocks(mode, x=x, layers=layers):
+                return [moe_block(x, lw, mode) for lw in layers]
+
+            def routers(x=x, layers=layers):
+                return [
+                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
+                    for lw in layers
+                ]
+
+            t, t_unfused = (
+                graph_time_cold(lambda: blocks("fused"), L),
+                graph_time_cold(lambda: blocks("unfused"), L),
+            )
+            t_router_only = graph_time_cold(lambda: blocks("router"), L)
+            t_router = graph_time_cold(routers, L)
+            n_fused, n_unfused = "-", "-"
+            if M in (1, 64):  # the profiler is slow to start; the count does not depend on M otherwise
+                n_fused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw))
+                n_unfused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw, "unfused"))
+            gbs = mb / 1e3 / t
+            rows.append(
+                f"| {name} | {kind} | {M} | {touched:.1f} | {mb:.1f} | {t * 1e6:.1f} | {gbs:.0f} | "
+                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_router_only * 1e6:.1f} | {t_unfused * 1e6:.1f} | "
+                f"{n_fused} / {n_unfused} | "
+                f"{t_router * 1e6:.1f} ({100 * E * D * 2 / t_router / copy_bw:.0f}%) |"
+            )
+            print(rows[-1], flush=True)
+        del layers
+        torch.cuda.empty_cache()
+
+
+def block_main(a, copy_bw: float, head: list[str]) -> str:
+    head += [
+        f"- mma.sync bf16 peak measured in this run: {mma_sync_peak() / 1e12:.0f} TFLOP/s",
+        "",
+        (
+            "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | "
+            "shared separate µs | before (unfused) µs | launches fused / before | router µs (% copy) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(head), flush=True)
+    rows: list[str] = []
+    for name in a.shapes.split(","):
+        bench_block(name, SHAPES[name], [int(v) for v in a.ms.split(",")], copy_bw, rows)
+    return "\n".join(head + rows) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="tp8,tp1")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument(
+        "--block", action="store_true", help="the whole MoE block (router + experts + shared expert)"
+    )
     a = ap.parse_args()
     ms = [int(v) for v in a.ms.split(",")]
     copy_bw, flops = copy_bandwidth(), gemm_rate()
-    commit = os.environ.get("K26_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("K26_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
     head = [
         f"# bench_moe — {datetime.date.today()}",
         "",
-        f"- device: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs), "
-        f"torch {torch.__version__}",
+        (
+            f"- device: {torch.cuda.get_device_name()} "
+            f"({torch.cuda.get_device_properties(0).multi_processor_count} SMs), "
+            f"torch {torch.__version__}"
+        ),
         f"- commit: {commit or 'unknown'}",
-        f"- command: `python profiling/bench_moe.py --shapes {a.shapes} --ms {a.ms}`",
-        f"- ceilings measured in this run: copy {copy_bw / 1e12:.2f} TB/s (read+write bytes), "
-        f"bf16 GEMM {flops / 1e12:.0f} TFLOP/s",
+        (
+            f"- command: `python profiling/bench_moe.py{' --block' if a.block else ''} --shapes {a.shapes} "
+            f"--ms {a.ms}`"
+        ),
+        (
+            f"- ceilings measured in this run: copy {copy_bw / 1e12:.2f} TB/s (read+write bytes), "
+            f"bf16 GEMM {flops / 1e12:.0f} TFLOP/s"
+        ),
+    ]
+    if a.block:
+        text = block_main(a, copy_bw, head)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text)
+        return
+    head += [
         "",
-        "| shape | routing | M | experts touched | weight MB | k26 µs | GB/s | % copy | bf16 grouped_mm µs | "
-        "reference µs | vs best peer | NT |",
+        (
+            "| shape | routing | M | experts touched | weight MB | k26 µs | GB/s | % copy | "
+            "bf16 grouped_mm µs | "
+            "reference µs | vs best peer | NT |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(head), flush=True)
     rows: list[str] = []
     for name in a.shapes.split(","):
         bench_shape(name, SHAPES[name], ms, copy_bw, rows)
-    tail = ["", "Per-kernel device time, TP8 shape, uniform routing (torch.profiler, eager):", "",
-            "| M | kernel | µs |", "|---|---|---|"]
+    tail = [
+        "",
+        "Per-kernel device time, TP8 shape, uniform routing (torch.profiler, eager):",
+        "",
+        "| M | kernel | µs |",
+        "|---|---|---|",
+    ]
     for M in (1, 64):
         tail += kernel_breakdown(SHAPES["tp8"], M)
     text = "\n".join(head + rows + tail) + "\n"

@@ -17,21 +17,28 @@ def poison_allocator(nbytes=1 << 28):
 def random_repacked(E, D, inter, gen):
     """Random nibbles are random in any layout, so draw the kernel's words directly; scales are drawn per
     (row, group of 32) as in a checkpoint and repacked (lanes of one group share a scale)."""
+
     def words(*shape):
         return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int32, device="cuda")
 
     def scales(rows, k):
         return (torch.rand(E, rows, k // 32, generator=gen, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
 
-    return (words(E, inter // 8, D // 64, 32, 4), repack_scales(scales(2 * inter, D), w13_row_order(inter)),
-            words(E, D // 16, inter // 64, 32, 4), repack_scales(scales(D, inter)))
+    return (
+        words(E, inter // 8, D // 64, 32, 4),
+        repack_scales(scales(2 * inter, D), w13_row_order(inter)),
+        words(E, D // 16, inter // 64, 32, 4),
+        repack_scales(scales(D, inter)),
+    )
 
 
 def routing(kind, M, E, K, gen):
     if kind == "uniform":
         return torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(M)])
     if kind == "hot":  # expert 0 in every token's set
-        ids = torch.stack([torch.randperm(E - 1, generator=gen, device="cuda")[: K - 1] + 1 for _ in range(M)])
+        ids = torch.stack(
+            [torch.randperm(E - 1, generator=gen, device="cuda")[: K - 1] + 1 for _ in range(M)]
+        )
         return torch.cat([torch.zeros(M, 1, dtype=torch.long, device="cuda"), ids], 1)
     if kind == "same":  # every token to the same experts
         return torch.randperm(E, generator=gen, device="cuda")[:K].expand(M, K).contiguous()
@@ -69,7 +76,9 @@ def test_every_expert_once():
     check(E=64, K=8, D=256, inter=64, M=8, kind="each_once", seed=3)
 
 
-@pytest.mark.parametrize("E,K,D,inter", [(8, 2, 64, 64), (16, 1, 192, 320), (384, 8, 7168, 256), (16, 8, 7168, 2048)])
+@pytest.mark.parametrize(
+    "E,K,D,inter", [(8, 2, 64, 64), (16, 1, 192, 320), (384, 8, 7168, 256), (16, 8, 7168, 2048)]
+)
 @pytest.mark.parametrize("M", [1, 24])
 def test_shapes_including_k26(E, K, D, inter, M):
     check(E=E, K=K, D=D, inter=inter, M=M, kind="uniform", seed=E + M)
@@ -92,12 +101,51 @@ def test_graph_replay_matches_eager():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def shared_weights(D, inter, gen):
+    def bf(*shape):
+        return (torch.randn(*shape, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+
+    return bf(inter, D), bf(inter, D), bf(D, inter)
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 40, 130])
+@pytest.mark.parametrize(
+    "E,K,D,inter,kind",
+    [(384, 8, 7168, 256, "uniform"), (64, 8, 512, 256, "same"), (16, 4, 7168, 2048, "uniform")],
+)
+def test_shared_expert_in_the_grid_matches_reference(M, E, K, D, inter, kind):
+    gen = torch.Generator(device="cuda").manual_seed(100 + M + E)
+    w = random_repacked(E, D, inter, gen)
+    sh = shared_weights(D, inter, gen)
+    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = routing(kind, M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    ref = _reference(x, *w, ids, tw, *sh).float()
+    poison_allocator()
+    got = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh).float()
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    again = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh).float()
+    assert torch.equal(got, again)  # deterministic: no float atomics anywhere
+
+
+def test_shared_expert_of_another_width_is_refused():
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    w = random_repacked(8, 64, 64, gen)
+    g, u, d = shared_weights(64, 128, gen)
+    x = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
+    ids, tw = torch.tensor([[0, 1], [1, 2]], device="cuda"), torch.rand(2, 2, device="cuda")
+    with pytest.raises(ValueError, match="shared_gate must be bf16 \\[64, 64\\]"):
+        torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, g, u, d)
+
+
 def test_out_of_range_ids_are_refused():
     gen = torch.Generator(device="cuda").manual_seed(6)
     w = random_repacked(8, 64, 64, gen)
     x = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
     with pytest.raises(ValueError, match="outside \\[0, 8\\)"):
-        torch.ops.k26.moe_w4a16_repacked(x, *w, torch.tensor([[0, 9], [1, 2]], device="cuda"), torch.rand(2, 2, device="cuda"))
+        torch.ops.k26.moe_w4a16_repacked(
+            x, *w, torch.tensor([[0, 9], [1, 2]], device="cuda"), torch.rand(2, 2, device="cuda")
+        )
 
 
 def test_model_uses_kernel_after_gpu_load(tiny_k25):
@@ -107,6 +155,7 @@ def test_model_uses_kernel_after_gpu_load(tiny_k25):
     fast = LLM(tiny_k25, device="cuda", progress=False)
     slow = LLM(tiny_k25, device="cuda", progress=False, cuda_kernels=False)
     assert fast.model.layers[1].mlp.experts.repacked and not slow.model.layers[1].mlp.experts.repacked
+    assert fast.model.layers[1].mlp.gate.barrier is not None and slow.model.layers[1].mlp.gate.barrier is None
     ids = torch.randint(0, 600, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
     batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device="cuda"), 40)
     with torch.no_grad():  # the first MoE layer's output: before any routing can diverge

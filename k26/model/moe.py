@@ -27,7 +27,7 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def fuse_(self) -> None:
-        """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on; bf16 weight on CUDA, once loaded."""
+        """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on: bf16 weight on CUDA, loaded."""
         self.barrier = router_barrier(self.weight.device)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +84,23 @@ class Int4Experts(nn.Module):
         )
         self.repacked = True
 
-    def forward(self, x_TD, ids_TK, w_TK):
+    def fuses(self, shared: MLP | None, x_TD: torch.Tensor) -> bool:
+        """Whether the kernel can run `shared` as one more expert in its grids (bf16, routed width)."""
+        return (
+            self.repacked
+            and shared is not None
+            and x_TD.dtype == torch.bfloat16
+            and tuple(shared.gate_proj.weight.shape) == (self.w13.shape[1] * 8, self.w13.shape[2] * 64)
+        )
+
+    def forward(self, x_TD, ids_TK, w_TK, shared: MLP | None = None):
+        """Routed experts; with `shared` (only when `fuses`) plus the shared expert, in the same launches."""
         if self.repacked:
-            return torch.ops.k26.moe_w4a16_repacked(x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK)
+            mlp = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+            sw = tuple(m.weight for m in mlp)
+            return torch.ops.k26.moe_w4a16_repacked(
+                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw
+            )
         return torch.ops.k26.moe_w4a16(
             x_TD,
             self.gate_packed,
@@ -132,7 +146,10 @@ class MoE(nn.Module):
     def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
         x_TD = x_BND.flatten(0, -2)
         w_TK, ids_TK = self.gate(x_TD)
-        y_TD = self.experts(x_TD, ids_TK, w_TK)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+        if isinstance(self.experts, Int4Experts) and self.experts.fuses(self.shared_experts, x_TD):
+            y_TD = self.experts(x_TD, ids_TK, w_TK, shared=self.shared_experts)
+        else:
+            y_TD = self.experts(x_TD, ids_TK, w_TK)
+            if self.shared_experts is not None:
+                y_TD = y_TD + self.shared_experts(x_TD)
         return self.tp.reduce(y_TD.view_as(x_BND))

@@ -115,10 +115,6 @@ def library() -> ctypes.CDLL:
     if not path.exists():
         build(out=path, verbose=False)
     lib = ctypes.CDLL(str(path))
-    lib.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
-    lib.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 6
-    lib.k26_moe_w4a16.restype = ctypes.c_int
-    lib.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
     lib.k26_ddtree_scratch.restype = ctypes.c_size_t
     lib.k26_ddtree_scratch.argtypes = [ctypes.c_int] * 3
     lib.k26_ddtree_build.restype = ctypes.c_int

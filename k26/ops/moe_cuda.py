@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import moe_combine
+from .reference import expert_mlp, moe_combine
 
 # Lane (g, t), word j, pair i, half h -> row in tile and k in chunk (csrc/moe_w4a16.cu header).
 _g, _t, _j, _i, _h = torch.meshgrid(*(torch.arange(n) for n in (8, 4, 4, 4, 2)), indexing="ij")
@@ -122,8 +122,10 @@ def repack_experts(gate_packed, gate_scale, up_packed, up_scale, down_packed, do
     return w13, s13, w2, s2
 
 
-def _reference(x, w13, s13, w2, s2, topk_ids, topk_weights):
-    """Unrepack only the experts the batch touches, then the plain per-expert reference."""
+def _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None,
+               shared_down=None):
+    """Unrepack only the experts the batch touches, then the plain per-expert reference; the shared expert
+    (bf16) is added after the routed sum is rounded, as `MoE.forward` does with a separate MLP."""
     inter = w13.shape[1] * 8
     order = w13_row_order(inter)
 
@@ -136,29 +138,36 @@ def _reference(x, w13, s13, w2, s2, topk_ids, topk_weights):
         w = deq(q13[0], sc13[0])
         return w[:inter], w[inter:], deq(q2[0], sc2[0])
 
-    return moe_combine(x, topk_ids, topk_weights, weights)
+    out = moe_combine(x, topk_ids, topk_weights, weights)
+    if shared_gate is not None:
+        out = out + expert_mlp(x, shared_gate, shared_up, shared_down)
+    return out
 
 
 @torch.library.custom_op("k26::moe_w4a16_repacked", mutates_args=())
 def moe_w4a16_repacked(
     x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
+    shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights)
+    """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids."""
+    return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
 
 
 @moe_w4a16_repacked.register_fake
-def _(x, w13, s13, w2, s2, topk_ids, topk_weights):
+def _(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None):
     return x.new_empty(x.shape[0], w13.shape[2] * 64)
 
 
-def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights) -> tuple[int, int, int, int, int]:
-    """Every shape/dtype/device problem as a ValueError naming the argument, before any launch."""
+def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None)):
+    """Every shape/dtype/device problem as a ValueError naming the argument, before any launch.
+    Returns M, D, I, E, topk."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ValueError(f"moe_w4a16_repacked: {msg}")
 
-    need(x.dim() == 2 and x.dtype == torch.bfloat16, f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}")
+    need(x.dim() == 2 and x.dtype == torch.bfloat16,
+         f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}")
     M, D = x.shape
     need(w13.dim() == 5 and w13.dtype == torch.int32 and w13.shape[3:] == (32, 4),
          f"w13 must be int32 [E, I/8, D/64, 32, 4], got {w13.dtype} {list(w13.shape)}")
@@ -175,9 +184,18 @@ def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights) -> tuple[int, int,
     need(topk_ids.dim() == 2 and topk_ids.shape[0] == M and not topk_ids.is_floating_point(),
          f"topk_ids must be integer [M={M}, topk], got {topk_ids.dtype} {list(topk_ids.shape)}")
     need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
-         f"topk_weights must be float {list(topk_ids.shape)}, got {topk_weights.dtype} {list(topk_weights.shape)}")
-    for name, t in (("x", x), ("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2), ("topk_ids", topk_ids),
-                    ("topk_weights", topk_weights)):
+         f"topk_weights must be float {list(topk_ids.shape)}, "
+         f"got {topk_weights.dtype} {list(topk_weights.shape)}")
+    named = [("x", x), ("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2), ("topk_ids", topk_ids),
+             ("topk_weights", topk_weights)]
+    if any(t is not None for t in shared):
+        shapes = ((I, D), (I, D), (D, I))
+        for name, t, shape in zip(("shared_gate", "shared_up", "shared_down"), shared, shapes, strict=True):
+            need(t is not None and t.dtype == torch.bfloat16 and tuple(t.shape) == shape,
+                 f"{name} must be bf16 {list(shape)} (the shared expert as wide as a routed one), got "
+                 f"{None if t is None else (t.dtype, list(t.shape))}")
+            named.append((name, t))
+    for name, t in named:
         need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
         need(t.is_contiguous(), f"{name} must be contiguous")
     return M, D, I, E, topk_ids.shape[1]
@@ -189,11 +207,30 @@ def pick_nt(pairs: int, experts: int) -> int:
     return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
 
 
-@moe_w4a16_repacked.register_kernel("cuda")
-def _(x, w13, s13, w2, s2, topk_ids, topk_weights):
-    from .build import library
+_LIB = None
 
-    M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights)
+
+def _library():
+    """The kernel library with this op's ctypes signatures (csrc/moe_w4a16.cu)."""
+    global _LIB
+    if _LIB is None:
+        import ctypes
+
+        from .build import library
+
+        lib = library()
+        lib.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
+        lib.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 7
+        lib.k26_moe_w4a16.restype = ctypes.c_int
+        lib.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 4
+        _LIB = lib
+    return _LIB
+
+
+@moe_w4a16_repacked.register_kernel("cuda")
+def _(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None):
+    shared = (shared_gate, shared_up, shared_down)
+    M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared)
     out = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return out
@@ -204,12 +241,16 @@ def _(x, w13, s13, w2, s2, topk_ids, topk_weights):
         if bool(bad.any()):
             raise ValueError(f"moe_w4a16_repacked: topk_ids holds {ids[bad][0].item()}, outside [0, {E})")
     w = topk_weights.to(torch.float32).contiguous()
-    lib = library()
+    lib = _library()
     nt = pick_nt(M * topk, E)
-    ws = torch.empty(lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt), dtype=torch.uint8, device=x.device)
+    has_shared = shared_gate is not None
+    ws = torch.empty(lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt, int(has_shared)), dtype=torch.uint8,
+                     device=x.device)
+    sp = [t.data_ptr() if has_shared else None for t in shared]
     err = lib.k26_moe_w4a16(
-        x.data_ptr(), w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr(), ids.data_ptr(), w.data_ptr(),
-        out.data_ptr(), ws.data_ptr(), M, D, I, E, topk, nt, torch.cuda.current_stream(x.device).cuda_stream,
+        x.data_ptr(), w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr(), ids.data_ptr(),
+        w.data_ptr(), out.data_ptr(), ws.data_ptr(), M, D, I, E, topk, nt, *sp,
+        torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:
         raise RuntimeError(f"moe_w4a16_repacked: CUDA launch failed with error {err}")

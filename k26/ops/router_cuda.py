@@ -91,8 +91,9 @@ def _library() -> ctypes.CDLL:
         lib.k26_moe_router_workspace.restype = ctypes.c_size_t
         lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
         lib.k26_moe_router.restype = ctypes.c_int
+        # x, weight, bias, barrier, workspace, out_w, out_ids; M, D, E, n_group, topk_group, topk, renormalize
         lib.k26_moe_router.argtypes = (
-            [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_void_p]
+            [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
         )
         _LIB = lib
     return _LIB

@@ -1,6 +1,6 @@
 """Dump the fused MoE kernel's intermediates (routing table, act, y, out) against the reference."""
 import torch, torch.nn.functional as F
-from k26.ops.build import library
+from k26.ops.moe_cuda import _library as library  # with the op's ctypes signatures
 from k26.ops.moe_cuda import unrepack, w13_row_order
 import sys
 sys.path.insert(0, "tests")
@@ -15,10 +15,10 @@ def run(E, K, D, I, M, kind, seed):
     ids = routing(kind, M, E, K, gen)
     tw = torch.rand(M, K, generator=gen, device="cuda") + 0.1
     lib = library(); nt = 1
-    nbytes = lib.k26_moe_w4a16_workspace(M, D, I, E, K, nt)
+    nbytes = lib.k26_moe_w4a16_workspace(M, D, I, E, K, nt, 0)  # no shared expert
     ws = torch.full((nbytes,), 255, dtype=torch.uint8, device="cuda")
     out = torch.full((M, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    err = lib.k26_moe_w4a16(x.data_ptr(), w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr(), ids.data_ptr(), tw.data_ptr(), out.data_ptr(), ws.data_ptr(), M, D, I, E, K, nt, torch.cuda.current_stream().cuda_stream)
+    err = lib.k26_moe_w4a16(x.data_ptr(), w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr(), ids.data_ptr(), tw.data_ptr(), out.data_ptr(), ws.data_ptr(), M, D, I, E, K, nt, None, None, None, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     P = M * K; G = min(P, E) + P // 8 + 1
     off = 0

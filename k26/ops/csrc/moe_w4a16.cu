@@ -1,6 +1,10 @@
 // Fused INT4 mixture of experts (W4A16, symmetric group 32) for Kimi K2.6.
 //
 //   out[t] = bf16( sum_k w[t,k] * bf16(down_e( bf16(silu(bf16 gate_e(x_t))) * bf16(up_e(x_t)) )) ),  e = ids[t,k]
+//   with the shared expert (optional, bf16 [I, D] gate / up, [D, I] down, as wide as a routed one):
+//   out[t] = bf16( bf16(routed sum) + shared(x_t) ), shared computed as one more expert (id E) that every
+//   token visits, in the same gate/up and down grids (no separate launches), read straight from its bf16
+//   rows with the same k permutation as the activations.
 //
 // Four launches, all on the caller's stream, no host sync (CUDA-graph capturable):
 //   1. route:   one block groups the (token, k) pairs by expert, pads each expert's list to groups of
@@ -25,7 +29,9 @@
 //
 // Legality: warp-level mma.sync.m16n8k16 bf16 only (no warpgroup MMA, no tensor memory, no TMA), <= 32 KB static
 // shared memory per block: legal on sm_120 (99 KB limit) and sm_90; built for sm_90a and sm_120a.
-// Speed and its benchmark: profiling/bench_moe.py, results in profiling/results/.
+// Speed and its benchmark: profiling/bench_moe.py (--block: the whole MoE block), results in profiling/results/
+// (H200, TP8 rank, cold L2, graph replay: router + experts + shared expert in 5 launches, M = 1 40 µs, M = 64
+// 226 µs, 2026-12-01-bench_moe_block-h200.md).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -72,7 +78,8 @@ __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(_
 // 1. Routing: group pairs by expert. Pairs with an id outside [0, E) are dropped (never read).
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     const int64_t* __restrict__ ids, int P, int E, int group_tokens, int max_groups, int* __restrict__ sorted,
-    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups) {
+    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups,
+    int shared_tokens) {
   extern __shared__ int sm[];
   int* count = sm;           // [E]
   int* cursor = sm + E;      // [E] pair offset of each expert, then a running cursor
@@ -112,8 +119,19 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
     base_pairs += tc, base_groups += tg;
     __syncthreads();
   }
-  const int total_groups = min(base_groups, max_groups);
+  // The shared expert (id E) sees every token: slots P + t, after all routed pairs.
+  const int shared_groups = (shared_tokens + group_tokens - 1) / group_tokens;
+  const int total_groups = min(base_groups + shared_groups, max_groups);
   if (tid == 0) *num_groups = total_groups;
+  for (int j = tid; j < shared_groups; j += blockDim.x) {
+    const int gi = base_groups + j;
+    if (gi < max_groups) {
+      grp_expert[gi] = E;
+      grp_start[gi] = P + j * group_tokens;
+      grp_len[gi] = min(group_tokens, shared_tokens - j * group_tokens);
+    }
+  }
+  for (int t = tid; t < shared_tokens; t += blockDim.x) sorted[P + t] = P + t;
   for (int e = tid; e < E; e += blockDim.x) {
     const int c = count[e];
     for (int j = 0; j * group_tokens < c; ++j) {
@@ -137,15 +155,66 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(
 //   RT: 16-row tiles per warp (B fragments reused across them); NT: 8-token column tiles;
 //   WK: warps splitting K (reduced in shared memory); WM: warps on different row tiles.
 //   GATED: gate/up interleaved tiles -> act[slot, I] bf16; else down -> y[pair, D] bf16.
+// The shared expert (group expert id == E) as bf16 rows: GATED: rows g / g+8 of a tile are gate / up row
+// (tile*8 + g) of sa / sb [I, K]; else rows tile*16 + g and + 8 of sa [D, K]. Same k permutation as x.
+template <int RT, int NT, bool GATED>
+__device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa, const __nv_bfloat16* __restrict__ sb,
+                                           int K, int tile0, int c_begin, int c_end, const uint4* const* brow,
+                                           float acc[RT][NT][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint4 *ra[RT], *rb[RT];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const size_t row_a = GATED ? (size_t)(tile0 + r) * 8 + g : (size_t)(tile0 + r) * 16 + g;
+    ra[r] = reinterpret_cast<const uint4*>(sa + row_a * K) + 2 * t;
+    rb[r] = reinterpret_cast<const uint4*>((GATED ? sb + row_a * K : sa + (row_a + 8) * K)) + 2 * t;
+  }
+  for (int c = c_begin; c < c_end; ++c) {
+    uint4 wa[RT][2], wb[RT][2], bv[NT][2];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) wa[r][q] = __ldcs(ra[r] + c * 8 + q), wb[r][q] = __ldcs(rb[r] + c * 8 + q);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) bv[nt][q] = brow[nt] ? __ldg(brow[nt] + c * 8 + q) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int q = j >> 1;
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const uint4 &A = wa[r][q], &B = wb[r][q];
+        const uint32_t a[4] = {(j & 1) ? A.z : A.x, (j & 1) ? B.z : B.x, (j & 1) ? A.w : A.y, (j & 1) ? B.w : B.y};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint4 b = bv[nt][q];
+          mma_bf16(acc[r][nt], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+        }
+      }
+    }
+  }
+}
+
+// MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
+// gate/up blocks: one wave on 132 SMs); sm_120's register file would spill, so it keeps 1 there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define K26_MINB(m) 1
+#else
+#define K26_MINB(m) (m)
+#endif
+
 template <int RT, int NT, int WK, int WM, bool GATED, int MINB>
-__global__ void __launch_bounds__(32 * WK * WM, MINB) gemm_kernel(
+__global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
-    __nv_bfloat16* __restrict__ out, int out_ld) {
+    __nv_bfloat16* __restrict__ out, int out_ld, int E, int P, const __nv_bfloat16* __restrict__ sa,
+    const __nv_bfloat16* __restrict__ sb) {
   const int grp = blockIdx.y;
   if (grp >= *num_groups) return;
   const int e = grp_expert[grp], start = grp_start[grp], len = grp_len[grp];
+  const bool shared = e == E;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wk = warp % WK, wm = warp / WK;
   const int g = lane >> 2, t = lane & 3;
@@ -161,7 +230,7 @@ __global__ void __launch_bounds__(32 * WK * WM, MINB) gemm_kernel(
     brow[nt] = nullptr;
     if (n < len) {
       const int slot = start + n;
-      const size_t row = GATED ? (size_t)(sorted[slot] / topk) : (size_t)slot;
+      const size_t row = GATED ? (size_t)(shared ? slot - P : sorted[slot] / topk) : (size_t)slot;
       brow[nt] = reinterpret_cast<const uint4*>(x + row * K) + 2 * t;
     }
   }
@@ -174,7 +243,9 @@ __global__ void __launch_bounds__(32 * WK * WM, MINB) gemm_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.f;
 
-  if (active) {
+  if (active && shared) {
+    shared_acc<RT, NT, GATED>(sa, sb, K, tile0, wk * KC / WK, (wk + 1) * KC / WK, brow, acc);
+  } else if (active) {
     const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
     const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
     constexpr int U = NT <= 1 ? 4 : 2;  // chunks in flight per warp
@@ -276,8 +347,10 @@ __global__ void __launch_bounds__(32 * WK * WM, MINB) gemm_kernel(
 
 // ---------------------------------------------------------------------------------------------
 // 4. out[t, d] = bf16(sum_k w[t,k] * y[t*topk + k, d]) over valid experts, k in order.
+// With the shared expert: out[t] = bf16(bf16(routed sum) + y_shared[t]), the reference's two rounding points.
 __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float* __restrict__ topw,
-                               const int64_t* __restrict__ ids, int E, int topk, int D, __nv_bfloat16* __restrict__ out) {
+                               const int64_t* __restrict__ ids, int E, int topk, int D, __nv_bfloat16* __restrict__ out,
+                               const __nv_bfloat16* __restrict__ y_shared) {
   const int tok = blockIdx.y;
   const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (d >= D) return;
@@ -295,6 +368,16 @@ __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float*
       acc[2 * i + 1] += wk * f.y;
     }
   }
+  if (y_shared != nullptr) {
+    const uint4 v = *reinterpret_cast<const uint4*>(y_shared + (size_t)tok * D + d);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] = bf16_round(acc[2 * i]) + f.x;
+      acc[2 * i + 1] = bf16_round(acc[2 * i + 1]) + f.y;
+    }
+  }
   uint4 o;
   __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
@@ -309,67 +392,79 @@ struct Workspace {
 
 size_t align_up(size_t v) { return (v + 255) & ~size_t(255); }
 
-size_t carve(void* base, int M, int D, int I, int E, int topk, int nt, Workspace* ws) {
-  const size_t P = (size_t)M * topk, G = (size_t)(P < (size_t)E ? P : E) + P / (8 * nt) + 1;
+// S = M slots for the shared expert (0 without it) after the P routed pairs.
+size_t carve(void* base, int M, int D, int I, int E, int topk, int nt, int shared, Workspace* ws) {
+  const size_t P = (size_t)M * topk, S = shared ? (size_t)M : 0;
+  const size_t G = (size_t)(P < (size_t)E ? P : E) + P / (8 * nt) + 1 + (S + 8 * nt - 1) / (8 * nt);
   size_t off = 0;
   char* b = static_cast<char*>(base);
   auto take = [&](size_t bytes) { char* p = b ? b + off : nullptr; off += align_up(bytes); return p; };
-  int* sorted = (int*)take(P * 4);
+  int* sorted = (int*)take((P + S) * 4);
   int* ge = (int*)take(G * 4);
   int* gs = (int*)take(G * 4);
   int* gl = (int*)take(G * 4);
   int* ng = (int*)take(4);
-  __nv_bfloat16* act = (__nv_bfloat16*)take(P * I * 2);
-  __nv_bfloat16* y = (__nv_bfloat16*)take(P * D * 2);
+  __nv_bfloat16* act = (__nv_bfloat16*)take((P + S) * I * 2);
+  __nv_bfloat16* y = (__nv_bfloat16*)take((P + S) * D * 2);
   if (ws) *ws = Workspace{sorted, ge, gs, gl, ng, act, y};
   return off;
 }
 
+struct Shared {  // the shared expert's bf16 weights, or all nullptr
+  const __nv_bfloat16 *gate, *up, *down;
+};
+
 template <int NT, int RT1>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
-                   const float* topw, void* out, void* ws_base, int M, int D, int I, int E, int topk, cudaStream_t st) {
+                   const float* topw, void* out, void* ws_base, int M, int D, int I, int E, int topk, Shared sh,
+                   cudaStream_t st) {
   Workspace ws;
-  carve(ws_base, M, D, I, E, topk, NT, &ws);
-  const int P = M * topk, G = (P < E ? P : E) + P / (8 * NT) + 1;
+  const int S = sh.gate ? M : 0;
+  carve(ws_base, M, D, I, E, topk, NT, S, &ws);
+  const int P = M * topk, G = (P < E ? P : E) + P / (8 * NT) + 1 + (S + 8 * NT - 1) / (8 * NT);
   route_kernel<<<1, kRouteThreads, 3 * E * sizeof(int), st>>>(ids, P, E, 8 * NT, G, ws.sorted, ws.grp_expert,
-                                                              ws.grp_start, ws.grp_len, ws.num_groups);
+                                                              ws.grp_start, ws.grp_len, ws.num_groups, S);
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  gemm_kernel<RT1, NT, WK1, 1, true, 1><<<dim3(tiles13 / RT1, G), 32 * WK1, 0, st>>>(
+  gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : 1)><<<dim3(tiles13 / RT1, G), 32 * WK1, 0, st>>>(
       (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk, ws.sorted, ws.grp_expert,
-      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I);
+      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I, E, P, sh.gate, sh.up);
   // down: D/16 tiles, one per warp, 8 warps per block, K = I.
   constexpr int WM2 = 8;
   const int tiles2 = D / 16;
-  gemm_kernel<1, NT, 1, WM2, false, 1><<<dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2, 0, st>>>(
+  gemm_kernel<1, NT, 1, WM2, false, (NT == 1 ? 3 : 1)><<<dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2, 0, st>>>(
       ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk, ws.sorted, ws.grp_expert, ws.grp_start,
-      ws.grp_len, ws.num_groups, ws.y, D);
+      ws.grp_len, ws.num_groups, ws.y, D, E, P, sh.down, nullptr);
   const int threads = 128;
-  combine_kernel<<<dim3((D / 8 + threads - 1) / threads, M), threads, 0, st>>>(ws.y, topw, ids, E, topk, D,
-                                                                               (__nv_bfloat16*)out);
+  combine_kernel<<<dim3((D / 8 + threads - 1) / threads, M), threads, 0, st>>>(
+      ws.y, topw, ids, E, topk, D, (__nv_bfloat16*)out, S ? ws.y + (size_t)P * D : nullptr);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-K26_EXPORT size_t k26_moe_w4a16_workspace(int M, int D, int I, int E, int topk, int nt) {
-  return carve(nullptr, M, D, I, E, topk, nt, nullptr);
+K26_EXPORT size_t k26_moe_w4a16_workspace(int M, int D, int I, int E, int topk, int nt, int shared) {
+  return carve(nullptr, M, D, I, E, topk, nt, shared, nullptr);
 }
 
-// Returns a cudaError_t (0 = success). Shapes are validated by the Python front door.
+// Returns a cudaError_t (0 = success). Shapes are validated by the Python front door. shared_gate/up [I, D] and
+// shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids.
 K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
-                             int E, int topk, int nt, void* stream) {
+                             int E, int topk, int nt, const void* shared_gate, const void* shared_up,
+                             const void* shared_down, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
+                  (const __nv_bfloat16*)shared_down};
   // Few pairs: one gate/up tile per warp doubles the blocks in flight; many: two tiles share B loads.
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st)
-                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
-    case 2: return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
-    case 4: return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, st);
+      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st)
+                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st);
+    case 2: return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st);
+    case 4: return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
