@@ -30,6 +30,7 @@ from .profiling import nvtx_range
 from .sampling import RowSampling, SamplingParams
 from .spec.budget import BudgetPolicy, fit_costs, timing_contexts
 from .spec.step import PhaseTimer, SpecConfig, StepModels, speculative_step, verify_nodes
+from .spec.tree import TreeTables
 from .tokenizer import Tokenizer
 
 
@@ -75,10 +76,11 @@ class DecodeContext:
     graphs: bool = False
     progress: bool = False
     static: bool = False  # eager steps with the graphs' static shapes too (AttnBatch.static): for comparisons
+    tables: TreeTables = field(default_factory=TreeTables)  # tree-builder constants, as long as the graphs
 
     def models(self, target: Callable | None = None) -> StepModels:
         kv, dc = self.cache.kv_LRTC, self.dcache
-        return StepModels(target or self.model, self.drafter, kv, dc, self.absorb, self.static)
+        return StepModels(target or self.model, self.drafter, kv, dc, self.absorb, self.static, self.tables)
 
 
 @dataclass

@@ -4,7 +4,7 @@ over [bonus, nodes] with the ancestor mask), acceptance walk, KV commit, drafter
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -16,7 +16,7 @@ from ..profiling import nvtx_range
 from ..sampling import RowSampling, sample_rows
 from .accept import accept_walk, commit_latent, emitted_tokens
 from .budget import truncate_tree
-from .tree import build_ddtree_from_topk, chain_from_topk, pad_tree
+from .tree import TreeTables, build_ddtree_from_topk, chain_from_topk, pad_tree
 
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
 
@@ -120,6 +120,7 @@ class StepModels:
     dcache: DrafterCache | None
     absorb: bool = True
     static: bool = False  # whole cache rows, no host sync (graph bodies): see AttnBatch.static
+    tables: TreeTables = field(default_factory=TreeTables)  # the tree builders' constants (graphs read them)
 
     def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> torch.Tensor:
         """Next token per row from final hidden states: the shards' argmax merged when every row is greedy,
@@ -158,7 +159,7 @@ def speculative_step(
             target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size), m.static
         )
         if policy is not None:
-            full = build_ddtree_from_topk(lp, tok, policy.largest)
+            full = build_ddtree_from_topk(lp, tok, policy.largest, m.tables)
             pick = policy.choose(full, alive, start)
             budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
             tree = truncate_tree(full, budget)
@@ -166,9 +167,9 @@ def speculative_step(
             tree = (
                 chain_from_topk(lp, tok)
                 if spec.method == "dflash"
-                else build_ddtree_from_topk(lp, tok, largest)
+                else build_ddtree_from_topk(lp, tok, largest, m.tables)
             )
-        tree = pad_tree(tree, nodes) if nodes else tree
+        tree = pad_tree(tree, nodes, m.tables) if nodes else tree
         tree.tokens[:, 0] = bonus
     with t("verify"):
         batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words(), m.static)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -46,10 +45,30 @@ class DraftTree:
         return self.words
 
 
-@lru_cache(maxsize=None)  # never evicted: captured graphs read these tensors
+class TreeTables:
+    """The constant index tensors the tree builders read, made once per shape and device and kept as long
+    as this object: a CUDA graph captured over a step reads them (a capture may not copy from the host),
+    so they live with whoever owns the graphs (the decoder's `DecodeContext`, via `StepModels`). A builder
+    called without one makes them afresh."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, object] = {}
+
+    def admissible(self, budget: int, K: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("admissible", budget, K, width, torch.device(device))
+        if key not in self._tables:
+            self._tables[key] = _admissible(budget, K, width, device)
+        return self._tables[key]
+
+    def self_words(self, first: int, nodes: int, device: torch.device) -> torch.Tensor:
+        key = ("self_words", first, nodes, torch.device(device))
+        if key not in self._tables:
+            self._tables[key] = _self_words(first, nodes, device)
+        return self._tables[key]
+
+
 def _admissible(budget: int, K: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(i, j) with (i+1)(j+1) <= budget, i < width, j < K: the only children that can enter the next beam.
-    Cached device tensors, so a graph capture never copies from the host."""
+    """(i, j) with (i+1)(j+1) <= budget, i < width, j < K: the only children that can enter the next beam."""
     pi, pj = [], []
     for i in range(min(budget, width)):
         for j in range(min(K, budget // (i + 1))):
@@ -58,15 +77,16 @@ def _admissible(budget: int, K: int, width: int, device: torch.device) -> tuple[
     return torch.tensor(pi, device=device), torch.tensor(pj, device=device)
 
 
-def build_ddtree(logprobs: torch.Tensor, budget: int) -> DraftTree:
+def build_ddtree(logprobs: torch.Tensor, budget: int, tables: TreeTables | None = None) -> DraftTree:
     """logprobs [B, L, V] (per-depth drafter log-probabilities) -> the optimal tree of `budget` nodes."""
     if budget < 1:
         raise ValueError(f"budget={budget}: must be >= 1")
     lp, tok = logprobs.topk(min(budget, logprobs.shape[2]), dim=-1)  # [B, L, K], sorted descending
-    return build_ddtree_from_topk(lp, tok, budget)
+    return build_ddtree_from_topk(lp, tok, budget, tables)
 
 
-def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> DraftTree:
+def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int,
+                           tables: TreeTables | None = None) -> DraftTree:
     """The tree from per-depth top-K (log-prob, token) pairs sorted descending, K = min(budget, V).
     On CUDA one thread block per tree builds it (csrc/ddtree_build.cu); elsewhere the torch version below."""
     if lp.is_cuda and budget <= 512 and lp.shape[1] <= 15:
@@ -78,6 +98,7 @@ def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> 
     B, L, K = lp.shape
     dev = lp.device
     lp = lp.double()
+    tables = tables or TreeTables()
 
     # Depth 1: the K candidates in rank order (which is also lexicographic order).
     beam_score = lp[:, 0, :].clone()  # [B, W]
@@ -89,7 +110,7 @@ def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> 
     for d in range(1, L):
         # Score rank of each beam member (stable: ties keep lexicographic order).
         order = torch.sort(beam_score, dim=-1, descending=True, stable=True).indices  # [B, W]
-        pi_t, pj_t = _admissible(budget, K, beam_score.shape[1], dev)
+        pi_t, pj_t = tables.admissible(budget, K, beam_score.shape[1], dev)
         par_lex = order[:, pi_t]  # [B, P] lexicographic position of each candidate's parent
         cand_score = beam_score.gather(1, par_lex) + lp[:, d, :].gather(1, pj_t.expand(B, -1))
         cand_lex = par_lex * K + pj_t  # lexicographic key of the candidate
@@ -201,7 +222,7 @@ def build_ddtree_heap(logprobs: torch.Tensor, budget: int) -> list[tuple[list[in
     return out
 
 
-def pad_tree(tree: DraftTree, nodes: int) -> DraftTree:
+def pad_tree(tree: DraftTree, nodes: int, tables: TreeTables | None = None) -> DraftTree:
     """Pad to a bucket's node count: padding nodes see only themselves and are never accepted."""
     extra = nodes - tree.num_nodes
     if extra < 0:
@@ -213,7 +234,7 @@ def pad_tree(tree: DraftTree, nodes: int) -> DraftTree:
     W = (nodes + 63) // 64
     words = torch.zeros(B, nodes, W, dtype=torch.int64, device=dev)
     words[:, :N0, :W0] = tree.words
-    words[:, N0:] = _self_words(N0, nodes, dev)
+    words[:, N0:] = (tables or TreeTables()).self_words(N0, nodes, dev)
     z = torch.zeros(B, extra, dtype=torch.long, device=dev)
     return DraftTree(
         torch.cat([tree.tokens, z], 1), torch.cat([tree.parents, z], 1), torch.cat([tree.depths, z + 1], 1),
@@ -223,7 +244,6 @@ def pad_tree(tree: DraftTree, nodes: int) -> DraftTree:
     )
 
 
-@lru_cache(maxsize=None)  # never evicted: captured graphs read these tensors
 def _self_words(first: int, nodes: int, device: torch.device) -> torch.Tensor:
     idx = torch.arange(first, nodes)
     eye = torch.zeros(nodes - first, nodes, dtype=torch.bool)
