@@ -143,7 +143,7 @@ def oracle_draft(reference: dict, noise: float, seed: int):
 
 def as_topk(draft):
     """Adapt a full-vocabulary drafter stand-in to the step's `draft_topk` hook."""
-    def draft_topk(target, drafter, dcache, rows, start, bonus, k):
+    def draft_topk(target, drafter, dcache, rows, start, bonus, k, static=False):
         return draft(target, drafter, dcache, rows, start, bonus).topk(k, dim=-1)
 
     return draft_topk
