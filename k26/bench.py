@@ -59,49 +59,111 @@ def _hf_baseline(model_dir: Path, prompts, max_tokens: int, device) -> float | N
     return toks / dt
 
 
+def _prompts(a: argparse.Namespace, model_dir: Path) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    if a.model:  # an arbitrary checkpoint: random ids (its tokenizer's vocabulary is unknown here)
+        return [torch.randint(0, 300, (32,), generator=g).tolist() for _ in range(a.batch)]
+    from .tokenizer import Tokenizer  # the embedded pair: held-out text, so τ means what it says
+    from .train import corpus
+
+    return corpus.windows(Tokenizer.from_dir(model_dir).encode(corpus.text("eval")), a.batch, 32, g)
+
+
+def _modes(a: argparse.Namespace, graphs: bool) -> list[tuple[str, SpecConfig]]:
+    kind = "graphs" if graphs else "eager"
+    modes = [(f"AR {kind}", SpecConfig("ar"))]
+    if a.drafter:
+        modes += [
+            (f"DFlash {kind}", SpecConfig("dflash")),
+            (f"DDTree {kind} (budget {a.budget})", SpecConfig("ddtree", a.budget)),
+            (f"DDTree {kind} (auto)", SpecConfig("ddtree", "auto")),
+        ]
+    return modes
+
+
 def run_bench(a: argparse.Namespace) -> str:
+    """Every mode this machine can run on one checkpoint and prompt set; what it cannot, listed with why."""
     from .embedded import default_drafter_dir, default_model_dir
 
     model_dir = Path(a.model) if a.model else default_model_dir()
     if not a.model and not a.drafter:
         a.drafter = default_drafter_dir()
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    g = torch.Generator().manual_seed(0)
-    if a.model:  # an arbitrary checkpoint: random ids (its tokenizer's vocabulary is unknown here)
-        prompts = [torch.randint(0, 300, (32,), generator=g).tolist() for _ in range(a.batch)]
-    else:  # the embedded pair: held-out text, so τ means what it says
-        from .tokenizer import Tokenizer
-        from .train import corpus
-
-        ids = Tokenizer.from_dir(model_dir).encode(corpus.text("eval"))
-        prompts = corpus.windows(ids, a.batch, 32, g)
+    prompts = _prompts(a, model_dir)
     sp = SamplingParams(max_tokens=a.max_tokens, stop_token_ids=[])
-    rows = []
-    kw = dict(device=dev, progress=False, max_batch=max(a.batch, 1), drafter=a.drafter, compile=a.compile)
-    eager = LLM(model_dir, graphs=False, **{**kw, "compile": False})
-    tps, tau, host, _ = _timed_generate(eager, prompts, sp, SpecConfig("ar"))
-    rows.append(("AR eager", tps, tau, host))
+    kw = {"device": dev, "progress": False, "max_batch": max(a.batch, 1), "drafter": a.drafter}
+    rows, skipped = [], []
+    eager = LLM(model_dir, graphs=False, **kw)
+    cuda = dev.type == "cuda"
+    # Graph-less speculative rows only where there are no graphs: on CUDA the eager AR row is the baseline.
+    for name, spec in _modes(a, graphs=False)[: 1 if cuda else None]:
+        tps, tau, _, _ = _timed_generate(eager, prompts, sp, spec)
+        rows.append((name, tps, tau, None))  # eager steps are not timed on the host side
     graphs = None
-    if dev.type == "cuda":
-        graphs = LLM(model_dir, graphs=True, **kw)
-        modes = [SpecConfig("ar")]
-        if a.drafter:
-            modes += [SpecConfig("dflash"), SpecConfig("ddtree", a.budget), SpecConfig("ddtree", "auto")]
-        for spec in modes:
+    if cuda:
+        graphs = LLM(model_dir, graphs=True, compile=a.compile, **kw)
+        for name, spec in _modes(a, graphs=True):
             tps, tau, host, _ = _timed_generate(graphs, prompts, sp, spec)
-            rows.append((f"{spec.method} graphs" + (f" (budget {spec.budget})" if spec.method == "ddtree" else ""),
-                         tps, tau, host))
-    hf = _hf_baseline(model_dir, prompts, a.max_tokens, dev) if not a.no_hf else None
+            rows.append((name, tps, tau, host))
+    else:
+        skipped.append("CUDA-graph rows (AR / DFlash / DDTree graphs, capture table): no CUDA device here")
+        if a.compile:
+            skipped.append("--compile: it applies to the graph rows")
+    if not a.drafter:
+        skipped.append("DFlash and DDTree rows: no drafter (pass --drafter DIR)")
+    hf = None if a.no_hf else _hf_baseline(model_dir, prompts, a.max_tokens, dev)
     if hf:
-        rows.append(("HF transformers generate()", hf, 1.0, float("nan")))
-    commit = os.environ.get("K26_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
-    out = [f"# k26 bench — {datetime.date.today()}", "",
-           f"- device: {name}; model: {model_dir}; drafter: {a.drafter}; commit: {commit}; compile: {a.compile}",
-           f"- command: `python -m k26 bench --batch {a.batch} --max-tokens {a.max_tokens} --budget {a.budget}`",
-           "", "| mode | tokens/s | τ | host µs / step |", "|---|---|---|---|"]
-    out += [f"| {m} | {t:.0f} | {tau:.2f} | {h * 1e6:.0f} |" for m, t, tau, h in rows]
+        rows.append(
+            (
+                "HF transformers generate() (eager" + (", one prompt at a time)" if a.batch > 1 else ")"),
+                hf,
+                1.0,
+                None,
+            )
+        )
+    else:
+        skipped.append(
+            "HF transformers generate(): "
+            + ("--no-hf" if a.no_hf else "transformers is not installed (pip install -e '.[test]')")
+        )
+    return _report(a, model_dir, dev, rows, skipped, graphs)
+
+
+def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], graphs: LLM | None) -> str:
+    commit = (
+        os.environ.get("K26_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        or "?"
+    )
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    cpu = " on the CPU" if dev.type == "cpu" else ""
+    cmd = f"python -m k26 bench --batch {a.batch} --max-tokens {a.max_tokens} --budget {a.budget}"
+    out = [
+        f"# k26 bench — {datetime.date.today()}",
+        "",
+        f"- device: {name}; model: {model_dir}; drafter: {a.drafter}",
+        f"- commit: {commit}; compile: {a.compile}",
+        f"- command: `{cmd}`",
+        (
+            f"- every row: bf16, batch {a.batch}, same prompts, greedy, exactly {a.max_tokens} new tokens "
+            f"each (no stop tokens), after one warm-up run; eager rows run the pure-torch reference ops{cpu}"
+        ),
+        (
+            "- host µs / step: CPU time of the graph loop between replays (graph rows only: an eager step's "
+            "host time is inseparable from its compute, hence —)"
+        ),
+    ]
+    out += [f"- skipped: {s}" for s in skipped]
+    out += ["", "| mode | tokens/s | τ | host µs / step |", "|---|---|---|---|"]
+    out += [
+        f"| {m} | {t:.0f} | {tau:.2f} | {'—' if h is None else f'{h * 1e6:.0f}'} |" for m, t, tau, h in rows
+    ]
     if graphs is not None:
         out += ["", "| graph bucket (batch, nodes) | capture s | pool MB |", "|---|---|---|"]
         for runner in graphs.decoder.runners.values():
@@ -110,18 +172,29 @@ def run_bench(a: argparse.Namespace) -> str:
 
 
 def run_profile(a: argparse.Namespace) -> str:
-    """A torch.profiler trace of a short generation (nsys may be absent): Chrome trace JSON."""
+    """A torch.profiler trace of a short generation (nsys may be absent): Chrome trace JSON whose phase
+    ranges (prefill / draft / tree / verify / accept / replay) come from `k26.profiling.nvtx_range`."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .embedded import default_model_dir
+    from .embedded import default_drafter_dir, default_model_dir
 
-    llm = LLM(a.model or default_model_dir(), drafter=a.drafter, device=a.device, progress=False)
-    spec = SpecConfig(a.spec, a.budget if a.spec == "ddtree" else None)
+    drafter = a.drafter or (None if a.model else default_drafter_dir())  # the embedded pair has its drafter
+    if a.spec != "ar" and drafter is None:
+        raise ValueError(f"--spec {a.spec} needs --drafter DIR")
+    if a.budget is not None and a.spec != "ddtree":
+        raise ValueError(f"--budget applies to --spec ddtree (not {a.spec})")
+    spec = SpecConfig(a.spec, (a.budget or 12) if a.spec == "ddtree" else None)
+    llm = LLM(
+        a.model or default_model_dir(),
+        drafter=drafter if a.spec != "ar" else None,
+        device=a.device,
+        progress=False,
+    )
     sp = SamplingParams(max_tokens=a.max_tokens, stop_token_ids=[])
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), spec)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), spec)  # capture / warm up outside the trace
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         llm.generate([[1, 2, 3, 4]], sp, spec)
     prof.export_chrome_trace(a.out)
-    return prof.key_averages().table(sort_by="self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total",
-                                     row_limit=20)
+    sort = "self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=20)

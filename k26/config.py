@@ -234,6 +234,8 @@ def read_config_json(path: str | Path, what: str) -> dict[str, Any]:
     """The config.json of a checkpoint / drafter directory, with a clear error for each way it is absent."""
     path = Path(path)
     cfg_file = path / "config.json"
+    if path.is_file():  # e.g. .../config.json itself
+        raise ConfigError(f"{what} path {str(path)!r} is a file; pass the directory that holds it: {str(path.parent)!r}")
     if not path.is_dir():
         raise ConfigError(f"{what} directory {str(path)!r} does not exist")
     if not cfg_file.is_file():

@@ -111,7 +111,7 @@ class LLM:
                 f"tokenizer has {self.tokenizer.num_base} base tokens + 256 specials, but config vocab_size is "
                 f"{self.config.vocab_size}: tiktoken.model does not belong to this checkpoint"
             )
-        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
+        self.max_model_len = max_model_len or default_max_model_len(self.config)
         if not 1 < self.max_model_len <= self.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.max_model_len}: must lie in (1, max_position_embeddings="
@@ -296,6 +296,11 @@ def _complete_utf8(tok: Tokenizer, ids: list[int]) -> str:
         except UnicodeDecodeError:
             continue
     return data.decode("utf-8", errors="replace")
+
+
+def default_max_model_len(cfg: ModelConfig) -> int:
+    """The context when none is given: 4K (the caches are allocated up front), or less if the model has less."""
+    return min(cfg.max_position_embeddings, 4096)
 
 
 def check_device(device) -> None:
