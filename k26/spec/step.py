@@ -158,19 +158,20 @@ def speculative_step(
         lp, tok = draft_topk(
             target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size), m.static
         )
-        if policy is not None:
-            full = build_ddtree_from_topk(lp, tok, policy.largest, m.tables)
-            pick = policy.choose(full, alive, start)
-            budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
-            tree = truncate_tree(full, budget)
-        else:
-            tree = (
-                chain_from_topk(lp, tok)
-                if spec.method == "dflash"
-                else build_ddtree_from_topk(lp, tok, largest, m.tables)
-            )
-        tree = pad_tree(tree, nodes, m.tables) if nodes else tree
-        tree.tokens[:, 0] = bonus
+        with t("tree"):  # inside "draft": draft_s keeps counting the tree build
+            if policy is not None:
+                full = build_ddtree_from_topk(lp, tok, policy.largest, m.tables)
+                pick = policy.choose(full, alive, start)
+                budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
+                tree = truncate_tree(full, budget)
+            else:
+                tree = (
+                    chain_from_topk(lp, tok)
+                    if spec.method == "dflash"
+                    else build_ddtree_from_topk(lp, tok, largest, m.tables)
+                )
+            tree = pad_tree(tree, nodes, m.tables) if nodes else tree
+            tree.tokens[:, 0] = bonus
     with t("verify"):
         batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words(), m.static)
         h, aux = target(
@@ -178,16 +179,17 @@ def speculative_step(
         )
         # greedy merges the shards' argmax (no full-vocabulary gather); sampling gathers the logits
         choice = target.lm_head.argmax(h) if rs.greedy else sample_rows(target.logits(h), rs)
-    path, n_acc, new_bonus = accept_walk(tree, choice)
-    # Finished rows stay frozen: nothing of theirs is committed.
-    path = torch.where(alive[:, None], path, -1)
-    path[:, 0] = torch.where(alive, 0, -1)
-    commit_latent(m.cache_LRTC, rows, start, path.clamp_min(0))
-    J = path.shape[1]
-    feat = aux.gather(1, path.clamp_min(0)[:, :, None].expand(-1, -1, aux.shape[2]))
-    pos = start[:, None] + torch.arange(J, device=start.device)
-    drafter.append_context(m.dcache.k, m.dcache.v, feat, pos, rows, valid_BC=path >= 0)
-    emitted = emitted_tokens(tree, path, new_bonus)
+    with t("accept"):  # acceptance walk, KV commit, drafter-context update
+        path, n_acc, new_bonus = accept_walk(tree, choice)
+        # Finished rows stay frozen: nothing of theirs is committed.
+        path = torch.where(alive[:, None], path, -1)
+        path[:, 0] = torch.where(alive, 0, -1)
+        commit_latent(m.cache_LRTC, rows, start, path.clamp_min(0))
+        J = path.shape[1]
+        feat = aux.gather(1, path.clamp_min(0)[:, :, None].expand(-1, -1, aux.shape[2]))
+        pos = start[:, None] + torch.arange(J, device=start.device)
+        drafter.append_context(m.dcache.k, m.dcache.v, feat, pos, rows, valid_BC=path >= 0)
+        emitted = emitted_tokens(tree, path, new_bonus)
     if policy is not None:
         used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
         policy.update(full, used, n_acc, alive, path, start)
