@@ -19,9 +19,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--n", type=int, default=1)
 ap.add_argument("--h", type=int, default=8)
 ap.add_argument("--l", type=int, default=4096)
+ap.add_argument("--cflags", default="", help="extra nvcc flags, e.g. -DMERGE_INLINE=__forceinline__")
 a = ap.parse_args()
 src = Path(attention_cuda.__file__).parent / "csrc" / "mla_tree_attn.cu"
-so = Path(tempfile.gettempdir()) / "k26_attn_trace.so"
+so = Path(tempfile.gettempdir()) / f"k26_attn_trace_{abs(hash(a.cflags))}.so"
 subprocess.run(
     [
         "nvcc",
@@ -31,6 +32,7 @@ subprocess.run(
         "-Xcompiler",
         "-fPIC",
         "-DK26_ATTN_TRACE",
+        *a.cflags.split(),
         "-gencode=arch=compute_90a,code=sm_90a",
         "-o",
         str(so),
@@ -76,9 +78,9 @@ for _ in range(4):
     )
     assert err == 0, err
     torch.cuda.synchronize()
-host = (ctypes.c_ulonglong * (1024 * 8))()
+host = (ctypes.c_ulonglong * (1024 * 16))()
 assert lib.k26_mla_tree_attn_trace(host) == 0
-t = torch.tensor(list(host), dtype=torch.float64).view(1024, 8)
+t = torch.tensor(list(host), dtype=torch.float64).view(1024, 16)
 used = t[:, 0] > 0
 t0 = t[used, 0].min()
 rel = torch.where(t > 0, (t - t0) / 1e3, torch.full_like(t, float("nan")))
@@ -91,6 +93,14 @@ names = [
     "group merged",
     "root last",
     "root merged",
+    "grp: merge in",
+    "grp: lse read",
+    "grp: weights",
+    "grp: loads+fma",
+    "root: merge in",
+    "root: lse read",
+    "root: weights",
+    "root: loads+fma",
 ]
 print(f"S_max={S} min_keys={mk} splits traced={int(used.sum())}")
 for k, nm in enumerate(names):

@@ -36,7 +36,7 @@
 
 // Phase timestamps for profiling/debug/attn_trace.py (built with -DK26_ATTN_TRACE; absent otherwise).
 #ifdef K26_ATTN_TRACE
-__device__ unsigned long long g_attn_trace[1024][8];
+__device__ unsigned long long g_attn_trace[1024][16];
 #define TRACE(k)                                                                                   \
   if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y < 1024) {             \
     unsigned long long t_;                                                                         \
@@ -130,6 +130,9 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
 // slot, the last of those merging the level-1 slots into out / lse. Two short levels keep the merge tail
 // (bytes read by one block) short; a deeper tree pays a fence + atomic + L2 round trip per level.
 constexpr int ONE_LEVEL = 12;
+#ifndef MERGE_INLINE
+#define MERGE_INLINE __noinline__  // its own register allocation: inlined, MT 1 spills under the 128 cap
+#endif
 constexpr int MAX_FANIN = 32;    // ceil(sqrt(1024)): the largest split count the front door asks for
 
 __device__ __forceinline__ int fanin(int active) {
@@ -143,15 +146,18 @@ __device__ __forceinline__ int fanin(int active) {
 // dst < 0. Weights are computed once per row in shared memory (sw: [MAX_FANIN][BM] + [BM]), then every
 // thread streams float4 columns with several loads in flight.
 template <int MT>
-__device__ __noinline__ void merge_slots(const Params& p, int b, int rt, int src, int nch, int dst, float* sw) {
+__device__ MERGE_INLINE void merge_slots(const Params& p, int b, int rt, int src, int nch, int dst, float* sw) {
   constexpr int BM = Cfg<MT>::BM;
   const int row0 = rt * BM, rows_real = min(BM, p.R - row0);
   const size_t tile = (size_t)b * p.RT + rt;
   const float* lp = p.lse_part + (tile * p.slots + src) * BM;
   const float* op = p.o_part + (tile * p.slots + src) * BM * DV;
   float* slse = sw + MAX_FANIN * BM;
+  const int tb = dst < 0 ? 12 : 8;
+  TRACE(tb);
   for (int i = threadIdx.x; i < nch * BM; i += THREADS) sw[i] = __ldcg(lp + i);  // [k][r]
   __syncthreads();
+  TRACE(tb + 1);
   if (threadIdx.x < BM) {
     const int r = threadIdx.x;
     float mx = -CUDART_INF_F, wsum = 0.f;
@@ -165,6 +171,7 @@ __device__ __noinline__ void merge_slots(const Params& p, int b, int rt, int src
     slse[r] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
   }
   __syncthreads();
+  TRACE(tb + 2);
   // Each thread owns J float4 outputs (rows r_j = tid / 128 + 2 j) and reads CK children's values for all
   // of them per round: 16 independent 16-B loads in flight, so a merge costs ~nch / CK L2 round trips.
   constexpr int J = BM * (DV / 4) / THREADS, CK = 16 / J;
@@ -192,6 +199,7 @@ __device__ __noinline__ void merge_slots(const Params& p, int b, int rt, int src
         acc[j].x += w * v[kc][j].x, acc[j].y += w * v[kc][j].y, acc[j].z += w * v[kc][j].z, acc[j].w += w * v[kc][j].w;
       }
   }
+  TRACE(tb + 3);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const int r = r0 + j * (THREADS / (DV / 4));
@@ -542,7 +550,7 @@ K26_EXPORT int k26_mla_tree_attn_trace(void* host) {
   return (int)cudaMemcpyFromSymbol(host, g_attn_trace, sizeof(g_attn_trace));
 }
 K26_EXPORT int k26_mla_tree_attn_trace_reset() {
-  static unsigned long long zeros[1024][8];
+  static unsigned long long zeros[1024][16];
   return (int)cudaMemcpyToSymbol(g_attn_trace, zeros, sizeof(zeros));
 }
 #endif
