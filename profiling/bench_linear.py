@@ -30,6 +30,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from k26.ops.linear_cuda import launch, plan_splits
 
 FLOOR_CU = r"""
@@ -37,7 +38,8 @@ FLOOR_CU = r"""
 #include <stdint.h>
 __device__ __forceinline__ uint4 ld(const uint4* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 __global__ void __launch_bounds__(256) stream_read(const uint4* p, long long n, uint4* sink) {
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(256) stream_read(const uint4* p, long long n, 
     for (int j = 0; j < 4; ++j) v[j] = i + j * s < n ? ld(p + i + j * s) : make_uint4(0, 0, 0, 0);
   }
   cudaTriggerProgrammaticLaunchCompletion();
-  if (acc.x == 0x9e3779b9u && acc.y == 0x7f4a7c15u) *sink = acc;  // keeps the loads alive, never true in practice
+  if (acc.x == 0x9e3779b9u && acc.y == 0x7f4a7c15u) *sink = acc;  // keeps the loads alive; never true
 }
 extern "C" int stream_read_launch(const void* p, long long bytes, void* sink, int grid, void* stream) {
   cudaLaunchConfig_t cfg = {};
@@ -93,6 +95,17 @@ def shapes(tp: int) -> list[tuple[str, int, int, int]]:
 
 
 def floor_lib() -> ctypes.CDLL:
+    """The read kernel, built with nvcc for this GPU (or a prebuilt one from $K26_FLOOR_SO)."""
+    if os.environ.get("K26_FLOOR_SO"):
+        lib = ctypes.CDLL(os.path.abspath(os.environ["K26_FLOOR_SO"]))
+        lib.stream_read_launch.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_longlong,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        return lib
     major, minor = torch.cuda.get_device_capability()
     d = tempfile.mkdtemp(prefix="k26_floor_")
     src, so = os.path.join(d, "floor.cu"), os.path.join(d, "floor.so")
@@ -165,14 +178,15 @@ def bench_shape(name, G, N, K, ms, lib, copy_bw, sweep):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # W_UV reads each head's second half of kv_b's rows: the same strided view the model passes.
     base = torch.randn(R, G, 2 * N if "W_UV" in name else N, K, device="cuda").to(torch.bfloat16) * K**-0.5
-    ws = [base[i, :, N:] if "W_UV" in name else base[i] for i in range(R)]
+    ws = [(base[i, :, N:] if "W_UV" in name else base[i]) if G > 1 else base[i, 0] for i in range(R)]
     sink = torch.empty(16, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
     floors = {}
     for per_sm in (1, 4, 8):
 
         def rd(i, grid=per_sm * sms):  # the floor reads contiguous copies of the same size
-            lib.stream_read_launch(base[i].data_ptr(), nbytes, sink.data_ptr(), grid, stream)
+            stream = torch.cuda.current_stream().cuda_stream  # the capture stream inside the graph
+            if lib.stream_read_launch(base[i].data_ptr(), nbytes, sink.data_ptr(), grid, stream):
+                raise RuntimeError("stream_read launch failed")
 
         floors[per_sm] = chain_us(rd, R)
     floor = min(floors.values())
@@ -212,8 +226,10 @@ def bench_m(name, G, N, K, M, ws, floor, R, copy_bw, sweep) -> str:
         best = f"{plan_splits(M, N, K, G, sms, s_best)[0]} ({tried[s_best]:.1f})"
     gbs = nbytes / (t * 1e-6) / 1e9
     row = (
-        f"| {name} | {G} x [{N}, {K}] | {nbytes / 1e6:.2f} | {M} | {floor:.2f} | {t:.2f} | **{t / floor:.2f}** | "
-        f"{t_nopdl:.2f} | {t_cublas:.2f} | {gbs:.0f} | {100 * gbs * 1e9 / copy_bw:.0f}% | {S} | {best} |"
+        f"| {name} | {G} x [{N}, {K}] | {nbytes / 1e6:.2f} | {M} | {floor:.2f} | {t:.2f} | "
+        f"**{t / floor:.2f}** | "
+        f"{t_nopdl:.2f} | {t_cublas:.2f} | {gbs:.0f} | {100 * gbs * 1e9 / copy_bw:.0f}% | {S} | "
+        f"{best} |"
     )
     print(row, flush=True)
     return row
@@ -233,8 +249,8 @@ def main() -> None:
     ms = [int(m) for m in a.ms.split(",")]
     only = [s for s in a.only.split(",") if s]
     head = (
-        "| projection | shape | weight MB | M | floor µs | k26 µs | x floor | k26 no PDL µs | cuBLAS µs | GB/s | "
-        "% copy | splits | best splits (µs) |\n|" + "---|" * 13
+        "| projection | shape | weight MB | M | floor µs | k26 µs | x floor | k26 no PDL µs | cuBLAS µs | "
+        "GB/s | % copy | splits | best splits (µs) |\n|" + "---|" * 13
     )
     lines = []
     for tp in (int(t) for t in a.tp.split(",")):
@@ -250,10 +266,13 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
     ).stdout.strip()
     text = (
-        f"# bench_linear — {datetime.date.today()}\n\n- device: {dev.name} ({dev.multi_processor_count} SMs), "
-        f"torch {torch.__version__}\n- commit: {commit or 'n/a'}\n- command: `python profiling/bench_linear.py "
-        f"{' '.join(sys.argv[1:])}`\n- copy ceiling measured in this run: {copy_bw / 1e12:.2f} TB/s (eager, read + "
-        f"write bytes)\n" + "\n".join(lines) + "\n"
+        f"# bench_linear — {datetime.date.today()}\n\n"
+        f"- device: {dev.name} ({dev.multi_processor_count} SMs), torch {torch.__version__}\n"
+        f"- commit: {commit or 'n/a'}\n"
+        f"- command: `python profiling/bench_linear.py {' '.join(sys.argv[1:])}`\n"
+        f"- copy ceiling measured in this run: {copy_bw / 1e12:.2f} TB/s (eager, read + write bytes)\n"
+        + "\n".join(lines)
+        + "\n"
     )
     print(text)
     if a.out:

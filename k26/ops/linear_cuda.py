@@ -2,8 +2,8 @@
 `torch.ops.k26.linear_grouped`, their references and fakes, input checks before any launch, the split-K plan
 and the kernel-owned split-K counters.
 
-    linear(x [..., K], weight [N, K], residual [..., N] | None) -> [..., N]        = F.linear(x, weight) (+ residual)
-    linear_grouped(x [..., G, K], weight [G, N, K]) -> [..., G, N]                 (one matrix per group, e.g. W_UV)
+    linear(x [..., K], weight [N, K], residual [..., N] | None) -> [..., N]   F.linear(x, weight) (+ residual)
+    linear_grouped(x [..., G, K], weight [G, N, K]) -> [..., G, N]            one matrix per group (W_UV)
 
 The kernel serves bf16 with at most 64 rows of x, K a multiple of 8 and 16-byte aligned rows; anything
 else (float32 test models, prefill, odd strides) runs the reference on the same device, said once in the log.
@@ -184,7 +184,7 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 
 
 def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = None, pdl: bool = True) -> None:
-    """Run the kernel on 2-D views: x2 [M, *], w rows of K, y [M, *]; strides = (x_ld, x_gs, w_ld, w_gs, y_ld, y_gs)."""
+    """Run the kernel: x2 [M, ...], w rows of K, y [M, ...]; strides (x_ld, x_gs, w_ld, w_gs, y_ld, y_gs)."""
     M, K = x2.shape[0], w.shape[-1]
     N = w.shape[-2]
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
