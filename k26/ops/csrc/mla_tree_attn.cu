@@ -131,7 +131,10 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
 // (bytes read by one block) short; a deeper tree pays a fence + atomic + L2 round trip per level.
 constexpr int ONE_LEVEL = 12;
 #ifndef MERGE_INLINE
-#define MERGE_INLINE __noinline__  // its own register allocation: inlined, MT 1 spills under the 128 cap
+#define MERGE_INLINE __forceinline__  // a call would spill around it (ABI); inlined it shares the 128 cap
+#endif
+#ifndef MERGE_LOADS
+#define MERGE_LOADS 12  // float4 loads in flight per thread in the merge (16 spill under MT 1's cap)
 #endif
 constexpr int MAX_FANIN = 32;    // ceil(sqrt(1024)): the largest split count the front door asks for
 
@@ -146,14 +149,11 @@ __device__ __forceinline__ int fanin(int active) {
 // dst < 0. Weights are computed once per row in shared memory (sw: [MAX_FANIN][BM] + [BM]), then every
 // thread streams float4 columns with several loads in flight.
 template <int MT>
-__device__ MERGE_INLINE void merge_slots(const Params& p, int b, int rt, int src, int nch, int dst, float* sw) {
+__device__ MERGE_INLINE void merge_slots(const float* lp, const float* op, int nch, int rows_real, float* to_o,
+                                         float* to_lse, __nv_bfloat16* out, float* lse, float* sw) {
   constexpr int BM = Cfg<MT>::BM;
-  const int row0 = rt * BM, rows_real = min(BM, p.R - row0);
-  const size_t tile = (size_t)b * p.RT + rt;
-  const float* lp = p.lse_part + (tile * p.slots + src) * BM;
-  const float* op = p.o_part + (tile * p.slots + src) * BM * DV;
   float* slse = sw + MAX_FANIN * BM;
-  const int tb = dst < 0 ? 12 : 8;
+  const int tb = out ? 12 : 8;  // trace slots (debug builds)
   TRACE(tb);
   for (int i = threadIdx.x; i < nch * BM; i += THREADS) sw[i] = __ldcg(lp + i);  // [k][r]
   __syncthreads();
@@ -174,7 +174,7 @@ __device__ MERGE_INLINE void merge_slots(const Params& p, int b, int rt, int src
   TRACE(tb + 2);
   // Each thread owns J float4 outputs (rows r_j = tid / 128 + 2 j) and reads CK children's values for all
   // of them per round: 16 independent 16-B loads in flight, so a merge costs ~nch / CK L2 round trips.
-  constexpr int J = BM * (DV / 4) / THREADS, CK = 16 / J;
+  constexpr int J = BM * (DV / 4) / THREADS, CK = MERGE_LOADS / J > 0 ? MERGE_LOADS / J : 1;
   const int c = (threadIdx.x % (DV / 4)) * 4, r0 = threadIdx.x / (DV / 4);
   float4 acc[J];
 #pragma unroll
@@ -204,14 +204,14 @@ __device__ MERGE_INLINE void merge_slots(const Params& p, int b, int rt, int src
   for (int j = 0; j < J; ++j) {
     const int r = r0 + j * (THREADS / (DV / 4));
     if (r >= rows_real) continue;
-    if (dst < 0) {
-      __nv_bfloat16* o = p.out + ((size_t)b * p.R + row0 + r) * DV + c;
+    if (out) {
+      __nv_bfloat16* o = out + (size_t)r * DV + c;
       *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc[j].x, acc[j].y);
       *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc[j].z, acc[j].w);
-      if (c == 0) p.lse[(size_t)b * p.R + row0 + r] = slse[r];
+      if (c == 0) lse[r] = slse[r];
     } else {
-      __stcg(reinterpret_cast<float4*>(p.o_part + ((tile * p.slots + dst) * BM + r) * DV + c), acc[j]);
-      if (c == 0) __stcg(p.lse_part + (tile * p.slots + dst) * BM + r, slse[r]);
+      __stcg(reinterpret_cast<float4*>(to_o + (size_t)r * DV + c), acc[j]);
+      if (c == 0) __stcg(to_lse + r, slse[r]);
     }
   }
 }
@@ -231,15 +231,23 @@ __device__ __forceinline__ bool arrive_last(int* cnt, int nch) {
   return s_last;
 }
 
-// Called by every thread of a split block once its partial is written.
+// Called by every thread of a split block once its partial is written. Pointers are resolved here, so the
+// (non-inlined) merge gets them in registers rather than reading the kernel parameters through the stack.
 template <int MT>
 __device__ void merge_up(const Params& p, int b, int rt, int split, int active, float* sw) {
-  int* cnt = p.counters + ((size_t)b * p.RT + rt) * p.cslots;
+  constexpr int BM = Cfg<MT>::BM;
+  const size_t tile = (size_t)b * p.RT + rt;
+  const int row0 = rt * BM, rows_real = min(BM, p.R - row0);
+  int* cnt = p.counters + tile * p.cslots;
+  const float* lp = p.lse_part + tile * p.slots * BM;
+  const float* op = p.o_part + tile * p.slots * BM * DV;
+  __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
+  float* lse = p.lse + (size_t)b * p.R + row0;
   const int f = fanin(active);
   if (f == active) {
     if (arrive_last(cnt, active)) {
       TRACE(6);
-      merge_slots<MT>(p, b, rt, 0, active, -1, sw);
+      merge_slots<MT>(lp, op, active, rows_real, nullptr, nullptr, out, lse, sw);
       TRACE(7);
     }
     return;
@@ -247,11 +255,13 @@ __device__ void merge_up(const Params& p, int b, int rt, int split, int active, 
   const int group = split / f, first = group * f, nch = min(f, active - first), groups = (active + f - 1) / f;
   if (!arrive_last(cnt + 1 + group, nch)) return;
   TRACE(4);
-  merge_slots<MT>(p, b, rt, first, nch, p.S_max + group, sw);
+  const int slot = p.S_max + group;
+  merge_slots<MT>(lp + first * BM, op + (size_t)first * BM * DV, nch, rows_real, const_cast<float*>(op) + (size_t)slot * BM * DV,
+                  const_cast<float*>(lp) + slot * BM, nullptr, nullptr, sw);
   TRACE(5);
   if (arrive_last(cnt, groups)) {
     TRACE(6);
-    merge_slots<MT>(p, b, rt, p.S_max, groups, -1, sw);
+    merge_slots<MT>(lp + p.S_max * BM, op + (size_t)p.S_max * BM * DV, groups, rows_real, nullptr, nullptr, out, lse, sw);
     TRACE(7);
   }
 }
