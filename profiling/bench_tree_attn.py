@@ -3,7 +3,7 @@ same run (profiling/timing.py): eager copy bandwidth, the mma.sync bf16 peak, cu
 
     python profiling/bench_tree_attn.py [--out FILE.md] [--quick] [--tune]
 
-Per shape: graph replay, cold L2 (256 MB overwritten before every replay), median; small shapes capture
+Per shape: graph replay, cold L2 (256 MB read before every replay), median; small shapes capture
 several calls on distinct inputs in one graph and report per call (the graph launch is amortised, every
 call still reads its KV from HBM). Bytes = the latent KV read once (B x (L + N) x 576 x 2) + q + out;
 FLOPs = 2 x (576 + 512) per (query row, visible key). roofline = max(bytes / copy BW, FLOPs / mma.sync
@@ -68,20 +68,25 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep MIN_SPLIT_KEYS on a few shapes")
     a = ap.parse_args()
     copy_bw, mma_peak, gemm = copy_bandwidth(), mma_sync_peak(), gemm_rate()
-    commit = os.environ.get("K26_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("K26_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
+        ).stdout.strip()
+    )
     props = torch.cuda.get_device_properties(0)
     lines = [
-        f"# bench_tree_attn — {datetime.date.today()}", "",
+        f"# bench_tree_attn — {datetime.date.today()}",
+        "",
         f"- device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}",
         f"- commit: {commit or 'unknown'}",
-        f"- command: `python profiling/bench_tree_attn.py{' --quick' if a.quick else ''}{' --tune' if a.tune else ''}`",
+        f"- command: `python profiling/bench_tree_attn.py{' --quick' * a.quick}{' --tune' * a.tune}`",
         (
             f"- ceilings in this run: copy {copy_bw / 1e12:.2f} TB/s (eager, read+write), mma.sync bf16 "
             f"{mma_peak / 1e12:.0f} TFLOP/s, cuBLAS bf16 GEMM {gemm / 1e12:.0f} TFLOP/s"
         ),
-        "- timing: CUDA-graph replay, cold L2 (256 MB overwritten before each replay), median of 30", "",
+        "- timing: CUDA-graph replay, cold L2 (256 MB read before each replay), median of 30",
+        "",
     ]
     gen = torch.Generator(device="cuda").manual_seed(0)
     if a.tune:
@@ -97,17 +102,24 @@ def main() -> None:
     shapes = [(8, N, L, 1) for L in (1024, 4096, 32768, 131072) for N in (1, 2, 16, 64)]
     shapes += [(64, 1, 4096, 1), (64, 1, 32768, 1), (64, 16, 32768, 1), (8, 16, 4096, 4), (8, 1, 32768, 4)]
     if a.quick:
-        shapes = [(8, 1, 4096, 1), (8, 16, 4096, 1), (8, 1, 32768, 1), (8, 1, 131072, 1), (8, 16, 32768, 1),
-                  (8, 64, 32768, 1)]
+        shapes = [
+            (8, 1, 4096, 1),
+            (8, 16, 4096, 1),
+            (8, 1, 32768, 1),
+            (8, 1, 131072, 1),
+            (8, 16, 32768, 1),
+            (8, 64, 32768, 1),
+        ]
     lines += [
-        "| H | N | L | B | KV MB | GFLOP | roofline µs | k26 µs | % copy BW | TFLOP/s | % mma peak | x roofline |",
+        "| H | N | L | B | KV MB | GFLOP | roofline µs | k26 µs | % copy BW | TFLOP/s | % mma | x roofline |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for H, N, L, B in shapes:
         t, bytes_, flops = measure(B, N, H, L, gen)
         roof = max(bytes_ / copy_bw, flops / mma_peak)
         lines.append(
-            f"| {H} | {N} | {L} | {B} | {B * (L + N) * 1152 / 1e6:.1f} | {flops / 1e9:.2f} | {roof * 1e6:.1f} | "
+            f"| {H} | {N} | {L} | {B} | {B * (L + N) * 1152 / 1e6:.1f} | {flops / 1e9:.2f} | "
+            f"{roof * 1e6:.1f} | "
             f"{t * 1e6:.1f} | {100 * bytes_ / t / copy_bw:.0f}% | {flops / t / 1e12:.0f} | "
             f"{100 * flops / t / mma_peak:.0f}% | {t / roof:.2f} |"
         )

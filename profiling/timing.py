@@ -2,7 +2,8 @@
 bandwidth, bf16 GEMM rate, the mma.sync peak) and CUDA-graph replay times with a cold L2.
 
 Cold L2: a weight- or KV-streaming kernel timed back to back re-reads its bytes from the 50-60 MB L2, so
-between replays a 256 MB buffer is overwritten (outside the timed events) and each replay is timed alone.
+between replays a 256 MB buffer is read (outside the timed events) and each replay is timed alone. Read,
+not written: a written flush leaves the L2 full of dirty lines whose write-backs the timed kernel would pay.
 """
 
 from __future__ import annotations
@@ -42,10 +43,28 @@ def mma_sync_peak() -> float:
     arch = f"sm_{cc}a" if cc in ("90", "100", "120") else f"sm_{cc}"
     so = Path(tempfile.gettempdir()) / f"k26_mma_peak_{arch}.so"
     if not so.exists():
-        subprocess.run(["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch[3:]},code={arch}",
-                        "-o", str(so), str(src)], check=True)
+        subprocess.run(
+            [
+                "nvcc",
+                "-O3",
+                "-shared",
+                "-Xcompiler",
+                "-fPIC",
+                f"-gencode=arch=compute_{arch[3:]},code={arch}",
+                "-o",
+                str(so),
+                str(src),
+            ],
+            check=True,
+        )
     lib = ctypes.CDLL(str(so))
-    lib.k26_mma_peak_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.k26_mma_peak_launch.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
     out = torch.zeros(1, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     blocks, threads, iters = 8 * sms, 256, 4096
@@ -97,12 +116,12 @@ def capture(fn) -> torch.cuda.CUDAGraph:
 
 
 def graph_time_cold(fn, calls: int = 1, reps: int = 30) -> float:
-    """Median seconds per op call of a captured fn, each replay after overwriting FLUSH_BYTES (cold L2)."""
+    """Median seconds per op call of a captured fn, each replay after reading FLUSH_BYTES (cold L2)."""
     g = capture(fn)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
     times = []
-    for i in range(reps):
-        flush.fill_(i & 0xFF)
+    for _ in range(reps):
+        flush.sum()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()

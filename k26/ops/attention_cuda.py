@@ -17,7 +17,7 @@ from . import reference
 DQK, DV = 576, 512
 MAX_NEW_TOKENS = 256  # 4 ancestor words per row: the largest verify bucket the kernel is built for
 # Keys per split at least: below this a split's fixed cost (Q load, pipeline fill, partial write and its
-# share of the merge) outweighs the bandwidth another SM adds. Tuned on an H200 (profiling/bench_tree_attn.py).
+# share of the merge) outweighs the bandwidth another SM adds. Tuned on an H200 (bench_tree_attn.py --tune).
 MIN_SPLIT_KEYS = 64
 
 
@@ -68,7 +68,9 @@ def _bind(lib) -> None:
     lib.k26_mla_tree_attn_blocks_per_sm.restype = ctypes.c_int
     lib.k26_mla_tree_attn_blocks_per_sm.argtypes = [ctypes.c_int] * 2
     lib.k26_mla_tree_attn.restype = ctypes.c_int
-    lib.k26_mla_tree_attn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
+    lib.k26_mla_tree_attn.argtypes = (
+        [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
+    )
     lib._k26_attn_bound = True
 
 
@@ -79,14 +81,28 @@ def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
 
     need(q.dim() == 4, f"q must be [B, N, H, C], got {list(q.shape)}")
     B, N, _, C = q.shape
-    need(cache.dim() == 3 and cache.shape[2] == C, f"cache must be [rows, max_len, {C}], got {list(cache.shape)}")
+    need(
+        cache.dim() == 3 and cache.shape[2] == C,
+        f"cache must be [rows, max_len, {C}], got {list(cache.shape)}",
+    )
     need(cache.dtype == q.dtype, f"cache dtype {cache.dtype} differs from q's {q.dtype}")
     need(0 < v_dim <= C, f"v_dim={v_dim} must lie in (0, {C}]")
     need(rows.shape == (B,) and prefix_lens.shape == (B,), f"rows and prefix_lens must be [B={B}]")
-    need(not rows.is_floating_point() and not prefix_lens.is_floating_point(), "rows and prefix_lens must be integers")
-    need(mask_words.shape == (B, N, (N + 63) // 64) and mask_words.dtype == torch.int64,
-         f"mask_words must be int64 [{B}, {N}, {(N + 63) // 64}], got {mask_words.dtype} {list(mask_words.shape)}")
-    for name, t in (("cache", cache), ("rows", rows), ("prefix_lens", prefix_lens), ("mask_words", mask_words)):
+    need(
+        not rows.is_floating_point() and not prefix_lens.is_floating_point(),
+        "rows and prefix_lens must be integers",
+    )
+    need(
+        mask_words.shape == (B, N, (N + 63) // 64) and mask_words.dtype == torch.int64,
+        f"mask_words must be int64 [{B}, {N}, {(N + 63) // 64}], "
+        f"got {mask_words.dtype} {list(mask_words.shape)}",
+    )
+    for name, t in (
+        ("cache", cache),
+        ("rows", rows),
+        ("prefix_lens", prefix_lens),
+        ("mask_words", mask_words),
+    ):
         need(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
 
 
@@ -99,11 +115,15 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or not available():
         return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static)
     if N > MAX_NEW_TOKENS:
-        raise ValueError(f"mla_tree_attention: N={N} new tokens exceeds the kernel's maximum {MAX_NEW_TOKENS}")
+        raise ValueError(
+            f"mla_tree_attention: N={N} new tokens exceeds the kernel's maximum {MAX_NEW_TOKENS}"
+        )
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()
     # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
     capturing = torch.cuda.is_current_stream_capturing()
-    if not capturing and bool(((prefix64 + N > cache.shape[1]) | (rows64 < 0) | (rows64 >= cache.shape[0])).any()):
+    if not capturing and bool(
+        ((prefix64 + N > cache.shape[1]) | (rows64 < 0) | (rows64 >= cache.shape[0])).any()
+    ):
         raise ValueError(
             f"mla_tree_attention: prefix_lens + {N} exceeds the cache length {cache.shape[1]} or a row is "
             f"outside [0, {cache.shape[0]})"
@@ -118,9 +138,23 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     min_keys = MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(N, H) // 16
     ws = PLANS.workspace(lib, q.device, B, N, H, S)
     err = lib.k26_mla_tree_attn(
-        qc.data_ptr(), cc.data_ptr(), rows64.data_ptr(), prefix64.data_ptr(), words.data_ptr(), out.data_ptr(),
-        lse.data_ptr(), ws.data_ptr(), B, N, H, words.shape[2], cache.shape[1], S, min_keys,
-        ctypes.c_float(scale), torch.cuda.current_stream(q.device).cuda_stream,
+        qc.data_ptr(),
+        cc.data_ptr(),
+        rows64.data_ptr(),
+        prefix64.data_ptr(),
+        words.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        ws.data_ptr(),
+        B,
+        N,
+        H,
+        words.shape[2],
+        cache.shape[1],
+        S,
+        min_keys,
+        ctypes.c_float(scale),
+        torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:
         raise RuntimeError(f"mla_tree_attention: CUDA launch failed with error {err}")

@@ -1,6 +1,6 @@
 """Runs `torch.ops.k26.mla_tree_attention` on one shape a few times, eagerly: a target for ncu.
 
-    ncu --clock-control none -k regex:tree_attn -s 3 -c 1 python profiling/debug/attn_one.py --n 1 --l 131072
+ncu --clock-control none -k regex:tree_attn -s 3 -c 1 python profiling/debug/attn_one.py --n 1 --l 131072
 """
 
 import argparse
