@@ -246,16 +246,12 @@ def load_model(
 
 
 def use_cuda_kernels(model: torch.nn.Module) -> None:
-    """Switch the dense projections to the small-M linear kernel; repack int4 experts for the fused CUDA MoE
-    kernel, layer by layer (one layer's copy at a time)."""
-    from .model.layers import Linear, VocabHead
+    """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time).
+    The dense projections keep cuBLAS: the small-M linear kernel is opt-in (`model.layers.use_linear_kernel`)
+    until it measures faster (profiling/results/2026-12-01-bench_linear-h200.md)."""
     from .model.moe import Int4Experts, Router
     from .ops import build
 
-    if build.available():  # warns once otherwise; the projections keep F.linear
-        for m in model.modules():
-            if isinstance(m, (Linear, VocabHead)):
-                m.use_kernel = True  # torch.ops.k26.linear: the small-M streaming kernel (csrc/linear_smallm.cu)
     experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
     routers = [m for m in model.modules() if isinstance(m, Router)]
     if not (experts or routers):
@@ -302,5 +298,5 @@ def load_drafter(
     fill(model, items, infos, tp)
     model.rope.reset_buffers()
     if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
-        use_cuda_kernels(model)  # the drafter's projections; it has no experts or router
+        use_cuda_kernels(model)  # the target's switch: today nothing of the drafter's changes
     return model.eval()

@@ -90,7 +90,9 @@ def test_split_plan_covers_k_and_fits_shared_memory(M, N, K, G):
     S, per = plan_splits(M, N, K, G, sms=132)
     units = math.ceil(K / UNIT)
     assert (S - 1) * per < units <= S * per  # every unit in exactly one split, no empty split
-    assert 2 * padded_m(M) * (per * UNIT + 32) <= 48 * 1024
+    assert (
+        2 * padded_m(M) * (per * UNIT + 32) + 1024 <= 48 * 1024
+    )  # room for the kernel's static shared memory
 
 
 def test_padded_m_is_a_kernel_instance():

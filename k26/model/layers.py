@@ -51,9 +51,9 @@ class TPInfo:
 
 
 class Linear(nn.Linear):
-    """A bias-free projection. With `use_kernel` (set by the loader for CUDA bf16 models) it runs
-    `torch.ops.k26.linear`, the small-M streaming kernel; that op runs F.linear itself for shapes the
-    kernel does not serve (prefill, M > 64), so the flag never changes results beyond rounding."""
+    """A bias-free projection. With `use_kernel` (see `use_linear_kernel`) it runs `torch.ops.k26.linear`,
+    the small-M streaming kernel; that op runs F.linear itself for shapes the kernel does not serve
+    (prefill, M > 64, non-bf16), so the flag never changes results beyond rounding."""
 
     use_kernel: bool = False
 
@@ -121,7 +121,7 @@ class VocabHead(nn.Module):
         self.part = tp.split(vocab, "vocab_size")
         self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=dtype), requires_grad=False)
 
-    use_kernel: bool = False  # as Linear's: set by the loader for CUDA bf16 models
+    use_kernel: bool = False  # as Linear's (see `use_linear_kernel`)
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's fp32 logits."""
@@ -153,3 +153,14 @@ class VocabHead(nn.Module):
             v, j = v.topk(min(k, v.shape[-1]), dim=-1)
             i = i.gather(-1, j)
         return v - lse[..., None], i
+
+
+def use_linear_kernel(model: nn.Module, on: bool = True) -> int:
+    """Route every Linear, VocabHead and MLA W_UV of `model` through torch.ops.k26.linear / linear_grouped
+    (or back to cuBLAS with on=False); returns how many modules switched. Opt-in: measured on an H200
+    (profiling/results/2026-12-01-bench_linear-h200.md) the kernel beats cuBLAS only for some projections
+    at M = 1 and none at M = 16, so the loader leaves it off."""
+    mods = [m for m in model.modules() if isinstance(m, (Linear, VocabHead))]
+    for m in mods:
+        m.use_kernel = on
+    return len(mods)
