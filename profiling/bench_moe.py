@@ -42,7 +42,7 @@ from k26.ops.moe_cuda import pick_nt
 from k26.ops.router_cuda import router_barrier
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import graph_time_cold, mma_sync_peak
+from timing import capture, graph_time_cold, mma_sync_peak
 
 SHAPES = {
     "tp8": {"E": 384, "D": 7168, "I": 256, "K": 8, "layers": 8},
@@ -284,20 +284,21 @@ def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     return y + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
 
 
-def launches(fn) -> int:
+def launches(fn) -> list[str]:
+    """Names of the CUDA kernels one replay of fn's graph runs (the profiler sees graph kernels via CUPTI)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
+    g = capture(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        g.replay()
         torch.cuda.synchronize()
-    from torch.autograd import DeviceType
-
-    return sum(1 for ev in prof.events() if ev.device_type == DeviceType.CUDA and "Mem" not in ev.name)
+    return [ev.name for ev in prof.events() if ev.device_type == DeviceType.CUDA and "Mem" not in ev.name]
 
 
-def bench_block(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[str]) -> None:
+def bench_block(
+    name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[str], kernels: list[str]
+) -> None:
     E, D, I, L = shp["E"], shp["D"], shp["I"], shp["layers"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for kind, hot in (("uniform", 0), ("skewed", 10)):
@@ -331,8 +332,16 @@ def bench_block(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[
             t_router = graph_time_cold(routers, L)
             n_fused, n_unfused = "-", "-"
             if M in (1, 64):  # the profiler is slow to start; the count does not depend on M otherwise
-                n_fused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw))
-                n_unfused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw, "unfused"))
+                k_fused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw))
+                k_unfused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw, "unfused"))
+                n_fused, n_unfused = len(k_fused), len(k_unfused)
+                if M == 1 and name == "tp8" and kind == "uniform":
+                    kernels.extend(
+                        [
+                            f"- fused: {', '.join(k[:60] for k in k_fused)}",
+                            f"- before: {', '.join(k[:60] for k in k_unfused)}",
+                        ]
+                    )
             gbs = mb / 1e3 / t
             rows.append(
                 f"| {name} | {kind} | {M} | {touched:.1f} | {mb:.1f} | {t * 1e6:.1f} | {gbs:.0f} | "
@@ -357,9 +366,12 @@ def block_main(a, copy_bw: float, head: list[str]) -> str:
     ]
     print("\n".join(head), flush=True)
     rows: list[str] = []
+    kernels: list[str] = []  # of one captured block (TP8, M = 1, uniform)
     for name in a.shapes.split(","):
-        bench_block(name, SHAPES[name], [int(v) for v in a.ms.split(",")], copy_bw, rows)
-    return "\n".join(head + rows) + "\n"
+        bench_block(name, SHAPES[name], [int(v) for v in a.ms.split(",")], copy_bw, rows, kernels)
+    tail = ["", "Kernels of one captured block (TP8, M = 1, uniform), in launch order:", "", *kernels]
+    print("\n".join(tail))
+    return "\n".join(head + rows + tail) + "\n"
 
 
 def main() -> None:

@@ -11,6 +11,9 @@ if [ -z "${K26_OPS_LIB:-}" ]; then
 fi
 timeout 200 python3 -m pytest -q -x -s tests/test_moe_router.py tests/test_moe_cuda.py > "$OUT/tests.txt" 2>&1
 grep -E "differing|passed|failed|Error|error" "$OUT/tests.txt" | tail -8
+# The model with the fused router and shared expert under graph capture and torch.compile.
+timeout 150 python3 -m pytest -q -x tests/test_graphs_gpu.py tests/test_engine_gpu.py > "$OUT/model_tests.txt" 2>&1
+grep -E "passed|failed|Error" "$OUT/model_tests.txt" | tail -4
 timeout 300 python3 profiling/bench_moe.py --block --shapes tp8,tp1 --ms "$MS" --out "$OUT/bench_block.md" \
   > "$OUT/bench_log.txt" 2>&1
 tail -4 "$OUT/bench_log.txt" | grep -v "^|" ; grep "^|" "$OUT/bench_block.md"

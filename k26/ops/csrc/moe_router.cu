@@ -4,7 +4,7 @@
 //   logits = x · Wᵀ (bf16 weight read as stored, bf16 products exact, fp32 accumulation)
 //   score  = sigmoid(logits);  choice = score + correction_bias          (bias selects, score weights)
 //   groups (n_group > 1): keep the topk_group groups with the largest sum of their two best choices
-//   ids    = top-k of choice over kept groups (descending, ties to the lower index)
+//   ids    = top-k of choice over kept groups (descending; an exact tie goes to one of them, deterministically)
 //   w      = score[ids] / (Σ score[ids] + 1e-20) (if renormalize) · routed_scaling_factor
 //
 // One launch, two phases separated by a grid barrier:
@@ -24,8 +24,10 @@
 // Legality: warp-level mma.sync bf16 only, <= 48 KB static shared memory per block: legal on sm_120
 // (99 KB) and sm_90; built for sm_90a and sm_120a. No host sync: CUDA-graph capturable.
 // Speed and its benchmark: profiling/bench_moe.py --block (router column and whole block), results in
-// profiling/results/2026-12-01-bench_moe_block-h200.md: 13 µs for the 5.5 MB weight at M = 1 (10 % of copy
-// bandwidth; the single-warp top-k and the barrier, not the bytes, bound it), 21 µs at M = 64.
+// profiling/results/2026-12-01-bench_moe_block-h200*.md (H200, K2.6 shapes, cold L2, graph replay): 11.8 µs
+// at M = 1 (11 % of copy bandwidth for the 5.5 MB weight, which alone would stream in ~1.3 µs: the launch,
+// the grid barrier and the per-token tail bound it, not the bytes), 14 µs at M = 64. The redux.sync top-k
+// took it from 13.0 / 20.6 µs (2026-12-01, first version: one shuffle argmax per pick).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -153,7 +155,7 @@ __device__ void grid_barrier(int* bar) {
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(&bar[0], 1);
-    while (atomicAdd(&bar[0], 0) < (int)gridDim.x) __nanosleep(32);
+    while (*reinterpret_cast<volatile int*>(&bar[0]) < (int)gridDim.x) __nanosleep(20);
     __threadfence();
     if (atomicAdd(&bar[1], 1) == (int)gridDim.x - 1) {
       atomicExch(&bar[0], 0);
@@ -170,6 +172,21 @@ __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
     const float ov = __shfl_xor_sync(0xffffffffu, v, o);
     const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
     if (oi >= 0 && (idx < 0 || ov > v || (ov == v && oi < idx))) v = ov, idx = oi;
+  }
+}
+
+// Float -> uint32 with the same order (NaN, used for "taken", below everything, -inf included).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  if (isnan(f)) return 0u;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ void local_best(const float* choice, int E, int lane, uint32_t& key, int& idx) {
+  key = 0u, idx = -1;
+  for (int e = lane; e < E; e += 32) {
+    const uint32_t k = order_key(choice[e]);
+    if (k > key) key = k, idx = e;  // ascending e: a lane's ties keep its lower index
   }
 }
 
@@ -205,19 +222,23 @@ __device__ void select_topk(const Args& a, float* choice, const float* score, in
       if (!(keep >> (e / gs) & 1)) choice[e] = -INFINITY;
     __syncwarp();
   }
+  // Each lane keeps the best of its own experts (e ≡ lane mod 32); per pick one redux.sync finds the best
+  // key, the lowest lane holding it gives its expert, and only that lane rescans its own experts.
+  uint32_t key;
+  int idx;
+  local_best(choice, a.E, lane, key, idx);
   int mine = -1;  // lane k holds the k-th choice
   for (int k = 0; k < a.topk; ++k) {
-    float v = -INFINITY;
-    int idx = -1;
-    for (int e = lane; e < a.E; e += 32) {
-      const float c = choice[e];
-      if (!isnan(c) && (idx < 0 || c > v)) v = c, idx = e;  // ascending e: ties keep the lower index
+    const uint32_t best = __reduce_max_sync(0xffffffffu, key);
+    const int wl = __ffs(__ballot_sync(0xffffffffu, key == best)) - 1;
+    const int win = __shfl_sync(0xffffffffu, idx, wl);
+    if (lane == k) mine = win;
+    if (lane == wl) {
+      choice[win] = NAN;  // taken
+      local_best(choice, a.E, lane, key, idx);
     }
-    warp_argmax(v, idx);
-    if (lane == k) mine = idx;
-    if (lane == 0) choice[idx] = NAN;
-    __syncwarp();
   }
+  __syncwarp();
   const float s = lane < a.topk ? score[mine] : 0.f;
   float sum = 0.f;  // in k order, as every lane sees the same sequence
   for (int k = 0; k < a.topk; ++k) sum += __shfl_sync(0xffffffffu, s, k);
@@ -229,7 +250,7 @@ __device__ void select_topk(const Args& a, float* choice, const float* score, in
 }
 
 template <int NT>
-__global__ void __launch_bounds__(kThreads, NT == 8 ? 1 : 2) router_kernel(Args a) {  // NT 8: 64 accumulators
+__global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ float choice[kMaxE], score[kMaxE];
   logits_phase<NT>(a, red);
@@ -237,6 +258,7 @@ __global__ void __launch_bounds__(kThreads, NT == 8 ? 1 : 2) router_kernel(Args 
   for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
     for (int e = threadIdx.x; e < a.E; e += kThreads) {
       float l = 0.f;
+#pragma unroll 8
       for (int k = 0; k < a.ks; ++k) l += __ldcg(a.partial + ((size_t)k * a.M + tok) * a.E + e);  // k order
       const float s = 1.f / (1.f + expf(-l));
       score[e] = s;
@@ -264,11 +286,13 @@ int max_grid() {
 // Token tile from M; enough k ranges that ~2 blocks per SM stream W, never more than the resident grid.
 Plan plan(int M, int D, int E) {
   Plan p;
-  p.nt = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8;
-  const int limit = p.nt == 1 ? max_grid<1>() : p.nt == 2 ? max_grid<2>() : p.nt == 4 ? max_grid<4>() : max_grid<8>();
+  p.nt = M <= 8 ? 1 : M <= 16 ? 2 : 4;  // more tokens: more token tiles (NT 8 would hold 1 block per SM)
+  const int limit = p.nt == 1 ? max_grid<1>() : p.nt == 2 ? max_grid<2>() : max_grid<4>();
   const int kc = D / 64, row_tiles = (E + 15) / 16, m_tiles = (M + 8 * p.nt - 1) / (8 * p.nt);
-  int ks = (limit + row_tiles * m_tiles - 1) / (row_tiles * m_tiles);
-  ks = ks < 1 ? 1 : ks > kc / kWarps ? (kc / kWarps > 0 ? kc / kWarps : 1) : ks;
+  // k ranges: as many as fit one resident wave, at most one per two chunks per warp (fewer partials to sum).
+  const int cap = kc / (2 * kWarps) > 0 ? kc / (2 * kWarps) : 1;
+  int ks = limit / (row_tiles * m_tiles);
+  ks = ks < 1 ? 1 : ks > cap ? cap : ks;
   p.chunks_per_ks = (kc + ks - 1) / ks;
   p.ks = (kc + p.chunks_per_ks - 1) / p.chunks_per_ks;
   const int items = row_tiles * m_tiles * p.ks;
@@ -297,8 +321,7 @@ K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, i
   switch (p.nt) {
     case 1: router_kernel<1><<<p.grid, kThreads, 0, st>>>(a); break;
     case 2: router_kernel<2><<<p.grid, kThreads, 0, st>>>(a); break;
-    case 4: router_kernel<4><<<p.grid, kThreads, 0, st>>>(a); break;
-    default: router_kernel<8><<<p.grid, kThreads, 0, st>>>(a); break;
+    default: router_kernel<4><<<p.grid, kThreads, 0, st>>>(a); break;
   }
   return (int)cudaGetLastError();
 }
