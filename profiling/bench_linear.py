@@ -190,7 +190,15 @@ def bench_shape(name, G, N, K, ms, lib, copy_bw, sweep):
 
         floors[per_sm] = chain_us(rd, R)
     floor = min(floors.values())
-    rows = [bench_m(name, G, N, K, M, ws, floor, R, copy_bw, sweep) for M in ms]
+    rows = []
+    for M in ms:
+        try:
+            rows.append(bench_m(name, G, N, K, M, ws, floor, R, copy_bw, sweep))
+        except RuntimeError as e:  # a launch error is not sticky: say it in the table and go on
+            rows.append(
+                f"| {name} | {G} x [{N}, {K}] | {nbytes / 1e6:.2f} | {M} | {floor:.2f} | failed: {e} |"
+            )
+            print(rows[-1], flush=True)
     return rows, floors
 
 
@@ -252,32 +260,35 @@ def main() -> None:
         "| projection | shape | weight MB | M | floor µs | k26 µs | x floor | k26 no PDL µs | cuBLAS µs | "
         "GB/s | % copy | splits | best splits (µs) |\n|" + "---|" * 13
     )
-    lines = []
-    for tp in (int(t) for t in a.tp.split(",")):
-        lines += [f"\n### TP{tp} rank\n", head]
-        print(lines[-1])
-        for name, G, N, K in shapes(tp):
-            if only and not any(s in name for s in only):
-                continue
-            rows, _ = bench_shape(name, G, N, K, ms, lib, copy_bw, a.sweep)
-            lines += rows
     dev = torch.cuda.get_device_properties(0)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
     ).stdout.strip()
-    text = (
-        f"# bench_linear — {datetime.date.today()}\n\n"
+    out = open(a.out, "w") if a.out else None  # noqa: SIM115  (rows are appended as they come: a crash keeps them)
+
+    def emit(text: str) -> None:
+        if out:
+            out.write(text + "\n")
+            out.flush()
+
+    emit(
+        info := f"# bench_linear — {datetime.date.today()}\n\n"
         f"- device: {dev.name} ({dev.multi_processor_count} SMs), torch {torch.__version__}\n"
         f"- commit: {commit or 'n/a'}\n"
         f"- command: `python profiling/bench_linear.py {' '.join(sys.argv[1:])}`\n"
-        f"- copy ceiling measured in this run: {copy_bw / 1e12:.2f} TB/s (eager, read + write bytes)\n"
-        + "\n".join(lines)
-        + "\n"
+        f"- copy ceiling measured in this run: {copy_bw / 1e12:.2f} TB/s (eager, read + write bytes)"
     )
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    print(info, flush=True)
+    for tp in (int(t) for t in a.tp.split(",")):
+        print(f"\n### TP{tp} rank\n\n{head}", flush=True)
+        emit(f"\n### TP{tp} rank\n\n{head}")
+        for name, G, N, K in shapes(tp):
+            if only and not any(s in name for s in only):
+                continue
+            for row in bench_shape(name, G, N, K, ms, lib, copy_bw, a.sweep)[0]:
+                emit(row)
+    if out:
+        out.close()
 
 
 if __name__ == "__main__":
