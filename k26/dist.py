@@ -18,7 +18,7 @@ from .model.layers import TPInfo
 
 def timeout() -> timedelta:
     """A rank that dies makes the others fail within this long instead of hanging (K26_DIST_TIMEOUT s)."""
-    return timedelta(seconds=float(os.environ.get("K26_DIST_TIMEOUT", 300)))
+    return timedelta(seconds=float(os.environ.get("K26_DIST_TIMEOUT", "300")))
 
 
 def tp_info(rank: int, size: int, group=None) -> TPInfo:
@@ -61,8 +61,8 @@ def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return init_group(rank, world, device, local=int(os.environ.get("LOCAL_RANK", rank)))
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return init_group(rank, world, device, local=int(os.environ.get("LOCAL_RANK", str(rank))))
 
 
 def same_checkpoint_on_every_rank(path) -> None:

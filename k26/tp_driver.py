@@ -45,10 +45,18 @@ class _Rank:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.log = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "k26.tp_driver"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=env)
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115  (open for the rank's life; closed by RankGroup.close)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "k26.tp_driver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+        )
         self.inbox: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True, name=f"k26-rank{rank}-reader").start()
 
@@ -72,7 +80,11 @@ class _Rank:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             code = "unknown (still running, its message pipe closed)"
-        how = f"killed by {signal.Signals(-code).name}" if isinstance(code, int) and code < 0 else f"exited with status {code}"
+        how = (
+            f"killed by {signal.Signals(-code).name}"
+            if isinstance(code, int) and code < 0
+            else f"exited with status {code}"
+        )
         self.log.seek(0)
         tail = b"".join(self.log.readlines()[-25:]).decode(errors="replace").rstrip()
         return f"{how}" + (f"; its stderr ends:\n{tail}" if tail else " with nothing on stderr")
@@ -86,19 +98,29 @@ class RankGroup:
         self.world = world
         self.ranks: list[_Rank] = []
         self._done = False
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=k26_dist.timeout())
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=k26_dist.timeout()
+        )
         try:
             threads = max(1, (os.cpu_count() or 1) // world)
             for r in range(1, world):
                 rank = _Rank(r)
                 self.ranks.append(rank)
-                rank.send(dict(rank=r, world=world, port=store.port, device=device, threads=threads,
-                               factory=factory, args=args, kwargs=kwargs))
+                init = {
+                    "rank": r,
+                    "world": world,
+                    "port": store.port,
+                    "device": device,
+                    "threads": threads,
+                    "factory": factory,
+                    "args": args,
+                    "kwargs": kwargs,
+                }
+                rank.send(init)
             for rank in self.ranks:
                 self._expect(rank, "joining", deadline=time.monotonic() + k26_dist.timeout().total_seconds())
             k26_dist.init_group(0, world, device, store=store)
-        except BaseException:
+        except BaseException:  # interrupted too: never leave ranks behind
             self.close(kill=True)
             raise
         self._store = store  # the group's rendezvous lives in this process: keep it as long as the group
@@ -181,12 +203,13 @@ def _serve(init: dict, out) -> int:
     try:
         if not (init["device"] or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
             torch.set_num_threads(init["threads"])  # N ranks on one CPU: share its cores, not oversubscribe
-        store = dist.TCPStore("127.0.0.1", init["port"], init["world"], is_master=False,
-                              timeout=k26_dist.timeout())
+        store = dist.TCPStore(
+            "127.0.0.1", init["port"], init["world"], is_master=False, timeout=k26_dist.timeout()
+        )
         send("joining", None)
         k26_dist.init_group(init["rank"], init["world"], init["device"], store=store)
         obj = init["factory"](*init["args"], **init["kwargs"])
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
         send("error", traceback.format_exc())
         return 1
     send("ready", None)
@@ -203,7 +226,7 @@ def _serve(init: dict, out) -> int:
             if name == "stream":
                 for _ in result:
                     pass
-        except BaseException:  # out of step with the others now: report and leave, breaking their collectives
+        except BaseException:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
             send("error", traceback.format_exc())
             return 1
     dist.destroy_process_group()
@@ -215,7 +238,7 @@ def main() -> int:
     os.dup2(2, 1)
     try:
         init = pickle.load(sys.stdin.buffer)
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
         pickle.dump(("error", traceback.format_exc()), out)
         out.flush()
         return 1

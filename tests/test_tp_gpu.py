@@ -10,8 +10,15 @@ pytestmark = pytest.mark.multigpu
 
 def test_tp2_on_two_gpus_matches_tp1(tiny_tp):
     d, dr = tiny_tp
-    kw = {"drafter": dr, "device": "cuda", "dtype": torch.float32, "graphs": False, "progress": False,
-          "max_batch": 2, "max_model_len": 128}
+    kw = {
+        "drafter": dr,
+        "device": "cuda",
+        "dtype": torch.float32,
+        "graphs": False,
+        "progress": False,
+        "max_batch": 2,
+        "max_model_len": 128,
+    }
     ids = torch.randint(0, 600, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     prompts, sp = [ids[:9], ids[3:17]], SamplingParams(max_tokens=12, stop_token_ids=[])
     one = LLM(d, **kw)
