@@ -15,7 +15,6 @@ scratch then); the host loop is replay, one small copy of the emitted tokens bac
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -29,7 +28,7 @@ from .model.drafter import DFlashDrafter
 from .profiling import nvtx_range
 from .sampling import RowSampling, SamplingParams
 from .spec.budget import BudgetPolicy, fit_costs, timing_contexts
-from .spec.step import PhaseTimer, SpecConfig, StepModels, speculative_step, verify_nodes
+from .spec.step import PhaseTimer, SpecConfig, StepModels, speculative_step, time_step, verify_nodes
 from .spec.tree import TreeTables
 from .tokenizer import Tokenizer
 
@@ -97,13 +96,18 @@ class BatchState:
     nodes: int  # verify tokens a step may write past a row's length
     graph: GraphStepper | None = None
     policy: BudgetPolicy | None = None
-    outs: list[RequestOutput | None] = field(default_factory=list)
-    params: list[SamplingParams | None] = field(default_factory=list)
-    stops: list[frozenset[int]] = field(default_factory=list)
-    gens: list[torch.Generator | None] = field(default_factory=list)
+    outs: list[RequestOutput | None] = field(init=False)  # per slot, sized by __post_init__
+    params: list[SamplingParams | None] = field(init=False)
+    stops: list[frozenset[int]] = field(init=False)
+    gens: list[torch.Generator | None] = field(init=False)
     live: list[int] = field(default_factory=list)
     timer: PhaseTimer | None = None
     rs: RowSampling | None = None  # eager: rebuilt when rows come or go
+
+    def __post_init__(self) -> None:
+        cap = self.capacity
+        self.outs, self.params, self.gens = [None] * cap, [None] * cap, [None] * cap
+        self.stops = [frozenset()] * cap
 
     @property
     def capacity(self) -> int:
@@ -159,23 +163,9 @@ class Decoder:
             z = torch.zeros(cap, dtype=torch.long, device=dev)
             lens, bonus, alive, noise = z, z.clone(), torch.zeros(cap, dtype=torch.bool, device=dev), None
         seed = _shared_seed(dev) if ctx.tp_size > 1 else int(torch.randint(0, 2**62, ()))
-        state = BatchState(
-            spec,
-            lens,
-            bonus,
-            alive,
-            torch.Generator(device=dev).manual_seed(seed),
-            noise,
-            nodes,
-            graph,
-            policy,
-            [None] * cap,
-            [None] * cap,
-            [frozenset()] * cap,
-            [None] * cap,
-            timer=PhaseTimer(dev) if spec.method != "ar" and graph is None else None,
-        )
-        return state
+        timer = PhaseTimer(dev) if spec.method != "ar" and graph is None else None
+        shared = torch.Generator(device=dev).manual_seed(seed)
+        return BatchState(spec, lens, bonus, alive, shared, noise, nodes, graph, policy, timer=timer)
 
     def admit(self, state: BatchState, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
         """Put prompts into free slots, prefill them together and emit their first token; returns the
@@ -416,29 +406,11 @@ class Decoder:
         if graph is not None:
             t = [[graph.time_candidate(b, at) for b in buckets] for at in ats]
         else:
-            t = [[self._time_eager(spec.fixed(c), batch, at) for c in spec.candidates] for at in ats]
+            t = [[time_step(ctx.models(), spec.fixed(c), batch, at) for c in spec.candidates] for at in ats]
         t = torch.tensor(t, device=ctx.device)
         if ctx.tp_size > 1:  # every rank must pick the same budget: agree on the slowest timings
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return fit_costs(t, ats)
-
-    def _time_eager(self, spec: SpecConfig, batch: int, at: int) -> float:
-        """Seconds per whole eager step at one budget and context length (best of two; draft included)."""
-        dev = self.ctx.device
-        rows, start = torch.arange(batch, device=dev), torch.full((batch,), at, device=dev)
-        bonus, alive = (
-            torch.zeros(batch, dtype=torch.long, device=dev),
-            torch.ones(batch, dtype=torch.bool, device=dev),
-        )
-        rs = RowSampling.of([None] * batch, dev)
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            speculative_step(self.ctx.models(), rows, start, bonus, alive, spec, rs)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return best
 
 
 def _shared_seed(dev: torch.device) -> int:

@@ -83,14 +83,23 @@ def draft_hidden(
     return drafter(target.embed_tokens(ids), pos, dcache.k, dcache.v, rows, start, static)
 
 
-def draft(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus,
-          static: bool = False) -> torch.Tensor:
+def draft(
+    target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, static: bool = False
+) -> torch.Tensor:
     """Per-depth drafter log-probs over the whole vocabulary [B, block - 1, V] (gathered under TP)."""
     return drafter_logits(draft_hidden(target, drafter, dcache, rows, start, bonus, static), target.lm_head)
 
 
-def draft_topk(target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, k: int,
-               static: bool = False):
+def draft_topk(
+    target: KimiK2,
+    drafter: DFlashDrafter,
+    dcache: DrafterCache,
+    rows,
+    start,
+    bonus,
+    k: int,
+    static: bool = False,
+):
     """Per-depth top-k (log-probs, token ids) [B, block - 1, k], merged from vocabulary shards under TP:
     all the tree builder needs (Lemma 1 of the DDTree paper: K = min(budget, V) suffices)."""
     h = draft_hidden(target, drafter, dcache, rows, start, bonus, static)
@@ -200,6 +209,23 @@ def speculative_step(
         pick,
         budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None,
     )
+
+
+def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:
+    """Seconds per whole eager step of `batch` rows at context `at` (best of two; draft included), on the
+    caches as scratch: what the adaptive budget's cost fit reads when no graphs are captured."""
+    dev = m.cache_LRTC.device
+    rows, start = torch.arange(batch, device=dev), torch.full((batch,), at, device=dev)
+    bonus, alive = torch.zeros_like(rows), torch.ones(batch, dtype=torch.bool, device=dev)
+    rs = RowSampling.of([None] * batch, dev)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        speculative_step(m, rows, start, bonus, alive, spec, rs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class PhaseTimer:
