@@ -20,13 +20,17 @@
 // (deterministic, independent of arrival order), writes y and resets the counter to 0 for the next call.
 // Counters are kernel-owned: zero on allocation, zero after every completed launch.
 //
-// Programmatic dependent launch: the first weight batch is issued before cudaGridDependencySynchronize
+// Programmatic dependent launch: two weight batches are issued before cudaGridDependencySynchronize
 // (weights never depend on the previous kernel; x, residual and the counters do), and the trigger for the
 // next kernel fires after the main loop.
 //
 // Legality: mma.sync.m16n8k16 bf16, cp.async, ld.global.nc and griddepcontrol only (no wgmma, tensor
-// memory or TMA); <= 48 KB dynamic shared memory per block. Built for sm_90a and sm_120a.
-// Speed and its benchmark: profiling/bench_linear.py (streaming-floor table), results in profiling/results/.
+// memory or TMA); < 48 KB shared memory per block (k26/ops/linear_cuda.py plans 47 KB of staged x). Built
+// for sm_90a and sm_120a.
+// Speed (H200, profiling/results/2026-12-01-bench_linear-h200.md, version of commit 294f8de: one batch before
+// the wait, a fence per thread): 1.24-1.52x of the streaming floor at M = 1 (>= 14 MB), 1.7-2.5x at M = 16;
+// slower than cuBLAS for most projections. This version (two batches before the wait, one fence per block)
+// is not measured yet. Benchmark: profiling/bench_linear.py.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -126,7 +130,10 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
   const int kt = 8 * t;
 
   uint4 wa[kBatch][2], wb[kBatch][2];
-  if (active) load_batch(wa, w_lo, w_hi, u_begin, u_end, kt, p.K);
+  if (active) {  // two batches in flight across the dependency wait and the staging of x
+    load_batch(wa, w_lo, w_hi, u_begin, u_end, kt, p.K);
+    load_batch(wb, w_lo, w_hi, u_begin + kBatch, u_end, kt, p.K);
+  }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();  // x, residual and counters may come from the previous kernel
@@ -147,11 +154,11 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
   float acc[MT][4] = {};
   if (active) {
     const __nv_bfloat16* xs_lane = xs + g * ldx + kt;
-    for (int u = u_begin; u < u_end; u += 2 * kBatch) {
-      load_batch(wb, w_lo, w_hi, u + kBatch, u_end, kt, p.K);
+    for (int u = u_begin; u < u_end; u += 2 * kBatch) {  // each buffer refilled as soon as it is consumed
       compute_batch<MT>(acc, wa, xs_lane, ldx, u, u_begin, u_end);
       load_batch(wa, w_lo, w_hi, u + 2 * kBatch, u_end, kt, p.K);
       compute_batch<MT>(acc, wb, xs_lane, ldx, u + kBatch, u_begin, u_end);
+      load_batch(wb, w_lo, w_hi, u + 3 * kBatch, u_end, kt, p.K);
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -183,14 +190,19 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
         if (n < p.N && m < p.M) __stcg(part + ((long long)split * p.M + m) * p.N + n, acc[j][c]);
       }
   }
-  __threadfence();  // partials visible device-wide before the counter says so
+  // Cooperative groups' grid-sync pattern: the barrier orders the block's partial stores before thread 0,
+  // whose (cumulative) fence publishes them before its arrival; one fence per block, not one per thread
+  // (a fence is a MEMBAR.SC.GPU: per thread it stretched every block's tail).
   __syncthreads();
   __shared__ int is_last;
   int* counter = p.counters + grp * gridDim.x + blockIdx.x;
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == p.S - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(counter, 1) == p.S - 1;
+    if (is_last) __threadfence();  // acquire: the other splits' partials before this block reads them
+  }
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
   const int n0 = blockIdx.x * kRows;
   for (int e = threadIdx.x; e < kRows * p.M; e += kThreads) {
     const int n = n0 + e % kRows, m = e / kRows;
