@@ -169,7 +169,9 @@ class RankGroup:
         except Exception as e:
             if isinstance(e, RankError):
                 raise
-            self.check(wait=5.0)
+            # A broken collective is a RuntimeError (gloo / NCCL): give the rank's report a moment to
+            # arrive. Anything else (a bad input, caught before any rank was asked) raises at once.
+            self.check(wait=5.0 if isinstance(e, RuntimeError) else 0.0)
             raise
 
     def close(self, kill: bool = False) -> None:

@@ -55,3 +55,16 @@ def test_a_rank_killed_after_joining_fails_the_parent_fast(tiny_tp):
     finally:
         llm.close()
     assert not dist.is_initialized()
+
+
+def test_a_bad_input_under_tp_raises_at_once(tiny_tp):
+    """Input errors are raised before any rank is asked, without waiting for a rank failure."""
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.score([1, 10**9])
+        assert time.monotonic() - t0 < 1.0
+        assert llm.score([1, 2, 3]).shape[0] == 3  # the ranks are still in step
+    finally:
+        llm.close()
