@@ -96,10 +96,6 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
             f"--max-model-len {max_len}: must lie in (1, {cfg.max_position_embeddings}] "
             "(the model's max_position_embeddings)"
         )
-    if drafter is not None:
-        dcfg = DrafterConfig.from_dir(drafter)
-        dcfg.check_target(cfg)
-        spec = fit_spec(spec, max_len, dcfg.block_size)
     tok = Tokenizer.from_dir(model)
     ids = tok.chat([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
     if not ids:
@@ -109,6 +105,10 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
             f"--prompt has {len(ids)} tokens; the context holds {max_len} (--max-model-len), "
             "leaving no room to generate"
         )
+    if drafter is not None:  # last: a warning about the context only once nothing else is wrong
+        dcfg = DrafterConfig.from_dir(drafter)
+        dcfg.check_target(cfg)
+        spec = fit_spec(spec, max_len, dcfg.block_size)
     return GeneratePlan(model, drafter, sp, spec, ids, "" if a.chat else a.prompt, tp)
 
 

@@ -154,3 +154,45 @@ def test_stop_string_cuts_the_text(llm):
 def test_bad_stop_strings():
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=[""])
+
+
+def test_bytes_prompt_is_a_type_error_with_the_fix(llm):
+    with pytest.raises(TypeError, match=r"prompt 0 is bytes; .*data.decode\('utf-8'\)"):
+        llm.generate(b"def f(x):")
+    with pytest.raises(TypeError, match="prompt 1 is bytearray"):
+        llm.generate(["ok", bytearray(b"x")])
+
+
+def test_score_of_text_is_a_type_error_with_the_fix(llm):
+    with pytest.raises(TypeError, match=r"token_ids is a str; .*llm.tokenizer.encode\(text\)"):
+        llm.score("hello")
+    with pytest.raises(TypeError, match="token id 1.5 at position 1 is a float"):
+        llm.score([1, 1.5])
+
+
+def test_integer_tensor_prompts_are_token_ids(llm):
+    ids = [5, 17, 300]
+    assert torch.equal(llm.score(torch.tensor(ids)), llm.score(ids))
+    sp = SamplingParams(max_tokens=3, stop_token_ids=[])
+    assert llm.generate(torch.tensor(ids), sp)[0].token_ids == llm.generate(ids, sp)[0].token_ids
+    with pytest.raises(TypeError, match="1-d integer tensor"):
+        llm.score(torch.ones(3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused_up_front(tiny_k25):
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
+        LLM(tiny_k25, device="cuda", progress=False)
+
+
+def test_info_names_the_directory_of_a_config_file(tiny_k25, capsys):
+    assert main(["info", "--model", str(tiny_k25 / "config.json")]) == 2
+    assert f"is a file; pass the checkpoint directory that holds it: {tiny_k25}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is a file; pass the directory that holds it"):
+        LLM(tiny_k25 / "config.json", device="cpu", progress=False)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"k26 {k26.__version__}"
