@@ -51,3 +51,9 @@ def tiny_tp(tmp_path_factory):
     groups of 32 at TP 4; 4 drafter heads)."""
     d = write_tiny_checkpoint(tmp_path_factory.mktemp("tp"), seed=4, moe_intermediate_size=128, shards=2)
     return d, write_tiny_drafter(tmp_path_factory.mktemp("tpd"), d, layers=1, seed=2, heads=4, kv_heads=4)
+
+
+@pytest.fixture(scope="session")
+def drafter_dir(tiny_k25, tmp_path_factory):
+    """A 2-layer DFlash drafter for tiny_k25 (the spec and graph tests' pair)."""
+    return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_k25, layers=2, seed=5)

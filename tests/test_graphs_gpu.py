@@ -7,16 +7,10 @@ from oracles import random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.graphs import Bucket
-from k26.tiny import write_tiny_drafter
 
 pytestmark = pytest.mark.gpu
 
 SPECS = [SpecConfig("ar"), SpecConfig("dflash"), SpecConfig("ddtree", 5), SpecConfig("ddtree", 12)]  # fixed budgets
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_k25, tmp_path_factory):
-    return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_k25, layers=2, seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,6 @@ from k26 import LLM, SamplingParams, SpecConfig
 from k26.config import ConfigError
 from k26.spec.accept import accept_walk, commit_latent, target_choices
 from k26.spec.tree import build_ddtree, build_ddtree_heap, chain_tree
-from k26.tiny import write_tiny_drafter
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_k25, tmp_path_factory):
-    return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_k25, layers=2, seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,8 @@ from oracles import random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.spec.tree import TreeTables, build_ddtree, build_ddtree_heap
-from k26.tiny import write_tiny_drafter
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_k25, tmp_path_factory):
-    return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_k25, layers=2, seed=5)
 
 
 @pytest.mark.parametrize("budget", [1, 16, 100, 255])
