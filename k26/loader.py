@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
+from .shard_reader import read_into
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
 _SKIP = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\.|\.rotary_emb\.inv_freq$")
@@ -227,7 +230,10 @@ def load_model(
     tp: TPInfo = TPInfo(),
     progress: bool = True,
     cuda_kernels: bool = True,
+    group=None,
 ) -> KimiK2:
+    """`group`: the TP process group; with it the ranks read each shard once between them and exchange
+    slices (k26.shard_reader). `model.load_stats` holds the bytes read and the time of each phase."""
     path = Path(path)
     cfg = cfg or ModelConfig.from_dir(path)
     with torch.device("meta"):
@@ -236,12 +242,17 @@ def load_model(
     items = plan_load(model, infos, tp, path)
 
     model.to_empty(device=device)
-    bar = tqdm(total=len(items), desc=f"loading {path.name}", unit="tensor", disable=not progress)
-    fill(model, items, infos, tp, bar)
-    bar.close()
+    stats = read_into(model, items, infos, rank=tp.rank, size=tp.size, group=group, device=device,
+                      desc=f"reading {path.name}" if progress else None)
     model.rope.reset_buffers()
     if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
+        t0 = time.perf_counter()
         use_cuda_kernels(model)  # the kernels are bf16-activation kernels; other dtypes keep the reference
+        torch.cuda.synchronize(device)
+        stats.phases["repack"] = time.perf_counter() - t0
+    if progress:
+        print(stats.summary(), file=sys.stderr, flush=True)  # progress, like the bars: stdout is the output
+    model.load_stats = stats
     return model.eval()
 
 

@@ -1,0 +1,347 @@
+"""Fast checkpoint reads: byte ranges planned from the safetensors headers, large sequential reads through
+pinned staging buffers, one host-to-device copy per buffer, TP slicing on the device.
+
+Two modes, both filling a model the loader has already planned and checked (`loader.plan_load`):
+- alone (`group=None`): this rank reads only its bytes where the layout allows (row slices, i.e. TP dim
+  0, are contiguous) and whole tensors where it does not (column slices), slicing them on the device;
+- coordinated (`group` = the TP process group): every shard file is read by one rank (files balanced by
+  bytes), and each round an all-to-all hands every rank its slices (NCCL on GPU tensors, gloo on host
+  tensors), so the host reads each checkpoint byte once.
+
+Reading the next buffer overlaps the previous buffer's copy to the device (the copy is asynchronous from
+pinned memory). A shard whose size or mtime changes while it is read raises instead of loading a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+CHUNK = 256 << 20  # bytes per staging buffer and per coordinated round
+
+
+class ShardChangedError(RuntimeError):
+    """A shard changed on disk while it was being read: the weights would mix two versions."""
+
+
+@dataclass
+class ReadStats:
+    """What a load read: `bytes_read` by the loader's own count, `disk_bytes` from /proc/self/io (bytes
+    this process made the kernel fetch from storage; page-cache hits are free), per-phase seconds."""
+
+    bytes_read: int = 0
+    disk_bytes: int | None = None
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 1e9
+
+    def summary(self) -> str:
+        disk = "n/a" if self.disk_bytes is None else f"{self.disk_bytes / 1e9:.2f} GB"
+        line = f"read {self.bytes_read / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gbps:.2f} GB/s; from disk {disk})"
+        return line + "".join(f", {k} {v:.2f} s" for k, v in self.phases.items() if k != "read")
+
+
+def io_read_bytes() -> int | None:
+    """This process's storage reads so far (Linux /proc/self/io read_bytes), None where unavailable."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def tensor_spans(files: list[Path]) -> dict[tuple[Path, str], tuple[int, int]]:
+    """(file, key) -> absolute [start, end) of the tensor's bytes, from each shard's header."""
+    spans = {}
+    for f in files:
+        with open(f, "rb") as h:
+            (n,) = struct.unpack("<Q", h.read(8))
+            header = json.loads(h.read(n))
+        for key, v in header.items():
+            if key != "__metadata__":
+                a, b = v["data_offsets"]
+                spans[f, key] = (8 + n + a, 8 + n + b)
+    return spans
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One byte range this rank reads and where it goes: `param` (expert `expert`) gets the tensor of
+    `shape`/`dtype` stored in [start, end) of `file`, narrowed on the device to [lo, hi) along `dim`."""
+
+    param: str
+    expert: int | None
+    file: Path
+    start: int
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    dim: int | None = None
+    lo: int = 0
+    hi: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def part(self, rank: int, size: int) -> tuple[int | None, int, int, tuple[int, ...]]:
+        """Rank `rank`'s slice of this whole tensor: (dim, lo, hi, sliced shape)."""
+        if self.dim is None or size == 1:
+            return None, 0, 0, self.shape
+        n = self.shape[self.dim] // size
+        shape = list(self.shape)
+        shape[self.dim] = n
+        return self.dim, rank * n, (rank + 1) * n, tuple(shape)
+
+
+def whole_pieces(items, infos, spans) -> list[Piece]:
+    """One piece per planned item: the whole checkpoint tensor, with its TP dim (not yet narrowed)."""
+    out = []
+    for it in items:
+        info = infos[it.hf]
+        a, b = spans[info.file, info.key]
+        out.append(Piece(it.param, it.expert, info.file, a, b, DTYPES[info.dtype], info.shape, it.dim))
+    return out
+
+
+def own_pieces(pieces: list[Piece], rank: int, size: int) -> list[Piece]:
+    """This rank's bytes alone: a row slice (dim 0) is one contiguous range, read as such; any other
+    slice needs the whole tensor, narrowed on the device."""
+    out = []
+    for p in pieces:
+        dim, lo, hi, shape = p.part(rank, size)
+        if dim == 0:
+            row = p.nbytes // p.shape[0]
+            out.append(Piece(p.param, p.expert, p.file, p.start + lo * row, p.start + hi * row, p.dtype, shape))
+        elif dim is None:
+            out.append(p)
+        else:
+            out.append(Piece(p.param, p.expert, p.file, p.start, p.end, p.dtype, p.shape, dim, lo, hi))
+    return out
+
+
+def batches(pieces: list[Piece], chunk: int = CHUNK) -> list[list[Piece]]:
+    """Pieces in file order, grouped into batches of at most `chunk` bytes (a bigger piece goes alone)."""
+    out: list[list[Piece]] = []
+    size = chunk
+    for p in sorted(pieces, key=lambda p: (str(p.file), p.start)):
+        if size + p.nbytes > chunk:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.nbytes
+    return out
+
+
+def reads(batch: list[Piece]) -> list[tuple[Path, int, int]]:
+    """The batch's byte ranges, adjacent ones merged into one sequential read."""
+    out: list[tuple[Path, int, int]] = []
+    for p in batch:
+        if out and out[-1][0] == p.file and out[-1][2] == p.start:
+            out[-1] = (p.file, out[-1][1], p.end)
+        else:
+            out.append((p.file, p.start, p.end))
+    return out
+
+
+class Stager:
+    """Reads byte ranges into a device buffer through a ring of pinned host buffers: one asynchronous
+    host-to-device copy per full buffer, the next read overlapping it. On a CPU device it reads straight
+    into the destination. Checks each file's size and mtime before the first and after the last read."""
+
+    def __init__(self, device: torch.device, chunk: int = CHUNK, ring: int = 2):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.chunk = chunk
+        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(ring)] if self.cuda else []
+        self.events: list[torch.cuda.Event | None] = [None] * ring
+        self.i = self.fill = 0
+        self.fds: dict[Path, tuple[int, tuple[int, int]]] = {}
+        self.bytes_read = 0
+
+    def _fd(self, f: Path) -> int:
+        if f not in self.fds:
+            fd = os.open(f, os.O_RDONLY)
+            st = os.fstat(fd)
+            self.fds[f] = (fd, (st.st_size, st.st_mtime_ns))
+        return self.fds[f][0]
+
+    def _pread(self, fd: int, view: memoryview, offset: int, f: Path) -> None:
+        while len(view):
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise ShardChangedError(f"shard {f.name} ended at byte {offset} while loading: it changed on disk")
+            view, offset = view[n:], offset + n
+            self.bytes_read += n
+
+    def read(self, ranges: list[tuple[Path, int, int]]) -> torch.Tensor:
+        total = sum(b - a for _, a, b in ranges)
+        out = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if not self.cuda:
+            view, pos = memoryview(out.numpy()), 0
+            for f, a, b in ranges:
+                self._pread(self._fd(f), view[pos : pos + b - a], a, f)
+                pos += b - a
+            return out
+        pos = 0  # bytes of `out` already sent
+        for f, a, b in ranges:
+            fd = self._fd(f)
+            while a < b:
+                if self.fill == 0 and self.events[self.i] is not None:
+                    self.events[self.i].synchronize()  # this buffer's previous copy is done
+                n = min(b - a, self.chunk - self.fill)
+                self._pread(fd, memoryview(self.bufs[self.i].numpy())[self.fill : self.fill + n], a, f)
+                self.fill, a = self.fill + n, a + n
+                if self.fill == self.chunk:
+                    pos = self._send(out, pos)
+        self._send(out, pos)
+        return out
+
+    def _send(self, out: torch.Tensor, pos: int) -> int:
+        if self.fill:
+            out[pos : pos + self.fill].copy_(self.bufs[self.i][: self.fill], non_blocking=True)
+            self.events[self.i] = torch.cuda.Event()
+            self.events[self.i].record()
+            pos += self.fill
+            self.i, self.fill = (self.i + 1) % len(self.bufs), 0
+        return pos
+
+    def close(self) -> None:
+        """Close every file, raising if one changed (size or mtime) since it was opened."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        changed = []
+        for f, (fd, before) in self.fds.items():
+            st = os.fstat(fd)
+            os.close(fd)
+            if (st.st_size, st.st_mtime_ns) != before:
+                changed.append(f.name)
+        self.fds.clear()
+        if changed:
+            raise ShardChangedError(f"shard(s) {', '.join(changed)} changed on disk while loading; load again")
+
+
+def _view(buf: torch.Tensor, pos: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes at `pos` as a tensor; an unaligned offset costs one small device copy."""
+    n = torch.Size(shape).numel() * dtype.itemsize
+    b = buf[pos : pos + n]
+    if pos % dtype.itemsize:
+        b = b.clone()
+    return b.view(dtype).view(shape)
+
+
+def _store(params: dict[str, torch.Tensor], param: str, expert: int | None, t: torch.Tensor) -> None:
+    dst = params[param] if expert is None else params[param][expert]
+    dst.copy_(t)  # converts the dtype where the model's differs from the checkpoint's
+
+
+def fill_alone(params, pieces: list[Piece], stager: Stager, bar=None) -> None:
+    """Independent mode: read this rank's pieces batch by batch and narrow them on the device."""
+    for batch in batches(pieces, stager.chunk):
+        buf, pos = stager.read(reads(batch)), 0
+        for p in batch:
+            t = _view(buf, pos, p.dtype, p.shape)
+            _store(params, p.param, p.expert, t if p.dim is None else t.narrow(p.dim, p.lo, p.hi - p.lo))
+            pos += p.nbytes
+        if bar is not None:
+            bar.update(sum(p.nbytes for p in batch))
+
+
+def assign_files(pieces: list[Piece], size: int) -> dict[Path, int]:
+    """Each shard file to one rank, largest first to the least-loaded rank (balances bytes read)."""
+    per_file: dict[Path, int] = {}
+    for p in pieces:
+        per_file[p.file] = per_file.get(p.file, 0) + p.nbytes
+    load, owner = [0] * size, {}
+    for f in sorted(per_file, key=lambda f: (-per_file[f], str(f))):
+        r = min(range(size), key=lambda r: (load[r], r))
+        owner[f], load[r] = r, load[r] + per_file[f]
+    return owner
+
+
+def _part_bytes(p: Piece, rank: int, size: int) -> int:
+    shape = p.part(rank, size)[3]
+    return torch.Size(shape).numel() * p.dtype.itemsize
+
+
+def fill_coordinated(params, pieces: list[Piece], stager: Stager, rank: int, size: int, group,
+                     bar=None) -> None:
+    """Coordinated mode: round k, rank s reads its k-th batch of whole tensors and an all-to-all sends
+    every rank its slice of each. Every rank derives the whole schedule from the same headers."""
+    import torch.distributed as dist
+
+    owner = assign_files(pieces, size)
+    sched = [batches([p for p in pieces if owner[p.file] == s], stager.chunk) for s in range(size)]
+    xdev = stager.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    for k in range(max(len(b) for b in sched)):
+        mine = sched[rank][k] if k < len(sched[rank]) else []
+        send = torch.empty(0, dtype=torch.uint8, device=xdev)
+        if mine:
+            buf, pos, parts = stager.read(reads(mine)).to(xdev), 0, []
+            whole = []
+            for p in mine:
+                whole.append(_view(buf, pos, p.dtype, p.shape))
+                pos += p.nbytes
+            for d in range(size):
+                for p, t in zip(mine, whole, strict=True):
+                    dim, lo, hi, _ = p.part(d, size)
+                    s = t if dim is None else t.narrow(dim, lo, hi - lo)
+                    parts.append(s.contiguous().view(-1).view(torch.uint8))
+            send = torch.cat(parts)
+        theirs = [sched[s][k] if k < len(sched[s]) else [] for s in range(size)]
+        in_splits = [sum(_part_bytes(p, d, size) for p in mine) for d in range(size)]
+        out_splits = [sum(_part_bytes(p, rank, size) for p in b) for b in theirs]
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=xdev)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+        recv, pos = recv.to(stager.device), 0
+        for b in theirs:
+            for p in b:
+                shape = p.part(rank, size)[3]
+                _store(params, p.param, p.expert, _view(recv, pos, p.dtype, shape))
+                pos += _part_bytes(p, rank, size)
+        if bar is not None:
+            bar.update(sum(p.nbytes for b in theirs for p in b))
+
+
+def read_into(model: torch.nn.Module, items, infos, *, rank: int = 0, size: int = 1, group=None,
+              device: torch.device | str = "cpu", desc: str | None = None, chunk: int = CHUNK) -> ReadStats:
+    """Fill `model`'s parameters from the planned `items` (see `loader.plan_load`); returns what was read.
+    `desc` shows one byte progress bar (in coordinated mode, the bytes of every rank)."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(device)
+    t0, io0 = time.perf_counter(), io_read_bytes()
+    spans = tensor_spans(sorted({infos[it.hf].file for it in items}, key=str))
+    pieces = whole_pieces(items, infos, spans)
+    coordinated = group is not None and size > 1
+    if not coordinated:
+        pieces = own_pieces(pieces, rank, size)
+    params = dict(model.named_parameters())
+    stager = Stager(device, chunk)
+    bar = tqdm(total=sum(p.nbytes for p in pieces), desc=desc, unit="B", unit_scale=True, disable=desc is None)
+    try:
+        if coordinated:
+            fill_coordinated(params, pieces, stager, rank, size, group, bar)
+        else:
+            fill_alone(params, pieces, stager, bar)
+    finally:
+        bar.close()
+        stager.close()
+    io1 = io_read_bytes()
+    disk = None if io0 is None or io1 is None else io1 - io0
+    dt = time.perf_counter() - t0
+    return ReadStats(stager.bytes_read, disk, dt, {"read": dt})
