@@ -23,9 +23,18 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 CHUNK = 256 << 20  # bytes per staging buffer and per coordinated round
 
 
@@ -49,7 +58,8 @@ class ReadStats:
 
     def summary(self) -> str:
         disk = "n/a" if self.disk_bytes is None else f"{self.disk_bytes / 1e9:.2f} GB"
-        line = f"read {self.bytes_read / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gbps:.2f} GB/s; from disk {disk})"
+        line = f"read {self.bytes_read / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gbps:.2f} GB/s"
+        line += f"; from disk {disk})"
         return line + "".join(f", {k} {v:.2f} s" for k, v in self.phases.items() if k != "read")
 
 
@@ -126,7 +136,8 @@ def own_pieces(pieces: list[Piece], rank: int, size: int) -> list[Piece]:
         dim, lo, hi, shape = p.part(rank, size)
         if dim == 0:
             row = p.nbytes // p.shape[0]
-            out.append(Piece(p.param, p.expert, p.file, p.start + lo * row, p.start + hi * row, p.dtype, shape))
+            a, b = p.start + lo * row, p.start + hi * row
+            out.append(Piece(p.param, p.expert, p.file, a, b, p.dtype, shape))
         elif dim is None:
             out.append(p)
         else:
@@ -167,7 +178,8 @@ class Stager:
         self.device = device
         self.cuda = device.type == "cuda"
         self.chunk = chunk
-        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(ring)] if self.cuda else []
+        n = ring if self.cuda else 0
+        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
         self.events: list[torch.cuda.Event | None] = [None] * ring
         self.i = self.fill = 0
         self.fds: dict[Path, tuple[int, tuple[int, int]]] = {}
@@ -184,7 +196,7 @@ class Stager:
         while len(view):
             n = os.preadv(fd, [view], offset)
             if n <= 0:
-                raise ShardChangedError(f"shard {f.name} ended at byte {offset} while loading: it changed on disk")
+                raise ShardChangedError(f"shard {f.name} ended at byte {offset} while loading: it changed")
             view, offset = view[n:], offset + n
             self.bytes_read += n
 
@@ -232,7 +244,8 @@ class Stager:
                 changed.append(f.name)
         self.fds.clear()
         if changed:
-            raise ShardChangedError(f"shard(s) {', '.join(changed)} changed on disk while loading; load again")
+            names = ", ".join(changed)
+            raise ShardChangedError(f"shard(s) {names} changed on disk while loading; load again")
 
 
 def _view(buf: torch.Tensor, pos: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -278,8 +291,9 @@ def _part_bytes(p: Piece, rank: int, size: int) -> int:
     return torch.Size(shape).numel() * p.dtype.itemsize
 
 
-def fill_coordinated(params, pieces: list[Piece], stager: Stager, rank: int, size: int, group,
-                     bar=None) -> None:
+def fill_coordinated(
+    params, pieces: list[Piece], stager: Stager, rank: int, size: int, group, bar=None
+) -> None:
     """Coordinated mode: round k, rank s reads its k-th batch of whole tensors and an all-to-all sends
     every rank its slice of each. Every rank derives the whole schedule from the same headers."""
     import torch.distributed as dist
@@ -317,8 +331,18 @@ def fill_coordinated(params, pieces: list[Piece], stager: Stager, rank: int, siz
             bar.update(sum(p.nbytes for b in theirs for p in b))
 
 
-def read_into(model: torch.nn.Module, items, infos, *, rank: int = 0, size: int = 1, group=None,
-              device: torch.device | str = "cpu", desc: str | None = None, chunk: int = CHUNK) -> ReadStats:
+def read_into(
+    model: torch.nn.Module,
+    items,
+    infos,
+    *,
+    rank: int = 0,
+    size: int = 1,
+    group=None,
+    device: torch.device | str = "cpu",
+    desc: str | None = None,
+    chunk: int = CHUNK,
+) -> ReadStats:
     """Fill `model`'s parameters from the planned `items` (see `loader.plan_load`); returns what was read.
     `desc` shows one byte progress bar (in coordinated mode, the bytes of every rank)."""
     from tqdm.auto import tqdm
@@ -332,7 +356,8 @@ def read_into(model: torch.nn.Module, items, infos, *, rank: int = 0, size: int 
         pieces = own_pieces(pieces, rank, size)
     params = dict(model.named_parameters())
     stager = Stager(device, chunk)
-    bar = tqdm(total=sum(p.nbytes for p in pieces), desc=desc, unit="B", unit_scale=True, disable=desc is None)
+    total = sum(p.nbytes for p in pieces)
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=desc is None)
     try:
         if coordinated:
             fill_coordinated(params, pieces, stager, rank, size, group, bar)

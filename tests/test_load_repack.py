@@ -81,9 +81,14 @@ def test_repack_on_gpu_equals_cpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     E, D, inter = 6, 256, 64
-    ex = [random_words(E, inter, D // 8, seed=11), random_scales(E, inter, D // 32, seed=12),
-          random_words(E, inter, D // 8, seed=13), random_scales(E, inter, D // 32, seed=14),
-          random_words(E, D, inter // 8, seed=15), random_scales(E, D, inter // 32, seed=16)]
+    ex = [
+        random_words(E, inter, D // 8, seed=11),
+        random_scales(E, inter, D // 32, seed=12),
+        random_words(E, inter, D // 8, seed=13),
+        random_scales(E, inter, D // 32, seed=14),
+        random_words(E, D, inter // 8, seed=15),
+        random_scales(E, D, inter // 32, seed=16),
+    ]
     cpu = repack_experts(*ex)
     gpu = repack_experts(*(t.cuda() for t in ex))
     for a, b in zip(cpu, gpu, strict=True):
