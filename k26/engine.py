@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .kv_cache import DrafterCache, LatentCache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
-from .decode import DecodeContext, Decoder, RequestOutput
+from .decode import BatchState, DecodeContext, Decoder, RequestOutput
 from .dist import check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .sampling import SamplingParams
@@ -126,6 +126,7 @@ class LLM:
         self.model: KimiK2 = load_model(
             self.path, self.config, device=self.device, dtype=self.dtype, progress=progress and self.rank == 0,
             cuda_kernels=cuda_kernels, tp=tp_info(self.rank, tp),
+            group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
         )
         self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
         self.drafter, self.dcache = None, None
@@ -285,6 +286,44 @@ class LLM:
             outs += last
         self._check_workers()
         return outs
+
+    # -- continuous batching: one open batch driven step by step (the server's engine thread) ------
+    # Every call is mirrored to the TP ranks in order, so their batches admit, step and retire alike.
+    @torch.inference_mode()
+    @_surfacing_rank_errors
+    def open_batch(self, spec: SpecConfig | None = None, capacity: int | None = None) -> BatchState:
+        """An empty batch of `capacity` rows (default: every cache row), its graphs captured and its
+        budget costs measured; then `admit`, `step` and `release` move requests through it."""
+        spec = self._prepare([[0]], None, spec)[2]
+        capacity = capacity or self.cache.rows
+        if not 1 <= capacity <= self.cache.rows:
+            raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
+        self._mirror("open_batch", spec, capacity)
+        self.batch = self.decoder.open(spec, capacity)
+        return self.batch
+
+    @torch.inference_mode()
+    @_surfacing_rank_errors
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        """Prefill checked token-id prompts into free rows (between steps); returns their slots."""
+        if len(prompts) > len(self.batch.free_slots()):
+            raise ValueError(f"{len(prompts)} prompts, {len(self.batch.free_slots())} free rows")
+        prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        self._mirror("admit", prompts, params)
+        return self.decoder.admit(self.batch, prompts, params)
+
+    @torch.inference_mode()
+    @_surfacing_rank_errors
+    def step(self) -> list[int]:
+        """One step of every live row of the open batch; returns the rows that stepped."""
+        self._mirror("step")
+        return self.decoder.step(self.batch)
+
+    @torch.inference_mode()
+    def release(self, slot: int) -> RequestOutput | None:
+        """Free a row (finished, or its request cancelled); returns its output."""
+        self._mirror("release", slot)
+        return self.decoder.release(self.batch, slot)
 
 
 def _complete_utf8(tok: Tokenizer, ids: list[int]) -> str:

@@ -32,29 +32,27 @@ def jobs():
     ]
 
 
-@torch.inference_mode()
 def drive(llm: LLM, spec: SpecConfig, work, cancel_at: int | None = None) -> dict[int, list[int]]:
     """Admit each job at its step once a row is free, step, retire finished rows; job -> tokens."""
-    dec = llm.decoder
-    state = dec.open(spec, llm.cache.rows)
+    state = llm.open_batch(spec)
     queue, rows, done, step = list(enumerate(work)), {}, {}, 0
     while queue or rows:
         ready = [j for j in queue if j[1][0] <= step][: len(state.free_slots())]
         for j in ready:
             queue.remove(j)
         if ready:
-            slots = dec.admit(state, [j[1][1] for j in ready], [j[1][2] for j in ready])
+            slots = llm.admit([j[1][1] for j in ready], [j[1][2] for j in ready])
             rows.update(zip(slots, (j[0] for j in ready)))
         if cancel_at is not None and step == cancel_at:
             slot = next(s for s, i in rows.items() if i == 0)
-            dec.release(state, slot)
+            llm.release(slot)
             del rows[slot]
         for slot, i in list(rows.items()):
             if state.outs[slot].finish_reason is not None:
-                done[i] = dec.release(state, slot).token_ids
+                done[i] = llm.release(slot).token_ids
                 del rows[slot]
         if state.live:
-            dec.step(state)
+            llm.step()
         step += 1
     return done
 
@@ -84,6 +82,28 @@ def test_rows_admitted_mid_flight_equal_solo_runs(tiny_k25, drafter_dir, spec):
         max_model_len=128,
     )
     check(llm, spec)
+
+
+def test_tp2_batch_equals_solo_runs(tiny_k25, drafter_dir):
+    """The ranks mirror open / admit / step / release: the TP 2 batch gives every request its TP 1 solo
+    tokens (greedy and the seeded sampled one)."""
+    kw = {
+        "drafter": drafter_dir,
+        "device": "cpu",
+        "dtype": torch.float32,
+        "progress": False,
+        "max_batch": 4,
+        "max_model_len": 128,
+    }
+    spec, work = SPECS[1], jobs()
+    solo = LLM(tiny_k25, **kw)
+    alone = [solo.generate(p, sp, spec)[0].token_ids for _, p, sp in work]
+    tp = LLM(tiny_k25, tp=2, **kw)
+    try:
+        got = drive(tp, spec, work)
+    finally:
+        tp.close()
+    assert [got[i] for i in range(len(work))] == alone
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -16,8 +17,10 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
     if a.budget is not None and (a.spec or "ddtree") != "ddtree":
         raise ValueError(f"--budget applies to --spec ddtree, not {a.spec}")
-    if a.tp not in (None, 1):
-        raise ValueError("--tp > 1: the server drives one rank for now; run it with --tp 1")
+    if a.tp is not None and a.tp < 1:
+        raise ValueError(f"--tp {a.tp}: expected >= 1")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("serve under torchrun: run it as one process, --tp N starts the ranks itself")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port}: expected 0..65535")
     if a.max_batch < 1 or a.max_waiting < 1:
@@ -49,6 +52,7 @@ def serve(a: argparse.Namespace) -> int:
         dtype=getattr(torch, DTYPES[a.dtype]),
         max_model_len=a.max_model_len,
         max_batch=a.max_batch,
+        tp=a.tp or 1,
     )
     name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
     engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting)
@@ -58,5 +62,8 @@ def serve(a: argparse.Namespace) -> int:
         f"on {where}",
         file=sys.stderr,
     )
-    run_server(engine, name, a.host, a.port)
+    try:
+        run_server(engine, name, a.host, a.port)
+    finally:
+        llm.close()  # CUDA graphs, then the TP ranks this LLM started
     return 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decode import BatchState, Decoder
+from ..decode import BatchState
 from ..sampling import SamplingParams
 from ..spec.step import SpecConfig
 
@@ -127,11 +127,11 @@ class Engine:
     def _main(self) -> None:
         try:
             with torch.inference_mode():
-                dec: Decoder = self.llm.decoder
-                state = dec.open(self.spec, self.max_batch)  # captures graphs, measures the budget's costs
+                # captures graphs, measures the budget's costs; TP ranks mirror every batch call
+                state = self.llm.open_batch(self.spec, self.max_batch)
                 self.ready.set()
                 while self._take(block=not state.live and not self.waiting):
-                    self._boundary(dec, state)
+                    self._boundary(state)
         except BaseException as e:
             self.error = e
             self.ready.set()
@@ -151,12 +151,12 @@ class Engine:
         except queue.Empty:
             return True
 
-    def _boundary(self, dec: Decoder, state: BatchState) -> None:
+    def _boundary(self, state: BatchState) -> None:
         """Retire cancelled rows, admit waiting requests into free rows, then one step of every live row."""
-        m = self.metrics
+        m, llm = self.metrics, self.llm
         for slot, req in list(self.rows.items()):
             if req.cancelled:
-                dec.release(state, slot)
+                llm.release(slot)
                 del self.rows[slot]
                 m.cancelled += 1
         admit = []
@@ -170,30 +170,30 @@ class Engine:
             admit.append(req)
         try:
             if admit:
-                slots = dec.admit(state, [r.prompt_ids for r in admit], [r.params for r in admit])
+                slots = llm.admit([r.prompt_ids for r in admit], [r.params for r in admit])
                 self.rows.update(zip(slots, admit))
                 m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
-                self._publish(dec, state, slots)
+                self._publish(state, slots)
             if state.live:
                 t0 = time.perf_counter()
                 n = len(state.live)
-                stepped = dec.step(state)
+                stepped = llm.step()
                 m.steps, m.row_steps, m.step_seconds = (
                     m.steps + 1,
                     m.row_steps + n,
                     m.step_seconds + time.perf_counter() - t0,
                 )
                 before = m.generated_tokens
-                self._publish(dec, state, stepped)
+                self._publish(state, stepped)
                 m.step_tokens += m.generated_tokens - before
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             for slot, req in list(self.rows.items()):
                 req.push(Event([], error=f"{type(e).__name__}: {e}"))
-                dec.release(state, slot)
+                llm.release(slot)
                 del self.rows[slot]
         m.running, m.waiting = len(state.live), self.pending
 
-    def _publish(self, dec: Decoder, state: BatchState, slots: list[int]) -> None:
+    def _publish(self, state: BatchState, slots: list[int]) -> None:
         """Push each row's new tokens to its handler; finished rows leave the batch."""
         m, now, total = self.metrics, time.perf_counter(), 0
         for slot in slots:
@@ -208,7 +208,7 @@ class Engine:
                     req.push(Event(new))
                 continue
             req.push(Event(new, out.finish_reason, out.text))
-            dec.release(state, slot)
+            self.llm.release(slot)
             del self.rows[slot]
             m.finished += 1
         m.generated_tokens += total
