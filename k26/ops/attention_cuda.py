@@ -8,7 +8,6 @@ dtypes (the tiny test models, float32 scoring) run the op's pure-torch reference
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 
@@ -22,31 +21,31 @@ MIN_SPLIT_KEYS = 64
 
 
 class _Plans:
-    """Per (device, B, N, H) launch plan, computed once: the split count from the kernel's occupancy and
-    the SM count, and the workspace whose counter region the kernel keeps zero between calls."""
+    """Per (device, B, N, H) launch plan, computed once: splits and cluster size from the kernel's
+    occupancy and the SM count, and the workspace whose counters the kernel keeps zero between calls."""
 
     def __init__(self) -> None:
-        self._splits: dict[tuple, int] = {}
+        self._plans: dict[tuple, tuple[int, int]] = {}
         self._workspaces: dict[tuple, torch.Tensor] = {}
 
-    def splits(self, lib, device: torch.device, B: int, N: int, H: int) -> int:
+    def plan(self, lib, device: torch.device, B: int, N: int, H: int) -> tuple[int, int]:
         key = (device, B, N, H)
-        if key not in self._splits:
-            per_sm = lib.k26_mla_tree_attn_blocks_per_sm(N, H)
-            if per_sm <= 0:
-                raise RuntimeError(f"mla_tree_attention: occupancy query failed with CUDA error {-per_sm}")
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            row_tiles = math.ceil(N * H / lib.k26_mla_tree_attn_tile_rows(N, H))
-            # One full wave: a partial second wave would double the time of the blocks in it.
-            self._splits[key] = max(1, min(1024, per_sm * sms // (B * row_tiles)))
-        return self._splits[key]
+        if key not in self._plans:
+            splits, cluster = ctypes.c_int(), ctypes.c_int()
+            with torch.cuda.device(device):
+                err = lib.k26_mla_tree_attn_plan(B, N, H, ctypes.byref(splits), ctypes.byref(cluster))
+            if err:
+                raise RuntimeError(f"mla_tree_attention: launch planning failed with CUDA error {err}")
+            self._plans[key] = splits.value, cluster.value
+        return self._plans[key]
 
-    def workspace(self, lib, device: torch.device, B: int, N: int, H: int, S: int) -> torch.Tensor:
-        key = (device, B, N, H, S)
+    def workspace(self, lib, device: torch.device, B: int, N: int, H: int, S: int, CL: int) -> torch.Tensor:
+        key = (device, B, N, H, S, CL)
         ws = self._workspaces.get(key)
         if ws is None:
-            ws = torch.empty(lib.k26_mla_tree_attn_workspace(B, N, H, S), dtype=torch.uint8, device=device)
-            ws[: lib.k26_mla_tree_attn_counter_bytes(B, N, H, S)].zero_()
+            size = lib.k26_mla_tree_attn_workspace(B, N, H, S, CL)
+            ws = torch.empty(size, dtype=torch.uint8, device=device)
+            ws[: lib.k26_mla_tree_attn_counter_bytes(B, N, H, S, CL)].zero_()
             if torch.cuda.is_current_stream_capturing():
                 return ws  # owned by the graph's pool (its zeroing is captured too): never cached
             self._workspaces[key] = ws
@@ -62,15 +61,14 @@ def _bind(lib) -> None:
         return
     for name in ("k26_mla_tree_attn_workspace", "k26_mla_tree_attn_counter_bytes"):
         getattr(lib, name).restype = ctypes.c_size_t
-        getattr(lib, name).argtypes = [ctypes.c_int] * 4
+        getattr(lib, name).argtypes = [ctypes.c_int] * 5
     lib.k26_mla_tree_attn_tile_rows.restype = ctypes.c_int
     lib.k26_mla_tree_attn_tile_rows.argtypes = [ctypes.c_int] * 2
-    lib.k26_mla_tree_attn_blocks_per_sm.restype = ctypes.c_int
-    lib.k26_mla_tree_attn_blocks_per_sm.argtypes = [ctypes.c_int] * 2
+    lib.k26_mla_tree_attn_plan.restype = ctypes.c_int
+    lib.k26_mla_tree_attn_plan.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
     lib.k26_mla_tree_attn.restype = ctypes.c_int
-    lib.k26_mla_tree_attn.argtypes = (
-        [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
-    )
+    ints = [ctypes.c_int] * 8  # B, N, H, W, max_len, S, CL, min_keys
+    lib.k26_mla_tree_attn.argtypes = [ctypes.c_void_p] * 8 + ints + [ctypes.c_float, ctypes.c_void_p]
     lib._k26_attn_bound = True
 
 
@@ -133,10 +131,10 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     lse = torch.empty(B, N, H, dtype=torch.float32, device=q.device)
     lib = library()
     _bind(lib)
-    S = PLANS.splits(lib, q.device, B, N, H)
+    S, CL = PLANS.plan(lib, q.device, B, N, H)
+    ws = PLANS.workspace(lib, q.device, B, N, H, S, CL)
     # A split's merge cost grows with its rows, its streaming work with its keys: scale the minimum.
     min_keys = MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(N, H) // 16
-    ws = PLANS.workspace(lib, q.device, B, N, H, S)
     err = lib.k26_mla_tree_attn(
         qc.data_ptr(),
         cc.data_ptr(),
@@ -152,6 +150,7 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
         words.shape[2],
         cache.shape[1],
         S,
+        CL,
         min_keys,
         ctypes.c_float(scale),
         torch.cuda.current_stream(q.device).cuda_stream,

@@ -1,6 +1,7 @@
 """Per-phase timestamps of the MLA tree-attention kernel (row tile 0, sequence 0, every split): builds a
 copy of the kernel with -DK26_ATTN_TRACE, runs one shape, prints when each split started, had Q, left its
-key loop, wrote its partial, and when the merges ran (µs from the first block's start).
+key loop, passed the cluster barrier, finished the cluster merge, and when the last cluster merged
+everything (µs from the first block's start).
 
     python profiling/debug/attn_trace.py --n 1 --l 4096
 """
@@ -49,8 +50,8 @@ words = tree_mask_to_words(torch.ones(1, a.n, a.n, dtype=torch.bool).tril()).cud
 rows, prefix = torch.zeros(1, dtype=torch.long, device="cuda"), torch.full((1,), a.l, device="cuda")
 out = torch.empty(1, a.n, a.h, 512, dtype=torch.bfloat16, device="cuda")
 lse = torch.empty(1, a.n, a.h, dtype=torch.float32, device="cuda")
-S = attention_cuda.PLANS.splits(lib, q.device, 1, a.n, a.h)
-ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S)
+S, CL = attention_cuda.PLANS.plan(lib, q.device, 1, a.n, a.h)
+ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S, CL)
 mk = attention_cuda.MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(a.n, a.h) // 16
 flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 for _ in range(4):
@@ -72,6 +73,7 @@ for _ in range(4):
         words.shape[2],
         cache.shape[1],
         S,
+        CL,
         mk,
         ctypes.c_float(0.1),
         torch.cuda.current_stream().cuda_stream,
@@ -84,26 +86,17 @@ t = torch.tensor(list(host), dtype=torch.float64).view(1024, 16)
 used = t[:, 0] > 0
 t0 = t[used, 0].min()
 rel = torch.where(t > 0, (t - t0) / 1e3, torch.full_like(t, float("nan")))
-names = [
-    "start",
-    "Q in regs",
-    "loop done",
-    "partial written",
-    "group last",
-    "group merged",
-    "root last",
-    "root merged",
-    "grp: merge in",
-    "grp: lse read",
-    "grp: weights",
-    "grp: loads+fma",
-    "root: merge in",
-    "root: lse read",
-    "root: weights",
-    "root: loads+fma",
-]
-print(f"S_max={S} min_keys={mk} splits traced={int(used.sum())}")
-for k, nm in enumerate(names):
+names = {
+    0: "start",
+    1: "Q in regs",
+    2: "key loop done",
+    3: "cluster barrier",
+    4: "cluster merged",
+    6: "last cluster",
+    7: "final merged",
+}
+print(f"S={S} cluster={CL} min_keys={mk} splits traced={int(used.sum())}")
+for k, nm in names.items():
     col = rel[used, k]
     col = col[~col.isnan()]
     if col.numel():

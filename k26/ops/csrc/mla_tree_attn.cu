@@ -5,11 +5,11 @@
 //   keys j: the prefix cache[rows[b], 0 .. L_b) (all visible) then the N new rows cache[rows[b], L_b + i]
 //   (visible when bit i of the ancestor mask words[b, n] is set).
 //
-// One launch per call. grid = (row tiles, S_max splits, B): a block owns BM = 16 or 32 query rows of one
-// sequence (the N*H rows, heads fastest) and one contiguous chunk of the sequence's L_b + N keys; the tree
-// block is simply the end of the last chunk, masked per key. The active split count adapts on the device
-// to the live length (at least `min_keys` keys a split), so one graph serves every context length.
-// Row tiles of a split are adjacent in the grid, so a KV tile fetched from HBM is re-read from L2.
+// One launch per call. grid = (row tiles, S splits, B) in clusters of CL <= 8 splits: a block owns BM = 16
+// or 32 query rows of one sequence (the N*H rows, heads fastest) and one contiguous chunk of the
+// sequence's L_b + N keys; the tree block is simply the end of the last chunk, masked per key. The live
+// split count adapts on the device to the length (at least `min_keys` keys a split), so one graph serves
+// every context length; S and CL come from the occupancy and the SM count (k26_mla_tree_attn_plan).
 //
 // Per block: Q lives in registers (warp w holds rows x dims [144 (w/2), +144) as mma A fragments); keys
 // stream through a 4-stage cp.async pipeline of 16-key tiles; per tile S = Q K^T is split over 8 warps
@@ -18,15 +18,16 @@
 // owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
 // Software-pipelined: P V of tile i and S of tile i + 1 share one barrier interval, so two barriers a tile.
 //
-// Split-KV merge in the same launch: every split writes its normalised partial (o, lse) to the workspace;
-// the partials form a tree of fan-in 8 and the last block to finish a node (an atomic counter per node,
-// reset by that block, so graph replays need no memset) merges its children in fp32 — the last one at the
-// root writes `out` and `lse`. The merge order is fixed by the tree, so results are deterministic.
+// Split-KV merge in the same launch (details at merge_weights): the splits of a cluster reduce their
+// partials through distributed shared memory, each block a column slice; clusters then meet in the
+// workspace, where the last to arrive merges them, again one column slice a block.
 //
-// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async only; <= 87 KB dynamic shared memory per block:
-// legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
+// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, thread-block clusters of <= 8 with distributed
+// shared memory (sm_90 and sm_120 both have them; no wgmma, TMA or tcgen05); <= 88 KB dynamic shared
+// memory per block: legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
 // Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay), results in profiling/results/.
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
@@ -49,6 +50,7 @@ __device__ unsigned long long g_attn_trace[1024][16];
 
 namespace {
 
+namespace cg = cooperative_groups;
 constexpr int DQK = 576, DV = 512;
 constexpr int BN = 16;            // keys per tile
 constexpr int NSTAGE = 4;         // cp.async stages of 18.7 KB: three tiles in flight during compute
@@ -66,7 +68,8 @@ struct Cfg {
   static constexpr size_t K = (size_t)NSTAGE * BN * LDS * 2;
   static constexpr size_t S = (size_t)KQ * BM * LDSS * 4;
   static constexpr size_t P = (size_t)BM * LDP * 2;
-  static constexpr size_t SMEM = K + S + P + 3 * BM * 4;
+  static constexpr size_t WORDS = (size_t)BM * 4 * 8;  // each row's ancestor words (<= 4: N <= 256)
+  static constexpr size_t SMEM = K + S + P + WORDS + 3 * BM * 4;
   static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
   static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
   static_assert(S >= (size_t)(32 + 1) * BM * 4, "the merge's weights reuse the score buffer");
@@ -80,10 +83,10 @@ struct Params {
   const int64_t* words;        // [B, N, W]
   __nv_bfloat16* out;          // [B, N, H, 512]
   float* lse;                  // [B, N, H]
-  int* counters;               // [B, RT, counter slots]   zero at rest
-  float* lse_part;             // [B, RT, slots, BM]
-  float* o_part;               // [B, RT, slots, BM, 512]
-  int N, H, W, R, RT, max_len, S_max, min_keys, slots, cslots;
+  int* counters;               // [B, RT]   zero at rest
+  float* lse_part;             // [B, RT, S_max / CL, BM]      one partial per cluster
+  float* o_part;               // [B, RT, S_max / CL, BM, 512]
+  int N, H, W, R, RT, max_len, S_max, CL, min_keys;
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
 };
 
@@ -125,145 +128,75 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
   active = (T + chunk - 1) / chunk;
 }
 
-// The merge tree: at most two levels. Up to ONE_LEVEL splits are merged at once by the last to finish;
-// more are grouped F = ceil(sqrt(active)) at a time, the last of each group merging it into a level-1
-// slot, the last of those merging the level-1 slots into out / lse. Two short levels keep the merge tail
-// (bytes read by one block) short; a deeper tree pays a fence + atomic + L2 round trip per level.
-constexpr int ONE_LEVEL = 12;
-#ifndef MERGE_INLINE
-#define MERGE_INLINE __forceinline__  // a call would spill around it (ABI); inlined it shares the 128 cap
-#endif
+// Split-KV merge, in two steps and without a second launch:
+// 1. Within a thread-block cluster of CL splits (CL <= 8, along grid y): each block leaves its normalised
+//    partial (o, lse) in its own shared memory; after a cluster barrier block q reduces output columns
+//    [q * 512 / CL, +512 / CL) over the CL partials through distributed shared memory. The reduction is
+//    spread over CL SMs and never touches global memory.
+// 2. Across clusters: each block writes its column slice of the cluster's partial to the workspace; the
+//    last cluster to arrive (an atomic counter per row tile, reset by that cluster, so graph replays need
+//    no memset) merges every cluster's partial, each of its blocks again for its own column slice.
+// Both steps run in a fixed order, so results are deterministic.
+constexpr int LDO = DV + 4;  // fp32 partial row in shared memory (padded against bank conflicts)
 #ifndef MERGE_LOADS
-#define MERGE_LOADS 12  // float4 loads in flight per thread in the merge (16 spill under MT 1's cap)
+#define MERGE_LOADS 12  // float4 loads in flight per thread in the global merge
 #endif
-constexpr int MAX_FANIN = 32;    // ceil(sqrt(1024)): the largest split count the front door asks for
 
-__device__ __forceinline__ int fanin(int active) {
-  if (active <= ONE_LEVEL) return active;
-  int f = (int)ceilf(sqrtf((float)active));
-  while (f * f < active) ++f;
-  return f;
+// Weights of `n` partials for each of `rows` rows from their lse values (get(k, r)) into sw[k * BM + r]
+// (normalised to sum 1) and the merged lse into slse[r]. Runs on threads r < rows.
+template <int BM, class Get>
+__device__ __forceinline__ void merge_weights(int n, int rows, Get get, float* sw, float* slse) {
+  const int r = threadIdx.x;
+  if (r >= rows) return;
+  float mx = -CUDART_INF_F, wsum = 0.f;
+  for (int k = 0; k < n; ++k) mx = fmaxf(mx, sw[k * BM + r] = get(k, r));
+  for (int k = 0; k < n; ++k) {
+    const float w = mx == -CUDART_INF_F ? 0.f : __expf(sw[k * BM + r] - mx);  // 0 for an empty partial
+    sw[k * BM + r] = w, wsum += w;
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  for (int k = 0; k < n; ++k) sw[k * BM + r] *= inv;
+  slse[r] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
 }
 
-// Merge partial slots [src, src + nch) (all BM rows of one row tile) into slot dst, or into out / lse when
-// dst < 0. Weights are computed once per row in shared memory (sw: [MAX_FANIN][BM] + [BM]), then every
-// thread streams float4 columns with several loads in flight.
-template <int MT>
-__device__ MERGE_INLINE void merge_slots(const float* lp, const float* op, int nch, int rows_real, float* to_o,
-                                         float* to_lse, __nv_bfloat16* out, float* lse, float* sw) {
-  constexpr int BM = Cfg<MT>::BM;
-  float* slse = sw + MAX_FANIN * BM;
-  const int tb = out ? 12 : 8;  // trace slots (debug builds)
-  TRACE(tb);
-  for (int i = threadIdx.x; i < nch * BM; i += THREADS) sw[i] = __ldcg(lp + i);  // [k][r]
-  __syncthreads();
-  TRACE(tb + 1);
-  if (threadIdx.x < BM) {
-    const int r = threadIdx.x;
-    float mx = -CUDART_INF_F, wsum = 0.f;
-    for (int k = 0; k < nch; ++k) mx = fmaxf(mx, sw[k * BM + r]);
-    for (int k = 0; k < nch; ++k) {
-      const float w = mx == -CUDART_INF_F ? 0.f : __expf(sw[k * BM + r] - mx);  // 0 for an empty partial
-      sw[k * BM + r] = w, wsum += w;
-    }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    for (int k = 0; k < nch; ++k) sw[k * BM + r] *= inv;
-    slse[r] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
+// Stores four merged columns of row r: bf16 into out (the final result) or fp32 into part.
+__device__ __forceinline__ void store4(__nv_bfloat16* out, float* part, int r, int c, float4 v) {
+  if (out) {
+    __nv_bfloat16* o = out + (size_t)r * DV + c;
+    *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v.x, v.y);
+    *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(v.z, v.w);
+  } else {
+    __stcg(reinterpret_cast<float4*>(part + (size_t)r * DV + c), v);
   }
+}
+
+// Step 2 of the merge, in the last cluster: columns [c0, c0 + W) of the final output from the clusters'
+// partials. Not inlined: the kernel's register budget (MT 1: 128) then need not hold it.
+template <int BM>
+__device__ __noinline__ void merge_clusters(const float* lp, const float* op, __nv_bfloat16* out, float* lse,
+                                            int clusters, int rows_real, int c0, int W, float* sw) {
+  float* slse = sw + clusters * BM;  // sw: [clusters][BM] weights in the (free) key stages
+  merge_weights<BM>(clusters, rows_real, [&](int k, int r) { return __ldcg(lp + k * BM + r); }, sw, slse);
   __syncthreads();
-  TRACE(tb + 2);
-  // Each thread owns J float4 outputs (rows r_j = tid / 128 + 2 j) and reads CK children's values for all
-  // of them per round: 16 independent 16-B loads in flight, so a merge costs ~nch / CK L2 round trips.
-  constexpr int J = BM * (DV / 4) / THREADS, CK = MERGE_LOADS / J > 0 ? MERGE_LOADS / J : 1;
-  const int c = (threadIdx.x % (DV / 4)) * 4, r0 = threadIdx.x / (DV / 4);
-  float4 acc[J];
+  for (int item = threadIdx.x; item < rows_real * (W / 4); item += THREADS) {
+    const int r = item / (W / 4), c = c0 + (item % (W / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k0 = 0; k0 < clusters; k0 += MERGE_LOADS) {
+      float4 v[MERGE_LOADS];
 #pragma unroll
-  for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k0 = 0; k0 < nch; k0 += CK) {
-    float4 v[CK][J];
+      for (int k = 0; k < MERGE_LOADS; ++k)
+        if (k0 + k < clusters) v[k] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)(k0 + k) * BM + r) * DV + c));
 #pragma unroll
-    for (int kc = 0; kc < CK; ++kc)
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int r = r0 + j * (THREADS / (DV / 4));
-        if (k0 + kc < nch && r < rows_real)
-          v[kc][j] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)(k0 + kc) * BM + r) * DV + c));
+      for (int k = 0; k < MERGE_LOADS; ++k) {
+        if (k0 + k >= clusters) break;
+        const float w = sw[(k0 + k) * BM + r];
+        acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
       }
-#pragma unroll
-    for (int kc = 0; kc < CK; ++kc)
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int r = r0 + j * (THREADS / (DV / 4));
-        if (k0 + kc >= nch || r >= rows_real) continue;
-        const float w = sw[(k0 + kc) * BM + r];
-        acc[j].x += w * v[kc][j].x, acc[j].y += w * v[kc][j].y, acc[j].z += w * v[kc][j].z, acc[j].w += w * v[kc][j].w;
-      }
-  }
-  TRACE(tb + 3);
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int r = r0 + j * (THREADS / (DV / 4));
-    if (r >= rows_real) continue;
-    if (out) {
-      __nv_bfloat16* o = out + (size_t)r * DV + c;
-      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(acc[j].x, acc[j].y);
-      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(acc[j].z, acc[j].w);
-      if (c == 0) lse[r] = slse[r];
-    } else {
-      __stcg(reinterpret_cast<float4*>(to_o + (size_t)r * DV + c), acc[j]);
-      if (c == 0) __stcg(to_lse + r, slse[r]);
     }
+      store4(out, nullptr, r, c, acc);
   }
-}
-
-// Whether this block is the last of `nch` to arrive at counter `cnt` (then it resets the counter).
-__device__ __forceinline__ bool arrive_last(int* cnt, int nch) {
-  __shared__ int s_last;
-  __threadfence();  // this block's partial is visible device-wide before the count says so
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int last = atomicAdd(cnt, 1) == nch - 1;
-    if (last) atomicExch(cnt, 0);  // every child has arrived: zero again for the next call / graph replay
-    s_last = last;
-  }
-  __syncthreads();
-  if (s_last) __threadfence();  // acquire: the siblings' partials are read after their counts
-  return s_last;
-}
-
-// Called by every thread of a split block once its partial is written. Pointers are resolved here, so the
-// (non-inlined) merge gets them in registers rather than reading the kernel parameters through the stack.
-template <int MT>
-__device__ void merge_up(const Params& p, int b, int rt, int split, int active, float* sw) {
-  constexpr int BM = Cfg<MT>::BM;
-  const size_t tile = (size_t)b * p.RT + rt;
-  const int row0 = rt * BM, rows_real = min(BM, p.R - row0);
-  int* cnt = p.counters + tile * p.cslots;
-  const float* lp = p.lse_part + tile * p.slots * BM;
-  const float* op = p.o_part + tile * p.slots * BM * DV;
-  __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
-  float* lse = p.lse + (size_t)b * p.R + row0;
-  const int f = fanin(active);
-  if (f == active) {
-    if (arrive_last(cnt, active)) {
-      TRACE(6);
-      merge_slots<MT>(lp, op, active, rows_real, nullptr, nullptr, out, lse, sw);
-      TRACE(7);
-    }
-    return;
-  }
-  const int group = split / f, first = group * f, nch = min(f, active - first), groups = (active + f - 1) / f;
-  if (!arrive_last(cnt + 1 + group, nch)) return;
-  TRACE(4);
-  const int slot = p.S_max + group;
-  merge_slots<MT>(lp + first * BM, op + (size_t)first * BM * DV, nch, rows_real, const_cast<float*>(op) + (size_t)slot * BM * DV,
-                  const_cast<float*>(lp) + slot * BM, nullptr, nullptr, sw);
-  TRACE(5);
-  if (arrive_last(cnt, groups)) {
-    TRACE(6);
-    merge_slots<MT>(lp + p.S_max * BM, op + (size_t)p.S_max * BM * DV, groups, rows_real, nullptr, nullptr, out, lse, sw);
-    TRACE(7);
-  }
+  if (lse && threadIdx.x < rows_real) lse[threadIdx.x] = slse[threadIdx.x];
+  TRACE(7);
 }
 
 template <int MT>
@@ -275,7 +208,8 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem);
   float* sS = reinterpret_cast<float*>(smem + C::K);  // [KQ][BM][LDSS]
   __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S);
-  float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P);
+  int64_t* sWords = reinterpret_cast<int64_t*>(smem + C::K + C::S + C::P);  // [BM][4]
+  float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS);
   float* sM = sAlpha + BM;
   float* sL = sM + BM;
 
@@ -295,12 +229,13 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
   int chunk, active;
   split_geometry(p, T, chunk, active);
-  if (split >= active) {
-    cp_wait<0>();  // nothing may land in shared memory after the block exits
+  if (split / p.CL >= (active + p.CL - 1) / p.CL) {  // no live split in this block's cluster  // the whole cluster is idle: every block of it leaves here
+    cp_wait<0>();                  // nothing may land in shared memory after the block exits
     return;
   }
   TRACE(0);
-  const int k0 = split * chunk, k1 = min(T, k0 + chunk);
+  // A split past `active` in a live cluster streams nothing and contributes an empty partial.
+  const int k0 = split < active ? split * chunk : 0, k1 = split < active ? min(T, k0 + chunk) : 0;
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
 
@@ -350,7 +285,12 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
 
   // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
   const int sr = tid / LPR, sc = (tid % LPR) * MT;
-  const int64_t* my_words = p.words + ((size_t)b * p.N + min(row0 + sr, p.R - 1) / p.H) * p.W;
+  // Each row's ancestor words in shared memory: no global pointer stays live through the key loop.
+  for (int i = tid; i < BM * p.W; i += THREADS) {
+    const int r = i / p.W;
+    sWords[r * 4 + i % p.W] = p.words[((size_t)b * p.N + min(row0 + r, p.R - 1) / p.H) * p.W + i % p.W];
+  }
+  const int64_t* my_words = sWords + sr * 4;
   float m_run = -CUDART_INF_F, l_run = 0.f;
 
   float o[MT][8][4];
@@ -456,7 +396,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   // Software-pipelined: P V of tile `it` and S of tile `it + 1` are independent, so they run between the
   // same two barriers and their MMAs overlap; the softmax of `it + 1` follows. Tile 0's S and softmax
   // run ahead of the loop (tile 0 landed with Q).
-  score_tile(0);
+  score_tile(0);  // an idle split (k0 = k1 = 0) scores a stale stage, and the softmax masks every key
   __syncthreads();
   softmax_tile(k0);
   for (int it = 0; it < n_tiles; ++it) {
@@ -472,61 +412,102 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
   if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
-  __syncthreads();
-  const size_t tile = (size_t)b * p.RT + rt;
-  const bool direct = active == 1;  // one split: no partial, write the result
+  __syncthreads();  // also: every warp is past its last P V, so the key stages are free
+
+  // This split's normalised partial -> own shared memory (fp32 [BM][LDO]) and its lse.
+  float* sO = reinterpret_cast<float*>(smem);
+  float* sLse = sAlpha;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = m * 16 + g + hh * 8;
-      if (row0 + r >= p.R) continue;
       const float l = sL[r], inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const int c = warp * 64 + n * 8 + 2 * t;
-        const float x = o[m][n][2 * hh] * inv, y = o[m][n][2 * hh + 1] * inv;
-        if (direct)
-          *reinterpret_cast<__nv_bfloat162*>(p.out + ((size_t)b * p.R + row0 + r) * DV + c) = __floats2bfloat162_rn(x, y);
-        else
-          __stcg(reinterpret_cast<float2*>(p.o_part + ((tile * p.slots + split) * BM + r) * DV + c), make_float2(x, y));
-      }
+      for (int n = 0; n < 8; ++n)
+        *reinterpret_cast<float2*>(sO + r * LDO + warp * 64 + n * 8 + 2 * t) =
+            make_float2(o[m][n][2 * hh] * inv, o[m][n][2 * hh + 1] * inv);
     }
   }
-  if (tid < BM && row0 + tid < p.R) {
-    const float l = sL[tid];
-    const float lse = l > 0.f ? (sM[tid] + __log2f(l)) * 0.69314718055994531f : -CUDART_INF_F;
-    if (direct)
-      p.lse[(size_t)b * p.R + row0 + tid] = lse;
-    else
-      __stcg(p.lse_part + (tile * p.slots + split) * BM + tid, lse);
-  }
+  if (tid < BM) sLse[tid] = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
   TRACE(3);
-  if (!direct) merge_up<MT>(p, b, rt, split, active, sS);  // the score buffer is free now
+
+  // Step 1: block q of the cluster merges columns [q W, q W + W) of the cluster's CL partials.
+  // Recomputed rather than kept live across the key loop (MT 1 runs at its 128-register cap).
+  const int clusters = [&] {
+    const int L2 = static_cast<int>(p.prefix[b]);
+    int chunk2, active2;
+    split_geometry(p, max(1, min(L2 + p.N, p.max_len)), chunk2, active2);
+    return (active2 + p.CL - 1) / p.CL;
+  }();
+  const int CL = p.CL, q = (int)cluster.block_rank(), W = DV / CL, cid = split / CL;
+  const int rows_real = min(BM, p.R - row0);
+  const size_t tile = (size_t)b * p.RT + rt;
+  const int ncl = p.S_max / CL;
+  __nv_bfloat16* out = clusters == 1 ? p.out + ((size_t)b * p.R + row0) * DV : nullptr;
+  float* sW = sS;  // [CL][BM] weights, then [BM] merged lse: the score buffer is free
+  float* sLc = sW + 8 * BM;
+  merge_weights<BM>(CL, rows_real, [&](int k, int r) { return *cluster.map_shared_rank(sLse + r, k); }, sW, sLc);
+  __syncthreads();
+  for (int item = tid; item < rows_real * (W / 4); item += THREADS) {
+    const int r = item / (W / 4), c = q * W + (item % (W / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k = 0; k < CL; ++k) {
+      const float w = sW[k * BM + r];
+      if (w == 0.f) continue;  // an empty partial (idle split) may hold anything
+      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(sO + r * LDO + c, k));
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+    store4(out, p.o_part + ((tile * ncl + cid) * BM) * DV, r, c, acc);
+  }
+  if (q == 0 && tid < rows_real) {
+    if (out) p.lse[(size_t)b * p.R + row0 + tid] = sLc[tid];
+    else __stcg(p.lse_part + (tile * ncl + cid) * BM + tid, sLc[tid]);
+  }
+  cluster.sync();  // every distributed-shared-memory read is done before a block of the cluster moves on
+  TRACE(4);
+  if (out) return;
+
+  // Step 2: the last cluster to arrive merges the clusters' partials, each block its column slice.
+  __shared__ int s_last;
+  __threadfence();  // this block's slice is visible device-wide before the count says so
+  cluster.sync();
+  if (q == 0 && tid == 0) {
+    int* cnt = p.counters + tile;
+    const int last = atomicAdd(cnt, 1) == clusters - 1;
+    if (last) atomicExch(cnt, 0);  // every cluster has arrived: zero again for the next call / graph replay
+    s_last = last;
+  }
+  cluster.sync();
+  const int last = *cluster.map_shared_rank(&s_last, 0);
+  cluster.sync();  // rank 0's flag is read before it may exit
+  if (!last) return;
+  TRACE(6);
+  __threadfence();  // acquire: the other clusters' partials are read after their counts
+  merge_clusters<BM>(p.lse_part + tile * ncl * BM, p.o_part + tile * ncl * BM * DV,
+                     p.out + ((size_t)b * p.R + row0) * DV, q == 0 ? p.lse + (size_t)b * p.R + row0 : nullptr,
+                     clusters, rows_real, q * W, W, reinterpret_cast<float*>(smem));
 }
 
 int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
 
-// Workspace layout: counters (int32, zero at rest) | lse partials | o partials, 256-B aligned.
+// Workspace layout: counters (int32, zero at rest) | cluster lse partials | cluster o partials, 256-B aligned.
 struct Layout {
-  int BM, RT, slots, cslots;
-  size_t counters, lse, o, total;
+  int BM, RT;
+  size_t lse, o, total;
 };
 
-Layout layout(int B, int N, int H, int S_max) {
+Layout layout(int B, int N, int H, int S_max, int CL) {
   Layout w;
   w.BM = tile_rows(N, H);
   w.RT = (N * H + w.BM - 1) / w.BM;
-  int groups = 1;  // level-1 slots: ceil(active / fanin(active)) <= ceil(sqrt(S_max)) + 1
-  while (groups * groups < S_max) ++groups;
-  w.slots = S_max + groups + 1;
-  w.cslots = groups + 2;  // [0]: the root counter, [1 + g]: group g's
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-  const size_t tiles = (size_t)B * w.RT;
-  w.counters = 0;
-  w.lse = up(tiles * w.cslots * 4);
-  w.o = w.lse + up(tiles * w.slots * w.BM * 4);
-  w.total = w.o + tiles * w.slots * w.BM * DV * 4;
+  const size_t tiles = (size_t)B * w.RT, parts = tiles * (S_max / CL) * w.BM;
+  w.lse = up(tiles * 4);
+  w.o = w.lse + up(parts * 4);
+  w.total = w.o + parts * DV * 4;
   return w;
 }
 
@@ -534,26 +515,66 @@ template <int MT>
 cudaError_t allow_smem() {
   static bool attr_set = false;  // per process; the attribute is per function, not per device
   if (attr_set) return cudaSuccess;
-  const cudaError_t e =
+  cudaError_t e =
       cudaFuncSetAttribute(tree_attn_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<MT>::SMEM);
   attr_set = e == cudaSuccess;
   return e;
 }
 
 template <int MT>
+cudaLaunchConfig_t config(dim3 grid, int CL, cudaStream_t st, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t c = {};
+  c.gridDim = grid, c.blockDim = dim3(THREADS), c.dynamicSmemBytes = Cfg<MT>::SMEM, c.stream = st;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 1, attr->val.clusterDim.y = CL, attr->val.clusterDim.z = 1;
+  c.attrs = attr, c.numAttrs = 1;
+  return c;
+}
+
+// Splits and cluster size for (B, N, H): one full wave of clusters of up to 8 splits.
+template <int MT>
+int plan(int B, int N, int H, int* splits, int* cluster) {
+  if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
+  int dev = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tree_attn_kernel<MT>, THREADS, Cfg<MT>::SMEM);
+  if (e != cudaSuccess) return (int)e;
+  const int tiles = B * ((N * H + 16 * MT - 1) / (16 * MT));
+  const int blocks = per_sm * sms / tiles;  // splits per row tile in one wave
+  int CL = 8;
+  while (CL > 1 && CL > blocks) CL /= 2;
+  int S = blocks / CL * CL;
+  if (CL > 1) {  // clusters live within a GPC: ask how many fit at once
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t c = config<MT>(dim3(1, CL, 1), CL, nullptr, &attr);
+    int max_clusters = 0;
+    e = cudaOccupancyMaxActiveClusters(&max_clusters, tree_attn_kernel<MT>, &c);
+    if (e != cudaSuccess) return (int)e;
+    S = min(S, max_clusters / tiles * CL);
+  }
+  *cluster = CL;
+  *splits = max(CL, min(1024 / CL * CL, S));
+  return 0;
+}
+
+template <int MT>
 int launch(const Params& p, int B, cudaStream_t st) {
   if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
-  tree_attn_kernel<MT><<<dim3(p.RT, p.S_max, B), THREADS, Cfg<MT>::SMEM, st>>>(p);
-  return (int)cudaGetLastError();
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t c = config<MT>(dim3(p.RT, p.S_max, B), p.CL, st, &attr);
+  return (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT>, p);
 }
 
 }  // namespace
 
-// Bytes of workspace for a (B, N, H, S_max) call; its first `k26_mla_tree_attn_counter_bytes` bytes must
-// be zeroed once when it is allocated (the kernel leaves them zero).
-K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S_max) { return layout(B, N, H, S_max).total; }
-K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max) {
-  return layout(B, N, H, S_max).lse;
+// Bytes of workspace for a (B, N, H, S_max, CL) call; its first `k26_mla_tree_attn_counter_bytes` bytes
+// must be zeroed once when it is allocated (the kernel leaves them zero).
+K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S_max, int CL) {
+  return layout(B, N, H, S_max, CL).total;
+}
+K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max, int CL) {
+  return layout(B, N, H, S_max, CL).lse;
 }
 #ifdef K26_ATTN_TRACE
 K26_EXPORT int k26_mla_tree_attn_trace(void* host) {
@@ -565,33 +586,25 @@ K26_EXPORT int k26_mla_tree_attn_trace_reset() {
 }
 #endif
 K26_EXPORT int k26_mla_tree_attn_tile_rows(int N, int H) { return tile_rows(N, H); }
-// Resident blocks per SM the kernel is built for (launch bounds + shared memory): sizes the split count.
-K26_EXPORT int k26_mla_tree_attn_blocks_per_sm(int N, int H) {
-  int n = 0;
-  cudaError_t e;
-  if (tile_rows(N, H) == 16) {
-    e = allow_smem<1>();
-    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tree_attn_kernel<1>, THREADS, Cfg<1>::SMEM);
-  } else {
-    e = allow_smem<2>();
-    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tree_attn_kernel<2>, THREADS, Cfg<2>::SMEM);
-  }
-  return e == cudaSuccess ? n : -(int)e;
+// The launch plan for (B, N, H) on the current device: splits per row tile and the cluster size.
+K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits, int* cluster) {
+  return tile_rows(N, H) == 16 ? plan<1>(B, N, H, splits, cluster) : plan<2>(B, N, H, splits, cluster);
 }
 
 // Returns a cudaError_t. Shapes are validated by the Python front door (k26/ops/attention_cuda.py).
 K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t* rows, const int64_t* prefix,
                                  const int64_t* words, void* out, float* lse, void* workspace, int B, int N, int H,
-                                 int W, int max_len, int S_max, int min_keys, float scale, void* stream) {
-  const Layout w = layout(B, N, H, S_max);
+                                 int W, int max_len, int S_max, int CL, int min_keys, float scale, void* stream) {
+  if (CL < 1 || CL > 8 || S_max % CL) return (int)cudaErrorInvalidValue;
+  const Layout w = layout(B, N, H, S_max, CL);
   char* ws = static_cast<char*>(workspace);
   Params p;
   p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
   p.words = words, p.out = (__nv_bfloat16*)out, p.lse = lse;
-  p.counters = reinterpret_cast<int*>(ws + w.counters), p.lse_part = reinterpret_cast<float*>(ws + w.lse),
+  p.counters = reinterpret_cast<int*>(ws), p.lse_part = reinterpret_cast<float*>(ws + w.lse),
   p.o_part = reinterpret_cast<float*>(ws + w.o);
-  p.N = N, p.H = H, p.W = W, p.R = N * H, p.RT = w.RT, p.max_len = max_len, p.S_max = S_max,
-  p.min_keys = min_keys < BN ? BN : min_keys, p.slots = w.slots, p.cslots = w.cslots;
+  p.N = N, p.H = H, p.W = W, p.R = N * H, p.RT = w.RT, p.max_len = max_len, p.S_max = S_max, p.CL = CL,
+  p.min_keys = min_keys < BN ? BN : min_keys;
   p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return w.BM == 16 ? launch<1>(p, B, st) : launch<2>(p, B, st);
