@@ -14,6 +14,6 @@ else timeout 100 python3 -m k26.ops.build > "$OUT/build.txt" 2>&1 || { tail -20 
 timeout ${T_TESTS:-50} python3 -m pytest -q tests/test_continuous.py tests/test_graphs_gpu.py \
   -k "graph_rows or replay or auto_budget or capture_report" > "$OUT/tests.txt" 2>&1
 grep -E "passed|failed|Error|error|assert" "$OUT/tests.txt" | tail -12
-K26_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo ?) timeout ${T_BENCH:-50} python3 profiling/bench_serve.py \
+K26_COMMIT=${K26_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo ?)} timeout ${T_BENCH:-50} python3 profiling/bench_serve.py \
   --device cuda --requests 16 --max-tokens 64 --max-model-len 512 --out "$OUT/bench_serve-h200.md" > "$OUT/bench.txt" 2>&1
 tail -12 "$OUT/bench.txt"
