@@ -292,20 +292,21 @@ def _part_bytes(p: Piece, rank: int, size: int) -> int:
 
 
 def fill_coordinated(
-    params, pieces: list[Piece], stager: Stager, rank: int, size: int, group, bar=None
+    params, pieces: list[Piece], stager: Stager, rank: int, size: int, group, device: torch.device, bar=None
 ) -> None:
     """Coordinated mode: round k, rank s reads its k-th batch of whole tensors and an all-to-all sends
-    every rank its slice of each. Every rank derives the whole schedule from the same headers."""
+    every rank its slice of each; the stager's device is the exchange's (the GPU for NCCL, the host for
+    gloo), `device` the model's. Every rank derives the whole schedule from the same headers."""
     import torch.distributed as dist
 
     owner = assign_files(pieces, size)
     sched = [batches([p for p in pieces if owner[p.file] == s], stager.chunk) for s in range(size)]
-    xdev = stager.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    xdev = stager.device
     for k in range(max(len(b) for b in sched)):
         mine = sched[rank][k] if k < len(sched[rank]) else []
         send = torch.empty(0, dtype=torch.uint8, device=xdev)
         if mine:
-            buf, pos, parts = stager.read(reads(mine)).to(xdev), 0, []
+            buf, pos, parts = stager.read(reads(mine)), 0, []
             whole = []
             for p in mine:
                 whole.append(_view(buf, pos, p.dtype, p.shape))
@@ -321,7 +322,7 @@ def fill_coordinated(
         out_splits = [sum(_part_bytes(p, rank, size) for p in b) for b in theirs]
         recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=xdev)
         dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
-        recv, pos = recv.to(stager.device), 0
+        recv, pos = recv.to(device), 0
         for b in theirs:
             for p in b:
                 shape = p.part(rank, size)[3]
@@ -355,12 +356,20 @@ def read_into(
     if not coordinated:
         pieces = own_pieces(pieces, rank, size)
     params = dict(model.named_parameters())
-    stager = Stager(device, chunk)
+    xdev = device
+    if coordinated:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != size:
+            raise ValueError(f"TP size {size} but the process group has {dist.get_world_size(group)} ranks")
+        # gloo exchanges host tensors: read into host memory and copy only this rank's slices to the device
+        xdev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    stager = Stager(xdev, chunk)
     total = sum(p.nbytes for p in pieces)
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=desc is None)
     try:
         if coordinated:
-            fill_coordinated(params, pieces, stager, rank, size, group, bar)
+            fill_coordinated(params, pieces, stager, rank, size, group, device, bar)
         else:
             fill_alone(params, pieces, stager, bar)
     finally:
