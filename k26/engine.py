@@ -70,6 +70,7 @@ class LLM:
         graphs: bool | None = None,
         buckets: Sequence[tuple[int, int]] | None = None,
         compile: bool = False,
+        cache_dir: str | Path | None = None,
     ):
         check_world(tp)
         check_device(device)
@@ -87,7 +88,7 @@ class LLM:
             self._ranks = RankGroup(tp, type(self), (str(self.path),), dict(
                 drafter=drafter, device=device, dtype=dtype, tp=tp, max_model_len=max_model_len, max_batch=max_batch,
                 absorb=absorb, progress=False, cuda_kernels=cuda_kernels, graphs=graphs, buckets=buckets,
-                compile=compile), str(device) if device else None)
+                compile=compile, cache_dir=cache_dir), str(device) if device else None)
             weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
         self.rank, world, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size = tp
@@ -127,6 +128,7 @@ class LLM:
             self.path, self.config, device=self.device, dtype=self.dtype, progress=progress and self.rank == 0,
             cuda_kernels=cuda_kernels, tp=tp_info(self.rank, tp),
             group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
+            cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
         )
         self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
         self.drafter, self.dcache = None, None

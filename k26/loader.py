@@ -231,9 +231,11 @@ def load_model(
     progress: bool = True,
     cuda_kernels: bool = True,
     group=None,
+    cache_dir: str | Path | None = None,
 ) -> KimiK2:
     """`group`: the TP process group; with it the ranks read each shard once between them and exchange
-    slices (k26.shard_reader). `model.load_stats` holds the bytes read and the time of each phase."""
+    slices (k26.shard_reader). `cache_dir`: the optional load cache (k26.load_cache). `model.load_stats`
+    holds the bytes read and the time of each phase."""
     path = Path(path)
     cfg = cfg or ModelConfig.from_dir(path)
     with torch.device("meta"):
@@ -242,8 +244,7 @@ def load_model(
     items = plan_load(model, infos, tp, path)
 
     model.to_empty(device=device)
-    stats = read_into(model, items, infos, rank=tp.rank, size=tp.size, group=group, device=device,
-                      desc=f"reading {path.name}" if progress else None)
+    stats = _read(model, items, infos, path, tp, group, device, dtype, cache_dir, progress)
     model.rope.reset_buffers()
     if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
         t0 = time.perf_counter()
@@ -254,6 +255,31 @@ def load_model(
         print(stats.summary(), file=sys.stderr, flush=True)  # progress, like the bars: stdout is the output
     model.load_stats = stats
     return model.eval()
+
+
+def _read(model, items, infos, path: Path, tp: TPInfo, group, device, dtype, cache_dir, progress: bool):
+    """From the load cache if every rank's entry is valid (they must agree: a coordinated read is a
+    collective), else from the checkpoint, then written to the cache."""
+    cache = None
+    if cache_dir is not None:
+        from .load_cache import LoadCache
+
+        files = sorted({i.file for i in infos.values()}, key=str)
+        cache = LoadCache(cache_dir, path, files, tp.rank, tp.size, dtype)
+        ok = cache.usable(model)
+        if group is not None and tp.size > 1:
+            import torch.distributed as dist
+
+            flags: list = [None] * tp.size
+            dist.all_gather_object(flags, ok, group=group)
+            ok = all(flags)
+        if ok:
+            return cache.read(model, torch.device(device))
+    stats = read_into(model, items, infos, rank=tp.rank, size=tp.size, group=group, device=device,
+                      desc=f"reading {path.name}" if progress else None)
+    if cache is not None:
+        cache.write(model)
+    return stats
 
 
 def use_cuda_kernels(model: torch.nn.Module) -> None:

@@ -51,6 +51,7 @@ class ReadStats:
     disk_bytes: int | None = None
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
+    from_cache: bool = False
 
     @property
     def gbps(self) -> float:
@@ -58,7 +59,8 @@ class ReadStats:
 
     def summary(self) -> str:
         disk = "n/a" if self.disk_bytes is None else f"{self.disk_bytes / 1e9:.2f} GB"
-        line = f"read {self.bytes_read / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gbps:.2f} GB/s"
+        src = "the load cache" if self.from_cache else "the checkpoint"
+        line = f"read {self.bytes_read / 1e9:.2f} GB of {src} in {self.seconds:.1f} s ({self.gbps:.2f} GB/s"
         line += f"; from disk {disk})"
         return line + "".join(f", {k} {v:.2f} s" for k, v in self.phases.items() if k != "read")
 

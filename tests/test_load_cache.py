@@ -1,0 +1,102 @@
+"""The load cache: a second start reads only the rank's own bytes and gives the same weights; another
+checkpoint, another k26, a changed shard, a truncated entry or a full disk never yield stale weights."""
+
+import errno
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from k26 import load_cache
+from k26.loader import load_model
+from k26.model import TPInfo
+
+
+def params(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def ckpt(tiny_tp, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_tp[0], d)
+    return d
+
+
+def test_second_start_reads_only_its_own_bytes(ckpt, tmp_path):
+    tp = TPInfo(1, 2)
+    fresh = load_model(ckpt, tp=tp, progress=False, cache_dir=tmp_path / "c")
+    assert not fresh.load_stats.from_cache
+    again = load_model(ckpt, tp=tp, progress=False, cache_dir=tmp_path / "c")
+    assert again.load_stats.from_cache
+    own = sum(p.numel() * p.element_size() for p in again.parameters())
+    assert again.load_stats.bytes_read == own < fresh.load_stats.bytes_read
+    assert same(params(fresh), params(again))
+
+
+def test_a_changed_shard_invalidates_the_entry(ckpt, tmp_path, capsys):
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    shard = min(ckpt.glob("*.safetensors"))
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different shards; loading the checkpoint" in capsys.readouterr().out
+
+
+def test_another_k26_version_invalidates_the_entry(ckpt, tmp_path, capsys, monkeypatch):
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    monkeypatch.setattr(load_cache, "code_digest", lambda: "another k26")
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different code" in capsys.readouterr().out
+
+
+def test_an_entry_of_another_checkpoint_is_not_used(ckpt, tiny_k25, tmp_path, capsys):
+    """Two checkpoints with the same directory name share an entry path; the fingerprint tells them apart."""
+    other = tmp_path / "x" / "ckpt"
+    shutil.copytree(tiny_k25, other)
+    load_model(other, progress=False, cache_dir=tmp_path / "c")
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different checkpoint" in capsys.readouterr().out
+    assert same(params(m), params(load_model(ckpt, progress=False)))
+
+
+def test_a_truncated_entry_is_not_used(ckpt, tmp_path, capsys):
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    (w,) = (tmp_path / "c").glob("*/weights.safetensors")
+    w.write_bytes(w.read_bytes()[:-100])
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "wrong size" in capsys.readouterr().out
+    assert same(params(m), params(load_model(ckpt, progress=False)))
+
+
+def test_a_full_disk_leaves_no_entry_and_only_warns(ckpt, tmp_path, monkeypatch):
+    def full(f, named):
+        f.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(load_cache, "write_safetensors", full)
+    with pytest.warns(UserWarning, match="not written .*No space left on device"):
+        m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert same(params(m), params(load_model(ckpt, progress=False)))
+    (entry,) = (tmp_path / "c").iterdir()
+    assert list(entry.iterdir()) == []  # neither weights nor meta: the next start loads fresh
+    monkeypatch.undo()
+    assert not load_model(ckpt, progress=False, cache_dir=tmp_path / "c").load_stats.from_cache
+
+
+def test_entry_meta_names_what_it_was_made_from(ckpt, tmp_path):
+    load_model(ckpt, tp=TPInfo(0, 2), dtype=torch.float32, progress=False, cache_dir=tmp_path / "c")
+    (meta,) = (tmp_path / "c").glob("*/meta.json")
+    m = json.loads(meta.read_text())
+    assert meta.parent.name == "ckpt-tp0of2-float32"
+    assert m["tp"] == [0, 2] and m["dtype"] == "torch.float32" and len(m["shards"]) == 2
