@@ -13,8 +13,12 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .embedded import default_drafter_dir, default_model_dir
+
+if TYPE_CHECKING:
+    from . import SamplingParams, SpecConfig
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -25,8 +29,8 @@ class GeneratePlan:
 
     model: Path
     drafter: Path | None  # None: autoregressive, no drafter loaded
-    sampling: object  # SamplingParams
-    spec: object  # SpecConfig, fitted to the context
+    sampling: SamplingParams
+    spec: SpecConfig  # fitted to the context
     prompt_ids: list[int]
     show_prompt: str  # echoed before the continuation ("" with --chat)
     tp: int
@@ -44,6 +48,12 @@ def _dir_arg(value: str | None, flag: str) -> Path | None:
     if not p.is_dir():
         raise ValueError(f"{flag} {value}: no such directory")
     return p
+
+
+def _out_arg(value: str | None, flag: str) -> None:
+    """An output file: its directory must exist now, not after minutes of loading and running."""
+    if value is not None and not Path(value).resolve().parent.is_dir():
+        raise ValueError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
 
 
 def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
@@ -176,6 +186,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     _dir_arg(a.model, "--model")
     _dir_arg(a.drafter, "--drafter")
+    _out_arg(a.out, "--out")
     check_device(a.device)
     text = run_bench(a)
     print(text)
@@ -190,6 +201,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     _dir_arg(a.model, "--model")
     _dir_arg(a.drafter, "--drafter")
+    _out_arg(a.out, "--out")
     check_device(a.device)
     print(run_profile(a))
     print(f"[k26] torch.profiler trace written to {a.out}", file=sys.stderr)

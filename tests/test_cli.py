@@ -134,6 +134,24 @@ def test_bad_arguments_refused_before_loading(no_loading, capsys, argv, needle):
     assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["bench", "--out", "/nonexistent/k26/bench.md"], "--out /nonexistent/k26/bench.md: directory"),
+        (["profile", "--out", "/nonexistent/k26/t.json"], "--out /nonexistent/k26/t.json: directory"),
+        (["profile", "--spec", "ar", "--budget", "4"], "--budget applies to --spec ddtree"),
+        (["profile", "--model", TARGET, "--spec", "dflash"], "--spec dflash needs --drafter DIR"),
+        (["bench", "--model", TARGET + "/config.json"], "is a file; pass the checkpoint directory"),
+    ],
+)
+def test_bench_and_profile_arguments_refused_before_loading(monkeypatch, capsys, argv, needle):
+    import k26.bench
+
+    monkeypatch.setattr(k26.bench, "LLM", lambda *a, **kw: pytest.fail("the model was loaded"))
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
 def test_argparse_rejects_non_positive_context(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "x", "--max-model-len", "0"])
