@@ -248,4 +248,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush(), sys.stderr.flush()
+    # Skip the interpreter's teardown (module and tensor finalisation, ~0.5 s of CPU per rank): the
+    # parent waits for every rank to exit, and there is nothing left to save. Messages are flushed.
+    os._exit(code)

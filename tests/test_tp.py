@@ -55,6 +55,7 @@ def test_tp2_from_a_script_on_stdin_matches_tp1(tiny_tp, reference, tmp_path):
         import torch
         from k26 import LLM, SamplingParams, SpecConfig
 
+        torch.set_num_threads(1)  # as conftest's one_cpu_thread
         ref = torch.load({str(tmp_path / "ref.pt")!r})
         sp = SamplingParams(max_tokens={sp.max_tokens}, stop_token_ids=[])
         llm = LLM({str(d)!r}, drafter={str(dr)!r}, device="cpu", dtype=torch.float32, progress=False,
