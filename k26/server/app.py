@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -20,10 +21,22 @@ from .engine import Request as EngineRequest
 from .protocol import APIError, completion_body, parse, usage
 
 
+@dataclass
+class Served:
+    """What the handlers share: the engine (and through it the LLM) and the model id clients send."""
+
+    engine: Engine
+    model: str
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def llm(self):
+        return self.engine.llm
+
+
 def create_app(engine: Engine, model_name: str) -> FastAPI:
     app = FastAPI(title="k26", docs_url=None, redoc_url=None)
-    llm = engine.llm
-    started = int(time.time())
+    s = Served(engine, model_name)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -35,9 +48,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.exception_handler(405)
     async def bad_method(request: Request, _):
-        return JSONResponse(
-            APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405
-        )
+        msg = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(APIError(405, msg).body(), 405)
 
     @app.get("/health")
     async def health():
@@ -47,18 +59,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": started,
-                    "owned_by": "k26",
-                    "max_model_len": llm.max_model_len,
-                }
-            ],
-        }
+        card = {"id": model_name, "object": "model", "created": s.started, "owned_by": "k26"}
+        return {"object": "list", "data": [{**card, "max_model_len": s.llm.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -66,94 +68,101 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, chat=False)
+        return await generate(s, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _generate(request, chat=True)
-
-    async def _generate(request: Request, chat: bool):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        p = parse(
-            body,
-            chat=chat,
-            model=model_name,
-            tok=llm.tokenizer,
-            vocab=llm.config.vocab_size,
-            max_model_len=llm.max_model_len,
-        )
-        req = EngineRequest(p.prompt_ids, p.params, asyncio.get_running_loop())
-        try:
-            engine.submit(req)
-        except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if p.stream:
-            return StreamingResponse(
-                _stream(req, rid, chat, p.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await _whole(request, req, rid, chat)
-
-    async def _whole(request: Request, req: EngineRequest, rid: str, chat: bool):
-        ids, ev = [], None
-        try:
-            while ev is None or ev.finish_reason is None:
-                try:
-                    ev = await asyncio.wait_for(req.events.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        req.cancelled = True
-                        return JSONResponse(APIError(499, "client closed the request").body(), 499)
-                    continue
-                _raise_on_error(ev)
-                ids += ev.token_ids
-        except asyncio.CancelledError:
-            req.cancelled = True
-            raise
-        text = ev.text if ev.text is not None else llm.tokenizer.decode(ids, skip_special=True)
-        return completion_body(
-            rid, model_name, chat, text, ev.finish_reason, usage(len(req.prompt_ids), len(ids))
-        )
-
-    async def _stream(req: EngineRequest, rid: str, chat: bool, include_usage: bool):
-        ids, sent, first = [], "", True
-        try:
-            if chat:  # the role comes first, as OpenAI's stream does
-                yield _sse(completion_body(rid, model_name, chat, "", None, None, delta=True, first=True))
-                first = False
-            while True:
-                ev: Event = await req.events.get()
-                if ev.error is not None:
-                    yield _sse(APIError(500, ev.error, type="server_error").body())
-                    break
-                ids += ev.token_ids
-                text = ev.text if ev.text is not None else _complete_utf8(llm.tokenizer, ids)
-                if len(text) > len(sent) or ev.finish_reason is not None:
-                    piece, sent = text[len(sent) :], text
-                    yield _sse(
-                        completion_body(
-                            rid, model_name, chat, piece, ev.finish_reason, None, delta=True, first=first
-                        )
-                    )
-                    first = False
-                if ev.finish_reason is not None:
-                    if include_usage:
-                        body = completion_body(
-                            rid, model_name, chat, "", None, usage(len(req.prompt_ids), len(ids)), delta=True
-                        )
-                        body["choices"] = []
-                        yield _sse(body)
-                    break
-            yield "data: [DONE]\n\n"
-        finally:  # normal end, or the client went away (the response task is cancelled)
-            req.cancelled = True
+        return await generate(s, request, chat=True)
 
     return app
+
+
+async def generate(s: Served, request: Request, chat: bool):
+    """Validate, queue for the engine, then answer whole or as a stream."""
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    llm = s.llm
+    p = parse(
+        body,
+        chat=chat,
+        model=s.model,
+        tok=llm.tokenizer,
+        vocab=llm.config.vocab_size,
+        max_model_len=llm.max_model_len,
+    )
+    req = EngineRequest(p.prompt_ids, p.params, asyncio.get_running_loop())
+    try:
+        s.engine.submit(req)
+    except QueueFull as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    if p.stream:
+        return StreamingResponse(
+            stream(s, req, rid, chat, p.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await whole(s, request, req, rid, chat)
+
+
+async def whole(s: Served, request: Request, req: EngineRequest, rid: str, chat: bool):
+    """The whole answer once the request finishes; a client gone meanwhile cancels it."""
+    ids, ev = [], None
+    try:
+        while ev is None or ev.finish_reason is None:
+            try:
+                ev = await asyncio.wait_for(req.events.get(), timeout=1.0)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    req.cancelled = True
+                    return JSONResponse(APIError(499, "client closed the request").body(), 499)
+                continue
+            _raise_on_error(ev)
+            ids += ev.token_ids
+    except asyncio.CancelledError:
+        req.cancelled = True
+        raise
+    text = ev.text if ev.text is not None else s.llm.tokenizer.decode(ids, skip_special=True)
+    use = usage(len(req.prompt_ids), len(ids))
+    return completion_body(rid, s.model, chat, text, ev.finish_reason, use)
+
+
+async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_usage: bool):
+    """Server-sent chunks: text increments of whole UTF-8 characters, the finish reason, usage if asked,
+    then `[DONE]`. However it ends (the client gone included), the request is cancelled."""
+    ids, sent, first = [], "", True
+    try:
+        if chat:  # the role comes first, as OpenAI's stream does
+            yield _sse(completion_body(rid, s.model, chat, "", None, None, delta=True, first=True))
+            first = False
+        while True:
+            ev: Event = await req.events.get()
+            if ev.error is not None:
+                yield _sse(APIError(500, ev.error, type="server_error").body())
+                break
+            ids += ev.token_ids
+            text = ev.text if ev.text is not None else _complete_utf8(s.llm.tokenizer, ids)
+            if len(text) > len(sent) or ev.finish_reason is not None:
+                piece, sent = text[len(sent) :], text
+                yield _sse(
+                    completion_body(
+                        rid, s.model, chat, piece, ev.finish_reason, None, delta=True, first=first
+                    )
+                )
+                first = False
+            if ev.finish_reason is not None:
+                if include_usage:
+                    body = completion_body(
+                        rid, s.model, chat, "", None, usage(len(req.prompt_ids), len(ids)), delta=True
+                    )
+                    body["choices"] = []
+                    yield _sse(body)
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # normal end, or the client went away (the response task is cancelled)
+        req.cancelled = True
 
 
 def _raise_on_error(ev: Event) -> None:
