@@ -143,9 +143,11 @@ def test_chat_whole_and_streamed(served):
 def test_stop_string_and_seeded_sampling(served):
     c = served["client"]
     full = c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy()).choices[0].text
-    stop = full[3:5]
+    stop = full[3:9]  # long enough to straddle tokens and steps
     cut = c.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], **greedy()).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+    chunks = c.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], stream=True, **greedy())
+    assert "".join(ch.choices[0].text for ch in chunks) == cut.text  # no piece of the stop string leaks
     kw = {
         "model": MODEL,
         "prompt": PROMPTS[1],
