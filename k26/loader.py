@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
-from .shard_reader import read_into
+from .shard_reader import read_into, read_small, tensor_spans
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
 _SKIP = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\.|\.rotary_emb\.inv_freq$")
@@ -73,6 +73,7 @@ class TensorInfo:
     key: str  # the name inside the file (with any prefix)
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string: BF16, F32, I32, ...
+    span: tuple[int, int] | None = None  # absolute [start, end) of its bytes in the file
 
 
 def read_index(path: Path) -> dict[str, TensorInfo]:
@@ -99,6 +100,7 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
             continue
         try:
             with safe_open(str(f), framework="pt") as h:
+                spans = tensor_spans([f])
                 for key in h.keys():
                     sl = h.get_slice(key)
                     name = key[len(PREFIX):] if key.startswith(PREFIX) else key
@@ -106,7 +108,7 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
                         continue
                     if name in infos:
                         problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
-                    infos[name] = TensorInfo(f, key, tuple(sl.get_shape()), sl.get_dtype())
+                    infos[name] = TensorInfo(f, key, tuple(sl.get_shape()), sl.get_dtype(), spans[f, key])
         except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged header
             unreadable.add(fname)
             listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0
@@ -215,8 +217,7 @@ def _check_weight_shape(infos: dict[str, TensorInfo], packed: str, full_packed: 
     used.add(name)
     if info.dtype not in _INT or info.shape != (2,):
         return [f"tensor {name} must be 2 integers, got {info.dtype} {list(info.shape)}"]
-    with safe_open(str(info.file), framework="pt") as h:
-        got = h.get_tensor(info.key).tolist()
+    got = read_small(info.file, info.span, info.dtype).tolist()  # exact bytes: no mmap read-around
     want = [full_packed[0], full_packed[1] * 8]
     return [] if got == want else [f"tensor {name} says {got}, expected {want} from weight_packed"]
 
