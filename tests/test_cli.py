@@ -242,7 +242,7 @@ def test_truncated_shard_is_one_line(tmp_path, capsys):
 # -- 8: profile --spec ddtree with the embedded pair, phase ranges in the torch.profiler trace ------------
 def test_profile_ddtree_without_model_has_phase_ranges(tmp_path, capsys):
     trace = tmp_path / "trace.json"
-    rc, _, err = run(capsys, "profile", "--spec", "ddtree", "--max-tokens", "6", "--out", str(trace))
+    rc, _, err = run(capsys, "profile", "--spec", "ddtree", "--max-tokens", "3", "--out", str(trace))
     assert rc == 0, err
     names = {
         e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "user_annotation"
