@@ -262,6 +262,20 @@ def test_full_queue_answers_429(served):
     assert c.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_failed_step_answers_500_and_the_server_goes_on(served, monkeypatch):
+    c, llm = served["client"], served["llm"]
+
+    def broken():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(llm, "step", broken)
+    with pytest.raises(openai.InternalServerError, match="injected step failure"):
+        c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy())
+    monkeypatch.undo()
+    ref = served["refs"][PROMPTS[0]]
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy()).choices[0].text == ref.text
+
+
 def test_load_run_loses_and_duplicates_nothing(served):
     """200 greedy requests, 16 at a time, over 8 rows: each answer is its own prompt's, none lost or twice."""
     c, url, short = served["client"], served["url"], served["short"]

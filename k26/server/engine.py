@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import queue
 import threading
@@ -39,7 +40,7 @@ class Event:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the engine looks requests up among its rows
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
@@ -187,9 +188,14 @@ class Engine:
                 self._publish(state, stepped)
                 m.step_tokens += m.generated_tokens - before
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+            err = Event([], error=f"{type(e).__name__}: {e}")
+            for req in admit:  # taken from the queue but never given a row: they hear it too
+                if req not in self.rows.values():
+                    req.push(err)
             for slot, req in list(self.rows.items()):
-                req.push(Event([], error=f"{type(e).__name__}: {e}"))
-                llm.release(slot)
+                req.push(err)
+                with contextlib.suppress(Exception):  # the row goes whatever state the batch is in
+                    llm.release(slot)
                 del self.rows[slot]
         m.running, m.waiting = len(state.live), self.pending
 
