@@ -113,14 +113,8 @@ def run_bench(a: argparse.Namespace) -> str:
         skipped.append("DFlash and DDTree rows: no drafter (pass --drafter DIR)")
     hf = None if a.no_hf else _hf_baseline(model_dir, prompts, a.max_tokens, dev)
     if hf:
-        rows.append(
-            (
-                "HF transformers generate() (eager" + (", one prompt at a time)" if a.batch > 1 else ")"),
-                hf,
-                1.0,
-                None,
-            )
-        )
+        one = ", one prompt at a time" if a.batch > 1 else ""
+        rows.append((f"HF transformers generate() (eager, experts dequantised to bf16{one})", hf, 1.0, None))
     else:
         skipped.append(
             "HF transformers generate(): "
