@@ -77,8 +77,10 @@ def same_checkpoint_on_every_rank(path) -> None:
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, h.hexdigest())
     if len(set(digests)) > 1:
-        raise RuntimeError(f"tensor-parallel ranks loaded different checkpoints (digests {digests}); rank "
-                           f"{dist.get_rank()} has {path}")
+        raise RuntimeError(
+            f"tensor-parallel ranks loaded different checkpoints (digests {digests}); rank "
+            f"{dist.get_rank()} has {path}"
+        )
 
 
 def check_world(size: int) -> None:
