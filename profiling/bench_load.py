@@ -302,13 +302,15 @@ def main() -> None:
     ap.add_argument("--nvme", type=float, default=7.0)
     ap.add_argument("--capture-s", type=float, default=60.0)
     ap.add_argument("--results", default=os.environ.get("OUT", "."))
+    ap.add_argument("--reuse", action="store_true", help="keep a checkpoint already in --out")
+    ap.add_argument("--skip-repack-time", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--experts", type=int, default=384, help="routed experts per layer (384: full width)")
     a = ap.parse_args()
     out, res = Path(a.out), Path(a.results)
     res.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, str]] = []
-    rp, same = repack_time(a.tp, a.device)
+    rp, same = repack_time(a.tp, a.device) if not a.skip_repack_time else (float("nan"), None)
     rows.append(
         (
             (
@@ -319,8 +321,12 @@ def main() -> None:
         )
     )
     print(rows[-1], flush=True)
-    size, wt = write_checkpoint(out, a.layers, a.shard_gb, a.device, a.experts)
-    files = sorted(out.glob("*.safetensors"))
+    if a.reuse and (out / "model.safetensors.index.json").is_file():  # a checkpoint this bench wrote before
+        files = sorted(out.glob("*.safetensors"))
+        size, wt = sum(f.stat().st_size for f in files), float("nan")
+    else:
+        size, wt = write_checkpoint(out, a.layers, a.shard_gb, a.device, a.experts)
+        files = sorted(out.glob("*.safetensors"))
     rows.append(
         (
             f"checkpoint written: {a.layers} layers, {a.experts} experts, {len(files)} shards",
@@ -361,7 +367,7 @@ def main() -> None:
         rows.append(
             (
                 (
-                    f"coordinated, {a.tp} ranks on gloo sharing one GPU, cold: bytes read all ranks "
+                    f"coordinated, {a.tp} ranks on gloo, all on {a.device}, cold: bytes read all ranks "
                     f"{total / 1e9:.2f} GB = {total / size:.2f}x checkpoint (disk {disk / 1e9:.2f} GB = "
                     f"{disk / size:.2f}x); slowest rank load {slow:.1f} s"
                 ),
