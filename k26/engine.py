@@ -53,7 +53,26 @@ def _surfacing_rank_errors(method):
     return call
 
 
+def _releasing_ranks_on_failure(init):
+    """An `__init__` that fails after starting TP ranks kills them and destroys the group it made, so the
+    process is as before (a retry starts afresh instead of finding a half-made group)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kw):
+        try:
+            init(self, *args, **kw)
+        except BaseException:
+            if getattr(self, "_ranks", None) is not None:
+                self._ranks.close(kill=True)
+            if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            raise
+
+    return wrapper
+
+
 class LLM:
+    @_releasing_ranks_on_failure
     def __init__(
         self,
         model_path: str | Path | None = None,

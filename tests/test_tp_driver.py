@@ -68,3 +68,16 @@ def test_a_bad_input_under_tp_raises_at_once(tiny_tp):
         assert llm.score([1, 2, 3]).shape[0] == 3  # the ranks are still in step
     finally:
         llm.close()
+
+
+def test_a_failed_tp_init_leaves_no_group_and_no_rank(tiny_tp):
+    """An LLM(tp=2) whose own checks fail after its ranks started kills them and destroys its group: the
+    next LLM(tp=2) in the same process starts afresh."""
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_tp[0], tp=2, **{**KW, "max_model_len": 10**9})
+    assert not dist.is_initialized()
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        assert llm.score([1, 2, 3]).shape[0] == 3
+    finally:
+        llm.close()
