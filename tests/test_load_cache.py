@@ -100,3 +100,38 @@ def test_entry_meta_names_what_it_was_made_from(ckpt, tmp_path):
     m = json.loads(meta.read_text())
     assert meta.parent.name == "ckpt-tp0of2-float32"
     assert m["tp"] == [0, 2] and m["dtype"] == "torch.float32" and len(m["shards"]) == 2
+
+
+def _cached_rank(d, rank, world, port, cache, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        runs = []
+        for _ in range(2):
+            m = load_model(d, tp=TPInfo(rank, world), progress=False, group=dist.group.WORLD, cache_dir=cache)
+            runs.append((m.load_stats.from_cache, params(m)))
+        torch.save(
+            {"first": runs[0][0], "second": runs[1][0], "same": same(runs[0][1], runs[1][1])},
+            out / f"r{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_coordinated_ranks_use_the_cache_together(ckpt, tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = 29400 + os.getpid() % 300
+    args = [(ckpt, r, 2, port, tmp_path / "c", tmp_path) for r in range(2)]
+    procs = [ctx.Process(target=_cached_rank, args=a) for a in args]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for r in range(2):
+        got = torch.load(tmp_path / f"r{r}.pt")
+        assert got == {"first": False, "second": True, "same": True}, r
