@@ -1,9 +1,10 @@
 """Checkpoint directory -> a loaded (and, for TP, sliced) `KimiK2`.
 
-Reads sharded safetensors (with `model.safetensors.index.json`) or a single file, memory-mapped, one
-tensor slice at a time: never the whole checkpoint in RAM. The model is built on the meta device,
-every tensor is checked against it (names, shapes, dtypes, int4 `weight_shape`) before any storage is
-allocated, and only then filled. All problems are reported together, by name.
+Reads sharded safetensors (with `model.safetensors.index.json`) or a single file. The model is built on
+the meta device, every tensor is checked against it (names, shapes, dtypes, int4 `weight_shape`) before
+any storage is allocated, and only then filled: the target through `shard_reader` (planned sequential
+reads in 256 MB batches, TP slices on the device, each shard read once across ranks given the group;
+never the whole checkpoint in RAM), optionally from `load_cache`. All problems are reported together.
 """
 
 from __future__ import annotations

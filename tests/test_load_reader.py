@@ -115,3 +115,19 @@ def test_a_shard_cut_short_while_read_is_refused(tmp_path):
     with pytest.raises(ShardChangedError, match="short.safetensors ended at byte 100 while loading"):
         st.read([(f, 50, 150)])
     st.close()
+
+
+@pytest.mark.gpu
+def test_pinned_staging_on_gpu_fills_what_the_per_tensor_path_fills(tiny_tp):
+    """Small staging buffers force the ring to wrap many times, pieces to span buffers and batches."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    d, tp = tiny_tp[0], TPInfo(1, 4)
+    want, items, infos = planned(d, tp)
+    fill(want, items, infos, tp)
+    got = planned(d, tp)[0].to("cuda")
+    for p in got.parameters():
+        p.fill_(7) if not p.is_floating_point() else p.fill_(float("nan"))
+    read_into(got, items, infos, rank=1, size=4, device="cuda", chunk=1000)
+    for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        assert torch.equal(a, b.cpu()), n
