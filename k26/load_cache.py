@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -118,7 +119,7 @@ class LoadCache:
         if reason is None:
             reason = self._mismatch(model)
         if reason is not None and reason != "no entry yet":
-            print(f"load cache {self.dir}: {reason}; loading the checkpoint", flush=True)
+            print(f"load cache {self.dir}: {reason}; loading the checkpoint", file=sys.stderr, flush=True)
         return reason is None
 
     def _mismatch(self, model: torch.nn.Module) -> str | None:

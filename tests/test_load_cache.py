@@ -47,7 +47,7 @@ def test_a_changed_shard_invalidates_the_entry(ckpt, tmp_path, capsys):
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
     assert not m.load_stats.from_cache
-    assert "made from a different shards; loading the checkpoint" in capsys.readouterr().out
+    assert "made from a different shards; loading the checkpoint" in capsys.readouterr().err
 
 
 def test_another_k26_version_invalidates_the_entry(ckpt, tmp_path, capsys, monkeypatch):
@@ -55,7 +55,7 @@ def test_another_k26_version_invalidates_the_entry(ckpt, tmp_path, capsys, monke
     monkeypatch.setattr(load_cache, "code_digest", lambda: "another k26")
     m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
     assert not m.load_stats.from_cache
-    assert "made from a different code" in capsys.readouterr().out
+    assert "made from a different code" in capsys.readouterr().err
 
 
 def test_an_entry_of_another_checkpoint_is_not_used(ckpt, tiny_k25, tmp_path, capsys):
@@ -65,7 +65,7 @@ def test_an_entry_of_another_checkpoint_is_not_used(ckpt, tiny_k25, tmp_path, ca
     load_model(other, progress=False, cache_dir=tmp_path / "c")
     m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
     assert not m.load_stats.from_cache
-    assert "made from a different checkpoint" in capsys.readouterr().out
+    assert "made from a different checkpoint" in capsys.readouterr().err
     assert same(params(m), params(load_model(ckpt, progress=False)))
 
 
@@ -75,7 +75,7 @@ def test_a_truncated_entry_is_not_used(ckpt, tmp_path, capsys):
     w.write_bytes(w.read_bytes()[:-100])
     m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
     assert not m.load_stats.from_cache
-    assert "wrong size" in capsys.readouterr().out
+    assert "wrong size" in capsys.readouterr().err
     assert same(params(m), params(load_model(ckpt, progress=False)))
 
 
