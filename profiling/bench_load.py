@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k26.load_cache import write_safetensors
 from k26.loader import load_model
 from k26.model import TPInfo
 from k26.ops.moe_cuda import repack_experts
@@ -123,27 +124,6 @@ def make(kind: str, shape: tuple[int, ...], dev: str) -> torch.Tensor:
     return (0.02 * torch.randn(shape, device=dev)).to(torch.bfloat16)
 
 
-_ST = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32"}
-
-
-def write_shard(f: Path, named: list[tuple[str, torch.Tensor]]) -> int:
-    """One safetensors file written straight from the tensors' bytes (no serialised copy), fsync'd."""
-    header, off = {"__metadata__": {"format": "pt"}}, 0
-    for n, t in named:
-        nb = t.numel() * t.element_size()
-        header[n] = {"dtype": _ST[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
-        off += nb
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(f, "wb") as w:
-        w.write(len(h).to_bytes(8, "little") + h)
-        for _, t in named:
-            w.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
-        w.flush()
-        os.fsync(w.fileno())
-    return 8 + len(h) + off
-
-
 def write_checkpoint(out: Path, layers: int, shard_gb: float, dev: str, experts: int) -> tuple[int, float]:
     s = K26 | {"num_hidden_layers": layers, "n_routed_experts": experts}
     text = text_config(s | {"base_vocab": 0}, FIRST_SPECIAL, "int4")
@@ -172,7 +152,7 @@ def write_checkpoint(out: Path, layers: int, shard_gb: float, dev: str, experts:
     for i, g in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         named = [("language_model." + n, make(k, sh, dev).cpu()) for n, k, sh in g]
-        total += write_shard(out / fname, named)
+        total += write_safetensors(out / fname, named)
         wmap |= {n: fname for n, _ in named}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
     return total, time.perf_counter() - t0
