@@ -4,6 +4,7 @@ and coordinated (all ranks at once on gloo, each shard read by one rank), and ex
 8 ranks (modelled, labelled so).
 
     python profiling/bench_load.py --out /tmp/k26_ckpt --layers 2 --tp 8 --alone-ranks 0 [--coordinated]
+    python profiling/bench_load.py --repack-only      # the repack's speed alone (TP8 shapes, 384 experts)
 
 Layers: layer 0 dense, the rest MoE (384 int4 experts, real dims); `language_model.` nesting; random weights
 (int4 words are random bits: every pattern is a valid code). Writes bench_load.md and .json to --results.
@@ -284,6 +285,7 @@ def main() -> None:
     ap.add_argument("--results", default=os.environ.get("OUT", "."))
     ap.add_argument("--reuse", action="store_true", help="keep a checkpoint already in --out")
     ap.add_argument("--skip-repack-time", action="store_true")
+    ap.add_argument("--repack-only", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--experts", type=int, default=384, help="routed experts per layer (384: full width)")
     a = ap.parse_args()
@@ -301,6 +303,8 @@ def main() -> None:
         )
     )
     print(rows[-1], flush=True)
+    if a.repack_only:  # seconds of device time: the repack's speed without the disk
+        return
     if a.reuse and (out / "model.safetensors.index.json").is_file():  # a checkpoint this bench wrote before
         files = sorted(out.glob("*.safetensors"))
         size, wt = sum(f.stat().st_size for f in files), float("nan")
