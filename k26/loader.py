@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
-from .shard_reader import read_into, read_small, tensor_spans
+from .shard_reader import file_stamp, read_into, read_small, tensor_spans
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
 _SKIP = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\.|\.rotary_emb\.inv_freq$")
@@ -75,6 +75,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string: BF16, F32, I32, ...
     span: tuple[int, int] | None = None  # absolute [start, end) of its bytes in the file
+    stamp: tuple[int, int] | None = None  # the file's (size, mtime_ns) when the header was read
 
 
 def read_index(path: Path) -> dict[str, TensorInfo]:
@@ -101,7 +102,7 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
             continue
         try:
             with safe_open(str(f), framework="pt") as h:
-                spans = tensor_spans([f])
+                stamp, spans = file_stamp(f), tensor_spans([f])
                 for key in h.keys():
                     sl = h.get_slice(key)
                     name = key[len(PREFIX):] if key.startswith(PREFIX) else key
@@ -109,7 +110,7 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
                         continue
                     if name in infos:
                         problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
-                    infos[name] = TensorInfo(f, key, tuple(sl.get_shape()), sl.get_dtype(), spans[f, key])
+                    infos[name] = TensorInfo(f, key, tuple(sl.get_shape()), sl.get_dtype(), spans[f, key], stamp)
         except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged header
             unreadable.add(fname)
             listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0

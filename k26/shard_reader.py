@@ -96,6 +96,11 @@ def read_small(f: Path, span: tuple[int, int], dtype: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=DTYPES[dtype])
 
 
+def file_stamp(f: Path) -> tuple[int, int]:
+    st = f.stat()
+    return st.st_size, st.st_mtime_ns
+
+
 def tensor_spans(files: list[Path]) -> dict[tuple[Path, str], tuple[int, int]]:
     """(file, key) -> absolute [start, end) of the tensor's bytes, from each shard's header."""
     spans = {}
@@ -196,8 +201,15 @@ class Stager:
     host-to-device copy per full buffer, the next read overlapping it. On a CPU device it reads straight
     into the destination. Checks each file's size and mtime before the first and after the last read."""
 
-    def __init__(self, device: torch.device, chunk: int = CHUNK, ring: int = 2):
+    def __init__(
+        self,
+        device: torch.device,
+        chunk: int = CHUNK,
+        ring: int = 2,
+        stamps: dict[Path, tuple[int, int]] | None = None,
+    ):
         self.device = device
+        self.stamps = stamps or {}  # (size, mtime_ns) of each file when its header was read
         self.cuda = device.type == "cuda"
         self.chunk = chunk
         n = ring if self.cuda else 0
@@ -212,6 +224,8 @@ class Stager:
             fd = _open_random(f)  # the reads are large already; readahead would add other ranks' rows
             st = os.fstat(fd)
             self.fds[f] = (fd, (st.st_size, st.st_mtime_ns))
+            if self.stamps.get(f, self.fds[f][1]) != self.fds[f][1]:
+                raise ShardChangedError(f"shard {f.name} changed since its header was read: load again")
         return self.fds[f][0]
 
     def _pread(self, fd: int, view: memoryview, offset: int, f: Path) -> None:
@@ -398,7 +412,8 @@ def read_into(
             raise ValueError(f"TP size {size} but the process group has {dist.get_world_size(group)} ranks")
         # gloo exchanges host tensors: read into host memory and copy only this rank's slices to the device
         xdev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    stager = Stager(xdev, chunk)
+    stamps = {infos[it.hf].file: infos[it.hf].stamp for it in items if infos[it.hf].stamp is not None}
+    stager = Stager(xdev, chunk, stamps=stamps)
     total = sum(p.nbytes for p in pieces)
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=desc is None)
     try:

@@ -131,3 +131,18 @@ def test_pinned_staging_on_gpu_fills_what_the_per_tensor_path_fills(tiny_tp):
     read_into(got, items, infos, rank=1, size=4, device="cuda", chunk=1000)
     for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
         assert torch.equal(a, b.cpu()), n
+
+
+def test_a_shard_replaced_after_its_header_was_read_is_refused(tiny_tp, tmp_path):
+    """The byte ranges come from the header read at planning time: a shard swapped since then must not be
+    read with them."""
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_tp[0], d)
+    model, items, infos = planned(d, TPInfo())
+    f = max(d.glob("*.safetensors"))
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(ShardChangedError, match=f"shard {f.name} changed since its header was read"):
+        read_into(model, items, infos)
