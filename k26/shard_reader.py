@@ -263,7 +263,8 @@ class Stager:
         if self.fill:
             out[pos : pos + self.fill].copy_(self.bufs[self.i][: self.fill], non_blocking=True)
             self.events[self.i] = torch.cuda.Event()
-            self.events[self.i].record()
+            # the stream of this device (a reader thread's current device may be another)
+            self.events[self.i].record(torch.cuda.current_stream(self.device))
             pos += self.fill
             self.i, self.fill = (self.i + 1) % len(self.bufs), 0
         return pos
@@ -299,15 +300,24 @@ def _store(params: dict[str, torch.Tensor], param: str, expert: int | None, t: t
 
 
 def fill_alone(params, pieces: list[Piece], stager: Stager, bar=None) -> None:
-    """Independent mode: read this rank's pieces batch by batch and narrow them on the device."""
-    for batch in batches(pieces, stager.chunk):
-        buf, pos = stager.read(reads(batch)), 0
-        for p in batch:
-            t = _view(buf, pos, p.dtype, p.shape)
-            _store(params, p.param, p.expert, t if p.dim is None else t.narrow(p.dim, p.lo, p.hi - p.lo))
-            pos += p.nbytes
-        if bar is not None:
-            bar.update(sum(p.nbytes for p in batch))
+    """Independent mode: read this rank's pieces batch by batch and narrow them on the device. One reader
+    thread reads the next batch (the GIL is released in pread) while this one places the current batch's
+    pieces (a few thousand small launches per MoE layer: ~20 % of the read time if done in turn)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = batches(pieces, stager.chunk)
+    with ThreadPoolExecutor(1, thread_name_prefix="k26-read") as pool:
+        ahead = pool.submit(stager.read, reads(todo[0])) if todo else None
+        for k, batch in enumerate(todo):
+            buf, pos = ahead.result(), 0
+            if k + 1 < len(todo):
+                ahead = pool.submit(stager.read, reads(todo[k + 1]))
+            for p in batch:
+                t = _view(buf, pos, p.dtype, p.shape)
+                _store(params, p.param, p.expert, t if p.dim is None else t.narrow(p.dim, p.lo, p.hi - p.lo))
+                pos += p.nbytes
+            if bar is not None:
+                bar.update(sum(p.nbytes for p in batch))
 
 
 def assign_files(pieces: list[Piece], size: int) -> dict[Path, int]:
