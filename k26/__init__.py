@@ -9,7 +9,15 @@ from .spec.step import SpecConfig
 from .tokenizer import Message, Tokenizer
 
 __all__ = [
-    "LLM", "SamplingParams", "SpecConfig", "SpecStats", "RequestOutput", "ModelConfig", "ConfigError", "CheckpointError",
-    "Tokenizer", "Message",
+    "LLM",
+    "CheckpointError",
+    "ConfigError",
+    "Message",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecConfig",
+    "SpecStats",
+    "Tokenizer",
 ]
 __version__ = "0.1.0"

@@ -289,8 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     sv.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
     sv.add_argument("--drafter", help="DFlash drafter directory (ddtree unless --spec says otherwise)")
-    sv.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default=None,
-                    help="decoding method (default: ddtree when there is a drafter, else ar)")
+    sv.add_argument(
+        "--spec",
+        choices=["ar", "dflash", "ddtree"],
+        default=None,
+        help="decoding method (default: ddtree when there is a drafter, else ar)",
+    )
     sv.add_argument("--budget", default=None, help="DDTree nodes besides the root: N or auto (default)")
     sv.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks")
     sv.add_argument("--device", choices=["cpu", "cuda"], default=None)

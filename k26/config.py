@@ -235,7 +235,9 @@ def read_config_json(path: str | Path, what: str) -> dict[str, Any]:
     path = Path(path)
     cfg_file = path / "config.json"
     if path.is_file():  # e.g. .../config.json itself
-        raise ConfigError(f"{what} path {str(path)!r} is a file; pass the directory that holds it: {str(path.parent)!r}")
+        raise ConfigError(
+            f"{what} path {str(path)!r} is a file; pass the directory that holds it: {str(path.parent)!r}"
+        )
     if not path.is_dir():
         raise ConfigError(f"{what} directory {str(path)!r} does not exist")
     if not cfg_file.is_file():
@@ -295,7 +297,9 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
         factor = float(rs["factor"])
         orig = int(rs["original_max_position_embeddings"])
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{prefix}{key} needs numeric 'factor' and 'original_max_position_embeddings'") from e
+        raise ConfigError(
+            f"{prefix}{key} needs numeric 'factor' and 'original_max_position_embeddings'"
+        ) from e
     # Transformers' generic YaRN may re-derive the factor from the two lengths; insisting on equality
     # keeps every engine computing the same frequencies.
     max_pos = f.int("max_position_embeddings")
@@ -344,7 +348,11 @@ def _parse_quant(q: dict[str, Any] | None, prefix: str) -> QuantConfig:
         if w.get("dynamic"):
             raise ConfigError(f"{p}.config_groups.{gname}.weights.dynamic=true is not supported")
         if w.get("actorder") not in (None, False):
-            raise ConfigError(f"{p}.config_groups.{gname}.weights.actorder={w['actorder']!r} is not supported")
+            raise ConfigError(
+                f"{p}.config_groups.{gname}.weights.actorder={w['actorder']!r} is not supported"
+            )
         if group.get("input_activations") is not None:
-            raise ConfigError(f"{p}.config_groups.{gname}.input_activations: only weight-only (W4A16) is supported")
+            raise ConfigError(
+                f"{p}.config_groups.{gname}.input_activations: only weight-only (W4A16) is supported"
+            )
     return QuantConfig("int4", group_size=32)

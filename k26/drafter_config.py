@@ -54,12 +54,16 @@ class DrafterConfig:
         if not isinstance(dc, dict):
             raise ConfigError("drafter config.json has no 'dflash_config' object: not a DFlash drafter")
         if "candidate_selector" in raw or "candidate_selector" in dc:
-            raise ConfigError("drafter config.json describes DFlash2 (candidate_selector), which is a different model")
+            raise ConfigError(
+                "drafter config.json describes DFlash2 (candidate_selector), which is a different model"
+            )
         expect(f, "hidden_act", "silu")
         expect(f, "attention_bias", False)
         ids = dc.get("target_layer_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-            raise ConfigError(f"drafter dflash_config.target_layer_ids={ids!r}: expected a non-empty list of layer ids")
+            raise ConfigError(
+                f"drafter dflash_config.target_layer_ids={ids!r}: expected a non-empty list of layer ids"
+            )
         if list(ids) != sorted(set(ids)):
             raise ConfigError(f"drafter dflash_config.target_layer_ids={ids!r} must be strictly increasing")
         mask = dc.get("mask_token_id")
@@ -95,7 +99,9 @@ class DrafterConfig:
                 f"num_key_value_heads={cfg.num_key_value_heads}"
             )
         if cfg.rope_attention_factor not in ("legacy", "config"):
-            raise ConfigError(f"drafter rope_attention_factor={cfg.rope_attention_factor!r}: 'legacy' or 'config'")
+            raise ConfigError(
+                f"drafter rope_attention_factor={cfg.rope_attention_factor!r}: 'legacy' or 'config'"
+            )
         return cfg
 
     def check_target(self, target: ModelConfig) -> None:
@@ -109,6 +115,8 @@ class DrafterConfig:
         if beyond:
             bad.append(f"target_layer_ids {beyond} beyond the target's {target.num_hidden_layers} layers")
         if not 0 <= self.mask_token_id < target.vocab_size:
-            bad.append(f"mask_token_id {self.mask_token_id} outside the target vocabulary [0, {target.vocab_size})")
+            bad.append(
+                f"mask_token_id {self.mask_token_id} outside the target vocabulary [0, {target.vocab_size})"
+            )
         if bad:
             raise ConfigError("drafter does not match the target: " + "; ".join(bad))

@@ -13,18 +13,18 @@ import numbers
 import os
 import warnings
 import weakref
+from collections.abc import Generator, Sequence
 from pathlib import Path
-from typing import Generator, Sequence
 
 import torch
 
 from .config import ModelConfig
-from .kv_cache import DrafterCache, LatentCache
-from .loader import load_drafter, load_model
-from .model import AttnBatch, KimiK2
 from .decode import BatchState, DecodeContext, Decoder, RequestOutput
 from .dist import check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
+from .kv_cache import DrafterCache, LatentCache
+from .loader import load_drafter, load_model
+from .model import AttnBatch, KimiK2
 from .sampling import SamplingParams
 from .spec.step import SpecConfig, verify_nodes
 from .tokenizer import Tokenizer
@@ -104,12 +104,33 @@ class LLM:
         self._ranks: RankGroup | None = None
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
             # Ranks 1..tp-1 build this same LLM in their own processes and mirror its calls; this one joins as 0.
-            self._ranks = RankGroup(tp, type(self), (str(self.path),), dict(
-                drafter=drafter, device=device, dtype=dtype, tp=tp, max_model_len=max_model_len, max_batch=max_batch,
-                absorb=absorb, progress=False, cuda_kernels=cuda_kernels, graphs=graphs, buckets=buckets,
-                compile=compile, cache_dir=cache_dir), str(device) if device else None)
-            weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
-        self.rank, world, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
+            self._ranks = RankGroup(
+                tp,
+                type(self),
+                (str(self.path),),
+                dict(
+                    drafter=drafter,
+                    device=device,
+                    dtype=dtype,
+                    tp=tp,
+                    max_model_len=max_model_len,
+                    max_batch=max_batch,
+                    absorb=absorb,
+                    progress=False,
+                    cuda_kernels=cuda_kernels,
+                    graphs=graphs,
+                    buckets=buckets,
+                    compile=compile,
+                    cache_dir=cache_dir,
+                ),
+                str(device) if device else None,
+            )
+            weakref.finalize(
+                self, self._ranks.close
+            )  # also at exit; an LLM whose __init__ fails frees its ranks
+        self.rank, world, dist_dev = (
+            init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
+        )
         self.tp_size = tp
         self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or torch.bfloat16
@@ -117,13 +138,17 @@ class LLM:
             raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
         # Graphs by default for bf16 on CUDA: other dtypes run the reference ops, which read lengths back
         # to the host and so cannot be captured.
-        self.graphs = (self.device.type == "cuda" and self.dtype == torch.bfloat16) if graphs is None else graphs
+        self.graphs = (
+            (self.device.type == "cuda" and self.dtype == torch.bfloat16) if graphs is None else graphs
+        )
         if self.graphs and self.device.type != "cuda":
             raise ValueError("graphs=True needs a CUDA device")
         if self.graphs and self.dtype != torch.bfloat16:
-            raise ValueError(f"graphs=True needs dtype=torch.bfloat16 (got {self.dtype}): the CUDA kernels take bf16, "
-                             "and the reference ops other dtypes run read lengths back to the host, which a CUDA "
-                             "graph cannot capture; pass graphs=False")
+            raise ValueError(
+                f"graphs=True needs dtype=torch.bfloat16 (got {self.dtype}): the CUDA kernels take bf16, "
+                "and the reference ops other dtypes run read lengths back to the host, which a CUDA "
+                "graph cannot capture; pass graphs=False"
+            )
         self.config = ModelConfig.from_dir(self.path)
         self.tokenizer = Tokenizer.from_dir(self.path)
         if self.tokenizer.num_base + 256 != self.config.vocab_size:
@@ -144,18 +169,30 @@ class LLM:
             with self._surface_rank_errors():
                 same_checkpoint_on_every_rank(self.path)
         self.model: KimiK2 = load_model(
-            self.path, self.config, device=self.device, dtype=self.dtype, progress=progress and self.rank == 0,
-            cuda_kernels=cuda_kernels, tp=tp_info(self.rank, tp),
+            self.path,
+            self.config,
+            device=self.device,
+            dtype=self.dtype,
+            progress=progress and self.rank == 0,
+            cuda_kernels=cuda_kernels,
+            tp=tp_info(self.rank, tp),
             group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
             cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
         )
         self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
         self.drafter, self.dcache = None, None
         if drafter is not None:
-            self.drafter = load_drafter(drafter, self.config, device=self.device, dtype=self.dtype,
-                                        tp=self.model.tp, cuda_kernels=cuda_kernels)
-            self.dcache = DrafterCache.allocate(self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device,
-                                                tp_size=tp)
+            self.drafter = load_drafter(
+                drafter,
+                self.config,
+                device=self.device,
+                dtype=self.dtype,
+                tp=self.model.tp,
+                cuda_kernels=cuda_kernels,
+            )
+            self.dcache = DrafterCache.allocate(
+                self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
+            )
         self.progress = progress
         self.user_buckets = [Bucket(*b) for b in buckets] if buckets else None
         for b in self.user_buckets or []:
@@ -164,9 +201,23 @@ class LLM:
         # torch.compile of the model body: fixed shapes per bucket, lengths and positions as tensors, so
         # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
         self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
-        self.decoder = Decoder(DecodeContext(
-            self.model, self.model_fwd, self.drafter, self.cache, self.dcache, self.tokenizer, self.max_model_len,
-            self.device, self.buckets_for, tp, absorb, self.graphs, progress))
+        self.decoder = Decoder(
+            DecodeContext(
+                self.model,
+                self.model_fwd,
+                self.drafter,
+                self.cache,
+                self.dcache,
+                self.tokenizer,
+                self.max_model_len,
+                self.device,
+                self.buckets_for,
+                tp,
+                absorb,
+                self.graphs,
+                progress,
+            )
+        )
         if self._ranks is not None:
             self._ranks.wait_ready()  # a rank that failed to build raises its own error here
 
@@ -207,13 +258,21 @@ class LLM:
     # -- inputs --------------------------------------------------------------------------------
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
         if isinstance(ids, str):  # a str is a Sequence too: its characters would pass for token ids
-            raise TypeError(f"{what} is a str; expected token ids: encode the text first, llm.tokenizer.encode(text)")
-        if isinstance(ids, (bytes, bytearray)):  # iterating bytes yields ints: they would be taken for token ids
-            raise TypeError(f"{what} is {type(ids).__name__}; expected a str or token ids: decode it first, "
-                            "data.decode('utf-8')")
+            raise TypeError(
+                f"{what} is a str; expected token ids: encode the text first, llm.tokenizer.encode(text)"
+            )
+        if isinstance(
+            ids, (bytes, bytearray)
+        ):  # iterating bytes yields ints: they would be taken for token ids
+            raise TypeError(
+                f"{what} is {type(ids).__name__}; expected a str or token ids: decode it first, "
+                "data.decode('utf-8')"
+            )
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-                raise TypeError(f"{what} is a {ids.dim()}-d {ids.dtype} tensor; expected a 1-d integer tensor of token ids")
+                raise TypeError(
+                    f"{what} is a {ids.dim()}-d {ids.dtype} tensor; expected a 1-d integer tensor of token ids"
+                )
             ids = ids.tolist()
         ids = list(ids)
         if not ids:
@@ -221,9 +280,13 @@ class LLM:
         V = self.config.vocab_size
         for pos, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"{what}: token id {t!r} at position {pos} is a {type(t).__name__}; expected an int")
+                raise TypeError(
+                    f"{what}: token id {t!r} at position {pos} is a {type(t).__name__}; expected an int"
+                )
             if not 0 <= t < V:
-                raise ValueError(f"{what}: token id {t!r} at position {pos} is outside the vocabulary [0, {V})")
+                raise ValueError(
+                    f"{what}: token id {t!r} at position {pos} is outside the vocabulary [0, {V})"
+                )
         ids = [int(t) for t in ids]
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -248,7 +311,9 @@ class LLM:
         self._mirror("score", ids)
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
         batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device=self.device), len(ids), rows)
-        h, _ = self.model(torch.tensor([ids], device=self.device), batch, self.cache.kv_LRTC, absorb=self.absorb)
+        h, _ = self.model(
+            torch.tensor([ids], device=self.device), batch, self.cache.kv_LRTC, absorb=self.absorb
+        )
         return self.model.logits(h[0])
 
     def _prepare(self, prompts, sampling, spec):
@@ -284,16 +349,23 @@ class LLM:
         sent, o = "", None
         for outs in self.decoder.run(encoded, sp, spec):
             o = outs[0]
-            text = o.text if o.finish_reason == "stop" and o.text else _complete_utf8(self.tokenizer, o.token_ids)
+            text = (
+                o.text
+                if o.finish_reason == "stop" and o.text
+                else _complete_utf8(self.tokenizer, o.token_ids)
+            )
             if len(text) > len(sent):
-                yield text[len(sent):]
+                yield text[len(sent) :]
                 sent = text
         return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
 
     @torch.inference_mode()
     @_surfacing_rank_errors
     def generate(
-        self, prompts: Prompt | list[Prompt], sampling: SamplingParams | None = None, spec: SpecConfig | None = None
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt; a single string or id list counts as one prompt. `spec` picks the decoding
         method (default: DDTree with a drafter loaded, else autoregressive)."""
@@ -374,8 +446,14 @@ def check_device(device) -> None:
     if dev.type != "cuda":
         return
     if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)"
-        raise ValueError(f"device={device!r}: CUDA is not available ({why}, torch {torch.__version__}); use device='cpu'")
+        why = (
+            "this torch build has no CUDA"
+            if torch.version.cuda is None
+            else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)"
+        )
+        raise ValueError(
+            f"device={device!r}: CUDA is not available ({why}, torch {torch.__version__}); use device='cpu'"
+        )
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
@@ -391,20 +469,32 @@ def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfi
         if fit == spec.candidates:
             return spec
         if not fit:
-            warnings.warn(f"max_model_len={max_model_len} leaves no room for a DDTree step (the smallest candidate "
-                          f"budget {spec.candidates[0]} + drafter block {block_size} + 1 > {max_model_len}): "
-                          "decoding autoregressively", stacklevel=3)
+            warnings.warn(
+                f"max_model_len={max_model_len} leaves no room for a DDTree step (the smallest candidate "
+                f"budget {spec.candidates[0]} + drafter block {block_size} + 1 > {max_model_len}): "
+                "decoding autoregressively",
+                stacklevel=3,
+            )
             return SpecConfig("ar")
         n = len(fit)
         costs = spec.costs[: n + 1] if spec.costs else None
         per_token = spec.cost_per_token[:n] if spec.cost_per_token else None
-        warnings.warn(f"max_model_len={max_model_len}: DDTree budgets limited to {fit} of {spec.candidates} "
-                      f"(a budget B needs B + drafter block {block_size} + 1 context tokens)", stacklevel=3)
+        warnings.warn(
+            f"max_model_len={max_model_len}: DDTree budgets limited to {fit} of {spec.candidates} "
+            f"(a budget B needs B + drafter block {block_size} + 1 context tokens)",
+            stacklevel=3,
+        )
         return SpecConfig("ddtree", "auto", fit, costs, per_token)
     nodes = verify_nodes(spec, block_size)
     need = max(nodes, block_size) + 2  # one prompt token and the bonus, then the step's tree (drafter block)
     if max_model_len < need:
-        what = f"a DFlash step ({nodes} verify tokens)" if spec.method == "dflash" else f"DDTree budget {nodes - 1}"
-        raise ValueError(f"max_model_len={max_model_len} is too small for {what} with drafter block {block_size}: "
-                         f"it needs {need}; raise max_model_len, lower the budget, or use spec 'ar'")
+        what = (
+            f"a DFlash step ({nodes} verify tokens)"
+            if spec.method == "dflash"
+            else f"DDTree budget {nodes - 1}"
+        )
+        raise ValueError(
+            f"max_model_len={max_model_len} is too small for {what} with drafter block {block_size}: "
+            f"it needs {need}; raise max_model_len, lower the budget, or use spec 'ar'"
+        )
     return spec

@@ -16,8 +16,11 @@ def deepseek_v3_state(path: str | Path, dtype: torch.dtype) -> tuple[dict, dict[
     """(LM config fields for `DeepseekV3Config`, state dict)."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
-    text = {k: v for k, v in raw.get("text_config", raw).items()
-            if k not in ("quantization_config", "architectures", "model_type")}
+    text = {
+        k: v
+        for k, v in raw.get("text_config", raw).items()
+        if k not in ("quantization_config", "architectures", "model_type")
+    }
     tensors = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
@@ -38,6 +41,10 @@ def deepseek_v3_state(path: str | Path, dtype: torch.dtype) -> tuple[dict, dict[
             continue
         E = text["n_routed_experts"]
         state[p + "gate_up_proj"] = torch.stack(
-            [torch.cat([state.pop(f"{p}{e}.gate_proj.weight"), state.pop(f"{p}{e}.up_proj.weight")]) for e in range(E)])
+            [
+                torch.cat([state.pop(f"{p}{e}.gate_proj.weight"), state.pop(f"{p}{e}.up_proj.weight")])
+                for e in range(E)
+            ]
+        )
         state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight") for e in range(E)])
     return text, state

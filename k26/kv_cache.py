@@ -47,6 +47,10 @@ class DrafterCache:
     v: torch.Tensor
 
     @classmethod
-    def allocate(cls, cfg: DrafterConfig, rows: int, max_len: int, dtype: torch.dtype, device, tp_size: int = 1):
+    def allocate(
+        cls, cfg: DrafterConfig, rows: int, max_len: int, dtype: torch.dtype, device, tp_size: int = 1
+    ):
         shape = (cfg.num_hidden_layers, rows + 1, max_len, cfg.num_key_value_heads // tp_size, cfg.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        )

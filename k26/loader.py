@@ -37,19 +37,73 @@ NAME_TABLE: list[tuple[str, str, int | None, bool]] = [
     (r"embed_tokens\.weight", "model.embed_tokens.weight", 0, False),
     (r"norm\.weight", "model.norm.weight", None, False),
     (r"lm_head\.weight", "lm_head.weight", 0, False),
-    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"model.layers.\1.\2.weight", None, False),
-    (r"layers\.(\d+)\.self_attn\.(q_a_proj|q_a_layernorm|kv_a_proj_with_mqa|kv_a_layernorm)\.weight",
-     r"model.layers.\1.self_attn.\2.weight", None, False),
-    (r"layers\.(\d+)\.self_attn\.(q_b_proj|kv_b_proj)\.weight", r"model.layers.\1.self_attn.\2.weight", 0, False),
+    (
+        r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight",
+        r"model.layers.\1.\2.weight",
+        None,
+        False,
+    ),
+    (
+        r"layers\.(\d+)\.self_attn\.(q_a_proj|q_a_layernorm|kv_a_proj_with_mqa|kv_a_layernorm)\.weight",
+        r"model.layers.\1.self_attn.\2.weight",
+        None,
+        False,
+    ),
+    (
+        r"layers\.(\d+)\.self_attn\.(q_b_proj|kv_b_proj)\.weight",
+        r"model.layers.\1.self_attn.\2.weight",
+        0,
+        False,
+    ),
     (r"layers\.(\d+)\.self_attn\.o_proj\.weight", r"model.layers.\1.self_attn.o_proj.weight", 1, False),
-    (r"layers\.(\d+)\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight", r"model.layers.\1.mlp.\2\3.weight", 0, False),
-    (r"layers\.(\d+)\.mlp\.(shared_experts\.)?down_proj\.weight", r"model.layers.\1.mlp.\2down_proj.weight", 1, False),
-    (r"layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)", r"model.layers.\1.mlp.gate.\2", None, False),
-    (r"layers\.(\d+)\.mlp\.experts\.(gate|up)_packed", r"model.layers.\1.mlp.experts.{e}.\2_proj.weight_packed", 0, True),
-    (r"layers\.(\d+)\.mlp\.experts\.(gate|up)_scale", r"model.layers.\1.mlp.experts.{e}.\2_proj.weight_scale", 0, True),
-    (r"layers\.(\d+)\.mlp\.experts\.down_packed", r"model.layers.\1.mlp.experts.{e}.down_proj.weight_packed", 1, True),
-    (r"layers\.(\d+)\.mlp\.experts\.down_scale", r"model.layers.\1.mlp.experts.{e}.down_proj.weight_scale", 1, True),
-    (r"layers\.(\d+)\.mlp\.experts\.(gate|up)_proj", r"model.layers.\1.mlp.experts.{e}.\2_proj.weight", 0, True),
+    (
+        r"layers\.(\d+)\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight",
+        r"model.layers.\1.mlp.\2\3.weight",
+        0,
+        False,
+    ),
+    (
+        r"layers\.(\d+)\.mlp\.(shared_experts\.)?down_proj\.weight",
+        r"model.layers.\1.mlp.\2down_proj.weight",
+        1,
+        False,
+    ),
+    (
+        r"layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)",
+        r"model.layers.\1.mlp.gate.\2",
+        None,
+        False,
+    ),
+    (
+        r"layers\.(\d+)\.mlp\.experts\.(gate|up)_packed",
+        r"model.layers.\1.mlp.experts.{e}.\2_proj.weight_packed",
+        0,
+        True,
+    ),
+    (
+        r"layers\.(\d+)\.mlp\.experts\.(gate|up)_scale",
+        r"model.layers.\1.mlp.experts.{e}.\2_proj.weight_scale",
+        0,
+        True,
+    ),
+    (
+        r"layers\.(\d+)\.mlp\.experts\.down_packed",
+        r"model.layers.\1.mlp.experts.{e}.down_proj.weight_packed",
+        1,
+        True,
+    ),
+    (
+        r"layers\.(\d+)\.mlp\.experts\.down_scale",
+        r"model.layers.\1.mlp.experts.{e}.down_proj.weight_scale",
+        1,
+        True,
+    ),
+    (
+        r"layers\.(\d+)\.mlp\.experts\.(gate|up)_proj",
+        r"model.layers.\1.mlp.experts.{e}.\2_proj.weight",
+        0,
+        True,
+    ),
     (r"layers\.(\d+)\.mlp\.experts\.down_proj", r"model.layers.\1.mlp.experts.{e}.down_proj.weight", 1, True),
 ]
 _COMPILED = [(re.compile(k + "$"), hf, dim, stacked) for k, hf, dim, stacked in NAME_TABLE]
@@ -105,20 +159,26 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
                 stamp, spans = file_stamp(f), tensor_spans([f])
                 for key in h.keys():
                     sl = h.get_slice(key)
-                    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+                    name = key.removeprefix(PREFIX)
                     if _SKIP.search(name):
                         continue
                     if name in infos:
                         problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
-                    infos[name] = TensorInfo(f, key, tuple(sl.get_shape()), sl.get_dtype(), spans[f, key], stamp)
+                    infos[name] = TensorInfo(
+                        f, key, tuple(sl.get_shape()), sl.get_dtype(), spans[f, key], stamp
+                    )
         except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged header
             unreadable.add(fname)
             listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0
-            held = f" (it holds {listed} tensors of the index; truncated or still downloading?)" if listed else ""
+            held = (
+                f" (it holds {listed} tensors of the index; truncated or still downloading?)"
+                if listed
+                else ""
+            )
             problems.append(f"shard {fname} is corrupt or not a safetensors file{held}: {e}")
     if weight_map is not None:
         for key, fname in weight_map.items():
-            name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+            name = key.removeprefix(PREFIX)
             if fname in unreadable:
                 continue
             if not _SKIP.search(name) and name not in infos and (path / fname).is_file():
@@ -151,8 +211,9 @@ def drafter_rule(pname: str) -> tuple[str, int | None, bool]:
     return pname, drafter_shard_dim(pname), False
 
 
-def plan_load(model: torch.nn.Module, infos: dict[str, TensorInfo], tp: TPInfo, path: Path,
-              rule=target_rule) -> list[_Item]:
+def plan_load(
+    model: torch.nn.Module, infos: dict[str, TensorInfo], tp: TPInfo, path: Path, rule=target_rule
+) -> list[_Item]:
     """Match every parameter to checkpoint tensors and check names, shapes and dtypes; raise on any problem.
     The one validation path of target and drafter: `rule` maps a parameter to its checkpoint name(s)."""
     items: list[_Item] = []
@@ -185,8 +246,13 @@ def plan_load(model: torch.nn.Module, infos: dict[str, TensorInfo], tp: TPInfo, 
     return items
 
 
-def fill(model: torch.nn.Module, items: list[_Item], infos: dict[str, TensorInfo], tp: TPInfo,
-         bar: tqdm | None = None) -> None:
+def fill(
+    model: torch.nn.Module,
+    items: list[_Item],
+    infos: dict[str, TensorInfo],
+    tp: TPInfo,
+    bar: tqdm | None = None,
+) -> None:
     """Copy each planned tensor (this rank's slice of it) into the model, one file open at a time: the one
     TP-slicing path of target and drafter."""
     params = dict(model.named_parameters())
@@ -211,7 +277,9 @@ def fill(model: torch.nn.Module, items: list[_Item], infos: dict[str, TensorInfo
                     bar.update()
 
 
-def _check_weight_shape(infos: dict[str, TensorInfo], packed: str, full_packed: list[int], used: set[str]) -> list[str]:
+def _check_weight_shape(
+    infos: dict[str, TensorInfo], packed: str, full_packed: list[int], used: set[str]
+) -> list[str]:
     name = packed.removesuffix("_packed") + "_shape"
     info = infos.get(name)
     if info is None:
@@ -278,8 +346,16 @@ def _read(model, items, infos, path: Path, tp: TPInfo, group, device, dtype, cac
             ok = all(flags)
         if ok:
             return cache.read(model, torch.device(device))
-    stats = read_into(model, items, infos, rank=tp.rank, size=tp.size, group=group, device=device,
-                      desc=f"reading {path.name}" if progress else None)
+    stats = read_into(
+        model,
+        items,
+        infos,
+        rank=tp.rank,
+        size=tp.size,
+        group=group,
+        device=device,
+        desc=f"reading {path.name}" if progress else None,
+    )
     if cache is not None:
         cache.write(model)
     return stats
@@ -305,8 +381,10 @@ def use_cuda_kernels(model: torch.nn.Module) -> None:
 
 
 # Drafter tensors split across TP ranks (dim 0: column parallel, dim 1: row parallel); the rest is replicated.
-DRAFTER_SHARDS = [(re.compile(r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight$"), 0),
-                  (re.compile(r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$"), 1)]
+DRAFTER_SHARDS = [
+    (re.compile(r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight$"), 0),
+    (re.compile(r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$"), 1),
+]
 
 
 def drafter_shard_dim(name: str) -> int | None:

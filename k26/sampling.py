@@ -42,7 +42,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
 
 
-def sample(logits_BV: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits_BV: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Next token per row [B] (int64) from fp32 logits, entirely on the logits' device."""
     if p.temperature == 0:
         return logits_BV.argmax(-1)
@@ -78,21 +80,28 @@ class RowSampling:
     noise: torch.Tensor | None = None  # [B, >= N, V] exponential draws; None when greedy
 
     @classmethod
-    def of(cls, params: list[SamplingParams | None], device, noise: torch.Tensor | None = None) -> RowSampling:
+    def of(
+        cls, params: list[SamplingParams | None], device, noise: torch.Tensor | None = None
+    ) -> RowSampling:
         """From one SamplingParams per row (None: a free row, sampled greedily)."""
         ps = [p or SamplingParams() for p in params]
         f32 = {"dtype": torch.float32, "device": device}
         greedy = all(p.temperature == 0 for p in ps)
-        return cls(torch.tensor([float(p.temperature) for p in ps], **f32),
-                   torch.tensor([float(p.top_p) for p in ps], **f32),
-                   torch.tensor([p.top_k for p in ps], dtype=torch.long, device=device), greedy,
-                   any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps), None if greedy else noise)
+        return cls(
+            torch.tensor([float(p.temperature) for p in ps], **f32),
+            torch.tensor([float(p.top_p) for p in ps], **f32),
+            torch.tensor([p.top_k for p in ps], dtype=torch.long, device=device),
+            greedy,
+            any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps),
+            None if greedy else noise,
+        )
 
     def rows(self, index: torch.Tensor) -> RowSampling:
         """The sub-batch of rows `index` (prefill of newly admitted rows)."""
         noise = None if self.noise is None else self.noise[index]
-        return RowSampling(self.temperature[index], self.top_p[index], self.top_k[index], self.greedy,
-                           self.filtered, noise)
+        return RowSampling(
+            self.temperature[index], self.top_p[index], self.top_k[index], self.greedy, self.filtered, noise
+        )
 
 
 def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:

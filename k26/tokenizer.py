@@ -46,7 +46,9 @@ class Tokenizer:
         if len(specials) != NUM_SPECIAL_IDS:
             raise TokenizerError("tokenizer_config.json names two special ids the same")
         self.special_ids = specials
-        self.enc = tiktoken.Encoding(name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+        self.enc = tiktoken.Encoding(
+            name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
+        )
         self.n_words = self.enc.n_vocab
 
     @classmethod
@@ -55,7 +57,9 @@ class Tokenizer:
         model_file, cfg_file = path / "tiktoken.model", path / "tokenizer_config.json"
         for f in (model_file, cfg_file):
             if not f.is_file():
-                raise TokenizerError(f"{f} is missing: the Kimi tokenizer needs tiktoken.model and tokenizer_config.json")
+                raise TokenizerError(
+                    f"{f} is missing: the Kimi tokenizer needs tiktoken.model and tokenizer_config.json"
+                )
         try:
             ranks = read_ranks(model_file)
         except (ValueError, binascii.Error) as e:
@@ -114,12 +118,20 @@ class Tokenizer:
         sp = self.token_id
         ids: list[int] = []
         for m in messages:
-            role, content = (m.role, m.content) if isinstance(m, Message) else (m.get("role"), m.get("content"))
+            role, content = (
+                (m.role, m.content) if isinstance(m, Message) else (m.get("role"), m.get("content"))
+            )
             if role not in ("system", "user", "assistant"):
                 raise ValueError(f"chat message role {role!r} is not one of 'system', 'user', 'assistant'")
             if not isinstance(content, str):
                 raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
-            ids += [sp(f"<|im_{role}|>"), *self.encode(role), sp("<|im_middle|>"), *self.encode(content), sp("<|im_end|>")]
+            ids += [
+                sp(f"<|im_{role}|>"),
+                *self.encode(role),
+                sp("<|im_middle|>"),
+                *self.encode(content),
+                sp("<|im_end|>"),
+            ]
         if add_generation_prompt:
             ids += [sp("<|im_assistant|>"), *self.encode("assistant"), sp("<|im_middle|>")]
             if thinking is True:

@@ -43,19 +43,28 @@ def main() -> None:
             logits = llm.score(w[:-1])
             nll += F.cross_entropy(logits, torch.tensor(w[1:], device=logits.device), reduction="sum").item()
             n += len(w) - 1
-    lines = [f"# bench_acceptance — {datetime.date.today()}", "",
-             f"- device: {llm.device}{' (' + torch.cuda.get_device_name() + ')' if llm.device.type == 'cuda' else ''};"
-             f" model {model}; drafter {drafter}; commit {os.environ.get('K26_COMMIT', '?')}",
-             f"- held-out perplexity of the target: {math.exp(nll / n):.1f} ({n} tokens)",
-             f"- {a.prompts} held-out prompts of 48 tokens, {a.tokens} new tokens each",
-             f"- command: `python profiling/bench_acceptance.py --budgets {a.budgets}`", "",
-             "| sampling | method | τ | tokens/s | speed-up vs AR |", "|---|---|---|---|---|"]
+    lines = [
+        f"# bench_acceptance — {datetime.date.today()}",
+        "",
+        f"- device: {llm.device}{' (' + torch.cuda.get_device_name() + ')' if llm.device.type == 'cuda' else ''};"
+        f" model {model}; drafter {drafter}; commit {os.environ.get('K26_COMMIT', '?')}",
+        f"- held-out perplexity of the target: {math.exp(nll / n):.1f} ({n} tokens)",
+        f"- {a.prompts} held-out prompts of 48 tokens, {a.tokens} new tokens each",
+        f"- command: `python profiling/bench_acceptance.py --budgets {a.budgets}`",
+        "",
+        "| sampling | method | τ | tokens/s | speed-up vs AR |",
+        "|---|---|---|---|---|",
+    ]
     for temp in (0.0, 1.0):
         sp = SamplingParams(temperature=temp, max_tokens=a.tokens, stop_token_ids=[], seed=0)
-        specs = [SpecConfig("ar"), SpecConfig("dflash")] + [SpecConfig("ddtree", int(b)) for b in a.budgets.split(",")]
+        specs = [SpecConfig("ar"), SpecConfig("dflash")] + [
+            SpecConfig("ddtree", int(b)) for b in a.budgets.split(",")
+        ]
         base = None
         for spec in specs:
-            llm.generate(prompts[:1], SamplingParams(max_tokens=4, stop_token_ids=[]), spec)  # warm up / capture
+            llm.generate(
+                prompts[:1], SamplingParams(max_tokens=4, stop_token_ids=[]), spec
+            )  # warm up / capture
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp, spec)
             dt = time.perf_counter() - t0
@@ -66,9 +75,17 @@ def main() -> None:
             name = spec.method + (f" budget {spec.budget}" if spec.method == "ddtree" else "")
             lines.append(f"| T={temp} | {name} | {tau:.2f} | {toks / dt:.0f} | {toks / dt / base:.2f}x |")
             print(lines[-1], flush=True)
-    sample = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=48, stop_token_ids=[]), SpecConfig("ddtree", 8))[0]
-    lines += ["", "Sample (greedy, DDTree budget 8, prompt `def fibonacci(n):`):", "", "```python",
-              "def fibonacci(n):" + sample.text, "```"]
+    sample = llm.generate(
+        "def fibonacci(n):", SamplingParams(max_tokens=48, stop_token_ids=[]), SpecConfig("ddtree", 8)
+    )[0]
+    lines += [
+        "",
+        "Sample (greedy, DDTree budget 8, prompt `def fibonacci(n):`):",
+        "",
+        "```python",
+        "def fibonacci(n):" + sample.text,
+        "```",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -50,13 +50,17 @@ def main() -> None:
     ids = llm.tokenizer.encode(corpus.text("eval"))
     prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(3), room=16)
     specs = {str(b): SpecConfig("ddtree", b) for b in CANDIDATES} | {"auto": SpecConfig("ddtree", "auto")}
-    lines = [f"# bench_budget — {datetime.date.today()} (measured: GPU wall-clock, CUDA graphs, batch 1)", "",
-             f"- device: {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}; "
-             f"compile: {a.compile}",
-             f"- the embedded trained pair; {a.prompts} held-out prompts of 48 tokens, {a.tokens} new tokens each, "
-             f"one request at a time; median of {a.rounds} interleaved rounds after one untimed round",
-             f"- command: `python profiling/bench_budget.py --prompts {a.prompts} --tokens {a.tokens} "
-             f"--rounds {a.rounds}{' --compile' if a.compile else ''}`", ""]
+    lines = [
+        f"# bench_budget — {datetime.date.today()} (measured: GPU wall-clock, CUDA graphs, batch 1)",
+        "",
+        f"- device: {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}; "
+        f"compile: {a.compile}",
+        f"- the embedded trained pair; {a.prompts} held-out prompts of 48 tokens, {a.tokens} new tokens each, "
+        f"one request at a time; median of {a.rounds} interleaved rounds after one untimed round",
+        f"- command: `python profiling/bench_budget.py --prompts {a.prompts} --tokens {a.tokens} "
+        f"--rounds {a.rounds}{' --compile' if a.compile else ''}`",
+        "",
+    ]
     for temp in (0.0, 1.0):
         sp = SamplingParams(temperature=temp, max_tokens=a.tokens, stop_token_ids=[], seed=0)
         one_round(llm, prompts, sp, specs)  # capture, measure the buckets, calibrate
@@ -65,19 +69,29 @@ def main() -> None:
             for k, r in one_round(llm, prompts, sp, specs).items():
                 runs[k].append(r)
         pol = llm.decoder.policies[(specs["auto"], 1)]
-        lines += [f"## T = {temp}", "", "auto's start-up timing per bucket (whole step at context 0 + per context "
-                  "token): " + ", ".join(f"{c}: {t * 1e3:.3f} ms + {s * 1e6:.2f} µs/token" for c, t, s in
-                                         zip(pol.candidates, pol.t_verify, pol.slope.tolist())), "",
-                  "| budget | τ | tokens/s (median) | rounds | vs best fixed | budgets used (last round) |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"## T = {temp}",
+            "",
+            "auto's start-up timing per bucket (whole step at context 0 + per context "
+            "token): "
+            + ", ".join(
+                f"{c}: {t * 1e3:.3f} ms + {s * 1e6:.2f} µs/token"
+                for c, t, s in zip(pol.candidates, pol.t_verify, pol.slope.tolist())
+            ),
+            "",
+            "| budget | τ | tokens/s (median) | rounds | vs best fixed | budgets used (last round) |",
+            "|---|---|---|---|---|---|",
+        ]
         tps = {k: [sum(acc) / dt for dt, acc, _ in r] for k, r in runs.items()}
         med = {k: statistics.median(v) for k, v in tps.items()}
         best = max(v for k, v in med.items() if k != "auto")
         for k, r in runs.items():
             _, acc, used = r[-1]
             counts = {c: used.count(c) for c in CANDIDATES if c in used}
-            lines.append(f"| {k} | {sum(acc) / len(acc):.2f} | {med[k]:.0f} | "
-                         f"{' / '.join(f'{x:.0f}' for x in tps[k])} | {med[k] / best:.3f} | {counts} |")
+            lines.append(
+                f"| {k} | {sum(acc) / len(acc):.2f} | {med[k]:.0f} | "
+                f"{' / '.join(f'{x:.0f}' for x in tps[k])} | {med[k] / best:.3f} | {counts} |"
+            )
             print(lines[-1], flush=True)
         lines.append("")
     text = "\n".join(lines) + "\n"

@@ -22,13 +22,12 @@ import datetime
 import os
 
 import torch
+from bench_budget_sim import PROFILES  # the measured K2.6-rank step costs, one table
 
 import k26.spec.step as step_mod
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.spec.budget import BudgetPolicy
 from k26.train import corpus
-
-from bench_budget_sim import PROFILES  # the measured K2.6-rank step costs, one table
 
 CANDS = (8, 15, 31)
 
@@ -108,15 +107,22 @@ def main() -> None:
     llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512)
     ids = llm.tokenizer.encode(corpus.text("eval"))
     prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(7), room=16)
-    lines = [f"# bench_budget_replay — {datetime.date.today()} (SIMULATION: recorded steps, modelled time)", "",
-             f"- steps: the embedded trained pair at budget {CANDS[-1]} on {a.prompts} held-out prompts, {a.tokens} "
-             "new tokens, batch 1, CPU fp32 [measured]; costs: the K2.6 profiles of bench_budget_sim [charged]",
-             f"- commit: {os.environ.get('K26_COMMIT', '?')}; command: `python profiling/bench_budget_replay.py "
-             f"--prompts {a.prompts} --tokens {a.tokens}`", "",
-             "All columns are tokens/s relative to the best fixed budget on the same steps.", "",
-             "| sampling | cost profile | steps | fixed " + " / ".join(map(str, CANDS)) +
-             " | oracle (ceiling) | linear predictor (ceiling of features) | policy, whole run | "
-             "policy, 600-step windows: mean (min) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench_budget_replay — {datetime.date.today()} (SIMULATION: recorded steps, modelled time)",
+        "",
+        f"- steps: the embedded trained pair at budget {CANDS[-1]} on {a.prompts} held-out prompts, {a.tokens} "
+        "new tokens, batch 1, CPU fp32 [measured]; costs: the K2.6 profiles of bench_budget_sim [charged]",
+        f"- commit: {os.environ.get('K26_COMMIT', '?')}; command: `python profiling/bench_budget_replay.py "
+        f"--prompts {a.prompts} --tokens {a.tokens}`",
+        "",
+        "All columns are tokens/s relative to the best fixed budget on the same steps.",
+        "",
+        "| sampling | cost profile | steps | fixed "
+        + " / ".join(map(str, CANDS))
+        + " | oracle (ceiling) | linear predictor (ceiling of features) | policy, whole run | "
+        "policy, 600-step windows: mean (min) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for temp in (0.0, 1.0):
         sp = SamplingParams(temperature=temp, max_tokens=a.tokens, stop_token_ids=[], seed=0)
         steps = record(llm, prompts, sp)
@@ -130,11 +136,13 @@ def main() -> None:
                 w = acc[s : s + 600]
                 wb = max(rate(w, torch.full((600,), i), cost) for i in range(len(CANDS)))
                 wins.append(rate(w, replay(steps[s : s + 600], w, cost), cost) / wb)
-            row = (f"| T={temp} | {name} | {n} | {' / '.join(f'{f / best:.3f}' for f in fixed)} | "
-                   f"{rate(acc, long_run_rule(acc + 1, cost), cost) / best:.3f} | "
-                   f"{rate(acc, linear(acc, feat, cost), cost) / best:.3f} | "
-                   f"{rate(acc, replay(steps, acc, cost), cost) / best:.3f} | " +
-                   (f"{sum(wins) / len(wins):.3f} ({min(wins):.3f}) |" if wins else "— |"))
+            row = (
+                f"| T={temp} | {name} | {n} | {' / '.join(f'{f / best:.3f}' for f in fixed)} | "
+                f"{rate(acc, long_run_rule(acc + 1, cost), cost) / best:.3f} | "
+                f"{rate(acc, linear(acc, feat, cost), cost) / best:.3f} | "
+                f"{rate(acc, replay(steps, acc, cost), cost) / best:.3f} | "
+                + (f"{sum(wins) / len(wins):.3f} ({min(wins):.3f}) |" if wins else "— |")
+            )
             lines.append(row)
             print(row, flush=True)
     text = "\n".join(lines) + "\n"

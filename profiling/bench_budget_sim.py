@@ -30,8 +30,10 @@ import torch
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.train import corpus
 
-PROFILES = {"K2.6 compiled, 4K": {8: 17.22, 15: 18.29, 31: 22.10},
-            "K2.6 eager, 32K": {8: 30.72, 15: 34.93, 31: 43.05}}
+PROFILES = {
+    "K2.6 compiled, 4K": {8: 17.22, 15: 18.29, 31: 22.10},
+    "K2.6 eager, 32K": {8: 30.72, 15: 34.93, 31: 43.05},
+}
 EAGER_4K = {8: 24.90, 15: 28.24, 31: 30.87}  # 2026-11-30-bench_k26-h200.md, same run as eager 32K
 SLOPE = {b: (PROFILES["K2.6 eager, 32K"][b] - EAGER_4K[b]) / (32768 - 4096) for b in EAGER_4K}  # ms per token
 CONTEXTS = (4096, 32768, 131072)
@@ -64,13 +66,17 @@ def main() -> None:
     llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512)
     ids = llm.tokenizer.encode(corpus.text("eval"))
     prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(1), room=16)
-    lines = [f"# bench_budget_sim — {datetime.date.today()} (SIMULATION: real acceptance, modelled time)", "",
-             f"- acceptance: the embedded trained pair on {a.prompts} held-out prompts, {a.tokens} new tokens, "
-             "batch 1, CPU fp32 [measured]",
-             "- time: whole-step cost per budget measured on the 61-layer K2.6 TP8 rank (H200) [charged per step]",
-             f"- commit: {os.environ.get('K26_COMMIT', '?')}; command: `python profiling/bench_budget_sim.py`", "",
-             "| sampling | cost profile | budget | τ | simulated tokens/s | vs best fixed | budgets used |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench_budget_sim — {datetime.date.today()} (SIMULATION: real acceptance, modelled time)",
+        "",
+        f"- acceptance: the embedded trained pair on {a.prompts} held-out prompts, {a.tokens} new tokens, "
+        "batch 1, CPU fp32 [measured]",
+        "- time: whole-step cost per budget measured on the 61-layer K2.6 TP8 rank (H200) [charged per step]",
+        f"- commit: {os.environ.get('K26_COMMIT', '?')}; command: `python profiling/bench_budget_sim.py`",
+        "",
+        "| sampling | cost profile | budget | τ | simulated tokens/s | vs best fixed | budgets used |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for temp in (0.0, 1.0):
         sp = SamplingParams(temperature=temp, max_tokens=a.tokens, stop_token_ids=[], seed=0)
         fixed = {b: run(llm, prompts, sp, SpecConfig("ddtree", b)) for b in (8, 15, 31)}
@@ -79,7 +85,9 @@ def main() -> None:
             ctx = [CONTEXTS[i % 3] if name == MIXED else 0 for i in range(len(prompts))]
             table = {b: cost_at(b, 4096) for b in cands} if name == MIXED else PROFILES[name]
             llm.decoder.policies.clear()  # each workload calibrates from scratch
-            spec = SpecConfig("ddtree", "auto", candidates=cands, costs=(0.0, *(table[c] / 1e3 for c in cands)))
+            spec = SpecConfig(
+                "ddtree", "auto", candidates=cands, costs=(0.0, *(table[c] / 1e3 for c in cands))
+            )
             results = dict(fixed)
             if name == MIXED:
                 results["auto, one length"] = run(llm, prompts, sp, spec)
@@ -100,8 +108,10 @@ def main() -> None:
             best = max(rate[b] for b in cands)
             for b, (acc, used, which) in results.items():
                 counts = {c: used.count(c) for c in cands if c in used}
-                lines.append(f"| T={temp} | {name} | {b} | {sum(acc) / len(acc):.2f} | {rate[b]:.1f} | "
-                             f"{rate[b] / best:.3f} | {counts} |")
+                lines.append(
+                    f"| T={temp} | {name} | {b} | {sum(acc) / len(acc):.2f} | {rate[b]:.1f} | "
+                    f"{rate[b] / best:.3f} | {counts} |"
+                )
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if a.out:

@@ -23,38 +23,78 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_moe import copy_bandwidth, events_time  # noqa: E402
+from bench_moe import copy_bandwidth, events_time
 
-from k26.config import ModelConfig  # noqa: E402
-from k26.drafter_config import DrafterConfig  # noqa: E402
-from k26.kv_cache import DrafterCache  # noqa: E402
-from k26.model import AttnBatch, KimiK2, TPInfo  # noqa: E402
-from k26.model.drafter import DFlashDrafter  # noqa: E402
-from k26.model.moe import Int4Experts  # noqa: E402
-from k26.ops.moe_cuda import repack_scales, w13_row_order  # noqa: E402
-from k26.sampling import RowSampling  # noqa: E402
-from k26.spec.step import SpecConfig, StepModels, speculative_step  # noqa: E402
-from k26.tiny import quantization_config  # noqa: E402
+from k26.config import ModelConfig
+from k26.drafter_config import DrafterConfig
+from k26.kv_cache import DrafterCache
+from k26.model import AttnBatch, KimiK2, TPInfo
+from k26.model.drafter import DFlashDrafter
+from k26.model.moe import Int4Experts
+from k26.ops.moe_cuda import repack_scales, w13_row_order
+from k26.sampling import RowSampling
+from k26.spec.step import SpecConfig, StepModels, speculative_step
+from k26.tiny import quantization_config
 
 K26_TEXT = dict(
-    model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
-    n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, first_k_dense_replace=1,
-    moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", rms_norm_eps=1e-5,
-    max_position_embeddings=262144, rope_theta=50000.0, num_nextn_predict_layers=0,
-    rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                      mscale=1.0, mscale_all_dim=1.0),
+    model_type="kimi_k2",
+    vocab_size=163840,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=384,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    max_position_embeddings=262144,
+    rope_theta=50000.0,
+    num_nextn_predict_layers=0,
+    rope_scaling=dict(
+        type="yarn",
+        factor=64.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
     quantization_config=quantization_config(),
 )
 
 
 def drafter_config(tp: int) -> DrafterConfig:
     """Kimi-K2.5-DFlash at one TP rank: 64/tp query heads, 8/tp (>= 1) KV heads, 18432/tp MLP columns."""
-    raw = dict(hidden_size=7168, num_attention_heads=64 // tp, num_key_value_heads=max(1, 8 // tp), head_dim=128,
-               num_hidden_layers=6, intermediate_size=18432 // tp, rms_norm_eps=1e-6, vocab_size=163840,
-               max_position_embeddings=262144, rope_theta=50000.0, rope_scaling=K26_TEXT["rope_scaling"],
-               block_size=8, dflash_config=dict(target_layer_ids=[1, 12, 24, 35, 47, 58], mask_token_id=163838))
+    raw = dict(
+        hidden_size=7168,
+        num_attention_heads=64 // tp,
+        num_key_value_heads=max(1, 8 // tp),
+        head_dim=128,
+        num_hidden_layers=6,
+        intermediate_size=18432 // tp,
+        rms_norm_eps=1e-6,
+        vocab_size=163840,
+        max_position_embeddings=262144,
+        rope_theta=50000.0,
+        rope_scaling=K26_TEXT["rope_scaling"],
+        block_size=8,
+        dflash_config=dict(target_layer_ids=[1, 12, 24, 35, 47, 58], mask_token_id=163838),
+    )
     return DrafterConfig.from_dict(raw)
 
 
@@ -74,15 +114,23 @@ def randomize(model: torch.nn.Module, skew: bool) -> None:
         else:
             p.normal_(0, 1.0 / math.sqrt(p.shape[-1]), generator=g)
     for m in model.modules():
-        if isinstance(m, Int4Experts):  # random words are random in any layout: draw the kernel layout directly
+        if isinstance(
+            m, Int4Experts
+        ):  # random words are random in any layout: draw the kernel layout directly
             E, inter, D = m.gate_packed.shape[0], m.gate_packed.shape[1], m.gate_packed.shape[2] * 8
-            w13 = torch.randint(-(2**31), 2**31 - 1, (E, inter // 8, D // 64, 32, 4), dtype=torch.int32, device="cuda")
-            w2 = torch.randint(-(2**31), 2**31 - 1, (E, D // 16, inter // 64, 32, 4), dtype=torch.int32, device="cuda")
+            w13 = torch.randint(
+                -(2**31), 2**31 - 1, (E, inter // 8, D // 64, 32, 4), dtype=torch.int32, device="cuda"
+            )
+            w2 = torch.randint(
+                -(2**31), 2**31 - 1, (E, D // 16, inter // 64, 32, 4), dtype=torch.int32, device="cuda"
+            )
             s13 = repack_scales(torch.cat([m.gate_scale, m.up_scale], 1), w13_row_order(inter))
             s2 = repack_scales(m.down_scale)
             for n in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"):
                 delattr(m, n)
-            m.w13, m.s13, m.w2, m.s2 = (torch.nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2))
+            m.w13, m.s13, m.w2, m.s2 = (
+                torch.nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2)
+            )
             m.repacked = True
 
 
@@ -125,16 +173,23 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,8,16,32,64")
     ap.add_argument("--skew", action="store_true")
     ap.add_argument("--breakdown-nodes", default="1,16")
-    ap.add_argument("--quick-specs", action="store_true", help="whole-step timings for DFlash and budget 15 only")
-    ap.add_argument("--no-specs", action="store_true", help="decode/verify rows only (no whole steps, no draft)")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)")
+    ap.add_argument(
+        "--quick-specs", action="store_true", help="whole-step timings for DFlash and budget 15 only"
+    )
+    ap.add_argument(
+        "--no-specs", action="store_true", help="decode/verify rows only (no whole steps, no draft)"
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
     a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]
     cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
-    ident = lambda x: x  # noqa: E731  collectives excluded here, measured on two GPUs and modelled
+    ident = lambda x: x
     tp = TPInfo(0, a.tp, all_reduce=ident, all_gather=ident)
     dev = torch.device("cuda")
     with torch.device("meta"):
@@ -153,22 +208,31 @@ def main() -> None:
     randomize(drafter, False)
     drafter.rope.reset_buffers()
     copy_bw = copy_bandwidth()
-    commit = os.environ.get("K26_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (
+        os.environ.get("K26_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     nonrouted, routed_all = param_bytes(model, False), param_bytes(model, True)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     per_expert = routed_all / max(moe_layers, 1) / cfg.n_routed_experts
-    lines = [f"# bench_k26 — {datetime.date.today()}", "",
-             f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {commit}",
-             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} --nodes {a.nodes}"
-             f"{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}`",
-             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; non-routed {nonrouted / 1e9:.2f} GB, "
-             f"routed {routed_all / 1e9:.1f} GB ({per_expert / 1e6:.2f} MB per expert per layer); drafter "
-             f"{sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9:.2f} GB",
-             f"- copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read+write bytes)",
-             "- collectives excluded (no-op group); bytes = non-routed params + touched experts (counted from this "
-             "step's routing) + latent KV", "",
-             "| step | ctx L | verify N | time ms | experts/layer | GB read | GB/s | % copy BW |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench_k26 — {datetime.date.today()}",
+        "",
+        f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {commit}",
+        f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} --nodes {a.nodes}"
+        f"{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}`",
+        f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; non-routed {nonrouted / 1e9:.2f} GB, "
+        f"routed {routed_all / 1e9:.1f} GB ({per_expert / 1e6:.2f} MB per expert per layer); drafter "
+        f"{sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9:.2f} GB",
+        f"- copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read+write bytes)",
+        "- collectives excluded (no-op group); bytes = non-routed params + touched experts (counted from this "
+        "step's routing) + latent KV",
+        "",
+        "| step | ctx L | verify N | time ms | experts/layer | GB read | GB/s | % copy BW |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     print("\n".join(lines), flush=True)
     touched: list[int] = []
     counting = [False]  # the hook syncs with the host: on for one eager pass, off for warm-ups and capture
@@ -181,7 +245,9 @@ def main() -> None:
         if isinstance(m, Int4Experts):
             m.register_forward_pre_hook(count)
     for L in ctxs:
-        cache = torch.zeros(cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev)
+        cache = torch.zeros(
+            cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev
+        )
         dcache = DrafterCache.allocate(dcfg, 1, L + 512, torch.bfloat16, dev)
         rows, start = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), L, device=dev)
         kv_bytes = cfg.num_hidden_layers * L * cfg.latent_dim * 2
@@ -202,23 +268,41 @@ def main() -> None:
             experts = statistics.mean(touched) if touched else 0
             t = graph_step_time(verify, lambda: None)
             gb = (nonrouted + experts * per_expert * moe_layers + kv_bytes) / 1e9
-            lines.append(f"| {'decode' if N == 1 else 'verify'} | {L} | {N} | {t * 1e3:.2f} | {experts:.0f} | {gb:.2f} | "
-                         f"{gb / t:.0f} | {100 * gb * 1e9 / t / copy_bw:.0f}% |")
+            lines.append(
+                f"| {'decode' if N == 1 else 'verify'} | {L} | {N} | {t * 1e3:.2f} | {experts:.0f} | {gb:.2f} | "
+                f"{gb / t:.0f} | {100 * gb * 1e9 / t / copy_bw:.0f}% |"
+            )
             print(lines[-1], flush=True)
         bonus = torch.randint(0, cfg.vocab_size, (1,), device=dev)
         alive = torch.ones(1, dtype=torch.bool, device=dev)
         sp = RowSampling.of([None], dev)
-        specs = () if a.no_specs else (SpecConfig("dflash"), SpecConfig("ddtree", 15)) if a.quick_specs else (
-                SpecConfig("dflash"), SpecConfig("ddtree", 8), SpecConfig("ddtree", 15), SpecConfig("ddtree", 31))
+        specs = (
+            ()
+            if a.no_specs
+            else (SpecConfig("dflash"), SpecConfig("ddtree", 15))
+            if a.quick_specs
+            else (
+                SpecConfig("dflash"),
+                SpecConfig("ddtree", 8),
+                SpecConfig("ddtree", 15),
+                SpecConfig("ddtree", 31),
+            )
+        )
         for spec in specs:
             st = start.clone()
 
-            def step(st=st, spec=spec, cache=cache, dcache=dcache, rows=rows, bonus=bonus, alive=alive, sp=sp):
-                speculative_step(StepModels(model, drafter, cache, dcache, static=True), rows, st, bonus, alive, spec, sp)
+            def step(
+                st=st, spec=spec, cache=cache, dcache=dcache, rows=rows, bonus=bonus, alive=alive, sp=sp
+            ):
+                speculative_step(
+                    StepModels(model, drafter, cache, dcache, static=True), rows, st, bonus, alive, spec, sp
+                )
 
             t = graph_step_time(step, lambda st=st, start=start: st.copy_(start))
-            lines.append(f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "
-                         f"{8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |")
+            lines.append(
+                f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "
+                f"{8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |"
+            )
             print(lines[-1], flush=True)
         if not a.no_specs:
             dstart = start.clone()
@@ -240,25 +324,36 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
 
 
-CATEGORIES = [("MoE (int4 kernel: route, gate/up, down, combine)", ("gemm_kernel", "route_kernel", "combine_kernel")),
-              ("MLA tree attention (split + merge)", ("split_kernel", "merge_kernel")),
-              ("dense GEMM/GEMV (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitK")),
-              ("latent cache write / gather / scatter", ("index", "scatter", "gather")),
-              ("elementwise, norms, RoPE, reductions", ("elementwise", "reduce", "vectorized", "unrolled", "softmax",
-                                                         "cat", "copy", "fill", "where"))]
+CATEGORIES = [
+    ("MoE (int4 kernel: route, gate/up, down, combine)", ("gemm_kernel", "route_kernel", "combine_kernel")),
+    ("MLA tree attention (split + merge)", ("split_kernel", "merge_kernel")),
+    ("dense GEMM/GEMV (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitK")),
+    ("latent cache write / gather / scatter", ("index", "scatter", "gather")),
+    (
+        "elementwise, norms, RoPE, reductions",
+        ("elementwise", "reduce", "vectorized", "unrolled", "softmax", "cat", "copy", "fill", "where"),
+    ),
+]
 
 
 def breakdown(model, cfg, dcfg, dev, L, nodes) -> list[str]:
     """Device time per kernel category of one eager verify step (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    out = ["", f"Per-op breakdown, one eager step at L = {L} (torch.profiler device time):", "",
-           "| N | category | kernels | µs | share |", "|---|---|---|---|---|"]
+    out = [
+        "",
+        f"Per-op breakdown, one eager step at L = {L} (torch.profiler device time):",
+        "",
+        "| N | category | kernels | µs | share |",
+        "|---|---|---|---|---|",
+    ]
     cache = torch.zeros(cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev)
     rows, start = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), L, device=dev)
     for N in nodes:
         ids = torch.randint(0, cfg.vocab_size, (1, N), device=dev)
-        batch = AttnBatch.tree(start, torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None], rows, static=True)
+        batch = AttnBatch.tree(
+            start, torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None], rows, static=True
+        )
         model(ids, batch, cache)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

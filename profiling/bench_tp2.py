@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_moe import events_time as events  # noqa: E402
-
+from bench_moe import events_time as events
 
 DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
@@ -37,10 +36,13 @@ def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple
     res, times = {}, {}
     # fp32 runs eager only: the int4 MoE kernel takes bf16 activations, and its fp32 reference is not capturable
     for graphs in (True, False) if dtype == torch.bfloat16 else (False,):
-        llm = LLM(device=device, tp=tp, dtype=dtype, graphs=graphs, progress=False, max_batch=2, max_model_len=512)
+        llm = LLM(
+            device=device, tp=tp, dtype=dtype, graphs=graphs, progress=False, max_batch=2, max_model_len=512
+        )
         for spec in (SpecConfig("ar"), SpecConfig("ddtree", 8)):
             res[f"{'graphs' if graphs else 'eager'} {spec.method}"] = [
-                o.token_ids for o in llm.generate(PROMPTS, sp, spec)]
+                o.token_ids for o in llm.generate(PROMPTS, sp, spec)
+            ]
             if graphs:  # batch 1, after the batch-2 run captured and warmed the buckets
                 llm.generate(PROMPTS[:1], sp, spec)
                 torch.cuda.synchronize()
@@ -48,7 +50,9 @@ def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple
                 out = llm.generate(PROMPTS[:1], sp, spec)[0]
                 torch.cuda.synchronize()
                 times[f"{spec.method} step"] = (time.perf_counter() - t0) / len(out.stats.accepted_per_step)
-        if tp == 1:  # at TP 2 the group is the benchmark's (made before the all-reduce part): it outlives the LLMs
+        if (
+            tp == 1
+        ):  # at TP 2 the group is the benchmark's (made before the all-reduce part): it outlives the LLMs
             llm.close()
     return res, times
 
@@ -63,7 +67,9 @@ def tp1_check(tp2_json: str, out: str | None) -> None:
     res, times = run_pair("cuda", tp=1, dtype=DTYPE[saved["dtype"]])
     lines = ["", f"| TP 2 vs TP 1 (same pair, {saved['dtype']}, greedy) | |", "|---|---|"]
     lines += [f"| {k}: tokens TP 2 == TP 1 | {saved['res'][k] == v} |" for k, v in res.items()]
-    lines += [f"| {k}: ms TP 1 / TP 2 | {v * 1e3:.3f} / {saved['times'][k] * 1e3:.3f} |" for k, v in times.items()]
+    lines += [
+        f"| {k}: ms TP 1 / TP 2 | {v * 1e3:.3f} / {saved['times'][k] * 1e3:.3f} |" for k, v in times.items()
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if out:
@@ -81,10 +87,15 @@ def main() -> None:
     from k26.dist import init_from_env
 
     rank, world, dev = init_from_env("cuda")
-    lines = [f"# bench_tp2 — {datetime.date.today()}", "",
-             f"- device: {world} x {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}",
-             "- command: `torchrun --nproc-per-node 2 profiling/bench_tp2.py`", "",
-             "| message (7168 x N bf16) | in-graph all-reduce µs | eager µs |", "|---|---|---|"]
+    lines = [
+        f"# bench_tp2 — {datetime.date.today()}",
+        "",
+        f"- device: {world} x {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}",
+        "- command: `torchrun --nproc-per-node 2 profiling/bench_tp2.py`",
+        "",
+        "| message (7168 x N bf16) | in-graph all-reduce µs | eager µs |",
+        "|---|---|---|",
+    ]
     for N in (1, 8, 16, 64, 256):
         x = torch.randn(N, 7168, device=dev, dtype=torch.bfloat16)
         s = torch.cuda.Stream()
@@ -99,14 +110,22 @@ def main() -> None:
                 dist.all_reduce(x)
         t_graph = events(g.replay) / 50
         t_eager = events(lambda x=x: dist.all_reduce(x))
-        lines.append(f"| N = {N} ({N * 7168 * 2 / 1024:.0f} KiB) | {t_graph * 1e6:.1f} | {t_eager * 1e6:.1f} |")
+        lines.append(
+            f"| N = {N} ({N * 7168 * 2 / 1024:.0f} KiB) | {t_graph * 1e6:.1f} | {t_eager * 1e6:.1f} |"
+        )
     res, times = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype])
     if rank == 0:
-        lines += ["", f"| TP 2, embedded pair ({a.dtype}), greedy | tokens equal |", "|---|---|",
-                  f"| AR graphs == AR eager | {same(res, 'graphs ar', 'eager ar')} |",
-                  f"| DDTree graphs == DDTree eager | {same(res, 'graphs ddtree', 'eager ddtree')} |",
-                  f"| DDTree eager == AR eager (lossless) | {res['eager ddtree'] == res['eager ar']} |", "",
-                  "| TP 2 graphs, batch 1 | ms / step |", "|---|---|"]
+        lines += [
+            "",
+            f"| TP 2, embedded pair ({a.dtype}), greedy | tokens equal |",
+            "|---|---|",
+            f"| AR graphs == AR eager | {same(res, 'graphs ar', 'eager ar')} |",
+            f"| DDTree graphs == DDTree eager | {same(res, 'graphs ddtree', 'eager ddtree')} |",
+            f"| DDTree eager == AR eager (lossless) | {res['eager ddtree'] == res['eager ar']} |",
+            "",
+            "| TP 2 graphs, batch 1 | ms / step |",
+            "|---|---|",
+        ]
         lines += [f"| {k} | {v * 1e3:.3f} |" for k, v in times.items()]
         text = "\n".join(lines) + "\n"
         print(text, flush=True)

@@ -20,22 +20,31 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_moe import graph_time  # noqa: E402
+from bench_moe import graph_time
 
-from k26.spec.tree import TreeTables, build_ddtree_from_topk, build_ddtree_heap  # noqa: E402
+from k26.spec.tree import TreeTables, build_ddtree_from_topk, build_ddtree_heap
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    commit = os.environ.get("K26_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    lines = [f"# bench_tree — {datetime.date.today()}", "",
-             f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}", f"- commit: {commit}",
-             "- command: `python profiling/bench_tree.py`", "",
-             "| depth | budget | vocab top-K µs (GPU) | tree build µs (GPU, graph) | CPU heap µs | heap / GPU build |",
-             "|---|---|---|---|---|---|"]
+    commit = (
+        os.environ.get("K26_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    lines = [
+        f"# bench_tree — {datetime.date.today()}",
+        "",
+        f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"- commit: {commit}",
+        "- command: `python profiling/bench_tree.py`",
+        "",
+        "| depth | budget | vocab top-K µs (GPU) | tree build µs (GPU, graph) | CPU heap µs | heap / GPU build |",
+        "|---|---|---|---|---|---|",
+    ]
     print("\n".join(lines), flush=True)
     V = 163840
     for L in (7, 15):
@@ -45,7 +54,9 @@ def main() -> None:
             t_topk = graph_time(lambda lp=lp, K=K: lp.topk(K, dim=-1), 1)
             top_lp, top_tok = lp.topk(K, dim=-1)
             tables = TreeTables()  # the captured build reads its index tensors from here
-            t_build = graph_time(lambda lp=top_lp, tok=top_tok, b=budget, t=tables: build_ddtree_from_topk(lp, tok, b, t), 1)
+            t_build = graph_time(
+                lambda lp=top_lp, tok=top_tok, b=budget, t=tables: build_ddtree_from_topk(lp, tok, b, t), 1
+            )
             cpu_lp = lp.cpu()
             times = []
             for _ in range(5):
@@ -53,8 +64,10 @@ def main() -> None:
                 build_ddtree_heap(cpu_lp, budget)
                 times.append(time.perf_counter() - t0)
             t_heap = statistics.median(times)
-            lines.append(f"| {L} | {budget} | {t_topk * 1e6:.1f} | {t_build * 1e6:.1f} | {t_heap * 1e6:.0f} | "
-                         f"{t_heap / t_build:.1f}x |")
+            lines.append(
+                f"| {L} | {budget} | {t_topk * 1e6:.1f} | {t_build * 1e6:.1f} | {t_heap * 1e6:.0f} | "
+                f"{t_heap / t_build:.1f}x |"
+            )
             print(lines[-1], flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -31,19 +31,36 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     steps, rows, nxt, t0 = 0, [], 1000, time.perf_counter()
     while steps < a.steps:
-        prompts = [torch.randint(0, 300, (int(torch.randint(4, 64, (1,), generator=g)),), generator=g).tolist()
-                   for _ in range(4)]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=200, stop_token_ids=[]), SpecConfig("ddtree", 12))
+        prompts = [
+            torch.randint(0, 300, (int(torch.randint(4, 64, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(4)
+        ]
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=200, stop_token_ids=[]), SpecConfig("ddtree", 12)
+        )
         steps += max(len(o.stats.accepted_per_step) for o in outs)
         if steps >= nxt:
             torch.cuda.synchronize()
-            rows.append((steps, time.perf_counter() - t0, torch.cuda.memory_allocated() / 1e6,
-                         torch.cuda.memory_reserved() / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3))
+            rows.append(
+                (
+                    steps,
+                    time.perf_counter() - t0,
+                    torch.cuda.memory_allocated() / 1e6,
+                    torch.cuda.memory_reserved() / 1e6,
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+                )
+            )
             print(rows[-1], flush=True)
             nxt += 1000
-    text = [f"# soak — {datetime.date.today()}", "", f"- device: {torch.cuda.get_device_name()}; commit: "
-            f"{os.environ.get('K26_COMMIT', 'unknown')}", f"- command: `python profiling/soak.py --steps {a.steps}`", "",
-            "| steps | s | GPU allocated MB | GPU reserved MB | host max RSS MB |", "|---|---|---|---|---|"]
+    text = [
+        f"# soak — {datetime.date.today()}",
+        "",
+        f"- device: {torch.cuda.get_device_name()}; commit: {os.environ.get('K26_COMMIT', 'unknown')}",
+        f"- command: `python profiling/soak.py --steps {a.steps}`",
+        "",
+        "| steps | s | GPU allocated MB | GPU reserved MB | host max RSS MB |",
+        "|---|---|---|---|---|",
+    ]
     text += [f"| {s} | {t:.0f} | {al:.1f} | {re:.1f} | {rss:.0f} |" for s, t, al, re, rss in rows]
     print("\n".join(text))
     if a.out:

@@ -1,7 +1,7 @@
 """Write a random Kimi-format checkpoint directory (see k26/tiny.py for the exact layout).
 
-    python scripts/make_tiny_checkpoint.py OUT_DIR [--flavour k25|k2-thinking] [--quant int4|none]
-        [--shards 3] [--seed 0] [--hidden-size 128 --num-hidden-layers 3 ...]
+python scripts/make_tiny_checkpoint.py OUT_DIR [--flavour k25|k2-thinking] [--quant int4|none]
+    [--shards 3] [--seed 0] [--hidden-size 128 --num-hidden-layers 3 ...]
 """
 
 import argparse
@@ -20,7 +20,9 @@ def main() -> None:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
     a = vars(ap.parse_args())
     sizes = {k: a[k] for k in DEFAULT_SIZES}
-    path = write_tiny_checkpoint(a["out"], flavour=a["flavour"], quant=a["quant"], shards=a["shards"], seed=a["seed"], **sizes)
+    path = write_tiny_checkpoint(
+        a["out"], flavour=a["flavour"], quant=a["quant"], shards=a["shards"], seed=a["seed"], **sizes
+    )
     print(f"wrote {path}")
 
 

@@ -1,6 +1,6 @@
 """Write a random DFlash drafter (Kimi DFlash format) for a tiny target checkpoint.
 
-    python scripts/make_tiny_drafter.py OUT_DIR --target TARGET_DIR [--layers 1] [--block-size 8] [--seed 0]
+python scripts/make_tiny_drafter.py OUT_DIR --target TARGET_DIR [--layers 1] [--block-size 8] [--seed 0]
 """
 
 import argparse
@@ -16,7 +16,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    print(f"wrote {write_tiny_drafter(a.out, a.target, layers=a.layers, block_size=a.block_size, seed=a.seed)}")
+    print(
+        f"wrote {write_tiny_drafter(a.out, a.target, layers=a.layers, block_size=a.block_size, seed=a.seed)}"
+    )
 
 
 if __name__ == "__main__":

@@ -90,12 +90,24 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--gamma", type=float, default=4.0)  # block 8: gamma 4 (the published recipe)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--labels", choices=("target", "text"), default="target",
-                    help="distil the target's distributions (default) or fit the text's tokens")
+    ap.add_argument(
+        "--labels",
+        choices=("target", "text"),
+        default="target",
+        help="distil the target's distributions (default) or fit the text's tokens",
+    )
     a = ap.parse_args()
     dev, out = torch.device(a.device), Path(a.out)
-    write_tiny_drafter(out, a.target, layers=a.layers, block_size=a.block, heads=a.heads, kv_heads=a.kv_heads,
-                       head_dim=a.head_dim, intermediate=a.intermediate)
+    write_tiny_drafter(
+        out,
+        a.target,
+        layers=a.layers,
+        block_size=a.block,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        intermediate=a.intermediate,
+    )
     target = load_model(a.target, device=dev, dtype=torch.float32, progress=False, cuda_kernels=False)
     drafter = load_drafter(out, target.cfg, device=dev, dtype=torch.float32).requires_grad_(True)
     tok = Tokenizer.from_dir(a.target)
@@ -115,8 +127,14 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = a.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         with amp:
-            loss, _ = loss_and_acc(drafter, target, x, anchors_for(a.batch, a.seq, a.anchors, S, gen).to(dev), a.gamma,
-                                   a.labels == "target")
+            loss, _ = loss_and_acc(
+                drafter,
+                target,
+                x,
+                anchors_for(a.batch, a.seq, a.anchors, S, gen).to(dev),
+                a.gamma,
+                a.labels == "target",
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -125,18 +143,28 @@ def main() -> None:
             with torch.no_grad(), amp:
                 ev, acc = loss_and_acc(drafter, target, ev_x, ev_anchors, a.gamma, a.labels == "target")
             log.append((step, round(time.time() - t0), loss.item(), ev.item(), acc.tolist()))
-            print(f"step {step} t={log[-1][1]}s loss {loss.item():.3f} eval {ev.item():.3f} "
-                  f"top-1 by depth {[round(v, 2) for v in acc.tolist()]}", flush=True)
+            print(
+                f"step {step} t={log[-1][1]}s loss {loss.item():.3f} eval {ev.item():.3f} "
+                f"top-1 by depth {[round(v, 2) for v in acc.tolist()]}",
+                flush=True,
+            )
         step += 1
-    save_file({n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in drafter.named_parameters()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in drafter.named_parameters()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "train_log.md").write_text(
         f"# train_drafter — {time.strftime('%Y-%m-%d')}\n\n- device: {dev}; {step} steps in {a.minutes} min; "
         f"block {S}, {a.layers} layers, labels: {a.labels}; top-1 = agreement with the target's argmax\n\n"
         "| step | s | train loss | held-out loss | held-out top-1 (target argmax) by depth |\n"
-        "|---|---|---|---|---|\n" + "\n".join(
-            f"| {s} | {t} | {tr:.3f} | {ev:.3f} | {' '.join(f'{v:.2f}' for v in acc)} |" for s, t, tr, ev, acc in log)
-        + "\n")
+        "|---|---|---|---|---|\n"
+        + "\n".join(
+            f"| {s} | {t} | {tr:.3f} | {ev:.3f} | {' '.join(f'{v:.2f}' for v in acc)} |"
+            for s, t, tr, ev, acc in log
+        )
+        + "\n"
+    )
     print(f"saved {out}; expected accepted by marginals ≈ {math.fsum(log[-1][4]) if log else 0:.2f}")
 
 

@@ -8,8 +8,10 @@ from k26.hf_state import deepseek_v3_state
 def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 600) -> list[list[int]]:
     """n prompts of random ids with lengths in [lo, hi), drawn from one seeded generator."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def hf_oracle(path):

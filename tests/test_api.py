@@ -57,7 +57,9 @@ def test_max_tokens_zero(llm):
 
 def test_top_k_one_is_greedy(llm):
     g = llm.generate([9, 9, 9], SamplingParams(max_tokens=4, stop_token_ids=[]))[0].token_ids
-    s = llm.generate([9, 9, 9], SamplingParams(temperature=0.7, top_k=1, max_tokens=4, seed=1, stop_token_ids=[]))[0]
+    s = llm.generate(
+        [9, 9, 9], SamplingParams(temperature=0.7, top_k=1, max_tokens=4, seed=1, stop_token_ids=[])
+    )[0]
     assert s.token_ids == g
 
 
@@ -111,14 +113,22 @@ def test_bad_constructor_args(tiny_k25):
 
 
 def test_cli_generate_prints_text(tiny_k25, capsys):
-    assert main(["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "5", "--device", "cpu"]) == 0
+    assert (
+        main(["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "5", "--device", "cpu"])
+        == 0
+    )
     captured = capsys.readouterr()
     assert "5 tokens" in captured.err or "finish_reason=stop" in captured.err
     assert captured.out.strip() != "" or "finish_reason=stop" in captured.err
 
 
 def test_cli_reports_bad_input(tiny_k25, capsys):
-    assert main(["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "-1", "--device", "cpu"]) == 2
+    assert (
+        main(
+            ["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "-1", "--device", "cpu"]
+        )
+        == 2
+    )
     assert "max_tokens=-1" in capsys.readouterr().err
 
 

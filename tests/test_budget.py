@@ -11,7 +11,9 @@ from k26.spec.tree import build_ddtree
 
 
 def lp(seed, sharp):
-    return torch.log_softmax(torch.randn(2, 7, 300, generator=torch.Generator().manual_seed(seed)) * sharp, -1)
+    return torch.log_softmax(
+        torch.randn(2, 7, 300, generator=torch.Generator().manual_seed(seed)) * sharp, -1
+    )
 
 
 @pytest.mark.parametrize("small", [1, 3, 7, 15])
@@ -63,8 +65,9 @@ def test_long_context_buys_smaller_trees():
     """Same tree, same calibration: the per-token cost (tree attention reads the whole cache per node)
     moves the choice from the largest candidate at short context to the smallest at long context."""
     tree = build_ddtree(lp(0, 3.0), 31)
-    pol = BudgetPolicy.create((3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu", per_token=(0.0, 1e-3, 2e-3, 4e-3),
-                              warmup=0)
+    pol = BudgetPolicy.create(
+        (3, 7, 15, 31), 0.0, (1.0, 1.0, 1.0, 1.0), "cpu", per_token=(0.0, 1e-3, 2e-3, 4e-3), warmup=0
+    )
     alive = torch.ones(2, dtype=torch.bool)
     assert int(pol.choose(tree, alive, torch.tensor([0, 0]))) == 3
     assert int(pol.choose(tree, alive, torch.tensor([4000, 4000]))) == 0
@@ -80,7 +83,9 @@ def test_measured_costs_have_a_context_slope(tiny_k25):
     from k26.tiny import write_tiny_drafter
 
     d = write_tiny_drafter(tiny_k25.parent / "slope-drafter", tiny_k25, layers=1, seed=3)
-    llm = LLM(tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512)
+    llm = LLM(
+        tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512
+    )
     spec = SpecConfig("ddtree", "auto", candidates=(3, 15))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop_token_ids=[]), spec)
     pol = llm.decoder.policies[(spec, 1)]
@@ -124,7 +129,9 @@ def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     from k26.tiny import write_tiny_drafter
 
     d = write_tiny_drafter(tiny_k25.parent / "auto-drafter", tiny_k25, layers=1, seed=3)
-    llm = LLM(tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=4, max_model_len=256)
+    llm = LLM(
+        tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=4, max_model_len=256
+    )
     prompts = random_prompts(4, 2, 20, seed=7)
     sp = SamplingParams(max_tokens=20, stop_token_ids=[])
     ar = llm.generate(prompts, sp, SpecConfig("ar"))

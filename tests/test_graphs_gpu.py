@@ -10,7 +10,12 @@ from k26.graphs import Bucket
 
 pytestmark = pytest.mark.gpu
 
-SPECS = [SpecConfig("ar"), SpecConfig("dflash"), SpecConfig("ddtree", 5), SpecConfig("ddtree", 12)]  # fixed budgets
+SPECS = [
+    SpecConfig("ar"),
+    SpecConfig("dflash"),
+    SpecConfig("ddtree", 5),
+    SpecConfig("ddtree", 12),
+]  # fixed budgets
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,9 @@ def test_one_step_replay_is_bitwise_eager(pair, spec):
     snap = [t.clone() for t in (graphed.cache.kv_LRTC, graphed.dcache.k, graphed.dcache.v)]
     inputs = [t.clone() for t in (state.start, state.bonus)]
     graph.step(state, bucket)  # eager
-    eager_out = [t.clone() for t in (state.emitted, state.n_emitted, state.start, state.bonus, graphed.cache.kv_LRTC)]
+    eager_out = [
+        t.clone() for t in (state.emitted, state.n_emitted, state.start, state.bonus, graphed.cache.kv_LRTC)
+    ]
     for t, s in zip((graphed.cache.kv_LRTC, graphed.dcache.k, graphed.dcache.v), snap):
         t.copy_(s)
     state.start.copy_(inputs[0]), state.bonus.copy_(inputs[1])

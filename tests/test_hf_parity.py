@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from oracles import hf_oracle
 
 from k26 import LLM
 from k26.model import AttnBatch
-
-from oracles import hf_oracle
 
 
 def rel_err(a, b):

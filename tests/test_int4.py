@@ -20,7 +20,9 @@ def test_pack_matches_compressed_tensors():
 
 
 def test_unpack_matches_compressed_tensors():
-    packed = torch.randint(-(2**31), 2**31 - 1, (32, 16), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    packed = torch.randint(
+        -(2**31), 2**31 - 1, (32, 16), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
+    )
     assert torch.equal(unpack_int4(packed), unpack_from_int32(packed, 4, torch.Size([32, 128])))
 
 

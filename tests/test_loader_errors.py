@@ -28,7 +28,9 @@ def edit_shard(d, key, fn):
     tensors = load_file(str(d / fname))
     fn(tensors)
     save_file(tensors, str(d / fname), metadata={"format": "pt"})
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != fname} | {k: fname for k in tensors}
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != fname} | {
+        k: fname for k in tensors
+    }
     index_file.write_text(json.dumps(index))
 
 
@@ -147,10 +149,20 @@ def test_vision_tensors_are_skipped(tiny_k25):
         (lambda c: c["text_config"]["rope_scaling"].update(factor=3.0), "rope_scaling.factor=3.0 disagrees"),
         (lambda c: c["text_config"].update(num_experts_per_tok=99), "num_experts_per_tok=99"),
         (lambda c: c["text_config"].update(n_group=3), "n_group=3"),
-        (lambda c: c["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=128),
-         "weights.group_size=128"),
-        (lambda c: c["text_config"].update(quantization_config={"quant_method": "fp8"}), "quant_method='fp8'"),
-        (lambda c: c["text_config"].update(quantization_config={"quant_method": "awq"}), "quant_method='awq'"),
+        (
+            lambda c: c["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+                group_size=128
+            ),
+            "weights.group_size=128",
+        ),
+        (
+            lambda c: c["text_config"].update(quantization_config={"quant_method": "fp8"}),
+            "quant_method='fp8'",
+        ),
+        (
+            lambda c: c["text_config"].update(quantization_config={"quant_method": "awq"}),
+            "quant_method='awq'",
+        ),
         (lambda c: c["text_config"].update(num_nextn_predict_layers=1), "num_nextn_predict_layers=1"),
     ],
 )
@@ -191,5 +203,7 @@ def test_tp_size_that_does_not_divide(tiny_k25):
 
 def test_tp_size_that_splits_int4_groups(tiny_k25):
     # moe_intermediate_size 64 / 2 = 32 keeps groups; / 4 = 16 would cut a group of 32.
-    with pytest.raises(ConfigError, match="size 4 does not divide moe_intermediate_size=64 .*splits an int4 group"):
+    with pytest.raises(
+        ConfigError, match="size 4 does not divide moe_intermediate_size=64 .*splits an int4 group"
+    ):
         load_model(tiny_k25, tp=TPInfo(0, 4), progress=False)

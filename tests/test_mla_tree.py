@@ -63,7 +63,9 @@ def test_tree_forward_equals_path_forwards(llm, absorb):
         for b, p in enumerate(prompts):
             pre = AttnBatch.causal(torch.tensor([0]), len(p), rows[b : b + 1])
             llm.model(torch.tensor([p]), pre, llm.cache.kv_LRTC, absorb=absorb)
-        batch = AttnBatch.tree(torch.tensor([len(p) for p in prompts]), torch.stack([t[1] for t in trees]), rows)
+        batch = AttnBatch.tree(
+            torch.tensor([len(p) for p in prompts]), torch.stack([t[1] for t in trees]), rows
+        )
         h, _ = llm.model(tokens, batch, llm.cache.kv_LRTC, absorb=absorb)
         tree_logits = llm.model.logits(h)
     for b, (parents, _) in enumerate(trees):
@@ -77,5 +79,7 @@ def test_training_forward_equals_cached_forward(llm):
     ids = torch.randint(0, 600, (2, 13), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         train_h, _ = llm.model.forward_train(ids)
-        h, _ = llm.model(ids, AttnBatch.causal(torch.zeros(2, dtype=torch.long), 13), llm.cache.kv_LRTC, absorb=False)
+        h, _ = llm.model(
+            ids, AttnBatch.causal(torch.zeros(2, dtype=torch.long), 13), llm.cache.kv_LRTC, absorb=False
+        )
     assert ((train_h - h).norm() / h.norm()).item() < 1e-5

@@ -16,7 +16,14 @@ def experts(E=3, D=128, inter=64, seed=0):
     def scale(o, i):
         return (torch.rand(E, o, i // 32, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
 
-    return packed(inter, D), scale(inter, D), packed(inter, D), scale(inter, D), packed(D, inter), scale(D, inter)
+    return (
+        packed(inter, D),
+        scale(inter, D),
+        packed(inter, D),
+        scale(inter, D),
+        packed(D, inter),
+        scale(D, inter),
+    )
 
 
 def test_repack_round_trip():
@@ -46,8 +53,11 @@ def test_repacked_opcheck():
     ex = repack_experts(*experts())
     x = torch.randn(3, 128).to(torch.bfloat16)
     ids, w = torch.tensor([[0, 1], [2, 0], [1, 2]]), torch.rand(3, 2)
-    torch.library.opcheck(torch.ops.k26.moe_w4a16_repacked.default, (x, *ex, ids, w),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.k26.moe_w4a16_repacked.default,
+        (x, *ex, ids, w),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -61,8 +71,12 @@ def test_repacked_opcheck():
     ],
 )
 def test_front_door_names_bad_inputs(mutate, needle):
-    args = [torch.randn(3, 128).to(torch.bfloat16), *repack_experts(*experts()), torch.tensor([[0, 1], [2, 0], [1, 2]]),
-            torch.rand(3, 2)]
+    args = [
+        torch.randn(3, 128).to(torch.bfloat16),
+        *repack_experts(*experts()),
+        torch.tensor([[0, 1], [2, 0], [1, 2]]),
+        torch.rand(3, 2),
+    ]
     mutate(args)
     with pytest.raises(ValueError, match=needle):
         check_inputs(*args)

@@ -27,12 +27,23 @@ def moe_inputs(T=5, E=4, D=64, inter=64, K=2, seed=0):
     x = torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)
-    return (x, packed(inter, D), scale(inter, D), packed(inter, D), scale(inter, D), packed(D, inter),
-            scale(D, inter), ids, w)
+    return (
+        x,
+        packed(inter, D),
+        scale(inter, D),
+        packed(inter, D),
+        scale(inter, D),
+        packed(D, inter),
+        scale(D, inter),
+        ids,
+        w,
+    )
 
 
 def test_moe_opcheck():
-    torch.library.opcheck(torch.ops.k26.moe_w4a16.default, moe_inputs(), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.k26.moe_w4a16.default, moe_inputs(), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 def test_moe_reference_is_per_token_sum():
@@ -59,14 +70,18 @@ def attention_inputs(B=2, N=5, H=3, C=40, v=32, L=16):
 
 def test_attention_opcheck():
     torch.library.opcheck(
-        torch.ops.k26.mla_tree_attention.default, attention_inputs(), test_utils=("test_schema", "test_faketensor")
+        torch.ops.k26.mla_tree_attention.default,
+        attention_inputs(),
+        test_utils=("test_schema", "test_faketensor"),
     )
 
 
 def test_write_cache_opcheck():
     cache = torch.randn(3, 12, 8)
     args = (cache, torch.randn(2, 4, 8), torch.tensor([2, 0]), torch.tensor([3, 8]))
-    torch.library.opcheck(torch.ops.k26.mla_write_cache.default, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.k26.mla_write_cache.default, args, test_utils=("test_schema", "test_faketensor")
+    )
     torch.ops.k26.mla_write_cache(*args)
     assert torch.equal(cache[2, 3:7], args[1][0]) and torch.equal(cache[0, 8:12], args[1][1])
 

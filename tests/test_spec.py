@@ -17,15 +17,24 @@ from k26.spec.tree import build_ddtree, build_ddtree_heap, chain_tree
 
 @pytest.fixture(scope="module")
 def llm(tiny_k25, drafter_dir):
-    return LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, max_batch=8,
-               max_model_len=256)
+    return LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=8,
+        max_model_len=256,
+    )
 
 
 # -- tree ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [1, 2, 5, 16, 63, 128, 512])
 @pytest.mark.parametrize("depth", [1, 3, 7, 15])
 def test_tree_is_the_heap_tree(budget, depth):
-    lp = torch.log_softmax(torch.randn(3, depth, 700, generator=torch.Generator().manual_seed(budget + depth)) * 3, -1)
+    lp = torch.log_softmax(
+        torch.randn(3, depth, 700, generator=torch.Generator().manual_seed(budget + depth)) * 3, -1
+    )
     tree = build_ddtree(lp, budget)
     for b, (tok, par, dep) in enumerate(build_ddtree_heap(lp, budget)):
         n = len(tok)
@@ -129,7 +138,9 @@ def oracle_draft(reference: dict, noise: float, seed: int):
                 pos = int(start[b]) + 1 + d
                 if pos < len(seq):
                     r = torch.rand(1, generator=g).item()
-                    lp[b, d, seq[pos]] = 20.0 if r > noise else (lp[b, d].max() - 0.1 if r > noise / 3 else -20.0)
+                    lp[b, d, seq[pos]] = (
+                        20.0 if r > noise else (lp[b, d].max() - 0.1 if r > noise / 3 else -20.0)
+                    )
         return torch.log_softmax(lp, -1)
 
     return draft
@@ -137,14 +148,23 @@ def oracle_draft(reference: dict, noise: float, seed: int):
 
 def as_topk(draft):
     """Adapt a full-vocabulary drafter stand-in to the step's `draft_topk` hook."""
+
     def draft_topk(target, drafter, dcache, rows, start, bonus, k, static=False):
         return draft(target, drafter, dcache, rows, start, bonus).topk(k, dim=-1)
 
     return draft_topk
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree"), SpecConfig("ddtree", 4),
-                                  SpecConfig("ddtree", 16), SpecConfig("ddtree", 40)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecConfig("dflash"),
+        SpecConfig("ddtree"),
+        SpecConfig("ddtree", 4),
+        SpecConfig("ddtree", 16),
+        SpecConfig("ddtree", 40),
+    ],
+)
 def test_greedy_lossless_with_oracle_drafts(llm, spec, monkeypatch):
     prompts = random_prompts(24, 1, 30, seed=len(str(spec)))
     sp = SamplingParams(max_tokens=24, stop_token_ids=[])
@@ -183,7 +203,9 @@ def test_stop_token_inside_accepted_block(llm, monkeypatch):
     ar = llm.generate([[4, 5, 6]], sp, SpecConfig("ar"))[0].token_ids
     monkeypatch.setattr(step_mod, "draft_topk", as_topk(oracle_draft({0: [4, 5, 6] + ar}, noise=0.0, seed=1)))
     stop = ar[5]
-    out = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=30, stop_token_ids=[stop]), SpecConfig("ddtree", 8))[0]
+    out = llm.generate(
+        [[4, 5, 6]], SamplingParams(max_tokens=30, stop_token_ids=[stop]), SpecConfig("ddtree", 8)
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == ar[: ar.index(stop)]
 
 
@@ -220,15 +242,23 @@ def test_drafter_matches_plain_attention(llm):
         hn = rms(h, layer.input_layernorm.weight)
         kv_in = torch.cat([ctx, hn], 1)
         q = rope(rms(F.linear(hn, at.q_proj.weight).view(1, S, -1, cfg.head_dim), at.q_norm.weight), pos_blk)
-        k = rope(rms(F.linear(kv_in, at.k_proj.weight).view(1, C + S, -1, cfg.head_dim), at.k_norm.weight), allpos)
+        k = rope(
+            rms(F.linear(kv_in, at.k_proj.weight).view(1, C + S, -1, cfg.head_dim), at.k_norm.weight), allpos
+        )
         v = F.linear(kv_in, at.v_proj.weight).view(1, C + S, -1, cfg.head_dim)
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2),
-                                           v.repeat_interleave(rep, 2).transpose(1, 2), scale=cfg.head_dim**-0.5)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.repeat_interleave(rep, 2).transpose(1, 2),
+            v.repeat_interleave(rep, 2).transpose(1, 2),
+            scale=cfg.head_dim**-0.5,
+        )
         h = h + F.linear(o.transpose(1, 2).reshape(1, S, -1), at.o_proj.weight)
         m = layer.mlp
         hn2 = rms(h, layer.post_attention_layernorm.weight)
-        h = h + F.linear(F.silu(F.linear(hn2, m.gate_proj.weight)) * F.linear(hn2, m.up_proj.weight), m.down_proj.weight)
+        h = h + F.linear(
+            F.silu(F.linear(hn2, m.gate_proj.weight)) * F.linear(hn2, m.up_proj.weight), m.down_proj.weight
+        )
     want = rms(h, d.norm.weight)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
@@ -286,8 +316,15 @@ def test_head_topk_and_argmax_match_full_vocab(llm):
 
 
 def test_spec_runs_to_the_context_end_like_ar(tiny_k25, drafter_dir):
-    llm = LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, max_batch=2,
-              max_model_len=64)
+    llm = LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=2,
+        max_model_len=64,
+    )
     prompts = [list(range(3, 43)), list(range(50, 60))]
     sp = SamplingParams(max_tokens=60, stop_token_ids=[])
     ar = llm.generate(prompts, sp, SpecConfig("ar"))

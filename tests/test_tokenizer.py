@@ -42,9 +42,16 @@ def test_chat_inserts_only_structural_specials(tok):
     ids = tok.chat(msgs, thinking=False)
     specials = [i for i in ids if i in tok.special_ids.values()]
     assert specials == [
-        sp("<|im_system|>"), sp("<|im_middle|>"), sp("<|im_end|>"),
-        sp("<|im_user|>"), sp("<|im_middle|>"), sp("<|im_end|>"),
-        sp("<|im_assistant|>"), sp("<|im_middle|>"), sp("<think>"), sp("</think>"),
+        sp("<|im_system|>"),
+        sp("<|im_middle|>"),
+        sp("<|im_end|>"),
+        sp("<|im_user|>"),
+        sp("<|im_middle|>"),
+        sp("<|im_end|>"),
+        sp("<|im_assistant|>"),
+        sp("<|im_middle|>"),
+        sp("<think>"),
+        sp("</think>"),
     ]
     assert tok.decode(ids) == (
         "<|im_system|>system<|im_middle|>be brief<|im_end|><|im_user|>user<|im_middle|><|im_end|> hi<|im_end|>"
@@ -68,5 +75,7 @@ def test_bad_role_is_named(tok):
 def test_kimi_pattern_compiles_in_tiktoken():
     import tiktoken
 
-    enc = tiktoken.Encoding("p", pat_str=KIMI_PAT_STR, mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={})
+    enc = tiktoken.Encoding(
+        "p", pat_str=KIMI_PAT_STR, mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={}
+    )
     assert enc.decode(enc.encode_ordinary("中文ABCdef's 123")) == "中文ABCdef's 123"

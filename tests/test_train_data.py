@@ -37,8 +37,11 @@ def test_trained_model_exports_to_the_release_layout(tmp_path):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_((torch.randn(p.shape, generator=g) * (0.05 if "bias" in n else 1 / p.shape[-1] ** 0.5))
-                    .to(torch.bfloat16).float())
+            p.copy_(
+                (torch.randn(p.shape, generator=g) * (0.05 if "bias" in n else 1 / p.shape[-1] ** 0.5))
+                .to(torch.bfloat16)
+                .float()
+            )
     model.rope.reset_buffers()
     save_checkpoint(tmp_path, text_config(DEFAULT_SIZES, first, "none"), hf_tensors(model, "none"), shards=2)
     llm = LLM(tmp_path, device="cpu", dtype=torch.float32, progress=False)

@@ -29,8 +29,9 @@ class AttnBatch:
         return self.positions_BN.shape[1]
 
     @classmethod
-    def causal(cls, prefix_lens_B: torch.Tensor, n: int, rows_B: torch.Tensor | None = None,
-               static: bool = False) -> AttnBatch:
+    def causal(
+        cls, prefix_lens_B: torch.Tensor, n: int, rows_B: torch.Tensor | None = None, static: bool = False
+    ) -> AttnBatch:
         dev = prefix_lens_B.device
         b = prefix_lens_B.shape[0]
         rows = torch.arange(b, device=dev) if rows_B is None else rows_B
@@ -38,10 +39,17 @@ class AttnBatch:
         return cls(pos, rows, prefix_lens_B, causal_words(b, n, dev), static)
 
     @classmethod
-    def tree(cls, prefix_lens_B: torch.Tensor, ancestors_BNN: torch.Tensor, rows_B: torch.Tensor | None = None,
-             static: bool = False):
+    def tree(
+        cls,
+        prefix_lens_B: torch.Tensor,
+        ancestors_BNN: torch.Tensor,
+        rows_B: torch.Tensor | None = None,
+        static: bool = False,
+    ):
         """ancestors[b, i, j]: node j is i itself or an ancestor of i; node 0 is the root."""
         b = prefix_lens_B.shape[0]
         rows = torch.arange(b, device=prefix_lens_B.device) if rows_B is None else rows_B
         depth_BN = ancestors_BNN.sum(-1) - 1
-        return cls(prefix_lens_B[:, None] + depth_BN, rows, prefix_lens_B, tree_mask_to_words(ancestors_BNN), static)
+        return cls(
+            prefix_lens_B[:, None] + depth_BN, rows, prefix_lens_B, tree_mask_to_words(ancestors_BNN), static
+        )

@@ -107,7 +107,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.rope = NeoxRope(cfg)
 
-    def context_kv(self, feat_BCX: torch.Tensor, pos_BC: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, feat_BCX: torch.Tensor, pos_BC: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (k, v) [B, C, Hkv, hd] of context rows: fc + hidden_norm once, then each layer's K/V."""
         ctx = self.hidden_norm(self.fc(feat_BCX))
         return [layer.self_attn.kv(ctx, pos_BC, self.rope) for layer in self.layers]
@@ -124,7 +126,9 @@ class DFlashDrafter(nn.Module):
             cache_k[i][r, p] = k.to(cache_k.dtype)
             cache_v[i][r, p] = v.to(cache_v.dtype)
 
-    def forward(self, x_BSD, pos_BS, cache_k, cache_v, rows_B, ctx_lens_B, static: bool = False) -> torch.Tensor:
+    def forward(
+        self, x_BSD, pos_BS, cache_k, cache_v, rows_B, ctx_lens_B, static: bool = False
+    ) -> torch.Tensor:
         """Block hidden states after the final norm [B, S, D]; context = cache positions < ctx_lens.
         `static`: whole cache rows, no host sync (graph bodies), as `AttnBatch.static`."""
         keys = live_keys(ctx_lens_B, 0, cache_k.shape[2], static)

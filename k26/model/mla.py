@@ -55,7 +55,13 @@ class MLA(nn.Module):
             q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
             q_abs = torch.cat([q_lat, q_pe], dim=-1)
             o_lat, _ = torch.ops.k26.mla_tree_attention(
-                q_abs, cache_RLC, batch.rows_B, batch.prefix_lens_B, batch.mask_words_BNW, cfg.softmax_scale, r,
+                q_abs,
+                cache_RLC,
+                batch.rows_B,
+                batch.prefix_lens_B,
+                batch.mask_words_BNW,
+                cfg.softmax_scale,
+                r,
                 batch.static,
             )
             if self.kv_b_proj.use_kernel:  # W_UV per head straight from kv_b's rows (a strided view, no copy)

@@ -22,7 +22,11 @@ def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
         return base_freq
 
     def corr(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (
+            dim
+            * math.log(rope.original_max_position / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low = max(math.floor(corr(rope.beta_fast)), 0)
     high = min(math.ceil(corr(rope.beta_slow)), dim - 1)

@@ -13,8 +13,14 @@ from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from .reference import causal_words, tree_mask_to_words, words_to_tree_mask
 
 __all__ = [
-    "causal_words", "tree_mask_to_words", "words_to_tree_mask",
-    "dequantize_int4", "pack_int4", "quantize_int4", "unpack_int4", "OPS",
+    "OPS",
+    "causal_words",
+    "dequantize_int4",
+    "pack_int4",
+    "quantize_int4",
+    "tree_mask_to_words",
+    "unpack_int4",
+    "words_to_tree_mask",
 ]
 
 
@@ -72,10 +78,17 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 
 
-from . import attention_cuda  # noqa: E402, F401  (registers the CUDA kernel of mla_tree_attention)
-from . import linear_cuda  # noqa: E402, F401  (registers linear / linear_grouped with their CUDA kernel)
+from . import (
+    attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
+    linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
+)
 
 OPS = (
-    "moe_w4a16", "moe_w4a16_repacked", "moe_router", "mla_write_cache", "mla_tree_attention", "linear",
+    "moe_w4a16",
+    "moe_w4a16_repacked",
+    "moe_router",
+    "mla_write_cache",
+    "mla_tree_attention",
+    "linear",
     "linear_grouped",
 )

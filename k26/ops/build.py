@@ -87,20 +87,41 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
     out = out or library_path(archs)
     out.parent.mkdir(parents=True, exist_ok=True)
     gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
-    cmd = [str(nvcc), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-lineinfo",
-           *gencode, "-o", str(out) + ".tmp", *map(str, sources())]
+    cmd = [
+        str(nvcc),
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-Xptxas",
+        "-v",
+        "-lineinfo",
+        *gencode,
+        "-o",
+        str(out) + ".tmp",
+        *map(str, sources()),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise BuildError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr}")
     reports = parse_ptxas(proc.stderr)
-    problems = [f"{r.arch} {r.name}: {r.spill_stores} B spill stores / {r.spill_loads} B spill loads"
-                for r in reports if r.spill_stores or r.spill_loads]
-    problems += [f"{r.arch} {r.name}: {r.smem} B static shared memory > {SM120_SMEM_LIMIT}"
-                 for r in reports if r.arch.startswith("sm_120") and r.smem > SM120_SMEM_LIMIT]
+    problems = [
+        f"{r.arch} {r.name}: {r.spill_stores} B spill stores / {r.spill_loads} B spill loads"
+        for r in reports
+        if r.spill_stores or r.spill_loads
+    ]
+    problems += [
+        f"{r.arch} {r.name}: {r.smem} B static shared memory > {SM120_SMEM_LIMIT}"
+        for r in reports
+        if r.arch.startswith("sm_120") and r.smem > SM120_SMEM_LIMIT
+    ]
     if verbose:
         print(f"{'arch':8s} {'regs':>5s} {'smem B':>7s} {'spill':>6s}  kernel")
         for r in reports:
-            print(f"{r.arch:8s} {r.registers:5d} {r.smem:7d} {r.spill_stores + r.spill_loads:6d}  {r.name[:110]}")
+            print(
+                f"{r.arch:8s} {r.registers:5d} {r.smem:7d} {r.spill_stores + r.spill_loads:6d}  {r.name[:110]}"
+            )
     if problems:
         Path(str(out) + ".tmp").unlink(missing_ok=True)
         raise BuildError("kernel resource check failed:\n  " + "\n  ".join(problems))
@@ -131,7 +152,9 @@ def available() -> bool:
     except (BuildError, OSError) as e:
         import warnings
 
-        warnings.warn(f"k26: CUDA kernels unavailable ({e}); the pure-torch references run instead", stacklevel=2)
+        warnings.warn(
+            f"k26: CUDA kernels unavailable ({e}); the pure-torch references run instead", stacklevel=2
+        )
         return False
 
 

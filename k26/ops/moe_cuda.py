@@ -122,8 +122,9 @@ def repack_experts(gate_packed, gate_scale, up_packed, up_scale, down_packed, do
     return w13, s13, w2, s2
 
 
-def _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None,
-               shared_down=None):
+def _reference(
+    x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None
+):
     """Unrepack only the experts the batch touches, then the plain per-expert reference; the shared expert
     (bf16) is added after the routed sum is rounded, as `MoE.forward` does with a separate MLP."""
     inter = w13.shape[1] * 8
@@ -146,9 +147,16 @@ def _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, sh
 
 @torch.library.custom_op("k26::moe_w4a16_repacked", mutates_args=())
 def moe_w4a16_repacked(
-    x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, shared_gate: torch.Tensor | None = None,
-    shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared_gate: torch.Tensor | None = None,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids."""
     return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
@@ -162,38 +170,62 @@ def _(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=N
 def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None)):
     """Every shape/dtype/device problem as a ValueError naming the argument, before any launch.
     Returns M, D, I, E, topk."""
+
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ValueError(f"moe_w4a16_repacked: {msg}")
 
-    need(x.dim() == 2 and x.dtype == torch.bfloat16,
-         f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}")
+    need(
+        x.dim() == 2 and x.dtype == torch.bfloat16,
+        f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}",
+    )
     M, D = x.shape
-    need(w13.dim() == 5 and w13.dtype == torch.int32 and w13.shape[3:] == (32, 4),
-         f"w13 must be int32 [E, I/8, D/64, 32, 4], got {w13.dtype} {list(w13.shape)}")
+    need(
+        w13.dim() == 5 and w13.dtype == torch.int32 and w13.shape[3:] == (32, 4),
+        f"w13 must be int32 [E, I/8, D/64, 32, 4], got {w13.dtype} {list(w13.shape)}",
+    )
     E, I = w13.shape[0], w13.shape[1] * 8
     need(D % 64 == 0 and I % 64 == 0, f"hidden D={D} and intermediate I={I} must be multiples of 64")
     need(E <= 4096, f"E={E} experts exceeds the routing kernel's 4096")
     need(w13.shape[2] * 64 == D, f"w13 holds D={w13.shape[2] * 64} but x has D={D}")
-    need(s13.shape == (E, I // 8, D // 64, 32, 2) and s13.dtype == torch.bfloat16,
-         f"s13 must be bf16 {[E, I // 8, D // 64, 32, 2]}, got {s13.dtype} {list(s13.shape)}")
-    need(w2.shape == (E, D // 16, I // 64, 32, 4) and w2.dtype == torch.int32,
-         f"w2 must be int32 {[E, D // 16, I // 64, 32, 4]}, got {w2.dtype} {list(w2.shape)}")
-    need(s2.shape == (E, D // 16, I // 64, 32, 2) and s2.dtype == torch.bfloat16,
-         f"s2 must be bf16 {[E, D // 16, I // 64, 32, 2]}, got {s2.dtype} {list(s2.shape)}")
-    need(topk_ids.dim() == 2 and topk_ids.shape[0] == M and not topk_ids.is_floating_point(),
-         f"topk_ids must be integer [M={M}, topk], got {topk_ids.dtype} {list(topk_ids.shape)}")
-    need(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
-         f"topk_weights must be float {list(topk_ids.shape)}, "
-         f"got {topk_weights.dtype} {list(topk_weights.shape)}")
-    named = [("x", x), ("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2), ("topk_ids", topk_ids),
-             ("topk_weights", topk_weights)]
+    need(
+        s13.shape == (E, I // 8, D // 64, 32, 2) and s13.dtype == torch.bfloat16,
+        f"s13 must be bf16 {[E, I // 8, D // 64, 32, 2]}, got {s13.dtype} {list(s13.shape)}",
+    )
+    need(
+        w2.shape == (E, D // 16, I // 64, 32, 4) and w2.dtype == torch.int32,
+        f"w2 must be int32 {[E, D // 16, I // 64, 32, 4]}, got {w2.dtype} {list(w2.shape)}",
+    )
+    need(
+        s2.shape == (E, D // 16, I // 64, 32, 2) and s2.dtype == torch.bfloat16,
+        f"s2 must be bf16 {[E, D // 16, I // 64, 32, 2]}, got {s2.dtype} {list(s2.shape)}",
+    )
+    need(
+        topk_ids.dim() == 2 and topk_ids.shape[0] == M and not topk_ids.is_floating_point(),
+        f"topk_ids must be integer [M={M}, topk], got {topk_ids.dtype} {list(topk_ids.shape)}",
+    )
+    need(
+        topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(),
+        f"topk_weights must be float {list(topk_ids.shape)}, "
+        f"got {topk_weights.dtype} {list(topk_weights.shape)}",
+    )
+    named = [
+        ("x", x),
+        ("w13", w13),
+        ("s13", s13),
+        ("w2", w2),
+        ("s2", s2),
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+    ]
     if any(t is not None for t in shared):
         shapes = ((I, D), (I, D), (D, I))
         for name, t, shape in zip(("shared_gate", "shared_up", "shared_down"), shared, shapes, strict=True):
-            need(t is not None and t.dtype == torch.bfloat16 and tuple(t.shape) == shape,
-                 f"{name} must be bf16 {list(shape)} (the shared expert as wide as a routed one), got "
-                 f"{None if t is None else (t.dtype, list(t.shape))}")
+            need(
+                t is not None and t.dtype == torch.bfloat16 and tuple(t.shape) == shape,
+                f"{name} must be bf16 {list(shape)} (the shared expert as wide as a routed one), got "
+                f"{None if t is None else (t.dtype, list(t.shape))}",
+            )
             named.append((name, t))
     for name, t in named:
         need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
@@ -244,12 +276,27 @@ def _(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=N
     lib = _library()
     nt = pick_nt(M * topk, E)
     has_shared = shared_gate is not None
-    ws = torch.empty(lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt, int(has_shared)), dtype=torch.uint8,
-                     device=x.device)
+    ws = torch.empty(
+        lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt, int(has_shared)), dtype=torch.uint8, device=x.device
+    )
     sp = [t.data_ptr() if has_shared else None for t in shared]
     err = lib.k26_moe_w4a16(
-        x.data_ptr(), w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr(), ids.data_ptr(),
-        w.data_ptr(), out.data_ptr(), ws.data_ptr(), M, D, I, E, topk, nt, *sp,
+        x.data_ptr(),
+        w13.data_ptr(),
+        s13.data_ptr(),
+        w2.data_ptr(),
+        s2.data_ptr(),
+        ids.data_ptr(),
+        w.data_ptr(),
+        out.data_ptr(),
+        ws.data_ptr(),
+        M,
+        D,
+        I,
+        E,
+        topk,
+        nt,
+        *sp,
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

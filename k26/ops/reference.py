@@ -65,8 +65,9 @@ def mla_write_cache(cache_RLC, latent_BNC, rows_B, prefix_lens_B) -> None:
     cache_RLC[rows_B[:, None], pos_BN] = latent_BNC.to(cache_RLC.dtype)
 
 
-def mla_tree_attention(q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scale: float, v_dim: int,
-                       static: bool = False):
+def mla_tree_attention(
+    q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scale: float, v_dim: int, static: bool = False
+):
     """Absorbed MLA over the latent cache: one shared 576-wide key per token, values its first v_dim.
     `static`: whole cache rows, no host sync (`live_keys`).
 
@@ -74,7 +75,9 @@ def mla_tree_attention(q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scal
     """
     B, N, H, C = q_BNHC.shape
     if not (static or capturing()) and int(prefix_lens_B.max()) + N > cache_RLC.shape[1]:
-        raise ValueError(f"mla_tree_attention: prefix + {N} new tokens exceeds cache length {cache_RLC.shape[1]}")
+        raise ValueError(
+            f"mla_tree_attention: prefix + {N} new tokens exceeds cache length {cache_RLC.shape[1]}"
+        )
     keys = live_keys(prefix_lens_B, N, cache_RLC.shape[1], static)
     kv_BLC = cache_RLC[rows_B, :keys].float()
     s_BNHL = torch.einsum("bnhc,blc->bnhl", q_BNHC.float(), kv_BLC) * scale
@@ -86,7 +89,9 @@ def mla_tree_attention(q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scal
     return out.to(q_BNHC.dtype), lse_BNH
 
 
-def moe_router(x_TD, weight_ED, bias_E, n_group: int, topk_group: int, topk: int, renormalize: bool, scale: float):
+def moe_router(
+    x_TD, weight_ED, bias_E, n_group: int, topk_group: int, topk: int, renormalize: bool, scale: float
+):
     """noaux_tc routing: the biased sigmoid scores choose (group-limited top-k), the unbiased ones weight.
 
     Returns fp32 weights [T, topk] (renormalised if asked, times `scale`) and int64 ids [T, topk].
@@ -121,7 +126,9 @@ def moe_combine(x_TD, ids_TK, weights_TK, expert_weights) -> torch.Tensor:
     return out_TD.to(x_TD.dtype)
 
 
-def moe_w4a16(x_TD, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, ids_TK, weights_TK):
+def moe_w4a16(
+    x_TD, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, ids_TK, weights_TK
+):
     """Routed experts with int4 group-32 weights in the compressed-tensors layout, stacked over E."""
 
     def weights(e: int):

@@ -23,8 +23,19 @@ def build_ddtree_cuda(lp: torch.Tensor, tok: torch.Tensor, budget: int):
     scores = torch.empty(B, N, dtype=torch.float64, device=dev)
     scratch = torch.empty(lib.k26_ddtree_scratch(B, L, budget), dtype=torch.uint8, device=dev)
     err = lib.k26_ddtree_build(
-        lp32.data_ptr(), tok64.data_ptr(), B, L, K, budget, out_tok.data_ptr(), out_par.data_ptr(),
-        out_dep.data_ptr(), out_valid.data_ptr(), words.data_ptr(), scores.data_ptr(), scratch.data_ptr(),
+        lp32.data_ptr(),
+        tok64.data_ptr(),
+        B,
+        L,
+        K,
+        budget,
+        out_tok.data_ptr(),
+        out_par.data_ptr(),
+        out_dep.data_ptr(),
+        out_valid.data_ptr(),
+        words.data_ptr(),
+        scores.data_ptr(),
+        scratch.data_ptr(),
         torch.cuda.current_stream(dev).cuda_stream,
     )
     if err:

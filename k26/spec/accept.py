@@ -39,7 +39,9 @@ def accept_walk(tree: DraftTree, choice_BN: torch.Tensor):
     return path_BJ, (path_BJ[:, 1:] >= 0).sum(dim=1), choice_BN.gather(1, u[:, None])[:, 0]
 
 
-def commit_latent(cache_LRTC: torch.Tensor, rows_B: torch.Tensor, start_B: torch.Tensor, path_BJ: torch.Tensor) -> None:
+def commit_latent(
+    cache_LRTC: torch.Tensor, rows_B: torch.Tensor, start_B: torch.Tensor, path_BJ: torch.Tensor
+) -> None:
     """Move the accepted nodes' latent rows (written at start + node) to start + 0, 1, ... .
 
     Gather first, then scatter: an in-place parallel copy could race since path[j] >= j. Entries past

@@ -28,7 +28,9 @@ class DraftTree:
     parents: torch.Tensor  # [B, 1 + n] int64; root -1, parents[i] < i
     depths: torch.Tensor  # [B, 1 + n] int64; root 0
     valid: torch.Tensor  # [B, 1 + n] bool; False for padding nodes (never visible, never accepted)
-    words: torch.Tensor  # [B, 1 + n, ceil((1 + n) / 64)] int64 ancestor-or-self bitmask (tree attention's mask)
+    words: (
+        torch.Tensor
+    )  # [B, 1 + n, ceil((1 + n) / 64)] int64 ancestor-or-self bitmask (tree attention's mask)
     scores: torch.Tensor  # [B, 1 + n] float64 log q(u); root 0
     max_depth: int  # static: the drafter's L = block - 1, the longest path the walk may take
 
@@ -54,7 +56,9 @@ class TreeTables:
     def __init__(self) -> None:
         self._tables: dict[tuple, object] = {}
 
-    def admissible(self, budget: int, K: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def admissible(
+        self, budget: int, K: int, width: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         key = ("admissible", budget, K, width, torch.device(device))
         if key not in self._tables:
             self._tables[key] = _admissible(budget, K, width, device)
@@ -85,8 +89,9 @@ def build_ddtree(logprobs: torch.Tensor, budget: int, tables: TreeTables | None 
     return build_ddtree_from_topk(lp, tok, budget, tables)
 
 
-def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int,
-                           tables: TreeTables | None = None) -> DraftTree:
+def build_ddtree_from_topk(
+    lp: torch.Tensor, tok: torch.Tensor, budget: int, tables: TreeTables | None = None
+) -> DraftTree:
     """The tree from per-depth top-K (log-prob, token) pairs sorted descending, K = min(budget, V).
     On CUDA one thread block per tree builds it (csrc/ddtree_build.cu); elsewhere the torch version below."""
     if lp.is_cuda and budget <= 512 and lp.shape[1] <= 15:
@@ -117,7 +122,7 @@ def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int,
         # Top-W by (score desc, lex asc): sort by lex, then a stable sort by score.
         by_lex = torch.sort(cand_lex, dim=-1, stable=True).indices
         cand_score, cand_lex, par_lex = (t.gather(1, by_lex) for t in (cand_score, cand_lex, par_lex))
-        cand_j = (cand_lex % K)
+        cand_j = cand_lex % K
         W = min(budget, cand_score.shape[1])
         top = torch.sort(cand_score, dim=-1, descending=True, stable=True).indices[:, :W]
         top = torch.sort(top, dim=-1).values  # back to lexicographic order for the next depth
@@ -140,7 +145,9 @@ def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int,
     n = min(budget, all_score.shape[1])
     pick = torch.sort(all_score, dim=-1, descending=True, stable=True).indices[:, :n]  # pop order
     # Position in pop order of every union member (or -1): parents become node indices.
-    where = torch.full_like(all_score, -1, dtype=torch.long).scatter_(1, pick, torch.arange(n, device=dev).expand(B, n))
+    where = torch.full_like(all_score, -1, dtype=torch.long).scatter_(
+        1, pick, torch.arange(n, device=dev).expand(B, n)
+    )
     node_parent_union = all_parent.gather(1, pick)
     node_parent = torch.where(node_parent_union >= 0, where.gather(1, node_parent_union.clamp_min(0)) + 1, 0)
     node_score = all_score.gather(1, pick)
@@ -150,15 +157,32 @@ def build_ddtree_from_topk(lp: torch.Tensor, tok: torch.Tensor, budget: int,
     tokens = torch.cat([root, all_tok.gather(1, pick), root.expand(B, pad)], 1)
     parents_t = torch.cat([root - 1, node_parent, root.expand(B, pad)], 1)
     depths = torch.cat([root, all_depth.gather(1, pick), root.expand(B, pad) + 1], 1)
-    valid_t = torch.cat([torch.ones_like(root, dtype=torch.bool), valid, torch.zeros(B, pad, dtype=torch.bool, device=dev)], 1)
+    valid_t = torch.cat(
+        [torch.ones_like(root, dtype=torch.bool), valid, torch.zeros(B, pad, dtype=torch.bool, device=dev)], 1
+    )
     parents_t = torch.where(valid_t | (parents_t < 0), parents_t, 0)
-    score_t = torch.cat([torch.zeros(B, 1, dtype=torch.float64, device=dev), node_score,
-                         torch.full((B, pad), float("-inf"), dtype=torch.float64, device=dev)], 1)
-    return DraftTree(tokens, parents_t, depths, valid_t, tree_mask_to_words(ancestors_from_parents(parents_t, valid_t, L)), score_t, L)
+    score_t = torch.cat(
+        [
+            torch.zeros(B, 1, dtype=torch.float64, device=dev),
+            node_score,
+            torch.full((B, pad), float("-inf"), dtype=torch.float64, device=dev),
+        ],
+        1,
+    )
+    return DraftTree(
+        tokens,
+        parents_t,
+        depths,
+        valid_t,
+        tree_mask_to_words(ancestors_from_parents(parents_t, valid_t, L)),
+        score_t,
+        L,
+    )
 
 
-def ancestors_from_parents(parents: torch.Tensor, valid: torch.Tensor | None = None,
-                           max_depth: int | None = None) -> torch.Tensor:
+def ancestors_from_parents(
+    parents: torch.Tensor, valid: torch.Tensor | None = None, max_depth: int | None = None
+) -> torch.Tensor:
     """[B, N, N] ancestor-or-self mask of parents [B, N] (root -1, parents[i] < i) by walking every node up
     `max_depth` steps at once (default N - 1: any tree); invalid (padding) nodes see only themselves."""
     B, N = parents.shape
@@ -190,8 +214,15 @@ def chain_from_topk(lp: torch.Tensor, tok: torch.Tensor) -> DraftTree:
     parents = (ar - 1).expand(B, L + 1).clone()
     anc = torch.ones(L + 1, L + 1, dtype=torch.bool, device=dev).tril().expand(B, -1, -1)
     scores = torch.cat([root.double(), lp.double().cumsum(-1)], 1)
-    return DraftTree(torch.cat([root, tok], 1), parents, ar.expand(B, -1).clone(),
-                     torch.ones(B, L + 1, dtype=torch.bool, device=dev), tree_mask_to_words(anc), scores, L)
+    return DraftTree(
+        torch.cat([root, tok], 1),
+        parents,
+        ar.expand(B, -1).clone(),
+        torch.ones(B, L + 1, dtype=torch.bool, device=dev),
+        tree_mask_to_words(anc),
+        scores,
+        L,
+    )
 
 
 def build_ddtree_heap(logprobs: torch.Tensor, budget: int) -> list[tuple[list[int], list[int], list[int]]]:
@@ -215,7 +246,9 @@ def build_ddtree_heap(logprobs: torch.Tensor, budget: int) -> list[tuple[list[in
             parents.append(par)
             depths.append(d)
             if r + 1 < K:  # next sibling: the parent's score plus the next rank's log-prob
-                heapq.heappush(heap, (-(par_score + lp[d - 1][r + 1]), d, ranks[:-1] + (r + 1,), par, par_score))
+                heapq.heappush(
+                    heap, (-(par_score + lp[d - 1][r + 1]), d, ranks[:-1] + (r + 1,), par, par_score)
+                )
             if d < L:  # first child
                 heapq.heappush(heap, (-(-neg + lp[d][0]), d + 1, ranks + (0,), node, -neg))
         out.append((tokens, parents, depths))
@@ -237,8 +270,11 @@ def pad_tree(tree: DraftTree, nodes: int, tables: TreeTables | None = None) -> D
     words[:, N0:] = (tables or TreeTables()).self_words(N0, nodes, dev)
     z = torch.zeros(B, extra, dtype=torch.long, device=dev)
     return DraftTree(
-        torch.cat([tree.tokens, z], 1), torch.cat([tree.parents, z], 1), torch.cat([tree.depths, z + 1], 1),
-        torch.cat([tree.valid, z.bool()], 1), words,
+        torch.cat([tree.tokens, z], 1),
+        torch.cat([tree.parents, z], 1),
+        torch.cat([tree.depths, z + 1], 1),
+        torch.cat([tree.valid, z.bool()], 1),
+        words,
         torch.cat([tree.scores, torch.full((B, extra), float("-inf"), dtype=torch.float64, device=dev)], 1),
         tree.max_depth,
     )

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import regex
 
-PRETOKEN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+PRETOKEN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def train_bpe(text: str, vocab_size: int) -> dict[bytes, int]:
@@ -68,7 +70,13 @@ def save_tokenizer(out: str | Path, ranks: dict[bytes, int]) -> int:
     (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
     first = len(ranks)
     added = {str(first + off): {"content": name, "special": True} for name, off in SPECIAL_OFFSETS.items()}
-    cfg = {"tokenizer_class": "TikTokenTokenizer", "added_tokens_decoder": added, "bos_token": "[BOS]",
-           "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]"}
+    cfg = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": added,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
     return first

@@ -11,22 +11,9 @@ from pathlib import Path
 
 import torch
 
-MODULES = (
-    "argparse ast base64 bdb bisect bz2 calendar cmd code codecs codeop colorsys compileall configparser "
-    "contextlib copy csv dataclasses datetime difflib dis doctest enum filecmp fileinput fnmatch fractions "
-    "ftplib functools getopt gettext glob graphlib gzip hashlib heapq hmac imaplib inspect ipaddress keyword "
-    "linecache locale lzma mailbox mimetypes netrc numbers operator optparse os pathlib pdb pickle pickletools "
-    "pkgutil platform plistlib poplib posixpath pprint profile pstats py_compile pyclbr pydoc queue quopri "
-    "random reprlib rlcompleter runpy sched secrets selectors shelve shlex shutil signal site smtplib socket "
-    "socketserver ssl stat statistics string stringprep struct subprocess symtable sysconfig tabnanny tarfile "
-    "tempfile textwrap threading timeit token tokenize trace traceback tracemalloc types typing uuid warnings "
-    "wave weakref webbrowser zipapp zipfile zipimport"
-).split()
+MODULES = ["argparse", "ast", "base64", "bdb", "bisect", "bz2", "calendar", "cmd", "code", "codecs", "codeop", "colorsys", "compileall", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "difflib", "dis", "doctest", "enum", "filecmp", "fileinput", "fnmatch", "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "graphlib", "gzip", "hashlib", "heapq", "hmac", "imaplib", "inspect", "ipaddress", "keyword", "linecache", "locale", "lzma", "mailbox", "mimetypes", "netrc", "numbers", "operator", "optparse", "os", "pathlib", "pdb", "pickle", "pickletools", "pkgutil", "platform", "plistlib", "poplib", "posixpath", "pprint", "profile", "pstats", "py_compile", "pyclbr", "pydoc", "queue", "quopri", "random", "reprlib", "rlcompleter", "runpy", "sched", "secrets", "selectors", "shelve", "shlex", "shutil", "signal", "site", "smtplib", "socket", "socketserver", "ssl", "stat", "statistics", "string", "stringprep", "struct", "subprocess", "symtable", "sysconfig", "tabnanny", "tarfile", "tempfile", "textwrap", "threading", "timeit", "token", "tokenize", "trace", "traceback", "tracemalloc", "types", "typing", "uuid", "warnings", "wave", "weakref", "webbrowser", "zipapp", "zipfile", "zipimport"]
 # Packages add ~4 MB of code (tests excluded); only packages present in 3.11 through 3.13.
-PACKAGES = (
-    "asyncio collections concurrent email html http importlib json logging multiprocessing re tomllib unittest "
-    "urllib wsgiref xml xmlrpc zoneinfo"
-).split()
+PACKAGES = ["asyncio", "collections", "concurrent", "email", "html", "http", "importlib", "json", "logging", "multiprocessing", "re", "tomllib", "unittest", "urllib", "wsgiref", "xml", "xmlrpc", "zoneinfo"]
 HELD_OUT = ("bisect", "fractions", "graphlib", "heapq", "netrc", "sched", "shlex", "textwrap")
 
 
@@ -56,4 +43,6 @@ def text(split: str) -> str:
 def windows(ids: list[int], n: int, length: int, gen: torch.Generator, room: int = 0) -> list[list[int]]:
     """`n` prompts of `length` token ids at random offsets (from `gen`), each followed by at least `room`
     more ids of the text: held-out prompts for the benches."""
-    return [ids[s : s + length] for s in torch.randint(0, len(ids) - length - room, (n,), generator=gen).tolist()]
+    return [
+        ids[s : s + length] for s in torch.randint(0, len(ids) - length - room, (n,), generator=gen).tolist()
+    ]

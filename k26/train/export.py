@@ -26,8 +26,11 @@ def hf_tensors(model: KimiK2, quant: str = "int4") -> dict[str, torch.Tensor]:
                 w = p[e].to(torch.bfloat16)
                 if quant == "int4":
                     packed, scale = quantize_int4(w)
-                    out |= {base + "weight_packed": packed, base + "weight_scale": scale,
-                            base + "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32)}
+                    out |= {
+                        base + "weight_packed": packed,
+                        base + "weight_scale": scale,
+                        base + "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32),
+                    }
                 else:
                     out[base + "weight"] = w
         elif name.endswith("e_score_correction_bias"):

@@ -1,12 +1,20 @@
 """Dump the fused MoE kernel's intermediates (routing table, act, y, out) against the reference."""
-import torch, torch.nn.functional as F
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
 from k26.ops.moe_cuda import _library as library  # with the op's ctypes signatures
 from k26.ops.moe_cuda import unrepack, w13_row_order
-import sys
+
 sys.path.insert(0, "tests")
 from test_moe_cuda import random_repacked, routing
 
-def al(v): return (v + 255) & ~255
+
+def al(v):
+    return (v + 255) & ~255
+
 
 def run(E, K, D, I, M, kind, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -14,41 +22,86 @@ def run(E, K, D, I, M, kind, seed):
     x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
     ids = routing(kind, M, E, K, gen)
     tw = torch.rand(M, K, generator=gen, device="cuda") + 0.1
-    lib = library(); nt = 1
+    lib = library()
+    nt = 1
     nbytes = lib.k26_moe_w4a16_workspace(M, D, I, E, K, nt, 0)  # no shared expert
     ws = torch.full((nbytes,), 255, dtype=torch.uint8, device="cuda")
     out = torch.full((M, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    err = lib.k26_moe_w4a16(x.data_ptr(), w13.data_ptr(), s13.data_ptr(), w2.data_ptr(), s2.data_ptr(), ids.data_ptr(), tw.data_ptr(), out.data_ptr(), ws.data_ptr(), M, D, I, E, K, nt, None, None, None, torch.cuda.current_stream().cuda_stream)
+    err = lib.k26_moe_w4a16(
+        x.data_ptr(),
+        w13.data_ptr(),
+        s13.data_ptr(),
+        w2.data_ptr(),
+        s2.data_ptr(),
+        ids.data_ptr(),
+        tw.data_ptr(),
+        out.data_ptr(),
+        ws.data_ptr(),
+        M,
+        D,
+        I,
+        E,
+        K,
+        nt,
+        None,
+        None,
+        None,
+        torch.cuda.current_stream().cuda_stream,
+    )
     torch.cuda.synchronize()
-    P = M * K; G = min(P, E) + P // 8 + 1
+    P = M * K
+    G = min(P, E) + P // 8 + 1
     off = 0
+
     def take(n):
         nonlocal off
-        t = ws[off: off + n]; off += al(n); return t
-    sorted_ = take(P*4).view(torch.int32); ge = take(G*4).view(torch.int32); gs = take(G*4).view(torch.int32); gl = take(G*4).view(torch.int32)
-    ng = take(4).view(torch.int32); take((D//16+3)//4*4)
-    act = take(P*I*2).view(torch.bfloat16).view(P, I); y = take(P*D*2).view(torch.bfloat16).view(P, D)
-    n = int(ng[0]); print("err", err, "ids", ids.tolist(), "num_groups", n)
-    print("sorted", sorted_.tolist()); print("ge", ge[:n].tolist(), "gs", gs[:n].tolist(), "gl", gl[:n].tolist())
+        t = ws[off : off + n]
+        off += al(n)
+        return t
+
+    sorted_ = take(P * 4).view(torch.int32)
+    ge = take(G * 4).view(torch.int32)
+    gs = take(G * 4).view(torch.int32)
+    gl = take(G * 4).view(torch.int32)
+    ng = take(4).view(torch.int32)
+    take((D // 16 + 3) // 4 * 4)
+    act = take(P * I * 2).view(torch.bfloat16).view(P, I)
+    y = take(P * D * 2).view(torch.bfloat16).view(P, D)
+    n = int(ng[0])
+    print("err", err, "ids", ids.tolist(), "num_groups", n)
+    print("sorted", sorted_.tolist())
+    print("ge", ge[:n].tolist(), "gs", gs[:n].tolist(), "gl", gl[:n].tolist())
     order = w13_row_order(I)
-    def deq(q, s): return (q.float() * s.float().repeat_interleave(32, -1)).to(torch.bfloat16)
+
+    def deq(q, s):
+        return (q.float() * s.float().repeat_interleave(32, -1)).to(torch.bfloat16)
+
     flat = ids.flatten()
     for slot in range(P):
-        p = int(sorted_[slot]); e = int(flat[p]); tok = p // K
-        q13, sc13 = unrepack(w13[e:e+1], s13[e:e+1], order); q2, sc2 = unrepack(w2[e:e+1], s2[e:e+1])
-        W = deq(q13[0], sc13[0]); Wd = deq(q2[0], sc2[0])
-        g = F.linear(x[tok:tok+1], W[:I]); u = F.linear(x[tok:tok+1], W[I:])
+        p = int(sorted_[slot])
+        e = int(flat[p])
+        tok = p // K
+        q13, sc13 = unrepack(w13[e : e + 1], s13[e : e + 1], order)
+        q2, sc2 = unrepack(w2[e : e + 1], s2[e : e + 1])
+        W = deq(q13[0], sc13[0])
+        Wd = deq(q2[0], sc2[0])
+        g = F.linear(x[tok : tok + 1], W[:I])
+        u = F.linear(x[tok : tok + 1], W[I:])
         a = F.silu(g) * u
         yy = F.linear(a, Wd)
         ea = ((act[slot].float() - a[0].float()).norm() / a.float().norm()).item()
         ey = ((y[p].float() - yy[0].float()).norm() / yy.float().norm()).item()
         # y from the kernel's own act
-        yk = F.linear(act[slot:slot+1], Wd)
+        yk = F.linear(act[slot : slot + 1], Wd)
         eyk = ((y[p].float() - yk[0].float()).norm() / yk.float().norm()).item()
-        print(f"slot {slot} pair {p} tok {tok} e {e}: act err {ea:.3g}  y err {ey:.3g}  y-vs-own-act {eyk:.3g}")
+        print(
+            f"slot {slot} pair {p} tok {tok} e {e}: act err {ea:.3g}  y err {ey:.3g}  y-vs-own-act {eyk:.3g}"
+        )
     from k26.ops.moe_cuda import _reference
+
     ref = _reference(x, w13, s13, w2, s2, ids, tw).float()
-    print("out err per token", [((out[t].float()-ref[t]).norm()/ref[t].norm()).item() for t in range(M)])
+    print("out err per token", [((out[t].float() - ref[t]).norm() / ref[t].norm()).item() for t in range(M)])
+
 
 run(8, 2, 64, 64, 1, "uniform", 1)
 run(64, 8, 256, 64, 8, "each_once", 3)
