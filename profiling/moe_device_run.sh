@@ -9,7 +9,7 @@ MS=${1:-1,2,4,8,16,32,64}
 if [ -z "${K26_OPS_LIB:-}" ]; then
   timeout 150 python3 -m k26.ops.build > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
 fi
-timeout 200 python3 -m pytest -q -x -s tests/test_moe_router.py tests/test_moe_cuda.py > "$OUT/tests.txt" 2>&1
+timeout 200 python3 -m pytest -q -x -s tests/test_moe_router.py tests/test_moe_gpu.py > "$OUT/tests.txt" 2>&1
 grep -E "differing|passed|failed|Error|error" "$OUT/tests.txt" | tail -8
 # The model with the fused router and shared expert under graph capture and torch.compile.
 timeout 150 python3 -m pytest -q -x tests/test_graphs_gpu.py tests/test_engine_gpu.py > "$OUT/model_tests.txt" 2>&1

@@ -9,7 +9,7 @@ from k26.ops.moe_cuda import _library as library  # with the op's ctypes signatu
 from k26.ops.moe_cuda import unrepack, w13_row_order
 
 sys.path.insert(0, "tests")
-from test_moe_cuda import random_repacked, routing
+from test_moe_gpu import random_repacked, routing
 
 
 def al(v):
