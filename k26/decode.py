@@ -20,15 +20,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dist import shared_seed
 from .graphs import Bucket, StepGraphs, pick_bucket
-from .graphs.stepper import GraphStepper, graph_step
+from .graphs.stepper import DecodeGraphs, GraphStepper
 from .kv_cache import DrafterCache, LatentCache
-from .model import AttnBatch, KimiK2
+from .model import KimiK2
 from .model.drafter import DFlashDrafter
-from .profiling import nvtx_range
 from .sampling import RowSampling, SamplingParams
-from .spec.budget import BudgetPolicy, fit_costs, timing_contexts
-from .spec.step import PhaseTimer, SpecConfig, StepModels, speculative_step, time_step, verify_nodes
+from .spec.budget import BudgetPolicy, Budgets, timing_contexts
+from .spec.step import (
+    PhaseTimer,
+    SpecConfig,
+    StepModels,
+    ar_step,
+    prefill,
+    speculative_step,
+    time_step,
+    verify_nodes,
+)
 from .spec.tree import TreeTables
 from .tokenizer import Tokenizer
 
@@ -81,11 +90,24 @@ class DecodeContext:
         kv, dc = self.cache.kv_LRTC, self.dcache
         return StepModels(target or self.model, self.drafter, kv, dc, self.absorb, self.static, self.tables)
 
+    @property
+    def block(self) -> int:
+        """The drafter's block size (1 without a drafter)."""
+        return self.drafter.cfg.block_size if self.drafter is not None else 1
+
+    def room(self, nodes: int) -> int:
+        """The longest sequence that still has cache room for a speculative step of `nodes` tokens."""
+        room = self.max_model_len - nodes
+        if self.dcache is not None:
+            room = min(room, self.dcache.k.shape[2] - self.drafter.cfg.block_size)
+        return room
+
 
 @dataclass
 class BatchState:
-    """The rows of one batch. The device tensors are the graphs' static buffers in graph mode, so the
-    host writes admitted and retired rows straight into what the next replay reads."""
+    """The rows of one batch and their bookkeeping: admission, emitted tokens, stops, stats, release. The
+    device tensors are the graphs' static buffers in graph mode, so the host writes admitted and retired
+    rows straight into what the next replay reads."""
 
     spec: SpecConfig
     lens: torch.Tensor  # [cap] committed length per row
@@ -94,6 +116,10 @@ class BatchState:
     shared: torch.Generator  # draws of sampled rows without a seed of their own
     noise: torch.Tensor | None  # [cap, nodes, V] Exp(1) draws (sampled rows), allocated when first needed
     nodes: int  # verify tokens a step may write past a row's length
+    room: int  # the longest sequence that still has cache room for a speculative step (DecodeContext.room)
+    tokenizer: Tokenizer  # decodes the outputs' text
+    max_model_len: int
+    vocab: int
     graph: GraphStepper | None = None
     policy: BudgetPolicy | None = None
     outs: list[RequestOutput | None] = field(init=False)  # per slot, sized by __post_init__
@@ -120,41 +146,171 @@ class BatchState:
     def greedy(self) -> bool:
         return all(self.params[b].temperature == 0 for b in self.live)
 
+    def has_room(self) -> bool:
+        """Whether every live row still has cache room for a speculative step."""
+        lengths = (len(self.outs[b].prompt_token_ids) + len(self.outs[b].token_ids) for b in self.live)
+        return max(lengths, default=0) <= self.room
+
+    def add(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        """Take requests into `slots`; rows with max_tokens 0 finish at once, the others become live (their
+        prefill is the caller's). Returns the live ones."""
+        dev = self.lens.device
+        for b, p, sp in zip(slots, prompts, params):
+            self.outs[b], self.params[b] = RequestOutput(prompt_token_ids=p), sp
+            self.stops[b] = frozenset(
+                sp.stop_token_ids if sp.stop_token_ids is not None else self.tokenizer.stop_ids
+            )
+            self.gens[b] = None if sp.seed is None else torch.Generator(device=dev).manual_seed(sp.seed)
+            if self.graph is not None:  # the per-row sampling the captured step reads
+                st = self.graph.state
+                st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
+        self.rs = None
+        go = [b for b, sp in zip(slots, params) if sp.max_tokens > 0]
+        for b, sp in zip(slots, params):
+            if sp.max_tokens == 0:
+                self.finish(b, "length")
+        self.live += go
+        return go
+
+    def release(self, slot: int) -> RequestOutput | None:
+        """Free a slot (a finished row, or a cancelled request: its row stops at the next step)."""
+        out = self.outs[slot]
+        if slot in self.live:
+            self.live.remove(slot)
+        self.alive[slot] = False
+        self.outs[slot] = self.params[slot] = self.gens[slot] = None
+        self.rs = None
+        return out
+
+    def sampling(self, rows: list[int], nodes: int | None = None) -> RowSampling:
+        """The batch's per-row sampling, with fresh noise for `rows` when any live row samples."""
+        sampled = [b for b in rows if self.params[b].temperature > 0]
+        if self.graph is not None:
+            rs = self.graph.state.sampling(self.greedy)
+        else:
+            if self.rs is None:
+                self.rs = RowSampling.of(self.params, self.lens.device)
+            rs = self.rs
+            if sampled and self.noise is None:
+                self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
+            rs.noise = self.noise if not rs.greedy else None
+        if sampled:
+            n = nodes or self.nodes
+            for b in sampled:
+                self.noise[b, :n].exponential_(1.0, generator=self.gens[b] or self.shared)
+        return rs
+
+    def record(self, rows: list[int], new: list[list[int]], counts: list[int], budget: int | None) -> None:
+        """One step of `rows`: its stats, then its tokens (`emit`)."""
+        for b in rows:
+            st = self.outs[b].stats
+            st.accepted_per_step.append(counts[b])
+            st.steps += 1
+            if budget is not None:
+                st.budgets.append(budget)
+        self.emit(rows, {b: new[b] for b in rows})
+
+    def emit(self, rows: list[int], new: dict[int, list[int]]) -> None:
+        """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context."""
+        for b in rows:
+            o, sp = self.outs[b], self.params[b]
+            for t in new[b]:
+                if t in self.stops[b]:
+                    self.finish(b, "stop")
+                    break
+                o.token_ids.append(t)
+                if sp.stop and self._cut_at_stop_string(o, sp.stop):
+                    self.finish(b, "stop")
+                    break
+                if (
+                    len(o.token_ids) >= sp.max_tokens
+                    or len(o.prompt_token_ids) + len(o.token_ids) >= self.max_model_len
+                ):
+                    self.finish(b, "length")
+                    break
+
+    def finish(self, b: int, reason: str) -> None:
+        o = self.outs[b]
+        o.finish_reason = reason
+        if self.graph is not None:
+            o.stats.host_s = self.graph.host_s
+        elif self.timer is not None:  # batch-wide phase totals so far (one sync, at the end of a row)
+            o.stats.draft_s, o.stats.verify_s = self.timer.total("draft"), self.timer.total("verify")
+        if not o.text:
+            o.text = self.tokenizer.decode(o.token_ids, skip_special=True)
+        if b in self.live:
+            self.live.remove(b)
+            self.alive[b] = False
+
+    def _cut_at_stop_string(self, o: RequestOutput, stop: tuple[str, ...]) -> bool:
+        text = self.tokenizer.decode(o.token_ids, skip_special=True)
+        hits = [text.find(s) for s in stop if s in text]
+        if not hits:
+            return False
+        o.text = text[: min(hits)]
+        return True
+
 
 class Decoder:
     """Admits, steps and retires the rows of `BatchState`s on the injected models and caches."""
 
     def __init__(self, ctx: DecodeContext):
         self.ctx = ctx
-        self.runners: dict[tuple, StepGraphs] = {}
-        self.policies: dict[tuple, BudgetPolicy] = {}
-        self.measured: dict[tuple, bool] = {}
-        self.states: dict[SpecConfig, dict] = {}  # graph static states, shared by a method's runners
+        self.budgets = Budgets(ctx.device, graphs=ctx.graphs)
+        self.step_graphs = DecodeGraphs(
+            lambda: ctx.models(ctx.target),
+            ctx.device,
+            ctx.block,
+            ctx.model.cfg.vocab_size,
+            lambda spec, batch: self.budgets.policies.get((spec, batch)),
+        )
 
-    # -- a batch ----------------------------------------------------------------------------------
+    @property
+    def policies(self) -> dict[tuple, BudgetPolicy]:
+        """The adaptive budget's policies, per (SpecConfig, batch size)."""
+        return self.budgets.policies
+
+    @property
+    def runners(self) -> dict[tuple, StepGraphs]:
+        """The captured step graphs, per (SpecConfig, greedy)."""
+        return self.step_graphs.runners
+
+    def _runner(self, spec: SpecConfig, greedy: bool) -> StepGraphs:
+        return self.step_graphs.runner(spec, greedy)
+
+    def _policy(self, spec: SpecConfig, batch: int) -> BudgetPolicy:  # profiling/bench_budget_sim.py
+        return self.budgets.policy(spec, batch)
+
     def open(self, spec: SpecConfig, capacity: int, kinds: tuple[bool, ...] = (True, False)) -> BatchState:
         """An empty batch of `capacity` rows (graphs: the smallest bucket that holds them), with its graphs
         captured (`kinds`: greedy True / sampled False) and the adaptive budget's costs measured, before
         any prefill: both run on the caches as scratch."""
-        ctx, dev = self.ctx, self.ctx.device
-        nodes = verify_nodes(spec, ctx.drafter.cfg.block_size if ctx.drafter is not None else 1)
-        graph, buckets, cap = None, None, capacity
+        ctx = self.ctx
+        nodes, graph, cap = verify_nodes(spec, ctx.block), None, capacity
         if ctx.graphs:
             fit = pick_bucket(ctx.buckets_for(spec), capacity, nodes)
             cap = fit.batch
-            # adaptive: one bucket per candidate budget, sharing the batch's static state
-            buckets = [Bucket(cap, c + 1) for c in spec.candidates] if spec.auto else [fit]
-        policy = self._policy(spec, cap) if spec.auto else None  # before capture: the graphs read it
+        policy = self.budgets.policy(spec, cap) if spec.auto else None  # before capture: the graphs read it
         if ctx.graphs:
-            runners = {g: self._runner(spec, g) for g in kinds}
-            for r in runners.values():
-                r.capture(buckets, progress=ctx.progress)
-            graph = GraphStepper(runners, buckets)
+            graph = self.step_graphs.stepper(spec, fit, kinds, progress=ctx.progress)
             nodes = graph.nodes
-        if policy is not None and spec.costs is None and not self.measured.get((spec, cap)):
-            policy.set_costs(0.0, *self._measure_costs(spec, graph, buckets, cap))
-            policy.reset()  # the timing steps ran on scratch data: forget what they taught
-            self.measured[(spec, cap)] = True
+        if policy is not None:
+            self._calibrate(spec, cap, graph)
+        return self._empty(spec, cap, nodes, graph, policy)
+
+    def _calibrate(self, spec: SpecConfig, batch: int, graph: GraphStepper | None) -> None:
+        """The adaptive budget's costs of (spec, batch), timed on graph replays or eager steps."""
+        ctx = self.ctx
+        if graph is not None:
+            time_at = graph.time_buckets
+        else:
+            time_at = lambda at: [time_step(ctx.models(), spec.fixed(c), batch, at) for c in spec.candidates]
+        ats = timing_contexts(ctx.max_model_len, spec.candidates[-1], ctx.drafter.cfg.block_size)
+        self.budgets.calibrate(spec, batch, time_at, ats, all_ranks=ctx.tp_size > 1)
+
+    def _empty(self, spec, cap: int, nodes: int, graph: GraphStepper | None, policy) -> BatchState:
+        """A batch of `cap` free rows: the graphs' static buffers (reset), else fresh tensors."""
+        ctx, dev = self.ctx, self.ctx.device
         if graph is not None:
             st = graph.state
             st.reset()
@@ -162,97 +318,42 @@ class Decoder:
         else:
             z = torch.zeros(cap, dtype=torch.long, device=dev)
             lens, bonus, alive, noise = z, z.clone(), torch.zeros(cap, dtype=torch.bool, device=dev), None
-        seed = _shared_seed(dev) if ctx.tp_size > 1 else int(torch.randint(0, 2**62, ()))
+        seed = shared_seed(dev) if ctx.tp_size > 1 else int(torch.randint(0, 2**62, ()))
         timer = PhaseTimer(dev) if spec.method != "ar" and graph is None else None
         shared = torch.Generator(device=dev).manual_seed(seed)
-        return BatchState(spec, lens, bonus, alive, shared, noise, nodes, graph, policy, timer=timer)
+        limits = (ctx.room(nodes), ctx.tokenizer, ctx.max_model_len, ctx.model.cfg.vocab_size)
+        return BatchState(spec, lens, bonus, alive, shared, noise, nodes, *limits, graph, policy, timer=timer)
 
     def admit(self, state: BatchState, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
         """Put prompts into free slots, prefill them together and emit their first token; returns the
         slots (the caller checked there are enough)."""
-        ctx = self.ctx
         slots = state.free_slots()[: len(prompts)]
-        for b, p, sp in zip(slots, prompts, params):
-            state.outs[b], state.params[b] = RequestOutput(prompt_token_ids=p), sp
-            state.stops[b] = frozenset(
-                sp.stop_token_ids if sp.stop_token_ids is not None else ctx.tokenizer.stop_ids
-            )
-            state.gens[b] = (
-                None if sp.seed is None else torch.Generator(device=ctx.device).manual_seed(sp.seed)
-            )
-            if state.graph is not None:  # the per-row sampling the captured step reads
-                st = state.graph.state
-                st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
-        state.rs = None
-        go = [(b, p) for b, p, sp in zip(slots, prompts, params) if sp.max_tokens > 0]
-        for b, sp in zip(slots, params):
-            if sp.max_tokens == 0:
-                self._finish(state, b, "length")
+        go = state.add(slots, prompts, params)
         if not go:
             return slots
-        rows = torch.tensor([b for b, _ in go], device=ctx.device)
-        state.live += [b for b, _ in go]
-        rs = self._sampling(state, [b for b, _ in go])
-        h, lens = self._prefill([p for _, p in go], rows, state.spec.method != "ar")
-        state.lens[rows], state.bonus[rows], state.alive[rows] = (
-            lens,
-            ctx.models().next_token(h, rs.rows(rows)),
-            True,
-        )
-        self._emit(state, [b for b, _ in go], {b: [t] for (b, _), t in zip(go, state.bonus[rows].tolist())})
+        m, rows = self.ctx.models(), torch.tensor(go, device=self.ctx.device)
+        rs = state.sampling(go)
+        h, lens = prefill(m, [state.outs[b].prompt_token_ids for b in go], rows, state.spec.method != "ar")
+        state.lens[rows], state.bonus[rows], state.alive[rows] = lens, m.next_token(h, rs.rows(rows)), True
+        state.emit(go, {b: [t] for b, t in zip(go, state.bonus[rows].tolist())})
         return slots
 
     def release(self, state: BatchState, slot: int) -> RequestOutput | None:
         """Free a slot (a finished row, or a cancelled request: its row stops at the next step)."""
-        out = state.outs[slot]
-        if slot in state.live:
-            state.live.remove(slot)
-        state.alive[slot] = False
-        state.outs[slot] = state.params[slot] = state.gens[slot] = None
-        state.rs = None
-        return out
+        return state.release(slot)
 
     def step(self, state: BatchState) -> list[int]:
         """Advance every live row by one step; returns the rows that stepped (their outputs grew)."""
-        ctx, was = self.ctx, list(state.live)
-        room = state.spec.method == "ar" or self._room(state, state.nodes)
-        rs = self._sampling(state, was, nodes=1 if not room else None)
+        was = list(state.live)
+        room = state.spec.method == "ar" or state.has_room()
+        rs = state.sampling(was, nodes=1 if not room else None)
         if state.graph is not None and room:
             new, counts, budget = state.graph(state.greedy)
         elif room and state.spec.method != "ar":
-            r = speculative_step(
-                ctx.models(),
-                torch.arange(state.capacity, device=ctx.device),
-                state.lens,
-                state.bonus,
-                state.alive,
-                state.spec,
-                rs,
-                state.timer,
-                policy=state.policy,
-            )
-            counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
-            new, budget = [e[:n] for e, n in zip(r.emitted.tolist(), counts)], r.budget
-            state.lens.add_(r.n_emitted), state.bonus.copy_(r.bonus)
+            new, counts, budget = eager_speculative_step(self.ctx, state, rs)
         else:  # AR, or no room for another verify tree: this step decodes one token like AR
-            rows = torch.arange(state.capacity, device=ctx.device)
-            h, _ = ctx.model(
-                state.bonus[:, None],
-                AttnBatch.causal(state.lens, 1, rows, static=ctx.static),
-                ctx.cache.kv_LRTC,
-                absorb=ctx.absorb,
-            )
-            state.bonus.copy_(ctx.models().next_token(h[:, 0], rs))
-            state.lens.add_(state.alive.long())  # finished rows stay frozen, rewriting only their own slot
-            counts, budget = [1] * state.capacity, None
-            new = [[t] for t in state.bonus.tolist()]
-        for b in was:
-            st = state.outs[b].stats
-            st.accepted_per_step.append(counts[b])
-            st.steps += 1
-            if budget is not None:
-                st.budgets.append(budget)
-        self._emit(state, was, {b: new[b] for b in was})
+            new, counts, budget = one_token_step(self.ctx, state, rs)
+        state.record(was, new, counts, budget)
         return was
 
     def run(
@@ -267,160 +368,21 @@ class Decoder:
             self.step(state)
             yield outs
 
-    # -- pieces -----------------------------------------------------------------------------------
-    def _prefill(self, prompts, rows, aux: bool):
-        ctx, dev = self.ctx, self.ctx.device
-        B, T = len(prompts), max(map(len, prompts))
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = torch.tensor(p)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        aux_layers = ctx.drafter.cfg.target_layer_ids if aux else ()
-        with nvtx_range("prefill"):
-            batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows)
-            h, feats = ctx.model(
-                ids.to(dev), batch, ctx.cache.kv_LRTC, aux_layers=aux_layers, absorb=ctx.absorb
-            )
-            if aux_layers:
-                pos = torch.arange(T, device=dev).expand(B, T)
-                ctx.drafter.append_context(
-                    ctx.dcache.k, ctx.dcache.v, feats, pos, rows, valid_BC=pos < lens[:, None]
-                )
-        return h[torch.arange(B, device=dev), lens - 1], lens
 
-    def _sampling(self, state: BatchState, rows: list[int], nodes: int | None = None) -> RowSampling:
-        """The batch's per-row sampling, with fresh noise for `rows` when any live row samples."""
-        ctx = self.ctx
-        sampled = [b for b in rows if state.params[b].temperature > 0]
-        if state.graph is not None:
-            rs = state.graph.state.sampling(state.greedy)
-        else:
-            if state.rs is None:
-                state.rs = RowSampling.of(state.params, ctx.device)
-            rs = state.rs
-            if sampled and state.noise is None:
-                V = ctx.model.cfg.vocab_size
-                state.noise = torch.empty(state.capacity, state.nodes, V, device=ctx.device)
-            rs.noise = state.noise if not rs.greedy else None
-        if sampled:
-            n = nodes or state.nodes
-            for b in sampled:
-                state.noise[b, :n].exponential_(1.0, generator=state.gens[b] or state.shared)
-        return rs
-
-    def _emit(self, state: BatchState, rows: list[int], new: dict[int, list[int]]) -> None:
-        """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context."""
-        for b in rows:
-            o, sp = state.outs[b], state.params[b]
-            for t in new[b]:
-                if t in state.stops[b]:
-                    self._finish(state, b, "stop")
-                    break
-                o.token_ids.append(t)
-                if sp.stop and self._cut_at_stop_string(o, sp.stop):
-                    self._finish(state, b, "stop")
-                    break
-                if (
-                    len(o.token_ids) >= sp.max_tokens
-                    or len(o.prompt_token_ids) + len(o.token_ids) >= self.ctx.max_model_len
-                ):
-                    self._finish(state, b, "length")
-                    break
-
-    def _finish(self, state: BatchState, b: int, reason: str) -> None:
-        o = state.outs[b]
-        o.finish_reason = reason
-        if state.graph is not None:
-            o.stats.host_s = state.graph.host_s
-        elif state.timer is not None:  # batch-wide phase totals so far (one sync, at the end of a row)
-            o.stats.draft_s, o.stats.verify_s = state.timer.total("draft"), state.timer.total("verify")
-        if not o.text:
-            o.text = self.ctx.tokenizer.decode(o.token_ids, skip_special=True)
-        if b in state.live:
-            state.live.remove(b)
-            state.alive[b] = False
-
-    def _cut_at_stop_string(self, o: RequestOutput, stop: tuple[str, ...]) -> bool:
-        text = self.ctx.tokenizer.decode(o.token_ids, skip_special=True)
-        hits = [text.find(s) for s in stop if s in text]
-        if not hits:
-            return False
-        o.text = text[: min(hits)]
-        return True
-
-    def _room(self, state: BatchState, nodes: int) -> bool:
-        """Whether every live row still has cache room for a speculative step of `nodes` tokens."""
-        ctx = self.ctx
-        room = ctx.max_model_len - nodes
-        if ctx.dcache is not None:
-            room = min(room, ctx.dcache.k.shape[2] - ctx.drafter.cfg.block_size)
-        return (
-            max(
-                (len(o.prompt_token_ids) + len(o.token_ids) for o in map(state.outs.__getitem__, state.live)),
-                default=0,
-            )
-            <= room
-        )
-
-    # -- graphs and the adaptive budget -----------------------------------------------------------
-    def _runner(self, spec: SpecConfig, greedy: bool) -> StepGraphs:
-        key = (spec, greedy)
-        if key not in self.runners:
-            ctx = self.ctx
-            width = ctx.drafter.cfg.block_size if spec.method != "ar" else 1
-            step = graph_step(
-                ctx.models(ctx.target), spec, greedy, lambda batch: self.policies.get((spec, batch))
-            )
-            self.runners[key] = StepGraphs(
-                step,
-                width,
-                ctx.device,
-                states=self.states.setdefault(spec, {}),
-                vocab=0 if greedy else ctx.model.cfg.vocab_size,
-            )
-        return self.runners[key]
-
-    def _policy(self, spec: SpecConfig, batch: int) -> BudgetPolicy:
-        """The budget policy of one (spec, batch size): costs from the SpecConfig, else equal placeholders
-        that `open` replaces by measurement (graph replays or eager steps) before the first prefill."""
-        key = (spec, batch)
-        if key not in self.policies:
-            costs = spec.costs or (0.0, *([1.0] * len(spec.candidates)))
-            g = self.ctx.graphs  # graphs: compiled policy, and the choice applies to the next step
-            self.policies[key] = BudgetPolicy.create(
-                spec.candidates,
-                costs[0],
-                costs[1:],
-                self.ctx.device,
-                per_token=spec.cost_per_token,
-                rows=batch,
-                compiled=g,
-                lagged=g,
-            )
-        return self.policies[key]
-
-    def _measure_costs(self, spec, graph: GraphStepper | None, buckets, batch: int):
-        """Per candidate: seconds per whole step at context 0 and per context token (budget.fit_costs)."""
-        ctx = self.ctx
-        ats = timing_contexts(ctx.max_model_len, spec.candidates[-1], ctx.drafter.cfg.block_size)
-        if graph is not None:
-            t = [[graph.time_candidate(b, at) for b in buckets] for at in ats]
-        else:
-            t = [[time_step(ctx.models(), spec.fixed(c), batch, at) for c in spec.candidates] for at in ats]
-        t = torch.tensor(t, device=ctx.device)
-        if ctx.tp_size > 1:  # every rank must pick the same budget: agree on the slowest timings
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return fit_costs(t, ats)
+# -- the eager steps --------------------------------------------------------------------------------
+def eager_speculative_step(ctx: DecodeContext, state: BatchState, rs: RowSampling):
+    """One speculative step of every row, eager: (emitted tokens per row, their counts, budget verified)."""
+    s, rows = state, torch.arange(state.capacity, device=ctx.device)
+    r = speculative_step(ctx.models(), rows, s.lens, s.bonus, s.alive, s.spec, rs, s.timer, policy=s.policy)
+    counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
+    new = [e[:n] for e, n in zip(r.emitted.tolist(), counts)]
+    state.lens.add_(r.n_emitted), state.bonus.copy_(r.bonus)
+    return new, counts, r.budget
 
 
-def _shared_seed(dev: torch.device) -> int:
-    """A fresh seed chosen on rank 0 and broadcast, so every TP rank samples the same tokens."""
-    import torch.distributed as dist
-
-    t = (
-        torch.randint(0, 2**62, (1,), device=dev)
-        if dist.get_rank() == 0
-        else torch.zeros(1, dtype=torch.long, device=dev)
-    )
-    dist.broadcast(t, src=0)
-    return int(t)
+def one_token_step(ctx: DecodeContext, state: BatchState, rs: RowSampling):
+    """One autoregressive token of every row, eager: (tokens per row, their counts, None)."""
+    rows = torch.arange(state.capacity, device=ctx.device)
+    state.bonus.copy_(ar_step(ctx.models(), rows, state.lens, state.bonus, rs))
+    state.lens.add_(state.alive.long())  # finished rows stay frozen, rewriting only their own slot
+    return [[t] for t in state.bonus.tolist()], [1] * state.capacity, None

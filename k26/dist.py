@@ -83,6 +83,17 @@ def same_checkpoint_on_every_rank(path) -> None:
         )
 
 
+def shared_seed(device: torch.device) -> int:
+    """A fresh seed chosen on rank 0 and broadcast, so every TP rank samples the same tokens."""
+    t = (
+        torch.randint(0, 2**62, (1,), device=device)
+        if dist.get_rank() == 0
+        else torch.zeros(1, dtype=torch.long, device=device)
+    )
+    dist.broadcast(t, src=0)
+    return int(t)
+
+
 def check_world(size: int) -> None:
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tp={size!r}: expected a positive integer")

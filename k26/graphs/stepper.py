@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..model import AttnBatch
 from ..spec.budget import BudgetPolicy
-from ..spec.step import SpecConfig, StepModels, speculative_step
+from ..spec.step import SpecConfig, StepModels, ar_step, speculative_step
 from .buckets import Bucket
 from .runner import StepGraphs, StepState
 
@@ -31,9 +30,7 @@ def graph_step(
     def step(state: StepState, bucket: Bucket) -> None:
         rs = state.sampling(greedy)
         if spec.method == "ar":
-            batch = AttnBatch.causal(state.start, 1, state.rows, static=True)
-            h, _ = m.target(state.bonus[:, None], batch, m.cache_LRTC, absorb=m.absorb)
-            tok = m.next_token(h[:, 0], rs)
+            tok = ar_step(m, state.rows, state.start, state.bonus, rs)
             state.emitted[:, 0].copy_(tok)
             state.n_emitted.copy_(state.alive.long())
         else:
@@ -103,6 +100,10 @@ class GraphStepper:
             bucket.nodes - 1 if bucket.nodes > 1 else None,
         )
 
+    def time_buckets(self, at: int) -> list[float]:
+        """Seconds per whole replay of each bucket (one per candidate budget) at context `at`."""
+        return [self.time_candidate(b, at) for b in self.buckets]
+
     def time_candidate(self, bucket: Bucket, at: int) -> float:
         """Seconds per whole replay of `bucket` at context `at` (scratch caches: before any prefill)."""
         graph = next(iter(self.runners.values()))
@@ -122,3 +123,47 @@ class GraphStepper:
             best = min(best, (time.perf_counter() - t0) / 3)
         state.reset()
         return best
+
+
+class DecodeGraphs:
+    """A decoder's step graphs: per (SpecConfig, greedy) one `StepGraphs`, a method's greedy and sampled
+    graphs sharing its static states; made on first use and kept as long as the decoder (its caches and
+    budget policies are what the graphs read)."""
+
+    def __init__(
+        self,
+        models: Callable[[], StepModels],
+        device: torch.device,
+        block: int,
+        vocab: int,
+        policy_for: Callable[[SpecConfig, int], BudgetPolicy | None],
+    ):
+        self.models, self.device, self.block, self.vocab = models, device, block, vocab
+        self.policy_for = policy_for  # looked up when a bucket is captured: the policy exists by then
+        self.runners: dict[tuple, StepGraphs] = {}
+        self.states: dict[SpecConfig, dict] = {}  # graph static states, shared by a method's runners
+
+    def runner(self, spec: SpecConfig, greedy: bool) -> StepGraphs:
+        key = (spec, greedy)
+        if key not in self.runners:
+            width = self.block if spec.method != "ar" else 1
+            step = graph_step(self.models(), spec, greedy, lambda batch: self.policy_for(spec, batch))
+            self.runners[key] = StepGraphs(
+                step,
+                width,
+                self.device,
+                states=self.states.setdefault(spec, {}),
+                vocab=0 if greedy else self.vocab,
+            )
+        return self.runners[key]
+
+    def stepper(
+        self, spec: SpecConfig, fit: Bucket, kinds: tuple[bool, ...], progress: bool = False
+    ) -> GraphStepper:
+        """The graphs of one batch captured (`kinds`: greedy True / sampled False) over the bucket `fit`, or
+        for the adaptive budget one bucket per candidate budget, sharing the batch's static state."""
+        buckets = [Bucket(fit.batch, c + 1) for c in spec.candidates] if spec.auto else [fit]
+        runners = {g: self.runner(spec, g) for g in kinds}
+        for r in runners.values():
+            r.capture(buckets, progress=progress)
+        return GraphStepper(runners, buckets)

@@ -47,6 +47,7 @@ The largest candidate is only observed when chosen. The first `warmup` steps and
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -263,3 +264,57 @@ def fit_costs(t_AC: torch.Tensor, ats: tuple[int, ...]) -> tuple[list[float], li
         else torch.zeros_like(t_AC[0])
     )
     return (t_AC[0] - slope * ats[0]).clamp_min(1e-6).tolist(), slope.tolist()
+
+
+def measure_costs(
+    time_at: Callable[[int], list[float]], ats: tuple[int, ...], device, all_ranks: bool = False
+) -> tuple[list[float], list[float]]:
+    """Per candidate: seconds per whole step at context 0 and per context token (`fit_costs`), from
+    `time_at(context)`: each candidate's step timed at that context (graph replays or eager steps).
+    `all_ranks`: every TP rank must pick the same budget, so all agree on the slowest timings."""
+    t = torch.tensor([time_at(at) for at in ats], device=device)
+    if all_ranks:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return fit_costs(t, ats)
+
+
+class Budgets:
+    """A decoder's adaptive-budget policies, one per (SpecConfig, batch size), kept as long as the decoder
+    (a captured graph reads its policy's tensors); each one's costs measured once."""
+
+    def __init__(self, device, graphs: bool):
+        self.device = device
+        self.graphs = graphs  # graphs: compiled policy, and the choice applies to the next step
+        self.policies: dict[tuple, BudgetPolicy] = {}
+        self.measured: set[tuple] = set()
+
+    def policy(self, spec, batch: int) -> BudgetPolicy:
+        """The budget policy of one (spec, batch size): costs from the SpecConfig, else equal placeholders
+        that `calibrate` replaces by measurement before the first prefill."""
+        key = (spec, batch)
+        if key not in self.policies:
+            costs = spec.costs or (0.0, *([1.0] * len(spec.candidates)))
+            self.policies[key] = BudgetPolicy.create(
+                spec.candidates,
+                costs[0],
+                costs[1:],
+                self.device,
+                per_token=spec.cost_per_token,
+                rows=batch,
+                compiled=self.graphs,
+                lagged=self.graphs,
+            )
+        return self.policies[key]
+
+    def calibrate(
+        self, spec, batch: int, time_at: Callable[[int], list[float]], ats: tuple[int, ...], all_ranks: bool
+    ) -> None:
+        """Measure the policy's costs (`measure_costs`) unless the SpecConfig gives them or they were
+        measured already; the timing steps run on scratch caches, so what they taught is forgotten."""
+        key = (spec, batch)
+        if spec.costs is not None or key in self.measured:
+            return
+        policy = self.policies[key]
+        policy.set_costs(0.0, *measure_costs(time_at, ats, self.device, all_ranks))
+        policy.reset()
+        self.measured.add(key)

@@ -1,5 +1,6 @@
 """One speculative step on the device: draft (DFlash block forward), tree build, verify (target forward
-over [bonus, nodes] with the ancestor mask), acceptance walk, KV commit, drafter-context update."""
+over [bonus, nodes] with the ancestor mask), acceptance walk, KV commit, drafter-context update; beside it
+the autoregressive step and the prefill (what eager decoding and the captured graphs both run)."""
 
 from __future__ import annotations
 
@@ -209,6 +210,34 @@ def speculative_step(
         pick,
         budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None,
     )
+
+
+def ar_step(m: StepModels, rows, start, bonus, rs: RowSampling) -> torch.Tensor:
+    """One autoregressive step: each row's bonus token through the target at its length (its latent
+    written to the cache); the next token per row [B]."""
+    batch = AttnBatch.causal(start, 1, rows, static=m.static)
+    h, _ = m.target(bonus[:, None], batch, m.cache_LRTC, absorb=m.absorb)
+    return m.next_token(h[:, 0], rs)
+
+
+def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (right-padded: a causal query never sees the padding) through the target into their cache
+    `rows`, and (`aux`) their features into the drafter's context; returns the hidden state of each
+    prompt's last position [B, D] and the prompt lengths [B]."""
+    dev = m.cache_LRTC.device
+    B, T = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    aux_layers = m.drafter.cfg.target_layer_ids if aux else ()
+    with nvtx_range("prefill"):
+        batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows)
+        h, feats = m.target(ids.to(dev), batch, m.cache_LRTC, aux_layers=aux_layers, absorb=m.absorb)
+        if aux_layers:
+            pos = torch.arange(T, device=dev).expand(B, T)
+            m.drafter.append_context(m.dcache.k, m.dcache.v, feats, pos, rows, valid_BC=pos < lens[:, None])
+    return h[torch.arange(B, device=dev), lens - 1], lens
 
 
 def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:
