@@ -24,7 +24,7 @@ def deepseek_v3_state(path: str | Path, dtype: torch.dtype) -> tuple[dict, dict[
     tensors = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
+            for k in h.keys():  # noqa: SIM118  (safe_open handles have keys() but are not iterable)
                 tensors[k.removeprefix("language_model.")] = h.get_tensor(k)
     state = {}
     for k, v in tensors.items():

@@ -157,7 +157,7 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
         try:
             with safe_open(str(f), framework="pt") as h:
                 stamp, spans = file_stamp(f), tensor_spans([f])
-                for key in h.keys():
+                for key in h.keys():  # noqa: SIM118  (safe_open handles are not iterable)
                     sl = h.get_slice(key)
                     name = key.removeprefix(PREFIX)
                     if _SKIP.search(name):
@@ -167,7 +167,7 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
                     infos[name] = TensorInfo(
                         f, key, tuple(sl.get_shape()), sl.get_dtype(), spans[f, key], stamp
                     )
-        except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged header
+        except Exception as e:  # noqa: BLE001  (SafetensorError / OSError / ...: any failure is reported)
             unreadable.add(fname)
             listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0
             held = (

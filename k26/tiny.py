@@ -18,27 +18,27 @@ from safetensors.torch import save_file
 
 from .ops.int4 import quantize_int4
 
-DEFAULT_SIZES = dict(
-    hidden_size=128,
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    num_attention_heads=4,
-    q_lora_rank=64,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    intermediate_size=256,
-    moe_intermediate_size=64,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
-    n_group=1,
-    topk_group=1,
-    n_shared_experts=1,
-    max_position_embeddings=1024,
-    original_max_position_embeddings=256,
-    base_vocab=384,
-)
+DEFAULT_SIZES = {
+    "hidden_size": 128,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "max_position_embeddings": 1024,
+    "original_max_position_embeddings": 256,
+    "base_vocab": 384,
+}
 
 # Offsets of the named specials from the first special id (163584 in the real vocabulary).
 SPECIAL_OFFSETS = {

@@ -17,8 +17,20 @@ from pathlib import Path
 
 import tiktoken
 
-# Verbatim from tokenization_kimi.py; the `&&` class intersections need tiktoken's Rust regex engine.
-KIMI_PAT_STR = "[\\p{Han}]+|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+# Verbatim from tokenization_kimi.py (one alternative per line); the `&&` class intersections need
+# tiktoken's Rust regex engine.
+KIMI_PAT_STR = (
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
 
 NUM_RESERVED_SPECIAL = 256
 # The reference registers 256 + 2 ids past the base vocabulary; the model's embedding covers only 256.
@@ -74,7 +86,8 @@ class Tokenizer:
             i = int(key)
             if not lo <= i < hi:
                 raise TokenizerError(
-                    f"{cfg_file}: added token {tok.get('content')!r} has id {i}, outside the special range [{lo}, {hi})"
+                    f"{cfg_file}: added token {tok.get('content')!r} has id {i}, "
+                    f"outside the special range [{lo}, {hi})"
                 )
             names[i] = tok["content"]
         return cls(ranks, names)
@@ -124,7 +137,9 @@ class Tokenizer:
             if role not in ("system", "user", "assistant"):
                 raise ValueError(f"chat message role {role!r} is not one of 'system', 'user', 'assistant'")
             if not isinstance(content, str):
-                raise ValueError(f"chat message content must be a string, got {type(content).__name__}")
+                raise ValueError(  # noqa: TRY004  (all chat-message validation errors are ValueError)
+                    f"chat message content must be a string, got {type(content).__name__}"
+                )
             ids += [
                 sp(f"<|im_{role}|>"),
                 *self.encode(role),
@@ -141,7 +156,7 @@ class Tokenizer:
         return ids
 
 
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))
+_LONG_RUN = re.compile(rf"\s{{{_MAX_RUN_CHARS + 1},}}|\S{{{_MAX_RUN_CHARS + 1},}}")
 
 
 def read_ranks(path: str | Path) -> dict[bytes, int]:

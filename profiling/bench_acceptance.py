@@ -46,8 +46,11 @@ def main() -> None:
     lines = [
         f"# bench_acceptance — {datetime.date.today()}",
         "",
-        f"- device: {llm.device}{' (' + torch.cuda.get_device_name() + ')' if llm.device.type == 'cuda' else ''};"
-        f" model {model}; drafter {drafter}; commit {os.environ.get('K26_COMMIT', '?')}",
+        (
+            f"- device: {llm.device}"
+            f"{' (' + torch.cuda.get_device_name() + ')' if llm.device.type == 'cuda' else ''};"
+            f" model {model}; drafter {drafter}; commit {os.environ.get('K26_COMMIT', '?')}"
+        ),
         f"- held-out perplexity of the target: {math.exp(nll / n):.1f} ({n} tokens)",
         f"- {a.prompts} held-out prompts of 48 tokens, {a.tokens} new tokens each",
         f"- command: `python profiling/bench_acceptance.py --budgets {a.budgets}`",
@@ -89,7 +92,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
-        open(a.out, "w").write(text)
+        with open(a.out, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

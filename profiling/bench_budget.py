@@ -4,8 +4,9 @@
 
 Every mode (each fixed candidate budget, and `auto` over the same candidates) decodes the same held-out
 prompts one request at a time, interleaved per prompt (prompt 1 in every mode, then prompt 2, ...) so host
-and clock drift hit all modes alike; the table reports the median over rounds. One untimed round first captures every graph and lets
-`auto` measure its buckets and calibrate, as a server that has been running would have.
+and clock drift hit all modes alike; the table reports the median over rounds. One untimed round first
+captures every graph and lets `auto` measure its buckets and calibrate, as a server that has been running
+would have.
 """
 
 from __future__ import annotations
@@ -53,12 +54,19 @@ def main() -> None:
     lines = [
         f"# bench_budget — {datetime.date.today()} (measured: GPU wall-clock, CUDA graphs, batch 1)",
         "",
-        f"- device: {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}; "
-        f"compile: {a.compile}",
-        f"- the embedded trained pair; {a.prompts} held-out prompts of 48 tokens, {a.tokens} new tokens each, "
-        f"one request at a time; median of {a.rounds} interleaved rounds after one untimed round",
-        f"- command: `python profiling/bench_budget.py --prompts {a.prompts} --tokens {a.tokens} "
-        f"--rounds {a.rounds}{' --compile' if a.compile else ''}`",
+        (
+            f"- device: {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}; "
+            f"compile: {a.compile}"
+        ),
+        (
+            f"- the embedded trained pair; {a.prompts} held-out prompts of 48 tokens, "
+            f"{a.tokens} new tokens each, "
+            f"one request at a time; median of {a.rounds} interleaved rounds after one untimed round"
+        ),
+        (
+            f"- command: `python profiling/bench_budget.py --prompts {a.prompts} --tokens {a.tokens} "
+            f"--rounds {a.rounds}{' --compile' if a.compile else ''}`"
+        ),
         "",
     ]
     for temp in (0.0, 1.0):

@@ -110,10 +110,15 @@ def main() -> None:
     lines = [
         f"# bench_budget_replay — {datetime.date.today()} (SIMULATION: recorded steps, modelled time)",
         "",
-        f"- steps: the embedded trained pair at budget {CANDS[-1]} on {a.prompts} held-out prompts, {a.tokens} "
-        "new tokens, batch 1, CPU fp32 [measured]; costs: the K2.6 profiles of bench_budget_sim [charged]",
-        f"- commit: {os.environ.get('K26_COMMIT', '?')}; command: `python profiling/bench_budget_replay.py "
-        f"--prompts {a.prompts} --tokens {a.tokens}`",
+        (
+            f"- steps: the embedded trained pair at budget {CANDS[-1]} on {a.prompts} held-out prompts, "
+            f"{a.tokens} new tokens, batch 1, CPU fp32 [measured]; "
+            "costs: the K2.6 profiles of bench_budget_sim [charged]"
+        ),
+        (
+            f"- commit: {os.environ.get('K26_COMMIT', '?')}; "
+            f"command: `python profiling/bench_budget_replay.py --prompts {a.prompts} --tokens {a.tokens}`"
+        ),
         "",
         "All columns are tokens/s relative to the best fixed budget on the same steps.",
         "",

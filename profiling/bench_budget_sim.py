@@ -69,8 +69,10 @@ def main() -> None:
     lines = [
         f"# bench_budget_sim — {datetime.date.today()} (SIMULATION: real acceptance, modelled time)",
         "",
-        f"- acceptance: the embedded trained pair on {a.prompts} held-out prompts, {a.tokens} new tokens, "
-        "batch 1, CPU fp32 [measured]",
+        (
+            f"- acceptance: the embedded trained pair on {a.prompts} held-out prompts, "
+            f"{a.tokens} new tokens, batch 1, CPU fp32 [measured]"
+        ),
         "- time: whole-step cost per budget measured on the 61-layer K2.6 TP8 rank (H200) [charged per step]",
         f"- commit: {os.environ.get('K26_COMMIT', '?')}; command: `python profiling/bench_budget_sim.py`",
         "",

@@ -36,65 +36,65 @@ from k26.sampling import RowSampling
 from k26.spec.step import SpecConfig, StepModels, speculative_step
 from k26.tiny import quantization_config
 
-K26_TEXT = dict(
-    model_type="kimi_k2",
-    vocab_size=163840,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=64,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=384,
-    n_shared_experts=1,
-    num_experts_per_tok=8,
-    n_group=1,
-    topk_group=1,
-    routed_scaling_factor=2.827,
-    norm_topk_prob=True,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-    hidden_act="silu",
-    rms_norm_eps=1e-5,
-    max_position_embeddings=262144,
-    rope_theta=50000.0,
-    num_nextn_predict_layers=0,
-    rope_scaling=dict(
-        type="yarn",
-        factor=64.0,
-        original_max_position_embeddings=4096,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-    quantization_config=quantization_config(),
-)
+K26_TEXT = {
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "num_nextn_predict_layers": 0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "quantization_config": quantization_config(),
+}
 
 
 def drafter_config(tp: int) -> DrafterConfig:
     """Kimi-K2.5-DFlash at one TP rank: 64/tp query heads, 8/tp (>= 1) KV heads, 18432/tp MLP columns."""
-    raw = dict(
-        hidden_size=7168,
-        num_attention_heads=64 // tp,
-        num_key_value_heads=max(1, 8 // tp),
-        head_dim=128,
-        num_hidden_layers=6,
-        intermediate_size=18432 // tp,
-        rms_norm_eps=1e-6,
-        vocab_size=163840,
-        max_position_embeddings=262144,
-        rope_theta=50000.0,
-        rope_scaling=K26_TEXT["rope_scaling"],
-        block_size=8,
-        dflash_config=dict(target_layer_ids=[1, 12, 24, 35, 47, 58], mask_token_id=163838),
-    )
+    raw = {
+        "hidden_size": 7168,
+        "num_attention_heads": 64 // tp,
+        "num_key_value_heads": max(1, 8 // tp),
+        "head_dim": 128,
+        "num_hidden_layers": 6,
+        "intermediate_size": 18432 // tp,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 163840,
+        "max_position_embeddings": 262144,
+        "rope_theta": 50000.0,
+        "rope_scaling": K26_TEXT["rope_scaling"],
+        "block_size": 8,
+        "dflash_config": {"target_layer_ids": [1, 12, 24, 35, 47, 58], "mask_token_id": 163838},
+    }
     return DrafterConfig.from_dict(raw)
 
 
@@ -152,8 +152,7 @@ def graph_step_time(fn, reset) -> float:
 
     t = events_time(replay, reps=15)
     t_reset = events_time(reset, reps=15)
-    del g
-    return max(t - t_reset, 0.0)
+    return max(t - t_reset, 0.0)  # the graph and its memory pool are freed on return
 
 
 def param_bytes(model, routed: bool) -> int:
@@ -211,8 +210,8 @@ def main() -> None:
     commit = (
         os.environ.get("K26_COMMIT")
         or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()  # outside a git checkout: an empty commit
     )
     nonrouted, routed_all = param_bytes(model, False), param_bytes(model, True)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
@@ -221,14 +220,21 @@ def main() -> None:
         f"# bench_k26 — {datetime.date.today()}",
         "",
         f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {commit}",
-        f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} --nodes {a.nodes}"
-        f"{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}`",
-        f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; non-routed {nonrouted / 1e9:.2f} GB, "
-        f"routed {routed_all / 1e9:.1f} GB ({per_expert / 1e6:.2f} MB per expert per layer); drafter "
-        f"{sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9:.2f} GB",
+        (
+            f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
+            f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}`"
+        ),
+        (
+            f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "
+            f"non-routed {nonrouted / 1e9:.2f} GB, "
+            f"routed {routed_all / 1e9:.1f} GB ({per_expert / 1e6:.2f} MB per expert per layer); drafter "
+            f"{sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9:.2f} GB"
+        ),
         f"- copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read+write bytes)",
-        "- collectives excluded (no-op group); bytes = non-routed params + touched experts (counted from this "
-        "step's routing) + latent KV",
+        (
+            "- collectives excluded (no-op group); bytes = non-routed params + touched experts "
+            "(counted from this step's routing) + latent KV"
+        ),
         "",
         "| step | ctx L | verify N | time ms | experts/layer | GB read | GB/s | % copy BW |",
         "|---|---|---|---|---|---|---|---|",
@@ -269,8 +275,8 @@ def main() -> None:
             t = graph_step_time(verify, lambda: None)
             gb = (nonrouted + experts * per_expert * moe_layers + kv_bytes) / 1e9
             lines.append(
-                f"| {'decode' if N == 1 else 'verify'} | {L} | {N} | {t * 1e3:.2f} | {experts:.0f} | {gb:.2f} | "
-                f"{gb / t:.0f} | {100 * gb * 1e9 / t / copy_bw:.0f}% |"
+                f"| {'decode' if N == 1 else 'verify'} | {L} | {N} | {t * 1e3:.2f} | {experts:.0f} | "
+                f"{gb:.2f} | {gb / t:.0f} | {100 * gb * 1e9 / t / copy_bw:.0f}% |"
             )
             print(lines[-1], flush=True)
         bonus = torch.randint(0, cfg.vocab_size, (1,), device=dev)
@@ -300,8 +306,8 @@ def main() -> None:
 
             t = graph_step_time(step, lambda st=st, start=start: st.copy_(start))
             lines.append(
-                f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | {L} | "
-                f"{8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |"
+                f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | "
+                f"{L} | {8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |"
             )
             print(lines[-1], flush=True)
         if not a.no_specs:

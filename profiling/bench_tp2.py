@@ -34,7 +34,8 @@ def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple
 
     sp = SamplingParams(max_tokens=48, stop_token_ids=[])
     res, times = {}, {}
-    # fp32 runs eager only: the int4 MoE kernel takes bf16 activations, and its fp32 reference is not capturable
+    # fp32 runs eager only: the int4 MoE kernel takes bf16 activations, and its fp32 reference is not
+    # capturable
     for graphs in (True, False) if dtype == torch.bfloat16 else (False,):
         llm = LLM(
             device=device, tp=tp, dtype=dtype, graphs=graphs, progress=False, max_batch=2, max_model_len=512
@@ -63,7 +64,8 @@ def same(res: dict, a: str, b: str) -> str:
 
 def tp1_check(tp2_json: str, out: str | None) -> None:
     """Rank 0's view of TP 1 on one GPU against the TP 2 run's saved tokens and step times."""
-    saved = json.load(open(tp2_json))
+    with open(tp2_json) as f:
+        saved = json.load(f)
     res, times = run_pair("cuda", tp=1, dtype=DTYPE[saved["dtype"]])
     lines = ["", f"| TP 2 vs TP 1 (same pair, {saved['dtype']}, greedy) | |", "|---|---|"]
     lines += [f"| {k}: tokens TP 2 == TP 1 | {saved['res'][k] == v} |" for k, v in res.items()]
@@ -73,7 +75,8 @@ def tp1_check(tp2_json: str, out: str | None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if out:
-        open(out, "a").write(text)
+        with open(out, "a") as f:
+            f.write(text)
 
 
 def main() -> None:
@@ -129,9 +132,11 @@ def main() -> None:
         lines += [f"| {k} | {v * 1e3:.3f} |" for k, v in times.items()]
         text = "\n".join(lines) + "\n"
         print(text, flush=True)
-        if a.out:
-            open(a.out, "w").write(text)
-            json.dump(dict(res=res, times=times, dtype=a.dtype), open(a.out + ".json", "w"))
+        if a.out:  # closed here, before os._exit below (which skips Python's cleanup)
+            with open(a.out, "w") as f:
+                f.write(text)
+            with open(a.out + ".json", "w") as f:
+                json.dump({"res": res, "times": times, "dtype": a.dtype}, f)
     sys.stdout.flush()
     os._exit(0)
 

@@ -32,8 +32,8 @@ def main() -> None:
     commit = (
         os.environ.get("K26_COMMIT")
         or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()  # outside a git checkout: an empty commit
     )
     lines = [
         f"# bench_tree — {datetime.date.today()}",
@@ -42,7 +42,10 @@ def main() -> None:
         f"- commit: {commit}",
         "- command: `python profiling/bench_tree.py`",
         "",
-        "| depth | budget | vocab top-K µs (GPU) | tree build µs (GPU, graph) | CPU heap µs | heap / GPU build |",
+        (
+            "| depth | budget | vocab top-K µs (GPU) | tree build µs (GPU, graph) | CPU heap µs "
+            "| heap / GPU build |"
+        ),
         "|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)

@@ -64,7 +64,8 @@ def main() -> None:
     text += [f"| {s} | {t:.0f} | {al:.1f} | {re:.1f} | {rss:.0f} |" for s, t, al, re, rss in rows]
     print("\n".join(text))
     if a.out:
-        open(a.out, "w").write("\n".join(text) + "\n")
+        with open(a.out, "w") as f:
+            f.write("\n".join(text) + "\n")
 
 
 if __name__ == "__main__":

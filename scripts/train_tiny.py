@@ -63,27 +63,28 @@ def main() -> None:
     train_ids = torch.tensor(tok.encode(corpus.text("train")), dtype=torch.long)
     eval_ids = torch.tensor(tok.encode(corpus.text("eval")), dtype=torch.long)
     print(
-        f"tokenizer {a.vocab} in {time.time() - t0:.0f}s; {len(train_ids)} train / {len(eval_ids)} eval tokens"
+        f"tokenizer {a.vocab} in {time.time() - t0:.0f}s; "
+        f"{len(train_ids)} train / {len(eval_ids)} eval tokens"
     )
 
     heads = max(2, a.hidden // 64)
-    sizes = DEFAULT_SIZES | dict(
-        hidden_size=a.hidden,
-        num_hidden_layers=a.layers,
-        first_k_dense_replace=1,
-        num_attention_heads=heads,
-        q_lora_rank=a.hidden // 2,
-        kv_lora_rank=128,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        intermediate_size=4 * a.hidden,
-        moe_intermediate_size=a.hidden // 2 // 32 * 32 or 64,
-        n_routed_experts=a.experts,
-        num_experts_per_tok=a.topk,
-        max_position_embeddings=4096,
-        original_max_position_embeddings=1024,
-    )
+    sizes = DEFAULT_SIZES | {
+        "hidden_size": a.hidden,
+        "num_hidden_layers": a.layers,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": heads,
+        "q_lora_rank": a.hidden // 2,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "intermediate_size": 4 * a.hidden,
+        "moe_intermediate_size": a.hidden // 2 // 32 * 32 or 64,
+        "n_routed_experts": a.experts,
+        "num_experts_per_tok": a.topk,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 1024,
+    }
     cfg_train = ModelConfig.from_dict(text_config(sizes, first, "none"))
     model = KimiK2(cfg_train, dtype=torch.float32).to(dev)
     for n, p in model.named_parameters():  # init: the loader normally fills these
@@ -142,9 +143,10 @@ def main() -> None:
         step += 1
     text = text_config(sizes, first, "int4")
     save_checkpoint(out, text, hf_tensors(model, "int4"), flavour="k25", shards=2)
+    shown = {k: sizes[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}
     (out / "train_log.md").write_text(
         f"# train_tiny — {time.strftime('%Y-%m-%d')}\n\n- device: {dev}; {step} steps in {a.minutes} min; "
-        f"config: {json.dumps({k: sizes[k] for k in ('hidden_size', 'num_hidden_layers', 'n_routed_experts')})}\n\n"
+        f"config: {json.dumps(shown)}\n\n"
         "| step | s | train loss | held-out loss |\n|---|---|---|---|\n"
         + "\n".join(f"| {s} | {t} | {tr:.3f} | {ev:.3f} |" for s, t, tr, ev in log)
         + "\n"

@@ -92,12 +92,12 @@ def test_score_checks_ids(llm):
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        (dict(max_tokens=-1), "max_tokens=-1"),
-        (dict(temperature=-0.5), "temperature=-0.5"),
-        (dict(top_p=0.0), "top_p=0.0"),
-        (dict(top_p=1.5), "top_p=1.5"),
-        (dict(top_k=-2), "top_k=-2"),
-        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        ({"max_tokens": -1}, "max_tokens=-1"),
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
 def test_bad_sampling_params(kwargs, needle):

@@ -9,45 +9,45 @@ from k26.config import ConfigError, ModelConfig
 from k26.model.rope import Rope, yarn_inv_freq
 from k26.tiny import quantization_config
 
-K26_TEXT = dict(
-    vocab_size=163840,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=64,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=384,
-    n_shared_experts=1,
-    num_experts_per_tok=8,
-    n_group=1,
-    topk_group=1,
-    routed_scaling_factor=2.827,
-    norm_topk_prob=True,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-    hidden_act="silu",
-    rms_norm_eps=1e-5,
-    max_position_embeddings=262144,
-    rope_theta=50000.0,
-    num_nextn_predict_layers=0,
-    model_type="kimi_k2",
-    rope_scaling=dict(
-        type="yarn",
-        factor=64.0,
-        original_max_position_embeddings=4096,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-)
+K26_TEXT = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "num_nextn_predict_layers": 0,
+    "model_type": "kimi_k2",
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
 
 
 def k26_config(**text_changes):
@@ -70,9 +70,10 @@ def test_rope_parameters_key_is_accepted():
 
 
 def test_k2_instruct_scale():
-    raw = K26_TEXT | dict(
-        max_position_embeddings=131072, rope_scaling=K26_TEXT["rope_scaling"] | {"factor": 32.0}
-    )
+    raw = K26_TEXT | {
+        "max_position_embeddings": 131072,
+        "rope_scaling": K26_TEXT["rope_scaling"] | {"factor": 32.0},
+    }
     assert math.isclose(ModelConfig.from_dict(raw).softmax_scale, 0.1308608, rel_tol=1e-6)
 
 
@@ -88,10 +89,10 @@ def test_k2_instruct_scale():
 )
 def test_yarn_inv_freq_reference_values(i, k25, k2):
     r25 = ModelConfig.from_dict(K26_TEXT).rope
-    raw = K26_TEXT | dict(
-        max_position_embeddings=131072,
-        rope_scaling=K26_TEXT["rope_scaling"] | {"factor": 32.0, "beta_fast": 1.0},
-    )
+    raw = K26_TEXT | {
+        "max_position_embeddings": 131072,
+        "rope_scaling": K26_TEXT["rope_scaling"] | {"factor": 32.0, "beta_fast": 1.0},
+    }
     r2 = ModelConfig.from_dict(raw).rope
     assert math.isclose(yarn_inv_freq(r25, 64)[i].item(), k25, rel_tol=1e-5)
     assert math.isclose(yarn_inv_freq(r2, 64)[i].item(), k2, rel_tol=1e-5)

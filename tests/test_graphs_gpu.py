@@ -20,7 +20,7 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def pair(tiny_k25, drafter_dir):
-    kw = dict(drafter=drafter_dir, device="cuda", progress=False, max_batch=4, max_model_len=512)
+    kw = {"drafter": drafter_dir, "device": "cuda", "progress": False, "max_batch": 4, "max_model_len": 512}
     return LLM(tiny_k25, graphs=True, **kw), LLM(tiny_k25, graphs=False, **kw)
 
 

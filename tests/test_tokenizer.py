@@ -54,7 +54,8 @@ def test_chat_inserts_only_structural_specials(tok):
         sp("</think>"),
     ]
     assert tok.decode(ids) == (
-        "<|im_system|>system<|im_middle|>be brief<|im_end|><|im_user|>user<|im_middle|><|im_end|> hi<|im_end|>"
+        "<|im_system|>system<|im_middle|>be brief<|im_end|>"
+        "<|im_user|>user<|im_middle|><|im_end|> hi<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>"
     )
 

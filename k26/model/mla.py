@@ -82,7 +82,7 @@ class MLA(nn.Module):
 
     def _attend_latent(self, q_nope, q_pe, lat_BLC, vis_BNL):
         cfg = self.cfg
-        B, N, H, _ = q_nope.shape
+        B, _, H, _ = q_nope.shape
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         kv_BLHX = self.kv_b_proj(lat_BLC[..., :r]).view(B, lat_BLC.shape[1], H, nope + cfg.v_head_dim)
         k_nope, v_BLHV = kv_BLHX.split([nope, cfg.v_head_dim], dim=-1)

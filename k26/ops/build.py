@@ -4,7 +4,8 @@ also on machines without a GPU), report registers / shared memory / spills per k
     python -m k26.ops.build [--arch sm_90a,sm_120a] [--out DIR]
 
 Fails on any register spill and on more than 99 KB (101,376 B) of static shared memory for sm_120a,
-sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source. The library is cached under k26/ops/_build/ keyed by the sources' hash.
+sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source.
+The library is cached under k26/ops/_build/ keyed by the sources' hash.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def _demangle(names: list[str]) -> dict[str, str]:
     tool = shutil.which("cu++filt") or shutil.which("c++filt")
     if not tool or not names:
         return {n: n for n in names}
-    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    # A failing demangler leaves stdout short: the names are then kept as they are.
+    proc = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=False)
+    out = proc.stdout.splitlines()
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
 
 
@@ -102,7 +105,7 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
         str(out) + ".tmp",
         *map(str, sources()),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # stderr goes into BuildError
     if proc.returncode:
         raise BuildError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr}")
     reports = parse_ptxas(proc.stderr)
@@ -119,9 +122,8 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
     if verbose:
         print(f"{'arch':8s} {'regs':>5s} {'smem B':>7s} {'spill':>6s}  kernel")
         for r in reports:
-            print(
-                f"{r.arch:8s} {r.registers:5d} {r.smem:7d} {r.spill_stores + r.spill_loads:6d}  {r.name[:110]}"
-            )
+            spills = r.spill_stores + r.spill_loads
+            print(f"{r.arch:8s} {r.registers:5d} {r.smem:7d} {spills:6d}  {r.name[:110]}")
     if problems:
         Path(str(out) + ".tmp").unlink(missing_ok=True)
         raise BuildError("kernel resource check failed:\n  " + "\n  ".join(problems))

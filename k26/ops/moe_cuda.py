@@ -38,7 +38,8 @@ def _scale_pairs(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 
 def repack_scales(scale: torch.Tensor, row_order: torch.Tensor | None = None) -> torch.Tensor:
-    """[E, R, K/32] -> [E, R/16, K/64, 32, 2]: lane (g, t) gets rows (g, g+8) of group t // 2 of each chunk."""
+    """[E, R, K/32] -> [E, R/16, K/64, 32, 2]: lane (g, t) gets rows (g, g+8) of group t // 2 of each
+    chunk."""
     E, R, K32 = scale.shape
     if row_order is not None:
         scale = scale[:, row_order.to(scale.device)]

@@ -73,7 +73,7 @@ def mla_tree_attention(
 
     Returns out [B, N, H, v_dim] in q's dtype and the fp32 log-sum-exp [B, N, H].
     """
-    B, N, H, C = q_BNHC.shape
+    _, N, _, _ = q_BNHC.shape
     if not (static or capturing()) and int(prefix_lens_B.max()) + N > cache_RLC.shape[1]:
         raise ValueError(
             f"mla_tree_attention: prefix + {N} new tokens exceeds cache length {cache_RLC.shape[1]}"

@@ -8,6 +8,7 @@ vocabulary on a few MB of text trains in seconds to a minute.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -29,7 +30,7 @@ def train_bpe(text: str, vocab_size: int) -> dict[bytes, int]:
     pairs: Counter = Counter()
     where: dict[tuple[bytes, bytes], set[int]] = defaultdict(set)
     for i, w in enumerate(words):
-        for a, b in zip(w, w[1:]):
+        for a, b in itertools.pairwise(w):
             pairs[(a, b)] += freq[i]
             where[(a, b)].add(i)
     ranks = {bytes([b]): b for b in range(256)}
@@ -41,7 +42,7 @@ def train_bpe(text: str, vocab_size: int) -> dict[bytes, int]:
         ranks[merged] = len(ranks)
         for i in list(where.pop(best, ())):
             w = words[i]
-            for a, b in zip(w, w[1:]):  # take the word's pairs out, merge, put them back
+            for a, b in itertools.pairwise(w):  # take the word's pairs out, merge, put them back
                 pairs[(a, b)] -= freq[i]
                 if pairs[(a, b)] <= 0:
                     del pairs[(a, b)]
@@ -54,7 +55,7 @@ def train_bpe(text: str, vocab_size: int) -> dict[bytes, int]:
                     out.append(w[j])
                     j += 1
             words[i] = out
-            for a, b in zip(out, out[1:]):
+            for a, b in itertools.pairwise(out):
                 pairs[(a, b)] += freq[i]
                 where[(a, b)].add(i)
     return ranks
