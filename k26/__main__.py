@@ -81,9 +81,9 @@ def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
 def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     """Check every `generate` argument against the config files only: no weights are read."""
     from . import SamplingParams, SpecConfig
+    from .checks import check_device, default_max_model_len, fit_spec
     from .config import ModelConfig
     from .drafter_config import DrafterConfig
-    from .engine import check_device, default_max_model_len, fit_spec
     from .tokenizer import Tokenizer
 
     check_device(a.device)
@@ -182,7 +182,7 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import run_bench
-    from .engine import check_device
+    from .checks import check_device
 
     _dir_arg(a.model, "--model")
     _dir_arg(a.drafter, "--drafter")
@@ -197,7 +197,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_profile(a: argparse.Namespace) -> int:
     from .bench import run_profile
-    from .engine import check_device
+    from .checks import check_device
 
     _dir_arg(a.model, "--model")
     _dir_arg(a.drafter, "--drafter")
@@ -209,7 +209,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .engine import check_device
+    from .checks import check_device
     from .server.cli import check_args, serve
 
     _dir_arg(a.model, "--model")

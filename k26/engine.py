@@ -9,15 +9,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import numbers
 import os
-import warnings
 import weakref
 from collections.abc import Generator, Sequence
 from pathlib import Path
 
 import torch
 
+from .checks import (
+    check_buckets,
+    check_device,
+    check_ids,
+    check_lengths,
+    check_precision,
+    check_tokenizer,
+    fit_spec,
+    prompt_list,
+)
 from .config import ModelConfig
 from .decode import BatchState, DecodeContext, Decoder, RequestOutput
 from .dist import check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
@@ -103,68 +111,51 @@ class LLM:
         self._owns_group = tp > 1 and not torch.distributed.is_initialized()
         self._ranks: RankGroup | None = None
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-            # Ranks 1..tp-1 build this same LLM in their own processes and mirror its calls; this one joins as 0.
-            self._ranks = RankGroup(
-                tp,
-                type(self),
-                (str(self.path),),
-                dict(
-                    drafter=drafter,
-                    device=device,
-                    dtype=dtype,
-                    tp=tp,
-                    max_model_len=max_model_len,
-                    max_batch=max_batch,
-                    absorb=absorb,
-                    progress=False,
-                    cuda_kernels=cuda_kernels,
-                    graphs=graphs,
-                    buckets=buckets,
-                    compile=compile,
-                    cache_dir=cache_dir,
-                ),
-                str(device) if device else None,
-            )
-            weakref.finalize(
-                self, self._ranks.close
-            )  # also at exit; an LLM whose __init__ fails frees its ranks
-        self.rank, world, dist_dev = (
-            init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
-        )
+            rank_kw = {
+                "drafter": drafter,
+                "device": device,
+                "dtype": dtype,
+                "tp": tp,
+                "max_model_len": max_model_len,
+                "max_batch": max_batch,
+                "absorb": absorb,
+                "progress": False,
+                "cuda_kernels": cuda_kernels,
+                "graphs": graphs,
+                "buckets": buckets,
+                "compile": compile,
+                "cache_dir": cache_dir,
+            }
+            self._start_ranks(tp, device, rank_kw)
+        self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size = tp
         self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or torch.bfloat16
-        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
-        # Graphs by default for bf16 on CUDA: other dtypes run the reference ops, which read lengths back
-        # to the host and so cannot be captured.
-        self.graphs = (
-            (self.device.type == "cuda" and self.dtype == torch.bfloat16) if graphs is None else graphs
-        )
-        if self.graphs and self.device.type != "cuda":
-            raise ValueError("graphs=True needs a CUDA device")
-        if self.graphs and self.dtype != torch.bfloat16:
-            raise ValueError(
-                f"graphs=True needs dtype=torch.bfloat16 (got {self.dtype}): the CUDA kernels take bf16, "
-                "and the reference ops other dtypes run read lengths back to the host, which a CUDA "
-                "graph cannot capture; pass graphs=False"
-            )
+        self.graphs = check_precision(self.device, self.dtype, graphs)
         self.config = ModelConfig.from_dir(self.path)
         self.tokenizer = Tokenizer.from_dir(self.path)
-        if self.tokenizer.num_base + 256 != self.config.vocab_size:
-            raise ValueError(
-                f"tokenizer has {self.tokenizer.num_base} base tokens + 256 specials, but config vocab_size is "
-                f"{self.config.vocab_size}: tiktoken.model does not belong to this checkpoint"
-            )
-        self.max_model_len = max_model_len or default_max_model_len(self.config)
-        if not 1 < self.max_model_len <= self.config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len}: must lie in (1, max_position_embeddings="
-                f"{self.config.max_position_embeddings}]"
-            )
-        if max_batch < 1:
-            raise ValueError(f"max_batch={max_batch}: expected a positive integer")
+        check_tokenizer(self.tokenizer, self.config)
+        self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
         self.absorb = absorb
+        self._load(drafter, max_batch, progress, cuda_kernels, cache_dir)
+        self.progress = progress
+        self.user_buckets = check_buckets(buckets, max_batch)
+        # torch.compile of the model body: fixed shapes per bucket, lengths and positions as tensors, so
+        # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
+        self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
+        self.decoder = Decoder(self._decode_context())
+        if self._ranks is not None:
+            self._ranks.wait_ready()  # a rank that failed to build raises its own error here
+
+    def _start_ranks(self, tp: int, device, kw: dict) -> None:
+        """Ranks 1..tp-1 build this same LLM (`kw`) in their own processes and mirror its calls; this one
+        joins as 0."""
+        self._ranks = RankGroup(tp, type(self), (str(self.path),), kw, str(device) if device else None)
+        weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
+
+    def _load(self, drafter, max_batch: int, progress: bool, cuda_kernels: bool, cache_dir) -> None:
+        """The target (and drafter) weights, each rank its TP shard, and their caches."""
+        tp = self.tp_size
         if tp > 1:
             with self._surface_rank_errors():
                 same_checkpoint_on_every_rank(self.path)
@@ -193,33 +184,24 @@ class LLM:
             self.dcache = DrafterCache.allocate(
                 self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
             )
-        self.progress = progress
-        self.user_buckets = [Bucket(*b) for b in buckets] if buckets else None
-        for b in self.user_buckets or []:
-            if b.batch > max_batch:
-                raise ValueError(f"bucket {b}: batch {b.batch} exceeds max_batch={max_batch}")
-        # torch.compile of the model body: fixed shapes per bucket, lengths and positions as tensors, so
-        # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
-        self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
-        self.decoder = Decoder(
-            DecodeContext(
-                self.model,
-                self.model_fwd,
-                self.drafter,
-                self.cache,
-                self.dcache,
-                self.tokenizer,
-                self.max_model_len,
-                self.device,
-                self.buckets_for,
-                tp,
-                absorb,
-                self.graphs,
-                progress,
-            )
+
+    def _decode_context(self) -> DecodeContext:
+        """What the decoder needs of this LLM (the decoder never sees the LLM itself)."""
+        return DecodeContext(
+            self.model,
+            self.model_fwd,
+            self.drafter,
+            self.cache,
+            self.dcache,
+            self.tokenizer,
+            self.max_model_len,
+            self.device,
+            self.buckets_for,
+            self.tp_size,
+            self.absorb,
+            self.graphs,
+            self.progress,
         )
-        if self._ranks is not None:
-            self._ranks.wait_ready()  # a rank that failed to build raises its own error here
 
     # -- tensor parallel driven from one Python process -------------------------------------------
     def _mirror(self, name: str, *args, **kw) -> None:
@@ -257,43 +239,7 @@ class LLM:
 
     # -- inputs --------------------------------------------------------------------------------
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        if isinstance(ids, str):  # a str is a Sequence too: its characters would pass for token ids
-            raise TypeError(
-                f"{what} is a str; expected token ids: encode the text first, llm.tokenizer.encode(text)"
-            )
-        if isinstance(
-            ids, (bytes, bytearray)
-        ):  # iterating bytes yields ints: they would be taken for token ids
-            raise TypeError(
-                f"{what} is {type(ids).__name__}; expected a str or token ids: decode it first, "
-                "data.decode('utf-8')"
-            )
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-                raise TypeError(
-                    f"{what} is a {ids.dim()}-d {ids.dtype} tensor; expected a 1-d integer tensor of token ids"
-                )
-            ids = ids.tolist()
-        ids = list(ids)
-        if not ids:
-            raise ValueError(f"{what} is empty")
-        V = self.config.vocab_size
-        for pos, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(
-                    f"{what}: token id {t!r} at position {pos} is a {type(t).__name__}; expected an int"
-                )
-            if not 0 <= t < V:
-                raise ValueError(
-                    f"{what}: token id {t!r} at position {pos} is outside the vocabulary [0, {V})"
-                )
-        ids = [int(t) for t in ids]
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{what} has {len(ids)} tokens; the context holds {self.max_model_len} (max_model_len), "
-                "leaving no room to generate"
-            )
-        return ids
+        return check_ids(ids, what, self.config.vocab_size, self.max_model_len)
 
     def _encode(self, prompt: Prompt, i: int) -> list[int]:
         if isinstance(prompt, str):
@@ -327,13 +273,7 @@ class LLM:
             raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
         if spec.method != "ar":
             spec = fit_spec(spec, self.max_model_len, self.drafter.cfg.block_size)
-        if isinstance(prompts, (str, bytes, bytearray, torch.Tensor)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)
-        ):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("prompts is empty")
-        return [self._encode(p, i) for i, p in enumerate(prompts)], sp, spec
+        return [self._encode(p, i) for i, p in enumerate(prompt_list(prompts))], sp, spec
 
     @torch.inference_mode()
     @_surfacing_rank_errors
@@ -428,73 +368,3 @@ def _complete_utf8(tok: Tokenizer, ids: list[int]) -> str:
         except UnicodeDecodeError:
             continue
     return data.decode("utf-8", errors="replace")
-
-
-def default_max_model_len(cfg: ModelConfig) -> int:
-    """The context when none is given: 4K (the caches are allocated up front), or less if the model has less."""
-    return min(cfg.max_position_embeddings, 4096)
-
-
-def check_device(device) -> None:
-    """A device the user names must exist here: found before any loading, said in one line."""
-    if device is None:
-        return
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N' ({e})") from None
-    if dev.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        why = (
-            "this torch build has no CUDA"
-            if torch.version.cuda is None
-            else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)"
-        )
-        raise ValueError(
-            f"device={device!r}: CUDA is not available ({why}, torch {torch.__version__}); use device='cpu'"
-        )
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-
-
-def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfig:
-    """The speculative method as it fits the context. A step writes its whole verify tree past the sequence
-    (the drafter its block), and the adaptive budget times its largest candidate at start-up, so a budget B
-    needs max_model_len >= B + block_size + 1. "auto" keeps the candidates that fit (AR if none; said once);
-    a fixed budget or DFlash chain refused when not even one step fits (later steps without room decode AR)."""
-    room = max_model_len - block_size - 1  # the largest budget a step can verify
-    if spec.auto:
-        fit = tuple(c for c in spec.candidates if c <= room)
-        if fit == spec.candidates:
-            return spec
-        if not fit:
-            warnings.warn(
-                f"max_model_len={max_model_len} leaves no room for a DDTree step (the smallest candidate "
-                f"budget {spec.candidates[0]} + drafter block {block_size} + 1 > {max_model_len}): "
-                "decoding autoregressively",
-                stacklevel=3,
-            )
-            return SpecConfig("ar")
-        n = len(fit)
-        costs = spec.costs[: n + 1] if spec.costs else None
-        per_token = spec.cost_per_token[:n] if spec.cost_per_token else None
-        warnings.warn(
-            f"max_model_len={max_model_len}: DDTree budgets limited to {fit} of {spec.candidates} "
-            f"(a budget B needs B + drafter block {block_size} + 1 context tokens)",
-            stacklevel=3,
-        )
-        return SpecConfig("ddtree", "auto", fit, costs, per_token)
-    nodes = verify_nodes(spec, block_size)
-    need = max(nodes, block_size) + 2  # one prompt token and the bonus, then the step's tree (drafter block)
-    if max_model_len < need:
-        what = (
-            f"a DFlash step ({nodes} verify tokens)"
-            if spec.method == "dflash"
-            else f"DDTree budget {nodes - 1}"
-        )
-        raise ValueError(
-            f"max_model_len={max_model_len} is too small for {what} with drafter block {block_size}: "
-            f"it needs {need}; raise max_model_len, lower the budget, or use spec 'ar'"
-        )
-    return spec

@@ -100,11 +100,17 @@ def build_ddtree_from_topk(
         t = build_ddtree_cuda(lp, tok, budget)
         if t is not None:
             return DraftTree(*t, lp.shape[1])
+    scores, toks, parents = _beams(lp.double(), tok, budget, tables or TreeTables())
+    return _tree_from_beams(scores, toks, parents, budget, lp.shape[1])
+
+
+def _beams(
+    lp: torch.Tensor, tok: torch.Tensor, budget: int, tables: TreeTables
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per depth, the beam of the top-`budget` prefixes in lexicographic order: (scores, tokens, parent
+    positions in the previous beam, -1 at depth 1), each [B, W_d]."""
     B, L, K = lp.shape
     dev = lp.device
-    lp = lp.double()
-    tables = tables or TreeTables()
-
     # Depth 1: the K candidates in rank order (which is also lexicographic order).
     beam_score = lp[:, 0, :].clone()  # [B, W]
     beam_tok = tok[:, 0, :].clone()
@@ -132,8 +138,15 @@ def build_ddtree_from_topk(
         scores.append(beam_score)
         toks.append(beam_tok)
         parents.append(beam_parent)
+    return scores, toks, parents
 
-    # Union of beams in (depth, lex) order; the global top `budget` by a stable score sort.
+
+def _tree_from_beams(
+    scores: list[torch.Tensor], toks: list[torch.Tensor], parents: list[torch.Tensor], budget: int, L: int
+) -> DraftTree:
+    """The union of the beams in (depth, lex) order, its global top `budget` by a stable score sort in pop
+    order, padded with invalid nodes to `budget`."""
+    B, dev = scores[0].shape[0], scores[0].device
     sizes = [s.shape[1] for s in scores]
     all_score = torch.cat(scores, dim=1)
     all_depth = torch.cat([torch.full((B, n), d + 1, device=dev) for d, n in enumerate(sizes)], dim=1)
