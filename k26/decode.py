@@ -32,9 +32,9 @@ from .spec.step import (
     PhaseTimer,
     SpecConfig,
     StepModels,
-    ar_step,
+    eager_ar_step,
+    eager_speculative_step,
     prefill,
-    speculative_step,
     time_step,
     verify_nodes,
 )
@@ -349,10 +349,13 @@ class Decoder:
         rs = state.sampling(was, nodes=1 if not room else None)
         if state.graph is not None and room:
             new, counts, budget = state.graph(state.greedy)
-        elif room and state.spec.method != "ar":
-            new, counts, budget = eager_speculative_step(self.ctx, state, rs)
-        else:  # AR, or no room for another verify tree: this step decodes one token like AR
-            new, counts, budget = one_token_step(self.ctx, state, rs)
+        else:
+            s, m, rows = state, self.ctx.models(), torch.arange(state.capacity, device=self.ctx.device)
+            if room and s.spec.method != "ar":
+                args = (s.lens, s.bonus, s.alive, s.spec, rs, s.timer, s.policy)
+                new, counts, budget = eager_speculative_step(m, rows, *args)
+            else:  # AR, or no room for another verify tree: this step decodes one token like AR
+                new, counts, budget = eager_ar_step(m, rows, s.lens, s.bonus, s.alive, rs)
         state.record(was, new, counts, budget)
         return was
 
@@ -367,22 +370,3 @@ class Decoder:
         while state.live:
             self.step(state)
             yield outs
-
-
-# -- the eager steps --------------------------------------------------------------------------------
-def eager_speculative_step(ctx: DecodeContext, state: BatchState, rs: RowSampling):
-    """One speculative step of every row, eager: (emitted tokens per row, their counts, budget verified)."""
-    s, rows = state, torch.arange(state.capacity, device=ctx.device)
-    r = speculative_step(ctx.models(), rows, s.lens, s.bonus, s.alive, s.spec, rs, s.timer, policy=s.policy)
-    counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
-    new = [e[:n] for e, n in zip(r.emitted.tolist(), counts)]
-    state.lens.add_(r.n_emitted), state.bonus.copy_(r.bonus)
-    return new, counts, r.budget
-
-
-def one_token_step(ctx: DecodeContext, state: BatchState, rs: RowSampling):
-    """One autoregressive token of every row, eager: (tokens per row, their counts, None)."""
-    rows = torch.arange(state.capacity, device=ctx.device)
-    state.bonus.copy_(ar_step(ctx.models(), rows, state.lens, state.bonus, rs))
-    state.lens.add_(state.alive.long())  # finished rows stay frozen, rewriting only their own slot
-    return [[t] for t in state.bonus.tolist()], [1] * state.capacity, None

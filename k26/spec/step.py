@@ -220,6 +220,26 @@ def ar_step(m: StepModels, rows, start, bonus, rs: RowSampling) -> torch.Tensor:
     return m.next_token(h[:, 0], rs)
 
 
+def eager_speculative_step(
+    m: StepModels, rows, lens, bonus, alive, spec: SpecConfig, rs: RowSampling, timer=None, policy=None
+) -> tuple[list[list[int]], list[int], int | None]:
+    """`speculative_step` run eagerly with its one host read: `lens` and `bonus` advanced in place; returns
+    (emitted tokens per row, their counts, the budget verified)."""
+    r = speculative_step(m, rows, lens, bonus, alive, spec, rs, timer, policy=policy)
+    counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
+    new = [e[:n] for e, n in zip(r.emitted.tolist(), counts)]
+    lens.add_(r.n_emitted), bonus.copy_(r.bonus)
+    return new, counts, r.budget
+
+
+def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling) -> tuple[list, list[int], None]:
+    """`ar_step` run eagerly: `lens` (live rows) and `bonus` advanced in place; returns (one token per row,
+    the counts, no budget)."""
+    bonus.copy_(ar_step(m, rows, lens, bonus, rs))
+    lens.add_(alive.long())  # finished rows stay frozen, rewriting only their own slot
+    return [[t] for t in bonus.tolist()], [1] * len(rows), None
+
+
 def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts (right-padded: a causal query never sees the padding) through the target into their cache
     `rows`, and (`aux`) their features into the drafter's context; returns the hidden state of each
