@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_moe import copy_bandwidth, events_time
+from timing import copy_bandwidth, events_time
 
 from k26.config import ModelConfig
 from k26.drafter_config import DrafterConfig

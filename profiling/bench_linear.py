@@ -22,7 +22,6 @@ import ctypes
 import datetime
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import events_time
+
 from k26.ops.linear_cuda import launch, plan_splits
 
 FLOOR_CU = r"""
@@ -135,18 +137,6 @@ def floor_lib() -> ctypes.CDLL:
         ctypes.c_void_p,
     ]
     return lib
-
-
-def events_time(fn, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def chain_us(step, R: int) -> float:

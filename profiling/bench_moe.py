@@ -30,7 +30,6 @@ import argparse
 import datetime
 import math
 import os
-import statistics
 import subprocess
 import sys
 
@@ -42,50 +41,7 @@ from k26.ops.moe_cuda import pick_nt
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe_block import SHAPES, block_main, expert_bytes
-
-
-def events_time(fn, reps: int = 20) -> float:
-    """Median seconds of fn() measured with CUDA events."""
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    return 2 * src.numel() / events_time(lambda: dst.copy_(src))
-
-
-def gemm_rate() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    return 2 * 8192**3 / events_time(lambda: a @ b)
-
-
-def graph_time(fn, calls: int) -> float:
-    """Capture fn (which performs `calls` op calls) once, replay, return seconds per call."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    return events_time(g.replay) / calls
+from timing import copy_bandwidth, events_time, gemm_rate, graph_time
 
 
 def routing(kind: str, M: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:

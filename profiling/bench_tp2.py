@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_moe import events_time as events
+from timing import events_time as events
 
 DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]

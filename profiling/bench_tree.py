@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_moe import graph_time
+from timing import graph_time
 
 from k26.spec.tree import TreeTables, build_ddtree_from_topk, build_ddtree_heap
 

@@ -75,7 +75,7 @@ def mma_sync_peak() -> float:
 
     for _ in range(3):
         run()
-    t = events_median(run, 10)
+    t = events_time(run, 10)
     return blocks * threads // 32 * iters * 8 * 2 * 16 * 8 * 16 / t
 
 
@@ -84,10 +84,11 @@ def gemm_rate() -> float:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    return 2 * 8192**3 / events_median(lambda: a @ b, 10)
+    return 2 * 8192**3 / events_time(lambda: a @ b, 10)
 
 
-def events_median(fn, reps: int = 20) -> float:
+def events_time(fn, reps: int = 20) -> float:
+    """Median seconds of fn() measured with CUDA events."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -113,6 +114,11 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     g.replay()
     torch.cuda.synchronize()
     return g
+
+
+def graph_time(fn, calls: int) -> float:
+    """Median seconds per op call of a captured fn (which performs `calls` op calls), replayed warm."""
+    return events_time(capture(fn).replay) / calls
 
 
 def graph_time_cold(fn, calls: int = 1, reps: int = 30) -> float:
