@@ -1,6 +1,7 @@
 // The mma.sync bf16 ceiling of the GPU this runs on: every warp issues independent m16n8k16 MMAs on
-// register operands (no memory traffic), so the rate is the tensor cores' mma.sync peak. sm_90's wgmma is
-// faster, but sm_120 has only mma.sync, so attention and MoE kernels are judged against this number.
+// register operands (no memory traffic), so the rate is the tensor cores' mma.sync peak. Hopper's
+// warpgroup MMA is faster, but sm_120 has only mma.sync, so attention and MoE kernels are judged against
+// this number.
 // Built and loaded by profiling/timing.py (nvcc at bench time).
 #include <cuda_runtime.h>
 #include <stdint.h>

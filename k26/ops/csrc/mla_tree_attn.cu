@@ -23,7 +23,7 @@
 // workspace, where the last to arrive merges them, again one column slice a block.
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, thread-block clusters of <= 8 with distributed
-// shared memory (sm_90 and sm_120 both have them; no wgmma, TMA or tcgen05); <= 88 KB dynamic shared
+// shared memory (sm_90 and sm_120 both have them; no warpgroup MMA, TMA or tensor memory); <= 88 KB shared
 // memory per block: legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
 // Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay), results in profiling/results/.
 
