@@ -278,9 +278,6 @@ class Decoder:
     def _runner(self, spec: SpecConfig, greedy: bool) -> StepGraphs:
         return self.step_graphs.runner(spec, greedy)
 
-    def _policy(self, spec: SpecConfig, batch: int) -> BudgetPolicy:  # profiling/bench_budget_sim.py
-        return self.budgets.policy(spec, batch)
-
     def open(self, spec: SpecConfig, capacity: int, kinds: tuple[bool, ...] = (True, False)) -> BatchState:
         """An empty batch of `capacity` rows (graphs: the smallest bucket that holds them), with its graphs
         captured (`kinds`: greedy True / sampled False) and the adaptive budget's costs measured, before

@@ -94,7 +94,7 @@ def main() -> None:
             if name == MIXED:
                 results["auto, one length"] = run(llm, prompts, sp, spec)
                 llm.decoder.policies.clear()
-                pol = llm.decoder._policy(spec, 1)
+                pol = llm.decoder.budgets.policy(spec, 1)
 
                 def at_context(i, pol=pol, ctx=ctx, cands=cands):  # what the per-token term computes at L_i
                     pol.set_costs(0.0, [cost_at(c, ctx[i]) / 1e3 for c in cands])

@@ -9,6 +9,8 @@ pair (rows g, g+8) per lane per chunk. gate/up share tiles: rows 0..7 gate, rows
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .reference import expert_mlp, moe_combine
@@ -240,24 +242,19 @@ def pick_nt(pairs: int, experts: int) -> int:
     return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
 
 
-_LIB = None
-
-
+@functools.cache  # once per process, like build.library
 def _library():
     """The kernel library with this op's ctypes signatures (csrc/moe_w4a16.cu)."""
-    global _LIB
-    if _LIB is None:
-        import ctypes
+    import ctypes
 
-        from .build import library
+    from .build import library
 
-        lib = library()
-        lib.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
-        lib.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 7
-        lib.k26_moe_w4a16.restype = ctypes.c_int
-        lib.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 4
-        _LIB = lib
-    return _LIB
+    lib = library()
+    lib.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
+    lib.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 7
+    lib.k26_moe_w4a16.restype = ctypes.c_int
+    lib.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 4
+    return lib
 
 
 @moe_w4a16_repacked.register_kernel("cuda")

@@ -9,6 +9,7 @@ The op returns what `moe_w4a16_repacked` takes: fp32 weights [M, topk] and int64
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -79,24 +80,19 @@ def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: 
     return M, D, E
 
 
-_LIB: ctypes.CDLL | None = None
-
-
+@functools.cache  # once per process, like build.library
 def _library() -> ctypes.CDLL:
-    global _LIB
-    if _LIB is None:
-        from .build import library
+    """The kernel library with this op's ctypes signatures (csrc/moe_router.cu)."""
+    from .build import library
 
-        lib = library()
-        lib.k26_moe_router_workspace.restype = ctypes.c_size_t
-        lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
-        lib.k26_moe_router.restype = ctypes.c_int
-        # x, weight, bias, barrier, workspace, out_w, out_ids; M, D, E, n_group, topk_group, topk, renormalize
-        lib.k26_moe_router.argtypes = (
-            [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_void_p]
-        )
-        _LIB = lib
-    return _LIB
+    lib = library()
+    lib.k26_moe_router_workspace.restype = ctypes.c_size_t
+    lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
+    lib.k26_moe_router.restype = ctypes.c_int
+    # x, weight, bias, barrier, workspace, out_w, out_ids; M, D, E, n_group, topk_group, topk, renormalize
+    ptrs, ints = [ctypes.c_void_p] * 7, [ctypes.c_int] * 7
+    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_void_p]
+    return lib
 
 
 @moe_router.register_kernel("cuda")
