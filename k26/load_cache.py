@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .shard_reader import DTYPES, Piece, ReadStats, Stager, fill_alone, io_read_bytes, tensor_spans
+from .shard_reader import DTYPES, Piece, ReadStats, fill_alone, io_read_bytes, tensor_spans
+from .stager import Stager
 
 FORMAT = 1
 _CODE = ("loader.py", "shard_reader.py", "load_cache.py", "config.py", "model/*.py", "ops/int4.py")

@@ -1,5 +1,5 @@
 """Fast checkpoint reads: byte ranges planned from the safetensors headers, large sequential reads through
-pinned staging buffers, one host-to-device copy per buffer, TP slicing on the device.
+pinned staging buffers (`stager.Stager`: one host-to-device copy per buffer), TP slicing on the device.
 
 Two modes, both filling a model the loader has already planned and checked (`loader.plan_load`):
 - alone (`group=None`): this rank reads only its bytes where the layout allows (row slices, i.e. TP dim
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .stager import CHUNK, ShardChangedError, Stager, open_random
+
 DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -35,11 +37,6 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-CHUNK = 256 << 20  # bytes per staging buffer and per coordinated round
-
-
-class ShardChangedError(RuntimeError):
-    """A shard changed on disk while it was being read: the weights would mix two versions."""
 
 
 @dataclass
@@ -76,17 +73,9 @@ def io_read_bytes() -> int | None:
     return None
 
 
-def _open_random(f: Path) -> int:
-    """A descriptor without readahead: the kernel's window (8 MB on some disks) around every small read
-    would pull in bytes nobody asked for (measured: 1.7 GB of 8.4 GB for the weight_shape checks alone)."""
-    fd = os.open(f, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
-
-
 def read_small(f: Path, span: tuple[int, int], dtype: str) -> torch.Tensor:
     """One small tensor's exact bytes (e.g. an int4 `weight_shape`), without mapping or readahead."""
-    fd = _open_random(f)
+    fd = open_random(f)
     try:
         data = os.pread(fd, span[1] - span[0], span[0])
     finally:
@@ -105,7 +94,7 @@ def tensor_spans(files: list[Path]) -> dict[tuple[Path, str], tuple[int, int]]:
     """(file, key) -> absolute [start, end) of the tensor's bytes, from each shard's header."""
     spans = {}
     for f in files:
-        with open(_open_random(f), "rb") as h:
+        with open(open_random(f), "rb") as h:
             (n,) = struct.unpack("<Q", h.read(8))
             header = json.loads(h.read(n))
         for key, v in header.items():
@@ -194,95 +183,6 @@ def reads(batch: list[Piece]) -> list[tuple[Path, int, int]]:
         else:
             out.append((p.file, p.start, p.end))
     return out
-
-
-class Stager:
-    """Reads byte ranges into a device buffer through a ring of pinned host buffers: one asynchronous
-    host-to-device copy per full buffer, the next read overlapping it. On a CPU device it reads straight
-    into the destination. Checks each file's size and mtime before the first and after the last read."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        chunk: int = CHUNK,
-        ring: int = 2,
-        stamps: dict[Path, tuple[int, int]] | None = None,
-    ):
-        self.device = device
-        self.stamps = stamps or {}  # (size, mtime_ns) of each file when its header was read
-        self.cuda = device.type == "cuda"
-        self.chunk = chunk
-        n = ring if self.cuda else 0
-        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
-        self.events: list[torch.cuda.Event | None] = [None] * ring
-        self.i = self.fill = 0
-        self.fds: dict[Path, tuple[int, tuple[int, int]]] = {}
-        self.bytes_read = 0
-
-    def _fd(self, f: Path) -> int:
-        if f not in self.fds:
-            fd = _open_random(f)  # the reads are large already; readahead would add other ranks' rows
-            st = os.fstat(fd)
-            self.fds[f] = (fd, (st.st_size, st.st_mtime_ns))
-            if self.stamps.get(f, self.fds[f][1]) != self.fds[f][1]:
-                raise ShardChangedError(f"shard {f.name} changed since its header was read: load again")
-        return self.fds[f][0]
-
-    def _pread(self, fd: int, view: memoryview, offset: int, f: Path) -> None:
-        while len(view):
-            n = os.preadv(fd, [view], offset)
-            if n <= 0:
-                raise ShardChangedError(f"shard {f.name} ended at byte {offset} while loading: it changed")
-            view, offset = view[n:], offset + n
-            self.bytes_read += n
-
-    def read(self, ranges: list[tuple[Path, int, int]]) -> torch.Tensor:
-        total = sum(b - a for _, a, b in ranges)
-        out = torch.empty(total, dtype=torch.uint8, device=self.device)
-        if not self.cuda:
-            view, pos = memoryview(out.numpy()), 0
-            for f, a, b in ranges:
-                self._pread(self._fd(f), view[pos : pos + b - a], a, f)
-                pos += b - a
-            return out
-        pos = 0  # bytes of `out` already sent
-        for f, a, b in ranges:
-            fd = self._fd(f)
-            while a < b:
-                if self.fill == 0 and self.events[self.i] is not None:
-                    self.events[self.i].synchronize()  # this buffer's previous copy is done
-                n = min(b - a, self.chunk - self.fill)
-                self._pread(fd, memoryview(self.bufs[self.i].numpy())[self.fill : self.fill + n], a, f)
-                self.fill, a = self.fill + n, a + n
-                if self.fill == self.chunk:
-                    pos = self._send(out, pos)
-        self._send(out, pos)
-        return out
-
-    def _send(self, out: torch.Tensor, pos: int) -> int:
-        if self.fill:
-            out[pos : pos + self.fill].copy_(self.bufs[self.i][: self.fill], non_blocking=True)
-            self.events[self.i] = torch.cuda.Event()
-            # the stream of this device (a reader thread's current device may be another)
-            self.events[self.i].record(torch.cuda.current_stream(self.device))
-            pos += self.fill
-            self.i, self.fill = (self.i + 1) % len(self.bufs), 0
-        return pos
-
-    def close(self) -> None:
-        """Close every file, raising if one changed (size or mtime) since it was opened."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        changed = []
-        for f, (fd, before) in self.fds.items():
-            st = os.fstat(fd)
-            os.close(fd)
-            if (st.st_size, st.st_mtime_ns) != before:
-                changed.append(f.name)
-        self.fds.clear()
-        if changed:
-            names = ", ".join(changed)
-            raise ShardChangedError(f"shard(s) {names} changed on disk while loading; load again")
 
 
 def _view(buf: torch.Tensor, pos: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

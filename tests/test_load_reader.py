@@ -12,7 +12,8 @@ import torch
 from k26.config import ModelConfig
 from k26.loader import fill, load_model, plan_load, read_index
 from k26.model import KimiK2, TPInfo
-from k26.shard_reader import ShardChangedError, Stager, read_into, tensor_spans
+from k26.shard_reader import read_into, tensor_spans
+from k26.stager import ShardChangedError, Stager
 
 
 def planned(d, tp):
