@@ -159,7 +159,27 @@ class LLM:
         if tp > 1:
             with self._surface_rank_errors():
                 same_checkpoint_on_every_rank(self.path)
-        self.model: KimiK2 = load_model(
+        with self._surface_rank_errors():  # a rank failing mid-load (all-to-all) raises its own error
+            self.model: KimiK2 = self._load_target(progress, cuda_kernels, cache_dir)
+        self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
+        self.drafter, self.dcache = None, None
+        if drafter is not None:
+            with self._surface_rank_errors():
+                self.drafter = load_drafter(
+                    drafter,
+                    self.config,
+                    device=self.device,
+                    dtype=self.dtype,
+                    tp=self.model.tp,
+                    cuda_kernels=cuda_kernels,
+                )
+            self.dcache = DrafterCache.allocate(
+                self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
+            )
+
+    def _load_target(self, progress: bool, cuda_kernels: bool, cache_dir) -> KimiK2:
+        tp = self.tp_size
+        return load_model(
             self.path,
             self.config,
             device=self.device,
@@ -170,20 +190,6 @@ class LLM:
             group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
             cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
         )
-        self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
-        self.drafter, self.dcache = None, None
-        if drafter is not None:
-            self.drafter = load_drafter(
-                drafter,
-                self.config,
-                device=self.device,
-                dtype=self.dtype,
-                tp=self.model.tp,
-                cuda_kernels=cuda_kernels,
-            )
-            self.dcache = DrafterCache.allocate(
-                self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
-            )
 
     def _decode_context(self) -> DecodeContext:
         """What the decoder needs of this LLM (the decoder never sees the LLM itself)."""
@@ -287,16 +293,25 @@ class LLM:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
         self._mirror("stream", encoded[0], sp, spec)
         sent, o = "", None
-        for outs in self.decoder.run(encoded, sp, spec):
-            o = outs[0]
-            text = (
-                o.text
-                if o.finish_reason == "stop" and o.text
-                else _complete_utf8(self.tokenizer, o.token_ids)
-            )
-            if len(text) > len(sent):
-                yield text[len(sent) :]
-                sent = text
+        steps = self.decoder.run(encoded, sp, spec)
+        try:
+            for outs in steps:
+                o = outs[0]
+                text = (
+                    o.text
+                    if o.finish_reason == "stop" and o.text
+                    else _complete_utf8(self.tokenizer, o.token_ids)
+                )
+                if len(text) > len(sent):
+                    yield text[len(sent) :]
+                    sent = text
+        except GeneratorExit:
+            if self._ranks is not None:
+                # The caller stopped iterating early: the ranks run the mirrored stream to its end, so this
+                # rank must too, or its next collectives would pair with their leftover ones.
+                for _ in steps:
+                    pass
+            raise
         return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
 
     @torch.inference_mode()

@@ -45,6 +45,26 @@ def test_tp4_matches_tp1(tiny_tp, reference):
         llm.close()
 
 
+def test_tp_stream_stopped_early_keeps_ranks_in_step(tiny_tp, reference):
+    """A caller that leaves `stream()` after the first piece: the ranks ran the whole stream, so the next
+    calls must still pair their collectives with the ranks' (before the fix, gloo reported a mismatch)."""
+    d, dr = tiny_tp
+    ids, logits1, ar1, prompts, sp = reference
+    llm = LLM(
+        d, drafter=dr, device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128, tp=2
+    )
+    try:
+        pieces = llm.stream(prompts[0], sp, SpecConfig("ddtree", 6))
+        next(pieces)
+        pieces.close()
+        logits = llm.score(ids)
+        assert ((logits - logits1).norm() / logits1.norm()).item() < 1e-5
+        assert [o.token_ids for o in llm.generate(prompts, sp, SpecConfig("ar"))] == ar1
+        llm._check_workers()
+    finally:
+        llm.close()
+
+
 def test_tp2_from_a_script_on_stdin_matches_tp1(tiny_tp, reference, tmp_path):
     """TP 2 driven from `python -` (multiprocessing's spawn would re-run a `__main__` that is no file): the
     same checks as TP 4, in that script against this process's TP 1 results."""
