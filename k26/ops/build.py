@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -89,6 +90,7 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
         raise BuildError("nvcc not found: install the CUDA toolkit or set CUDA_HOME to build k26's kernels")
     out = out or library_path(archs)
     out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"  # per process: ranks building at once never share a half-written file
     gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
     cmd = [
         str(nvcc),
@@ -102,7 +104,7 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
         "-lineinfo",
         *gencode,
         "-o",
-        str(out) + ".tmp",
+        tmp,
         *map(str, sources()),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # stderr goes into BuildError
@@ -125,9 +127,9 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
             spills = r.spill_stores + r.spill_loads
             print(f"{r.arch:8s} {r.registers:5d} {r.smem:7d} {spills:6d}  {r.name[:110]}")
     if problems:
-        Path(str(out) + ".tmp").unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise BuildError("kernel resource check failed:\n  " + "\n  ".join(problems))
-    os.replace(str(out) + ".tmp", out)
+    os.replace(tmp, out)  # atomic: a process loading `out` sees no half-written library
     return out
 
 
@@ -136,7 +138,12 @@ def library() -> ctypes.CDLL:
     """The loaded kernel library, built on first use if no cached build matches the sources."""
     path = Path(os.environ["K26_OPS_LIB"]) if "K26_OPS_LIB" in os.environ else library_path()
     if not path.exists():
-        build(out=path, verbose=False)
+        # TP ranks start together: one builds under the lock, the others find its library afterwards.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                build(out=path, verbose=False)
     lib = ctypes.CDLL(str(path))
     lib.k26_ddtree_scratch.restype = ctypes.c_size_t
     lib.k26_ddtree_scratch.argtypes = [ctypes.c_int] * 3
