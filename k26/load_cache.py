@@ -95,7 +95,8 @@ class LoadCache:
     def __init__(
         self, cache_dir: str | Path, path: Path, files: list[Path], rank: int, size: int, dtype: torch.dtype
     ):
-        name = f"{path.resolve().name}-tp{rank}of{size}-{str(dtype).removeprefix('torch.')}"
+        where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]  # same-named checkpoints differ
+        name = f"{path.resolve().name}-{where}-tp{rank}of{size}-{str(dtype).removeprefix('torch.')}"
         self.dir = Path(cache_dir) / name
         self.weights, self.meta = self.dir / "weights.safetensors", self.dir / "meta.json"
         self.want = fingerprint(path, files, rank, size, dtype)
@@ -116,9 +117,12 @@ class LoadCache:
         return None
 
     def usable(self, model: torch.nn.Module) -> bool:
-        reason = self.stale_reason()
-        if reason is None:
-            reason = self._mismatch(model)
+        try:
+            reason = self.stale_reason()
+            if reason is None:
+                reason = self._mismatch(model)
+        except (OSError, ValueError) as e:  # a vanished file, a bad header: never an error, a fresh load
+            reason = f"unreadable ({e})"
         if reason is not None and reason != "no entry yet":
             print(f"load cache {self.dir}: {reason}; loading the checkpoint", file=sys.stderr, flush=True)
         return reason is None
@@ -164,12 +168,20 @@ class LoadCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.meta.unlink(missing_ok=True)  # an entry is valid only once its meta says so
+            # A stale entry and the leftovers of interrupted writes go first: a disk that holds one copy
+            # of the rank's weights must be enough.
+            self.weights.unlink(missing_ok=True)
+            for old in self.dir.glob("*.tmp"):
+                old.unlink(missing_ok=True)
             size = write_safetensors(tmp, list(model.named_parameters()))
             os.replace(tmp, self.weights)
             mtmp.write_text(json.dumps(self.want | {"weights_size": size}, indent=1))
             os.replace(mtmp, self.meta)
-        except OSError as e:  # full disk, read-only directory: the load itself succeeded
+        except BaseException as e:  # also Ctrl-C mid-write: never leave a rank's worth of temp bytes behind
             tmp.unlink(missing_ok=True)
             mtmp.unlink(missing_ok=True)
+            if not isinstance(e, OSError):
+                raise
+            # full disk, read-only directory: the load itself succeeded
             msg = f"load cache {self.dir} not written ({e}); the next start reads the checkpoint again"
             warnings.warn(msg, stacklevel=2)

@@ -4,6 +4,7 @@ checkpoint, another k26, a changed shard, a truncated entry or a full disk never
 import errno
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -59,10 +60,16 @@ def test_another_k26_version_invalidates_the_entry(ckpt, tmp_path, capsys, monke
 
 
 def test_an_entry_of_another_checkpoint_is_not_used(ckpt, tiny_k25, tmp_path, capsys):
-    """Two checkpoints with the same directory name share an entry path; the fingerprint tells them apart."""
+    """Two checkpoints with the same directory name get entries of their own (the path's hash is in the
+    entry's name), and the other's entry moved under this one's name is still refused by its fingerprint."""
     other = tmp_path / "x" / "ckpt"
     shutil.copytree(tiny_k25, other)
-    load_model(other, progress=False, cache_dir=tmp_path / "c")
+    load_model(other, progress=False, cache_dir=tmp_path / "o")
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    ((theirs,), (mine,)) = (list((tmp_path / "o").iterdir()), list((tmp_path / "c").iterdir()))
+    assert theirs.name != mine.name  # same directory name, different entries
+    shutil.rmtree(mine)
+    theirs.rename(mine)
     m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
     assert not m.load_stats.from_cache
     assert "made from a different checkpoint" in capsys.readouterr().err
@@ -98,7 +105,7 @@ def test_entry_meta_names_what_it_was_made_from(ckpt, tmp_path):
     load_model(ckpt, tp=TPInfo(0, 2), dtype=torch.float32, progress=False, cache_dir=tmp_path / "c")
     (meta,) = (tmp_path / "c").glob("*/meta.json")
     m = json.loads(meta.read_text())
-    assert meta.parent.name == "ckpt-tp0of2-float32"
+    assert re.fullmatch(r"ckpt-[0-9a-f]{12}-tp0of2-float32", meta.parent.name)
     assert m["tp"] == [0, 2] and m["dtype"] == "torch.float32" and len(m["shards"]) == 2
 
 
