@@ -188,8 +188,9 @@ class BatchState:
         if self.graph is not None:
             rs = self.graph.state.sampling(self.greedy)
         else:
-            if self.rs is None:
-                self.rs = RowSampling.of(self.params, self.lens.device)
+            if self.rs is None:  # live rows only: a finished, unreleased row must not turn sampling on
+                live = [self.params[b] if b in self.live else None for b in range(self.capacity)]
+                self.rs = RowSampling.of(live, self.lens.device)
             rs = self.rs
             if sampled and self.noise is None:
                 self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
@@ -219,8 +220,8 @@ class BatchState:
                     self.finish(b, "stop")
                     break
                 o.token_ids.append(t)
-                if sp.stop and self._cut_at_stop_string(o, sp.stop):
-                    self.finish(b, "stop")
+                if sp.stop and (cut := self._cut_at_stop_string(o, sp.stop)) is not None:
+                    self.finish(b, "stop", text=cut)
                     break
                 if (
                     len(o.token_ids) >= sp.max_tokens
@@ -229,26 +230,24 @@ class BatchState:
                     self.finish(b, "length")
                     break
 
-    def finish(self, b: int, reason: str) -> None:
+    def finish(self, b: int, reason: str, text: str | None = None) -> None:
+        """End row b; `text` is the output cut before a stop string (possibly empty), else the decode."""
         o = self.outs[b]
         o.finish_reason = reason
         if self.graph is not None:
             o.stats.host_s = self.graph.host_s
         elif self.timer is not None:  # batch-wide phase totals so far (one sync, at the end of a row)
             o.stats.draft_s, o.stats.verify_s = self.timer.total("draft"), self.timer.total("verify")
-        if not o.text:
-            o.text = self.tokenizer.decode(o.token_ids, skip_special=True)
+        o.text = text if text is not None else self.tokenizer.decode(o.token_ids, skip_special=True)
         if b in self.live:
             self.live.remove(b)
             self.alive[b] = False
 
-    def _cut_at_stop_string(self, o: RequestOutput, stop: tuple[str, ...]) -> bool:
+    def _cut_at_stop_string(self, o: RequestOutput, stop: tuple[str, ...]) -> str | None:
+        """The output before the first stop string (may be empty), or None when none occurs yet."""
         text = self.tokenizer.decode(o.token_ids, skip_special=True)
         hits = [text.find(s) for s in stop if s in text]
-        if not hits:
-            return False
-        o.text = text[: min(hits)]
-        return True
+        return text[: min(hits)] if hits else None
 
 
 class Decoder:

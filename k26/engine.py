@@ -33,7 +33,7 @@ from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
-from .sampling import SamplingParams
+from .sampling import SamplingParams, stop_prefix_len
 from .spec.step import SpecConfig, verify_nodes
 from .tokenizer import Tokenizer
 from .tp_driver import RankGroup
@@ -297,11 +297,12 @@ class LLM:
         try:
             for outs in steps:
                 o = outs[0]
-                text = (
-                    o.text
-                    if o.finish_reason == "stop" and o.text
-                    else _complete_utf8(self.tokenizer, o.token_ids)
-                )
+                if o.finish_reason == "stop":
+                    text = o.text  # cut before the stop string (empty when it came first)
+                else:
+                    text = _complete_utf8(self.tokenizer, o.token_ids)
+                    if o.finish_reason is None:  # what may begin a stop string waits for the next tokens
+                        text = text[: len(text) - stop_prefix_len(text, sp.stop)]
                 if len(text) > len(sent):
                     yield text[len(sent) :]
                     sent = text

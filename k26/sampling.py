@@ -122,7 +122,15 @@ def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     srt = srt.masked_fill(srt < srt.gather(-1, k - 1), float("-inf"))  # ties with the k-th stay, as `sample`
     p = torch.softmax(srt, dim=-1)
     # drop a token when the mass before it already reaches top_p; the first token always stays
-    p = p.masked_fill((p.cumsum(-1) - p) >= rs.top_p[:, None, None], 0.0)
+    # (top_p = 1 keeps every token: the fp32 cumulative sum reaches 1.0 before the tail ends)
+    cut = ((p.cumsum(-1) - p) >= rs.top_p[:, None, None]) & (rs.top_p < 1)[:, None, None]
+    p = p.masked_fill(cut, 0.0)
     # the race runs in sorted order: the draws are i.i.d., so which one meets which token does not matter
     pick = order.gather(-1, (p / q).argmax(-1, keepdim=True))[..., 0]
     return torch.where(t[..., 0] > 0, pick, best)
+
+
+def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins one of the stop strings (0 if none): what a stream
+    holds back until the next tokens say whether a stop string follows."""
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)

@@ -111,3 +111,13 @@ def test_tp2_batch_equals_solo_runs(tiny_k25, drafter_dir):
 def test_graph_rows_admitted_mid_flight_equal_solo_runs(tiny_k25, drafter_dir, spec):
     llm = LLM(tiny_k25, drafter=drafter_dir, device="cuda", progress=False, max_batch=4, max_model_len=512)
     check(llm, spec)
+
+
+def test_a_sampled_row_done_at_admission_does_not_break_the_batch(tiny_k25, drafter_dir):
+    """temperature 1 with max_tokens 0 (finished at admission) beside a greedy row, eagerly: the finished row
+    must not switch the batch to sampling (its noise was never drawn, and every later step crashed)."""
+    llm = LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    spec, greedy = SpecConfig("ddtree", 6), SamplingParams(max_tokens=6, stop_token_ids=[])
+    work = [(0, [5, 17, 300], SamplingParams(temperature=1.0, max_tokens=0)), (0, [8, 9, 10], greedy)]
+    got = drive(llm, spec, work)
+    assert got[0] == [] and got[1] == llm.generate([8, 9, 10], greedy, spec)[0].token_ids

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import _complete_utf8
+from ..sampling import stop_prefix_len
 from .engine import Engine, Event, QueueFull
 from .engine import Request as EngineRequest
 from .protocol import APIError, completion_body, parse, usage
@@ -145,7 +146,7 @@ async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_us
             ids += ev.token_ids
             text = ev.text if ev.text is not None else _complete_utf8(s.llm.tokenizer, ids)
             if ev.finish_reason is None:  # what may be the start of a stop string waits for the next tokens
-                text = text[: len(text) - _stop_prefix(text, req.params.stop)]
+                text = text[: len(text) - stop_prefix_len(text, req.params.stop)]
             if len(text) > len(sent) or ev.finish_reason is not None:
                 piece, sent = text[len(sent) :], text
                 yield _sse(
@@ -165,11 +166,6 @@ async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_us
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away (the response task is cancelled)
         req.cancelled = True
-
-
-def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that begins one of the stop strings (0 if none)."""
-    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
 def _raise_on_error(ev: Event) -> None:
