@@ -327,11 +327,18 @@ class Decoder:
         go = state.add(slots, prompts, params)
         if not go:
             return slots
-        m, rows = self.ctx.models(), torch.tensor(go, device=self.ctx.device)
-        rs = state.sampling(go)
-        h, lens = prefill(m, [state.outs[b].prompt_token_ids for b in go], rows, state.spec.method != "ar")
-        state.lens[rows], state.bonus[rows], state.alive[rows] = lens, m.next_token(h, rs.rows(rows)), True
-        state.emit(go, {b: [t] for b, t in zip(go, state.bonus[rows].tolist())})
+        try:
+            m, rows = self.ctx.models(), torch.tensor(go, device=self.ctx.device)
+            rs = state.sampling(go)
+            prompts_go = [state.outs[b].prompt_token_ids for b in go]
+            h, lens = prefill(m, prompts_go, rows, state.spec.method != "ar")
+            state.lens[rows], state.bonus[rows] = lens, m.next_token(h, rs.rows(rows))
+            state.alive[rows] = True
+            state.emit(go, {b: [t] for b, t in zip(go, state.bonus[rows].tolist())})
+        except BaseException:  # a failed prefill (out of memory, say) must not keep its rows forever
+            for b in slots:
+                state.release(b)
+            raise
         return slots
 
     def release(self, state: BatchState, slot: int) -> RequestOutput | None:

@@ -121,3 +121,26 @@ def test_a_sampled_row_done_at_admission_does_not_break_the_batch(tiny_k25, draf
     work = [(0, [5, 17, 300], SamplingParams(temperature=1.0, max_tokens=0)), (0, [8, 9, 10], greedy)]
     got = drive(llm, spec, work)
     assert got[0] == [] and got[1] == llm.generate([8, 9, 10], greedy, spec)[0].token_ids
+
+
+def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch):
+    """A prefill that fails (out of memory, say) raises to the caller and leaves its rows free, so later
+    requests still get rows (they leaked, and a server ran out of rows and hung)."""
+    import k26.decode
+
+    llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    sp = SamplingParams(max_tokens=4, stop_token_ids=[])
+    state = llm.open_batch(SpecConfig("ar"))
+
+    def failing_prefill(*args, **kw):
+        raise RuntimeError("out of memory (simulated)")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(k26.decode, "prefill", failing_prefill)
+        with pytest.raises(RuntimeError, match="simulated"):
+            llm.admit([[5, 17, 300], [8, 9, 10]], [sp, sp])
+    assert len(state.free_slots()) == 2 and not state.live
+    slots = llm.admit([[8, 9, 10]], [sp])
+    while state.live:
+        llm.step()
+    assert llm.release(slots[0]).token_ids == llm.generate([8, 9, 10], sp, SpecConfig("ar"))[0].token_ids

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import _complete_utf8
 from ..sampling import stop_prefix_len
-from .engine import Engine, Event, QueueFull
+from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
 from .protocol import APIError, completion_body, parse, usage
 
@@ -98,6 +98,8 @@ async def generate(s: Served, request: Request, chat: bool):
         s.engine.submit(req)
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+    except EngineDown as e:
+        raise APIError(503, str(e), type="server_error", code="engine_down") from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if p.stream:
         return StreamingResponse(

@@ -29,6 +29,10 @@ class QueueFull(Exception):
     pass
 
 
+class EngineDown(Exception):
+    """The engine thread has stopped (its error is in the message): requests cannot be served."""
+
+
 @dataclass
 class Event:
     """What the engine tells a handler: the request's new tokens, and at the end why it finished (with the
@@ -103,6 +107,8 @@ class Engine:
 
     # -- HTTP side --------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        if self.error is not None or (self.ready.is_set() and not self.thread.is_alive()):
+            raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
         with self.lock:
             if self.pending >= self.max_waiting:
                 self.metrics.rejected += 1
@@ -136,7 +142,13 @@ class Engine:
         except BaseException as e:
             self.error = e
             self.ready.set()
-            for req in list(self.rows.values()) + list(self.waiting):
+            left = []  # requests still in the inbox hear it too: nothing else would ever answer them
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    item = self.inbox.get_nowait()
+                    if item is not None:
+                        left.append(item)
+            for req in list(self.rows.values()) + list(self.waiting) + left:
                 req.push(Event([], error=f"engine failed: {e}"))
             raise
 
@@ -157,9 +169,10 @@ class Engine:
         m, llm = self.metrics, self.llm
         for slot, req in list(self.rows.items()):
             if req.cancelled:
-                llm.release(slot)
                 del self.rows[slot]
                 m.cancelled += 1
+                with contextlib.suppress(Exception):  # (TP: a dead rank) the step below reports it
+                    llm.release(slot)
         admit = []
         while self.waiting and len(admit) < len(state.free_slots()):
             req = self.waiting.popleft()
