@@ -222,7 +222,10 @@ class LLM:
         """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
         graphs hangs), and stop the ranks it started."""
         if hasattr(self, "decoder"):
+            for runner in self.decoder.runners.values():
+                runner.graphs.clear()  # an open batch's stepper holds the same runners: free their graphs
             self.decoder.runners.clear()
+        self.batch = None
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if getattr(self, "_ranks", None) is not None:

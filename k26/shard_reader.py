@@ -166,7 +166,7 @@ def batches(pieces: list[Piece], chunk: int = CHUNK) -> list[list[Piece]]:
     out: list[list[Piece]] = []
     size = chunk
     for p in sorted(pieces, key=lambda p: (str(p.file), p.start)):
-        if size + p.nbytes > chunk:
+        if not out or size + p.nbytes > chunk:  # (`not out`: a first piece of zero bytes opens a batch too)
             out.append([])
             size = 0
         out[-1].append(p)

@@ -5,6 +5,7 @@ changes while it is read."""
 import json
 import multiprocessing as mp
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +148,19 @@ def test_a_shard_replaced_after_its_header_was_read_is_refused(tiny_tp, tmp_path
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     with pytest.raises(ShardChangedError, match=f"shard {f.name} changed since its header was read"):
         read_into(model, items, infos)
+
+
+def test_batches_keep_a_zero_byte_piece_and_the_chunk_bound():
+    """An empty tensor first in file order opened no batch (IndexError); every batch stays within the chunk
+    unless a single piece is bigger."""
+    from k26.shard_reader import Piece, batches
+
+    f = Path("/x/model-1.safetensors")
+    sizes = [0, 5, 7, 0, 12, 3]
+    pieces, pos = [], 0
+    for i, n in enumerate(sizes):
+        pieces.append(Piece(f"p{i}", None, f, pos, pos + n, torch.uint8, (n,)))
+        pos += n
+    got = batches(pieces, chunk=10)
+    assert [p.param for b in got for p in b] == [f"p{i}" for i in range(len(sizes))]
+    assert all(sum(p.nbytes for p in b) <= 10 or len(b) == 1 for b in got)

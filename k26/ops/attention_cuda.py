@@ -112,6 +112,8 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     B, N, H, C = q.shape
     if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or not available():
         return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static)
+    if B * N * H == 0:  # nothing to attend (the launch plan divides by the row tiles)
+        return q.new_empty(B, N, H, DV), q.new_empty(B, N, H, dtype=torch.float32)
     if N > MAX_NEW_TOKENS:
         raise ValueError(
             f"mla_tree_attention: N={N} new tokens exceeds the kernel's maximum {MAX_NEW_TOKENS}"
@@ -119,13 +121,13 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()
     # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
     capturing = torch.cuda.is_current_stream_capturing()
-    if not capturing and bool(
-        ((prefix64 + N > cache.shape[1]) | (rows64 < 0) | (rows64 >= cache.shape[0])).any()
-    ):
-        raise ValueError(
-            f"mla_tree_attention: prefix_lens + {N} exceeds the cache length {cache.shape[1]} or a row is "
-            f"outside [0, {cache.shape[0]})"
-        )
+    if not capturing:  # (no checks inside a captured step: they would be kernels in every replay)
+        bad = (prefix64 < 0) | (prefix64 + N > cache.shape[1]) | (rows64 < 0) | (rows64 >= cache.shape[0])
+        if bool(bad.any()):
+            raise ValueError(
+                f"mla_tree_attention: prefix_lens + {N} exceeds the cache length {cache.shape[1]}, a prefix "
+                f"length is negative, or a row is outside [0, {cache.shape[0]})"
+            )
     qc, cc, words = q.contiguous(), cache.contiguous(), mask_words.contiguous()
     out = torch.empty(B, N, H, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, N, H, dtype=torch.float32, device=q.device)
