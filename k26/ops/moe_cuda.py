@@ -257,12 +257,21 @@ def _library():
     return lib
 
 
-@moe_w4a16_repacked.register_kernel("cuda")
-def _(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None):
+MAX_TOKENS = 65535  # CUDA's grid-y limit: csrc/moe_w4a16.cu launches the combine with gridDim.y = M
+
+
+def _moe_cuda(
+    x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None
+):
     shared = (shared_gate, shared_up, shared_down)
     M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared)
     out = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
     if M == 0:
+        return out
+    if M > MAX_TOKENS:  # a long prefill: the combine kernel's grid has one row of blocks per token
+        for a in range(0, M, MAX_TOKENS):
+            b = min(M, a + MAX_TOKENS)
+            out[a:b] = _moe_cuda(x[a:b], w13, s13, w2, s2, topk_ids[a:b], topk_weights[a:b], *shared)
         return out
     ids = topk_ids.to(torch.int64).contiguous()
     if not torch.cuda.is_current_stream_capturing():
@@ -300,3 +309,6 @@ def _(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=N
     if err:
         raise RuntimeError(f"moe_w4a16_repacked: CUDA launch failed with error {err}")
     return out
+
+
+moe_w4a16_repacked.register_kernel("cuda")(_moe_cuda)
