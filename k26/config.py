@@ -356,3 +356,45 @@ def _parse_quant(q: dict[str, Any] | None, prefix: str) -> QuantConfig:
                 f"{p}.config_groups.{gname}.input_activations: only weight-only (W4A16) is supported"
             )
     return QuantConfig("int4", group_size=32)
+
+
+# Kimi K2.6's text_config as released (real dimensions; quantization_config left to the caller).
+K26_TEXT_CONFIG = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "num_nextn_predict_layers": 0,
+    "model_type": "kimi_k2",
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
+from .model.moe import use_cuda_kernels
 from .shard_reader import file_stamp, read_into, read_small, tensor_spans
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
@@ -206,9 +207,16 @@ def target_rule(pname: str) -> tuple[str, int | None, bool]:
     raise AssertionError(f"model parameter {pname} has no entry in the loader's NAME_TABLE")
 
 
+# Drafter tensors split across TP ranks (dim 0: column parallel, dim 1: row parallel); the rest is replicated.
+DRAFTER_SHARDS = [
+    (re.compile(r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight$"), 0),
+    (re.compile(r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$"), 1),
+]
+
+
 def drafter_rule(pname: str) -> tuple[str, int | None, bool]:
     """A drafter's tensors are named as its modules (the `model.` prefix is stripped when read)."""
-    return pname, drafter_shard_dim(pname), False
+    return pname, next((d for rx, d in DRAFTER_SHARDS if rx.search(pname)), None), False
 
 
 def plan_load(
@@ -359,36 +367,6 @@ def _read(model, items, infos, path: Path, tp: TPInfo, group, device, dtype, cac
     if cache is not None:
         cache.write(model)
     return stats
-
-
-def use_cuda_kernels(model: torch.nn.Module) -> None:
-    """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time).
-    The dense projections keep cuBLAS: the small-M linear kernel is opt-in (`model.layers.use_linear_kernel`)
-    until it measures faster (profiling/results/2026-12-01-bench_linear-h200.md)."""
-    from .model.moe import Int4Experts, Router
-    from .ops import build
-
-    experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
-    routers = [m for m in model.modules() if isinstance(m, Router)]
-    if not (experts or routers):
-        return
-    if not build.available():  # warns once; the int4 experts keep the reference layout
-        return
-    for m in experts:
-        m.repack_()
-    for r in routers:
-        r.fuse_()  # one kernel from hidden state to top-k ids / weights (csrc/moe_router.cu)
-
-
-# Drafter tensors split across TP ranks (dim 0: column parallel, dim 1: row parallel); the rest is replicated.
-DRAFTER_SHARDS = [
-    (re.compile(r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight$"), 0),
-    (re.compile(r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$"), 1),
-]
-
-
-def drafter_shard_dim(name: str) -> int | None:
-    return next((d for rx, d in DRAFTER_SHARDS if rx.search(name)), None)
 
 
 def load_drafter(

@@ -9,7 +9,6 @@ small byte-level BPE tokenizer (tiktoken.model + tokenizer_config.json) with the
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from .ops.int4 import quantize_int4
+from .tokenizer import SPECIAL_OFFSETS, save_tokenizer
 
 DEFAULT_SIZES = {
     "hidden_size": 128,
@@ -40,33 +40,6 @@ DEFAULT_SIZES = {
     "base_vocab": 384,
 }
 
-# Offsets of the named specials from the first special id (163584 in the real vocabulary).
-SPECIAL_OFFSETS = {
-    "[BOS]": 0,
-    "[EOS]": 1,
-    "<|im_end|>": 2,
-    "<|im_user|>": 3,
-    "<|im_assistant|>": 4,
-    "<|start_header_id|>": 6,
-    "<|end_header_id|>": 7,
-    "[EOT]": 9,
-    "<|im_system|>": 10,
-    "<|tool_calls_section_begin|>": 11,
-    "<|tool_calls_section_end|>": 12,
-    "<|tool_call_begin|>": 13,
-    "<|tool_call_argument_begin|>": 14,
-    "<|tool_call_end|>": 15,
-    "<|im_middle|>": 17,
-    "<|media_begin|>": 18,
-    "<|media_content|>": 19,
-    "<|media_end|>": 20,
-    "<|media_pad|>": 21,
-    "<think>": 22,
-    "</think>": 23,
-    "[UNK]": 254,
-    "[PAD]": 255,
-}
-
 _GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -83,24 +56,7 @@ def write_tokenizer(out: Path, base_vocab: int) -> int:
     """Train a byte-level BPE of `base_vocab` ranks; returns the first special id."""
     from tiktoken._educational import bpe_train
 
-    ranks = bpe_train(_CORPUS * 4, base_vocab, _GPT2_PAT, visualise=None)
-    lines = [
-        f"{base64.b64encode(tok).decode()} {rank}"
-        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
-    ]
-    (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
-    first = len(ranks)
-    added = {str(first + off): {"content": name, "special": True} for name, off in SPECIAL_OFFSETS.items()}
-    cfg = {
-        "tokenizer_class": "TikTokenTokenizer",
-        "added_tokens_decoder": added,
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
-    return first
+    return save_tokenizer(out, bpe_train(_CORPUS * 4, base_vocab, _GPT2_PAT, visualise=None))
 
 
 def quantization_config() -> dict:

@@ -178,3 +178,51 @@ def _split_long_runs(text: str):
             yield text[pos:cut]
             pos = cut
     yield text[pos:]
+
+
+# Offsets of the named specials from the first special id (163584 in the real vocabulary).
+SPECIAL_OFFSETS = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7,
+    "[EOT]": 9,
+    "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17,
+    "<|media_begin|>": 18,
+    "<|media_content|>": 19,
+    "<|media_end|>": 20,
+    "<|media_pad|>": 21,
+    "<think>": 22,
+    "</think>": 23,
+    "[UNK]": 254,
+    "[PAD]": 255,
+}
+
+
+def save_tokenizer(out: str | Path, ranks: dict[bytes, int]) -> int:
+    """tiktoken.model + tokenizer_config.json with the Kimi special names; returns the first special id."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    first = len(ranks)
+    added = {str(first + off): {"content": name, "special": True} for name, off in SPECIAL_OFFSETS.items()}
+    cfg = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": added,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return first

@@ -24,14 +24,13 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import events_time
+from timing import build_cu, events_time
 
 from k26.ops.linear_cuda import launch, plan_splits
 
@@ -98,37 +97,8 @@ def shapes(tp: int) -> list[tuple[str, int, int, int]]:
 
 def floor_lib() -> ctypes.CDLL:
     """The read kernel, built with nvcc for this GPU (or a prebuilt one from $K26_FLOOR_SO)."""
-    if os.environ.get("K26_FLOOR_SO"):
-        lib = ctypes.CDLL(os.path.abspath(os.environ["K26_FLOOR_SO"]))
-        lib.stream_read_launch.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_longlong,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        return lib
-    major, minor = torch.cuda.get_device_capability()
-    d = tempfile.mkdtemp(prefix="k26_floor_")
-    src, so = os.path.join(d, "floor.cu"), os.path.join(d, "floor.so")
-    with open(src, "w") as f:
-        f.write(FLOOR_CU)
-    arch = f"sm_{major}{minor}a"
-    subprocess.run(
-        [
-            "nvcc",
-            "-O3",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC",
-            f"-gencode=arch=compute_{arch[3:]},code={arch}",
-            "-o",
-            so,
-            src,
-        ],
-        check=True,
-    )
-    lib = ctypes.CDLL(so)
+    so = os.environ.get("K26_FLOOR_SO")
+    lib = ctypes.CDLL(os.path.abspath(so)) if so else build_cu(FLOOR_CU, "stream_floor")
     lib.stream_read_launch.argtypes = [
         ctypes.c_void_p,
         ctypes.c_longlong,

@@ -9,6 +9,8 @@ not written: a written flush leaves the L2 full of dirty lines whose write-backs
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import statistics
 import subprocess
 import tempfile
@@ -36,28 +38,28 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def mma_sync_peak() -> float:
-    """bf16 mma.sync FLOP/s of this GPU (profiling/mma_peak.cu, compiled here with nvcc)."""
-    src = Path(__file__).with_name("mma_peak.cu")
+def build_cu(source: str, name: str) -> ctypes.CDLL:
+    """A benchmark's own CUDA source compiled with nvcc for this GPU and loaded (cached in the temp
+    directory by name, arch and source hash)."""
     cc = "".join(map(str, torch.cuda.get_device_capability()))
     arch = f"sm_{cc}a" if cc in ("90", "100", "120") else f"sm_{cc}"
-    so = Path(tempfile.gettempdir()) / f"k26_mma_peak_{arch}.so"
+    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
+    so = Path(tempfile.gettempdir()) / f"k26_{name}_{arch}_{tag}.so"
     if not so.exists():
+        cu = so.with_suffix(".cu")
+        cu.write_text(source)
+        gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
+        tmp = f"{so}.{os.getpid()}.tmp"
         subprocess.run(
-            [
-                "nvcc",
-                "-O3",
-                "-shared",
-                "-Xcompiler",
-                "-fPIC",
-                f"-gencode=arch=compute_{arch[3:]},code={arch}",
-                "-o",
-                str(so),
-                str(src),
-            ],
-            check=True,
+            ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", gencode, "-o", tmp, str(cu)], check=True
         )
-    lib = ctypes.CDLL(str(so))
+        os.replace(tmp, so)
+    return ctypes.CDLL(str(so))
+
+
+def mma_sync_peak() -> float:
+    """bf16 mma.sync FLOP/s of this GPU (profiling/mma_peak.cu, compiled here with nvcc)."""
+    lib = build_cu(Path(__file__).with_name("mma_peak.cu").read_text(), "mma_peak")
     lib.k26_mma_peak_launch.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int,

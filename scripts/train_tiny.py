@@ -23,7 +23,7 @@ from k26.config import ModelConfig
 from k26.model import KimiK2
 from k26.model.moe import MoE
 from k26.tiny import DEFAULT_SIZES, save_checkpoint, text_config
-from k26.tokenizer import Tokenizer, read_ranks
+from k26.tokenizer import Tokenizer, read_ranks, save_tokenizer
 from k26.train import bpe, corpus
 from k26.train.export import hf_tensors
 
@@ -56,9 +56,9 @@ def main() -> None:
 
     t0 = time.time()
     if a.tokenizer:  # the BPE is deterministic for a corpus; retraining it only costs minutes
-        first = bpe.save_tokenizer(out, read_ranks(Path(a.tokenizer) / "tiktoken.model"))
+        first = save_tokenizer(out, read_ranks(Path(a.tokenizer) / "tiktoken.model"))
     else:
-        first = bpe.save_tokenizer(out, bpe.train_bpe(corpus.text("train"), a.vocab))
+        first = save_tokenizer(out, bpe.train_bpe(corpus.text("train"), a.vocab))
     tok = Tokenizer.from_dir(out)
     train_ids = torch.tensor(tok.encode(corpus.text("train")), dtype=torch.long)
     eval_ids = torch.tensor(tok.encode(corpus.text("eval")), dtype=torch.long)

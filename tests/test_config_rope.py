@@ -5,53 +5,13 @@ import math
 import pytest
 import torch
 
-from k26.config import ConfigError, ModelConfig
+from k26.config import K26_TEXT_CONFIG, ConfigError, ModelConfig
 from k26.model.rope import Rope, yarn_inv_freq
 from k26.tiny import quantization_config
 
-K26_TEXT = {
-    "vocab_size": 163840,
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61,
-    "num_attention_heads": 64,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 384,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 2.827,
-    "norm_topk_prob": True,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 262144,
-    "rope_theta": 50000.0,
-    "num_nextn_predict_layers": 0,
-    "model_type": "kimi_k2",
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 64.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-}
-
 
 def k26_config(**text_changes):
-    text = K26_TEXT | text_changes | {"quantization_config": quantization_config()}
+    text = K26_TEXT_CONFIG | text_changes | {"quantization_config": quantization_config()}
     return {"model_type": "kimi_k25", "text_config": text, "eos_token_id": 163585}
 
 
@@ -62,7 +22,7 @@ def test_k26_nesting():
 
 
 def test_rope_parameters_key_is_accepted():
-    text = dict(K26_TEXT)
+    text = dict(K26_TEXT_CONFIG)
     rp = dict(text.pop("rope_scaling"), rope_type="yarn", rope_theta=text.pop("rope_theta"))
     rp.pop("type")
     cfg = ModelConfig.from_dict(k26_config() | {"text_config": text | {"rope_parameters": rp}})
@@ -70,9 +30,9 @@ def test_rope_parameters_key_is_accepted():
 
 
 def test_k2_instruct_scale():
-    raw = K26_TEXT | {
+    raw = K26_TEXT_CONFIG | {
         "max_position_embeddings": 131072,
-        "rope_scaling": K26_TEXT["rope_scaling"] | {"factor": 32.0},
+        "rope_scaling": K26_TEXT_CONFIG["rope_scaling"] | {"factor": 32.0},
     }
     assert math.isclose(ModelConfig.from_dict(raw).softmax_scale, 0.1308608, rel_tol=1e-6)
 
@@ -88,10 +48,10 @@ def test_k2_instruct_scale():
     ],
 )
 def test_yarn_inv_freq_reference_values(i, k25, k2):
-    r25 = ModelConfig.from_dict(K26_TEXT).rope
-    raw = K26_TEXT | {
+    r25 = ModelConfig.from_dict(K26_TEXT_CONFIG).rope
+    raw = K26_TEXT_CONFIG | {
         "max_position_embeddings": 131072,
-        "rope_scaling": K26_TEXT["rope_scaling"] | {"factor": 32.0, "beta_fast": 1.0},
+        "rope_scaling": K26_TEXT_CONFIG["rope_scaling"] | {"factor": 32.0, "beta_fast": 1.0},
     }
     r2 = ModelConfig.from_dict(raw).rope
     assert math.isclose(yarn_inv_freq(r25, 64)[i].item(), k25, rel_tol=1e-5)
@@ -99,7 +59,7 @@ def test_yarn_inv_freq_reference_values(i, k25, k2):
 
 
 def test_rope_rotates_interleaved_pairs():
-    rope = Rope(ModelConfig.from_dict(K26_TEXT).rope, 64)
+    rope = Rope(ModelConfig.from_dict(K26_TEXT_CONFIG).rope, 64)
     x = torch.randn(64)
     y = rope(x, torch.tensor(7))
     ang = 7 * rope.inv_freq[3]
@@ -110,11 +70,11 @@ def test_rope_rotates_interleaved_pairs():
 
 
 def test_latent_norm_eps_switch():
-    cfg = ModelConfig.from_dict(K26_TEXT)
+    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG)
     assert cfg.latent_norm_eps == 1e-5
-    assert ModelConfig.from_dict(K26_TEXT, latent_norm_eps_mode="hf_default").latent_norm_eps == 1e-6
+    assert ModelConfig.from_dict(K26_TEXT_CONFIG, latent_norm_eps_mode="hf_default").latent_norm_eps == 1e-6
     with pytest.raises(ConfigError, match="latent_norm_eps_mode='x'"):
-        ModelConfig.from_dict(K26_TEXT, latent_norm_eps_mode="x")
+        ModelConfig.from_dict(K26_TEXT_CONFIG, latent_norm_eps_mode="x")
 
 
 def test_k26_tp8_shapes_are_legal():

@@ -1,6 +1,6 @@
 """Corpus and tokenizer training for the embedded default pair."""
 
-from k26.tokenizer import Tokenizer
+from k26.tokenizer import Tokenizer, save_tokenizer
 from k26.train import bpe, corpus
 
 
@@ -13,7 +13,7 @@ def test_corpus_is_pinned_sorted_and_split():
 def test_bpe_round_trips_held_out_text_through_the_kimi_tokenizer(tmp_path):
     ranks = bpe.train_bpe(corpus.text("train")[:300_000], 600)
     assert len(ranks) == 600 and all(ranks[bytes([b])] == b for b in range(256))
-    bpe.save_tokenizer(tmp_path, ranks)
+    save_tokenizer(tmp_path, ranks)
     tok = Tokenizer.from_dir(tmp_path)
     text = corpus.text("eval")[:50_000]
     ids = tok.encode(text)
@@ -32,7 +32,7 @@ def test_trained_model_exports_to_the_release_layout(tmp_path):
     from k26.tiny import DEFAULT_SIZES, save_checkpoint, text_config
     from k26.train.export import hf_tensors
 
-    first = bpe.save_tokenizer(tmp_path, bpe.train_bpe(corpus.text("train")[:100_000], 384))
+    first = save_tokenizer(tmp_path, bpe.train_bpe(corpus.text("train")[:100_000], 384))
     model = KimiK2(ModelConfig.from_dict(text_config(DEFAULT_SIZES, first, "none")), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -153,3 +153,21 @@ class MoE(nn.Module):
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
         return self.tp.reduce(y_TD.view_as(x_BND))
+
+
+def use_cuda_kernels(model: torch.nn.Module) -> None:
+    """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time).
+    The dense projections keep cuBLAS: the small-M linear kernel is opt-in (`model.layers.use_linear_kernel`)
+    until it measures faster (profiling/results/2026-12-01-bench_linear-h200.md)."""
+    from ..ops import build
+
+    experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not (experts or routers):
+        return
+    if not build.available():  # warns once; the int4 experts keep the reference layout
+        return
+    for m in experts:
+        m.repack_()
+    for r in routers:
+        r.fuse_()  # one kernel from hidden state to top-k ids / weights (csrc/moe_router.cu)

@@ -7,11 +7,8 @@ vocabulary on a few MB of text trains in seconds to a minute.
 
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import regex
 
@@ -59,25 +56,3 @@ def train_bpe(text: str, vocab_size: int) -> dict[bytes, int]:
                 pairs[(a, b)] += freq[i]
                 where[(a, b)].add(i)
     return ranks
-
-
-def save_tokenizer(out: str | Path, ranks: dict[bytes, int]) -> int:
-    """tiktoken.model + tokenizer_config.json with the Kimi special names; returns the first special id."""
-    from ..tiny import SPECIAL_OFFSETS
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
-    (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
-    first = len(ranks)
-    added = {str(first + off): {"content": name, "special": True} for name, off in SPECIAL_OFFSETS.items()}
-    cfg = {
-        "tokenizer_class": "TikTokenTokenizer",
-        "added_tokens_decoder": added,
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
-    return first

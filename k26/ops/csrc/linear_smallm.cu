@@ -24,7 +24,7 @@
 // (weights never depend on the previous kernel; x, residual and the counters do), and the trigger for the
 // next kernel fires after the main loop.
 //
-// Legality: mma.sync.m16n8k16 bf16, cp.async, ld.global.nc and griddepcontrol only (no wgmma, tensor
+// Legality: mma.sync.m16n8k16 bf16, cp.async, ld.global.nc and griddepcontrol only (no warpgroup MMA, tensor
 // memory or TMA); < 48 KB shared memory per block (k26/ops/linear_cuda.py plans 47 KB of staged x). Built
 // for sm_90a and sm_120a.
 // Speed (H200, profiling/results/2026-12-01-bench_linear-h200.md, version of commit 294f8de: one batch before
