@@ -7,13 +7,16 @@ Both read keys and values from the same latent cache (c_kv after kv_a_layernorm,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops import reference
+from ..ops import glue_cuda, reference  # noqa: F401  (glue_cuda registers torch.ops.k26.mla_glue)
 from .batch import AttnBatch
 from .layers import RMSNorm, TPInfo, linear
 from .rope import Rope
+
+KERNEL_MAX_M = 64  # token rows up to which `fuse_` routes the MLA projections through torch.ops.k26.linear
 
 
 class MLA(nn.Module):
@@ -29,6 +32,38 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(r, cfg.latent_norm_eps, dtype)
         self.kv_b_proj = linear(r, self.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
         self.o_proj = linear(self.heads * cfg.v_head_dim, d, dtype)
+        # Set by `fuse_`: q_a and kv_a stacked into one matrix (the two weights become views of it), W_UK^T
+        # per head [H, r, nope] contiguous for the grouped kernel, and up to how many token rows the small-M
+        # kernel runs them (0: cuBLAS / einsum).
+        # Buffers, not attributes: torch.compile then takes them as inputs, one body for every layer.
+        self.register_buffer("qkv_a", None, persistent=False)
+        self.register_buffer("w_uk_t", None, persistent=False)
+        self.kernel_max_m = 0
+
+    @torch.no_grad()
+    def fuse_(self, kernel_max_m: int = KERNEL_MAX_M) -> None:
+        """Stack q_a / kv_a (same input: one projection) and lay W_UK^T out once, after the weights are
+        loaded; `kernel_max_m` rows and fewer run the stacked projection, W_UK and W_UV in the small-M linear
+        kernel. Both weights stay parameters under their own names (views of the stack: no extra memory);
+        W_UK^T is a copy (1 MB a layer at TP8), so call this once the weights are final (inference)."""
+        if self.qkv_a is None:
+            w = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
+            q = self.q_a_proj.weight.shape[0]
+            self.q_a_proj.weight = nn.Parameter(w[:q], requires_grad=False)
+            self.kv_a_proj_with_mqa.weight = nn.Parameter(w[q:], requires_grad=False)
+            self.qkv_a = w
+            nope, r = self.cfg.qk_nope_head_dim, self.cfg.kv_lora_rank
+            w_uk = self.kv_b_proj.weight.view(self.heads, nope + self.cfg.v_head_dim, r)[:, :nope]
+            self.w_uk_t = w_uk.transpose(1, 2).contiguous()
+        self.kernel_max_m = kernel_max_m
+
+    def _project_a(self, x_BND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_a and kv_a projections (raw, before their norms): one stacked matmul after `fuse_`."""
+        if self.qkv_a is None:
+            return self.q_a_proj(x_BND), self.kv_a_proj_with_mqa(x_BND)
+        small = x_BND.shape[0] * x_BND.shape[1] <= self.kernel_max_m
+        a = torch.ops.k26.linear(x_BND, self.qkv_a) if small else F.linear(x_BND, self.qkv_a)
+        return a.split([self.cfg.q_lora_rank, a.shape[-1] - self.cfg.q_lora_rank], dim=-1)
 
     def forward(self, x_BND, batch: AttnBatch, cache_RLC: torch.Tensor | None, rope: Rope, absorb=True):
         """Attention of the new tokens over the cache (written first); with no cache (training) over the new
@@ -36,23 +71,41 @@ class MLA(nn.Module):
         cfg = self.cfg
         B, N, _ = x_BND.shape
         H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q_BNHQ = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BND))).view(B, N, H, cfg.qk_head_dim)
-        q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = rope(q_pe, batch.positions_BN[:, :, None])
-        a_BNC = self.kv_a_proj_with_mqa(x_BND)
-        c_kv = self.kv_a_layernorm(a_BNC[..., :r])
-        k_pe = rope(a_BNC[..., r:], batch.positions_BN)
-        latent_BNC = torch.cat([c_kv, k_pe], dim=-1)
+        q_a, kv_a = self._project_a(x_BND)
         if cache_RLC is None:  # no cache (training): the new tokens attend among themselves, differentiably
+            q_BNHQ = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, N, H, cfg.qk_head_dim)
+            q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
+            q_pe = rope(q_pe, batch.positions_BN[:, :, None])
+            c_kv = self.kv_a_layernorm(kv_a[..., :r])
+            latent_BNC = torch.cat([c_kv, rope(kv_a[..., r:], batch.positions_BN)], dim=-1)
             vis_BNN = reference.words_to_tree_mask(batch.mask_words_BNW, N)
             o_BNHV = self._attend_latent(q_nope, q_pe, latent_BNC, vis_BNN)
             return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
-        torch.ops.k26.mla_write_cache(cache_RLC, latent_BNC, batch.rows_B, batch.prefix_lens_B)
+        # One kernel (or its reference): both norms, k_pe's RoPE, the latent-cache write.
+        q_a = torch.ops.k26.mla_glue(
+            q_a,
+            kv_a,
+            self.q_a_layernorm.weight,
+            self.kv_a_layernorm.weight,
+            batch.positions_BN,
+            rope.inv_freq,
+            cfg.latent_norm_eps,
+            cache_RLC,
+            batch.rows_B,
+            batch.prefix_lens_B,
+        )
+        q_BNHQ = self.q_b_proj(q_a).view(B, N, H, cfg.qk_head_dim)
+        q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = rope(q_pe, batch.positions_BN[:, :, None])
+        small = B * N <= self.kernel_max_m
 
         w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, r)
         if absorb:
             # q̃ = q_nope · W_UK lets every head score against the single shared latent key.
-            q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
+            if small and self.w_uk_t is not None:
+                q_lat = torch.ops.k26.linear_grouped(q_nope, self.w_uk_t)
+            else:
+                q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
             q_abs = torch.cat([q_lat, q_pe], dim=-1)
             o_lat, _ = torch.ops.k26.mla_tree_attention(
                 q_abs,
@@ -64,7 +117,7 @@ class MLA(nn.Module):
                 r,
                 batch.static,
             )
-            if self.kv_b_proj.use_kernel:  # W_UV per head straight from kv_b's rows (a strided view, no copy)
+            if self.kv_b_proj.use_kernel or small:  # W_UV per head: kv_b's rows as a strided view, no copy
                 o_BNHV = torch.ops.k26.linear_grouped(o_lat.to(x_BND.dtype), w_kv[:, nope:])
             else:
                 o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import RopeConfig
+from ..ops.glue_cuda import rope
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -49,9 +50,4 @@ class Rope(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., dim] with positions broadcastable to x.shape[:-1] (heads dim added by the caller)."""
-        ang = positions.float().unsqueeze(-1) * self.inv_freq
-        cos, sin = ang.cos(), ang.sin()
-        x2 = x.float().unflatten(-1, (-1, 2))
-        x0, x1 = x2[..., 0], x2[..., 1]
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return out.flatten(-2).to(x.dtype)
+        return rope(x, positions, self.inv_freq)
