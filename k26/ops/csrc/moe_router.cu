@@ -262,7 +262,10 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
       for (int k = 0; k < a.ks; ++k) l += __ldcg(a.partial + ((size_t)k * a.M + tok) * a.E + e);  // k order
       const float s = 1.f / (1.f + expf(-l));
       score[e] = s;
-      choice[e] = s + a.bias[e];
+      // A NaN logit (a poisoned or padded row) must still give valid expert ids: it ranks below -inf, and
+      // NaN itself stays the "taken" mark of select_topk (an all-NaN row returned id -1 and read score[-1]).
+      const float c = s + a.bias[e];
+      choice[e] = isnan(c) ? -INFINITY : c;
     }
     __syncthreads();
     if (threadIdx.x < 32) select_topk(a, choice, score, tok);
