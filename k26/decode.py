@@ -88,7 +88,8 @@ class DecodeContext:
 
     def models(self, target: Callable | None = None) -> StepModels:
         kv, dc = self.cache.kv_LRTC, self.dcache
-        return StepModels(target or self.model, self.drafter, kv, dc, self.absorb, self.static, self.tables)
+        model = self.model if target is None else target  # not `or`: bool() of a compiled module calls len()
+        return StepModels(model, self.drafter, kv, dc, self.absorb, self.static, self.tables)
 
     @property
     def block(self) -> int:
