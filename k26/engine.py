@@ -7,9 +7,8 @@ then decoded one token per step for the whole batch, each sequence in its own ca
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import os
+import time
 import weakref
 from collections.abc import Generator, Sequence
 from pathlib import Path
@@ -31,56 +30,20 @@ from .decode import BatchState, DecodeContext, Decoder, RequestOutput
 from .dist import check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
+from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
 from .sampling import SamplingParams, stop_prefix_len
 from .spec.step import SpecConfig, verify_nodes
+from .startup import StartupReport, phase_bar
 from .tokenizer import Tokenizer
-from .tp_driver import RankGroup
+from .tp_driver import RankGroup, releasing_ranks_on_failure, surfacing_rank_errors
 
 Prompt = str | Sequence[int]
 
 
-def _surfacing_rank_errors(method):
-    """Run `method` (a generator: its iteration) so that a collective failing because a TP rank died
-    raises that rank's own error text."""
-    if inspect.isgeneratorfunction(method):
-
-        @functools.wraps(method)
-        def gen(self, *args, **kw):
-            with self._surface_rank_errors():
-                return (yield from method(self, *args, **kw))
-
-        return gen
-
-    @functools.wraps(method)
-    def call(self, *args, **kw):
-        with self._surface_rank_errors():
-            return method(self, *args, **kw)
-
-    return call
-
-
-def _releasing_ranks_on_failure(init):
-    """An `__init__` that fails after starting TP ranks kills them and destroys the group it made, so the
-    process is as before (a retry starts afresh instead of finding a half-made group)."""
-
-    @functools.wraps(init)
-    def wrapper(self, *args, **kw):
-        try:
-            init(self, *args, **kw)
-        except BaseException:
-            if getattr(self, "_ranks", None) is not None:
-                self._ranks.close(kill=True)
-            if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-            raise
-
-    return wrapper
-
-
 class LLM:
-    @_releasing_ranks_on_failure
+    @releasing_ranks_on_failure
     def __init__(
         self,
         model_path: str | Path | None = None,
@@ -98,6 +61,7 @@ class LLM:
         buckets: Sequence[tuple[int, int]] | None = None,
         compile: bool = False,
         cache_dir: str | Path | None = None,
+        capture: bool = False,
     ):
         check_world(tp)
         check_device(device)
@@ -125,6 +89,7 @@ class LLM:
                 "buckets": buckets,
                 "compile": compile,
                 "cache_dir": cache_dir,
+                "capture": capture,
             }
             self._start_ranks(tp, device, rank_kw)
         self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
@@ -137,13 +102,20 @@ class LLM:
         check_tokenizer(self.tokenizer, self.config)
         self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
         self.absorb = absorb
-        self._load(drafter, max_batch, progress, cuda_kernels, cache_dir)
-        self.progress = progress
+        self.progress = progress and self.rank == 0  # one set of progress lines, whatever the ranks were told
+        self._load(drafter, max_batch, self.progress, cuda_kernels, cache_dir)
         self.user_buckets = check_buckets(buckets, max_batch)
         # torch.compile of the model body: fixed shapes per bucket, lengths and positions as tensors, so
         # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
         self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
+        self._compile_cache = None
+        if compile and cache_dir is not None:  # torch's compiled artifacts kept beside the load cache
+            self._compile_cache = compile_cache_file(cache_dir, self.path, self.device)
+            load_compile_cache(self._compile_cache)
         self.decoder = Decoder(self._decode_context())
+        if capture and self.graphs:
+            with self._surface_rank_errors():
+                self._capture(None, (True, False))
         if self._ranks is not None:
             self._ranks.wait_ready()  # a rank that failed to build raises its own error here
 
@@ -161,6 +133,7 @@ class LLM:
                 same_checkpoint_on_every_rank(self.path)
         with self._surface_rank_errors():  # a rank failing mid-load (all-to-all) raises its own error
             self.model: KimiK2 = self._load_target(progress, cuda_kernels, cache_dir)
+            self.startup = StartupReport.gather(self.model.load_stats, tp)  # every rank's bytes, here
         self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
         self.drafter, self.dcache = None, None
         if drafter is not None:
@@ -190,6 +163,44 @@ class LLM:
             group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
             cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
         )
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def capture(self, spec: SpecConfig | None = None, greedy: bool = True, sampled: bool = True):
+        """Capture the graphs of every batch size's bucket of `spec` (default: DDTree with a drafter, else
+        AR) now rather than on first use, with one progress line; returns their `CaptureRecord`s (also in
+        `self.startup.captures`). `LLM(..., capture=True)` does this at start-up."""
+        if not self.graphs:
+            return []
+        kinds = tuple(k for k, on in ((True, greedy), (False, sampled)) if on)
+        self._mirror("capture", spec, greedy, sampled)
+        return self._capture(spec, kinds)
+
+    def _capture(self, spec: SpecConfig | None, kinds: tuple[bool, ...]):
+        spec = self._prepare([[0]], None, spec)[2]
+        batches = sorted({b.batch for b in self.buckets_for(spec)})
+        per_batch = (len(spec.candidates) if spec.auto else 1) * len(kinds)
+        ctx, runners, t0 = self.decoder.ctx, self.decoder.runners, time.perf_counter()
+        seen = {key: len(r.report) for key, r in runners.items()}
+        ctx.progress, shown = False, ctx.progress  # one line for the whole set instead of one per batch
+        try:
+            with phase_bar("capture", len(batches) * per_batch, "graph", shown) as bar:
+                for b in batches:
+                    before = sum(len(r.report) for r in runners.values())
+                    self.decoder.open(spec, b, kinds)
+                    bar.update(sum(len(r.report) for r in runners.values()) - before)
+        finally:
+            ctx.progress = shown
+        new = [
+            rec._replace(kind=f"{s.method} {'greedy' if g else 'sampled'}")
+            for (s, g), r in runners.items()
+            for rec in r.report[seen.get((s, g), 0) :]
+        ]
+        self.startup.captures += new
+        self.startup.phases["capture"] = self.startup.phases.get("capture", 0.0) + time.perf_counter() - t0
+        if self._compile_cache is not None:
+            save_compile_cache(self._compile_cache)
+        return new
 
     def _decode_context(self) -> DecodeContext:
         """What the decoder needs of this LLM (the decoder never sees the LLM itself)."""
@@ -259,7 +270,7 @@ class LLM:
 
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
-    @_surfacing_rank_errors
+    @surfacing_rank_errors
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [T, vocab] of every position of one sequence, computed in a single forward."""
         ids = self._check_ids(token_ids, "token_ids")
@@ -285,7 +296,7 @@ class LLM:
         return [self._encode(p, i) for i, p in enumerate(prompt_list(prompts))], sp, spec
 
     @torch.inference_mode()
-    @_surfacing_rank_errors
+    @surfacing_rank_errors
     def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None
     ) -> Generator[str, None, RequestOutput]:
@@ -319,7 +330,7 @@ class LLM:
         return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
 
     @torch.inference_mode()
-    @_surfacing_rank_errors
+    @surfacing_rank_errors
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -342,7 +353,7 @@ class LLM:
     # -- continuous batching: one open batch driven step by step (the server's engine thread) ------
     # Every call is mirrored to the TP ranks in order, so their batches admit, step and retire alike.
     @torch.inference_mode()
-    @_surfacing_rank_errors
+    @surfacing_rank_errors
     def open_batch(self, spec: SpecConfig | None = None, capacity: int | None = None) -> BatchState:
         """An empty batch of `capacity` rows (default: every cache row), its graphs captured and its
         budget costs measured; then `admit`, `step` and `release` move requests through it."""
@@ -355,7 +366,7 @@ class LLM:
         return self.batch
 
     @torch.inference_mode()
-    @_surfacing_rank_errors
+    @surfacing_rank_errors
     def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
         """Prefill checked token-id prompts into free rows (between steps); returns their slots."""
         if len(prompts) > len(self.batch.free_slots()):
@@ -365,7 +376,7 @@ class LLM:
         return self.decoder.admit(self.batch, prompts, params)
 
     @torch.inference_mode()
-    @_surfacing_rank_errors
+    @surfacing_rank_errors
     def step(self) -> list[int]:
         """One step of every live row of the open batch; returns the rows that stepped."""
         self._mirror("step")

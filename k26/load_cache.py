@@ -24,6 +24,7 @@ import torch
 
 from .shard_reader import DTYPES, Piece, ReadStats, fill_alone, io_read_bytes, tensor_spans
 from .stager import Stager
+from .startup import phase_bar
 
 FORMAT = 1
 _CODE = ("loader.py", "shard_reader.py", "load_cache.py", "config.py", "model/*.py", "ops/int4.py")
@@ -136,7 +137,7 @@ class LoadCache:
             return "its tensors do not match the model's"
         return None
 
-    def read(self, model: torch.nn.Module, device: torch.device) -> ReadStats:
+    def read(self, model: torch.nn.Module, device: torch.device, progress: bool = False) -> ReadStats:
         t0, io0 = time.perf_counter(), io_read_bytes()
         params = dict(model.named_parameters())
         spans = tensor_spans([self.weights])
@@ -154,9 +155,11 @@ class LoadCache:
             for k in params
         ]
         stager = Stager(torch.device(device))
+        bar = phase_bar("read", sum(p.nbytes for p in pieces), "B", progress)
         try:
-            fill_alone(params, pieces, stager)
+            fill_alone(params, pieces, stager, bar)
         finally:
+            bar.close()
             stager.close()
         io1 = io_read_bytes()
         dt = time.perf_counter() - t0
@@ -185,3 +188,42 @@ class LoadCache:
             # full disk, read-only directory: the load itself succeeded
             msg = f"load cache {self.dir} not written ({e}); the next start reads the checkpoint again"
             warnings.warn(msg, stacklevel=2)
+
+
+def compile_cache_file(cache_dir: str | Path, path: Path, device: torch.device) -> Path:
+    """Where torch.compile's cache artifacts of this checkpoint's graphs live beside the load cache.
+    torch keys every artifact by the graph it compiles, so a stale file only misses; the name still
+    separates torch versions and GPUs, whose kernels differ."""
+    from . import __version__
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    key = _digest(f"{__version__} {torch.__version__} {gpu} {path.resolve()}".encode())[:16]
+    return Path(cache_dir) / f"compile-{path.resolve().name}-{key}.bin"
+
+
+def load_compile_cache(f: Path) -> bool:
+    """Pre-load torch.compile's caches (inductor FX graphs, autotuning) from `f`; False if there is none
+    or it cannot be used (then compiling starts from scratch, as without the file)."""
+    if not f.is_file():
+        return False
+    try:
+        torch.compiler.load_cache_artifacts(f.read_bytes())
+    except Exception as e:  # noqa: BLE001  (another torch's artifacts: compile afresh, never fail the start)
+        print(f"compile cache {f}: not used ({e}); compiling afresh", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def save_compile_cache(f: Path) -> None:
+    """Store what this process compiled so far (torch's mega-cache), atomically; a failed write warns."""
+    got = torch.compiler.save_cache_artifacts()
+    if got is None:
+        return
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(got[0])
+        os.replace(tmp, f)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        warnings.warn(f"compile cache {f} not written ({e})", stacklevel=2)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,9 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
-from .model.moe import use_cuda_kernels
+from .model.moe import Int4Experts, use_cuda_kernels
 from .shard_reader import file_stamp, read_into, read_small, tensor_spans
+from .startup import phase_line
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
 _SKIP = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\.|\.rotary_emb\.inv_freq$")
@@ -329,9 +329,9 @@ def load_model(
         t0 = time.perf_counter()
         use_cuda_kernels(model)  # the kernels are bf16-activation kernels; other dtypes keep the reference
         torch.cuda.synchronize(device)
-        stats.phases["repack"] = time.perf_counter() - t0
-    if progress:
-        print(stats.summary(), file=sys.stderr, flush=True)  # progress, like the bars: stdout is the output
+        stats.phases["repack"] = dt = time.perf_counter() - t0
+        n = sum(isinstance(m, Int4Experts) and m.repacked for m in model.modules())
+        phase_line(f"repack   {n} MoE layers in {dt:.2f} s ({dt / max(n, 1):.3f} s per layer)", progress)
     model.load_stats = stats
     return model.eval()
 
@@ -353,7 +353,7 @@ def _read(model, items, infos, path: Path, tp: TPInfo, group, device, dtype, cac
             dist.all_gather_object(flags, ok, group=group)
             ok = all(flags)
         if ok:
-            return cache.read(model, torch.device(device))
+            return cache.read(model, torch.device(device), progress)
     stats = read_into(
         model,
         items,
@@ -362,7 +362,7 @@ def _read(model, items, infos, path: Path, tp: TPInfo, group, device, dtype, cac
         size=tp.size,
         group=group,
         device=device,
-        desc=f"reading {path.name}" if progress else None,
+        progress=progress,
     )
     if cache is not None:
         cache.write(model)

@@ -299,12 +299,12 @@ def read_into(
     size: int = 1,
     group=None,
     device: torch.device | str = "cpu",
-    desc: str | None = None,
+    progress: bool = False,
     chunk: int = CHUNK,
 ) -> ReadStats:
     """Fill `model`'s parameters from the planned `items` (see `loader.plan_load`); returns what was read.
-    `desc` shows one byte progress bar (in coordinated mode, the bytes of every rank)."""
-    from tqdm.auto import tqdm
+    `progress`: the "read" line (bytes, GB/s, ETA; in coordinated mode the bytes of every rank)."""
+    from .startup import phase_bar
 
     device = torch.device(device)
     t0, io0 = time.perf_counter(), io_read_bytes()
@@ -325,7 +325,7 @@ def read_into(
     stamps = {infos[it.hf].file: infos[it.hf].stamp for it in items if infos[it.hf].stamp is not None}
     stager = Stager(xdev, chunk, stamps=stamps)
     total = sum(p.nbytes for p in pieces)
-    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=desc is None)
+    bar = phase_bar("read", total, "B", progress)
     try:
         if coordinated:
             fill_coordinated(params, pieces, stager, rank, size, group, device, bar)

@@ -16,6 +16,8 @@ which breaks the collectives the parent waits in; `surface` then raises that ran
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import pickle
 import queue
@@ -193,6 +195,45 @@ class RankGroup:
                 rank.proc.kill()
                 rank.proc.wait()
             rank.log.close()
+
+
+def surfacing_rank_errors(method):
+    """A method of an object with `_surface_rank_errors()` (`LLM`) run (a generator: its iteration) so
+    that a collective failing because a TP rank died raises that rank's own error text."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def gen(self, *args, **kw):
+            with self._surface_rank_errors():
+                return (yield from method(self, *args, **kw))
+
+        return gen
+
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        with self._surface_rank_errors():
+            return method(self, *args, **kw)
+
+    return call
+
+
+def releasing_ranks_on_failure(init):
+    """An `__init__` (of `LLM`: `_ranks`, `_owns_group`) that fails after starting TP ranks kills them
+    and destroys the group it made, so the process is
+    as before (a retry starts afresh instead of finding a half-made group)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kw):
+        try:
+            init(self, *args, **kw)
+        except BaseException:
+            if getattr(self, "_ranks", None) is not None:
+                self._ranks.close(kill=True)
+            if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            raise
+
+    return wrapper
 
 
 def _serve(init: dict, out) -> int:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from ..profiling import nvtx_range
 from ..sampling import RowSampling
+from ..startup import CaptureRecord, phase_bar
 from .buckets import Bucket
 
 
@@ -87,46 +87,53 @@ class StepGraphs:
         self.states: dict[Bucket, StepState] = {} if states is None else states
         self.vocab = vocab  # > 0: the step samples, and reads noise [Bb, nodes, vocab]
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
-        self.report: list[tuple[Bucket, float, int]] = []  # (bucket, capture seconds, pool bytes added)
+        self.report: list[CaptureRecord] = []  # per bucket: capture seconds (warm-ups included), pool bytes
         self.pool = None
 
     def capture(self, buckets: list[Bucket], progress: bool = True) -> None:
+        """Capture the buckets not captured yet, largest first; one progress line (buckets, ETA) on a
+        terminal when `progress`."""
         todo = sorted(set(buckets) - set(self.graphs), reverse=True)  # largest first: smaller reuse its pool
         if not todo:
             return
         self.pool = self.pool or torch.cuda.graph_pool_handle()
-        for bucket in tqdm(todo, desc="capturing CUDA graphs", disable=not progress):
-            with nvtx_range(f"capture b{bucket.batch} n{bucket.nodes}"):
-                state = next((st for b, st in self.states.items() if b.batch == bucket.batch), None)
-                state = state or StepState.allocate(bucket, self.width, self.device)
-                if self.vocab and state.noise is None:  # largest bucket first: this is the batch's widest
-                    state.noise = torch.ones(bucket.batch, bucket.nodes, self.vocab, device=self.device)
-                t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-                try:
-                    side = torch.cuda.Stream(self.device)
-                    side.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(side):
-                        for _ in range(2):  # compile, autotune, load kernels, allocate: never during capture
-                            self.step(state, bucket)
-                            state.reset()
-                    torch.cuda.current_stream(self.device).wait_stream(side)
-                    _barrier()  # every TP rank captures the same collectives in the same order
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
+        with phase_bar("capture", len(todo), "graph", progress) as bar:
+            for bucket in todo:
+                self._capture_one(bucket)
+                bar.update()
+
+    def _capture_one(self, bucket: Bucket) -> None:
+        with nvtx_range(f"capture b{bucket.batch} n{bucket.nodes}"):
+            state = next((st for b, st in self.states.items() if b.batch == bucket.batch), None)
+            state = state or StepState.allocate(bucket, self.width, self.device)
+            if self.vocab and state.noise is None:  # largest bucket first: this is the batch's widest
+                state.noise = torch.ones(bucket.batch, bucket.nodes, self.vocab, device=self.device)
+            t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            try:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # compile, autotune, load kernels, allocate: never during capture
                         self.step(state, bucket)
-                    torch.cuda.synchronize(self.device)
-                    _barrier()
-                except Exception as e:
-                    raise RuntimeError(
-                        f"CUDA graph capture of bucket (batch {bucket.batch}, nodes {bucket.nodes}) "
-                        f"failed: {e}. "
-                        "Reduce max_batch, the DDTree budget or max_model_len, or pass graphs=False"
-                    ) from e
-                state.reset()
-                self.states[bucket], self.graphs[bucket] = state, g
-                self.report.append(
-                    (bucket, time.perf_counter() - t0, torch.cuda.memory_reserved(self.device) - m0)
-                )
+                        state.reset()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                _barrier()  # every TP rank captures the same collectives in the same order
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.step(state, bucket)
+                torch.cuda.synchronize(self.device)
+                _barrier()
+            except Exception as e:
+                raise RuntimeError(
+                    f"CUDA graph capture of bucket (batch {bucket.batch}, nodes {bucket.nodes}) "
+                    f"failed: {e}. "
+                    "Reduce max_batch, the DDTree budget or max_model_len, or pass graphs=False"
+                ) from e
+            state.reset()
+            self.states[bucket], self.graphs[bucket] = state, g
+            self.report.append(
+                CaptureRecord(bucket, time.perf_counter() - t0, torch.cuda.memory_reserved(self.device) - m0)
+            )
 
     def replay(self, bucket: Bucket) -> StepState:
         with nvtx_range("replay"):
