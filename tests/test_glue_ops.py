@@ -116,3 +116,21 @@ def test_fused_mla_matches_unfused():
         h1, _ = model(ids, batch, caches[1])
     torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)  # one matmul instead of two: rounding only
     torch.testing.assert_close(caches[1], caches[0], rtol=1e-5, atol=1e-5)
+
+
+def test_glue_op_in_the_model_is_bitwise_the_composition():
+    torch.manual_seed(1)
+    cfg = ModelConfig.from_dict(TINY)
+    model = KimiK2(cfg, torch.bfloat16).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 4))
+    batch = AttnBatch.causal(torch.tensor([2, 5]), 4)
+    caches = [torch.randn(cfg.num_hidden_layers, 2, 12, cfg.latent_dim).bfloat16() for _ in range(2)]
+    caches[1].copy_(caches[0])
+    with torch.no_grad():
+        h0, _ = model(ids, batch, caches[0])
+        for layer in model.layers:
+            layer.self_attn.glue = False
+        h1, _ = model(ids, batch, caches[1])
+    assert torch.equal(h0, h1) and torch.equal(caches[0], caches[1])

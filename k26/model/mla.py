@@ -20,6 +20,8 @@ KERNEL_MAX_M = 64  # token rows up to which `fuse_` routes the MLA projections t
 
 
 class MLA(nn.Module):
+    glue: bool = True  # torch.ops.k26.mla_glue with a cache; False: the module composition (benchmarks)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo):
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -72,31 +74,33 @@ class MLA(nn.Module):
         B, N, _ = x_BND.shape
         H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_a, kv_a = self._project_a(x_BND)
-        if cache_RLC is None:  # no cache (training): the new tokens attend among themselves, differentiably
-            q_BNHQ = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, N, H, cfg.qk_head_dim)
-            q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
-            q_pe = rope(q_pe, batch.positions_BN[:, :, None])
+        latent_BNC = None
+        if cache_RLC is not None and self.glue:  # one kernel: both norms, k_pe's RoPE, the cache write
+            q_a = torch.ops.k26.mla_glue(
+                q_a,
+                kv_a,
+                self.q_a_layernorm.weight,
+                self.kv_a_layernorm.weight,
+                batch.positions_BN,
+                rope.inv_freq,
+                cfg.latent_norm_eps,
+                cache_RLC,
+                batch.rows_B,
+                batch.prefix_lens_B,
+            )
+        else:  # the same composition in modules (differentiable: the training forward takes this path)
+            q_a = self.q_a_layernorm(q_a)
             c_kv = self.kv_a_layernorm(kv_a[..., :r])
             latent_BNC = torch.cat([c_kv, rope(kv_a[..., r:], batch.positions_BN)], dim=-1)
-            vis_BNN = reference.words_to_tree_mask(batch.mask_words_BNW, N)
-            o_BNHV = self._attend_latent(q_nope, q_pe, latent_BNC, vis_BNN)
-            return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
-        # One kernel (or its reference): both norms, k_pe's RoPE, the latent-cache write.
-        q_a = torch.ops.k26.mla_glue(
-            q_a,
-            kv_a,
-            self.q_a_layernorm.weight,
-            self.kv_a_layernorm.weight,
-            batch.positions_BN,
-            rope.inv_freq,
-            cfg.latent_norm_eps,
-            cache_RLC,
-            batch.rows_B,
-            batch.prefix_lens_B,
-        )
         q_BNHQ = self.q_b_proj(q_a).view(B, N, H, cfg.qk_head_dim)
         q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
         q_pe = rope(q_pe, batch.positions_BN[:, :, None])
+        if cache_RLC is None:  # no cache (training): the new tokens attend among themselves, differentiably
+            vis_BNN = reference.words_to_tree_mask(batch.mask_words_BNW, N)
+            o_BNHV = self._attend_latent(q_nope, q_pe, latent_BNC, vis_BNN)
+            return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
+        if latent_BNC is not None:
+            torch.ops.k26.mla_write_cache(cache_RLC, latent_BNC, batch.rows_B, batch.prefix_lens_B)
         small = B * N <= self.kernel_max_m
 
         w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, r)
