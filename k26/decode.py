@@ -84,7 +84,7 @@ class DecodeContext:
     graphs: bool = False
     progress: bool = False
     static: bool = False  # eager steps with the graphs' static shapes too (AttnBatch.static): for comparisons
-    tables: TreeTables = field(default_factory=TreeTables)  # tree-builder constants, as long as the graphs
+    tables: TreeTables = field(default_factory=TreeTables)  # tree padding constants, as long as the graphs
 
     def models(self, target: Callable | None = None) -> StepModels:
         kv, dc = self.cache.kv_LRTC, self.dcache

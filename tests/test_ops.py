@@ -100,3 +100,61 @@ def test_attention_refuses_overflowing_cache():
     q, cache, rows, prefix, words, scale, v = attention_inputs(L=8)
     with pytest.raises(ValueError, match="exceeds cache length"):
         reference.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
+
+
+# -- DDTree builder ---------------------------------------------------------------------------------
+def tree_inputs(B=2, L=4, V=50, budget=12, seed=2):
+    lp = torch.log_softmax(torch.randn(B, L, V, generator=torch.Generator().manual_seed(seed)) * 2, -1)
+    return (*lp.topk(min(budget, V), dim=-1), budget)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 50, 12), (1, 1, 7, 3), (3, 6, 5, 40)])
+def test_ddtree_opcheck(shape):
+    """Schema, fake (output shapes / dtypes for compile and capture) and reference agree; (3, 6, 5, 40)
+    has fewer prefixes than the budget, so the outputs carry padding."""
+    B, L, V, budget = shape
+    torch.library.opcheck(
+        torch.ops.k26.ddtree_build.default,
+        tree_inputs(B, L, V, budget),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_ddtree_fake_has_the_reference_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lp, tok, budget = tree_inputs(B=3, L=5, V=90, budget=70)  # 71 nodes: two ancestor words per node
+    real = torch.ops.k26.ddtree_build(lp, tok, budget)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.k26.ddtree_build(mode.from_tensor(lp), mode.from_tensor(tok), budget)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    assert real[4].shape == (3, 71, 2)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (lambda lp, tok: (lp, tok, 0), "budget=0"),
+        (lambda lp, tok: (lp[0], tok[0], 4), "lp must be floating"),
+        (lambda lp, tok: (lp.long(), tok, 4), "lp must be floating"),
+        (lambda lp, tok: (lp, tok[:, :2], 4), "tok must be integer"),
+        (lambda lp, tok: (lp, tok.float(), 4), "tok must be integer"),
+        (lambda lp, tok: (lp, tok.to("meta"), 4), "tok is on meta"),
+        (lambda lp, tok: (lp[:, :0], tok[:, :0], 4), "lp needs at least one depth"),
+    ],
+)
+def test_ddtree_front_door_names_the_argument(args, needle):
+    lp, tok, _ = tree_inputs()
+    with pytest.raises(ValueError, match=f"ddtree_build: {needle}"):
+        torch.ops.k26.ddtree_build(*args(lp, tok))
+
+
+@pytest.mark.parametrize(
+    "budget, K, width", [(1, 1, 1), (12, 12, 12), (31, 8, 31), (255, 255, 200), (40, 5, 3)]
+)
+def test_ddtree_admissible_children_made_on_the_device_match_the_rule(budget, K, width):
+    """The reference's candidate children, made from tensors (graph-safe), are exactly the (i, j) with
+    (i+1)(j+1) <= budget, i < width, j < K, parent-major."""
+    pi, pj = reference._admissible(budget, K, width, "cpu")
+    want = [(i, j) for i in range(min(budget, width)) for j in range(K) if (i + 1) * (j + 1) <= budget]
+    assert list(zip(pi.tolist(), pj.tolist())) == want

@@ -6,7 +6,7 @@ import torch
 from oracles import random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
-from k26.spec.tree import TreeTables, build_ddtree, build_ddtree_heap
+from k26.spec.tree import build_ddtree, build_ddtree_heap
 
 pytestmark = pytest.mark.gpu
 
@@ -23,14 +23,13 @@ def test_device_tree_is_the_heap_tree(budget):
 def test_tree_build_is_graph_capturable():
     lp = torch.log_softmax(torch.randn(1, 7, 5000, device="cuda"), -1)
     eager = build_ddtree(lp, 32)
-    tables = TreeTables()  # what the capture reads lives as long as the graph
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        build_ddtree(lp, 32, tables)
+        build_ddtree(lp, 32)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        tree = build_ddtree(lp, 32, tables)
+        tree = build_ddtree(lp, 32)
     lp.copy_(torch.log_softmax(torch.randn_like(lp), -1))
     g.replay()
     again = build_ddtree(lp, 32)

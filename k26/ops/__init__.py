@@ -81,6 +81,7 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
 from . import (
     attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
+    tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
 
 OPS = (
@@ -91,4 +92,5 @@ OPS = (
     "mla_tree_attention",
     "linear",
     "linear_grouped",
+    "ddtree_build",
 )

@@ -130,7 +130,7 @@ class StepModels:
     dcache: DrafterCache | None
     absorb: bool = True
     static: bool = False  # whole cache rows, no host sync (graph bodies): see AttnBatch.static
-    tables: TreeTables = field(default_factory=TreeTables)  # the tree builders' constants (graphs read them)
+    tables: TreeTables = field(default_factory=TreeTables)  # bucket padding's constants (graphs read them)
 
     def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> torch.Tensor:
         """Next token per row from final hidden states: the shards' argmax merged when every row is greedy,
@@ -170,7 +170,7 @@ def speculative_step(
         )
         with t("tree"):  # inside "draft": draft_s keeps counting the tree build
             if policy is not None:
-                full = build_ddtree_from_topk(lp, tok, policy.largest, m.tables)
+                full = build_ddtree_from_topk(lp, tok, policy.largest)
                 pick = policy.choose(full, alive, start)
                 budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
                 tree = truncate_tree(full, budget)
@@ -178,7 +178,7 @@ def speculative_step(
                 tree = (
                     chain_from_topk(lp, tok)
                     if spec.method == "dflash"
-                    else build_ddtree_from_topk(lp, tok, largest, m.tables)
+                    else build_ddtree_from_topk(lp, tok, largest)
                 )
             tree = pad_tree(tree, nodes, m.tables) if nodes else tree
             tree.tokens[:, 0] = bonus

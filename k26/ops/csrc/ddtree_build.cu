@@ -198,6 +198,12 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
 
 K26_EXPORT size_t k26_ddtree_scratch(int B, int L, int budget) { return (size_t)B * L * budget * 24; }
 
+// The shared-memory opt-in above 48 KB, for the current device: the front door's plan calls it once per
+// device before the first launch (an attribute set on one device's context does not carry to another's).
+K26_EXPORT int k26_ddtree_prepare() {
+  return (int)cudaFuncSetAttribute(build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 4096);
+}
+
 K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int L, int K, int budget, int64_t* out_tok,
                                 int64_t* out_par, int64_t* out_dep, bool* out_valid, int64_t* out_words,
                                 double* out_score, void* scratch, void* stream) {
@@ -205,12 +211,6 @@ K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int 
   // Candidates: (i + 1)(j + 1) <= budget gives at most budget * H(budget) < 4096 for budget <= 512.
   size_t cand = 16 * 4096, uni = (size_t)8 * L * budget;
   const size_t smem = cand > uni ? cand : uni;
-  static bool attr = false;
-  if (!attr) {
-    const cudaError_t e = cudaFuncSetAttribute(build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 4096);
-    if (e != cudaSuccess) return (int)e;
-    attr = true;
-  }
   build_kernel<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
       lp, tok, L, K, budget, out_tok, out_par, out_dep, out_valid, out_words, out_score, static_cast<char*>(scratch));
   return (int)cudaGetLastError();
