@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .model.layers import TPInfo
+from .ops.allreduce_cuda import FusedAllReduce  # registers torch.ops.k26.allreduce_add_rmsnorm
 
 
 def timeout() -> timedelta:
@@ -21,7 +22,11 @@ def timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("K26_DIST_TIMEOUT", "300")))
 
 
-def tp_info(rank: int, size: int, group=None) -> TPInfo:
+def tp_info(rank: int, size: int, group=None, fused: bool | None = None) -> TPInfo:
+    """The model's view of the group. On NCCL the all-reduce + residual add + RMSNorm pairs of every layer run
+    as one kernel over peer-mapped memory (`FusedAllReduce`, built here collectively: every rank calls this
+    at the same point) unless `fused` is False or K26_FUSED_ALLREDUCE=0; without peer access it says so once
+    and the three steps run over NCCL. gloo always runs the three steps (the reference)."""
     if size == 1:
         return TPInfo()
 
@@ -37,7 +42,13 @@ def tp_info(rank: int, size: int, group=None) -> TPInfo:
         dist.all_gather_into_tensor(flat, x, group=group)
         return flat.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
-    return TPInfo(rank, size, all_reduce, all_gather)
+    fused_ar = None
+    if fused is None:
+        fused = dist.get_backend(group) == "nccl" and os.environ.get("K26_FUSED_ALLREDUCE", "1") != "0"
+    if fused:
+        fused_ar = FusedAllReduce(group, timeout_s=timeout().total_seconds())
+        fused_ar = fused_ar if fused_ar.p2p else None
+    return TPInfo(rank, size, all_reduce, all_gather, fused_ar)
 
 
 def init_group(rank: int, world: int, device: str | None = None, store=None, local: int | None = None):

@@ -59,7 +59,7 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self.k_proj(h_BTD).view(B, T, -1, self.cfg.head_dim))
         return rope(k, pos_BT), self.v_proj(h_BTD).view(B, T, -1, self.cfg.head_dim)
 
-    def forward(self, h_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope):
+    def forward(self, h_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope, partial: bool = False):
         """Block queries over [context ; block] keys. `visible`: [B, L] context rows each query sees, the
         block seen whole (inference: one block per row); or [B, S, L + S] per query (training: many
         blocks per row, each seeing its own context prefix and itself)."""
@@ -76,7 +76,8 @@ class DrafterAttention(nn.Module):
         s = torch.einsum("bshd,blhd->bhsl", q.float(), k.float()) * cfg.head_dim**-0.5
         s = s.masked_fill(~visible[:, None], float("-inf"))
         a = torch.einsum("bhsl,blhd->bshd", torch.softmax(s, dim=-1).to(v.dtype), v)
-        return self.tp.reduce(self.o_proj(a.reshape(B, S, -1)))
+        y = self.o_proj(a.reshape(B, S, -1))
+        return y if partial else self.tp.reduce(y)  # partial: the caller reduces (TPInfo.reduce_add_norm)
 
 
 class DrafterLayer(nn.Module):
@@ -90,8 +91,17 @@ class DrafterLayer(nn.Module):
 
     def forward(self, x_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope) -> torch.Tensor:
         """One pre-norm residual layer; `visible` as in `DrafterAttention.forward`."""
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), pos_BS, ctx_k, ctx_v, visible, rope)
-        return x_BSD + self.tp.reduce(self.mlp(self.post_attention_layernorm(x_BSD)))
+        return self.fused(x_BSD, self.input_layernorm(x_BSD), pos_BS, ctx_k, ctx_v, visible, rope, None)[1]
+
+    def fused(self, x_BSD, normed, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope, next_norm: RMSNorm | None):
+        """`forward` given the input norm `normed` -> (next_norm(x'), x'): each all-reduce runs with the
+        residual add and the norm after it (`TPInfo.reduce_add_norm`); next_norm None: (None, x')."""
+        a = self.self_attn(normed, pos_BS, ctx_k, ctx_v, visible, rope, partial=True)
+        normed, x_BSD = self.tp.reduce_add_norm(a, x_BSD, self.post_attention_layernorm)
+        h = self.mlp(normed)
+        if next_norm is None:
+            return None, x_BSD + self.tp.reduce(h)
+        return self.tp.reduce_add_norm(h, x_BSD, next_norm)
 
 
 class DFlashDrafter(nn.Module):
@@ -133,9 +143,12 @@ class DFlashDrafter(nn.Module):
         `static`: whole cache rows, no host sync (graph bodies), as `AttnBatch.static`."""
         keys = live_keys(ctx_lens_B, 0, cache_k.shape[2], static)
         vis = torch.arange(keys, device=x_BSD.device)[None, :] < ctx_lens_B[:, None]
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        normed = self.layers[0].input_layernorm(x_BSD) if len(self.layers) else self.norm(x_BSD)
         for i, layer in enumerate(self.layers):
-            x_BSD = layer(x_BSD, pos_BS, cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys], vis, self.rope)
-        return self.norm(x_BSD)
+            k, v = cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys]
+            normed, x_BSD = layer.fused(x_BSD, normed, pos_BS, k, v, vis, self.rope, norms[i])
+        return normed
 
 
 def drafter_logits(hidden_BSD: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

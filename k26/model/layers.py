@@ -25,6 +25,9 @@ class TPInfo:
     size: int = 1
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # (partial, residual, norm weight, eps) -> (normed, new residual): the all-reduce fused with the residual
+    # add and the next RMSNorm (k26.ops.allreduce_cuda.FusedAllReduce); None: the composition below.
+    allreduce_add_rmsnorm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -36,6 +39,16 @@ class TPInfo:
         if self.all_reduce is None:
             raise RuntimeError(f"TP size {self.size} needs an all_reduce; none was provided")
         return self.all_reduce(x)
+
+    def reduce_add_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) with h = residual + all-reduce(partial): one fused collective when the group has
+        it, else the three steps (gloo / CPU / TP 1: the reference)."""
+        if self.size > 1 and self.allreduce_add_rmsnorm is not None:
+            return self.allreduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
+        h = residual + self.reduce(partial)
+        return norm(h), h
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

@@ -67,9 +67,13 @@ class MLA(nn.Module):
         a = torch.ops.k26.linear(x_BND, self.qkv_a) if small else F.linear(x_BND, self.qkv_a)
         return a.split([self.cfg.q_lora_rank, a.shape[-1] - self.cfg.q_lora_rank], dim=-1)
 
-    def forward(self, x_BND, batch: AttnBatch, cache_RLC: torch.Tensor | None, rope: Rope, absorb=True):
+    def forward(
+        self, x_BND, batch: AttnBatch, cache_RLC: torch.Tensor | None, rope: Rope, absorb=True, partial=False
+    ):
         """Attention of the new tokens over the cache (written first); with no cache (training) over the new
-        tokens alone, in the naive form, with prefix lengths 0."""
+        tokens alone, in the naive form, with prefix lengths 0. `partial`: this rank's share, unreduced (the
+        caller reduces it with the residual add and the next norm, `TPInfo.reduce_add_norm`)."""
+        reduce = (lambda y: y) if partial else self.tp.reduce
         cfg = self.cfg
         B, N, _ = x_BND.shape
         H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -98,7 +102,7 @@ class MLA(nn.Module):
         if cache_RLC is None:  # no cache (training): the new tokens attend among themselves, differentiably
             vis_BNN = reference.words_to_tree_mask(batch.mask_words_BNW, N)
             o_BNHV = self._attend_latent(q_nope, q_pe, latent_BNC, vis_BNN)
-            return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
+            return reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
         if latent_BNC is not None:
             torch.ops.k26.mla_write_cache(cache_RLC, latent_BNC, batch.rows_B, batch.prefix_lens_B)
         small = B * N <= self.kernel_max_m
@@ -127,7 +131,7 @@ class MLA(nn.Module):
                 o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
         else:
             o_BNHV = self._naive(q_nope, q_pe, batch, cache_RLC)
-        return self.tp.reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
+        return reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
 
     def _naive(self, q_nope, q_pe, batch: AttnBatch, cache_RLC):
         """Expand every visible latent row of the cache into per-head k_nope / v and attend as plain MHA."""

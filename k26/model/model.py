@@ -31,10 +31,14 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, tp.split(cfg.intermediate_size, "intermediate_size"), dtype)
             self.dense = True
 
-    def forward(self, x, batch: AttnBatch, cache_RLC, rope: Rope, absorb: bool):
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache_RLC, rope, absorb)
-        h = self.mlp(self.post_attention_layernorm(x))
-        return x + (self.tp.reduce(h) if self.dense else h)
+    def forward(self, x, normed, batch: AttnBatch, cache_RLC, rope: Rope, absorb: bool, next_norm: RMSNorm):
+        """The residual stream `x` and its input norm `normed` (from the layer before) -> (next_norm(x'), x').
+        Each all-reduce runs with the residual add and the norm after it (`TPInfo.reduce_add_norm`:
+        one fused kernel over peer memory when the TP group has it, else all-reduce, add, norm)."""
+        a = self.self_attn(normed, batch, cache_RLC, rope, absorb, partial=True)
+        normed, x = self.tp.reduce_add_norm(a, x, self.post_attention_layernorm)
+        h = self.mlp(normed) if self.dense else self.mlp(normed, partial=True)
+        return self.tp.reduce_add_norm(h, x, next_norm)
 
 
 class KimiK2(nn.Module):
@@ -61,12 +65,15 @@ class KimiK2(nn.Module):
         concatenated on the last dim [B, N, len(aux_layers)·D] (the DFlash context features). With
         `cache_LRTC` None (training) the tokens attend only among themselves."""
         x = self.embed_tokens(ids_BN)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        normed = self.layers[0].input_layernorm(x) if len(self.layers) else self.norm(x)
         aux = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, None if cache_LRTC is None else cache_LRTC[i], self.rope, absorb)
+            cache = None if cache_LRTC is None else cache_LRTC[i]
+            normed, x = layer(x, normed, batch, cache, self.rope, absorb, norms[i])
             if i in aux_layers:
                 aux.append(x)
-        return self.norm(x), (torch.cat(aux, dim=-1) if aux_layers else None)
+        return normed, (torch.cat(aux, dim=-1) if aux_layers else None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -143,7 +143,9 @@ class MoE(nn.Module):
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = MLP(D, tp.split(shared, "shared expert width"), dtype) if shared else None
 
-    def forward(self, x_BND: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BND: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """`partial`: this rank's share, unreduced (the caller reduces it with the residual add and the next
+        norm, `TPInfo.reduce_add_norm`)."""
         x_TD = x_BND.flatten(0, -2)
         w_TK, ids_TK = self.gate(x_TD)
         if isinstance(self.experts, Int4Experts) and self.experts.fuses(self.shared_experts, x_TD):
@@ -152,7 +154,7 @@ class MoE(nn.Module):
             y_TD = self.experts(x_TD, ids_TK, w_TK)
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
-        return self.tp.reduce(y_TD.view_as(x_BND))
+        return y_TD.view_as(x_BND) if partial else self.tp.reduce(y_TD.view_as(x_BND))
 
 
 def use_cuda_kernels(model: torch.nn.Module) -> None:

@@ -1,0 +1,318 @@
+"""Tensor-parallel all-reduce fused with the residual add and the next RMSNorm (csrc/allreduce_fused.cu):
+`torch.ops.k26.allreduce_add_rmsnorm`, its reference (today's composition: all-reduce, add, RMSNorm) and
+fake, and `FusedAllReduce`, the per-TP-group owner of the peer-mapped workspaces.
+
+    allreduce_add_rmsnorm(x [..., D], residual [..., D], weight [D], eps, group, ...) -> (normed, new resid.)
+        new residual = residual + all_reduce(x);  normed = RMSNorm(new residual) * weight
+
+`FusedAllReduce(group, device)` is built once per TP group on every rank (a collective): each rank
+allocates its workspace, the CUDA IPC handles travel once through the group (all_gather_object) and every
+rank maps every peer's. When a peer cannot be mapped (no peer-to-peer access, another host) every rank
+falls back to the composition over NCCL and says why once. Per call: one-shot below `two_shot_bytes`,
+two-shot (reduce-scatter + all-gather of rows) from there up to `max_bytes`, the NCCL composition above.
+The kernel owns its epoch counter (graph replays count on by themselves); a peer that never answers
+within `timeout_s`, or that was called with another size, is reported by `check()` (run before every
+eager call) as a RuntimeError naming the rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
+_said: set[str] = set()
+BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        _log.warning(msg)
+
+
+# ---------------------------------------------------------------- reference and op registration
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """k26.model.layers.RMSNorm's arithmetic (HF): normalise in fp32, round, multiply by the weight."""
+    h32 = h.float()
+    return weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def add_rmsnorm_reference(
+    reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What follows the all-reduce: (RMSNorm(residual + reduced), residual + reduced)."""
+    h = residual + reduced
+    return rms_norm(h, weight, eps), h
+
+
+@torch.library.custom_op("k26::allreduce_add_rmsnorm", mutates_args=())
+def allreduce_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_name: str,
+    peers: torch.Tensor,
+    ctl: torch.Tensor,
+    err: torch.Tensor,
+    rank: int,
+    cap: int,
+    two_shot_bytes: int,
+    timeout_ns: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification: all-reduce over `group_name`, then the add and the RMSNorm. `peers` (int64 CPU,
+    every rank's workspace address as mapped here; empty: this composition on every device), `ctl`,
+    `err`, `rank`, `cap`, `two_shot_bytes` and `timeout_ns` drive the CUDA kernel (FusedAllReduce)."""
+    return composition(x, residual, weight, eps, group_name)
+
+
+def composition(x, residual, weight, eps: float, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Today's three steps: NCCL (or gloo) all-reduce, residual add, RMSNorm."""
+    s = x.contiguous().clone()
+    dist.all_reduce(s, group=dist.distributed_c10d._resolve_process_group(group_name))
+    return add_rmsnorm_reference(s, residual, weight, eps)
+
+
+@allreduce_add_rmsnorm.register_fake
+def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
+# ---------------------------------------------------------------- CUDA kernel
+
+
+def _lib() -> ctypes.CDLL:
+    from .build import library  # lazily: `python -m k26.ops.build` must not import itself first
+
+    lib = library()
+    if not getattr(lib, "_k26_ar_argtypes", False):
+        P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.k26_ar_workspace_bytes.restype = ctypes.c_size_t
+        lib.k26_ar_workspace_bytes.argtypes = [I, LL]
+        lib.k26_ar_limits.argtypes = [ctypes.POINTER(I)] * 2
+        lib.k26_ar_alloc.argtypes = [I, ctypes.c_size_t, ctypes.POINTER(P), P]
+        lib.k26_ar_open.argtypes = [I, P, ctypes.POINTER(P)]
+        lib.k26_ar_close.argtypes = [P]
+        lib.k26_ar_free.argtypes = [P]
+        lib.k26_ar_error_string.restype = ctypes.c_char_p
+        lib.k26_ar_error_string.argtypes = [I]
+        lib.k26_ar_launch.argtypes = (
+            [P] * 5 + [ctypes.POINTER(P), P, P, LL, LL, ctypes.c_float] + [I] * 5 + [P]
+        )
+        lib._k26_ar_argtypes = True
+    return lib
+
+
+def _cuda_error(e: int) -> str:
+    return _lib().k26_ar_error_string(e).decode()
+
+
+def limits() -> tuple[int, int]:
+    """(most ranks, largest D) the kernel serves."""
+    r, d = ctypes.c_int(), ctypes.c_int()
+    _lib().k26_ar_limits(ctypes.byref(r), ctypes.byref(d))
+    return r.value, d.value
+
+
+@torch.library.register_kernel("k26::allreduce_add_rmsnorm", "cuda")
+def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
+    if peers.numel() == 0:
+        return composition(x, residual, weight, eps, group_name)
+    world, D = peers.numel(), x.shape[-1]
+    rows = x.numel() // D
+    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    ws = (ctypes.c_void_p * world)(*peers.tolist())
+    two_shot = int(rows >= world and 2 * x.numel() >= two_shot_bytes)
+    x, residual = x.contiguous(), residual.contiguous()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    e = _lib().k26_ar_launch(
+        *(t.data_ptr() for t in (x, residual, weight, out, res_out)),
+        ws,
+        ctl.data_ptr(),
+        err.data_ptr(),
+        timeout_ns,
+        cap,
+        eps,
+        rows,
+        D,
+        rank,
+        world,
+        two_shot,
+        stream,
+    )
+    if e:
+        raise RuntimeError(f"k26.allreduce_add_rmsnorm: launch failed: {_cuda_error(e)}")
+    return out, res_out
+
+
+# ---------------------------------------------------------------- the per-group owner
+
+
+def check_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    op = "k26.allreduce_add_rmsnorm"
+    if x.dim() < 1 or x.shape != residual.shape:
+        raise ValueError(f"{op}: residual {list(residual.shape)} must have x's shape {list(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"{op}: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
+    for name, t in (("residual", residual), ("weight", weight)):
+        if t.device != x.device or t.dtype != x.dtype:
+            raise ValueError(f"{op}: {name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device}")
+
+
+class FusedAllReduce:
+    """The peer-mapped workspaces, epoch counter and error word of one TP group on this rank. Collective:
+    every rank of `group` builds it at the same point. Call it as `(x, residual, weight, eps) -> (normed,
+    new residual)`. `p2p` says whether the kernel serves this group (else `why`, and the composition runs)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        *,
+        max_bytes: int = 4 << 20,
+        two_shot_bytes: int = 256 << 10,
+        timeout_s: float = 300.0,
+    ):
+        self.group = group or dist.group.WORLD
+        self.group_name = self.group.group_name
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.two_shot_bytes, self.timeout_ns = two_shot_bytes, int(timeout_s * 1e9)
+        self.cap = max_bytes // 2 // BLOCK_DIM_ALIGN * BLOCK_DIM_ALIGN  # elements per data region
+        self._own: ctypes.c_void_p | None = None
+        self._mapped: list[int] = []
+        self.peers = torch.empty(0, dtype=torch.int64)
+        self.why = self._map_peers()
+        self.p2p = self.why is None
+        if self.p2p:
+            self.ctl = torch.zeros(4, dtype=torch.int32, device=self.device)  # epoch, done, err, info
+            self.err = torch.zeros(2, dtype=torch.int32).pin_memory()  # read by the host without a sync
+        else:
+            self.ctl = torch.zeros(0, dtype=torch.int32, device=self.device)
+            self.err = torch.zeros(2, dtype=torch.int32)
+            _say_once(
+                f"k26: fused all-reduce unavailable ({self.why}); NCCL all-reduce + add + RMSNorm instead"
+            )
+        self.max_dim = limits()[1] if self.p2p else 0
+
+    def _map_peers(self) -> str | None:
+        """Allocate and share our workspace, map every peer's; None when all ranks mapped all peers, else
+        why not (the same answer on every rank)."""
+        why = None
+        handle = ctypes.create_string_buffer(64)
+        try:
+            lib = _lib()
+            max_ranks, _ = limits()
+            if self.world > max_ranks:
+                why = f"{self.world} ranks, the kernel serves up to {max_ranks}"
+            else:
+                own = ctypes.c_void_p()
+                e = lib.k26_ar_alloc(
+                    self.device.index, lib.k26_ar_workspace_bytes(self.world, self.cap), own, handle
+                )
+                if e:
+                    why = f"rank {self.rank}: workspace allocation failed: {_cuda_error(e)}"
+                else:
+                    self._own = own
+        except (OSError, RuntimeError) as ex:  # no kernel library (BuildError is a RuntimeError)
+            why = f"rank {self.rank}: no kernel library ({ex})"
+        infos: list = [None] * self.world
+        dist.all_gather_object(infos, (handle.raw, socket.gethostname(), why), group=self.group)
+        why = next((w for *_, w in infos if w), None)
+        ptrs = [0] * self.world
+        if why is None:
+            for q, (h, host, _) in enumerate(infos):
+                if q == self.rank:
+                    ptrs[q] = self._own.value
+                elif host != infos[self.rank][1]:
+                    why = f"rank {q} is on host {host}, rank {self.rank} on {infos[self.rank][1]}"
+                else:
+                    p = ctypes.c_void_p()
+                    e = _lib().k26_ar_open(self.device.index, ctypes.create_string_buffer(h, 64), p)
+                    if e:
+                        why = f"rank {self.rank} cannot map rank {q}'s memory: {_cuda_error(e)}"
+                        break
+                    self._mapped.append(p.value)
+                    ptrs[q] = p.value
+        answers: list = [None] * self.world
+        dist.all_gather_object(answers, why, group=self.group)
+        why = next((w for w in answers if w), None)
+        if why is None:
+            self.peers = torch.tensor(ptrs, dtype=torch.int64)
+        else:
+            self.close()
+        return why
+
+    def close(self) -> None:
+        """Unmap the peers and free our workspace (every rank, after its last call)."""
+        if self._mapped or self._own is not None:
+            torch.cuda.synchronize(self.device)
+        for p in self._mapped:
+            _lib().k26_ar_close(p)
+        self._mapped = []
+        if self._own is not None:
+            _lib().k26_ar_free(self._own)
+            self._own = None
+        self.peers = torch.empty(0, dtype=torch.int64)
+
+    def check(self) -> None:
+        """Raise the error an earlier launch recorded (a peer that timed out, or a size mismatch)."""
+        code, info = (int(v) for v in self.err.tolist())
+        if not code:
+            return
+        kind, peer = code >> 8, (code & 0xFF) - 1
+        if kind == 2:
+            raise RuntimeError(
+                f"k26 fused all-reduce: rank {peer} was called with {info} elements, a different size than "
+                f"rank {self.rank} (the ranks ran different batches)"
+            )
+        raise RuntimeError(
+            f"k26 fused all-reduce: rank {self.rank} waited {self.timeout_ns / 1e9:g} s for rank {peer}, "
+            "which never arrived (it died, or is stuck elsewhere)"
+        )
+
+    def unsupported(self, x: torch.Tensor) -> str | None:
+        """Why the kernel does not serve `x` (the composition then runs), or None."""
+        if not self.p2p:
+            return self.why
+        if x.dtype != torch.bfloat16:
+            return f"dtype {x.dtype} (the kernel is bf16)"
+        D = x.shape[-1]
+        if D % BLOCK_DIM_ALIGN or D > self.max_dim:
+            return f"width {D} (the kernel needs a multiple of 8 up to {self.max_dim})"
+        return None if x.numel() else "an empty tensor"
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not torch.cuda.is_current_stream_capturing():
+            check_inputs(x, residual, weight)
+            self.check()
+        why = self.unsupported(x)
+        if why is not None or x.numel() > self.cap:  # above the NCCL crossover: the composition over NCCL
+            if why is not None:
+                _say_once(f"k26 fused all-reduce: {why}: NCCL all-reduce + add + RMSNorm instead")
+            return composition(x, residual, weight, eps, self.group_name)
+        return torch.ops.k26.allreduce_add_rmsnorm(
+            x.contiguous(),
+            residual.contiguous(),
+            weight.contiguous(),
+            float(eps),
+            self.group_name,
+            self.peers,
+            self.ctl,
+            self.err,
+            self.rank,
+            self.cap,
+            self.two_shot_bytes,
+            self.timeout_ns,
+        )
