@@ -3,6 +3,12 @@ TP 8), random weights in the loaded layouts (bf16 + repacked int4 experts), plus
 the same rank's shapes, against the byte roofline measured in the same run.
 
     python profiling/bench_k26.py [--tp 8] [--layers 61] [--ctx 4096,32768] [--nodes 1,8,16,32,64] [--out F]
+    python profiling/bench_k26.py --compile --variants base,fused --nodes 1,16 --table-nodes 1,16 --ctx 4096
+
+`--variants`: the decode / verify rows of each variant of the dense path in turn (base: the module glue and
+cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK and W_UV in the small-M kernel;
+fused-all: + every projection and the head in the small-M kernel), each with a per-kernel table of the
+graph-replayed step at `--table-nodes` (profiling/kernel_table.py).
 
 Collectives are excluded (the TP group is a no-op here; they are measured on two GPUs and modelled for
 eight). Every step is a CUDA-graph replay (median). Bytes per step: every non-routed parameter of the
@@ -23,6 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from kernel_table import record, run_variants
 from timing import copy_bandwidth, events_time
 
 from k26.config import K26_TEXT_CONFIG, ModelConfig
@@ -30,7 +37,7 @@ from k26.drafter_config import DrafterConfig
 from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import DFlashDrafter
-from k26.model.moe import Int4Experts
+from k26.model.moe import Int4Experts, Router
 from k26.ops.moe_cuda import repack_scales, w13_row_order
 from k26.sampling import RowSampling
 from k26.spec.step import SpecConfig, StepModels, speculative_step
@@ -95,7 +102,9 @@ def randomize(model: torch.nn.Module, skew: bool) -> None:
             m.repacked = True
 
 
-def graph_step_time(fn, reset) -> float:
+def graph_step_time(fn, reset, kernels: list | None = None) -> float:
+    """Median replay time of fn captured in one CUDA graph, minus reset()'s; `kernels` (a list) receives
+    the kernel list of one replay (kernel_table.record)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -113,6 +122,8 @@ def graph_step_time(fn, reset) -> float:
 
     t = events_time(replay, reps=15)
     t_reset = events_time(reset, reps=15)
+    if kernels is not None:
+        kernels += record(replay)
     return max(t - t_reset, 0.0)  # the graph and its memory pool are freed on return
 
 
@@ -144,6 +155,8 @@ def main() -> None:
         action="store_true",
         help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)",
     )
+    ap.add_argument("--variants", default="", help="base,glue,fused,fused-all: see the docstring")
+    ap.add_argument("--table-nodes", default="", help="verify sizes with a per-kernel table (--variants)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
@@ -158,7 +171,14 @@ def main() -> None:
     randomize(model, a.skew)
     model.rope.reset_buffers()
     model.eval()
-    if a.compile:  # fullgraph off: a graph break costs fusion here, it must not abort the measurement
+    for m in model.modules():  # as the loader does (moe.use_cuda_kernels): the fused router kernel
+        if isinstance(m, Router):
+            m.fuse_()
+    if a.compile:
+        torch._dynamo.config.cache_size_limit = 64  # a body per (variant, N, dense / MoE layer)
+        torch._dynamo.config.accumulated_cache_size_limit = (
+            512  # fullgraph off: a graph break costs fusion here, it must not abort the measurement
+        )
         for layer in model.layers:
             layer.compile(dynamic=False)
     dcfg = drafter_config(a.tp)
@@ -211,6 +231,17 @@ def main() -> None:
     for m in model.modules():
         if isinstance(m, Int4Experts):
             m.register_forward_pre_hook(count)
+    if a.variants:
+        lines[-2:] = ["| variant | ctx L | verify N | time ms | experts/layer | GB read | GB/s | % copy BW |"]
+        lines.append("|---|---|---|---|---|---|---|---|")
+        counter = (touched, counting)
+        lines += run_variants(
+            model, cfg, a, ctxs[0], nodes, counter, (nonrouted, per_expert, copy_bw), graph_step_time
+        )
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return
     for L in ctxs:
         cache = torch.zeros(
             cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev
