@@ -359,7 +359,8 @@ class Decoder:
                 args = (s.lens, s.bonus, s.alive, s.spec, rs, s.timer, s.policy)
                 new, counts, budget = eager_speculative_step(m, rows, *args)
             else:  # AR, or no room for another verify tree: this step decodes one token like AR
-                new, counts, budget = eager_ar_step(m, rows, s.lens, s.bonus, s.alive, rs)
+                spec = s.spec.method != "ar"  # (then the drafter's context still follows)
+                new, counts, budget = eager_ar_step(m, rows, s.lens, s.bonus, s.alive, rs, context=spec)
         state.record(was, new, counts, budget)
         return was
 

@@ -332,3 +332,29 @@ def test_spec_runs_to_the_context_end_like_ar(tiny_k25, drafter_dir):
         out = llm.generate(prompts, sp, spec)
         assert [o.token_ids for o in out] == [o.token_ids for o in ar]
         assert [o.finish_reason for o in out] == [o.finish_reason for o in ar]
+
+
+def test_ar_fallback_near_the_context_end_keeps_the_drafter_context(tiny_k25, drafter_dir):
+    """Row 0 runs out of room for a verify tree first, so the whole batch steps autoregressively for a
+    while; row 1's drafter context must still hold every committed position, exactly what a prefill of
+    its whole sequence writes (else its later drafts read stale features)."""
+    from k26.spec.step import prefill
+
+    llm = LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=3,
+        max_model_len=64,
+    )
+    prompts = [list(range(3, 43)), list(range(50, 60))]
+    out = llm.generate(prompts, SamplingParams(max_tokens=40, stop_token_ids=[]), SpecConfig("ddtree", 12))
+    seq = prompts[1] + out[1].token_ids
+    n = len(seq) - 1  # the last token is the pending bonus: not in any cache yet
+    m = llm.decoder.ctx.models()
+    prefill(m, [seq[:n]], torch.tensor([2]), aux=True)  # row 2: the batch used rows 0 and 1
+    k = llm.dcache.k
+    stale = ((k[:, 1, :n] - k[:, 2, :n]).abs().amax((0, 2, 3)) > 1e-4).nonzero()[:, 0].tolist()
+    assert not stale, f"drafter context differs at positions {stale} of {n}"

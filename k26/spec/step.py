@@ -212,11 +212,20 @@ def speculative_step(
     )
 
 
-def ar_step(m: StepModels, rows, start, bonus, rs: RowSampling) -> torch.Tensor:
+def ar_step(
+    m: StepModels, rows, start, bonus, rs: RowSampling, context: torch.Tensor | None = None
+) -> torch.Tensor:
     """One autoregressive step: each row's bonus token through the target at its length (its latent
-    written to the cache); the next token per row [B]."""
+    written to the cache); the next token per row [B]. `context` [B] bool (a speculative batch stepping
+    autoregressively near the context end): those rows' features also go into the drafter's context, as a
+    speculative step's commit would write them, so that drafting later resumes on a complete context."""
     batch = AttnBatch.causal(start, 1, rows, static=m.static)
-    h, _ = m.target(bonus[:, None], batch, m.cache_LRTC, absorb=m.absorb)
+    aux_layers = m.drafter.cfg.target_layer_ids if context is not None else ()
+    h, feats = m.target(bonus[:, None], batch, m.cache_LRTC, aux_layers=aux_layers, absorb=m.absorb)
+    if context is not None:
+        m.drafter.append_context(
+            m.dcache.k, m.dcache.v, feats, start[:, None], rows, valid_BC=context[:, None]
+        )
     return m.next_token(h[:, 0], rs)
 
 
@@ -232,10 +241,12 @@ def eager_speculative_step(
     return new, counts, r.budget
 
 
-def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling) -> tuple[list, list[int], None]:
+def eager_ar_step(
+    m: StepModels, rows, lens, bonus, alive, rs: RowSampling, context: bool = False
+) -> tuple[list, list[int], None]:
     """`ar_step` run eagerly: `lens` (live rows) and `bonus` advanced in place; returns (one token per row,
-    the counts, no budget)."""
-    bonus.copy_(ar_step(m, rows, lens, bonus, rs))
+    the counts, no budget). `context`: the live rows' drafter context is kept (a speculative batch)."""
+    bonus.copy_(ar_step(m, rows, lens, bonus, rs, alive if context else None))
     lens.add_(alive.long())  # finished rows stay frozen, rewriting only their own slot
     return [[t] for t in bonus.tolist()], [1] * len(rows), None
 
