@@ -289,21 +289,45 @@ def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:
 
 
 class PhaseTimer:
-    """Phase times without a sync per step: CUDA events on GPU (read at the end), wall clock on CPU."""
+    """Phase times without a sync per step: wall clock on CPU; on GPU CUDA events, each phase's pairs
+    folded into its total once more than `HELD` wait (all but the newest: eager steps read their tokens
+    back every step, so the older pairs are long complete), so a long generation holds a bounded number."""
+
+    HELD = 32
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans: dict[str, list] = {}
+        self.totals: dict[str, float] = {}  # seconds folded so far, per phase
+        self.pending: dict[str, list] = {}  # CUDA: (start, end) event pairs not folded yet, per phase
 
     def __call__(self, name: str):
         return _Span(self, name)
 
+    def add(self, name: str, span) -> None:
+        """One span of `name`: seconds (CPU) or a (start, end) pair of recorded CUDA events."""
+        if not self.cuda:
+            self.totals[name] = self.totals.get(name, 0.0) + span
+            return
+        pending = self.pending.setdefault(name, [])
+        pending.append(span)
+        if len(pending) > self.HELD:
+            self._fold(name, len(pending) - 1)
+
+    def _fold(self, name: str, n: int) -> None:
+        pending = self.pending[name]
+        done, self.pending[name] = pending[:n], pending[n:]
+        for a, b in done:
+            b.synchronize()
+        self.totals[name] = self.totals.get(name, 0.0) + sum(a.elapsed_time(b) for a, b in done) / 1e3
+
+    def held(self) -> int:
+        """Event pairs waiting to be folded (bounded by `HELD` per phase)."""
+        return sum(map(len, self.pending.values()))
+
     def total(self, name: str) -> float:
-        spans = self.spans.get(name, [])
-        if self.cuda:
-            torch.cuda.synchronize()
-            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
-        return sum(spans)
+        if name in self.pending:
+            self._fold(name, len(self.pending[name]))
+        return self.totals.get(name, 0.0)
 
 
 class _Span:
@@ -324,9 +348,9 @@ class _Span:
         if self.t.cuda:
             b = torch.cuda.Event(enable_timing=True)
             b.record()
-            self.t.spans.setdefault(self.name, []).append((self.a, b))
+            self.t.add(self.name, (self.a, b))
         else:
-            self.t.spans.setdefault(self.name, []).append(time.perf_counter() - self.a)
+            self.t.add(self.name, time.perf_counter() - self.a)
         self.r.__exit__(*exc)
         return False
 
