@@ -162,7 +162,8 @@ def run_variants(model, cfg, a, L, nodes, counter, sizes, graph_step_time) -> li
     for name in a.variants.split(","):
         apply_variant(model, name)
         for N in nodes:
-            ids = torch.randint(0, cfg.vocab_size, (1, N), device=dev)
+            gen = torch.Generator(device=dev).manual_seed(N)  # the same tokens (and experts) in every variant
+            ids = torch.randint(0, cfg.vocab_size, (1, N), device=dev, generator=gen)
             batch = AttnBatch.tree(
                 start, torch.ones(N, N, dtype=torch.bool, device=dev).tril()[None], rows, static=True
             )
