@@ -83,3 +83,26 @@ def test_training_forward_equals_cached_forward(llm):
             ids, AttnBatch.causal(torch.zeros(2, dtype=torch.long), 13), llm.cache.kv_LRTC, absorb=False
         )
     assert ((train_h - h).norm() / h.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_reference_attention_ignores_nan_in_unseen_cache_slots(static):
+    """Cache slots no query sees (past the shorter row's prefix; the whole row when static) are NaN-poisoned:
+    the reference attention's output and lse equal those over a zero-filled cache and are finite."""
+    g = torch.Generator().manual_seed(3)
+    B, N, H, C, V, L = 2, 3, 2, 24, 16, 20
+    prefix = torch.tensor([4, 11])
+    parents = [-1, 0, 0]
+    words = tree_mask_to_words(ancestors_from_parents(torch.tensor([parents, parents])))
+    q = torch.randn(B, N, H, C, generator=g)
+    outs = []
+    for fill in (float("nan"), 0.0):
+        cache = torch.full((3, L, C), fill)
+        rows = torch.tensor([2, 0])
+        for b in range(B):  # the prefix and this step's tree slots are written, nothing else
+            n = int(prefix[b]) + N
+            cache[rows[b], :n] = torch.randn(n, C, generator=torch.Generator().manual_seed(b))
+        outs.append(torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, 0.2, V, static))
+    for t in outs[0]:
+        assert torch.isfinite(t).all()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

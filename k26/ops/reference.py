@@ -79,9 +79,11 @@ def mla_tree_attention(
             f"mla_tree_attention: prefix + {N} new tokens exceeds cache length {cache_RLC.shape[1]}"
         )
     keys = live_keys(prefix_lens_B, N, cache_RLC.shape[1], static)
-    kv_BLC = cache_RLC[rows_B, :keys].float()
-    s_BNHL = torch.einsum("bnhc,blc->bnhl", q_BNHC.float(), kv_BLC) * scale
     vis_BNL = visible_keys(prefix_lens_B, words_BNW, N, keys)
+    # Slots no query sees (past a shorter row's prefix, or the whole row when static) may hold anything,
+    # NaN included, and a zero probability times NaN is NaN: they are read as zeros.
+    kv_BLC = cache_RLC[rows_B, :keys].float().masked_fill(~vis_BNL.any(1)[..., None], 0.0)
+    s_BNHL = torch.einsum("bnhc,blc->bnhl", q_BNHC.float(), kv_BLC) * scale
     s_BNHL = s_BNHL.masked_fill(~vis_BNL[:, :, None, :], float("-inf"))
     lse_BNH = torch.logsumexp(s_BNHL, dim=-1)
     p_BNHL = torch.exp(s_BNHL - lse_BNH[..., None])
