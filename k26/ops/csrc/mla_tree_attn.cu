@@ -142,21 +142,26 @@ constexpr int LDO = DV + 4;  // fp32 partial row in shared memory (padded agains
 #define MERGE_LOADS 12  // float4 loads in flight per thread in the global merge
 #endif
 
-// Weights of `n` partials for each of `rows` rows from their lse values (get(k, r)) into sw[k * BM + r]
-// (normalised to sum 1) and the merged lse into slse[r]. Runs on threads r < rows.
-template <int BM, class Get>
-__device__ __forceinline__ void merge_weights(int n, int rows, Get get, float* sw, float* slse) {
+// Weights of `n` partials for each of `rows` rows into sw[k * BM + r] (normalised to sum 1) and the merged
+// lse into slse[r]. The n * rows lse values (load(k, r)) are fetched by all threads at once, so a merge
+// pays one memory round trip for them, not n; then one thread per row reduces them.
+template <int BM, class Load>
+__device__ __forceinline__ void merge_weights(int n, int rows, Load load, float* sw, float* slse) {
+  for (int i = threadIdx.x; i < n * rows; i += THREADS) sw[(i / rows) * BM + i % rows] = load(i / rows, i % rows);
+  __syncthreads();
   const int r = threadIdx.x;
-  if (r >= rows) return;
-  float mx = -CUDART_INF_F, wsum = 0.f;
-  for (int k = 0; k < n; ++k) mx = fmaxf(mx, sw[k * BM + r] = get(k, r));
-  for (int k = 0; k < n; ++k) {
-    const float w = mx == -CUDART_INF_F ? 0.f : __expf(sw[k * BM + r] - mx);  // 0 for an empty partial
-    sw[k * BM + r] = w, wsum += w;
+  if (r < rows) {
+    float mx = -CUDART_INF_F, wsum = 0.f;
+    for (int k = 0; k < n; ++k) mx = fmaxf(mx, sw[k * BM + r]);
+    for (int k = 0; k < n; ++k) {
+      const float w = mx == -CUDART_INF_F ? 0.f : __expf(sw[k * BM + r] - mx);  // 0 for an empty partial
+      sw[k * BM + r] = w, wsum += w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    for (int k = 0; k < n; ++k) sw[k * BM + r] *= inv;
+    slse[r] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  for (int k = 0; k < n; ++k) sw[k * BM + r] *= inv;
-  slse[r] = wsum > 0.f ? mx + __logf(wsum) : -CUDART_INF_F;
+  __syncthreads();
 }
 
 // Stores four merged columns of row r: bf16 into out (the final result) or fp32 into part.
@@ -177,7 +182,6 @@ __device__ __noinline__ void merge_clusters(const float* lp, const float* op, __
                                             int clusters, int rows_real, int c0, int W, float* sw) {
   float* slse = sw + clusters * BM;  // sw: [clusters][BM] weights in the (free) key stages
   merge_weights<BM>(clusters, rows_real, [&](int k, int r) { return __ldcg(lp + k * BM + r); }, sw, slse);
-  __syncthreads();
   for (int item = threadIdx.x; item < rows_real * (W / 4); item += THREADS) {
     const int r = item / (W / 4), c = c0 + (item % (W / 4)) * 4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -197,6 +201,83 @@ __device__ __noinline__ void merge_clusters(const float* lp, const float* op, __
   }
   if (lse && threadIdx.x < rows_real) lse[threadIdx.x] = slse[threadIdx.x];
   TRACE(7);
+}
+
+// The split-KV merge, run by every block of a live cluster once its partial is in shared memory. Not
+// inlined: the key loop then keeps MT 1's 128-register budget to itself.
+template <int MT>
+__device__ __noinline__ void merge_splits(const Params& p, uint8_t* smem) {
+  using C = Cfg<MT>;
+  constexpr int BM = C::BM;
+  float* sS = reinterpret_cast<float*>(smem + C::K);
+  float* sLse = reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS);
+  float* sO = reinterpret_cast<float*>(smem);
+  const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, row0 = rt * BM;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  TRACE(3);
+
+  // Step 1: block q of the cluster merges columns [q W, q W + W) of the cluster's CL partials.
+  // Recomputed rather than kept live across the key loop (MT 1 runs at its 128-register cap).
+  const int clusters = [&] {
+    const int L2 = static_cast<int>(p.prefix[b]);
+    int chunk2, active2;
+    split_geometry(p, max(1, min(L2 + p.N, p.max_len)), chunk2, active2);
+    return (active2 + p.CL - 1) / p.CL;
+  }();
+  const int CL = p.CL, q = (int)cluster.block_rank(), W = DV / CL, cid = split / CL;
+  const int rows_real = min(BM, p.R - row0);
+  const size_t tile = (size_t)b * p.RT + rt;
+  const int ncl = p.S_max / CL;
+  __nv_bfloat16* out = clusters == 1 ? p.out + ((size_t)b * p.R + row0) * DV : nullptr;
+  float* sW = sS;  // [CL][BM] weights, then [BM] merged lse: the score buffer is free
+  float* sLc = sW + 8 * BM;
+  merge_weights<BM>(CL, rows_real, [&](int k, int r) { return *cluster.map_shared_rank(sLse + r, k); }, sW, sLc);
+  for (int item = tid; item < rows_real * (W / 4); item += THREADS) {
+    const int r = item / (W / 4), c = q * W + (item % (W / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k0 = 0; k0 < 8; k0 += 4) {  // four remote reads in flight (eight spill under MT 1's cap)
+      float4 v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k0 + k < CL) v[k] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(sO + r * LDO + c, k0 + k));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float w = k0 + k < CL ? sW[(k0 + k) * BM + r] : 0.f;
+        if (w == 0.f) continue;  // an empty partial (idle split) may hold anything
+        acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
+      }
+    }
+    store4(out, p.o_part + ((tile * ncl + cid) * BM) * DV, r, c, acc);
+  }
+  if (q == 0 && tid < rows_real) {
+    if (out) p.lse[(size_t)b * p.R + row0 + tid] = sLc[tid];
+    else __stcg(p.lse_part + (tile * ncl + cid) * BM + tid, sLc[tid]);
+  }
+  cluster.sync();  // every distributed-shared-memory read is done before a block of the cluster moves on
+  TRACE(4);
+  if (out) return;
+
+  // Step 2: the last cluster to arrive merges the clusters' partials, each block its column slice.
+  __shared__ int s_last;
+  __threadfence();  // this block's slice is visible device-wide before the count says so
+  cluster.sync();
+  if (q == 0 && tid == 0) {
+    int* cnt = p.counters + tile;
+    const int last = atomicAdd(cnt, 1) == clusters - 1;
+    if (last) atomicExch(cnt, 0);  // every cluster has arrived: zero again for the next call / graph replay
+    s_last = last;
+  }
+  cluster.sync();
+  const int last = *cluster.map_shared_rank(&s_last, 0);
+  cluster.sync();  // rank 0's flag is read before it may exit
+  if (!last) return;
+  TRACE(6);
+  __threadfence();  // acquire: the other clusters' partials are read after their counts
+  merge_clusters<BM>(p.lse_part + tile * ncl * BM, p.o_part + tile * ncl * BM * DV,
+                     p.out + ((size_t)b * p.R + row0) * DV, q == 0 ? p.lse + (size_t)b * p.R + row0 : nullptr,
+                     clusters, rows_real, q * W, W, reinterpret_cast<float*>(smem));
 }
 
 template <int MT>
@@ -430,65 +511,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     }
   }
   if (tid < BM) sLse[tid] = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  TRACE(3);
-
-  // Step 1: block q of the cluster merges columns [q W, q W + W) of the cluster's CL partials.
-  // Recomputed rather than kept live across the key loop (MT 1 runs at its 128-register cap).
-  const int clusters = [&] {
-    const int L2 = static_cast<int>(p.prefix[b]);
-    int chunk2, active2;
-    split_geometry(p, max(1, min(L2 + p.N, p.max_len)), chunk2, active2);
-    return (active2 + p.CL - 1) / p.CL;
-  }();
-  const int CL = p.CL, q = (int)cluster.block_rank(), W = DV / CL, cid = split / CL;
-  const int rows_real = min(BM, p.R - row0);
-  const size_t tile = (size_t)b * p.RT + rt;
-  const int ncl = p.S_max / CL;
-  __nv_bfloat16* out = clusters == 1 ? p.out + ((size_t)b * p.R + row0) * DV : nullptr;
-  float* sW = sS;  // [CL][BM] weights, then [BM] merged lse: the score buffer is free
-  float* sLc = sW + 8 * BM;
-  merge_weights<BM>(CL, rows_real, [&](int k, int r) { return *cluster.map_shared_rank(sLse + r, k); }, sW, sLc);
-  __syncthreads();
-  for (int item = tid; item < rows_real * (W / 4); item += THREADS) {
-    const int r = item / (W / 4), c = q * W + (item % (W / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int k = 0; k < CL; ++k) {
-      const float w = sW[k * BM + r];
-      if (w == 0.f) continue;  // an empty partial (idle split) may hold anything
-      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(sO + r * LDO + c, k));
-      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
-    }
-    store4(out, p.o_part + ((tile * ncl + cid) * BM) * DV, r, c, acc);
-  }
-  if (q == 0 && tid < rows_real) {
-    if (out) p.lse[(size_t)b * p.R + row0 + tid] = sLc[tid];
-    else __stcg(p.lse_part + (tile * ncl + cid) * BM + tid, sLc[tid]);
-  }
-  cluster.sync();  // every distributed-shared-memory read is done before a block of the cluster moves on
-  TRACE(4);
-  if (out) return;
-
-  // Step 2: the last cluster to arrive merges the clusters' partials, each block its column slice.
-  __shared__ int s_last;
-  __threadfence();  // this block's slice is visible device-wide before the count says so
-  cluster.sync();
-  if (q == 0 && tid == 0) {
-    int* cnt = p.counters + tile;
-    const int last = atomicAdd(cnt, 1) == clusters - 1;
-    if (last) atomicExch(cnt, 0);  // every cluster has arrived: zero again for the next call / graph replay
-    s_last = last;
-  }
-  cluster.sync();
-  const int last = *cluster.map_shared_rank(&s_last, 0);
-  cluster.sync();  // rank 0's flag is read before it may exit
-  if (!last) return;
-  TRACE(6);
-  __threadfence();  // acquire: the other clusters' partials are read after their counts
-  merge_clusters<BM>(p.lse_part + tile * ncl * BM, p.o_part + tile * ncl * BM * DV,
-                     p.out + ((size_t)b * p.R + row0) * DV, q == 0 ? p.lse + (size_t)b * p.R + row0 : nullptr,
-                     clusters, rows_real, q * W, W, reinterpret_cast<float*>(smem));
+  merge_splits<MT>(p, smem);
 }
 
 int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
