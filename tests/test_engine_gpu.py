@@ -34,3 +34,22 @@ def test_cuda_bf16_greedy_ignores_a_poisoned_cache(tiny_k25):
     assert runs[0] == runs[1]
     llm.cache.kv_LRTC.fill_(float("nan"))
     assert all(torch.isfinite(llm.score(p + t)).all() for p, t in zip(prompts, runs[0], strict=True))
+
+
+def test_capture_at_startup_records_every_bucket_and_first_use_captures_nothing(tiny_k25):
+    """LLM(capture=True) captures the greedy and sampled graphs of every batch size before the first request,
+    each with its seconds and pool growth in `startup.captures`; generate then replays them."""
+    from k26.graphs.buckets import default_batches
+
+    llm = LLM(tiny_k25, device="cuda", progress=False, max_batch=4, capture=True)
+    caps = llm.startup.captures
+    want = sorted((b, f"ar {k}") for b in default_batches(4) for k in ("greedy", "sampled"))
+    assert sorted((c.bucket.batch, c.kind) for c in caps) == want
+    assert all(c.seconds > 0 for c in caps) and max(c.pool_bytes for c in caps) > 0
+    assert llm.startup.phases["capture"] >= sum(c.seconds for c in caps)
+    graphs = sum(len(r.graphs) for r in llm.decoder.runners.values())
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 600, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, stop_token_ids=[]))
+    assert [len(o.token_ids) for o in outs] == [5, 5, 5]
+    assert sum(len(r.graphs) for r in llm.decoder.runners.values()) == graphs
