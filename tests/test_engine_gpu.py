@@ -43,7 +43,9 @@ def test_capture_at_startup_records_every_bucket_and_first_use_captures_nothing(
 
     llm = LLM(tiny_k25, device="cuda", progress=False, max_batch=4, capture=True)
     caps = llm.startup.captures
-    want = sorted((b, f"ar {k}") for b in default_batches(4) for k in ("greedy", "sampled"))
+    kinds = {c.kind for c in caps}  # greedy and the sampled mode(s)
+    assert "ar greedy" in kinds and len(kinds) >= 2
+    want = sorted((b, k) for b in default_batches(4) for k in kinds)
     assert sorted((c.bucket.batch, c.kind) for c in caps) == want
     assert all(c.seconds > 0 for c in caps) and max(c.pool_bytes for c in caps) > 0
     assert llm.startup.phases["capture"] >= sum(c.seconds for c in caps)
