@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -197,10 +198,10 @@ def run_alone(a, out: Path, files: list[Path], dd: float, cache: Path, t: Rows) 
     return alone
 
 
-def run_coordinated(a, out: Path, files: list[Path], size: int, res: Path, t: Rows) -> None:
+def run_coordinated(a, out: Path, files: list[Path], size: int, t: Rows) -> None:
     drop_cache(files)
     t0 = time.perf_counter()
-    cs = coordinated(out, a.tp, res, a.device)
+    cs = coordinated(out, a.tp, Path(tempfile.mkdtemp()), a.device)  # not --results: 8 files
     wall = time.perf_counter() - t0
     total = sum(c["bytes"] for c in cs)
     disk = sum(c["disk"] or 0 for c in cs)
@@ -334,7 +335,7 @@ def main() -> None:
     for k, v in model_rows(a, dd, alone, rp, cap):
         t.add("MODELLED: " + k, v)
     if a.coordinated:  # last: the slowest part (8 processes, gloo over loopback), the rest is written by then
-        run_coordinated(a, out, files, size, res, t)
+        run_coordinated(a, out, files, size, t)
 
 
 if __name__ == "__main__":
