@@ -2,10 +2,14 @@
 
     torchrun --nproc-per-node 2 profiling/bench_tp2.py --out FILE.md
 
-1. In-graph vs eager NCCL all-reduce latency for 7168 x N bf16 (N = 1..256), 50 calls per graph.
+1. In-graph latency per operation for 7168 x N bf16 (N = 1..256), 20 per graph: NCCL all-reduce alone
+   and with the residual add + RMSNorm, torch symmetric memory one-/two-shot + norm, and the fused
+   all-reduce + add + RMSNorm (k26/ops/allreduce_cuda.py: auto, forced one-shot, forced two-shot).
 2. The embedded pair at TP 2 (bf16): greedy tokens with graphs == without graphs, DDTree == AR, and the
    batch-1 graph step time; then `python profiling/bench_tp2.py --tp1 FILE.md.json --out FILE.md` runs TP 1
-   on one GPU and appends tokens TP 2 == TP 1 and the step times side by side.
+   on one GPU and appends tokens TP 2 == TP 1 and the step times side by side. The pair runs twice: with
+   the fused op (the default on NCCL) and with K26_FUSED_ALLREDUCE=0 (NCCL + add + RMSNorm): step times
+   and whether the tokens agree.
 Exits with os._exit once results are written: NCCL teardown after graph capture can hang (gpu-targets.md).
 """
 
@@ -58,6 +62,74 @@ def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple
     return res, times
 
 
+def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph: int = 20) -> list[str]:
+    """In-graph µs per operation for 7168 x N bf16: NCCL alone and with add + RMSNorm, torch symmetric
+    memory one-shot / two-shot (+ norm), and the fused op (auto, forced one-shot, forced two-shot)."""
+    from k26.ops.allreduce_cuda import FusedAllReduce, rms_norm
+
+    group = dist.group.WORLD
+    fused = {
+        "fused (auto)": FusedAllReduce(group, dev, timeout_s=60),
+        "fused one-shot": FusedAllReduce(group, dev, timeout_s=60, two_shot_bytes=1 << 40),
+        "fused two-shot": FusedAllReduce(group, dev, timeout_s=60, two_shot_bytes=0),
+    }
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    except Exception as e:  # noqa: BLE001  (a torch without it: the rows say why)
+        symm_mem, symm_why = None, f"{type(e).__name__}: {e}"
+    w = torch.randn(7168, device=dev, dtype=torch.bfloat16)
+    rows = {}
+    for N in sizes:
+        x = torch.randn(N, 7168, device=dev, dtype=torch.bfloat16)
+        r = torch.randn(N, 7168, device=dev, dtype=torch.bfloat16)
+
+        def nccl(x=x):
+            dist.all_reduce(x)
+
+        def nccl_norm(x=x, r=r):
+            dist.all_reduce(x)
+            h = r + x
+            return rms_norm(h, w, 1e-6), h
+
+        bodies = {"NCCL": nccl, "NCCL + norm": nccl_norm}
+        if symm_mem is not None:
+            sx = symm_mem.empty(N, 7168, dtype=torch.bfloat16, device=dev).copy_(x)
+            symm_mem.rendezvous(sx, group.group_name)
+            bodies["symm one-shot + norm"] = lambda sx=sx, r=r: rms_norm(
+                r + torch.ops.symm_mem.one_shot_all_reduce(sx, "sum", group.group_name), w, 1e-6
+            )
+            bodies["symm two-shot + norm"] = lambda sx=sx, r=r: rms_norm(
+                r + torch.ops.symm_mem.two_shot_all_reduce_(sx, "sum", group.group_name), w, 1e-6
+            )
+        for name, f in fused.items():
+            bodies[name] = lambda f=f, x=x, r=r: f(x, r, w, 1e-6)
+        for name, body in bodies.items():
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        body()
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(ops_per_graph):
+                        body()
+                rows.setdefault(name, {})[N] = f"{events(g.replay) / ops_per_graph * 1e6:.1f}"
+            except Exception as e:  # noqa: BLE001  (one failing method must not hide the others)
+                rows.setdefault(name, {})[N] = f"failed ({type(e).__name__})"
+        for f in fused.values():
+            f.check()
+    if symm_mem is None:
+        rows["symm one-shot / two-shot"] = dict.fromkeys(sizes, f"n/a ({symm_why[:40]})")
+    head = "| method | " + " | ".join(f"N = {N} ({N * 14} KiB)" for N in sizes) + " |"
+    out = [head, "|---" * (len(sizes) + 1) + "|"]
+    out += [f"| {k} | " + " | ".join(v[N] for N in sizes) + " |" for k, v in rows.items()]
+    return out
+
+
 def same(res: dict, a: str, b: str) -> str:
     return "n/a (eager only)" if a not in res else str(res[a] == res[b])
 
@@ -84,39 +156,40 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--dtype", choices=sorted(DTYPE), default="bf16")
     ap.add_argument("--tp1", metavar="TP2_JSON", help="run TP 1 alone and compare with a TP 2 run's tokens")
+    ap.add_argument(
+        "--collectives-only",
+        action="store_true",
+        help="only the latency table (torchrun --nproc-per-node 1: each method's one-GPU floor)",
+    )
     a = ap.parse_args()
     if a.tp1:
         return tp1_check(a.tp1, a.out)
     from k26.dist import init_from_env
 
     rank, world, dev = init_from_env("cuda")
+    if a.collectives_only:
+        if world == 1 and not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=dev, store=dist.HashStore(), rank=0, world_size=1)
+        text = "\n".join(collective_table(dev)) + "\n"
+        print(f"{world} x {torch.cuda.get_device_name()}\n{text}", flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     lines = [
         f"# bench_tp2 — {datetime.date.today()}",
         "",
         f"- device: {world} x {torch.cuda.get_device_name()}; commit {os.environ.get('K26_COMMIT', '?')}",
         "- command: `torchrun --nproc-per-node 2 profiling/bench_tp2.py`",
+        "- in-graph, 20 back-to-back operations per graph, µs per operation; + norm: the residual add and",
+        "  RMSNorm after the all-reduce (separate kernels except in the fused op)",
         "",
-        "| message (7168 x N bf16) | in-graph all-reduce µs | eager µs |",
-        "|---|---|---|",
+        *collective_table(dev),
     ]
-    for N in (1, 8, 16, 64, 256):
-        x = torch.randn(N, 7168, device=dev, dtype=torch.bfloat16)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                dist.all_reduce(x)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(50):
-                dist.all_reduce(x)
-        t_graph = events(g.replay) / 50
-        t_eager = events(lambda x=x: dist.all_reduce(x))
-        lines.append(
-            f"| N = {N} ({N * 7168 * 2 / 1024:.0f} KiB) | {t_graph * 1e6:.1f} | {t_eager * 1e6:.1f} |"
-        )
-    res, times = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype])
+    fused_ms = {}
+    for on in ("1", "0"):  # the pair with the fused op (default on NCCL), then with NCCL + add + RMSNorm
+        os.environ["K26_FUSED_ALLREDUCE"] = on
+        res_on, times_on = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype])
+        fused_ms[on] = (res_on, times_on)
+    res, times = fused_ms["1"]
     if rank == 0:
         lines += [
             "",
@@ -130,6 +203,14 @@ def main() -> None:
             "|---|---|",
         ]
         lines += [f"| {k} | {v * 1e3:.3f} |" for k, v in times.items()]
+        nccl_res, nccl_times = fused_ms["0"]
+        lines += ["", "| TP 2 graphs, batch 1, greedy | fused ms / step | NCCL ms / step | same tokens |"]
+        lines += ["|---|---|---|---|"]
+        lines += [
+            f"| {k} | {v * 1e3:.3f} | {nccl_times[k] * 1e3:.3f} | "
+            f"{res.get('graphs ' + k.split()[0]) == nccl_res.get('graphs ' + k.split()[0])} |"
+            for k, v in times.items()
+        ]
         text = "\n".join(lines) + "\n"
         print(text, flush=True)
         if a.out:  # closed here, before os._exit below (which skips Python's cleanup)

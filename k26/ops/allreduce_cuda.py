@@ -184,7 +184,7 @@ class FusedAllReduce:
         self.group_name = self.group.group_name
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.device = torch.device(device if device is not None else "cuda")
-        if self.device.index is None:
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.two_shot_bytes, self.timeout_ns = two_shot_bytes, int(timeout_s * 1e9)
         self.cap = max_bytes // 2 // BLOCK_DIM_ALIGN * BLOCK_DIM_ALIGN  # elements per data region
@@ -197,10 +197,10 @@ class FusedAllReduce:
             self.ctl = torch.zeros(4, dtype=torch.int32, device=self.device)  # epoch, done, err, info
             self.err = torch.zeros(2, dtype=torch.int32).pin_memory()  # read by the host without a sync
         else:
-            self.ctl = torch.zeros(0, dtype=torch.int32, device=self.device)
+            self.ctl = torch.zeros(0, dtype=torch.int32)
             self.err = torch.zeros(2, dtype=torch.int32)
             _say_once(
-                f"k26: fused all-reduce unavailable ({self.why}); NCCL all-reduce + add + RMSNorm instead"
+                f"k26: fused all-reduce unavailable ({self.why}); all-reduce, add and RMSNorm run instead"
             )
         self.max_dim = limits()[1] if self.p2p else 0
 
@@ -209,22 +209,25 @@ class FusedAllReduce:
         why not (the same answer on every rank)."""
         why = None
         handle = ctypes.create_string_buffer(64)
-        try:
-            lib = _lib()
-            max_ranks, _ = limits()
-            if self.world > max_ranks:
-                why = f"{self.world} ranks, the kernel serves up to {max_ranks}"
-            else:
-                own = ctypes.c_void_p()
-                e = lib.k26_ar_alloc(
-                    self.device.index, lib.k26_ar_workspace_bytes(self.world, self.cap), own, handle
-                )
-                if e:
-                    why = f"rank {self.rank}: workspace allocation failed: {_cuda_error(e)}"
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            why = f"rank {self.rank} has no CUDA device"
+        else:
+            try:
+                lib = _lib()
+                max_ranks, _ = limits()
+                if self.world > max_ranks:
+                    why = f"{self.world} ranks, the kernel serves up to {max_ranks}"
                 else:
-                    self._own = own
-        except (OSError, RuntimeError) as ex:  # no kernel library (BuildError is a RuntimeError)
-            why = f"rank {self.rank}: no kernel library ({ex})"
+                    own = ctypes.c_void_p()
+                    e = lib.k26_ar_alloc(
+                        self.device.index, lib.k26_ar_workspace_bytes(self.world, self.cap), own, handle
+                    )
+                    if e:
+                        why = f"rank {self.rank}: workspace allocation failed: {_cuda_error(e)}"
+                    else:
+                        self._own = own
+            except (OSError, RuntimeError) as ex:  # no kernel library (BuildError is a RuntimeError)
+                why = f"rank {self.rank}: no kernel library ({ex})"
         infos: list = [None] * self.world
         dist.all_gather_object(infos, (handle.raw, socket.gethostname(), why), group=self.group)
         why = next((w for *_, w in infos if w), None)
@@ -294,13 +297,13 @@ class FusedAllReduce:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not torch.cuda.is_current_stream_capturing():
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_inputs(x, residual, weight)
             self.check()
         why = self.unsupported(x)
         if why is not None or x.numel() > self.cap:  # above the NCCL crossover: the composition over NCCL
             if why is not None:
-                _say_once(f"k26 fused all-reduce: {why}: NCCL all-reduce + add + RMSNorm instead")
+                _say_once(f"k26 fused all-reduce: {why}: all-reduce, add and RMSNorm run instead")
             return composition(x, residual, weight, eps, self.group_name)
         return torch.ops.k26.allreduce_add_rmsnorm(
             x.contiguous(),
