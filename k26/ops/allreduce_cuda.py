@@ -127,10 +127,10 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
         return composition(x, residual, weight, eps, group_name)
     world, D = peers.numel(), x.shape[-1]
     rows = x.numel() // D
+    x, residual = x.contiguous(), residual.contiguous()
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
     ws = (ctypes.c_void_p * world)(*peers.tolist())
     two_shot = int(rows >= world and 2 * x.numel() >= two_shot_bytes)
-    x, residual = x.contiguous(), residual.contiguous()
     stream = torch.cuda.current_stream(x.device).cuda_stream
     e = _lib().k26_ar_launch(
         *(t.data_ptr() for t in (x, residual, weight, out, res_out)),
@@ -294,6 +294,10 @@ class FusedAllReduce:
             return f"width {D} (the kernel needs a multiple of 8 up to {self.max_dim})"
         return None if x.numel() else "an empty tensor"
 
+    @staticmethod
+    def _aligned(*ts: torch.Tensor) -> bool:
+        return all(t.data_ptr() % 16 == 0 for t in ts)  # the kernel moves 16-byte vectors
+
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,14 +305,17 @@ class FusedAllReduce:
             check_inputs(x, residual, weight)
             self.check()
         why = self.unsupported(x)
+        x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
+        if why is None and not self._aligned(x, residual, weight):
+            why = "a tensor not 16-byte aligned"
         if why is not None or x.numel() > self.cap:  # above the NCCL crossover: the composition over NCCL
             if why is not None:
                 _say_once(f"k26 fused all-reduce: {why}: all-reduce, add and RMSNorm run instead")
             return composition(x, residual, weight, eps, self.group_name)
         return torch.ops.k26.allreduce_add_rmsnorm(
-            x.contiguous(),
-            residual.contiguous(),
-            weight.contiguous(),
+            x,
+            residual,
+            weight,
             float(eps),
             self.group_name,
             self.peers,
