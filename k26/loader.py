@@ -328,6 +328,7 @@ def load_model(
     if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
         t0 = time.perf_counter()
         use_cuda_kernels(model)  # the kernels are bf16-activation kernels; other dtypes keep the reference
+        model.fuse_dense_()  # stacked q_a / kv_a; MLA projections in the small-M kernel where it wins
         torch.cuda.synchronize(device)
         stats.phases["repack"] = dt = time.perf_counter() - t0
         n = sum(isinstance(m, Int4Experts) and m.repacked for m in model.modules())
