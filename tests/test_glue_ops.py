@@ -108,8 +108,7 @@ def test_fused_mla_matches_unfused():
         h0, _ = model(ids, batch, caches[0])
         attn = model.layers[0].self_attn
         q_w = attn.q_a_proj.weight.clone()
-        for layer in model.layers:
-            layer.self_attn.fuse_()
+        model.fuse_dense_()
         assert attn.q_a_proj.weight.data_ptr() == attn.qkv_a.data_ptr() and torch.equal(
             attn.q_a_proj.weight, q_w
         )

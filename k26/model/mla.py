@@ -16,7 +16,12 @@ from .batch import AttnBatch
 from .layers import RMSNorm, TPInfo, linear
 from .rope import Rope
 
-KERNEL_MAX_M = 64  # token rows up to which `fuse_` routes the MLA projections through torch.ops.k26.linear
+# Token rows up to which `fuse_` routes MLA's projections through torch.ops.k26.linear instead of cuBLAS,
+# where the compiled, graph-replayed K2.6 step measured it faster
+# (profiling/results/2026-12-01-bench_k26-glue-h200.md): the stacked q_a / kv_a and W_UK won or tied at
+# 1 and 16 rows; q_b and W_UV (short K) won at 1 row and lost at 16.
+KERNEL_MAX_M = 64
+SHORT_K_MAX_M = 8
 
 
 class MLA(nn.Module):
@@ -40,14 +45,15 @@ class MLA(nn.Module):
         # Buffers, not attributes: torch.compile then takes them as inputs, one body for every layer.
         self.register_buffer("qkv_a", None, persistent=False)
         self.register_buffer("w_uk_t", None, persistent=False)
-        self.kernel_max_m = 0
+        self.kernel_max_m = self.short_k_max_m = 0
 
     @torch.no_grad()
-    def fuse_(self, kernel_max_m: int = KERNEL_MAX_M) -> None:
+    def fuse_(self, kernel_max_m: int = KERNEL_MAX_M, short_k_max_m: int = SHORT_K_MAX_M) -> None:
         """Stack q_a / kv_a (same input: one projection) and lay W_UK^T out once, after the weights are
-        loaded; `kernel_max_m` rows and fewer run the stacked projection, W_UK and W_UV in the small-M linear
-        kernel. Both weights stay parameters under their own names (views of the stack: no extra memory);
-        W_UK^T is a copy (1 MB a layer at TP8), so call this once the weights are final (inference)."""
+        loaded; `kernel_max_m` rows and fewer run the stacked projection and W_UK in the small-M linear
+        kernel, `short_k_max_m` rows and fewer also q_b and W_UV. Both weights stay parameters under their
+        own names (views of the stack: no extra memory); W_UK^T is a copy (1 MB a layer at TP8), so call this
+        once the weights are final (inference)."""
         if self.qkv_a is None:
             w = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
             q = self.q_a_proj.weight.shape[0]
@@ -57,7 +63,7 @@ class MLA(nn.Module):
             nope, r = self.cfg.qk_nope_head_dim, self.cfg.kv_lora_rank
             w_uk = self.kv_b_proj.weight.view(self.heads, nope + self.cfg.v_head_dim, r)[:, :nope]
             self.w_uk_t = w_uk.transpose(1, 2).contiguous()
-        self.kernel_max_m = kernel_max_m
+        self.kernel_max_m, self.short_k_max_m = kernel_max_m, short_k_max_m
 
     def _project_a(self, x_BND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q_a and kv_a projections (raw, before their norms): one stacked matmul after `fuse_`."""
@@ -96,7 +102,9 @@ class MLA(nn.Module):
             q_a = self.q_a_layernorm(q_a)
             c_kv = self.kv_a_layernorm(kv_a[..., :r])
             latent_BNC = torch.cat([c_kv, rope(kv_a[..., r:], batch.positions_BN)], dim=-1)
-        q_BNHQ = self.q_b_proj(q_a).view(B, N, H, cfg.qk_head_dim)
+        short = B * N <= self.short_k_max_m
+        q_b = torch.ops.k26.linear(q_a, self.q_b_proj.weight) if short else self.q_b_proj(q_a)
+        q_BNHQ = q_b.view(B, N, H, cfg.qk_head_dim)
         q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
         q_pe = rope(q_pe, batch.positions_BN[:, :, None])
         if cache_RLC is None:  # no cache (training): the new tokens attend among themselves, differentiably
@@ -125,7 +133,7 @@ class MLA(nn.Module):
                 r,
                 batch.static,
             )
-            if self.kv_b_proj.use_kernel or small:  # W_UV per head: kv_b's rows as a strided view, no copy
+            if self.kv_b_proj.use_kernel or short:  # W_UV per head: kv_b's rows as a strided view, no copy
                 o_BNHV = torch.ops.k26.linear_grouped(o_lat.to(x_BND.dtype), w_kv[:, nope:])
             else:
                 o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])

@@ -78,6 +78,12 @@ class KimiK2(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def fuse_dense_(self) -> None:
+        """After loading, for inference: each MLA's q_a / kv_a stacked into one matrix and its projections
+        in the small-M linear kernel at the row counts where that measured faster (`MLA.fuse_`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_()
+
     def forward_train(self, ids_BT: torch.Tensor, aux_layers: tuple[int, ...] = ()):
         """Differentiable causal forward over whole sequences: `forward` with no cache (each layer's attention
         then runs over the sequence itself); final hidden states and, if asked, the `aux_layers` outputs."""
