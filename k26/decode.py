@@ -8,9 +8,11 @@ each row accepted, and retires rows that finish or are released. `run` drives on
 (`LLM.generate` / `stream`); the server's engine thread calls `admit` / `step` / `release` itself
 (continuous batching).
 
-Graph mode: per method a greedy and a sampled `StepGraphs` (per-row sampling tensors, so any mix of
-requests shares one graph) capture the whole step per bucket before the first prefill (the caches are
-scratch then); the host loop is replay, one small copy of the emitted tokens back, bookkeeping.
+Graph mode: per method and sampling mode (greedy; sampled; sampled with top-p / top-k, the only one that
+sorts the vocabulary) a `StepGraphs` (per-row sampling tensors, so any mix of requests shares one graph)
+captures the whole step per bucket before the first prefill (the caches are scratch then); each step
+replays the cheapest mode that serves the live rows (host-known); the host loop is replay, one small copy
+of the emitted tokens back, bookkeeping.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .graphs.stepper import DecodeGraphs, GraphStepper
 from .kv_cache import DrafterCache, LatentCache
 from .model import KimiK2
 from .model.drafter import DFlashDrafter
-from .sampling import RowSampling, SamplingParams
+from .sampling import MODES, RowSampling, SamplingParams, sampling_mode
 from .spec.budget import BudgetPolicy, Budgets, timing_contexts
 from .spec.step import (
     PhaseTimer,
@@ -144,8 +146,9 @@ class BatchState:
         return [b for b in range(self.capacity) if self.outs[b] is None]
 
     @property
-    def greedy(self) -> bool:
-        return all(self.params[b].temperature == 0 for b in self.live)
+    def mode(self) -> str:
+        """The cheapest sampling mode (`sampling.MODES`) that serves every live row."""
+        return sampling_mode(self.params[b] for b in self.live)
 
     def has_room(self) -> bool:
         """Whether every live row still has cache room for a speculative step."""
@@ -187,7 +190,8 @@ class BatchState:
         """The batch's per-row sampling, with fresh noise for `rows` when any live row samples."""
         sampled = [b for b in rows if self.params[b].temperature > 0]
         if self.graph is not None:
-            rs = self.graph.state.sampling(self.greedy)
+            st = self.graph.state
+            rs = RowSampling.in_mode(self.mode, st.temperature, st.top_p, st.top_k, st.noise)
         else:
             if self.rs is None:  # live rows only: a finished, unreleased row must not turn sampling on
                 live = [self.params[b] if b in self.live else None for b in range(self.capacity)]
@@ -272,16 +276,16 @@ class Decoder:
 
     @property
     def runners(self) -> dict[tuple, StepGraphs]:
-        """The captured step graphs, per (SpecConfig, greedy)."""
+        """The captured step graphs, per (SpecConfig, sampling mode)."""
         return self.step_graphs.runners
 
-    def _runner(self, spec: SpecConfig, greedy: bool) -> StepGraphs:
-        return self.step_graphs.runner(spec, greedy)
+    def _runner(self, spec: SpecConfig, mode: str) -> StepGraphs:
+        return self.step_graphs.runner(spec, mode)
 
-    def open(self, spec: SpecConfig, capacity: int, kinds: tuple[bool, ...] = (True, False)) -> BatchState:
+    def open(self, spec: SpecConfig, capacity: int, kinds: tuple[str, ...] = MODES) -> BatchState:
         """An empty batch of `capacity` rows (graphs: the smallest bucket that holds them), with its graphs
-        captured (`kinds`: greedy True / sampled False) and the adaptive budget's costs measured, before
-        any prefill: both run on the caches as scratch."""
+        captured (`kinds`: the sampling modes its rows may need, `sampling.MODES`) and the adaptive
+        budget's costs measured, before any prefill: both run on the caches as scratch."""
         ctx = self.ctx
         nodes, graph, cap = verify_nodes(spec, ctx.block), None, capacity
         if ctx.graphs:
@@ -352,7 +356,7 @@ class Decoder:
         room = state.spec.method == "ar" or state.has_room()
         rs = state.sampling(was, nodes=1 if not room else None)
         if state.graph is not None and room:
-            new, counts, budget = state.graph(state.greedy)
+            new, counts, budget = state.graph(state.mode)
         else:
             s, m, rows = state, self.ctx.models(), torch.arange(state.capacity, device=self.ctx.device)
             if room and s.spec.method != "ar":
@@ -368,7 +372,7 @@ class Decoder:
         self, prompts: list[list[int]], sp: SamplingParams, spec: SpecConfig
     ) -> Iterator[list[RequestOutput]]:
         """One fixed batch from prefill to the end, yielding the outputs after every step."""
-        state = self.open(spec, len(prompts), kinds=(sp.temperature == 0,))
+        state = self.open(spec, len(prompts), kinds=(sampling_mode([sp]),))
         self.admit(state, prompts, [sp] * len(prompts))
         outs = state.outs[: len(prompts)]
         yield outs

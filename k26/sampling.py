@@ -42,25 +42,18 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
 
 
-def sample(
-    logits_BV: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Next token per row [B] (int64) from fp32 logits, entirely on the logits' device."""
-    if p.temperature == 0:
-        return logits_BV.argmax(-1)
-    logits = logits_BV.float() / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Drop a token when the mass before it already reaches top_p; the first token always stays.
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    # argmax(p / Exp(1)) samples from p (the exponential race) without a multinomial's host sync.
-    q = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / q).argmax(-1)
+# The graph samplers, cheapest first; each one also serves the rows of those before it: "greedy" (every row
+# temperature 0: the shards' argmax, no noise), "sample" (the exponential race over the full softmax),
+# "filter" (some sampled row uses top-p or top-k: a sort of the whole vocabulary per node).
+MODES = ("greedy", "sample", "filter")
+
+
+def sampling_mode(params) -> str:
+    """The cheapest mode of `MODES` that serves every row of `params` (SamplingParams, None: a free row)."""
+    ps = [p for p in params if p is not None and p.temperature > 0]
+    if not ps:
+        return "greedy"
+    return "filter" if any(p.top_p < 1 or p.top_k > 0 for p in ps) else "sample"
 
 
 @dataclass
@@ -86,15 +79,20 @@ class RowSampling:
         """From one SamplingParams per row (None: a free row, sampled greedily)."""
         ps = [p or SamplingParams() for p in params]
         f32 = {"dtype": torch.float32, "device": device}
-        greedy = all(p.temperature == 0 for p in ps)
-        return cls(
+        return cls.in_mode(
+            sampling_mode(ps),
             torch.tensor([float(p.temperature) for p in ps], **f32),
             torch.tensor([float(p.top_p) for p in ps], **f32),
             torch.tensor([p.top_k for p in ps], dtype=torch.long, device=device),
-            greedy,
-            any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps),
-            None if greedy else noise,
+            noise,
         )
+
+    @classmethod
+    def in_mode(cls, mode: str, temperature, top_p, top_k, noise: torch.Tensor | None) -> RowSampling:
+        """Per-row tensors sampled in `mode` (one of `MODES`): what a captured step reads, its mode fixed
+        when it was captured."""
+        greedy = mode == "greedy"
+        return cls(temperature, top_p, top_k, greedy, mode == "filter", None if greedy else noise)
 
     def rows(self, index: torch.Tensor) -> RowSampling:
         """The sub-batch of rows `index` (prefill of newly admitted rows)."""

@@ -49,7 +49,7 @@ def test_one_step_replay_is_bitwise_eager(pair, spec):
     """Same inputs, same caches: the replayed step's outputs and cache writes equal the eager step's."""
     graphed, _ = pair
     dec = graphed.decoder
-    graph = dec._runner(spec, True)  # the greedy graphs
+    graph = dec._runner(spec, "greedy")  # the greedy graphs
     bucket = Bucket(2, graphed.buckets_for(spec)[0].nodes)
     graph.capture([bucket], progress=False)
     state = graph.states[bucket]
@@ -78,7 +78,7 @@ def test_capture_report_and_bucket_errors(pair):
     for g in graphed.decoder.runners.values():  # every graph reported once (over several capture calls)
         assert sorted(r[0] for r in g.report) == sorted(g.graphs)
     spec = SpecConfig("ddtree", 7)  # a fresh runner, one capture call: largest first
-    g, n = graphed.decoder._runner(spec, False), graphed.buckets_for(spec)[0].nodes
+    g, n = graphed.decoder._runner(spec, "filter"), graphed.buckets_for(spec)[0].nodes
     g.capture([Bucket(1, n), Bucket(4, n), Bucket(2, n)], progress=False)
     assert [r[0] for r in g.report] == [Bucket(4, n), Bucket(2, n), Bucket(1, n)]
     with pytest.raises(ValueError, match="no graph bucket holds batch"):

@@ -11,7 +11,8 @@ from oracles import random_prompts
 import k26.spec.step as step_mod
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.config import ConfigError
-from k26.spec.accept import accept_walk, commit_latent, target_choices
+from k26.sampling import RowSampling, sample_rows
+from k26.spec.accept import accept_walk, commit_latent
 from k26.spec.tree import build_ddtree, build_ddtree_heap, chain_tree
 
 
@@ -86,8 +87,8 @@ def test_sampling_walk_matches_autoregressive_distribution():
     for i in range(1, tree.num_nodes):
         if tree.depths[0, i] == 1:
             logits[:, i] = p2[tree.tokens[0, i]].log()
-    sp = SamplingParams(temperature=1.0)
-    choice = target_choices(logits, sp, g)
+    noise = torch.empty(n, tree.num_nodes, V).exponential_(1.0, generator=g)
+    choice = sample_rows(logits, RowSampling.of([SamplingParams(temperature=1.0)] * n, "cpu", noise))
     path, n_acc, bonus = accept_walk(tree, choice)
     first = torch.where(n_acc >= 1, tree.tokens.gather(1, path[:, 1:2].clamp_min(0))[:, 0], bonus)
     second_in_step = torch.where(n_acc >= 2, tree.tokens.gather(1, path[:, 2:3].clamp_min(0))[:, 0], bonus)
@@ -107,7 +108,7 @@ def test_greedy_walk_follows_argmax():
     logits[0, 0, tree.tokens[0, 1]] = 5.0
     children = set(tree.tokens[0][tree.parents[0] == 1].tolist())
     logits[0, 1, next(t for t in range(10) if t not in children)] = 5.0
-    path, n_acc, bonus = accept_walk(tree, target_choices(logits, SamplingParams(), None))
+    path, n_acc, bonus = accept_walk(tree, sample_rows(logits, RowSampling.of([SamplingParams()], "cpu")))
     assert path[0, :2].tolist() == [0, 1] and int(n_acc) == 1
     assert int(bonus) == int(logits[0, 1].argmax())
 
@@ -370,3 +371,55 @@ def test_phase_timer_holds_a_bounded_number_of_spans():
             pass
     assert timer.held() <= PhaseTimer.HELD and len(timer.totals) == 1
     assert 0 < timer.total("draft") < 1.0  # n empty spans
+
+
+# -- sampling modes of the captured step ---------------------------------------------------------------
+def test_sampling_mode_is_the_cheapest_that_serves_every_row():
+    from k26.graphs.stepper import serving_mode
+    from k26.sampling import sampling_mode
+
+    g, t, p = SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(0.7, top_p=0.9)
+    assert [sampling_mode(x) for x in ([g, None], [g, t], [t, p], [SamplingParams(0.0, top_k=5), t])] == [
+        "greedy",
+        "sample",
+        "filter",
+        "sample",  # top-k on a greedy row needs no sort
+    ]
+    assert serving_mode("greedy", {"sample", "filter"}) == "sample" and serving_mode("sample", {"filter"})
+    with pytest.raises(ValueError, match="no step graph serves sampling mode 'filter'"):
+        serving_mode("filter", {"greedy", "sample"})
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("ar"), SpecConfig("ddtree", 5)], ids=str)
+def test_only_the_filtered_step_body_sorts_the_vocabulary(llm, spec):
+    """The captured body's sampler is fixed at capture: a sampled body without top-p / top-k draws the
+    exponential race over the softmax, with no sort of the vocabulary per node (the filtered one sorts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k26.graphs import Bucket
+    from k26.graphs.runner import StepState
+    from k26.graphs.stepper import graph_step
+
+    V = llm.config.vocab_size
+
+    class Sorts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.sort and args[0].shape[-1] == V:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    bucket = Bucket(2, 1 if spec.method == "ar" else 6)
+    counts = {}
+    for mode in ("sample", "filter"):
+        state = StepState.allocate(bucket, 1 if spec.method == "ar" else llm.drafter.cfg.block_size, "cpu")
+        state.noise = torch.ones(2, bucket.nodes, V)
+        state.start.fill_(5), state.alive.fill_(True), state.temperature.fill_(1.0)
+        state.top_p.fill_(0.9 if mode == "filter" else 1.0)
+        with torch.inference_mode(), Sorts() as sorts:
+            graph_step(llm.decoder.ctx.models(), spec, mode, lambda b: None)(state, bucket)
+        counts[mode] = sorts.n
+    assert counts == {"sample": 0, "filter": 1}

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..sampling import MODES, RowSampling
 from ..spec.budget import BudgetPolicy
 from ..spec.step import SpecConfig, StepModels, ar_step, speculative_step
 from .buckets import Bucket
@@ -21,14 +22,15 @@ from .runner import StepGraphs, StepState
 
 
 def graph_step(
-    m: StepModels, spec: SpecConfig, greedy: bool, policy_for: Callable[[int], BudgetPolicy | None]
+    m: StepModels, spec: SpecConfig, mode: str, policy_for: Callable[[int], BudgetPolicy | None]
 ) -> Callable[[StepState, Bucket], None]:
     """The body captured per bucket: one decode step of every row of the bucket's static state, with static
-    shapes (whole cache rows, no host sync) so that warm-ups, capture and an eager call run the same code."""
+    shapes (whole cache rows, no host sync) so that warm-ups, capture and an eager call run the same code.
+    `mode` (`sampling.MODES`) is fixed at capture: only a "filter" body sorts the vocabulary."""
     m = dataclasses.replace(m, static=True)
 
     def step(state: StepState, bucket: Bucket) -> None:
-        rs = state.sampling(greedy)
+        rs = RowSampling.in_mode(mode, state.temperature, state.top_p, state.top_k, state.noise)
         if spec.method == "ar":
             tok = ar_step(m, state.rows, state.start, state.bonus, rs)
             state.emitted[:, 0].copy_(tok)
@@ -58,12 +60,22 @@ def graph_step(
     return step
 
 
-class GraphStepper:
-    """Host side of graph decoding for one batch: replays the current bucket of the greedy or the sampled
-    graphs (both captured over the same static state), reads the step's tokens back, and follows the
-    adaptive budget's choice to the next bucket (one step late: a graph cannot branch on its own draft)."""
+def serving_mode(mode: str, captured) -> str:
+    """The cheapest captured sampling mode that serves rows needing `mode` (a mode serves those before it
+    in `sampling.MODES`: the filtered sampler serves every row, the full-softmax race greedy ones too)."""
+    for m in MODES[MODES.index(mode) :]:
+        if m in captured:
+            return m
+    raise ValueError(f"no step graph serves sampling mode {mode!r} (captured: {sorted(captured)})")
 
-    def __init__(self, runners: dict[bool, StepGraphs], buckets: list[Bucket]):
+
+class GraphStepper:
+    """Host side of graph decoding for one batch: replays the current bucket of the graphs of the cheapest
+    captured sampling mode that serves the live rows (every mode's graphs share the batch's static state),
+    reads the step's tokens back, and follows the adaptive budget's choice to the next bucket (one step
+    late: a graph cannot branch on its own draft)."""
+
+    def __init__(self, runners: dict[str, StepGraphs], buckets: list[Bucket]):
         self.runners, self.buckets = runners, buckets
         self.bucket = buckets[-1]  # adaptive: start with the largest, then follow each step's choice
         self.state = next(iter(runners.values())).states[self.bucket]
@@ -78,11 +90,12 @@ class GraphStepper:
         """Verify tokens a step may write past a row's length (the padded buckets write this far)."""
         return max(b.nodes for b in self.buckets)
 
-    def __call__(self, greedy: bool) -> tuple[list[list[int]], list[int], int | None]:
-        """One replay: (emitted tokens per row, their counts, the budget verified or None)."""
+    def __call__(self, mode: str) -> tuple[list[list[int]], list[int], int | None]:
+        """One replay for rows sampled in `mode`: (emitted tokens per row, their counts, the budget verified
+        or None)."""
         st, bucket = self.state, self.bucket
         t0 = time.perf_counter()
-        self.runners[greedy].replay(bucket)
+        self.runners[serving_mode(mode, self.runners)].replay(bucket)
         self.host_em.copy_(st.emitted, non_blocking=True)  # the step's one small device-to-host copy
         self.host_n.copy_(st.n_emitted, non_blocking=True)
         self.host_c.copy_(st.choice, non_blocking=True)
@@ -126,8 +139,8 @@ class GraphStepper:
 
 
 class DecodeGraphs:
-    """A decoder's step graphs: per (SpecConfig, greedy) one `StepGraphs`, a method's greedy and sampled
-    graphs sharing its static states; made on first use and kept as long as the decoder (its caches and
+    """A decoder's step graphs: per (SpecConfig, sampling mode) one `StepGraphs`, a method's graphs of every
+    mode sharing its static states; made on first use and kept as long as the decoder (its caches and
     budget policies are what the graphs read)."""
 
     def __init__(
@@ -143,25 +156,25 @@ class DecodeGraphs:
         self.runners: dict[tuple, StepGraphs] = {}
         self.states: dict[SpecConfig, dict] = {}  # graph static states, shared by a method's runners
 
-    def runner(self, spec: SpecConfig, greedy: bool) -> StepGraphs:
-        key = (spec, greedy)
+    def runner(self, spec: SpecConfig, mode: str) -> StepGraphs:
+        key = (spec, mode)
         if key not in self.runners:
             width = self.block if spec.method != "ar" else 1
-            step = graph_step(self.models(), spec, greedy, lambda batch: self.policy_for(spec, batch))
+            step = graph_step(self.models(), spec, mode, lambda batch: self.policy_for(spec, batch))
             self.runners[key] = StepGraphs(
                 step,
                 width,
                 self.device,
                 states=self.states.setdefault(spec, {}),
-                vocab=0 if greedy else self.vocab,
+                vocab=0 if mode == "greedy" else self.vocab,
             )
         return self.runners[key]
 
     def stepper(
-        self, spec: SpecConfig, fit: Bucket, kinds: tuple[bool, ...], progress: bool = False
+        self, spec: SpecConfig, fit: Bucket, kinds: tuple[str, ...], progress: bool = False
     ) -> GraphStepper:
-        """The graphs of one batch captured (`kinds`: greedy True / sampled False) over the bucket `fit`, or
-        for the adaptive budget one bucket per candidate budget, sharing the batch's static state."""
+        """The graphs of one batch captured (`kinds`: sampling modes) over the bucket `fit`, or for the
+        adaptive budget one bucket per candidate budget, sharing the batch's static state."""
         buckets = [Bucket(fit.batch, c + 1) for c in spec.candidates] if spec.auto else [fit]
         runners = {g: self.runner(spec, g) for g in kinds}
         for r in runners.values():

@@ -1,24 +1,17 @@
 """Lossless acceptance and KV commit, on the device.
 
 The target picks one token at every tree node (argmax, or an independent sample from its filtered
-distribution); the walk starts at the root and moves to the child carrying the target's token while
-one exists. Because each node's logits are exactly p(. | prefix, path to it), every emitted token is
-the target's own choice given the true prefix: greedy output is identical to autoregressive decoding
-and sampled output has the same distribution.
+distribution: `sampling.sample_rows`); the walk starts at the root and moves to the child carrying the
+target's token while one exists. Because each node's logits are exactly p(. | prefix, path to it),
+every emitted token is the target's own choice given the true prefix: greedy output is identical to
+autoregressive decoding and sampled output has the same distribution.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, sample
 from .tree import DraftTree
-
-
-def target_choices(logits_BNV: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
-    """One target token per node [B, N]: argmax, or an independent sample per node."""
-    B, N, V = logits_BNV.shape
-    return sample(logits_BNV.reshape(B * N, V), sp, gen).view(B, N)
 
 
 def accept_walk(tree: DraftTree, choice_BN: torch.Tensor):
