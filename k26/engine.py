@@ -33,7 +33,7 @@ from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, KimiK2
-from .sampling import SamplingParams, stop_prefix_len
+from .sampling import MODES, SamplingParams, stop_prefix_len
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
 from .tokenizer import Tokenizer
@@ -115,7 +115,7 @@ class LLM:
         self.decoder = Decoder(self._decode_context())
         if capture and self.graphs:
             with self._surface_rank_errors():
-                self._capture(None, (True, False))
+                self._capture(None, MODES)
         if self._ranks is not None:
             self._ranks.wait_ready()  # a rank that failed to build raises its own error here
 
@@ -172,11 +172,11 @@ class LLM:
         `self.startup.captures`). `LLM(..., capture=True)` does this at start-up."""
         if not self.graphs:
             return []
-        kinds = tuple(k for k, on in ((True, greedy), (False, sampled)) if on)
+        kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
         self._mirror("capture", spec, greedy, sampled)
         return self._capture(spec, kinds)
 
-    def _capture(self, spec: SpecConfig | None, kinds: tuple[bool, ...]):
+    def _capture(self, spec: SpecConfig | None, kinds: tuple[str, ...]):
         spec = self._prepare([[0]], None, spec)[2]
         batches = sorted({b.batch for b in self.buckets_for(spec)})
         per_batch = (len(spec.candidates) if spec.auto else 1) * len(kinds)
@@ -192,9 +192,9 @@ class LLM:
         finally:
             ctx.progress = shown
         new = [
-            rec._replace(kind=f"{s.method} {'greedy' if g else 'sampled'}")
-            for (s, g), r in runners.items()
-            for rec in r.report[seen.get((s, g), 0) :]
+            rec._replace(kind=f"{s.method} {mode}")
+            for (s, mode), r in runners.items()
+            for rec in r.report[seen.get((s, mode), 0) :]
         ]
         self.startup.captures += new
         self.startup.phases["capture"] = self.startup.phases.get("capture", 0.0) + time.perf_counter() - t0
