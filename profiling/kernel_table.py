@@ -5,6 +5,9 @@ reported one by one); the chrome trace gives each kernel's name, grid and durati
 out of the kernel sequence between two consecutive MLA attention kernels (one per layer): the segment from
 layer i's attention to layer i + 1's holds layer i's second half and layer i + 1's first half, and for
 i >= 1 both are MoE layers. Each position of that segment is one row: median µs over the 59 segments.
+A kernel launched with programmatic dependent launch starts before its predecessor ends and waits inside
+(its weight prefetch overlaps that tail), so its span includes part of the previous kernel's: per-kernel µs
+then overlap and their sum can exceed the step.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ from k26.model.layers import use_linear_kernel
 from k26.model.mla import MLA
 
 ATTN = "tree_attn"
-CATEGORIES = (  # first match wins; lower-case substrings of the kernel name
+CATEGORIES = (  # first match wins; lower-case substrings of the kernel name (Triton's name the ops they fuse)
+    ("fused elementwise (Triton)", ("triton",)),
     ("MLA glue (norms + RoPE + cache write)", ("mla_glue",)),
     ("dense projection (k26 small-M linear)", ("linear_smallm",)),
     ("MLA tree attention", (ATTN, "merge")),
     ("MoE router", ("router",)),
     ("MoE experts (int4 kernel)", ("moe", "route_kernel", "combine", "gemm_kernel")),
     ("dense projection (cuBLAS)", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "sm90_")),
-    ("fused elementwise (Triton)", ("triton",)),
 )
 
 
