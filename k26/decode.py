@@ -170,6 +170,8 @@ class BatchState:
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
         self.rs = None
         go = [b for b, sp in zip(slots, params) if sp.max_tokens > 0]
+        if self.policy is not None:
+            self.policy.admit(go)
         for b, sp in zip(slots, params):
             if sp.max_tokens == 0:
                 self.finish(b, "length")

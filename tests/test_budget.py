@@ -217,3 +217,31 @@ def test_long_run_rate_buys_a_bigger_tree_when_it_pays():
     pol.tokens.fill_(1.0)  # a low long-run rate: 1 token per 1e6 s
     pol.seconds.fill_(1e6)
     assert int(pol.choose(tree)) == int(gain.argmax()) == 1
+
+
+def test_an_admitted_row_does_not_inherit_its_slots_previous_masses():
+    """Lagged fit (graphs): a request admitted into a slot must not pair the slot's former row's tree
+    masses with its own first accepted increments; the other rows keep theirs."""
+    tree, path = build_ddtree(lp(5, 2.0), 15), chain_path(torch.tensor([2, 1]))
+    alive, acc = torch.ones(2, dtype=torch.bool), torch.tensor([2, 1])
+
+    def step_after_admission(admit: list[int]) -> torch.Tensor:
+        pol = BudgetPolicy.create((3, 7, 15), 0.0, (1.0, 1.0, 1.0), "cpu", rows=2, lagged=True)
+        pol.update(tree, torch.tensor(2), acc, alive, path)  # both slots' former rows
+        pol.admit(admit)
+        before = pol.lag_stats.clone()
+        pol.update(tree, torch.tensor(2), acc, alive, path)
+        return pol.lag_stats - before * (1 - pol.decay)  # what this step added
+
+    both, fresh_0 = step_after_admission([]), step_after_admission([0])
+    assert both[:, 0].tolist() == [2.0, 2.0, 2.0] and fresh_0[:, 0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_the_decoder_tells_the_policy_which_slots_it_admits(tiny_k25, drafter_dir):
+    from k26 import LLM
+
+    llm = LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    state = llm.decoder.open(SpecConfig("ddtree", "auto", costs=(0.0, 1.0, 1.0, 1.0, 1.0)), 2)
+    state.policy.prev_f.fill_(0.5)  # masses of the slots' former rows
+    llm.decoder.admit(state, [[5, 6, 7]], [SamplingParams(max_tokens=4)])
+    assert state.policy.prev_f[0].tolist() == [-1.0] * 4 and state.policy.prev_f[1].tolist() == [0.5] * 4

@@ -120,6 +120,12 @@ class BudgetPolicy:
         self.seconds.zero_()
         self.steps.zero_()
 
+    def admit(self, rows: list[int]) -> None:
+        """New requests in slots `rows`: their previous-step masses belonged to the slots' former rows (or
+        to no row), so their first step must not feed the lagged fit (in place, between replays)."""
+        if rows:
+            self.prev_f[rows] = -1.0
+
     def set_costs(self, t_draft: float, t_verify, per_token=None) -> None:
         """Replace the costs in place (captured graphs read the same device tensors)."""
         self.t_draft, self.t_verify = float(t_draft), tuple(float(t) for t in t_verify)
