@@ -71,7 +71,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, replays: int, devices
 
     # Eager: one-shot and two-shot (forced by the crossover), row counts around the slice boundaries.
     for two_shot_bytes in (1 << 40, 0):
-        ar = FusedAllReduce(device=dev, timeout_s=60, two_shot_bytes=two_shot_bytes)
+        ar = FusedAllReduce(device=dev, timeout_s=60, two_shot_bytes=two_shot_bytes, max_bytes=4 << 20)
         assert ar.p2p, ar.why
         for step, rows in enumerate((1, 3, world, 2 * world + 1, 17, 64)):
             parts, residual = _inputs(step, rows, world, dev)

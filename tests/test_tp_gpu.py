@@ -35,3 +35,22 @@ def test_tp2_on_two_gpus_matches_tp1(tiny_tp):
         llm._check_workers()
     finally:
         llm.close()
+
+
+def test_tp2_fused_allreduce_graphs_equal_eager_and_ddtree_equals_ar():
+    """The embedded pair at TP 2 in bf16 with the fused all-reduce + add + RMSNorm (the default on NCCL with
+    peer access): greedy tokens with graphs == without, DDTree == AR; ranks agree (one set of tokens).
+    Two GPUs: `python -m pytest -q tests/test_tp_gpu.py -m multigpu`."""
+    prompts, sp = [[5, 6, 7, 8, 9], [11, 12, 13]], SamplingParams(max_tokens=32, stop_token_ids=[])
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(device="cuda", tp=2, dtype=torch.bfloat16, graphs=graphs, progress=False, max_batch=2)
+        try:
+            assert llm.model.tp.allreduce_add_rmsnorm is not None, "the fused all-reduce is not in use"
+            for spec in (SpecConfig("ar"), SpecConfig("ddtree", 8)):
+                runs[graphs, spec.method] = [o.token_ids for o in llm.generate(prompts, sp, spec)]
+            llm._check_workers()
+        finally:
+            llm.close()
+    assert runs[True, "ar"] == runs[False, "ar"]
+    assert runs[True, "ddtree"] == runs[False, "ddtree"] == runs[False, "ar"]

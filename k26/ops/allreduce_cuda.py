@@ -26,6 +26,11 @@ import torch.distributed as dist
 
 _log = logging.getLogger(__name__)
 _said: set[str] = set()
+# (two-shot from, NCCL above) in message bytes per TP size. 2: the H200 NVLink table of issue 19 (two-shot
+# ahead from 224 KiB, the peer-memory methods ahead of NCCL through 3.5 MiB); 4 and 8: the crossovers
+# published for PCIe RTX PRO 6000 (profiling/results/2026-12-01-allreduce_pcie8-model.md). Not measured
+# at start-up yet: pass max_bytes / two_shot_bytes to override.
+CROSSOVERS = {2: (256 << 10, 4 << 20), 4: (84 << 10, 768 << 10), 8: (112 << 10, 768 << 10)}
 BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
 
 
@@ -176,8 +181,8 @@ class FusedAllReduce:
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
         *,
-        max_bytes: int = 4 << 20,
-        two_shot_bytes: int = 256 << 10,
+        max_bytes: int | None = None,
+        two_shot_bytes: int | None = None,
         timeout_s: float = 300.0,
     ):
         self.group = group or dist.group.WORLD
@@ -186,7 +191,10 @@ class FusedAllReduce:
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.two_shot_bytes, self.timeout_ns = two_shot_bytes, int(timeout_s * 1e9)
+        default_two_shot, default_max = CROSSOVERS.get(self.world, CROSSOVERS[8])
+        max_bytes = default_max if max_bytes is None else max_bytes
+        self.two_shot_bytes = default_two_shot if two_shot_bytes is None else two_shot_bytes
+        self.timeout_ns = int(timeout_s * 1e9)
         self.cap = max_bytes // 2 // BLOCK_DIM_ALIGN * BLOCK_DIM_ALIGN  # elements per data region
         self._own: ctypes.c_void_p | None = None
         self._mapped: list[int] = []
