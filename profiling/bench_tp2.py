@@ -70,8 +70,8 @@ def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph
     group = dist.group.WORLD
     fused = {
         "fused (auto)": FusedAllReduce(group, dev, timeout_s=60),
-        "fused one-shot": FusedAllReduce(group, dev, timeout_s=60, two_shot_bytes=1 << 40),
-        "fused two-shot": FusedAllReduce(group, dev, timeout_s=60, two_shot_bytes=0),
+        "fused one-shot": FusedAllReduce(group, dev, timeout_s=60, two_shot_bytes=1 << 40, max_bytes=4 << 20),
+        "fused two-shot": FusedAllReduce(group, dev, timeout_s=60, two_shot_bytes=0, max_bytes=4 << 20),
     }
     try:
         import torch.distributed._symmetric_memory as symm_mem
