@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -201,9 +202,11 @@ class FusedAllReduce:
         self.peers = torch.empty(0, dtype=torch.int64)
         self.why = self._map_peers()
         self.p2p = self.why is None
+        self._stop = threading.Event()
         if self.p2p:
             self.ctl = torch.zeros(4, dtype=torch.int32, device=self.device)  # epoch, done, err, info
             self.err = torch.zeros(2, dtype=torch.int32).pin_memory()  # read by the host without a sync
+            threading.Thread(target=self._watch, args=(self._stop,), daemon=True, name="k26-ar-watch").start()
         else:
             self.ctl = torch.zeros(0, dtype=torch.int32)
             self.err = torch.zeros(2, dtype=torch.int32)
@@ -265,6 +268,8 @@ class FusedAllReduce:
 
     def close(self) -> None:
         """Unmap the peers and free our workspace (every rank, after its last call)."""
+        if hasattr(self, "_stop"):
+            self._stop.set()
         if self._mapped or self._own is not None:
             torch.cuda.synchronize(self.device)
         for p in self._mapped:
@@ -275,21 +280,34 @@ class FusedAllReduce:
             self._own = None
         self.peers = torch.empty(0, dtype=torch.int64)
 
-    def check(self) -> None:
-        """Raise the error an earlier launch recorded (a peer that timed out, or a size mismatch)."""
+    def error(self) -> str | None:
+        """The failure an earlier launch recorded (a peer that timed out, or a size mismatch), or None."""
         code, info = (int(v) for v in self.err.tolist())
         if not code:
-            return
+            return None
         kind, peer = code >> 8, (code & 0xFF) - 1
         if kind == 2:
-            raise RuntimeError(
+            return (
                 f"k26 fused all-reduce: rank {peer} was called with {info} elements, a different size than "
                 f"rank {self.rank} (the ranks ran different batches)"
             )
-        raise RuntimeError(
+        return (
             f"k26 fused all-reduce: rank {self.rank} waited {self.timeout_ns / 1e9:g} s for rank {peer}, "
             "which never arrived (it died, or is stuck elsewhere)"
         )
+
+    def check(self) -> None:
+        """Raise the recorded failure as a RuntimeError naming the rank (run before every eager call)."""
+        if (msg := self.error()) is not None:
+            raise RuntimeError(msg)
+
+    def _watch(self, stop: threading.Event) -> None:
+        """Inside CUDA graphs no front door runs: say a recorded failure in the log within ~0.2 s (the
+        error word is host memory: no CUDA call, no sync)."""
+        while not stop.wait(0.2):
+            if (msg := self.error()) is not None:
+                _log.error(msg)
+                return
 
     def unsupported(self, x: torch.Tensor) -> str | None:
         """Why the kernel does not serve `x` (the composition then runs), or None."""
