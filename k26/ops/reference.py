@@ -185,10 +185,13 @@ def _beams(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> tuple[list, list
     # Depth 1: the K candidates in rank order (which is also lexicographic order).
     beam_score, beam_tok = lp[:, 0, :W].clone(), tok[:, 0, :W].clone()
     scores, toks, parents = [beam_score], [beam_tok], [torch.full_like(beam_tok, -1)]
+    admissible = {}  # per beam width: after the first depths every beam is `budget` wide
     for d in range(1, L):
         # Score rank of each beam member (stable: ties keep lexicographic order).
         order = torch.sort(beam_score, dim=-1, descending=True, stable=True).indices  # [B, W]
-        pi, pj = _admissible(budget, K, beam_score.shape[1], lp.device)
+        if beam_score.shape[1] not in admissible:
+            admissible[beam_score.shape[1]] = _admissible(budget, K, beam_score.shape[1], lp.device)
+        pi, pj = admissible[beam_score.shape[1]]
         par_lex = order[:, pi]  # [B, P] lexicographic position of each candidate's parent
         cand_score = beam_score.gather(1, par_lex) + lp[:, d, :].gather(1, pj.expand(B, -1))
         cand_lex = par_lex * K + pj  # lexicographic key of the candidate
