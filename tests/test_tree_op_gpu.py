@@ -36,21 +36,22 @@ def test_kernel_equals_reference(B, L, V, budget):
         assert torch.equal(g.cpu(), w), name
 
 
-def test_deep_tree_runs_the_reference_inside_a_graph():
+@pytest.mark.parametrize("budget", [1, 24])  # budget 1: one parent, one candidate per depth
+def test_deep_tree_runs_the_reference_inside_a_graph(budget):
     L = tree_cuda.MAX_DEPTH + 2  # deeper than the kernel's beams: the front door runs the reference
-    lp, tok = topk_inputs(2, L, 400, 24, seed=7)
+    lp, tok = topk_inputs(2, L, 400, budget, seed=7)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        torch.ops.k26.ddtree_build(lp, tok, 24)
+        torch.ops.k26.ddtree_build(lp, tok, budget)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = torch.ops.k26.ddtree_build(lp, tok, 24)
-    fresh = topk_inputs(2, L, 400, 24, seed=8)
+        out = torch.ops.k26.ddtree_build(lp, tok, budget)
+    fresh = topk_inputs(2, L, 400, budget, seed=8)
     lp.copy_(fresh[0]), tok.copy_(fresh[1])
     g.replay()
-    want = reference.ddtree_build(lp.cpu(), tok.cpu(), 24)
+    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
     assert all(torch.equal(o.cpu(), w) for o, w in zip(out, want))
 
 

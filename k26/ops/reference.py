@@ -169,12 +169,12 @@ def _admissible(budget: int, K: int, width: int, device) -> tuple[torch.Tensor, 
     """(i, j) with (i+1)(j+1) <= budget, i < width, j < K, i-major: the only children that can enter the
     next beam. Made on the device from the shape alone (no host table: graph-capturable, stateless)."""
     n = min(budget, width)
-    counts_host = [min(K, budget // (i + 1)) for i in range(n)]
-    i = torch.arange(n, device=device)
-    counts = (budget // (i + 1)).clamp(max=K)
-    pi = torch.repeat_interleave(i, counts, output_size=sum(counts_host))
-    first = counts.cumsum(0) - counts  # the first candidate of each parent
-    return pi, torch.arange(pi.shape[0], device=device) - first[pi]
+    P = sum(min(K, budget // (i + 1)) for i in range(n))
+    counts = (budget // torch.arange(1, n + 1, device=device)).clamp(max=K)
+    ends = counts.cumsum(0)  # candidate c belongs to the first parent whose end exceeds it
+    c = torch.arange(P, device=device)
+    pi = torch.searchsorted(ends, c, right=True)  # (not repeat_interleave: one parent reads it on the host)
+    return pi, c - (ends - counts)[pi]
 
 
 def _beams(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> tuple[list, list, list]:
