@@ -47,6 +47,8 @@ def tp_info(rank: int, size: int, group=None, fused: bool | None = None) -> TPIn
         fused = dist.get_backend(group) == "nccl" and os.environ.get("K26_FUSED_ALLREDUCE", "1") != "0"
     if fused:
         fused_ar = FusedAllReduce(group, timeout_s=timeout().total_seconds())
+        if fused_ar.p2p and os.environ.get("K26_AR_CALIBRATE") == "1":
+            fused_ar.calibrate()  # the crossovers measured here instead of the published per-size table
         fused_ar = fused_ar if fused_ar.p2p else None
     return TPInfo(rank, size, all_reduce, all_gather, fused_ar)
 

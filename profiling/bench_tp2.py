@@ -122,6 +122,16 @@ def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph
                 rows.setdefault(name, {})[N] = f"failed ({type(e).__name__})"
         for f in fused.values():
             f.check()
+    cal = fused["fused (auto)"]
+    try:
+        table = cal.calibrate(rows=sizes)
+    except Exception as e:  # noqa: BLE001  (the latency table above must still come out)
+        table = f"failed: {type(e).__name__}: {e}"
+    print(
+        f"calibrate (µs one-shot / two-shot / NCCL + norm): {table}; two-shot from {cal.two_shot_bytes} B, "
+        f"NCCL above {cal.nccl_bytes} B",
+        flush=True,
+    )
     if symm_mem is None:
         rows["symm one-shot / two-shot"] = dict.fromkeys(sizes, f"n/a ({symm_why[:40]})")
     head = "| method | " + " | ".join(f"N = {N} ({N * 14} KiB)" for N in sizes) + " |"

@@ -140,6 +140,14 @@ def worker(rank: int, world: int, port: int, out_dir: str, replays: int, devices
         log.append(f"rank {rank}: NO ERROR for mismatched sizes")
     except RuntimeError as e:
         log.append(f"rank {rank} mismatch error: {e}")
+    # Start-up measurement of the crossovers: every rank must take the same decisions (times here are
+    # time-sliced ranks, meaningless as speed; the decisions' agreement is what is checked).
+    cal = FusedAllReduce(device=dev, timeout_s=60, max_bytes=1 << 20)
+    table = cal.calibrate(rows=(1, 4, 16), reps=2)
+    digest.update(f"{cal.two_shot_bytes} {cal.nccl_bytes}".encode())
+    log.append(f"rank {rank}: calibrate {table} -> two-shot from {cal.two_shot_bytes} B")
+    cal.check()
+
     Path(out_dir, f"rank{rank}.txt").write_text(digest.hexdigest() + "\n" + "\n".join(log) + "\n")
     dist.barrier()
     dist.destroy_process_group()

@@ -197,6 +197,7 @@ class FusedAllReduce:
         self.two_shot_bytes = default_two_shot if two_shot_bytes is None else two_shot_bytes
         self.timeout_ns = int(timeout_s * 1e9)
         self.cap = max_bytes // 2 // BLOCK_DIM_ALIGN * BLOCK_DIM_ALIGN  # elements per data region
+        self.nccl_bytes = max_bytes  # larger messages run the composition (`calibrate` may lower it)
         self._own: ctypes.c_void_p | None = None
         self._mapped: list[int] = []
         self.peers = torch.empty(0, dtype=torch.int64)
@@ -309,6 +310,52 @@ class FusedAllReduce:
                 _log.error(msg)
                 return
 
+    def calibrate(self, D: int = 7168, rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 10) -> list:
+        """Measure the crossovers (collective; at start-up): in-graph µs per call of one-shot, two-shot
+        and, on NCCL, the composition for D x N bf16; `two_shot_bytes` and `nccl_bytes` become the sizes
+        from which each wins at every larger N. The slowest rank's times decide, so every rank agrees.
+        Returns [(N, one-shot µs, two-shot µs, NCCL µs)]."""
+        w = torch.ones(D, dtype=torch.bfloat16, device=self.device)
+        nccl = dist.get_backend(self.group) == "nccl"
+        times = torch.full((len(rows), 3), float("inf"), dtype=torch.float64)
+        keep = self.two_shot_bytes
+        for i, n in enumerate(rows):
+            x, r = torch.randn(2, n, D, device=self.device).bfloat16()
+            for j, two in enumerate((1 << 62, 0, None)):
+                if (two is None and not nccl) or (two is not None and (n * D > self.cap or not self.p2p)):
+                    continue
+                self.two_shot_bytes = two if two is not None else keep
+                if two == 0 and n < self.world:
+                    continue  # row-sliced: the two-shot needs a row per rank
+
+                def body(x=x, r=r, via_nccl=two is None):
+                    return composition(x, r, w, 1e-6, self.group_name) if via_nccl else self(x, r, w, 1e-6)
+
+                body()  # warm-up outside capture
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(reps):
+                        body()
+                g.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(3):
+                    g.replay()
+                end.record()
+                end.synchronize()
+                times[i, j] = start.elapsed_time(end) * 1e3 / (3 * reps)
+        self.two_shot_bytes = keep
+        t = times.to(self.device) if nccl else times
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        times = t.cpu()
+        size = [2 * n * D for n in rows]
+        wins2 = [times[i, 1] <= times[i, 0] for i in range(len(rows))]
+        wins_nccl = [times[i, 2] < times[i, :2].min() for i in range(len(rows))]
+        self.two_shot_bytes = next((size[i] for i in range(len(rows)) if all(wins2[i:])), 1 << 62)
+        self.nccl_bytes = next((size[i] for i in range(len(rows)) if all(wins_nccl[i:])), self.nccl_bytes)
+        return [(n, *times[i].tolist()) for i, n in enumerate(rows)]
+
     def unsupported(self, x: torch.Tensor) -> str | None:
         """Why the kernel does not serve `x` (the composition then runs), or None."""
         if not self.p2p:
@@ -334,7 +381,7 @@ class FusedAllReduce:
         x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
         if why is None and not self._aligned(x, residual, weight):
             why = "a tensor not 16-byte aligned"
-        if why is not None or x.numel() > self.cap:  # above the NCCL crossover: the composition over NCCL
+        if why is not None or x.numel() > self.cap or 2 * x.numel() > self.nccl_bytes:  # above: NCCL
             if why is not None:
                 _say_once(f"k26 fused all-reduce: {why}: all-reduce, add and RMSNorm run instead")
             return composition(x, residual, weight, eps, self.group_name)
