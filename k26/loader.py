@@ -23,7 +23,7 @@ from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
 from .model.moe import Int4Experts, use_cuda_kernels
-from .shard_reader import file_stamp, read_into, read_small, tensor_spans
+from .shard_reader import file_stamp, read_header, read_into, read_small
 from .startup import phase_line
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
@@ -156,18 +156,14 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
             problems.append(f"shard {fname} named by the index is missing")
             continue
         try:
-            with safe_open(str(f), framework="pt") as h:
-                stamp, spans = file_stamp(f), tensor_spans([f])
-                for key in h.keys():  # noqa: SIM118  (safe_open handles are not iterable)
-                    sl = h.get_slice(key)
-                    name = key.removeprefix(PREFIX)
-                    if _SKIP.search(name):
-                        continue
-                    if name in infos:
-                        problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
-                    infos[name] = TensorInfo(
-                        f, key, tuple(sl.get_shape()), sl.get_dtype(), spans[f, key], stamp
-                    )
+            stamp = file_stamp(f)
+            for key, (dtype, shape, span) in read_header(f).items():
+                name = key.removeprefix(PREFIX)
+                if _SKIP.search(name):
+                    continue
+                if name in infos:
+                    problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
+                infos[name] = TensorInfo(f, key, shape, dtype, span, stamp)
         except Exception as e:  # noqa: BLE001  (SafetensorError / OSError / ...: any failure is reported)
             unreadable.add(fname)
             listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0

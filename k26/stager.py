@@ -6,11 +6,14 @@ while it is read raises. The staging half of the planned checkpoint reads (`shar
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 CHUNK = 256 << 20  # bytes per staging buffer (and per coordinated round of shard_reader)
+PIECE = 8 << 20  # bytes per read request: large enough to stream, small enough to spread over the threads
+THREADS = 8  # reads in flight per stager: enough to fill an NVMe / virtio queue
 
 
 class ShardChangedError(RuntimeError):
@@ -47,6 +50,7 @@ class Stager:
         self.i = self.fill = 0
         self.fds: dict[Path, tuple[int, tuple[int, int]]] = {}
         self.bytes_read = 0
+        self.pool: ThreadPoolExecutor | None = None
 
     def _fd(self, f: Path) -> int:
         if f not in self.fds:
@@ -57,34 +61,54 @@ class Stager:
                 raise ShardChangedError(f"shard {f.name} changed since its header was read: load again")
         return self.fds[f][0]
 
-    def _pread(self, fd: int, view: memoryview, offset: int, f: Path) -> None:
+    def _pread(self, fd: int, view: memoryview, offset: int, f: Path) -> int:
+        done = 0
         while len(view):
             n = os.preadv(fd, [view], offset)
             if n <= 0:
                 raise ShardChangedError(f"shard {f.name} ended at byte {offset} while loading: it changed")
-            view, offset = view[n:], offset + n
-            self.bytes_read += n
+            view, offset, done = view[n:], offset + n, done + n
+        return done
+
+    def _run(self, jobs: list[tuple[int, memoryview, int, Path]]) -> None:
+        """The reads of `jobs` (descriptor, destination, offset, file), in pieces of at most PIECE bytes
+        on THREADS threads: one sequential stream leaves a disk's queue nearly empty (measured on the
+        H200 machine's disk: a rank's scattered 1 MB row slices read at 59 % of dd in one stream)."""
+        pieces = [
+            (fd, view[k : k + PIECE], off + k, f)
+            for fd, view, off, f in jobs
+            for k in range(0, len(view), PIECE)
+        ]
+        if len(pieces) <= 1:
+            self.bytes_read += sum(self._pread(*p) for p in pieces)
+            return
+        if self.pool is None:  # the GIL is released in preadv
+            self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="k26-pread")
+        self.bytes_read += sum(self.pool.map(lambda p: self._pread(*p), pieces))
 
     def read(self, ranges: list[tuple[Path, int, int]]) -> torch.Tensor:
         total = sum(b - a for _, a, b in ranges)
         out = torch.empty(total, dtype=torch.uint8, device=self.device)
         if not self.cuda:
-            view, pos = memoryview(out.numpy()), 0
+            view, pos, jobs = memoryview(out.numpy()), 0, []
             for f, a, b in ranges:
-                self._pread(self._fd(f), view[pos : pos + b - a], a, f)
+                jobs.append((self._fd(f), view[pos : pos + b - a], a, f))
                 pos += b - a
+            self._run(jobs)
             return out
-        pos = 0  # bytes of `out` already sent
+        pos, jobs = 0, []  # bytes of `out` already sent; reads planned into the current buffer
         for f, a, b in ranges:
             fd = self._fd(f)
             while a < b:
                 if self.fill == 0 and self.events[self.i] is not None:
                     self.events[self.i].synchronize()  # this buffer's previous copy is done
                 n = min(b - a, self.chunk - self.fill)
-                self._pread(fd, memoryview(self.bufs[self.i].numpy())[self.fill : self.fill + n], a, f)
+                jobs.append((fd, memoryview(self.bufs[self.i].numpy())[self.fill : self.fill + n], a, f))
                 self.fill, a = self.fill + n, a + n
                 if self.fill == self.chunk:
-                    pos = self._send(out, pos)
+                    self._run(jobs)
+                    jobs, pos = [], self._send(out, pos)
+        self._run(jobs)
         self._send(out, pos)
         return out
 
@@ -100,6 +124,9 @@ class Stager:
 
     def close(self) -> None:
         """Close every file, raising if one changed (size or mtime) since it was opened."""
+        if self.pool is not None:  # no read is in flight between calls: this only ends the threads
+            self.pool.shutdown()
+            self.pool = None
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         changed = []
