@@ -108,7 +108,10 @@ class StepGraphs:
             state = state or StepState.allocate(bucket, self.width, self.device)
             if self.vocab and state.noise is None:  # largest bucket first: this is the batch's widest
                 state.noise = torch.ones(bucket.batch, bucket.nodes, self.vocab, device=self.device)
-            t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            # reserved bytes with the allocator's free cache dropped before and after: what the graph pool
+            # keeps (a load's freed temporaries, e.g. the int4 layout before the repack, would otherwise
+            # leave this bucket with a negative figure when warm-up frees them)
+            t0, m0 = time.perf_counter(), _reserved(self.device)
             try:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -131,14 +134,17 @@ class StepGraphs:
                 ) from e
             state.reset()
             self.states[bucket], self.graphs[bucket] = state, g
-            self.report.append(
-                CaptureRecord(bucket, time.perf_counter() - t0, torch.cuda.memory_reserved(self.device) - m0)
-            )
+            self.report.append(CaptureRecord(bucket, time.perf_counter() - t0, _reserved(self.device) - m0))
 
     def replay(self, bucket: Bucket) -> StepState:
         with nvtx_range("replay"):
             self.graphs[bucket].replay()
         return self.states[bucket]
+
+
+def _reserved(device: torch.device) -> int:
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
 
 
 def _barrier() -> None:
