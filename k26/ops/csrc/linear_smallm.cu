@@ -29,8 +29,11 @@
 // for sm_90a and sm_120a.
 // Speed (H200, profiling/results/2026-12-01-bench_linear-h200.md, version of commit 294f8de: one batch before
 // the wait, a fence per thread): 1.24-1.52x of the streaming floor at M = 1 (>= 14 MB), 1.7-2.5x at M = 16;
-// slower than cuBLAS for most projections. This version (two batches before the wait, one fence per block)
-// is not measured yet. Benchmark: profiling/bench_linear.py.
+// slower than cuBLAS for most projections. This version (two batches before the wait, one fence per block) in
+// the compiled, graph-replayed K2.6 step (profiling/results/2026-12-01-bench_k26-glue-h200.md): q_a + kv_a
+// stacked (30 MB) 11.7-12.2 us at M = 1 (cuBLAS: 17 us in two GEMVs + two split-K reduces), 18 us at M = 16
+// (cuBLAS the same); W_UK 2.7-2.9 us; q_b and W_UV win at M = 1 and lose at 16, o_proj loses at both.
+// Benchmarks: profiling/bench_linear.py (one projection), profiling/bench_k26.py --variants (the step).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
