@@ -108,8 +108,8 @@ class LLM:
         # torch.compile of the model body: fixed shapes per bucket, lengths and positions as tensors, so
         # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
         self.model_fwd = torch.compile(self.model, fullgraph=True, dynamic=False) if compile else self.model
-        self._compile_cache = None
-        if compile and cache_dir is not None:  # torch's compiled artifacts kept beside the load cache
+        self._compile_cache = None  # torch.compile's artifacts (the body, the budget policies) for restarts
+        if self.graphs and cache_dir is not None:
             self._compile_cache = compile_cache_file(cache_dir, self.path, self.device)
             load_compile_cache(self._compile_cache)
         self.decoder = Decoder(self._decode_context())

@@ -12,6 +12,7 @@ A cache that cannot be written (full disk, read-only dir) leaves no partial entr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -181,8 +182,9 @@ class LoadCache:
             mtmp.write_text(json.dumps(self.want | {"weights_size": size}, indent=1))
             os.replace(mtmp, self.meta)
         except BaseException as e:  # also Ctrl-C mid-write: never leave a rank's worth of temp bytes behind
-            tmp.unlink(missing_ok=True)
-            mtmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (an entry directory that could not be made holds none)
+                tmp.unlink(missing_ok=True)
+                mtmp.unlink(missing_ok=True)
             if not isinstance(e, OSError):
                 raise
             # full disk, read-only directory: the load itself succeeded
@@ -207,11 +209,14 @@ def load_compile_cache(f: Path) -> bool:
     if not f.is_file():
         return False
     try:
-        torch.compiler.load_cache_artifacts(f.read_bytes())
+        info = torch.compiler.load_cache_artifacts(f.read_bytes())  # None: unreadable (torch logs why)
     except Exception as e:  # noqa: BLE001  (another torch's artifacts: compile afresh, never fail the start)
-        print(f"compile cache {f}: not used ({e}); compiling afresh", file=sys.stderr, flush=True)
-        return False
-    return True
+        info, why = None, str(e)
+    else:
+        why = "unreadable"
+    if info is None:
+        print(f"compile cache {f}: not used ({why}); compiling afresh", file=sys.stderr, flush=True)
+    return info is not None
 
 
 def save_compile_cache(f: Path) -> None:
@@ -225,5 +230,6 @@ def save_compile_cache(f: Path) -> None:
         tmp.write_bytes(got[0])
         os.replace(tmp, f)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # no directory to hold it (the failure itself), nothing to remove
+            tmp.unlink(missing_ok=True)
         warnings.warn(f"compile cache {f} not written ({e})", stacklevel=2)

@@ -127,7 +127,13 @@ def write_checkpoint(out: Path, layers: int, shard_gb: float, dev: str, experts:
     specs = tensor_specs(s)
     groups, cur, size = [], [], 0
     for spec in specs:
-        nb = torch.Size(spec[2]).numel() * (2 if spec[1] in ("bf16", "scale") else 4)
+        # a weight_shape's spec shape is its two values, not its size (counting it as a tensor of that
+        # shape cut the H200 run's 15.5 GB into 43 shards instead of 8)
+        nb = (
+            8
+            if spec[1] == "shape"
+            else torch.Size(spec[2]).numel() * (2 if spec[1] in ("bf16", "scale") else 4)
+        )
         if cur and size + nb > shard_gb * 1e9:
             groups.append(cur)
             cur, size = [], 0

@@ -101,6 +101,15 @@ def test_a_full_disk_leaves_no_entry_and_only_warns(ckpt, tmp_path, monkeypatch)
     assert not load_model(ckpt, progress=False, cache_dir=tmp_path / "c").load_stats.from_cache
 
 
+def test_a_cache_dir_that_cannot_be_made_only_warns(ckpt, tmp_path):
+    """A file where the cache directory should be: the load succeeds and warns (the temp file's clean-up
+    raised NotADirectoryError out of the load before)."""
+    (tmp_path / "c").write_text("not a directory")
+    with pytest.warns(UserWarning, match="not written"):
+        m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache and (tmp_path / "c").read_text() == "not a directory"
+
+
 def test_entry_meta_names_what_it_was_made_from(ckpt, tmp_path):
     load_model(ckpt, tp=TPInfo(0, 2), dtype=torch.float32, progress=False, cache_dir=tmp_path / "c")
     (meta,) = (tmp_path / "c").glob("*/meta.json")
@@ -142,3 +151,26 @@ def test_coordinated_ranks_use_the_cache_together(ckpt, tmp_path):
     for r in range(2):
         got = torch.load(tmp_path / f"r{r}.pt")
         assert got == {"first": False, "second": True, "same": True}, r
+
+
+def test_a_missing_or_unreadable_compile_cache_is_a_fresh_compile(tmp_path, capsys):
+    from k26.load_cache import load_compile_cache
+
+    assert load_compile_cache(tmp_path / "none.bin") is False
+    (tmp_path / "bad.bin").write_bytes(b"not torch's artifacts")
+    assert load_compile_cache(tmp_path / "bad.bin") is False
+    assert "not used" in capsys.readouterr().err
+
+
+def test_the_compile_cache_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from k26.load_cache import save_compile_cache
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    f = tmp_path / "c" / "compile.bin"
+    save_compile_cache(f)
+    assert f.read_bytes() == b"artifacts" and [p.name for p in f.parent.iterdir()] == ["compile.bin"]
+    blocked = tmp_path / "file"
+    blocked.write_text("x")  # a file where the directory should be: the write fails
+    with pytest.warns(UserWarning, match="not written"):
+        save_compile_cache(blocked / "compile.bin")
+    assert blocked.read_text() == "x"
