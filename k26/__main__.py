@@ -177,6 +177,15 @@ def cmd_info(a: argparse.Namespace) -> int:
         print(f"{k:28s} {v}")
     print(f"{'softmax_scale':28s} {cfg.softmax_scale:.7f}")
     print(f"{'kv bytes/token (bf16)':28s} {LatentCache.bytes_per_token(cfg)}")
+    if a.startup:  # start it: what the load read, the repack and each captured graph cost
+        from .checks import check_device
+        from .engine import LLM
+
+        check_device(a.device)
+        drafter = _dir_arg(a.drafter, "--drafter")
+        llm = LLM(a.model, drafter=drafter, device=a.device, capture=True, cache_dir=a.cache_dir)
+        print("start-up:", *llm.startup.lines(), sep="\n")
+        llm.close()
     return 0
 
 
@@ -265,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     i = sub.add_parser("info", help="print the parsed model config")
     i.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    i.add_argument(
+        "--startup", action="store_true", help="also start it (graphs captured) and report the cost"
+    )
+    i.add_argument(
+        "--drafter", help="with --startup: a drafter directory (default with no --model: embedded)"
+    )
+    i.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    i.add_argument("--cache-dir", default=None, help="with --startup: the load cache (LLM(cache_dir=...))")
     i.set_defaults(fn=cmd_info)
     bn = sub.add_parser("bench", help="tokens/s of AR eager / AR graphs / DFlash / DDTree / HF generate()")
     bn.add_argument("--model")

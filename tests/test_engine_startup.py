@@ -99,3 +99,12 @@ def test_report_lines_name_every_phase():
     text = "\n".join(r.lines())
     assert "1.00 GB" in text and "0.50 GB/s" in text and "repack    0.50 s" in text
     assert "graph ar greedy batch 4 nodes 1: 1.50 s, pool +2.0 MB" in text
+
+
+def test_info_startup_prints_the_report(tiny_k25, capsys):
+    from k26.__main__ import main
+
+    assert main(["info", "--model", str(tiny_k25), "--startup", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("start-up:")
+    assert out[at + 1].startswith("read") and "by 1 rank(s)" in out[at + 1]
