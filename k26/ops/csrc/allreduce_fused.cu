@@ -8,7 +8,7 @@
 // one rank only (two-shot), and y is computed by the same code from the same h.
 //
 // Workspace: one cudaMalloc per rank, shared with the peers once at start-up through CUDA IPC handles
-// (k26/ops/allreduce_cuda.py). Layout (bytes): flags A [kBlocks][kMaxRanks] u64 | flags B (same) | data A
+// (k26/ops/allreduce_cuda.py). Layout (bytes): flags A [kMaxBlocks][kMaxRanks] u64 | flags B (same) | data A
 // bf16 [2 slots][W][cap] | data B bf16 [2 slots][cap]. Data moves by PUSH: a rank writes its rows into the
 // peers' workspaces (posted writes, the cheap direction over PCIe) and every wait spins on LOCAL memory.
 //
@@ -24,9 +24,14 @@
 // on by themselves. Flags hold (e << 32 | numel): a flag at epoch e means "my data of epoch e is in your
 // memory", and numel catches ranks called with different sizes. Data is double-buffered by e & 1: a rank
 // that reaches launch e has seen every peer's flag of e - 1, so every peer finished launch e - 2 and no
-// longer reads slot e & 1. The grid is fixed (kBlocks) so every block index exchanges flags in every launch,
-// whatever the size. Ordering: data stores, __threadfence_system, __syncthreads, then st.release.sys of the
-// flag; the reader's ld.acquire.sys then __syncthreads, then ld.global.cg (L2, never a stale L1 line).
+// longer reads slot e & 1 (block 0 runs in every launch and waits for every peer; a block index a launch
+// does not use keeps an older epoch in its flags, never a newer one). The grid follows the rows (up to
+// kMaxBlocks), so ranks called with different sizes may differ in grid: block 0 still meets on both and
+// reports the mismatch, and the other blocks stop spinning when they see the error.
+// Ordering: data stores, __syncthreads, then st.release.sys of the flag by one thread per peer (release is
+// cumulative over the block's stores ordered before it by the barrier: the PTX memory model, as vLLM's
+// custom all-reduce relies on); the reader's ld.acquire.sys, __syncthreads, then ld.global.cg (L2, never
+// a stale L1 line).
 // A wait longer than timeout_ns (a dead or stuck peer) or a size mismatch records (kind, peer) in ctl.err
 // and in host-mapped memory for the front door's RuntimeError, and every later launch returns at once
 // (outputs undefined) instead of hanging.
@@ -46,10 +51,10 @@
 namespace {
 
 constexpr int kMaxRanks = 8;
-constexpr int kBlocks = 16;      // fixed grid: every block index takes part in every launch's handshake
+constexpr int kMaxBlocks = 96;   // one block per row up to here (fewer than the SMs of an H200 or RTX PRO 6000)
 constexpr int kThreads = 512;
 constexpr int kMaxVec = 4;       // 16-byte vectors per thread per row: D <= 8 * kMaxVec * kThreads = 16384
-constexpr size_t kFlagsA = 0, kFlagsB = kBlocks * kMaxRanks * 8, kDataA = 4096;
+constexpr size_t kFlagsA = 0, kFlagsB = kMaxBlocks * kMaxRanks * 8, kDataA = 2 * kFlagsB;
 
 struct Ctl {
   unsigned int epoch, done, err, info;
@@ -110,7 +115,6 @@ __device__ void report(const Params& p, unsigned kind, int peer, unsigned info) 
 
 // Tell every rank that this block's pushes of epoch e (numel n) have landed. Call after the stores.
 __device__ __forceinline__ void signal_all(const Params& p, size_t off, unsigned e, unsigned n) {
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x < p.world) st_release_sys(flag(p, threadIdx.x, off, p.rank), (unsigned long long)e << 32 | n);
 }
@@ -359,6 +363,9 @@ K26_EXPORT int k26_ar_launch(const void* x, const void* residual, const void* we
   p.rank = rank;
   p.world = world;
   p.two_shot = two_shot;
-  allreduce_add_rmsnorm_kernel<<<kBlocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  // One block per row (one-shot) or per row of the largest slice (two-shot), at most kMaxBlocks.
+  const int units = two_shot ? (rows + world - 1) / world : rows;
+  const int grid = units < 1 ? 1 : (units < kMaxBlocks ? units : kMaxBlocks);
+  allreduce_add_rmsnorm_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return int(cudaGetLastError());
 }
