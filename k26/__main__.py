@@ -238,6 +238,20 @@ def _positive(s: str) -> int:
     return v
 
 
+def _info_parser(sub) -> None:
+    i = sub.add_parser("info", help="print the parsed model config")
+    i.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    i.add_argument(
+        "--startup", action="store_true", help="also start it (graphs captured) and report the cost"
+    )
+    i.add_argument(
+        "--drafter", help="with --startup: a drafter directory (default with no --model: embedded)"
+    )
+    i.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    i.add_argument("--cache-dir", default=None, help="with --startup: the load cache (LLM(cache_dir=...))")
+    i.set_defaults(fn=cmd_info)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -272,17 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp", type=int, default=None, help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)"
     )
     g.set_defaults(fn=cmd_generate)
-    i = sub.add_parser("info", help="print the parsed model config")
-    i.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
-    i.add_argument(
-        "--startup", action="store_true", help="also start it (graphs captured) and report the cost"
-    )
-    i.add_argument(
-        "--drafter", help="with --startup: a drafter directory (default with no --model: embedded)"
-    )
-    i.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    i.add_argument("--cache-dir", default=None, help="with --startup: the load cache (LLM(cache_dir=...))")
-    i.set_defaults(fn=cmd_info)
+    _info_parser(sub)
     bn = sub.add_parser("bench", help="tokens/s of AR eager / AR graphs / DFlash / DDTree / HF generate()")
     bn.add_argument("--model")
     bn.add_argument("--drafter")
