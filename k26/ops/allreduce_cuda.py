@@ -76,13 +76,17 @@ def allreduce_add_rmsnorm(
     """The specification: all-reduce over `group_name`, then the add and the RMSNorm. `peers` (int64 CPU,
     every rank's workspace address as mapped here; empty: this composition on every device), `ctl`,
     `err`, `rank`, `cap`, `two_shot_bytes` and `timeout_ns` drive the CUDA kernel (FusedAllReduce)."""
-    return composition(x, residual, weight, eps, group_name)
+    return composition(x, residual, weight, eps, _group(group_name))
 
 
-def composition(x, residual, weight, eps: float, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Today's three steps: NCCL (or gloo) all-reduce, residual add, RMSNorm."""
+def _group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def composition(x, residual, weight, eps: float, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Today's three steps: NCCL (or gloo) all-reduce over `group`, residual add, RMSNorm."""
     s = x.contiguous().clone()
-    dist.all_reduce(s, group=dist.distributed_c10d._resolve_process_group(group_name))
+    dist.all_reduce(s, group=group)
     return add_rmsnorm_reference(s, residual, weight, eps)
 
 
@@ -129,11 +133,11 @@ def limits() -> tuple[int, int]:
 
 @torch.library.register_kernel("k26::allreduce_add_rmsnorm", "cuda")
 def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
-    if peers.numel() == 0:
-        return composition(x, residual, weight, eps, group_name)
+    x, residual = x.contiguous(), residual.contiguous()
+    if peers.numel() == 0 or any(t.data_ptr() % 16 for t in (x, residual, weight)):
+        return composition(x, residual, weight, eps, _group(group_name))  # the kernel moves 16-byte vectors
     world, D = peers.numel(), x.shape[-1]
     rows = x.numel() // D
-    x, residual = x.contiguous(), residual.contiguous()
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
     ws = (ctypes.c_void_p * world)(*peers.tolist())
     two_shot = int(rows >= world and 2 * x.numel() >= two_shot_bytes)
@@ -329,7 +333,7 @@ class FusedAllReduce:
                     continue  # row-sliced: the two-shot needs a row per rank
 
                 def body(x=x, r=r, via_nccl=two is None):
-                    return composition(x, r, w, 1e-6, self.group_name) if via_nccl else self(x, r, w, 1e-6)
+                    return composition(x, r, w, 1e-6, self.group) if via_nccl else self(x, r, w, 1e-6)
 
                 body()  # warm-up outside capture
                 torch.cuda.synchronize(self.device)
@@ -367,24 +371,19 @@ class FusedAllReduce:
             return f"width {D} (the kernel needs a multiple of 8 up to {self.max_dim})"
         return None if x.numel() else "an empty tensor"
 
-    @staticmethod
-    def _aligned(*ts: torch.Tensor) -> bool:
-        return all(t.data_ptr() % 16 == 0 for t in ts)  # the kernel moves 16-byte vectors
-
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        tracing = torch.compiler.is_compiling()  # torch.compile(fullgraph=True): nothing host-side here
+        if not tracing and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_inputs(x, residual, weight)
             self.check()
         why = self.unsupported(x)
         x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
-        if why is None and not self._aligned(x, residual, weight):
-            why = "a tensor not 16-byte aligned"
         if why is not None or x.numel() > self.cap or 2 * x.numel() > self.nccl_bytes:  # above: NCCL
-            if why is not None:
+            if why is not None and not tracing:
                 _say_once(f"k26 fused all-reduce: {why}: all-reduce, add and RMSNorm run instead")
-            return composition(x, residual, weight, eps, self.group_name)
+            return composition(x, residual, weight, eps, self.group)
         return torch.ops.k26.allreduce_add_rmsnorm(
             x,
             residual,
