@@ -85,9 +85,9 @@ def bench_shape(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[
     layers = [
         (
             words(E, I // 8, D // 64, 32, 4),
-            scales(E, I // 8, D // 64, 32, 2),
+            scales(E, I // 8, D // 64, 16, 2),
             words(E, D // 16, I // 64, 32, 4),
-            scales(E, D // 16, I // 64, 32, 2),
+            scales(E, D // 16, I // 64, 16, 2),
         )
         for _ in range(L)
     ]
@@ -157,11 +157,11 @@ def kernel_breakdown(shp: dict, M: int) -> list[str]:
         torch.randint(
             -(2**31), 2**31 - 1, (E, I // 8, D // 64, 32, 4), generator=gen, dtype=torch.int32, device="cuda"
         ),
-        torch.rand(E, I // 8, D // 64, 32, 2, generator=gen, device="cuda").to(torch.bfloat16),
+        torch.rand(E, I // 8, D // 64, 16, 2, generator=gen, device="cuda").to(torch.bfloat16),
         torch.randint(
             -(2**31), 2**31 - 1, (E, D // 16, I // 64, 32, 4), generator=gen, dtype=torch.int32, device="cuda"
         ),
-        torch.rand(E, D // 16, I // 64, 32, 2, generator=gen, device="cuda").to(torch.bfloat16),
+        torch.rand(E, D // 16, I // 64, 16, 2, generator=gen, device="cuda").to(torch.bfloat16),
     )
     x = torch.randn(M, D, device="cuda").to(torch.bfloat16)
     ids = routing("uniform", M, E, K, gen)
@@ -188,6 +188,9 @@ def main() -> None:
     ap.add_argument(
         "--block", action="store_true", help="the whole MoE block (router + experts + shared expert)"
     )
+    ap.add_argument(
+        "--quick", action="store_true", help="--block without the two baselines (shared separate, before)"
+    )
     a = ap.parse_args()
     ms = [int(v) for v in a.ms.split(",")]
     copy_bw, flops = copy_bandwidth(), gemm_rate()
@@ -207,7 +210,8 @@ def main() -> None:
         ),
         f"- commit: {commit or 'unknown'}",
         (
-            f"- command: `python profiling/bench_moe.py{' --block' if a.block else ''} --shapes {a.shapes} "
+            f"- command: `python profiling/bench_moe.py{' --block' if a.block else ''}"
+            f"{' --quick' if a.quick else ''} --shapes {a.shapes} "
             f"--ms {a.ms}`"
         ),
         (

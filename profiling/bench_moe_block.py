@@ -4,14 +4,16 @@ GEMMs and the block before issue 17 (reference router, separate shared expert). 
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
 import torch.nn.functional as F
 from timing import capture, graph_time_cold, mma_sync_peak
 
-from k26.ops import reference
-from k26.ops.router_cuda import router_barrier
+from k26.ops import moe_cuda, reference
+from k26.ops.moe_cuda import pick_nt
+from k26.ops.router_cuda import router_counters
 
 SHAPES = {
     "tp8": {"E": 384, "D": 7168, "I": 256, "K": 8, "layers": 8},
@@ -44,14 +46,14 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
         bias[torch.randperm(E, generator=gen, device="cuda")[:hot]] += 10.0
     experts = (
         words(E, I // 8, D // 64, 32, 4),
-        scales(E, I // 8, D // 64, 32, 2),
+        scales(E, I // 8, D // 64, 16, 2),
         words(E, D // 16, I // 64, 32, 4),
-        scales(E, D // 16, I // 64, 32, 2),
+        scales(E, D // 16, I // 64, 16, 2),
     )
     return {
         "router": bf(E, D),
         "bias": bias,
-        "barrier": router_barrier("cuda"),
+        "counters": router_counters("cuda"),
         "experts": experts,
         "gate": bf(I, D),
         "up": bf(I, D),
@@ -61,15 +63,25 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
 
 def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused": router
-    kernel, shared expert in the expert kernel's grids; "router": router kernel, shared expert as its own
-    three GEMMs; "unfused": the reference router (fp32 weight copy, GEMV, topk), separate shared expert."""
+    kernel writing the routing table, shared expert in the expert kernel's grids; "no table": the same with
+    the expert op routing in its own launch; "router": router kernel, shared expert as its own three GEMMs;
+    "unfused": the reference router (fp32 weight copy, GEMV, topk), separate shared expert."""
+    nt = pick_nt(x.shape[0] * ROUTE[2], lw["router"].shape[0])
+    if mode == "no table":  # the expert op routes in a launch of its own
+        tw, ids, _ = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["counters"], *ROUTE)
+        sh = lw["gate"], lw["up"], lw["down"]
+        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh)
     if mode == "unfused":
         tw, ids = reference.moe_router(x, lw["router"], lw["bias"], *ROUTE)
-    else:
-        tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
+        table = None
+    else:  # the router kernel writes the expert op's routing table, as MoE.forward asks it to
+        tw, ids, table = torch.ops.k26.moe_router(
+            x, lw["router"], lw["bias"], lw["counters"], *ROUTE, nt, mode == "fused"
+        )
     if mode == "fused":
-        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, lw["gate"], lw["up"], lw["down"])
-    y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw)
+        sh = lw["gate"], lw["up"], lw["down"]
+        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh, table)
+    y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, None, None, None, table)
     return y + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
 
 
@@ -85,8 +97,17 @@ def launches(fn) -> list[str]:
     return [ev.name for ev in prof.events() if ev.device_type == DeviceType.CUDA and "Mem" not in ev.name]
 
 
+def no_pdl_time(fn, calls: int) -> float:
+    """graph_time_cold of fn with the expert op's kernels launched without programmatic dependent launch."""
+    moe_cuda.PDL = False
+    try:
+        return graph_time_cold(fn, calls)
+    finally:
+        moe_cuda.PDL = True
+
+
 def bench_block(
-    name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[str], kernels: list[str]
+    name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[str], kernels: list[str], quick: bool
 ) -> None:
     E, D, I, L = shp["E"], shp["D"], shp["I"], shp["layers"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -96,7 +117,7 @@ def bench_block(
             x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
             touched = statistics.mean(
                 int(
-                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)[1]
+                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["counters"], *ROUTE)[1]
                     .unique()
                     .numel()
                 )
@@ -109,21 +130,23 @@ def bench_block(
 
             def routers(x=x, layers=layers):
                 return [
-                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
+                    torch.ops.k26.moe_router(
+                        x, lw["router"], lw["bias"], lw["counters"], *ROUTE, pick_nt(len(x) * 8, E), True
+                    )
                     for lw in layers
                 ]
 
-            t, t_unfused = (
-                graph_time_cold(lambda: blocks("fused"), L),
-                graph_time_cold(lambda: blocks("unfused"), L),
-            )
-            t_router_only = graph_time_cold(lambda: blocks("router"), L)
+            t = graph_time_cold(lambda: blocks("fused"), L)
+            t_no_pdl = no_pdl_time(lambda: blocks("fused"), L)
+            t_no_table = graph_time_cold(lambda: blocks("no table"), L)
+            t_unfused = math.nan if quick else graph_time_cold(lambda: blocks("unfused"), L)
+            t_router_only = math.nan if quick else graph_time_cold(lambda: blocks("router"), L)
             t_router = graph_time_cold(routers, L)
             n_fused, n_unfused = "-", "-"
-            if M in (1, 64):  # the profiler is slow to start; the count does not depend on M otherwise
+            if M in (1, 64):  # the profiler is slow to start; the count is the same for other M
                 k_fused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw))
-                k_unfused = launches(lambda x=x, lw=layers[0]: moe_block(x, lw, "unfused"))
-                n_fused, n_unfused = len(k_fused), len(k_unfused)
+                k_unfused = [] if quick else launches(lambda x=x, lw=layers[0]: moe_block(x, lw, "unfused"))
+                n_fused, n_unfused = len(k_fused), len(k_unfused) or "-"
                 if M == 1 and name == "tp8" and kind == "uniform":
                     kernels.extend(
                         [
@@ -134,7 +157,8 @@ def bench_block(
             gbs = mb / 1e3 / t
             rows.append(
                 f"| {name} | {kind} | {M} | {touched:.1f} | {mb:.1f} | {t * 1e6:.1f} | {gbs:.0f} | "
-                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_router_only * 1e6:.1f} | {t_unfused * 1e6:.1f} | "
+                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_no_pdl * 1e6:.1f} | {t_no_table * 1e6:.1f} | "
+                f"{t_router_only * 1e6:.1f} | {t_unfused * 1e6:.1f} | "
                 f"{n_fused} / {n_unfused} | "
                 f"{t_router * 1e6:.1f} ({100 * E * D * 2 / t_router / copy_bw:.0f}%) |"
             )
@@ -148,16 +172,17 @@ def block_main(a, copy_bw: float, head: list[str]) -> str:
         f"- mma.sync bf16 peak measured in this run: {mma_sync_peak() / 1e12:.0f} TFLOP/s",
         "",
         (
-            "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | "
+            "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | no PDL µs | "
+            "no table µs | "
             "shared separate µs | before (unfused) µs | launches fused / before | router µs (% copy) |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(head), flush=True)
     rows: list[str] = []
     kernels: list[str] = []  # of one captured block (TP8, M = 1, uniform)
     for name in a.shapes.split(","):
-        bench_block(name, SHAPES[name], [int(v) for v in a.ms.split(",")], copy_bw, rows, kernels)
+        bench_block(name, SHAPES[name], [int(v) for v in a.ms.split(",")], copy_bw, rows, kernels, a.quick)
     tail = ["", "Kernels of one captured block (TP8, M = 1, uniform), in launch order:", "", *kernels]
     print("\n".join(tail))
     return "\n".join(head + rows + tail) + "\n"

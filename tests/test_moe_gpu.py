@@ -128,6 +128,46 @@ def test_shared_expert_in_the_grid_matches_reference(M, E, K, D, inter, kind):
     assert torch.equal(got, again)  # deterministic: no float atomics anywhere
 
 
+@pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_router_table_gives_the_same_bits(M, with_shared, monkeypatch):
+    """The routing table from the router kernel replaces the op's own routing launch, and programmatic
+    dependent launch (the shared expert's blocks overlapping the router) changes no bit."""
+    from k26.ops import moe_cuda
+    from k26.ops.moe_cuda import pick_nt
+    from k26.ops.router_cuda import router_counters
+
+    gen = torch.Generator(device="cuda").manual_seed(200 + M)
+    E, K, D, inter = 384, 8, 7168, 256
+    w = random_repacked(E, D, inter, gen)
+    sh = shared_weights(D, inter, gen) if with_shared else (None,) * 3
+    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+    router = (torch.randn(E, D, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    bias = torch.randn(E, generator=gen, device="cuda") * 0.05
+    args = (1, 1, K, True, 2.827, pick_nt(M * K, E), with_shared)
+    tw, ids, table = torch.ops.k26.moe_router(x, router, bias, router_counters("cuda"), *args)
+    plain = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    poison_allocator()
+    fused = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh, table)
+    assert torch.isfinite(fused.float()).all() and torch.equal(plain, fused)
+    monkeypatch.setattr(moe_cuda, "PDL", False)
+    poison_allocator()
+    tw2, ids2, table2 = torch.ops.k26.moe_router(x, router, bias, router_counters("cuda"), *args)
+    serial = torch.ops.k26.moe_w4a16_repacked(x, *w, ids2, tw2, *sh, table2)
+    assert torch.equal(ids, ids2) and torch.equal(plain, serial)
+    ref = _reference(x, *w, ids, tw, *sh).float()
+    assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_table_of_another_size_is_refused():
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    w = random_repacked(8, 64, 64, gen)
+    x = torch.randn(2, 64, device="cuda").to(torch.bfloat16)
+    ids, tw = torch.tensor([[0, 1], [1, 2]], device="cuda"), torch.rand(2, 2, device="cuda")
+    with pytest.raises(ValueError, match="table must be int32"):
+        torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, None, None, None, torch.zeros(3, dtype=torch.int32))
+
+
 def test_shared_expert_of_another_width_is_refused():
     gen = torch.Generator(device="cuda").manual_seed(8)
     w = random_repacked(8, 64, 64, gen)
@@ -155,7 +195,9 @@ def test_model_uses_kernel_after_gpu_load(tiny_k25):
     fast = LLM(tiny_k25, device="cuda", progress=False)
     slow = LLM(tiny_k25, device="cuda", progress=False, cuda_kernels=False)
     assert fast.model.layers[1].mlp.experts.repacked and not slow.model.layers[1].mlp.experts.repacked
-    assert fast.model.layers[1].mlp.gate.barrier is not None and slow.model.layers[1].mlp.gate.barrier is None
+    assert (
+        fast.model.layers[1].mlp.gate.counters is not None and slow.model.layers[1].mlp.gate.counters is None
+    )
     ids = torch.randint(0, 600, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
     batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device="cuda"), 40)
     with torch.no_grad():  # the first MoE layer's output: before any routing can diverge

@@ -3,8 +3,9 @@
 
 Repacked layout (see csrc/moe_w4a16.cu): per expert, 16-row tiles x 64-wide k chunks x 32 lanes x 4
 int32 words, each lane's 16 bytes being exactly its mma A fragments for four k-steps; scales one bf16
-pair (rows g, g+8) per lane per chunk. gate/up share tiles: rows 0..7 gate, rows 8..15 up of the same
-8 features, so silu(gate)·up happens in the GEMM's registers.
+per (row, group of 32) as 16 words per chunk, word 2g + group holding rows g and g+8 (lane (g, t) reads
+word 2g + t // 2: no scale byte read twice from memory). gate/up share tiles: rows 0..7 gate, rows 8..15
+up of the same 8 features, so silu(gate)·up happens in the GEMM's registers.
 """
 
 from __future__ import annotations
@@ -30,18 +31,19 @@ def w13_row_order(inter: int) -> torch.Tensor:
 
 
 def _scale_pairs(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Tile rows g and g+8 of the scales, [E, RT, 8, K/32] each -> [E, RT, K/64, 32, 2] bf16 pairs."""
+    """Tile rows g and g+8 of the scales, [E, RT, 8, K/32] each -> [E, RT, K/64, 16, 2] bf16: word 2g + group
+    of a chunk holds (row g, row g+8) of that group."""
     E, RT, _, K32 = lo.shape
 
-    def lanes(s):  # [E, RT, 8, KC, 2 groups] -> [E, RT, KC, g, t]: lane t reads group t // 2
-        return s.unflatten(3, (K32 // 2, 2)).permute(0, 1, 3, 2, 4).repeat_interleave(2, dim=-1)
+    def words(s):  # [E, RT, 8, KC, 2 groups] -> [E, RT, KC, g, group]
+        return s.unflatten(3, (K32 // 2, 2)).permute(0, 1, 3, 2, 4)
 
-    return torch.stack([lanes(lo), lanes(hi)], dim=-1).reshape(E, RT, K32 // 2, 32, 2).to(torch.bfloat16)
+    return torch.stack([words(lo), words(hi)], dim=-1).reshape(E, RT, K32 // 2, 16, 2).to(torch.bfloat16)
 
 
 def repack_scales(scale: torch.Tensor, row_order: torch.Tensor | None = None) -> torch.Tensor:
-    """[E, R, K/32] -> [E, R/16, K/64, 32, 2]: lane (g, t) gets rows (g, g+8) of group t // 2 of each
-    chunk."""
+    """[E, R, K/32] -> [E, R/16, K/64, 16, 2]: word 2g + group of a chunk holds rows (g, g+8) of that
+    group (lane (g, t) reads word 2g + t // 2)."""
     E, R, K32 = scale.shape
     if row_order is not None:
         scale = scale[:, row_order.to(scale.device)]
@@ -101,7 +103,7 @@ def unrepack(words: torch.Tensor, pairs: torch.Tensor, row_order: torch.Tensor |
     tiles = torch.empty(E, RT, KC, 16, 64, dtype=torch.int64, device=dev)
     tiles[..., _ROW.to(dev), _K.to(dev)] = nib
     q = (tiles.permute(0, 1, 3, 2, 4).reshape(E, RT * 16, KC * 64) - 8).to(torch.int8)
-    p = pairs.view(E, RT, KC, 8, 4, 2)[:, :, :, :, ::2]  # t = 0 and 2 carry groups 0 and 1
+    p = pairs.view(E, RT, KC, 8, 2, 2)  # [.., g, group, (row g, row g + 8)]
     s = torch.cat([p[..., 0], p[..., 1]], dim=3)  # [E, RT, KC, 16 rows, 2 groups]
     s = s.permute(0, 1, 3, 2, 4).reshape(E, RT * 16, KC * 2)
     if row_order is not None:
@@ -123,6 +125,56 @@ def repack_experts(gate_packed, gate_scale, up_packed, up_scale, down_packed, do
     s13 = _scale_pairs(gate_scale.reshape(E, inter // 8, 8, K32), up_scale.reshape(E, inter // 8, 8, K32))
     w2, s2 = repack(down_packed, down_scale)
     return w13, s13, w2, s2
+
+
+def pick_nt(pairs: int, experts: int) -> int:
+    """Token columns per expert group (8 per mma n-tile): wider only when experts see many tokens."""
+    per_expert = pairs / experts
+    return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
+
+
+def route_table_groups(M: int, topk: int, E: int, nt: int, shared: bool) -> int:
+    """Upper bound on the routing table's groups (csrc/moe_route.cuh: route_groups)."""
+    P, S, gt = M * topk, M if shared else 0, 8 * nt
+    return min(P, E) + P // gt + 1 + (S + gt - 1) // gt
+
+
+def route_table_size(M: int, topk: int, E: int, nt: int, shared: bool) -> int:
+    """int32 elements of the routing table: count, sorted slots, then expert / start / len per group."""
+    return 1 + M * topk + (M if shared else 0) + 3 * route_table_groups(M, topk, E, nt, shared)
+
+
+def route_table(ids_TK: torch.Tensor, E: int, nt: int, shared: bool) -> torch.Tensor:
+    """The routing table of csrc/moe_route.cuh in torch (no host sync): pairs grouped by expert in groups of
+    8·nt tokens, the shared expert's groups (id E, every token) first, then the experts in order. The kernels
+    order the pairs of one expert arbitrarily (this takes them in pair order) and leave the slots of ids
+    outside [0, E) unwritten (this puts those pairs there)."""
+    M, K = ids_TK.shape
+    P, S, gt = M * K, M if shared else 0, 8 * nt
+    G, SG = route_table_groups(M, K, E, nt, shared), (S + gt - 1) // gt
+    dev = ids_TK.device
+    key = ids_TK.reshape(-1).long()
+    key = torch.where((key >= 0) & (key < E), key, E)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    cursor = torch.cumsum(counts, 0) - counts
+    groups = (counts + gt - 1) // gt
+    gend = torch.cumsum(groups, 0)
+    gi = torch.arange(G, device=dev)
+    gr = gi - SG  # routed group index
+    e = torch.searchsorted(gend, gr, right=True).clamp(max=E - 1)
+    j = gr - (gend[e] - groups[e])
+    is_shared, is_routed = gi < SG, (gr >= 0) & (gr < gend[-1])
+    zero = torch.zeros_like(gi)
+    expert = torch.where(is_shared, E, torch.where(is_routed, e, zero))
+    start = torch.where(is_shared, P + gi * gt, torch.where(is_routed, cursor[e] + j * gt, zero))
+    length = torch.where(
+        is_shared,
+        torch.clamp(S - gi * gt, max=gt),
+        torch.where(is_routed, torch.clamp(counts[e] - j * gt, max=gt), zero),
+    )
+    n = torch.clamp(gend[-1] + SG, max=G).reshape(1)
+    slots = torch.cat([torch.argsort(key, stable=True), torch.arange(P, P + S, device=dev)])
+    return torch.cat([n, slots, expert, start, length]).to(torch.int32)
 
 
 def _reference(
@@ -160,17 +212,32 @@ def moe_w4a16_repacked(
     shared_gate: torch.Tensor | None = None,
     shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids."""
+    """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids.
+    `table`: the routing table of these ids from `moe_router(..., table_nt=pick_nt(M * topk, E),
+    table_shared=shared given)`, so the kernel skips its own routing launch; the reference ignores it."""
     return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
 
 
 @moe_w4a16_repacked.register_fake
-def _(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None):
+def _(
+    x,
+    w13,
+    s13,
+    w2,
+    s2,
+    topk_ids,
+    topk_weights,
+    shared_gate=None,
+    shared_up=None,
+    shared_down=None,
+    table=None,
+):
     return x.new_empty(x.shape[0], w13.shape[2] * 64)
 
 
-def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None)):
+def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None), table=None):
     """Every shape/dtype/device problem as a ValueError naming the argument, before any launch.
     Returns M, D, I, E, topk."""
 
@@ -192,16 +259,16 @@ def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None
     need(E <= 4096, f"E={E} experts exceeds the routing kernel's 4096")
     need(w13.shape[2] * 64 == D, f"w13 holds D={w13.shape[2] * 64} but x has D={D}")
     need(
-        s13.shape == (E, I // 8, D // 64, 32, 2) and s13.dtype == torch.bfloat16,
-        f"s13 must be bf16 {[E, I // 8, D // 64, 32, 2]}, got {s13.dtype} {list(s13.shape)}",
+        s13.shape == (E, I // 8, D // 64, 16, 2) and s13.dtype == torch.bfloat16,
+        f"s13 must be bf16 {[E, I // 8, D // 64, 16, 2]}, got {s13.dtype} {list(s13.shape)}",
     )
     need(
         w2.shape == (E, D // 16, I // 64, 32, 4) and w2.dtype == torch.int32,
         f"w2 must be int32 {[E, D // 16, I // 64, 32, 4]}, got {w2.dtype} {list(w2.shape)}",
     )
     need(
-        s2.shape == (E, D // 16, I // 64, 32, 2) and s2.dtype == torch.bfloat16,
-        f"s2 must be bf16 {[E, D // 16, I // 64, 32, 2]}, got {s2.dtype} {list(s2.shape)}",
+        s2.shape == (E, D // 16, I // 64, 16, 2) and s2.dtype == torch.bfloat16,
+        f"s2 must be bf16 {[E, D // 16, I // 64, 16, 2]}, got {s2.dtype} {list(s2.shape)}",
     )
     need(
         topk_ids.dim() == 2 and topk_ids.shape[0] == M and not topk_ids.is_floating_point(),
@@ -230,16 +297,19 @@ def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None
                 f"{None if t is None else (t.dtype, list(t.shape))}",
             )
             named.append((name, t))
+    if table is not None:
+        K, has_shared = topk_ids.shape[1], shared[0] is not None
+        n = route_table_size(M, K, E, pick_nt(M * K, E), has_shared)
+        need(
+            table.dim() == 1 and table.dtype == torch.int32 and table.numel() == n,
+            f"table must be int32 [{n}] (moe_router with table_nt=pick_nt({M * K}, {E}), "
+            f"table_shared={has_shared}), got {table.dtype} {list(table.shape)}",
+        )
+        named.append(("table", table))
     for name, t in named:
         need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
         need(t.is_contiguous(), f"{name} must be contiguous")
     return M, D, I, E, topk_ids.shape[1]
-
-
-def pick_nt(pairs: int, experts: int) -> int:
-    """Token columns per expert group (8 per mma n-tile): wider only when experts see many tokens."""
-    per_expert = pairs / experts
-    return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
 
 
 @functools.cache  # once per process, like build.library
@@ -253,22 +323,40 @@ def _library():
     lib.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
     lib.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 7
     lib.k26_moe_w4a16.restype = ctypes.c_int
-    lib.k26_moe_w4a16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 4
+    # x, w13, s13, w2, s2, ids, topw, out, workspace; M, D, I, E, topk, nt; shared gate/up/down, table;
+    # pdl; stream
+    ptrs, ints = [ctypes.c_void_p] * 9, [ctypes.c_int] * 6
+    lib.k26_moe_w4a16.argtypes = [*ptrs, *ints, *[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
+# Programmatic dependent launch between the op's kernels (csrc/moe_w4a16.cu: the shared expert's gate/up
+# blocks overlap the router, each launch the previous kernel's tail); profiling/bench_moe_block.py flips it
+# to measure what it buys.
+PDL = True
 MAX_TOKENS = 65535  # CUDA's grid-y limit: csrc/moe_w4a16.cu launches the combine with gridDim.y = M
 
 
 def _moe_cuda(
-    x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None
+    x,
+    w13,
+    s13,
+    w2,
+    s2,
+    topk_ids,
+    topk_weights,
+    shared_gate=None,
+    shared_up=None,
+    shared_down=None,
+    table=None,
 ):
     shared = (shared_gate, shared_up, shared_down)
-    M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared)
+    M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared, table)
     out = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return out
-    if M > MAX_TOKENS:  # a long prefill: the combine kernel's grid has one row of blocks per token
+    if M > MAX_TOKENS:  # a long prefill: the combine kernel's grid has one row of blocks per token (pieces
+        # route themselves: the table is of all M tokens)
         for a in range(0, M, MAX_TOKENS):
             b = min(M, a + MAX_TOKENS)
             out[a:b] = _moe_cuda(x[a:b], w13, s13, w2, s2, topk_ids[a:b], topk_weights[a:b], *shared)
@@ -304,6 +392,8 @@ def _moe_cuda(
         topk,
         nt,
         *sp,
+        None if table is None else table.data_ptr(),
+        int(PDL),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

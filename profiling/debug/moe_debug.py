@@ -1,4 +1,9 @@
-"""Dump the fused MoE kernel's intermediates (routing table, act, y, out) against the reference."""
+"""Dump the fused MoE kernel's intermediates (routing table, act, y, out) against the reference.
+
+python profiling/debug/moe_debug.py            # the dumps
+python profiling/debug/moe_debug.py --router   # only the router kernel at the TP8 shape, M = 1 (a target
+                                               # for ncu --kernel-name regex:router_kernel)
+"""
 
 import sys
 
@@ -6,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k26.ops.moe_cuda import _library as library  # with the op's ctypes signatures
-from k26.ops.moe_cuda import unrepack, w13_row_order
+from k26.ops.moe_cuda import route_table_groups, route_table_size, unrepack, w13_row_order
 
 sys.path.insert(0, "tests")
 from test_moe_gpu import random_repacked, routing
@@ -46,11 +51,13 @@ def run(E, K, D, I, M, kind, seed):
         None,
         None,
         None,
+        None,  # no table: the op's own route_kernel writes it into the workspace
+        0,  # no PDL
         torch.cuda.current_stream().cuda_stream,
     )
     torch.cuda.synchronize()
     P = M * K
-    G = min(P, E) + P // 8 + 1
+    G = route_table_groups(M, K, E, nt, False)
     off = 0
 
     def take(n):
@@ -59,12 +66,9 @@ def run(E, K, D, I, M, kind, seed):
         off += al(n)
         return t
 
-    sorted_ = take(P * 4).view(torch.int32)
-    ge = take(G * 4).view(torch.int32)
-    gs = take(G * 4).view(torch.int32)
-    gl = take(G * 4).view(torch.int32)
-    ng = take(4).view(torch.int32)
-    take((D // 16 + 3) // 4 * 4)
+    table = take(route_table_size(M, K, E, nt, False) * 4).view(torch.int32)  # csrc/moe_route.cuh
+    ng, sorted_ = table[:1], table[1 : 1 + P]
+    ge, gs, gl = table[1 + P :].view(3, G)
     act = take(P * I * 2).view(torch.bfloat16).view(P, I)
     y = take(P * D * 2).view(torch.bfloat16).view(P, D)
     n = int(ng[0])
@@ -103,5 +107,22 @@ def run(E, K, D, I, M, kind, seed):
     print("out err per token", [((out[t].float() - ref[t]).norm() / ref[t].norm()).item() for t in range(M)])
 
 
-run(8, 2, 64, 64, 1, "uniform", 1)
-run(64, 8, 256, 64, 8, "each_once", 3)
+def router_only(reps: int = 3) -> None:
+    from k26.ops.router_cuda import router_counters
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, D = 384, 7168
+    x = torch.randn(1, D, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(E, D, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    bias = torch.randn(E, generator=gen, device="cuda") * 0.05
+    counters = router_counters("cuda")
+    for _ in range(reps):
+        torch.ops.k26.moe_router(x, w, bias, counters, 1, 1, 8, True, 2.827, 1, True)
+    torch.cuda.synchronize()
+
+
+if "--router" in sys.argv:
+    router_only()
+else:
+    run(8, 2, 64, 64, 1, "uniform", 1)
+    run(64, 8, 256, 64, 8, "each_once", 3)

@@ -6,9 +6,10 @@
 //   token visits, in the same gate/up and down grids (no separate launches), read straight from its bf16
 //   rows with the same k permutation as the activations.
 //
-// Four launches, all on the caller's stream, no host sync (CUDA-graph capturable):
-//   1. route:   one block groups the (token, k) pairs by expert, pads each expert's list to groups of
-//               8*NT tokens and writes the group table and its length to the device.
+// Three launches (four without a routing table from the router kernel), all on the caller's stream, no host
+// sync (CUDA-graph capturable):
+//   1. route:   only without the router's table: one block groups the (token, k) pairs by expert in groups
+//               of 8*NT tokens (csrc/moe_route.cuh; the router kernel's last block builds the same table).
 //   2. gemm13:  per (expert group, 16-row tile pair): gate and up rows interleaved in one 16-row tile,
 //               so each lane holds gate and up of the same feature and applies silu(g)*u in registers.
 //               The K = hidden reduction is split over the 8 warps of a block and summed in shared memory.
@@ -24,11 +25,14 @@
 // m16n8k16 A fragment of k-step j with nibbles ordered [0,2,4,6,1,3,5,7]-style for lop3 extraction.
 // The k index of mma step j is permuted (lane t owns 16 consecutive k) so the B fragment of a lane is
 // 32 contiguous activation bytes: two 16-byte loads, no shuffles, no ldmatrix needed for B.
+// Scales: one bf16 per (row, group of 32), 16 words per chunk, word 2g + group = (row g, row g+8) of that
+// group; lane (g, t) reads word 2g + t/2 (the lanes of a pair share it: 64 B of scales per 512 B chunk).
 // Dequant: (nibble | 0x4300) is bf16 128+u; minus 136 gives q exactly; one bf16 multiply by the scale
 // rounds once, bit-identical to compressed-tensors' bf16(q*s).
 //
-// Legality: warp-level mma.sync.m16n8k16 bf16 only (no warpgroup MMA, no tensor memory, no TMA), <= 32 KB static
-// shared memory per block: legal on sm_120 (99 KB limit) and sm_90; built for sm_90a and sm_120a.
+// Legality: warp-level mma.sync.m16n8k16 bf16, griddepcontrol and prefetch only (no warpgroup MMA, no tensor
+// memory, no TMA), <= 32 KB static shared memory per block: legal on sm_120 (99 KB limit) and sm_90; built for
+// sm_90a and sm_120a.
 // Speed and its benchmark: profiling/bench_moe.py (--block: the whole MoE block), results in profiling/results/
 // (H200, TP8 rank, cold L2, graph replay: router + experts + shared expert in 5 launches, M = 1 40 µs, M = 64
 // 226 µs, 2026-12-01-bench_moe_block-h200.md).
@@ -36,6 +40,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "moe_route.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -74,80 +80,19 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// Programmatic dependent launch (no-ops without the launch attribute): wait = the previous grid has finished
+// and its writes are visible; trigger = the next grid may start launching its blocks.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 // ---------------------------------------------------------------------------------------------
-// 1. Routing: group pairs by expert. Pairs with an id outside [0, E) are dropped (never read).
-__global__ void __launch_bounds__(kRouteThreads) route_kernel(
-    const int64_t* __restrict__ ids, int P, int E, int group_tokens, int max_groups, int* __restrict__ sorted,
-    int* __restrict__ grp_expert, int* __restrict__ grp_start, int* __restrict__ grp_len, int* __restrict__ num_groups,
-    int shared_tokens) {
+// 1. Routing (when the caller passes no table from the router kernel): one block groups the pairs by
+// expert (csrc/moe_route.cuh). Pairs with an id outside [0, E) are dropped (never read).
+__global__ void __launch_bounds__(kRouteThreads) route_kernel(const int64_t* __restrict__ ids, int P, int E, int gt,
+                                                             int S, int* __restrict__ table) {
   extern __shared__ int sm[];
-  int* count = sm;           // [E]
-  int* cursor = sm + E;      // [E] pair offset of each expert, then a running cursor
-  int* gcursor = sm + 2 * E; // [E] first group of each expert
-  __shared__ int warp_tot[2][kRouteThreads / 32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
-  __syncthreads();
-  for (int p = tid; p < P; p += blockDim.x) {
-    const int64_t e = ids[p];
-    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
-  }
-  __syncthreads();
-  // Exclusive scans of pair counts and group counts, in chunks of blockDim experts.
-  int base_pairs = 0, base_groups = 0;
-  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
-    const int e = e0 + tid;
-    const int c = e < E ? count[e] : 0;
-    const int g = (c + group_tokens - 1) / group_tokens;
-    int ic = c, ig = g;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int vc = __shfl_up_sync(0xffffffffu, ic, o), vg = __shfl_up_sync(0xffffffffu, ig, o);
-      if (lane >= o) ic += vc, ig += vg;
-    }
-    if (lane == 31) warp_tot[0][warp] = ic, warp_tot[1][warp] = ig;
-    __syncthreads();
-    int wc = 0, wg = 0, tc = 0, tg = 0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
-      if (w < warp) wc += warp_tot[0][w], wg += warp_tot[1][w];
-      tc += warp_tot[0][w], tg += warp_tot[1][w];
-    }
-    if (e < E) {
-      cursor[e] = base_pairs + wc + ic - c;
-      gcursor[e] = base_groups + wg + ig - g;
-    }
-    base_pairs += tc, base_groups += tg;
-    __syncthreads();
-  }
-  // The shared expert (id E) sees every token: slots P + t, after all routed pairs.
-  const int shared_groups = (shared_tokens + group_tokens - 1) / group_tokens;
-  const int total_groups = min(base_groups + shared_groups, max_groups);
-  if (tid == 0) *num_groups = total_groups;
-  for (int j = tid; j < shared_groups; j += blockDim.x) {
-    const int gi = base_groups + j;
-    if (gi < max_groups) {
-      grp_expert[gi] = E;
-      grp_start[gi] = P + j * group_tokens;
-      grp_len[gi] = min(group_tokens, shared_tokens - j * group_tokens);
-    }
-  }
-  for (int t = tid; t < shared_tokens; t += blockDim.x) sorted[P + t] = P + t;
-  for (int e = tid; e < E; e += blockDim.x) {
-    const int c = count[e];
-    for (int j = 0; j * group_tokens < c; ++j) {
-      const int gi = gcursor[e] + j;
-      if (gi < max_groups) {
-        grp_expert[gi] = e;
-        grp_start[gi] = cursor[e] + j * group_tokens;
-        grp_len[gi] = min(group_tokens, c - j * group_tokens);
-      }
-    }
-  }
-  __syncthreads();
-  for (int p = tid; p < P; p += blockDim.x) {
-    const int64_t e = ids[p];
-    if (e >= 0 && e < E) sorted[atomicAdd(&cursor[e], 1)] = p;  // order within an expert is irrelevant
-  }
+  pdl_trigger();  // the gate/up GEMM's shared-expert blocks need no routing: let them start now
+  build_route_table([=](int p) { return ids[p]; }, P, E, gt, S, route_table_at(table, P, S, E, gt), sm);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -169,27 +114,40 @@ __device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa,
     ra[r] = reinterpret_cast<const uint4*>(sa + row_a * K) + 2 * t;
     rb[r] = reinterpret_cast<const uint4*>((GATED ? sb + row_a * K : sa + (row_a + 8) * K)) + 2 * t;
   }
-  for (int c = c_begin; c < c_end; ++c) {
-    uint4 wa[RT][2], wb[RT][2], bv[NT][2];
+  // Two chunks in flight per warp: a bf16 chunk is 4x an int4 one, and one at a time left the shared
+  // expert's blocks (4x the bytes of a routed tile) a round trip per chunk behind the routed ones.
+  constexpr int U = 2;
+  for (int c0 = c_begin; c0 < c_end; c0 += U) {
+    uint4 wa[U][RT][2], wb[U][RT][2], bv[U][NT][2];
 #pragma unroll
-    for (int r = 0; r < RT; ++r)
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + u, c_end - 1);  // a repeated last chunk is loaded but not used
 #pragma unroll
-      for (int q = 0; q < 2; ++q) wa[r][q] = __ldcs(ra[r] + c * 8 + q), wb[r][q] = __ldcs(rb[r] + c * 8 + q);
+      for (int r = 0; r < RT; ++r)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+        for (int q = 0; q < 2; ++q)
+          wa[u][r][q] = __ldcs(ra[r] + c * 8 + q), wb[u][r][q] = __ldcs(rb[r] + c * 8 + q);
 #pragma unroll
-      for (int q = 0; q < 2; ++q) bv[nt][q] = brow[nt] ? __ldg(brow[nt] + c * 8 + q) : make_uint4(0, 0, 0, 0);
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int q = j >> 1;
+        for (int q = 0; q < 2; ++q) bv[u][nt][q] = brow[nt] ? __ldg(brow[nt] + c * 8 + q) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        const uint4 &A = wa[r][q], &B = wb[r][q];
-        const uint32_t a[4] = {(j & 1) ? A.z : A.x, (j & 1) ? B.z : B.x, (j & 1) ? A.w : A.y, (j & 1) ? B.w : B.y};
+    for (int u = 0; u < U; ++u) {
+      if (c0 + u >= c_end) break;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint4 b = bv[nt][q];
-          mma_bf16(acc[r][nt], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+      for (int j = 0; j < 4; ++j) {
+        const int q = j >> 1;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const uint4 &A = wa[u][r][q], &B = wb[u][r][q];
+          const uint32_t a[4] = {(j & 1) ? A.z : A.x, (j & 1) ? B.z : B.x, (j & 1) ? A.w : A.y,
+                                 (j & 1) ? B.w : B.y};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 b = bv[u][nt][q];
+            mma_bf16(acc[r][nt], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+          }
         }
       }
     }
@@ -209,12 +167,25 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
-    __nv_bfloat16* __restrict__ out, int out_ld, int E, int P, const __nv_bfloat16* __restrict__ sa,
+    __nv_bfloat16* __restrict__ out, int out_ld, int E, int P, int S, const __nv_bfloat16* __restrict__ sa,
     const __nv_bfloat16* __restrict__ sb) {
-  const int grp = blockIdx.y;
-  if (grp >= *num_groups) return;
-  const int e = grp_expert[grp], start = grp_start[grp], len = grp_len[grp];
-  const bool shared = e == E;
+  // PDL (launched by `launch` with the attribute): the shared expert's groups come first in the table
+  // (csrc/moe_route.cuh), so those blocks know their tokens without it and run the gate/up GEMM while the
+  // router (or route_kernel) still runs; every other block waits for the previous grid before reading
+  // anything it wrote. gate/up blocks let the down GEMM launch once past that wait (so the down GEMM may
+  // read the table early); down GEMM blocks let the combine launch at once (it waits for them).
+  const int grp = blockIdx.y, gt = 8 * NT;
+  const bool shared = grp * gt < S;
+  int e = E, start = P + grp * gt, len = min(gt, S - grp * gt);
+  if (!GATED) pdl_trigger();
+  if (!shared) {
+    if (GATED) pdl_wait();
+    if (GATED) pdl_trigger();
+    if (grp >= __ldcg(num_groups)) return;
+    e = __ldcg(grp_expert + grp), start = __ldcg(grp_start + grp), len = __ldcg(grp_len + grp);
+  } else if (GATED) {
+    pdl_trigger();
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wk = warp % WK, wm = warp / WK;
   const int g = lane >> 2, t = lane & 3;
@@ -230,7 +201,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
     brow[nt] = nullptr;
     if (n < len) {
       const int slot = start + n;
-      const size_t row = GATED ? (size_t)(shared ? slot - P : sorted[slot] / topk) : (size_t)slot;
+      const size_t row = GATED ? (size_t)(shared ? slot - P : __ldcg(sorted + slot) / topk) : (size_t)slot;
       brow[nt] = reinterpret_cast<const uint4*>(x + row * K) + 2 * t;
     }
   }
@@ -243,6 +214,16 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.f;
 
+  if (!GATED) {
+    if (active && !shared) {  // the down GEMM's weights into L2 while the gate/up GEMM finishes
+      const size_t base = ((size_t)e * n_tiles + tile0) * KC;
+      for (int c = 0; c < KC; ++c) {
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + (base + c) * 32 + lane));
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s + (base + c) * 16));
+      }
+    }
+    pdl_wait();  // act comes from the gate/up GEMM
+  }
   if (active && shared) {
     shared_acc<RT, NT, GATED>(sa, sb, K, tile0, wk * KC / WK, (wk + 1) * KC / WK, brow, acc);
   } else if (active) {
@@ -259,9 +240,9 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
         if (c < c_end) {
 #pragma unroll
           for (int r = 0; r < RT; ++r) {
-            const size_t idx = (tile_base + (size_t)r * KC + c) * 32 + lane;
-            wv[u][r] = __ldcs(w + idx);  // streamed once: evict-first, keep L2 for activations
-            sv[u][r] = __ldg(s + idx);
+            const size_t chunk = tile_base + (size_t)r * KC + c;
+            wv[u][r] = __ldcs(w + chunk * 32 + lane);  // streamed once: evict-first, keep L2 for activations
+            sv[u][r] = __ldg(s + chunk * 16 + 2 * g + (t >> 1));  // rows g, g+8 of group t/2
           }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
@@ -320,6 +301,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
           acc[r][nt][i] = v;
         }
   }
+  pdl_wait();  // shared-expert blocks computed early; they write only once the previous grid is done
   if (active) {
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
@@ -335,7 +317,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
             const float act = bf16_round(gate / (1.f + __expf(-gate)));
             out[(size_t)(start + n) * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
           } else {
-            const size_t row = (size_t)sorted[start + n] * out_ld + (tile0 + r) * 16 + g;
+            const size_t row = (size_t)__ldcg(sorted + start + n) * out_ld + (tile0 + r) * 16 + g;
             out[row] = __float2bfloat16(acc[r][nt][h]);
             out[row + 8] = __float2bfloat16(acc[r][nt][2 + h]);
           }
@@ -351,6 +333,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
 __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float* __restrict__ topw,
                                const int64_t* __restrict__ ids, int E, int topk, int D, __nv_bfloat16* __restrict__ out,
                                const __nv_bfloat16* __restrict__ y_shared) {
+  pdl_wait();  // y comes from the down GEMM
   const int tok = blockIdx.y;
   const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (d >= D) return;
@@ -386,7 +369,7 @@ __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float*
 }
 
 struct Workspace {
-  int *sorted, *grp_expert, *grp_start, *grp_len, *num_groups;
+  int* table;  // the routing table (csrc/moe_route.cuh), unless the caller passes the router's
   __nv_bfloat16 *act, *y;
 };
 
@@ -394,19 +377,14 @@ size_t align_up(size_t v) { return (v + 255) & ~size_t(255); }
 
 // S = M slots for the shared expert (0 without it) after the P routed pairs.
 size_t carve(void* base, int M, int D, int I, int E, int topk, int nt, int shared, Workspace* ws) {
-  const size_t P = (size_t)M * topk, S = shared ? (size_t)M : 0;
-  const size_t G = (size_t)(P < (size_t)E ? P : E) + P / (8 * nt) + 1 + (S + 8 * nt - 1) / (8 * nt);
+  const int P = M * topk, S = shared ? M : 0;
   size_t off = 0;
   char* b = static_cast<char*>(base);
   auto take = [&](size_t bytes) { char* p = b ? b + off : nullptr; off += align_up(bytes); return p; };
-  int* sorted = (int*)take((P + S) * 4);
-  int* ge = (int*)take(G * 4);
-  int* gs = (int*)take(G * 4);
-  int* gl = (int*)take(G * 4);
-  int* ng = (int*)take(4);
-  __nv_bfloat16* act = (__nv_bfloat16*)take((P + S) * I * 2);
-  __nv_bfloat16* y = (__nv_bfloat16*)take((P + S) * D * 2);
-  if (ws) *ws = Workspace{sorted, ge, gs, gl, ng, act, y};
+  int* table = (int*)take(route_table_ints(P, S, E, 8 * nt) * 4);
+  __nv_bfloat16* act = (__nv_bfloat16*)take(((size_t)P + S) * I * 2);
+  __nv_bfloat16* y = (__nv_bfloat16*)take(((size_t)P + S) * D * 2);
+  if (ws) *ws = Workspace{table, act, y};
   return off;
 }
 
@@ -414,32 +392,56 @@ struct Shared {  // the shared expert's bf16 weights, or all nullptr
   const __nv_bfloat16 *gate, *up, *down;
 };
 
+// Kernel launch on `st`; with `pdl` the kernel may start while the previous one runs (programmatic stream
+// serialization: the kernels' pdl_wait / pdl_trigger say what may overlap).
+template <typename... Params, typename... Args>
+cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, cudaStream_t st, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+// `table`: the router kernel's routing table for exactly these ids, group size 8 * NT and S (nullptr: route here).
 template <int NT, int RT1>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
-                   const float* topw, void* out, void* ws_base, int M, int D, int I, int E, int topk, Shared sh,
-                   cudaStream_t st) {
+                   const float* topw, void* out, void* ws_base, int* table, int M, int D, int I, int E, int topk,
+                   Shared sh, bool pdl, cudaStream_t st) {
   Workspace ws;
   const int S = sh.gate ? M : 0;
   carve(ws_base, M, D, I, E, topk, NT, S, &ws);
-  const int P = M * topk, G = (P < E ? P : E) + P / (8 * NT) + 1 + (S + 8 * NT - 1) / (8 * NT);
-  route_kernel<<<1, kRouteThreads, 3 * E * sizeof(int), st>>>(ids, P, E, 8 * NT, G, ws.sorted, ws.grp_expert,
-                                                              ws.grp_start, ws.grp_len, ws.num_groups, S);
+  const int P = M * topk, G = route_groups(P, S, E, 8 * NT);
+  if (table == nullptr) {
+    table = ws.table;
+    route_kernel<<<1, kRouteThreads, 3 * E * sizeof(int), st>>>(ids, P, E, 8 * NT, S, table);
+  }
+  const RouteTable rt = route_table_at(table, P, S, E, 8 * NT);
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : 1)><<<dim3(tiles13 / RT1, G), 32 * WK1, 0, st>>>(
-      (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk, ws.sorted, ws.grp_expert,
-      ws.grp_start, ws.grp_len, ws.num_groups, ws.act, I, E, P, sh.gate, sh.up);
+  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : 1)>,
+                              dim3(tiles13 / RT1, G), 32 * WK1, pdl, st, (const __nv_bfloat16*)x, (const uint4*)w13,
+                              (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
+                              rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up);
+  if (err != cudaSuccess) return err;
   // down: D/16 tiles, one per warp, 8 warps per block, K = I.
   constexpr int WM2 = 8;
   const int tiles2 = D / 16;
-  gemm_kernel<1, NT, 1, WM2, false, (NT == 1 ? 3 : 1)><<<dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2, 0, st>>>(
-      ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk, ws.sorted, ws.grp_expert, ws.grp_start,
-      ws.grp_len, ws.num_groups, ws.y, D, E, P, sh.down, nullptr);
+  err = launch_on(gemm_kernel<1, NT, 1, WM2, false, (NT == 1 ? 3 : 1)>, dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2,
+                  pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk,
+                  rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.y, D, E, P, S, sh.down,
+                  (const __nv_bfloat16*)nullptr);
+  if (err != cudaSuccess) return err;
   const int threads = 128;
-  combine_kernel<<<dim3((D / 8 + threads - 1) / threads, M), threads, 0, st>>>(
-      ws.y, topw, ids, E, topk, D, (__nv_bfloat16*)out, S ? ws.y + (size_t)P * D : nullptr);
-  return cudaGetLastError();
+  return launch_on(combine_kernel, dim3((D / 8 + threads - 1) / threads, M), threads, pdl, st,
+                   (const __nv_bfloat16*)ws.y, topw, ids, E, topk, D, (__nv_bfloat16*)out,
+                   (const __nv_bfloat16*)(S ? ws.y + (size_t)P * D : nullptr));
 }
 
 }  // namespace
@@ -448,12 +450,19 @@ K26_EXPORT size_t k26_moe_w4a16_workspace(int M, int D, int I, int E, int topk, 
   return carve(nullptr, M, D, I, E, topk, nt, shared, nullptr);
 }
 
+K26_EXPORT size_t k26_moe_route_table_ints(int M, int E, int topk, int nt, int shared) {
+  return route_table_ints(M * topk, shared ? M : 0, E, 8 * nt);
+}
+
 // Returns a cudaError_t (0 = success). Shapes are validated by the Python front door. shared_gate/up [I, D] and
-// shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids.
+// shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids. table: the router
+// kernel's routing table for these ids (k26_moe_router with the same nt and shared), or null (routed here).
+
 K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
                              int E, int topk, int nt, const void* shared_gate, const void* shared_up,
-                             const void* shared_down, void* stream) {
+                             const void* shared_down, void* table, int pdl, void* stream) {
+  int* tab = static_cast<int*>(table);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
                   (const __nv_bfloat16*)shared_down};
@@ -461,10 +470,10 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st)
-                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st);
-    case 2: return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st);
-    case 4: return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, M, D, I, E, topk, sh, st);
+      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st)
+                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+    case 2: return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+    case 4: return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
