@@ -301,30 +301,45 @@ def fill_coordinated(
 ) -> None:
     """Coordinated mode: round k, rank s reads its k-th batch of whole tensors and an all-to-all sends
     every rank its slice of each; the stager's device is the exchange's (the GPU for NCCL, the host for
-    gloo), `device` the model's. Every rank derives the whole schedule from the same headers."""
-    import torch.distributed as dist
+    gloo), `device` the model's. Every rank derives the whole schedule from the same headers. A reader
+    thread reads round k+1's batch while round k is sliced and exchanged (the disk never waits on the
+    interconnect)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     owner = assign_files(pieces, size)
     sched = [batches([p for p in pieces if owner[p.file] == s], stager.chunk) for s in range(size)]
-    xdev = stager.device
-    for k in range(max(len(b) for b in sched)):
-        mine = sched[rank][k] if k < len(sched[rank]) else []
-        send = torch.empty(0, dtype=torch.uint8, device=xdev)
-        in_splits = [sum(_part_bytes(p, d, size) for p in mine) for d in range(size)]
-        if mine:
-            send = _send_buffer(stager.read(reads(mine)), mine, rank, size, sum(in_splits))
-        theirs = [sched[s][k] if k < len(sched[s]) else [] for s in range(size)]
-        out_splits = [sum(_part_bytes(p, rank, size) for p in b) for b in theirs]
-        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=xdev)
-        dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
-        recv, pos = recv.to(device), 0
-        for b in theirs:
-            for p in b:
-                shape = p.part(rank, size)[3]
-                _store(params, p.param, p.expert, _view(recv, pos, p.dtype, shape))
-                pos += _part_bytes(p, rank, size)
-        if bar is not None:
-            bar.update(sum(p.nbytes for b in theirs for p in b))
+    rounds = max(len(b) for b in sched)
+    with ThreadPoolExecutor(1, thread_name_prefix="k26-read") as pool:
+        ahead = pool.submit(stager.read, reads(sched[rank][0])) if sched[rank] else None
+        for k in range(rounds):
+            buf = ahead.result() if k < len(sched[rank]) else None
+            if k + 1 < len(sched[rank]):
+                ahead = pool.submit(stager.read, reads(sched[rank][k + 1]))
+            _exchange(params, sched, k, buf, rank, size, group, stager.device, device)
+            if bar is not None:
+                bar.update(sum(p.nbytes for b in sched for p in (b[k] if k < len(b) else [])))
+
+
+def _exchange(params, sched, k: int, buf, rank: int, size: int, group, xdev, device) -> None:
+    """Round `k` of the coordinated schedule: this rank's batch (`buf`, read) sliced for every rank, one
+    all-to-all, and this rank's slices of every rank's batch stored."""
+    import torch.distributed as dist
+
+    mine = sched[rank][k] if k < len(sched[rank]) else []
+    send = torch.empty(0, dtype=torch.uint8, device=xdev)
+    in_splits = [sum(_part_bytes(p, d, size) for p in mine) for d in range(size)]
+    if mine:
+        send = _send_buffer(buf, mine, rank, size, sum(in_splits))
+    theirs = [sched[s][k] if k < len(sched[s]) else [] for s in range(size)]
+    out_splits = [sum(_part_bytes(p, rank, size) for p in b) for b in theirs]
+    recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=xdev)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+    recv, pos = recv.to(device), 0
+    for b in theirs:
+        for p in b:
+            shape = p.part(rank, size)[3]
+            _store(params, p.param, p.expert, _view(recv, pos, p.dtype, shape))
+            pos += _part_bytes(p, rank, size)
 
 
 def read_into(
