@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from timing import capture, graph_time_cold, mma_sync_peak
 
 from k26.ops import moe_cuda, reference
-from k26.ops.moe_cuda import pick_nt
-from k26.ops.router_cuda import router_counters
+from k26.ops.router_cuda import router_barrier
 
 SHAPES = {
     "tp8": {"E": 384, "D": 7168, "I": 256, "K": 8, "layers": 8},
@@ -53,7 +52,7 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
     return {
         "router": bf(E, D),
         "bias": bias,
-        "counters": router_counters("cuda"),
+        "barrier": router_barrier("cuda"),
         "experts": experts,
         "gate": bf(I, D),
         "up": bf(I, D),
@@ -63,25 +62,15 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
 
 def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused": router
-    kernel writing the routing table, shared expert in the expert kernel's grids; "no table": the same with
-    the expert op routing in its own launch; "router": router kernel, shared expert as its own three GEMMs;
-    "unfused": the reference router (fp32 weight copy, GEMV, topk), separate shared expert."""
-    nt = pick_nt(x.shape[0] * ROUTE[2], lw["router"].shape[0])
-    if mode == "no table":  # the expert op routes in a launch of its own
-        tw, ids, _ = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["counters"], *ROUTE)
-        sh = lw["gate"], lw["up"], lw["down"]
-        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh)
+    kernel, shared expert in the expert kernel's grids; "router": router kernel, shared expert as its own
+    three GEMMs; "unfused": the reference router (fp32 weight copy, GEMV, topk), separate shared expert."""
     if mode == "unfused":
         tw, ids = reference.moe_router(x, lw["router"], lw["bias"], *ROUTE)
-        table = None
-    else:  # the router kernel writes the expert op's routing table, as MoE.forward asks it to
-        tw, ids, table = torch.ops.k26.moe_router(
-            x, lw["router"], lw["bias"], lw["counters"], *ROUTE, nt, mode == "fused"
-        )
+    else:
+        tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
     if mode == "fused":
-        sh = lw["gate"], lw["up"], lw["down"]
-        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh, table)
-    y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, None, None, None, table)
+        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, lw["gate"], lw["up"], lw["down"])
+    y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw)
     return y + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
 
 
@@ -117,7 +106,7 @@ def bench_block(
             x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
             touched = statistics.mean(
                 int(
-                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["counters"], *ROUTE)[1]
+                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)[1]
                     .unique()
                     .numel()
                 )
@@ -130,15 +119,12 @@ def bench_block(
 
             def routers(x=x, layers=layers):
                 return [
-                    torch.ops.k26.moe_router(
-                        x, lw["router"], lw["bias"], lw["counters"], *ROUTE, pick_nt(len(x) * 8, E), True
-                    )
+                    torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
                     for lw in layers
                 ]
 
             t = graph_time_cold(lambda: blocks("fused"), L)
             t_no_pdl = no_pdl_time(lambda: blocks("fused"), L)
-            t_no_table = graph_time_cold(lambda: blocks("no table"), L)
             t_unfused = math.nan if quick else graph_time_cold(lambda: blocks("unfused"), L)
             t_router_only = math.nan if quick else graph_time_cold(lambda: blocks("router"), L)
             t_router = graph_time_cold(routers, L)
@@ -157,7 +143,7 @@ def bench_block(
             gbs = mb / 1e3 / t
             rows.append(
                 f"| {name} | {kind} | {M} | {touched:.1f} | {mb:.1f} | {t * 1e6:.1f} | {gbs:.0f} | "
-                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_no_pdl * 1e6:.1f} | {t_no_table * 1e6:.1f} | "
+                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_no_pdl * 1e6:.1f} | "
                 f"{t_router_only * 1e6:.1f} | {t_unfused * 1e6:.1f} | "
                 f"{n_fused} / {n_unfused} | "
                 f"{t_router * 1e6:.1f} ({100 * E * D * 2 / t_router / copy_bw:.0f}%) |"
@@ -173,10 +159,9 @@ def block_main(a, copy_bw: float, head: list[str]) -> str:
         "",
         (
             "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | no PDL µs | "
-            "no table µs | "
             "shared separate µs | before (unfused) µs | launches fused / before | router µs (% copy) |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(head), flush=True)
     rows: list[str] = []

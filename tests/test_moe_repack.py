@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from k26.ops import pack_int4
-from k26.ops.moe_cuda import check_inputs, repack, repack_experts, unrepack, w13_row_order
+from k26.ops.moe_cuda import (
+    check_inputs,
+    repack,
+    repack_experts,
+    route_table,
+    route_table_size,
+    unrepack,
+    w13_row_order,
+)
 
 
 def experts(E=3, D=128, inter=64, seed=0):
@@ -80,3 +88,39 @@ def test_front_door_names_bad_inputs(mutate, needle):
     mutate(args)
     with pytest.raises(ValueError, match=needle):
         check_inputs(*args)
+
+
+def split_table(table, slots):
+    """A routing table's (experts, starts, lens of its groups in use, slots) as lists; `slots` = P + S."""
+    t = table.long()
+    n, G = int(t[0]), (t.numel() - 1 - slots) // 3
+    rows = t[1 + slots :].view(3, G)[:, :n].tolist()
+    return rows[0], rows[1], rows[2], t[1 : 1 + slots].tolist()
+
+
+def test_reference_table_groups_every_pair_once():
+    ids = torch.tensor([[3, 1], [1, 0], [1, 3], [9, 1], [-1, 1]])  # 9 and -1: out of range, in no group
+    P, S, E = ids.numel(), ids.shape[0], 4
+    for nt in (1, 2):
+        table = route_table(ids, E, nt, shared=True)
+        assert table.numel() == route_table_size(S, 2, E, nt, True)
+        experts, starts, lens, slots = split_table(table, P + S)
+        routed = experts[experts.count(E) :]  # the shared expert's groups first, then by expert
+        assert experts[0] == E and routed == sorted(routed) and E not in routed and max(lens) <= 8 * nt
+        seen = [p for s0, ln in zip(starts, lens, strict=True) for p in slots[s0 : s0 + ln]]
+        assert sorted(seen) == [p for p in range(P) if 0 <= ids.flatten()[p] < E] + list(range(P, P + S))
+        for e, s0, ln in zip(experts, starts, lens, strict=True):
+            assert all(p >= P or ids.flatten()[p] == e for p in slots[s0 : s0 + ln])
+
+
+def test_a_table_of_another_size_is_named():
+    args = [
+        torch.randn(3, 128).to(torch.bfloat16),
+        *repack_experts(*experts()),
+        torch.tensor([[0, 1], [2, 0], [1, 2]]),
+        torch.rand(3, 2),
+    ]
+    with pytest.raises(ValueError, match="table must be int32"):
+        check_inputs(*args, table=torch.zeros(5, dtype=torch.int32))
+    ok = route_table(args[5], 3, 1, False)
+    assert check_inputs(*args, table=ok)[0] == 3

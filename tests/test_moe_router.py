@@ -6,8 +6,7 @@ import torch
 
 import k26.ops  # noqa: F401  (registers the ops)
 from k26.ops import reference
-from k26.ops.moe_cuda import pick_nt, route_table
-from k26.ops.router_cuda import check_inputs, router_counters
+from k26.ops.router_cuda import check_inputs, router_barrier
 
 gpu = pytest.mark.gpu
 NEAR_TIE = 1e-6  # biased scores closer than this may order differently under another summation order
@@ -36,10 +35,9 @@ def test_reference_keeps_only_the_best_groups():
     torch.testing.assert_close(tw.sum(-1), torch.full((64,), 2.5), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("table", [(), (1, False), (2, True)])
-def test_router_opcheck(table):
+def test_router_opcheck():
     x, w, bias = router_inputs(5, 16, 64)
-    args = (x, w, bias, router_counters("cpu"), 4, 2, 3, True, 1.5, *table)
+    args = (x, w, bias, router_barrier("cpu"), 4, 2, 3, True, 1.5)
     torch.library.opcheck(
         torch.ops.k26.moe_router.default, args, test_utils=("test_schema", "test_faketensor")
     )
@@ -51,8 +49,7 @@ def test_router_opcheck(table):
         ({"x": torch.zeros(3, 64)}, "x must be 2-D bf16"),
         ({"weight": torch.zeros(16, 32, dtype=torch.bfloat16)}, "weight must be bf16 \\[E, D=64\\]"),
         ({"bias": torch.zeros(15)}, "bias must be fp32 \\[16\\]"),
-        ({"counters": torch.zeros(2, dtype=torch.int32)}, "counters must be int32"),
-        ({"table_nt": 3}, "table_nt=3"),
+        ({"barrier": torch.zeros(2)}, "barrier must be int32"),
         ({"topk": 17}, "topk=17"),
         ({"n_group": 3}, "n_group=3 must divide E=16"),
         ({"topk_group": 5}, "topk_group=5"),
@@ -64,7 +61,7 @@ def test_bad_inputs_are_named(change, match):
         "x": x,
         "weight": w,
         "bias": bias,
-        "counters": router_counters("cpu"),
+        "barrier": router_barrier("cpu"),
         "n_group": 4,
         "topk_group": 2,
         "topk": 4,
@@ -98,50 +95,11 @@ def count_differences(got_w, got_ids, x, w, bias, n_group, topk_group, topk, sca
     return int((~same).sum()), bad
 
 
-def split_table(table, slots):
-    """A routing table's (experts, starts, lens of its groups in use, slots) as lists; `slots` = P + S."""
-    t = table.cpu().long()
-    n, G = int(t[0]), (t.numel() - 1 - slots) // 3
-    rows = t[1 + slots :].view(3, G)[:, :n].tolist()
-    return rows[0], rows[1], rows[2], t[1 : 1 + slots].tolist()
-
-
-def assert_same_table(got, ref, slots):
-    """The same groups (expert, start, length) as the reference; each expert's groups hold the same pairs
-    (the kernel orders the pairs of one expert arbitrarily, so across its groups too)."""
-    assert got.shape == ref.shape and got.dtype == torch.int32
-    ge, gs, gl, gslots = split_table(got, slots)
-    re, rs, rl, rslots = split_table(ref, slots)
-    assert (ge, gs, gl) == (re, rs, rl)
-
-    def pairs_of(experts, starts, lens, table_slots):
-        out: dict[int, list[int]] = {}
-        for e, s0, ln in zip(experts, starts, lens, strict=True):
-            out.setdefault(e, []).extend(table_slots[s0 : s0 + ln])
-        return {e: sorted(v) for e, v in out.items()}
-
-    assert pairs_of(ge, gs, gl, gslots) == pairs_of(re, rs, rl, rslots)
-
-
-def test_reference_table_groups_every_pair_once():
-    ids = torch.tensor([[3, 1], [1, 0], [1, 3], [9, 1], [-1, 1]])  # 9 and -1: out of range, in no group
-    P, S, E = ids.numel(), ids.shape[0], 4
-    for nt in (1, 2):
-        table = route_table(ids, E, nt, shared=True)
-        experts, starts, lens, slots = split_table(table, P + S)
-        routed = experts[experts.count(E) :]  # the shared expert's groups first, then by expert
-        assert experts[0] == E and routed == sorted(routed) and E not in routed and max(lens) <= 8 * nt
-        seen = [p for s0, ln in zip(starts, lens, strict=True) for p in slots[s0 : s0 + ln]]
-        assert sorted(seen) == [p for p in range(P) if 0 <= ids.flatten()[p] < E] + list(range(P, P + S))
-        for e, s0, ln in zip(experts, starts, lens, strict=True):
-            assert all(p >= P or ids.flatten()[p] == e for p in slots[s0 : s0 + ln])
-
-
 @gpu
 def test_topk_sets_equal_reference_on_10000_rows():
     x, w, bias = router_inputs(10_000, 384, 7168, device="cuda", seed=2)
     poison_allocator()
-    got_w, got_ids, _ = torch.ops.k26.moe_router(x, w, bias, router_counters("cuda"), 1, 1, 8, True, 2.827)
+    got_w, got_ids = torch.ops.k26.moe_router(x, w, bias, router_barrier("cuda"), 1, 1, 8, True, 2.827)
     differ, not_tie = count_differences(got_w, got_ids, x, w, bias, 1, 1, 8)
     print(f"top-k sets differing from the reference: {differ} of 10000 rows, all near-ties: {not_tie == 0}")
     assert not_tie == 0 and differ <= 10
@@ -162,32 +120,26 @@ def test_topk_sets_equal_reference_on_10000_rows():
 )
 def test_kernel_matches_reference(M, E, D, n_group, topk_group, topk, hot):
     x, w, bias = router_inputs(M, E, D, device="cuda", seed=M + E, hot=hot)
-    counters = router_counters("cuda")
+    barrier = router_barrier("cuda")
     poison_allocator()
-    nt = pick_nt(M * topk, E)
-    got_w, got_ids, table = torch.ops.k26.moe_router(
-        x, w, bias, counters, n_group, topk_group, topk, True, 2.827, nt, M % 2 == 1
-    )
+    got_w, got_ids = torch.ops.k26.moe_router(x, w, bias, barrier, n_group, topk_group, topk, True, 2.827)
     assert count_differences(got_w, got_ids, x, w, bias, n_group, topk_group, topk)[1] == 0
-    assert not counters.any()  # left armed for the next call
-    shared = M % 2 == 1
-    assert_same_table(table, route_table(got_ids, E, nt, shared), M * topk + (M if shared else 0))
+    assert barrier.tolist() == [0, 0]  # left armed for the next call
 
 
 @gpu
 def test_graph_replay_is_bit_identical_and_matches_eager():
     x, w, bias = router_inputs(16, 384, 7168, device="cuda", seed=9)
-    counters = router_counters("cuda")
-    args = (1, 1, 8, True, 2.827, pick_nt(16 * 8, 384), True)  # with the routing table
-    torch.ops.k26.moe_router(x, w, bias, counters, *args)  # build/load before capture
+    barrier = router_barrier("cuda")
+    args = (1, 1, 8, True, 2.827)
+    torch.ops.k26.moe_router(x, w, bias, barrier, *args)  # build/load before capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out_w, out_ids, table = torch.ops.k26.moe_router(x, w, bias, counters, *args)
+        out_w, out_ids = torch.ops.k26.moe_router(x, w, bias, barrier, *args)
     x.copy_(router_inputs(16, 384, 7168, device="cuda", seed=10)[0])
     g.replay()
     first = out_w.clone(), out_ids.clone()
     g.replay()
     assert torch.equal(first[0], out_w) and torch.equal(first[1], out_ids)
-    eager_w, eager_ids, eager_table = torch.ops.k26.moe_router(x, w, bias, counters, *args)
+    eager_w, eager_ids = torch.ops.k26.moe_router(x, w, bias, barrier, *args)
     assert torch.equal(eager_w, out_w) and torch.equal(eager_ids, out_ids)
-    assert_same_table(table, eager_table, 16 * 8 + 16)

@@ -8,8 +8,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference
-from ..ops.moe_cuda import pick_nt, repack_experts
-from ..ops.router_cuda import router_counters
+from ..ops.moe_cuda import repack_experts
+from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
 
 
@@ -23,17 +23,14 @@ class Router(nn.Module):
         E = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
-        self.register_buffer("counters", None, persistent=False)  # the fused kernel's arrival counters
+        self.register_buffer("barrier", None, persistent=False)  # the fused kernel's grid-barrier scratch
 
     @torch.no_grad()
     def fuse_(self) -> None:
         """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on: bf16 weight on CUDA, loaded."""
-        self.counters = router_counters(self.weight.device)
+        self.barrier = router_barrier(self.weight.device)
 
-    def forward(
-        self, x_TD: torch.Tensor, table_nt: int = 0, table_shared: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Weights, ids and, from the fused kernel with `table_nt` > 0, the expert op's routing table."""
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         args = (
             cfg.n_group,
@@ -42,18 +39,11 @@ class Router(nn.Module):
             cfg.norm_topk_prob,
             cfg.routed_scaling_factor,
         )
-        if self.counters is not None and x_TD.dtype == torch.bfloat16:
-            w, ids, table = torch.ops.k26.moe_router(
-                x_TD.contiguous(),
-                self.weight,
-                self.e_score_correction_bias,
-                self.counters,
-                *args,
-                table_nt,
-                table_shared,
+        if self.barrier is not None and x_TD.dtype == torch.bfloat16:
+            return torch.ops.k26.moe_router(
+                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *args
             )
-            return w, ids, table if table_nt else None
-        return *reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *args), None
+        return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *args)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -103,14 +93,13 @@ class Int4Experts(nn.Module):
             and tuple(shared.gate_proj.weight.shape) == (self.w13.shape[1] * 8, self.w13.shape[2] * 64)
         )
 
-    def forward(self, x_TD, ids_TK, w_TK, shared: MLP | None = None, table: torch.Tensor | None = None):
-        """Routed experts; with `shared` (only when `fuses`) plus the shared expert, in the same launches;
-        `table`: the router kernel's routing table of ids_TK (repacked only; `Router.forward`)."""
+    def forward(self, x_TD, ids_TK, w_TK, shared: MLP | None = None):
+        """Routed experts; with `shared` (only when `fuses`) plus the shared expert, in the same launches."""
         if self.repacked:
             mlp = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
-            sw = tuple(m.weight for m in mlp) if mlp else (None,) * 3
+            sw = tuple(m.weight for m in mlp)
             return torch.ops.k26.moe_w4a16_repacked(
-                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw, table
+                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw
             )
         return torch.ops.k26.moe_w4a16(
             x_TD,
@@ -158,18 +147,9 @@ class MoE(nn.Module):
         """`partial`: this rank's share, unreduced (the caller reduces it with the residual add and the next
         norm, `TPInfo.reduce_add_norm`)."""
         x_TD = x_BND.flatten(0, -2)
-        ex = self.experts
-        fused = isinstance(ex, Int4Experts) and ex.repacked and x_TD.dtype == torch.bfloat16
-        fuse_shared = fused and ex.fuses(self.shared_experts, x_TD)
-        # The router kernel also writes the expert kernel's routing table (one launch fewer).
-        nt = pick_nt(x_TD.shape[0] * self.gate.cfg.num_experts_per_tok, ex.w13.shape[0]) if fused else 0
-        w_TK, ids_TK, table = self.gate(x_TD, nt, fuse_shared)
-        if fuse_shared:
-            y_TD = ex(x_TD, ids_TK, w_TK, shared=self.shared_experts, table=table)
-        elif fused:
-            y_TD = ex(x_TD, ids_TK, w_TK, table=table)
-            if self.shared_experts is not None:
-                y_TD = y_TD + self.shared_experts(x_TD)
+        w_TK, ids_TK = self.gate(x_TD)
+        if isinstance(self.experts, Int4Experts) and self.experts.fuses(self.shared_experts, x_TD):
+            y_TD = self.experts(x_TD, ids_TK, w_TK, shared=self.shared_experts)
         else:
             y_TD = self.experts(x_TD, ids_TK, w_TK)
             if self.shared_experts is not None:

@@ -215,8 +215,8 @@ def moe_w4a16_repacked(
     table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids.
-    `table`: the routing table of these ids from `moe_router(..., table_nt=pick_nt(M * topk, E),
-    table_shared=shared given)`, so the kernel skips its own routing launch; the reference ignores it."""
+    `table`: the routing table of these ids (csrc/moe_route.cuh, `route_table(topk_ids, E, pick_nt(M * topk,
+    E), shared given)`), so the kernel skips its own routing launch; the reference ignores it."""
     return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
 
 
@@ -302,8 +302,8 @@ def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None
         n = route_table_size(M, K, E, pick_nt(M * K, E), has_shared)
         need(
             table.dim() == 1 and table.dtype == torch.int32 and table.numel() == n,
-            f"table must be int32 [{n}] (moe_router with table_nt=pick_nt({M * K}, {E}), "
-            f"table_shared={has_shared}), got {table.dtype} {list(table.shape)}",
+            f"table must be int32 [{n}] (route_table with nt=pick_nt({M * K}, {E}), "
+            f"shared={has_shared}), got {table.dtype} {list(table.shape)}",
         )
         named.append(("table", table))
     for name, t in named:
@@ -331,7 +331,7 @@ def _library():
 
 
 # Programmatic dependent launch between the op's kernels (csrc/moe_w4a16.cu: the shared expert's gate/up
-# blocks overlap the router, each launch the previous kernel's tail); profiling/bench_moe_block.py flips it
+# blocks overlap the routing, each launch the previous kernel's tail); profiling/bench_moe_block.py flips it
 # to measure what it buys.
 PDL = True
 MAX_TOKENS = 65535  # CUDA's grid-y limit: csrc/moe_w4a16.cu launches the combine with gridDim.y = M

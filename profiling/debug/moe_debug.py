@@ -108,16 +108,16 @@ def run(E, K, D, I, M, kind, seed):
 
 
 def router_only(reps: int = 3) -> None:
-    from k26.ops.router_cuda import router_counters
+    from k26.ops.router_cuda import router_barrier
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     E, D = 384, 7168
     x = torch.randn(1, D, generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn(E, D, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
     bias = torch.randn(E, generator=gen, device="cuda") * 0.05
-    counters = router_counters("cuda")
+    barrier = router_barrier("cuda")
     for _ in range(reps):
-        torch.ops.k26.moe_router(x, w, bias, counters, 1, 1, 8, True, 2.827, 1, True)
+        torch.ops.k26.moe_router(x, w, bias, barrier, 1, 1, 8, True, 2.827)
     torch.cuda.synchronize()
 
 

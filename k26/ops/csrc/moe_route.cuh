@@ -1,6 +1,6 @@
 // The MoE routing table: the (token, k) pairs grouped by expert, in groups of at most `gt` tokens, as the
-// expert GEMMs of csrc/moe_w4a16.cu read it. Built by the router kernel's last block (csrc/moe_router.cu,
-// no launch of its own) or, when the caller has no table, by the expert op's own route_kernel.
+// expert GEMMs of csrc/moe_w4a16.cu read it. Built by the expert op's route_kernel unless the caller passes
+// one (a router kernel that wrote it in its last block was tried in run 3: commit 7aecc8d).
 //
 // One int32 buffer (k26/ops/moe_cuda.py: route_table_size / route_table, the torch reference):
 //   [0]                 number of groups (<= G)
@@ -8,7 +8,7 @@
 //                       shared-expert slots P + t hold P + t
 //   expert[G], start[G], len[G]: each group's expert (E = the shared expert), first slot, token count.
 // The shared expert's groups come first (group j: slots P + j*gt onwards, known without reading the table,
-// so its GEMM blocks can start before the router finishes), then the routed ones in expert order; ids
+// so its GEMM blocks can start before the routing finishes), then the routed ones in expert order; ids
 // outside [0, E) belong to no group.
 //
 // Legality: plain loads, stores and shared-memory atomics: sm_90a and sm_120a.
@@ -37,7 +37,8 @@ __host__ __device__ inline RouteTable route_table_at(int* base, int P, int S, in
   return RouteTable{base, sorted, expert, expert + G, expert + 2 * G};
 }
 
-// One block (any multiple of 32 threads up to 1024) builds the table of the P ids `id(p)` gives (read twice).
+// One block (any multiple of 32 threads up to 1024) builds the table of the P ids `id(p)` gives (read twice;
+// a functor so that a producer holding the ids in shared memory can pass them from there).
 // sm: 3 * E ints of shared memory.
 template <typename Ids>
 __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, RouteTable tab, int* sm) {

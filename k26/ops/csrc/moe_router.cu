@@ -1,6 +1,5 @@
 // Fused MoE router for Kimi K2.6 (noaux_tc): one launch from the normed hidden state to the routing
-// the expert kernel takes (top-k ids int64 [M, K], weights fp32 [M, K] and, if asked, the routing table of
-// csrc/moe_route.cuh, so the expert op needs no routing launch of its own).
+// the expert kernel takes (top-k ids int64 [M, K] and weights fp32 [M, K]).
 //
 //   logits = x · Wᵀ (bf16 weight read as stored, bf16 products exact, fp32 accumulation)
 //   score  = sigmoid(logits);  choice = score + correction_bias          (bias selects, score weights)
@@ -8,37 +7,35 @@
 //   ids    = top-k of choice over kept groups (descending; an exact tie goes to one of them, deterministically)
 //   w      = score[ids] / (Σ score[ids] + 1e-20) (if renormalize) · routed_scaling_factor
 //
-// One launch, no grid barrier: work items (token tile of 8·NT, 16-row tile of W, k range); the block that
-// finishes a token tile's last item does that tile's selection ("last block done", arrival counters):
-//   1. item: the 8 warps of a block split the item's k range, mma.sync.m16n8k16 with W rows as the A operand
-//      ("swap AB": 16 experts x 8 tokens per mma, so M = 1 wastes no weight bytes), reduce in shared memory in
-//      warp order and write one fp32 partial per (k range, token, expert).
-//   2. the last item of a token tile: all threads sum the partials in k-range order (deterministic, all loads
-//      of a thread in flight together), sigmoid and bias into shared memory, 8 tokens at a time; one warp per
-//      token runs the group-limited top-k (one redux.sync per pick) and writes ids and weights.
-//   3. with a table asked for, the last token tile (the same block when there is one) writes the routing
-//      table of all M x K ids (csrc/moe_route.cuh).
-// Every stage boundary on the critical path is one fence + atomic + L2 round trip, so there are as few as
-// possible (a stage per 16-expert row tile measured slower: 17.8 µs at M = 1). Nothing waits on another
-// block, so any grid size is safe; the grid is one resident wave (SMs x occupancy).
-// Counters: int32 [kCounters], zero before a launch; each stage's last arrival re-arms its own counter.
+// One launch, two phases separated by a grid barrier:
+//   1. logits: work items (64-token tile, 16-row tile of W, k range); the 8 warps of a block split the
+//      item's k range, mma.sync.m16n8k16 with W rows as the A operand ("swap AB": 16 experts x 8
+//      tokens per mma, so M = 1 wastes no weight bytes) and reduce in shared memory in warp order;
+//      each item writes one fp32 partial per (k range, token, expert). A few k ranges per row tile
+//      give the grid enough blocks to stream the 5.5 MB weight at bandwidth.
+//   2. per token (one block each): partials summed in k-range order (deterministic), sigmoid, bias into
+//      shared memory; one warp runs the group-limited top-k with warp shuffles and writes the outputs.
 // The k index inside each 64-wide chunk is permuted identically for A and B (lane t owns k in
 // [16t, 16t + 16)), so each lane's fragments are 32 contiguous bytes of a W row / an x row: plain
 // 16-byte loads, no ldmatrix, no shared-memory staging.
+// The barrier needs every block resident: the grid is capped at SMs x occupancy (queried); its two
+// int32 counters (arrivals, departures) start at zero and every launch leaves them at zero.
 //
-// Legality: warp-level mma.sync bf16 and griddepcontrol only, < 48 KB static shared memory per block: legal on
-// sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. No host sync: CUDA-graph capturable.
+// Legality: warp-level mma.sync bf16 only, <= 48 KB static shared memory per block: legal on sm_120
+// (99 KB) and sm_90; built for sm_90a and sm_120a. No host sync: CUDA-graph capturable.
 // Speed and its benchmark: profiling/bench_moe.py --block (router column and whole block), results in
-// profiling/results/2026-12-01-bench_moe_block-h200*.md (H200, K2.6 shapes, cold L2, graph replay). The
-// grid-barrier version (phase 2 one block per token, top-k from shared memory) took 11.8 µs at M = 1,
-// 14 µs at M = 64 (run 2), ~9x the 5.5 MB weight's byte time.
+// profiling/results/2026-12-01-bench_moe_block-h200*.md (H200, K2.6 shapes, cold L2, graph replay): 11.8 µs
+// at M = 1 (11 % of copy bandwidth for the 5.5 MB weight, which alone would stream in ~1.3 µs: the launch,
+// the grid barrier and the per-token tail bound it, not the bytes), 14 µs at M = 64. The redux.sync top-k
+// took it from 13.0 / 20.6 µs (2026-12-01, first version: one shuffle argmax per pick). Tried and reverted
+// (run 3, commit 7aecc8d): no barrier, the last block of each token tile selecting its tokens and writing the
+// expert op's routing table (csrc/moe_route.cuh): 13.1 µs at M = 1 with the table, but 28.5 / 53.3 µs at
+// M = 16 / 64 (one block selects a whole token tile, a few L2 round trips per 8 tokens).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-
-#include "moe_route.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -46,12 +43,9 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kMaxE = 512;  // experts: a choice and a score row per warp in shared memory
+constexpr int kMaxE = 1024;   // experts held in shared memory by phase 2
 constexpr int kMaxTopk = 32;  // one lane per chosen expert when writing the outputs
 constexpr int kMaxGroups = 32;
-constexpr int kMaxMTiles = 128;  // token tiles per launch (M <= 4096; the front door runs larger M in pieces)
-// Counters: [0] token tiles done (routing table), [1, 1 + kMaxMTiles) items done per token tile.
-constexpr int kCounters = 1 + kMaxMTiles;
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -69,12 +63,11 @@ struct Args {
   const __nv_bfloat16* x;  // [M, D]
   const __nv_bfloat16* w;  // [E, D]
   const float* bias;       // [E]
-  int* counters;           // [kCounters], zero on entry and exit
+  int* barrier;            // [2], zero on entry and exit
   float* partial;          // [KS, M, E]
   float* out_w;            // [M, K]
   int64_t* out_ids;        // [M, K]
-  int* table;              // routing table (csrc/moe_route.cuh) or nullptr
-  int M, D, E, n_group, topk_group, topk, renormalize, ks, chunks_per_ks, table_gt, table_shared;
+  int M, D, E, n_group, topk_group, topk, renormalize, ks, chunks_per_ks;
   float scale;
 };
 
@@ -129,11 +122,50 @@ __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float ac
   }
 }
 
-// Float -> uint32 with the same order (NaN, used for "taken", below everything, -inf included).
-__device__ __forceinline__ uint32_t order_key(float f) {
-  if (isnan(f)) return 0u;
-  const uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+template <int NT>
+__device__ void logits_phase(const Args& a, float (*red)[NT * 4][32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row_tiles = (a.E + 15) / 16, m_tiles = (a.M + 8 * NT - 1) / (8 * NT);
+  const int kc = a.D / 64, items = m_tiles * row_tiles * a.ks;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int rt = item % row_tiles, ks = (item / row_tiles) % a.ks, mt = item / (row_tiles * a.ks);
+    const int cb = ks * a.chunks_per_ks, ce = min(kc, cb + a.chunks_per_ks), n = ce - cb;
+    float acc[NT][4];
+    dot_tile<NT>(a, mt * 8 * NT, rt * 16, cb + warp * n / kWarps, cb + (warp + 1) * n / kWarps, acc);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
+    __syncthreads();
+    for (int v = threadIdx.x; v < NT * 4 * 32; v += kThreads) {
+      const int l = v & 31, i = (v >> 5) & 3, nt = v >> 7;
+      const int row = rt * 16 + (l >> 2) + 8 * (i >> 1);
+      const int tok = mt * 8 * NT + nt * 8 + 2 * (l & 3) + (i & 1);
+      if (row >= a.E || tok >= a.M) continue;
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += red[w][nt * 4 + i][l];  // fixed order: deterministic
+      a.partial[((size_t)ks * a.M + tok) * a.E + row] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// All blocks are resident (grid capped by occupancy), so spinning cannot starve a block that has not
+// started. Arrivals count up to gridDim; departures let the last block re-arm both counters to zero.
+__device__ void grid_barrier(int* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(&bar[0], 1);
+    while (*reinterpret_cast<volatile int*>(&bar[0]) < (int)gridDim.x) __nanosleep(20);
+    __threadfence();
+    if (atomicAdd(&bar[1], 1) == (int)gridDim.x - 1) {
+      atomicExch(&bar[0], 0);
+      atomicExch(&bar[1], 0);
+    }
+  }
+  __syncthreads();
 }
 
 // Warp argmax over (value, index): larger value wins, ties go to the lower index; NaN marks "taken".
@@ -146,23 +178,11 @@ __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
   }
 }
 
-
-
-// Block-wide: counts this block's arrival at `counter`; true (in every thread) for the last of `total`
-// arrivals, which re-arms the counter. The block's global writes before it are visible to that last block.
-__device__ bool arrive_last(int* counter, int total, int* flag) {
-  __syncthreads();  // the block's writes are issued
-  if (threadIdx.x == 0) {
-    __threadfence();  // ... and ordered before the arrival (cumulative over the bar.sync above)
-    const bool last = atomicAdd(counter, 1) == total - 1;
-    if (last) {
-      *counter = 0;     // every arrival of this launch is in: ready for the next launch
-      __threadfence();  // the other blocks' writes before reading them
-    }
-    *flag = last;
-  }
-  __syncthreads();
-  return *flag;
+// Float -> uint32 with the same order (NaN, used for "taken", below everything, -inf included).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  if (isnan(f)) return 0u;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
 __device__ __forceinline__ void local_best(const float* choice, int E, int lane, uint32_t& key, int& idx) {
@@ -173,9 +193,8 @@ __device__ __forceinline__ void local_best(const float* choice, int E, int lane,
   }
 }
 
-// One warp: the group-limited top-k of one token from choice[] / score[] in shared memory; the ids also go
-// to sids (shared memory, for the routing table) unless it is null.
-__device__ void select_topk(const Args& a, float* choice, const float* score, int tok, int* sids) {
+// One warp: the group-limited top-k of one token from choice[] / score[] in shared memory.
+__device__ void select_topk(const Args& a, float* choice, const float* score, int tok) {
   const int lane = threadIdx.x & 31;
   uint32_t keep = 0xffffffffu;
   if (a.n_group > 1) {
@@ -230,103 +249,30 @@ __device__ void select_topk(const Args& a, float* choice, const float* score, in
     const float w = a.renormalize ? s / (sum + 1e-20f) : s;
     a.out_w[(size_t)tok * a.topk + lane] = w * a.scale;
     a.out_ids[(size_t)tok * a.topk + lane] = mine;
-    if (sids != nullptr) sids[lane] = mine;
-  }
-}
-
-// Stage 2: the tokens [m0, m1) of a finished token tile, kWarps at a time: logits from the k-range partials
-// (summed in k order), score and choice rows in shared memory, then one warp per token selects; ids also
-// into sids[(tok - m0) * topk + k] unless it is null.
-__device__ void select_tokens(const Args& a, int m0, int m1, float (*choice)[kMaxE], float (*score)[kMaxE],
-                              int* sids) {
-  constexpr int kPer = 4;  // (token, expert) pairs per thread per pass: all their partial loads in flight
-  const int warp = threadIdx.x >> 5;
-  for (int r0 = m0; r0 < m1; r0 += kWarps) {
-    const int n = min(kWarps, m1 - r0) * a.E;
-    for (int v0 = threadIdx.x; v0 < n; v0 += kThreads * kPer) {
-      float l[kPer];
-      size_t off[kPer];
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        const int v = min(v0 + j * kThreads, n - 1), t = v / a.E;
-        off[j] = (size_t)(r0 + t) * a.E + (v - t * a.E);
-        l[j] = 0.f;
-      }
-#pragma unroll 4
-      for (int k = 0; k < a.ks; ++k) {
-        const float* pk = a.partial + (size_t)k * a.M * a.E;
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) l[j] += __ldcg(pk + off[j]);  // k order: deterministic
-      }
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        const int v = v0 + j * kThreads;
-        if (v >= n) break;
-        const int t = v / a.E, e = v - t * a.E;
-        const float s = 1.f / (1.f + expf(-l[j]));
-        score[t][e] = s;
-        // A NaN logit (a poisoned or padded row) must still give valid expert ids: it ranks below -inf, and
-        // NaN itself stays the "taken" mark of select_topk (an all-NaN row returned id -1 and read score[-1]).
-        const float c = s + a.bias[e];
-        choice[t][e] = isnan(c) ? -INFINITY : c;
-      }
-    }
-    __syncthreads();
-    const int tok = r0 + warp;
-    if (tok < m1) select_topk(a, choice[warp], score[warp], tok, sids ? sids + (tok - m0) * a.topk : nullptr);
-    __syncthreads();
   }
 }
 
 template <int NT>
 __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
-  // Phase 1's reduction buffer and stage 2's choice / score rows are never live together: one allocation.
-  __shared__ float buf[2 * kWarps * kMaxE];
-  __shared__ int route_sm[3 * kMaxE];
-  __shared__ int sids[32 * kMaxTopk];  // the ids of a launch with one token tile, for its routing table
-  __shared__ int flag;
-  static_assert(kWarps * NT * 4 * 32 <= 2 * kWarps * kMaxE, "phase 1 reduction buffer");
-  auto red = reinterpret_cast<float (*)[NT * 4][32]>(buf);
-  auto choice = reinterpret_cast<float (*)[kMaxE]>(buf);
-  auto score = reinterpret_cast<float (*)[kMaxE]>(buf + kWarps * kMaxE);
-  // The expert op's first GEMM may launch now (programmatic dependent launch): its shared-expert blocks need
-  // nothing from this kernel; its other blocks wait for this grid to finish (csrc/moe_w4a16.cu).
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row_tiles = (a.E + 15) / 16, m_tiles = (a.M + 8 * NT - 1) / (8 * NT);
-  const int kc = a.D / 64, items = m_tiles * row_tiles * a.ks;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int rt = item % row_tiles, ks = (item / row_tiles) % a.ks, mt = item / (row_tiles * a.ks);
-    const int cb = ks * a.chunks_per_ks, ce = min(kc, cb + a.chunks_per_ks), n = ce - cb;
-    float acc[NT][4];
-    dot_tile<NT>(a, mt * 8 * NT, rt * 16, cb + warp * n / kWarps, cb + (warp + 1) * n / kWarps, acc);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[warp][nt * 4 + i][lane] = acc[nt][i];
-    __syncthreads();
-    for (int v = threadIdx.x; v < NT * 4 * 32; v += kThreads) {
-      const int l = v & 31, i = (v >> 5) & 3, nt = v >> 7;
-      const int row = rt * 16 + (l >> 2) + 8 * (i >> 1);
-      const int tok = mt * 8 * NT + nt * 8 + 2 * (l & 3) + (i & 1);
-      if (row >= a.E || tok >= a.M) continue;
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) s += red[w][nt * 4 + i][l];  // fixed order: deterministic
-      a.partial[((size_t)ks * a.M + tok) * a.E + row] = s;
+  __shared__ float red[kWarps][NT * 4][32];
+  __shared__ float choice[kMaxE], score[kMaxE];
+  logits_phase<NT>(a, red);
+  grid_barrier(a.barrier);
+  for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
+    for (int e = threadIdx.x; e < a.E; e += kThreads) {
+      float l = 0.f;
+#pragma unroll 8
+      for (int k = 0; k < a.ks; ++k) l += __ldcg(a.partial + ((size_t)k * a.M + tok) * a.E + e);  // k order
+      const float s = 1.f / (1.f + expf(-l));
+      score[e] = s;
+      // A NaN logit (a poisoned or padded row) must still give valid expert ids: it ranks below -inf, and
+      // NaN itself stays the "taken" mark of select_topk (an all-NaN row returned id -1 and read score[-1]).
+      const float c = s + a.bias[e];
+      choice[e] = isnan(c) ? -INFINITY : c;
     }
-    if (!arrive_last(a.counters + 1 + mt, row_tiles * a.ks, &flag)) continue;
-    // One token tile (M <= 8·NT <= 32): this block selected every token and keeps the ids in shared memory.
-    const bool one = m_tiles == 1;
-    select_tokens(a, mt * 8 * NT, min(a.M, (mt + 1) * 8 * NT), choice, score, one && a.table ? sids : nullptr);
-    if (a.table == nullptr || !(one || arrive_last(a.counters, m_tiles, &flag))) continue;
-    const int P = a.M * a.topk, S = a.table_shared ? a.M : 0;
-    const RouteTable tab = route_table_at(a.table, P, S, a.E, a.table_gt);
-    if (one)  // select_tokens ended with a __syncthreads: sids is complete
-      build_route_table([&](int p) { return sids[p]; }, P, a.E, a.table_gt, S, tab, route_sm);
-    else  // written by other blocks: through L2
-      build_route_table([&](int p) { return __ldcg(a.out_ids + p); }, P, a.E, a.table_gt, S, tab, route_sm);
-    __syncthreads();  // route_sm and flag are reused by this block's next item
+    __syncthreads();
+    if (threadIdx.x < 32) select_topk(a, choice, score, tok);
+    __syncthreads();
   }
 }
 
@@ -343,7 +289,7 @@ int max_grid() {
   return sms * (per_sm > 0 ? per_sm : 1);
 }
 
-// Token tile from M; enough k ranges that ~2 blocks per SM stream W; the grid at most one resident wave.
+// Token tile from M; enough k ranges that ~2 blocks per SM stream W, never more than the resident grid.
 Plan plan(int M, int D, int E) {
   Plan p;
   p.nt = M <= 8 ? 1 : M <= 16 ? 2 : 4;  // more tokens: more token tiles (NT 8 would hold 1 block per SM)
@@ -357,12 +303,11 @@ Plan plan(int M, int D, int E) {
   p.ks = (kc + p.chunks_per_ks - 1) / p.chunks_per_ks;
   const int items = row_tiles * m_tiles * p.ks;
   p.grid = items < limit ? items : limit;
+  if (p.grid < M && M <= limit) p.grid = M;  // phase 2 runs one token per block
   return p;
 }
 
 }  // namespace
-
-K26_EXPORT int k26_moe_router_counters() { return kCounters; }
 
 K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
   const Plan p = plan(M, D, E);
@@ -370,17 +315,14 @@ K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
 }
 
 // Returns a cudaError_t (0 = success). Shapes are validated by the Python front door (k26/ops/router_cuda.py):
-// D % 64 == 0, E <= 512, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group, M <= 4096.
-// table (or null): the routing table for groups of 8 * table_nt tokens, with the shared expert if table_shared.
-K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* counters, float* workspace,
-                              float* out_w, int64_t* out_ids, int* table, int M, int D, int E, int n_group,
-                              int topk_group, int topk, int renormalize, int table_nt, int table_shared, float scale,
-                              void* stream) {
+// D % 64 == 0, E <= 1024, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group.
+K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
+                              float* out_w, int64_t* out_ids, int M, int D, int E, int n_group, int topk_group,
+                              int topk, int renormalize, float scale, void* stream) {
   if (E > kMaxE || topk > kMaxTopk || topk > E || n_group > kMaxGroups || D % 64) return (int)cudaErrorInvalidValue;
   const Plan p = plan(M, D, E);
-  if ((M + 8 * p.nt - 1) / (8 * p.nt) > kMaxMTiles) return (int)cudaErrorInvalidValue;
-  Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, counters, workspace, out_w, out_ids, table,
-         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, 8 * table_nt, table_shared, scale};
+  Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids,
+         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, scale};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (p.nt) {
     case 1: router_kernel<1><<<p.grid, kThreads, 0, st>>>(a); break;

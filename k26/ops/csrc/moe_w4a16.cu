@@ -6,10 +6,10 @@
 //   token visits, in the same gate/up and down grids (no separate launches), read straight from its bf16
 //   rows with the same k permutation as the activations.
 //
-// Three launches (four without a routing table from the router kernel), all on the caller's stream, no host
-// sync (CUDA-graph capturable):
-//   1. route:   only without the router's table: one block groups the (token, k) pairs by expert in groups
-//               of 8*NT tokens (csrc/moe_route.cuh; the router kernel's last block builds the same table).
+// Four launches (three when the caller passes the routing table), all on the caller's stream, no host sync
+// (CUDA-graph capturable), each after the first with programmatic dependent launch (see gemm_kernel):
+//   1. route:   unless the caller passes the table: one block groups the (token, k) pairs by expert in
+//               groups of 8*NT tokens, the shared expert's first (csrc/moe_route.cuh).
 //   2. gemm13:  per (expert group, 16-row tile pair): gate and up rows interleaved in one 16-row tile,
 //               so each lane holds gate and up of the same feature and applies silu(g)*u in registers.
 //               The K = hidden reduction is split over the 8 warps of a block and summed in shared memory.
@@ -35,7 +35,8 @@
 // sm_90a and sm_120a.
 // Speed and its benchmark: profiling/bench_moe.py (--block: the whole MoE block), results in profiling/results/
 // (H200, TP8 rank, cold L2, graph replay: router + experts + shared expert in 5 launches, M = 1 40 µs, M = 64
-// 226 µs, 2026-12-01-bench_moe_block-h200.md).
+// 226 µs, 2026-12-01-bench_moe_block-h200.md; run 3, -run3.md: PDL 3.4 µs less at M = 1, 10.6 at M = 64,
+// the scale layout and the shared expert's two chunks in flight ~10 µs less at TP1 M = 1).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -86,7 +87,7 @@ __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------
-// 1. Routing (when the caller passes no table from the router kernel): one block groups the pairs by
+// 1. Routing (when the caller passes no table): one block groups the pairs by
 // expert (csrc/moe_route.cuh). Pairs with an id outside [0, E) are dropped (never read).
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(const int64_t* __restrict__ ids, int P, int E, int gt,
                                                              int S, int* __restrict__ table) {
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
     const __nv_bfloat16* __restrict__ sb) {
   // PDL (launched by `launch` with the attribute): the shared expert's groups come first in the table
   // (csrc/moe_route.cuh), so those blocks know their tokens without it and run the gate/up GEMM while the
-  // router (or route_kernel) still runs; every other block waits for the previous grid before reading
+  // routing (route_kernel, or a table producer that triggers early) still runs; every other block waits for the previous grid before reading
   // anything it wrote. gate/up blocks let the down GEMM launch once past that wait (so the down GEMM may
   // read the table early); down GEMM blocks let the combine launch at once (it waits for them).
   const int grp = blockIdx.y, gt = 8 * NT;
@@ -369,7 +370,7 @@ __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float*
 }
 
 struct Workspace {
-  int* table;  // the routing table (csrc/moe_route.cuh), unless the caller passes the router's
+  int* table;  // the routing table (csrc/moe_route.cuh), unless the caller passes one
   __nv_bfloat16 *act, *y;
 };
 
@@ -408,7 +409,7 @@ cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pd
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
 }
 
-// `table`: the router kernel's routing table for exactly these ids, group size 8 * NT and S (nullptr: route here).
+// `table`: a routing table of exactly these ids, group size 8 * NT and S (nullptr: route here).
 template <int NT, int RT1>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
                    const float* topw, void* out, void* ws_base, int* table, int M, int D, int I, int E, int topk,
@@ -455,8 +456,8 @@ K26_EXPORT size_t k26_moe_route_table_ints(int M, int E, int topk, int nt, int s
 }
 
 // Returns a cudaError_t (0 = success). Shapes are validated by the Python front door. shared_gate/up [I, D] and
-// shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids. table: the router
-// kernel's routing table for these ids (k26_moe_router with the same nt and shared), or null (routed here).
+// shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids. table: the routing
+// table of these ids for this nt and shared (csrc/moe_route.cuh), or null (routed here).
 
 K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
