@@ -5,6 +5,7 @@ changes while it is read."""
 import json
 import multiprocessing as mp
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,40 @@ def test_batches_keep_a_zero_byte_piece_and_the_chunk_bound():
     got = batches(pieces, chunk=10)
     assert [p.param for b in got for p in b] == [f"p{i}" for i in range(len(sizes))]
     assert all(sum(p.nbytes for p in b) <= 10 or len(b) == 1 for b in got)
+
+
+def _safetensors(f: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return f
+
+
+@pytest.mark.parametrize(
+    ("entry", "data", "why"),
+    [
+        ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}, bytes(16), "do not hold F32 [2, 2]"),
+        ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, bytes(8), "past the end of the file"),
+        ({"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}, bytes(1), "malformed header entry"),
+        ({"shape": [2], "data_offsets": [0, 8]}, bytes(8), "malformed header entry"),
+    ],
+)
+def test_a_bad_header_is_refused_by_name(tmp_path, entry, data, why):
+    """Headers are read without safetensors' loader, so the format's checks are the reader's own."""
+    from k26.shard_reader import read_header
+
+    f = _safetensors(tmp_path / "x.safetensors", {"w": entry}, data)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        read_header(f)
+
+
+def test_a_good_header_gives_absolute_spans(tmp_path):
+    from k26.shard_reader import read_header
+
+    header = {"__metadata__": {"format": "pt"}, "a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}}
+    header["b"] = {"dtype": "I64", "shape": [1, 1], "data_offsets": [6, 14]}
+    f = _safetensors(tmp_path / "x.safetensors", header, bytes(range(14)))
+    base = 8 + len(json.dumps(header).encode())
+    assert read_header(f) == {
+        "a": ("BF16", (3,), (base, base + 6)),
+        "b": ("I64", (1, 1), (base + 6, base + 14)),
+    }
