@@ -161,7 +161,10 @@ def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], gra
     if graphs is not None:
         out += ["", "| graph bucket (batch, nodes) | capture s | pool MB |", "|---|---|---|"]
         for runner in graphs.decoder.runners.values():
-            out += [f"| ({b.batch}, {b.nodes}) | {s:.2f} | {m / 1e6:.1f} |" for b, s, m in runner.report]
+            out += [
+                f"| ({r.bucket.batch}, {r.bucket.nodes}) | {r.seconds:.2f} | {r.pool_bytes / 1e6:.1f} |"
+                for r in runner.report
+            ]
     return "\n".join(out) + "\n"
 
 

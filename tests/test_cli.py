@@ -258,3 +258,22 @@ def test_nvtx_range_shows_in_torch_profiler_only_while_recording():
     assert "k26-phase" in {e.name for e in prof.events()}
     with nvtx_range("outside"):  # no profiler: no record_function, nothing raised
         pass
+
+
+def test_bench_report_lists_every_captured_graph():
+    """The graphs table of `k26 bench` has one row per capture record (bucket, seconds, pool MB): the
+    record grew a field and the report unpacked three, which failed `k26 bench --compile` on the GPU."""
+    from types import SimpleNamespace
+
+    from k26.bench import _report
+    from k26.graphs.buckets import Bucket
+    from k26.startup import CaptureRecord
+
+    recs = [
+        CaptureRecord(Bucket(1, 16), 7.5, 33_600_000, "ddtree greedy"),
+        CaptureRecord(Bucket(2, 1), 1.25, 0),
+    ]
+    graphs = SimpleNamespace(decoder=SimpleNamespace(runners={"a": SimpleNamespace(report=recs)}))
+    a = SimpleNamespace(batch=1, max_tokens=8, budget=12, drafter="d", compile=True)
+    text = _report(a, Path("m"), torch.device("cpu"), [("AR eager", 10.0, 1.0, None)], [], graphs)
+    assert "| (1, 16) | 7.50 | 33.6 |" in text and "| (2, 1) | 1.25 | 0.0 |" in text
