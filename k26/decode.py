@@ -367,6 +367,7 @@ class Decoder:
             else:  # AR, or no room for another verify tree: this step decodes one token like AR
                 spec = s.spec.method != "ar"  # (then the drafter's context still follows)
                 new, counts, budget = eager_ar_step(m, rows, s.lens, s.bonus, s.alive, rs, context=spec)
+        self.ctx.model.tp.check()  # a peer that died mid-step: its error, not the garbage tokens it left
         state.record(was, new, counts, budget)
         return was
 

@@ -49,7 +49,9 @@ def tp_info(rank: int, size: int, group=None, fused: bool | None = None) -> TPIn
         fused_ar = FusedAllReduce(group, timeout_s=timeout().total_seconds())
         if fused_ar.p2p and os.environ.get("K26_AR_CALIBRATE") == "1":
             fused_ar.calibrate()  # the crossovers measured here instead of the published per-size table
-        fused_ar = fused_ar if fused_ar.p2p else None
+        if not fused_ar.p2p:  # the composition serves this group (said once): release what was set up
+            fused_ar.close()
+            fused_ar = None
     return TPInfo(rank, size, all_reduce, all_gather, fused_ar)
 
 

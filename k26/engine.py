@@ -239,6 +239,8 @@ class LLM:
         self.batch = None
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if getattr(self, "model", None) is not None:
+            self.model.tp.close()  # after the sync: no kernel of ours still reads a peer's memory
         if getattr(self, "_ranks", None) is not None:
             self._ranks.close()
         if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():

@@ -272,6 +272,8 @@ def _serve(init: dict, out) -> int:
         except BaseException:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
             send("error", traceback.format_exc())
             return 1
+    if callable(close := getattr(obj, "close", None)):
+        close()  # this rank's graphs and fused-collective workspace, before its group goes
     dist.destroy_process_group()
     return 0
 

@@ -145,3 +145,39 @@ def test_gloo_ranks_fall_back_to_the_composition_and_agree():
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _gloo_rank(*map(int, sys.argv[1:4]))
+
+
+class _Recorder:
+    """A fused collective stand-in whose recorded failure appears after `fail_after` checks."""
+
+    def __init__(self, fail_after: int):
+        self.checks, self.closed, self.fail_after = 0, 0, fail_after
+
+    def __call__(self, x, residual, weight, eps):
+        return add_rmsnorm_reference(x, residual, weight, eps)
+
+    def check(self):
+        self.checks += 1
+        if self.checks > self.fail_after:
+            raise RuntimeError("k26 fused all-reduce: rank 0 waited 2 s for rank 1, which never arrived")
+
+    def close(self):
+        self.closed += 1
+
+
+def test_decoder_raises_a_failure_the_fused_collective_recorded_and_close_releases_it():
+    """Inside CUDA graphs no front door runs: the decoder asks the collective after every step, so a peer
+    that died mid-step surfaces as its error (naming the rank), and LLM.close releases the collective."""
+    import dataclasses
+
+    from k26 import LLM, SamplingParams, SpecConfig
+
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False)
+    rec = _Recorder(fail_after=2)
+    llm.model.tp = dataclasses.replace(llm.model.tp, allreduce_add_rmsnorm=rec)
+    sp = SamplingParams(max_tokens=16, stop_token_ids=[])
+    with pytest.raises(RuntimeError, match="rank 1, which never arrived"):
+        llm.generate([[5, 6, 7]], sp, SpecConfig("ar"))
+    assert rec.checks == 3  # two good steps, then the third step's check raised
+    llm.close()
+    assert rec.closed == 1

@@ -50,6 +50,17 @@ class TPInfo:
         h = residual + self.reduce(partial)
         return norm(h), h
 
+    def check(self) -> None:
+        """Raise a failure the fused collective recorded (a peer that never arrived, ranks called with
+        different sizes). Inside a CUDA graph no front door runs, so the decoder asks after every step."""
+        if (check := getattr(self.allreduce_add_rmsnorm, "check", None)) is not None:
+            check()
+
+    def close(self) -> None:
+        """Release what the fused collective holds (peer mappings, its workspace, its watcher thread)."""
+        if (close := getattr(self.allreduce_add_rmsnorm, "close", None)) is not None:
+            close()
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
