@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ..profiling import nvtx_range
-from ..sampling import RowSampling
 from ..startup import CaptureRecord, phase_bar
 from .buckets import Bucket
 
@@ -52,11 +51,6 @@ class StepState:
             f + 1,
             z.clone(),
         )
-
-    def sampling(self, greedy: bool) -> RowSampling:
-        """The per-row sampling view the captured step reads (sampled graphs always take the filtered
-        path: one graph serves every mix of top-p / top-k)."""
-        return RowSampling(self.temperature, self.top_p, self.top_k, greedy, not greedy, self.noise)
 
     def reset(self) -> None:
         (

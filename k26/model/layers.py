@@ -181,9 +181,9 @@ class VocabHead(nn.Module):
 
 def use_linear_kernel(model: nn.Module, on: bool = True) -> int:
     """Route every Linear, VocabHead and MLA W_UV of `model` through torch.ops.k26.linear / linear_grouped
-    (or back to cuBLAS with on=False); returns how many modules switched. Opt-in: measured on an H200
-    (profiling/results/2026-12-01-bench_linear-h200.md) the kernel beats cuBLAS only for some projections
-    at M = 1 and none at M = 16, so the loader leaves it off."""
+    (or back to cuBLAS with on=False); returns how many modules switched. Opt-in for the whole model:
+    measured on an H200 (profiling/results/2026-12-01-bench_k26-glue-h200.md) it wins for the stacked
+    q_a / kv_a and the MLA projections the loader switches (`KimiK2.fuse_dense_`), not for every layer."""
     mods = [m for m in model.modules() if isinstance(m, (Linear, VocabHead))]
     for m in mods:
         m.use_kernel = on

@@ -159,8 +159,7 @@ class MoE(nn.Module):
 
 def use_cuda_kernels(model: torch.nn.Module) -> None:
     """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time).
-    The dense projections keep cuBLAS: the small-M linear kernel is opt-in (`model.layers.use_linear_kernel`)
-    until it measures faster (profiling/results/2026-12-01-bench_linear-h200.md)."""
+    The dense path is the loader's next step (`KimiK2.fuse_dense_`)."""
     from ..ops import build
 
     experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
