@@ -7,6 +7,16 @@ import k26.ops  # noqa: F401  (registers the ops)
 from k26.ops import OPS, causal_words, pack_int4, reference
 
 
+def test_ops_lists_every_registered_op():
+    """OPS is the list the fake check below walks: every op the package registers is in it."""
+    import k26.engine  # noqa: F401  (everything the LLM imports: the model, dist, the decoder)
+
+    registered = {
+        n.removeprefix("k26::") for n in torch._C._dispatch_get_all_op_names() if n.startswith("k26::")
+    }
+    assert registered == set(OPS)
+
+
 def test_every_op_is_registered_with_a_fake():
     for name in OPS:
         op = getattr(torch.ops.k26, name).default

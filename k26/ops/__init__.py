@@ -79,7 +79,9 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
 
 
 from . import (
+    allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm with its CUDA kernel)
     attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
+    glue_cuda,  # noqa: F401  (registers mla_glue with its CUDA kernel)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
@@ -93,4 +95,6 @@ OPS = (
     "linear",
     "linear_grouped",
     "ddtree_build",
+    "mla_glue",
+    "allreduce_add_rmsnorm",
 )
