@@ -181,3 +181,33 @@ def test_decoder_raises_a_failure_the_fused_collective_recorded_and_close_releas
     assert rec.checks == 3  # two good steps, then the third step's check raised
     llm.close()
     assert rec.closed == 1
+
+
+def test_calibrated_crossover_size_runs_nccl(monkeypatch):
+    """calibrate() measures where NCCL wins; a message of exactly that size must then run the composition
+    over NCCL (the front door sends messages *above* nccl_bytes there), the size below it the kernel."""
+    import k26.ops.allreduce_cuda as arc
+
+    D, rows = 64, [1, 2, 4, 8]
+    sizes = [2 * n * D for n in rows]
+    times = [[5.0, 9.0, 20.0], [6.0, 9.0, 20.0], [7.0, 9.0, 6.5], [9.0, 9.5, 7.0]]  # NCCL from 4 rows on
+    two_shot, nccl = arc.crossovers(sizes, times, 1 << 30)
+    assert two_shot == 1 << 62  # the two-shot never wins here
+    ran = []
+    monkeypatch.setattr(
+        arc, "composition", lambda x, r, w, eps, group: ran.append(group) or (r.clone(), r.clone())
+    )
+    monkeypatch.setattr(arc, "_group", lambda name: "kernel op")  # the op's CPU reference: the kernel's path
+    ar = FusedAllReduce.__new__(FusedAllReduce)
+    ar.p2p, ar.max_dim, ar.cap, ar.group, ar.group_name, ar.rank = True, 1024, 1 << 20, "nccl", "g", 0
+    ar.two_shot_bytes, ar.nccl_bytes, ar.timeout_ns = two_shot, nccl, 1
+    ar.peers, ar.ctl, ar.err = (
+        torch.empty(0, dtype=torch.int64),
+        torch.zeros(0),
+        torch.zeros(2, dtype=torch.int32),
+    )
+    w = torch.ones(D).bfloat16()
+    for n in rows:
+        x = torch.randn(n, D).bfloat16()
+        ar(x, x, w, 1e-6)
+    assert ran == ["kernel op", "kernel op", "nccl", "nccl"]

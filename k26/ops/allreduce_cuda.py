@@ -177,6 +177,15 @@ def check_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) 
             raise ValueError(f"{op}: {name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device}")
 
 
+def crossovers(sizes: list[int], times: list, nccl_bytes: int) -> tuple[int, int]:
+    """(two_shot_bytes, nccl_bytes) from µs [one-shot, two-shot, NCCL] per ascending message size: each from
+    the smallest size where it wins there and at every larger one (NCCL runs *above* nccl_bytes: one less)."""
+    wins2 = [t[1] <= t[0] for t in times]
+    wins_nccl = [t[2] < min(t[:2]) for t in times]
+    two = next((sizes[i] for i in range(len(sizes)) if all(wins2[i:])), 1 << 62)
+    return two, next((sizes[i] - 1 for i in range(len(sizes)) if all(wins_nccl[i:])), nccl_bytes)
+
+
 class FusedAllReduce:
     """The peer-mapped workspaces, epoch counter and error word of one TP group on this rank. Collective:
     every rank of `group` builds it at the same point. Call it as `(x, residual, weight, eps) -> (normed,
@@ -354,11 +363,8 @@ class FusedAllReduce:
         t = times.to(self.device) if nccl else times
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         times = t.cpu()
-        size = [2 * n * D for n in rows]
-        wins2 = [times[i, 1] <= times[i, 0] for i in range(len(rows))]
-        wins_nccl = [times[i, 2] < times[i, :2].min() for i in range(len(rows))]
-        self.two_shot_bytes = next((size[i] for i in range(len(rows)) if all(wins2[i:])), 1 << 62)
-        self.nccl_bytes = next((size[i] for i in range(len(rows)) if all(wins_nccl[i:])), self.nccl_bytes)
+        sizes = [2 * n * D for n in rows]
+        self.two_shot_bytes, self.nccl_bytes = crossovers(sizes, times.tolist(), self.nccl_bytes)
         return [(n, *times[i].tolist()) for i, n in enumerate(rows)]
 
     def unsupported(self, x: torch.Tensor) -> str | None:
