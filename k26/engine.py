@@ -170,7 +170,7 @@ class LLM:
         """Capture the graphs of every batch size's bucket of `spec` (default: DDTree with a drafter, else
         AR) now rather than on first use, with one progress line; returns their `CaptureRecord`s (also in
         `self.startup.captures`). `LLM(..., capture=True)` does this at start-up."""
-        if not self.graphs:
+        if not self.graphs or not (greedy or sampled):  # (neither: no sampling mode, nothing to capture)
             return []
         kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
         self._mirror("capture", spec, greedy, sampled)

@@ -108,3 +108,11 @@ def test_info_startup_prints_the_report(tiny_k25, capsys):
     out = capsys.readouterr().out.splitlines()
     at = out.index("start-up:")
     assert out[at + 1].startswith("read") and "by 1 rank(s)" in out[at + 1]
+
+
+def test_capture_of_no_sampling_mode_captures_nothing(tiny_k25):
+    """capture(greedy=False, sampled=False) asks for no graphs: nothing is captured (it raised StopIteration
+    from the graph stepper, which had no runner to take the batch's state from)."""
+    llm = LLM(tiny_k25, progress=False, **KW)
+    llm.graphs = llm.decoder.ctx.graphs = True  # as on CUDA; no mode asked, so nothing reaches a capture
+    assert llm.capture(greedy=False, sampled=False) == [] and llm.startup.captures == []
