@@ -6,6 +6,8 @@ hand back the residual stream after chosen layers for the DFlash drafter.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import nn
 
@@ -60,15 +62,17 @@ class KimiK2(nn.Module):
         *,
         aux_layers: tuple[int, ...] = (),
         absorb: bool = True,
+        layers: Sequence[Callable] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final-normed hidden states [B, N, D] and, if asked, the outputs of `aux_layers`
         concatenated on the last dim [B, N, len(aux_layers)·D] (the DFlash context features). With
-        `cache_LRTC` None (training) the tokens attend only among themselves."""
+        `cache_LRTC` None (training) the tokens attend only among themselves. `layers`: callables that
+        stand for `self.layers` (their compiled forms, `compile_layers`)."""
         x = self.embed_tokens(ids_BN)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         normed = self.layers[0].input_layernorm(x) if len(self.layers) else self.norm(x)
         aux = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers if layers is None else layers):
             cache = None if cache_LRTC is None else cache_LRTC[i]
             normed, x = layer(x, normed, batch, cache, self.rope, absorb, norms[i])
             if i in aux_layers:
@@ -90,3 +94,23 @@ class KimiK2(nn.Module):
         B, T = ids_BT.shape
         batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=ids_BT.device), T)
         return self.forward(ids_BT, batch, None, aux_layers=aux_layers)
+
+
+def compile_layers(model: KimiK2, recompile_limit: int = 512) -> Callable[..., tuple]:
+    """`model`'s forward with each decoder layer under torch.compile (fullgraph, static shapes) and the rest
+    eager (embedding, first norm, the loop: inside a CUDA graph their kernels are captured all the same).
+    Layers of one kind share one compiled body, so a graph bucket compiles one dense and one MoE layer, not
+    the whole depth (CPU, 48 layers: 33 s as one body, ~4 s this way; profiling/results, bench_compile).
+    Every (layer kind, bucket shape) is an entry of the one layer code object's cache: its limit is raised
+    around these calls only, not for the process."""
+    layers = [torch.compile(layer, fullgraph=True, dynamic=False) for layer in model.layers]
+    limits = {
+        "recompile_limit": recompile_limit,
+        "accumulated_recompile_limit": max(256, 2 * recompile_limit),
+    }
+
+    def forward(*args, **kw):
+        with torch._dynamo.config.patch(limits):
+            return model(*args, layers=layers, **kw)
+
+    return forward
