@@ -1,7 +1,8 @@
-"""`compile_layers`: the model body with each decoder layer compiled on its own (CPU inductor) equals the
-eager forward, and layers of one kind share one compiled graph per shape, so the compile does not grow
-with the depth (profiling/bench_compile.py measures the time)."""
+"""`compile_static` serves more bucket shapes than dynamo's default limit (a hard failure under fullgraph),
+and `compile_layers` — each decoder layer compiled on its own (CPU inductor) — equals the eager forward with
+one compiled graph per shape for all layers of a kind (profiling/bench_compile.py measures the time)."""
 
+import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
@@ -33,3 +34,22 @@ def test_layers_compiled_once_per_shape_equal_the_eager_forward():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(aux_got, aux_want, rtol=1e-5, atol=1e-5)
     assert dynamo_utils.counters["stats"]["unique_graphs"] - before == 2  # one per shape, not per layer
+
+
+def test_compile_static_serves_more_buckets_than_dynamo_s_default_limit():
+    """A fullgraph body compiled once per bucket shape: torch alone fails hard at the ninth shape
+    (FailOnRecompileLimitHit); compile_static serves twelve, and leaves the process default untouched."""
+    from k26.compiling import compile_static
+
+    def plain_body(x):
+        return (x * 2).sum()
+
+    def static_body(x):  # its own code object: dynamo keeps its compiled versions per code object
+        return (x * 2).sum()
+
+    plain, static = torch.compile(plain_body, fullgraph=True, dynamic=False), compile_static(static_body)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for n in range(1, 13):
+            plain(torch.ones(n))
+    assert [float(static(torch.ones(n))) for n in range(1, 13)] == [2.0 * n for n in range(1, 13)]
+    assert torch._dynamo.config.recompile_limit == 8

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..compiling import compile_static
 from ..config import ModelConfig
 from .batch import AttnBatch
 from .layers import MLP, RMSNorm, TPInfo, VocabEmbedding, VocabHead
@@ -96,21 +97,15 @@ class KimiK2(nn.Module):
         return self.forward(ids_BT, batch, None, aux_layers=aux_layers)
 
 
-def compile_layers(model: KimiK2, recompile_limit: int = 512) -> Callable[..., tuple]:
+def compile_layers(model: KimiK2) -> Callable[..., tuple]:
     """`model`'s forward with each decoder layer under torch.compile (fullgraph, static shapes) and the rest
     eager (embedding, first norm, the loop: inside a CUDA graph their kernels are captured all the same).
     Layers of one kind share one compiled body, so a graph bucket compiles one dense and one MoE layer, not
     the whole depth (CPU, 48 layers: 33 s as one body, ~4 s this way; profiling/results, bench_compile).
-    Every (layer kind, bucket shape) is an entry of the one layer code object's cache: its limit is raised
-    around these calls only, not for the process."""
-    layers = [torch.compile(layer, fullgraph=True, dynamic=False) for layer in model.layers]
-    limits = {
-        "recompile_limit": recompile_limit,
-        "accumulated_recompile_limit": max(256, 2 * recompile_limit),
-    }
+    Every (layer kind, bucket shape) is one compiled version of the layer's code (`compile_static`)."""
+    layers = [compile_static(layer) for layer in model.layers]
 
     def forward(*args, **kw):
-        with torch._dynamo.config.patch(limits):
-            return model(*args, layers=layers, **kw)
+        return model(*args, layers=layers, **kw)
 
     return forward

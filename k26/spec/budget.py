@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compiling import compile_static
 from .tree import DraftTree
 
 PRIOR = 2.0  # ridge precision around the raw marginals (a = 0, b = 1), in pseudo-observations
@@ -236,7 +237,9 @@ def _sums(w: torch.Tensor, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled(name: str):
-    return torch.compile(getattr(BudgetPolicy, "_" + name), fullgraph=True, dynamic=False)
+    # One compiled version per policy (its tensors are guarded) and batch size: past dynamo's default of 8
+    # a fullgraph compile fails outright (compile_static raises that limit around the call).
+    return compile_static(getattr(BudgetPolicy, "_" + name))
 
 
 def truncate_tree(tree: DraftTree, budget: int) -> DraftTree:
