@@ -114,7 +114,7 @@ class LLM:
             load_compile_cache(self._compile_cache)
         self.decoder = Decoder(self._decode_context())
         if capture and self.graphs:
-            with self._surface_rank_errors():
+            with self._surface_rank_errors(), torch.inference_mode():  # as every later capture runs
                 self._capture(None, MODES)
         if self._ranks is not None:
             self._ranks.wait_ready()  # a rank that failed to build raises its own error here
@@ -159,7 +159,7 @@ class LLM:
             dtype=self.dtype,
             progress=progress and self.rank == 0,
             cuda_kernels=cuda_kernels,
-            tp=tp_info(self.rank, tp),
+            tp=tp_info(self.rank, tp, device=self.device),
             group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
             cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
         )

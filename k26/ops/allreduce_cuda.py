@@ -134,9 +134,12 @@ def limits() -> tuple[int, int]:
 
 @torch.library.register_kernel("k26::allreduce_add_rmsnorm", "cuda")
 def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
-    x, residual = x.contiguous(), residual.contiguous()
-    if peers.numel() == 0 or any(t.data_ptr() % 16 for t in (x, residual, weight)):
-        return composition(x, residual, weight, eps, _group(group_name))  # the kernel moves 16-byte vectors
+    if peers.numel() == 0:
+        return composition(x, residual, weight, eps, _group(group_name))
+    # The kernel moves 16-byte vectors. An unaligned view is copied, never sent down another path: whether
+    # a tensor is aligned is this rank's own business, and ranks on different paths would wait on each other.
+    x, residual, weight = (t.contiguous() for t in (x, residual, weight))
+    x, residual, weight = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x, residual, weight))
     world, D = peers.numel(), x.shape[-1]
     rows = x.numel() // D
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
