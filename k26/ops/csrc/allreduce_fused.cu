@@ -40,8 +40,9 @@
 // multicast, NVLink or cluster features, no shared memory beyond 64 B: sm_120-legal. Built for sm_90a and
 // sm_120a. Speed: one H200, world 1 (no peer: the kernel's own floor, in a graph): one-shot 5.9 us at
 // 7168 x 1 to 12.5 us at 7168 x 256, two-shot 8.6 to 16.9 us, against 13.8-44.5 us for the add + RMSNorm
-// as torch ops alone (profiling/results/2026-12-01-allreduce_fused-h200.md). Not measured on two GPUs
-// yet: profiling/bench_tp2.py.
+// as torch ops alone (profiling/results/2026-12-01-allreduce_fused-h200.md). Two H200s (NVLink, in a
+// graph, residual + RMSNorm included): one-shot 8.2 us at 7168 x 1, 24.1 us at 7168 x 256, vs 22.3 / 81.6
+// for NCCL + add + RMSNorm (profiling/results/2026-12-01-bench_tp2-fused-h200x2.md).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -320,9 +321,22 @@ K26_EXPORT int k26_ar_limits(int* max_ranks, int* max_dim) {
   return 0;
 }
 
+// The caller's current device is restored on the way out (torch keeps its own notion of it per thread).
+struct DeviceGuard {
+  int prev = -1;
+  cudaError_t set(int device) {
+    cudaError_t err = cudaGetDevice(&prev);
+    return err == cudaSuccess ? cudaSetDevice(device) : err;
+  }
+  ~DeviceGuard() {
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+};
+
 // cudaMalloc'd, zeroed workspace on `device` and its IPC handle (64 bytes) for the peers.
 K26_EXPORT int k26_ar_alloc(int device, size_t bytes, void** ptr, void* handle) {
-  cudaError_t err = cudaSetDevice(device);
+  DeviceGuard guard;
+  cudaError_t err = guard.set(device);
   if (err == cudaSuccess) err = cudaMalloc(ptr, bytes);
   if (err == cudaSuccess) err = cudaMemset(*ptr, 0, bytes);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
@@ -331,7 +345,8 @@ K26_EXPORT int k26_ar_alloc(int device, size_t bytes, void** ptr, void* handle) 
 }
 
 K26_EXPORT int k26_ar_open(int device, const void* handle, void** ptr) {
-  cudaError_t err = cudaSetDevice(device);
+  DeviceGuard guard;
+  cudaError_t err = guard.set(device);
   cudaIpcMemHandle_t h;
   memcpy(&h, handle, sizeof(h));
   if (err == cudaSuccess) err = cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess);
