@@ -155,7 +155,8 @@ def route_table(ids_TK: torch.Tensor, E: int, nt: int, shared: bool) -> torch.Te
     dev = ids_TK.device
     key = ids_TK.reshape(-1).long()
     key = torch.where((key >= 0) & (key < E), key, E)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
+    # scatter_add, not bincount: on CUDA bincount reads its input's max back to the host
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))[:E]
     cursor = torch.cumsum(counts, 0) - counts
     groups = (counts + gt - 1) // gt
     gend = torch.cumsum(groups, 0)
