@@ -1,6 +1,7 @@
 """Continuous batching at the decoder: rows admitted at different steps, mixed greedy and seeded sampled
 requests in one batch, a row released mid-flight; every request's tokens equal its solo `generate`.
-Eager on CPU; one CUDA-graph replay per step on a GPU (the greedy, sample and filter graphs over one static state)."""
+Eager on CPU; one CUDA-graph replay per step on a GPU (the greedy, sample and filter graphs over one
+static state)."""
 
 import pytest
 import torch

@@ -37,8 +37,9 @@ def test_cuda_bf16_greedy_ignores_a_poisoned_cache(tiny_k25):
 
 
 def test_capture_at_startup_records_every_bucket_and_first_use_captures_nothing(tiny_k25):
-    """LLM(capture=True) captures the graphs of every sampling mode (greedy, sample, filter) and batch size before the first request,
-    each with its seconds and pool growth in `startup.captures`; generate then replays them."""
+    """LLM(capture=True) captures the graphs of every sampling mode (greedy, sample, filter) and batch size
+    before the first request, each with its seconds and pool growth in `startup.captures`; generate then
+    replays them."""
     from k26.graphs.buckets import default_batches
 
     llm = LLM(tiny_k25, device="cuda", progress=False, max_batch=4, capture=True)
