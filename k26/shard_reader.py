@@ -90,7 +90,8 @@ def file_stamp(f: Path) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2}
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_ITEMSIZE |= {"I16": 2, "U16": 2, "F16": 2, "BF16": 2}
 _ITEMSIZE |= {"I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
