@@ -32,7 +32,7 @@ from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
-from .model import AttnBatch, KimiK2, compile_layers
+from .model import AttnBatch, CompiledLayers, KimiK2
 from .sampling import MODES, SamplingParams, stop_prefix_len
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
@@ -107,7 +107,7 @@ class LLM:
         self.user_buckets = check_buckets(buckets, max_batch)
         # torch.compile of the decoder layers: fixed shapes per bucket, lengths and positions as tensors, so
         # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
-        self.model_fwd = compile_layers(self.model) if compile else self.model
+        self.model_fwd = CompiledLayers(self.model) if compile else self.model
         self._compile_cache = None  # torch.compile's artifacts (the body, the budget policies) for restarts
         if self.graphs and cache_dir is not None:
             self._compile_cache = compile_cache_file(cache_dir, self.path, self.device)

@@ -1,5 +1,5 @@
 """`compile_static` serves more bucket shapes than dynamo's default limit (a hard failure under fullgraph),
-and `compile_layers` — each decoder layer compiled on its own (CPU inductor) — equals the eager forward with
+and `CompiledLayers` — each decoder layer compiled on its own (CPU inductor) — equals the eager forward with
 one compiled graph per shape for all layers of a kind (profiling/bench_compile.py measures the time)."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 
 from k26.config import ModelConfig
-from k26.model import AttnBatch, KimiK2, compile_layers
+from k26.model import AttnBatch, CompiledLayers, KimiK2
 from k26.tiny import DEFAULT_SIZES, text_config
 
 
@@ -21,7 +21,9 @@ def test_layers_compiled_once_per_shape_equal_the_eager_forward():
     model = KimiK2(cfg, torch.float32).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.1)
-    fwd = compile_layers(model)
+    fwd = CompiledLayers(model)
+    # Used where the model is (spec/step.py reads target.lm_head and calls target.logits): its attributes.
+    assert fwd.lm_head is model.lm_head and fwd.cfg is model.cfg
     cache = torch.randn(layers, 3, 32, cfg.latent_dim)
     torch._dynamo.reset()
     before = dynamo_utils.counters["stats"]["unique_graphs"]
@@ -33,6 +35,7 @@ def test_layers_compiled_once_per_shape_equal_the_eager_forward():
             got, aux_got = fwd(ids, batch, cache, aux_layers=(1, 4))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(aux_got, aux_want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fwd.logits(got), model.logits(want), rtol=1e-5, atol=1e-5)
     assert dynamo_utils.counters["stats"]["unique_graphs"] - before == 2  # one per shape, not per layer
 
 

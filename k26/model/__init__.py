@@ -1,5 +1,5 @@
 from .batch import AttnBatch
 from .layers import TPInfo
-from .model import KimiK2, compile_layers
+from .model import CompiledLayers, KimiK2
 
-__all__ = ["AttnBatch", "KimiK2", "TPInfo", "compile_layers"]
+__all__ = ["AttnBatch", "CompiledLayers", "KimiK2", "TPInfo"]

@@ -68,7 +68,7 @@ class KimiK2(nn.Module):
         """Returns the final-normed hidden states [B, N, D] and, if asked, the outputs of `aux_layers`
         concatenated on the last dim [B, N, len(aux_layers)·D] (the DFlash context features). With
         `cache_LRTC` None (training) the tokens attend only among themselves. `layers`: callables that
-        stand for `self.layers` (their compiled forms, `compile_layers`)."""
+        stand for `self.layers` (their compiled forms, `CompiledLayers`)."""
         x = self.embed_tokens(ids_BN)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         normed = self.layers[0].input_layernorm(x) if len(self.layers) else self.norm(x)
@@ -97,15 +97,20 @@ class KimiK2(nn.Module):
         return self.forward(ids_BT, batch, None, aux_layers=aux_layers)
 
 
-def compile_layers(model: KimiK2) -> Callable[..., tuple]:
-    """`model`'s forward with each decoder layer under torch.compile (fullgraph, static shapes) and the rest
-    eager (embedding, first norm, the loop: inside a CUDA graph their kernels are captured all the same).
-    Layers of one kind share one compiled body, so a graph bucket compiles one dense and one MoE layer, not
-    the whole depth (CPU, 48 layers: 33 s as one body, ~4 s this way; profiling/results, bench_compile).
-    Every (layer kind, bucket shape) is one compiled version of the layer's code (`compile_static`)."""
-    layers = [compile_static(layer) for layer in model.layers]
+class CompiledLayers:
+    """`model` with each decoder layer under torch.compile (fullgraph, static shapes), called as the model
+    is; every other attribute (`lm_head`, `logits`, `cfg`, ...) is the model's own. The rest of the forward
+    stays eager (embedding, first norm, the loop: inside a CUDA graph their kernels are captured all the
+    same). Layers of one kind share one compiled body, so a graph bucket compiles one dense and one MoE
+    layer, not the whole depth (CPU, 48 layers: 33 s as one body, ~4 s this way; profiling/results,
+    bench_compile). Each (layer kind, bucket shape) is one compiled version (`compile_static`)."""
 
-    def forward(*args, **kw):
-        return model(*args, layers=layers, **kw)
+    def __init__(self, model: KimiK2):
+        self.model = model
+        self.compiled = [compile_static(layer) for layer in model.layers]
 
-    return forward
+    def __call__(self, *args, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model(*args, layers=self.compiled, **kw)
+
+    def __getattr__(self, name: str):  # only for names this object lacks: the model's
+        return getattr(self.model, name)
