@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call that re-validates every GPU test of the suite (first thing in a session whose previous
 # session changed GPU code it could not run), then the quick attention bench as a speed sanity check.
-#   OUT=/tmp/out bash profiling/gpu_check.sh            (on the one-GPU loaner; ~3-4 min)
+#   OUT=/tmp/out [ENGINE_BENCH=1] bash profiling/gpu_check.sh   (on the one-GPU loaner; ~3-4 min, +2-3 with the bench)
 # Prints one pytest summary per group and the attention table; full logs under $OUT.
 set -u
 export PYTHONPATH=$PWD PYTHONDONTWRITEBYTECODE=1
@@ -23,3 +23,9 @@ run model 400 $MODEL
 run other_gpu 300 -m "gpu or multigpu" tests/ $(for f in $KERNELS $MODEL; do echo --ignore=$f; done)
 timeout 200 python3 profiling/bench_tree_attn.py --quick --out "$OUT/bench_tree_attn.md" > "$OUT/bench.log" 2>&1
 grep "^|" "$OUT/bench_tree_attn.md"
+# ENGINE_BENCH=1: also the compiled engine bench (issue 20's host time of the adaptive budget, ~2-3 min).
+if [ "${ENGINE_BENCH:-0}" = 1 ]; then
+  timeout 300 python3 -m k26 bench --device cuda --batch 1 --max-tokens 128 --budget 12 --compile --no-hf \
+    --out "$OUT/bench_engine.md" > "$OUT/bench_engine.log" 2>&1 || tail -5 "$OUT/bench_engine.log"
+  grep "^|" "$OUT/bench_engine.md"
+fi
