@@ -16,10 +16,14 @@ import torch
 RECOMPILE_LIMIT = 512  # compiled versions per body: buckets x layer kinds (or owners), with room
 
 
-def compile_static(fn: Callable, recompile_limit: int = RECOMPILE_LIMIT) -> Callable:
-    """`torch.compile(fn, fullgraph=True, dynamic=False)` whose calls may compile up to `recompile_limit`
-    versions (one per input shape / guard set) instead of failing at the ninth."""
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+def compile_static(
+    fn: Callable, recompile_limit: int = RECOMPILE_LIMIT, dynamic: bool | None = False
+) -> Callable:
+    """`torch.compile(fn, fullgraph=True, dynamic=dynamic)` whose calls may compile up to `recompile_limit`
+    versions (one per input shape / guard set) instead of failing at the ninth. `dynamic=None`: torch's
+    automatic dynamic shapes (a dimension seen with a second size is compiled symbolic once), for bodies
+    whose cost is compiling, not running (one version serves every batch size past the first)."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
     limits = {
         "recompile_limit": recompile_limit,
         "accumulated_recompile_limit": max(256, 2 * recompile_limit),

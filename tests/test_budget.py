@@ -245,3 +245,29 @@ def test_the_decoder_tells_the_policy_which_slots_it_admits(tiny_k25, drafter_di
     state.policy.prev_f.fill_(0.5)  # masses of the slots' former rows
     llm.decoder.admit(state, [[5, 6, 7]], [SamplingParams(max_tokens=4)])
     assert state.policy.prev_f[0].tolist() == [-1.0] * 4 and state.policy.prev_f[1].tolist() == [0.5] * 4
+
+
+def test_compiled_policy_compiles_once_for_every_batch_size_past_the_first():
+    """Under graphs the policy's choose / update are compiled: one version for batch 1 and one symbolic in
+    the batch for all larger ones (a static version per batch size cost most of a DDTree bucket set's
+    capture time), with the same choices as the eager policy."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    for B in (1, 2, 4):
+        picks = []
+        for compiled in (False, True):
+            pol = BudgetPolicy.create(
+                (3, 7, 15, 31), 0.001, (1.0, 2.0, 4.0, 8.0), "cpu", rows=B, compiled=compiled, lagged=True
+            )
+            tree = build_ddtree(torch.randn(B, 7, 300, generator=torch.Generator().manual_seed(B)), 31)
+            alive = torch.ones(B, dtype=torch.bool)
+            choice = pol.choose(tree, alive)
+            path = torch.full((B, 8), -1, dtype=torch.long)
+            path[:, 0] = 0
+            pol.update(tree, choice, torch.zeros(B, dtype=torch.long), alive, path)
+            picks.append((int(choice), pol.stats.clone(), float(pol.tokens)))
+        assert picks[0][0] == picks[1][0] and picks[0][2] == picks[1][2]
+        torch.testing.assert_close(picks[0][1], picks[1][1])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - before == 4  # 2 functions x (batch 1, symbolic)
