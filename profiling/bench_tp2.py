@@ -65,7 +65,8 @@ def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple
 def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph: int = 20) -> list[str]:
     """In-graph µs per operation for 7168 x N bf16: NCCL alone and with add + RMSNorm, torch symmetric
     memory one-shot / two-shot (+ norm), and the fused op (auto, forced one-shot, forced two-shot)."""
-    from k26.ops.allreduce_cuda import FusedAllReduce, rms_norm
+    from k26.ops.allreduce_cuda import FusedAllReduce
+    from k26.ops.reference import rms_norm
 
     group = dist.group.WORLD
     fused = {

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.k26.linear)
+from ..ops.reference import rms_norm
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        n = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * n.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):

@@ -25,6 +25,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .reference import rms_norm
+
 _log = logging.getLogger(__name__)
 _said: set[str] = set()
 # (two-shot from, NCCL above) in message bytes per TP size. 2: measured in-graph on two H200s (NVLink,
@@ -43,12 +45,6 @@ def _say_once(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- reference and op registration
-
-
-def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """k26.model.layers.RMSNorm's arithmetic (HF): normalise in fp32, round, multiply by the weight."""
-    h32 = h.float()
-    return weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
 
 def add_rmsnorm_reference(

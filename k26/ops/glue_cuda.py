@@ -19,16 +19,10 @@ import logging
 import torch
 
 from . import reference
+from .reference import rms_norm
 
 _log = logging.getLogger(__name__)
 _said: set[str] = set()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF precision, as k26.model.layers.RMSNorm: normalise in fp32, round to x's dtype, times the weight."""
-    x32 = x.float()
-    n = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * n.to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,13 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF precision: normalise in fp32, round to x's dtype, then multiply by the weight (the arithmetic of
+    k26.model.layers.RMSNorm and of every kernel that fuses an RMSNorm)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def live_keys(lengths: torch.Tensor, extra: int, capacity: int, static: bool = False) -> int:
     """How many cache slots a reference path reads: the live maximum, or the whole row when `static` (the
     caller's sync-free mode, see `AttnBatch.static`) or inside a CUDA-graph capture."""
