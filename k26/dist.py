@@ -22,12 +22,22 @@ def timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("K26_DIST_TIMEOUT", "300")))
 
 
-def tp_info(rank: int, size: int, group=None, fused: bool | None = None, device=None) -> TPInfo:
-    """The model's view of the group. On NCCL the all-reduce + residual add + RMSNorm pairs of every layer run
-    as one kernel over peer-mapped memory (`FusedAllReduce`, built here collectively: every rank calls this
-    at the same point) unless `fused` is False or K26_FUSED_ALLREDUCE=0; without peer access it says so once
-    and the three steps run over NCCL. gloo always runs the three steps (the reference). `device`: this
-    rank's GPU (default: the current CUDA device)."""
+ALLREDUCE = ("fused", "calibrate", "nccl")  # LLM(allreduce=...): how the per-layer all-reduces run
+
+
+def check_allreduce(allreduce: str) -> None:
+    if allreduce not in ALLREDUCE:
+        raise ValueError(f"allreduce={allreduce!r}: expected one of {', '.join(map(repr, ALLREDUCE))}")
+
+
+def tp_info(rank: int, size: int, group=None, allreduce: str = "fused", device=None) -> TPInfo:
+    """The model's view of the group. On NCCL with `allreduce` "fused" (or "calibrate") the all-reduce +
+    residual add + RMSNorm pairs of every layer run as one kernel over peer-mapped memory (`FusedAllReduce`,
+    built here collectively: every rank calls this at the same point), its one-shot / two-shot / NCCL
+    crossovers from the per-TP-size table or, with "calibrate", measured here; without peer access it says
+    so once. "nccl", and gloo always: the three steps (the reference). `device`: this rank's GPU (default:
+    the current CUDA device)."""
+    check_allreduce(allreduce)
     if size == 1:
         return TPInfo()
 
@@ -44,14 +54,13 @@ def tp_info(rank: int, size: int, group=None, fused: bool | None = None, device=
         return flat.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
     fused_ar = None
-    calibrate = os.environ.get("K26_AR_CALIBRATE") == "1"
-    if fused is None:
-        fused = dist.get_backend(group) == "nccl" and os.environ.get("K26_FUSED_ALLREDUCE", "1") != "0"
-        # Both switches gate collectives (the workspace exchange, the calibration): a rank started with a
-        # different environment would wait in one alone. Every rank takes the group's common answer.
-        votes = [None] * size
-        dist.all_gather_object(votes, (fused, calibrate), group=group)
-        fused, calibrate = all(v[0] for v in votes), all(v[1] for v in votes)
+    fused = dist.get_backend(group) == "nccl" and allreduce != "nccl"
+    calibrate = allreduce == "calibrate"
+    # Both choices gate collectives (the workspace exchange, the calibration): a rank asked otherwise (under
+    # torchrun every rank passes its own arguments) would wait in one alone. All take the group's answer.
+    votes = [None] * size
+    dist.all_gather_object(votes, (fused, calibrate), group=group)
+    fused, calibrate = all(v[0] for v in votes), all(v[1] for v in votes)
     if fused:
         fused_ar = FusedAllReduce(group, device, timeout_s=timeout().total_seconds())
         if fused_ar.p2p and calibrate:

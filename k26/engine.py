@@ -27,7 +27,7 @@ from .checks import (
 )
 from .config import ModelConfig
 from .decode import BatchState, DecodeContext, Decoder, RequestOutput
-from .dist import check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
+from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
@@ -62,8 +62,10 @@ class LLM:
         compile: bool = False,
         cache_dir: str | Path | None = None,
         capture: bool = False,
+        allreduce: str = "fused",
     ):
         check_world(tp)
+        check_allreduce(allreduce)
         check_device(device)
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
@@ -90,10 +92,11 @@ class LLM:
                 "compile": compile,
                 "cache_dir": cache_dir,
                 "capture": capture,
+                "allreduce": allreduce,
             }
             self._start_ranks(tp, device, rank_kw)
         self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
-        self.tp_size = tp
+        self.tp_size, self.allreduce = tp, allreduce
         self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or torch.bfloat16
         self.graphs = check_precision(self.device, self.dtype, graphs)
@@ -159,7 +162,7 @@ class LLM:
             dtype=self.dtype,
             progress=progress and self.rank == 0,
             cuda_kernels=cuda_kernels,
-            tp=tp_info(self.rank, tp, device=self.device),
+            tp=tp_info(self.rank, tp, allreduce=self.allreduce, device=self.device),
             group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
             cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
         )

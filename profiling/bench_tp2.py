@@ -8,7 +8,7 @@
 2. The embedded pair at TP 2 (bf16): greedy tokens with graphs == without graphs, DDTree == AR, and the
    batch-1 graph step time; then `python profiling/bench_tp2.py --tp1 FILE.md.json --out FILE.md` runs TP 1
    on one GPU and appends tokens TP 2 == TP 1 and the step times side by side. The pair runs twice: with
-   the fused op (the default on NCCL) and with K26_FUSED_ALLREDUCE=0 (NCCL + add + RMSNorm): step times
+   the fused op (the default on NCCL) and with LLM(allreduce="nccl") (NCCL + add + RMSNorm): step times
    and whether the tokens agree.
 Exits with os._exit once results are written: NCCL teardown after graph capture can hang (gpu-targets.md).
 """
@@ -32,7 +32,9 @@ DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
 
 
-def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict]:
+def run_pair(
+    device: str, tp: int, dtype: torch.dtype = torch.bfloat16, allreduce: str = "fused"
+) -> tuple[dict, dict]:
     """Greedy tokens (graphs and eager, AR and DDTree) and batch-1 graph step times of the embedded pair."""
     from k26 import LLM, SamplingParams, SpecConfig
 
@@ -42,7 +44,14 @@ def run_pair(device: str, tp: int, dtype: torch.dtype = torch.bfloat16) -> tuple
     # capturable
     for graphs in (True, False) if dtype == torch.bfloat16 else (False,):
         llm = LLM(
-            device=device, tp=tp, dtype=dtype, graphs=graphs, progress=False, max_batch=2, max_model_len=512
+            device=device,
+            tp=tp,
+            dtype=dtype,
+            graphs=graphs,
+            progress=False,
+            max_batch=2,
+            max_model_len=512,
+            allreduce=allreduce,
         )
         for spec in (SpecConfig("ar"), SpecConfig("ddtree", 8)):
             res[f"{'graphs' if graphs else 'eager'} {spec.method}"] = [
@@ -196,11 +205,9 @@ def main() -> None:
         *collective_table(dev),
     ]
     fused_ms = {}
-    for on in ("1", "0"):  # the pair with the fused op (default on NCCL), then with NCCL + add + RMSNorm
-        os.environ["K26_FUSED_ALLREDUCE"] = on
-        res_on, times_on = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype])
-        fused_ms[on] = (res_on, times_on)
-    res, times = fused_ms["1"]
+    for how in ("fused", "nccl"):  # the pair with the fused op (the default on NCCL), then NCCL + add + norm
+        fused_ms[how] = run_pair(str(dev), tp=2, dtype=DTYPE[a.dtype], allreduce=how)
+    res, times = fused_ms["fused"]
     if rank == 0:
         lines += [
             "",
@@ -214,7 +221,7 @@ def main() -> None:
             "|---|---|",
         ]
         lines += [f"| {k} | {v * 1e3:.3f} |" for k, v in times.items()]
-        nccl_res, nccl_times = fused_ms["0"]
+        nccl_res, nccl_times = fused_ms["nccl"]
         lines += ["", "| TP 2 graphs, batch 1, greedy | fused ms / step | NCCL ms / step | same tokens |"]
         lines += ["|---|---|---|---|"]
         lines += [

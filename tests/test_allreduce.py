@@ -209,6 +209,13 @@ def test_calibrated_crossover_size_runs_nccl(monkeypatch):
     assert ran == ["kernel op", "kernel op", "nccl", "nccl"]
 
 
+def test_a_bad_allreduce_choice_is_refused_before_loading():
+    from k26 import LLM
+
+    with pytest.raises(ValueError, match="allreduce='ring': expected one of 'fused', 'calibrate', 'nccl'"):
+        LLM(model_path="/nonexistent", allreduce="ring")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _gloo_rank(*map(int, sys.argv[1:4]))

@@ -33,7 +33,7 @@ _said: set[str] = set()
 # 2026-12-01, profiling/results/2026-12-01-bench_tp2-fused-h200x2.md): one-shot ahead of two-shot at every
 # size through 3.5 MiB (24.1 vs 27.0 µs) and of NCCL alone, so no two-shot below the NCCL cut; 4 and 8: the
 # crossovers published for PCIe RTX PRO 6000 (profiling/results/2026-12-01-allreduce_pcie8-model.md).
-# `calibrate()` (K26_AR_CALIBRATE=1) measures them at start-up instead.
+# `calibrate()` (LLM(allreduce="calibrate")) measures them at start-up instead.
 CROSSOVERS = {2: (4 << 20, 4 << 20), 4: (84 << 10, 768 << 10), 8: (112 << 10, 768 << 10)}
 BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
 
