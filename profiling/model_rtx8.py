@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
+import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -97,9 +98,12 @@ def main() -> None:
     text, ar_text = a.results.read_text(), a.allreduce_model.read_text()
 
     today = datetime.date.today()
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(git, check=False, capture_output=True, text=True, cwd=RESULTS).stdout.strip()
     out = [
         f"# K2.6 on 8x RTX PRO 6000 (TP 8, PCIe), batch 1 — per-kernel model [modelled] — {today}",
         "",
+        f"- device: none (arithmetic on measured inputs, run on the CPU machine); commit: {commit or '?'}",
         (
             f"- per-kernel input: `{a.results.name}` (H200, one TP8 rank, 61 layers, variant `{a.variant}`, "
             f"{a.ctx} context, its last run); all-reduce input: `{a.allreduce_model.name}` (published PCIe "
