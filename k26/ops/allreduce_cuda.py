@@ -35,6 +35,9 @@ _said: set[str] = set()
 # crossovers published for PCIe RTX PRO 6000 (profiling/results/2026-12-01-allreduce_pcie8-model.md).
 # `calibrate()` (LLM(allreduce="calibrate")) measures them at start-up instead.
 CROSSOVERS = {2: (4 << 20, 4 << 20), 4: (84 << 10, 768 << 10), 8: (112 << 10, 768 << 10)}
+# Programmatic dependent launch: the kernel's launch and the next kernel's prologue overlap the kernel
+# before / the peers' wait (csrc/allreduce_fused.cu). Added after the two-H200 run: not yet measured.
+PDL = True
 BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
 
 
@@ -111,7 +114,7 @@ def _lib() -> ctypes.CDLL:
         lib.k26_ar_error_string.restype = ctypes.c_char_p
         lib.k26_ar_error_string.argtypes = [I]
         lib.k26_ar_launch.argtypes = (
-            [P] * 5 + [ctypes.POINTER(P), P, P, LL, LL, ctypes.c_float] + [I] * 5 + [P]
+            [P] * 5 + [ctypes.POINTER(P), P, P, LL, LL, ctypes.c_float] + [I] * 6 + [P]
         )
         lib._k26_ar_argtypes = True
     return lib
@@ -155,6 +158,7 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
         rank,
         world,
         two_shot,
+        int(PDL),
         stream,
     )
     if e:

@@ -36,9 +36,10 @@
 // and in host-mapped memory for the front door's RuntimeError, and every later launch returns at once
 // (outputs undefined) instead of hanging.
 //
-// Legality: plain loads / stores, ld.acquire / st.release at system scope, atomics, %globaltimer; no
-// multicast, NVLink or cluster features, no shared memory beyond 64 B: sm_120-legal. Built for sm_90a and
-// sm_120a. Speed: one H200, world 1 (no peer: the kernel's own floor, in a graph): one-shot 5.9 us at
+// Legality: plain loads / stores, ld.acquire / st.release at system scope, atomics, %globaltimer and
+// griddepcontrol (programmatic dependent launch: sm_90 and sm_120 both have it); no multicast, NVLink or
+// cluster features, no shared memory beyond 64 B: sm_120-legal. Built for sm_90a and sm_120a.
+// Speed: one H200, world 1 (no peer: the kernel's own floor, in a graph): one-shot 5.9 us at
 // 7168 x 1 to 12.5 us at 7168 x 256, two-shot 8.6 to 16.9 us, against 13.8-44.5 us for the add + RMSNorm
 // as torch ops alone (profiling/results/2026-12-01-allreduce_fused-h200.md). Two H200s (NVLink, in a
 // graph, residual + RMSNorm included): one-shot 8.2 us at 7168 x 1, 24.1 us at 7168 x 256, vs 22.3 / 81.6
@@ -240,6 +241,13 @@ __device__ __forceinline__ void push_row(const Params& p, const __nv_bfloat16* s
 __device__ __forceinline__ int slice_lo(const Params& p, int q) { return int((long long)q * p.rows / p.world); }
 
 __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params p) {
+  // Programmatic dependent launch (a no-op when launched without it): the blocks become resident while the
+  // kernel before finishes, and read nothing before it has (its outputs, and the epoch an all-reduce before
+  // this one advanced); the kernel after may then start its own prologue (a projection's weight prefetch)
+  // while this one waits on its peers — it reads our outputs only after its own wait, i.e. after we exit.
+  // Every block triggers only once resident, so dependents never take the SMs this grid needs.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const unsigned e = *reinterpret_cast<volatile unsigned*>(&p.ctl->epoch) + 1u;
   const unsigned n = unsigned(p.rows) * unsigned(p.D);
   const int slot = e & 1u;
@@ -361,7 +369,8 @@ K26_EXPORT const char* k26_ar_error_string(int err) { return cudaGetErrorString(
 
 K26_EXPORT int k26_ar_launch(const void* x, const void* residual, const void* weight, void* out, void* res_out,
                              void* const* ws, void* ctl, void* host_err, long long timeout_ns, long long cap,
-                             float eps, int rows, int D, int rank, int world, int two_shot, void* stream) {
+                             float eps, int rows, int D, int rank, int world, int two_shot, int pdl,
+                             void* stream) {
   if (world < 1 || world > kMaxRanks || D % 8 || D > 8 * kMaxVec * kThreads) return int(cudaErrorInvalidValue);
   Params p{};
   p.x = static_cast<const __nv_bfloat16*>(x);
@@ -383,6 +392,14 @@ K26_EXPORT int k26_ar_launch(const void* x, const void* residual, const void* we
   // One block per row (one-shot) or per row of the largest slice (two-shot), at most kMaxBlocks.
   const int units = two_shot ? (rows + world - 1) / world : rows;
   const int grid = units < 1 ? 1 : (units < kMaxBlocks ? units : kMaxBlocks);
-  allreduce_add_rmsnorm_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return int(cudaGetLastError());
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return int(cudaLaunchKernelEx(&cfg, allreduce_add_rmsnorm_kernel, p));
 }
