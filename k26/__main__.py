@@ -252,6 +252,39 @@ def _info_parser(sub) -> None:
     i.set_defaults(fn=cmd_info)
 
 
+def _serve_parser(sub) -> None:
+    """`python -m k26 serve`'s arguments (checked by k26.server.cli.check_args before loading)."""
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    sv.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
+    sv.add_argument("--drafter", help="DFlash drafter directory (ddtree unless --spec says otherwise)")
+    sv.add_argument(
+        "--spec",
+        choices=["ar", "dflash", "ddtree"],
+        default=None,
+        help="decoding method (default: ddtree when there is a drafter, else ar)",
+    )
+    sv.add_argument("--budget", default=None, help="DDTree nodes besides the root: N or auto (default)")
+    sv.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks")
+    sv.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    sv.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together")
+    sv.add_argument("--max-waiting", type=_positive, default=64, help="queued requests; beyond: 429")
+    sv.add_argument("--max-model-len", type=_positive, default=None)
+    sv.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
+    sv.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (CUDA graphs)")
+    sv.add_argument("--capture", action="store_true", help="capture every CUDA graph before serving")
+    sv.add_argument("--cache-dir", default=None, help="load cache: sliced, repacked weights, compile cache")
+    sv.add_argument(
+        "--allreduce",
+        choices=["fused", "calibrate", "nccl"],
+        default="fused",
+        help="TP all-reduces: fused with add + RMSNorm (default), fused with measured crossovers, or NCCL",
+    )
+    sv.set_defaults(fn=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -307,26 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-tokens", type=_positive, default=32)
     pr.add_argument("--out", default="k26-trace.json")
     pr.set_defaults(fn=cmd_profile)
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    sv.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
-    sv.add_argument("--drafter", help="DFlash drafter directory (ddtree unless --spec says otherwise)")
-    sv.add_argument(
-        "--spec",
-        choices=["ar", "dflash", "ddtree"],
-        default=None,
-        help="decoding method (default: ddtree when there is a drafter, else ar)",
-    )
-    sv.add_argument("--budget", default=None, help="DDTree nodes besides the root: N or auto (default)")
-    sv.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks")
-    sv.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    sv.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together")
-    sv.add_argument("--max-waiting", type=_positive, default=64, help="queued requests; beyond: 429")
-    sv.add_argument("--max-model-len", type=_positive, default=None)
-    sv.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
-    sv.set_defaults(fn=cmd_serve)
+    _serve_parser(sub)
     return ap
 
 

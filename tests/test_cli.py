@@ -277,3 +277,31 @@ def test_bench_report_lists_every_captured_graph():
     a = SimpleNamespace(batch=1, max_tokens=8, budget=12, drafter="d", compile=True)
     text = _report(a, Path("m"), torch.device("cpu"), [("AR eager", 10.0, 1.0, None)], [], graphs)
     assert "| (1, 16) | 7.50 | 33.6 |" in text and "| (2, 1) | 1.25 | 0.0 |" in text
+
+
+def test_serve_start_up_flags_reach_the_llm(monkeypatch, tmp_path, capsys):
+    """`serve --compile --capture --cache-dir D --allreduce nccl` builds the LLM with them (checked before
+    loading); a --cache-dir that is a file is refused in one line before any loading."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*args, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(k26, "LLM", fake_llm)
+    argv = ["serve", "--compile", "--capture", "--cache-dir", str(tmp_path), "--allreduce", "nccl"]
+    with pytest.raises(Stop):
+        main(argv)
+    assert (seen["compile"], seen["capture"], seen["cache_dir"], seen["allreduce"]) == (
+        True,
+        True,
+        str(tmp_path),
+        "nccl",
+    )
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
+    assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2
+    assert "--cache-dir" in capsys.readouterr().err

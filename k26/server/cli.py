@@ -27,6 +27,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("--max-batch and --max-waiting must be >= 1")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
+    if a.cache_dir is not None and os.path.exists(a.cache_dir) and not os.path.isdir(a.cache_dir):
+        raise ValueError(f"--cache-dir {a.cache_dir}: exists and is not a directory")
 
 
 def serve(a: argparse.Namespace) -> int:
@@ -53,6 +55,10 @@ def serve(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len,
         max_batch=a.max_batch,
         tp=a.tp or 1,
+        compile=a.compile,
+        capture=a.capture,
+        cache_dir=a.cache_dir,
+        allreduce=a.allreduce,
     )
     name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
     engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting)
