@@ -113,4 +113,6 @@ class CompiledLayers:
         return self.model(*args, layers=self.compiled, **kw)
 
     def __getattr__(self, name: str):  # only for names this object lacks: the model's
+        if name in ("model", "compiled"):  # not set yet (a copy being built): no recursion through them
+            raise AttributeError(name)
         return getattr(self.model, name)
