@@ -87,6 +87,8 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     from .tokenizer import Tokenizer
 
     check_device(a.device)
+    if a.cache_dir is not None and Path(a.cache_dir).exists() and not Path(a.cache_dir).is_dir():
+        raise ValueError(f"--cache-dir {a.cache_dir}: exists and is not a directory")
     model, drafter, method = _resolve_pair(a)
     sp = SamplingParams(
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed
@@ -138,6 +140,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len,
         tp=plan.tp,
         progress=rank0,
+        cache_dir=a.cache_dir,
+        allreduce=a.allreduce,
     )
     out = None
     try:
@@ -317,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root (default: auto)")
     g.add_argument(
         "--tp", type=int, default=None, help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)"
+    )
+    g.add_argument("--cache-dir", default=None, help="load cache: a later start reads only its own bytes")
+    g.add_argument(
+        "--allreduce", choices=["fused", "calibrate", "nccl"], default="fused", help="TP all-reduces"
     )
     g.set_defaults(fn=cmd_generate)
     _info_parser(sub)

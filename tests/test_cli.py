@@ -125,6 +125,10 @@ def test_fit_spec_keeps_the_candidates_that_fit():
         (["--tp", "3"], "tensor-parallel size 3 does not divide"),
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt", "x " * 40, "--max-model-len", "32"], "leaving no room to generate"),
+        (
+            ["--cache-dir", TARGET + "/config.json"],
+            "--cache-dir " + TARGET + "/config.json: exists and is not",
+        ),
     ],
 )
 def test_bad_arguments_refused_before_loading(no_loading, capsys, argv, needle):
@@ -305,3 +309,20 @@ def test_serve_start_up_flags_reach_the_llm(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
     assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2
     assert "--cache-dir" in capsys.readouterr().err
+
+
+def test_generate_start_up_flags_reach_the_llm(monkeypatch, tmp_path):
+    """`generate --cache-dir D --allreduce nccl` builds the LLM with them."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*args, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(k26, "LLM", fake_llm)
+    with pytest.raises(Stop):
+        main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
+    assert (seen["cache_dir"], seen["allreduce"]) == (str(tmp_path), "nccl")
