@@ -50,6 +50,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pdl.cuh"
+
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
@@ -246,8 +248,8 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
   // this one advanced); the kernel after may then start its own prologue (a projection's weight prefetch)
   // while this one waits on its peers — it reads our outputs only after its own wait, i.e. after we exit.
   // Every block triggers only once resident, so dependents never take the SMs this grid needs.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  pdl_wait();
+  pdl_trigger();
   const unsigned e = *reinterpret_cast<volatile unsigned*>(&p.ctl->epoch) + 1u;
   const unsigned n = unsigned(p.rows) * unsigned(p.D);
   const int slot = e & 1u;
@@ -392,14 +394,6 @@ K26_EXPORT int k26_ar_launch(const void* x, const void* residual, const void* we
   // One block per row (one-shot) or per row of the largest slice (two-shot), at most kMaxBlocks.
   const int units = two_shot ? (rows + world - 1) / world : rows;
   const int grid = units < 1 ? 1 : (units < kMaxBlocks ? units : kMaxBlocks);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return int(cudaLaunchKernelEx(&cfg, allreduce_add_rmsnorm_kernel, p));
+  return int(launch_pdl(allreduce_add_rmsnorm_kernel, dim3(grid), dim3(kThreads), 0, pdl,
+                        static_cast<cudaStream_t>(stream), p));
 }

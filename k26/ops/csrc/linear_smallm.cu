@@ -39,6 +39,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
@@ -220,17 +222,8 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
 template <int MT>
 cudaError_t launch(const Params& p, int groups, bool pdl, cudaStream_t stream) {
   const size_t smem = (size_t)8 * MT * (p.units_per_split * kUnit + kPad) * sizeof(__nv_bfloat16);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((p.N + kRows - 1) / kRows, p.S, groups);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, linear_smallm_kernel<MT>, p);
+  return launch_pdl(linear_smallm_kernel<MT>, dim3((p.N + kRows - 1) / kRows, p.S, groups), dim3(kThreads), smem,
+                    pdl, stream, p);
 }
 
 }  // namespace

@@ -21,6 +21,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
@@ -152,14 +154,5 @@ K26_EXPORT int k26_mla_glue(const void* q, const void* kv, const void* q_w, cons
   p.q_out = static_cast<__nv_bfloat16*>(q_out), p.cache = static_cast<__nv_bfloat16*>(cache);
   p.q_ld = q_ld, p.kv_ld = kv_ld, p.c_row = c_row, p.c_tok = c_tok;
   p.N = N, p.Q = Q, p.R = R, p.P = P, p.eps = eps;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(T);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, mla_glue_kernel, p);
+  return (int)launch_pdl(mla_glue_kernel, dim3(T), dim3(kThreads), 0, pdl, static_cast<cudaStream_t>(stream), p);
 }

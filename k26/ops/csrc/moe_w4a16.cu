@@ -43,6 +43,7 @@
 #include <stdint.h>
 
 #include "moe_route.cuh"
+#include "pdl.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -83,8 +84,6 @@ __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(_
 
 // Programmatic dependent launch (no-ops without the launch attribute): wait = the previous grid has finished
 // and its writes are visible; trigger = the next grid may start launching its blocks.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------
 // 1. Routing (when the caller passes no table): one block groups the pairs by
@@ -393,20 +392,10 @@ struct Shared {  // the shared expert's bf16 weights, or all nullptr
   const __nv_bfloat16 *gate, *up, *down;
 };
 
-// Kernel launch on `st`; with `pdl` the kernel may start while the previous one runs (programmatic stream
-// serialization: the kernels' pdl_wait / pdl_trigger say what may overlap).
+// Kernel launch on `st` (pdl.cuh; the kernels' pdl_wait / pdl_trigger say what may overlap).
 template <typename... Params, typename... Args>
 cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, cudaStream_t st, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  return launch_pdl(kernel, grid, dim3(threads), 0, pdl, st, args...);
 }
 
 // `table`: a routing table of exactly these ids, group size 8 * NT and S (nullptr: route here).
