@@ -18,6 +18,7 @@ eager call) as a RuntimeError naming the rank.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import socket
 import threading
@@ -25,10 +26,10 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .log import say_once
 from .reference import rms_norm
 
 _log = logging.getLogger(__name__)
-_said: set[str] = set()
 # (two-shot from, NCCL above) in message bytes per TP size. 2: measured in-graph on two H200s (NVLink,
 # 2026-12-01, profiling/results/2026-12-01-bench_tp2-fused-h200x2.md): one-shot ahead of two-shot at every
 # size through 3.5 MiB (24.1 vs 27.0 µs) and of NCCL alone, so no two-shot below the NCCL cut; 4 and 8: the
@@ -39,12 +40,6 @@ CROSSOVERS = {2: (4 << 20, 4 << 20), 4: (84 << 10, 768 << 10), 8: (112 << 10, 76
 # before / the peers' wait (csrc/allreduce_fused.cu). Added after the two-H200 run: not yet measured.
 PDL = True
 BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        _log.warning(msg)
 
 
 # ---------------------------------------------------------------- reference and op registration
@@ -98,25 +93,22 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
 # ---------------------------------------------------------------- CUDA kernel
 
 
+@functools.cache  # once per process, like build.library
 def _lib() -> ctypes.CDLL:
     from .build import library  # lazily: `python -m k26.ops.build` must not import itself first
 
     lib = library()
-    if not getattr(lib, "_k26_ar_argtypes", False):
-        P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        lib.k26_ar_workspace_bytes.restype = ctypes.c_size_t
-        lib.k26_ar_workspace_bytes.argtypes = [I, LL]
-        lib.k26_ar_limits.argtypes = [ctypes.POINTER(I)] * 2
-        lib.k26_ar_alloc.argtypes = [I, ctypes.c_size_t, ctypes.POINTER(P), P]
-        lib.k26_ar_open.argtypes = [I, P, ctypes.POINTER(P)]
-        lib.k26_ar_close.argtypes = [P]
-        lib.k26_ar_free.argtypes = [P]
-        lib.k26_ar_error_string.restype = ctypes.c_char_p
-        lib.k26_ar_error_string.argtypes = [I]
-        lib.k26_ar_launch.argtypes = (
-            [P] * 5 + [ctypes.POINTER(P), P, P, LL, LL, ctypes.c_float] + [I] * 6 + [P]
-        )
-        lib._k26_ar_argtypes = True
+    P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.k26_ar_workspace_bytes.restype = ctypes.c_size_t
+    lib.k26_ar_workspace_bytes.argtypes = [I, LL]
+    lib.k26_ar_limits.argtypes = [ctypes.POINTER(I)] * 2
+    lib.k26_ar_alloc.argtypes = [I, ctypes.c_size_t, ctypes.POINTER(P), P]
+    lib.k26_ar_open.argtypes = [I, P, ctypes.POINTER(P)]
+    lib.k26_ar_close.argtypes = [P]
+    lib.k26_ar_free.argtypes = [P]
+    lib.k26_ar_error_string.restype = ctypes.c_char_p
+    lib.k26_ar_error_string.argtypes = [I]
+    lib.k26_ar_launch.argtypes = [P] * 5 + [ctypes.POINTER(P), P, P, LL, LL, ctypes.c_float] + [I] * 6 + [P]
     return lib
 
 
@@ -228,8 +220,10 @@ class FusedAllReduce:
         else:
             self.ctl = torch.zeros(0, dtype=torch.int32)
             self.err = torch.zeros(2, dtype=torch.int32)
-            _say_once(
-                f"k26: fused all-reduce unavailable ({self.why}); all-reduce, add and RMSNorm run instead"
+            say_once(
+                __name__,
+                logging.WARNING,
+                f"k26: fused all-reduce unavailable ({self.why}); all-reduce, add and RMSNorm run instead",
             )
         self.max_dim = limits()[1] if self.p2p else 0
 
@@ -392,7 +386,11 @@ class FusedAllReduce:
         x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
         if why is not None or x.numel() > self.cap or 2 * x.numel() > self.nccl_bytes:  # above: NCCL
             if why is not None and not tracing:
-                _say_once(f"k26 fused all-reduce: {why}: all-reduce, add and RMSNorm run instead")
+                say_once(
+                    __name__,
+                    logging.WARNING,
+                    f"k26 fused all-reduce: {why}: all-reduce, add and RMSNorm run instead",
+                )
             return composition(x, residual, weight, eps, self.group)
         return torch.ops.k26.allreduce_add_rmsnorm(
             x,

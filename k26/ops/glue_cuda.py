@@ -14,15 +14,14 @@ device, said once in the log.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import torch
 
 from . import reference
+from .log import say_once
 from .reference import rms_norm
-
-_log = logging.getLogger(__name__)
-_said: set[str] = set()
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -119,26 +118,19 @@ def check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, 
 # ---------------------------------------------------------------- launch
 
 
-def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        _log.info(msg)
-
-
+@functools.cache  # once per process, like build.library
 def _lib() -> ctypes.CDLL:
     from .build import library  # lazily: `python -m k26.ops.build` must not import itself first
 
     lib = library()
-    if not getattr(lib, "_k26_glue_argtypes", False):
-        lib.k26_mla_glue.restype = ctypes.c_int
-        lib.k26_mla_glue.argtypes = (
-            [ctypes.c_void_p] * 10
-            + [ctypes.c_longlong] * 4
-            + [ctypes.c_int] * 5
-            + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
-        )
-        lib.k26_mla_glue_max_width.restype = ctypes.c_int
-        lib._k26_glue_argtypes = True
+    lib.k26_mla_glue.restype = ctypes.c_int
+    lib.k26_mla_glue.argtypes = (
+        [ctypes.c_void_p] * 10
+        + [ctypes.c_longlong] * 4
+        + [ctypes.c_int] * 5
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    )
+    lib.k26_mla_glue_max_width.restype = ctypes.c_int
     return lib
 
 
@@ -181,7 +173,7 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         None if B * N else "an empty batch"
     )
     if why is not None:
-        _say_once(f"k26.mla_glue: {why} runs the reference")
+        say_once(__name__, logging.INFO, f"k26.mla_glue: {why} runs the reference")
         return mla_glue_reference(
             q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
         )

@@ -12,11 +12,14 @@ else (float32 test models, prefill, odd strides) runs the reference on the same 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 
 import torch
 import torch.nn.functional as F
+
+from .log import say_once
 
 MAX_M = 64
 UNIT = 32  # k per unit of the kernel's loop
@@ -26,15 +29,6 @@ COUNTERS = 1 << 16  # split-K arrival counters per device; more (group, row bloc
 # Staged x per block: 48 KB needs no opt-in, but the kernel's own static shared memory counts against it
 # (at exactly 48 KB of x the launch fails: M = 16 with K = 43008, M = 64 with K = 7168).
 X_SMEM_BUDGET = 47 * 1024
-
-_log = logging.getLogger(__name__)
-_said: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        _log.info(msg)
 
 
 # ---------------------------------------------------------------- references and op registration
@@ -125,22 +119,21 @@ def check_grouped(x: torch.Tensor, weight: torch.Tensor) -> None:
 # ---------------------------------------------------------------- launch
 
 
+@functools.cache  # once per process, like build.library
 def _lib() -> ctypes.CDLL:
     from .build import library  # lazily: `python -m k26.ops.build` must not import itself first
 
     lib = library()
-    if not getattr(lib, "_k26_linear_argtypes", False):
-        lib.k26_linear_smallm.restype = ctypes.c_int
-        lib.k26_linear_smallm.argtypes = (
-            [ctypes.c_void_p] * 6
-            + [ctypes.c_int] * 4
-            + [ctypes.c_longlong] * 6
-            + [ctypes.c_int] * 3
-            + [ctypes.c_void_p]
-        )
-        lib.k26_linear_smallm_max_smem.restype = ctypes.c_int
-        lib.k26_linear_smallm_rows_per_block.restype = ctypes.c_int
-        lib._k26_linear_argtypes = True
+    lib.k26_linear_smallm.restype = ctypes.c_int
+    lib.k26_linear_smallm.argtypes = (
+        [ctypes.c_void_p] * 6
+        + [ctypes.c_int] * 4
+        + [ctypes.c_longlong] * 6
+        + [ctypes.c_int] * 3
+        + [ctypes.c_void_p]
+    )
+    lib.k26_linear_smallm_max_smem.restype = ctypes.c_int
+    lib.k26_linear_smallm_rows_per_block.restype = ctypes.c_int
     return lib
 
 
@@ -237,7 +230,7 @@ def _(x, weight, residual=None):
     M = x.numel() // K if K else 0
     why = _unsupported(x, M, K) or (None if M and N else "an empty shape")
     if why is not None:
-        _say_once(f"k26.linear: {why} runs the reference (F.linear)")
+        say_once(__name__, logging.INFO, f"k26.linear: {why} runs the reference (F.linear)")
         return linear_reference(x, weight, residual)
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
@@ -256,7 +249,7 @@ def _(x, weight):
     M = x.numel() // (G * K) if G * K else 0
     why = _unsupported(x, M, K) or (None if M and N else "an empty shape")
     if why is not None:
-        _say_once(f"k26.linear_grouped: {why} runs the reference (einsum)")
+        say_once(__name__, logging.INFO, f"k26.linear_grouped: {why} runs the reference (einsum)")
         return linear_grouped_reference(x, weight)
     x3 = x.reshape(M, G, K)
     if x3.stride(2) != 1 or not _aligned(x3, x3.stride(0), x3.stride(1)):
