@@ -38,7 +38,7 @@ from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import DFlashDrafter
 from k26.model.moe import Int4Experts, Router
-from k26.ops.moe_cuda import repack_scales, w13_row_order
+from k26.ops.moe_layout import repack_scales, w13_row_order
 from k26.sampling import RowSampling
 from k26.spec.step import SpecConfig, StepModels, speculative_step
 from k26.tiny import quantization_config

@@ -30,7 +30,7 @@ from load_ckpt import K26, K26_BYTES, make, sync, write_checkpoint
 
 from k26.loader import load_model
 from k26.model import TPInfo
-from k26.ops.moe_cuda import repack_experts
+from k26.ops.moe_layout import repack_experts
 from k26.shard_reader import io_read_bytes
 
 

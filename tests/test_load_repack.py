@@ -3,9 +3,18 @@
 import pytest
 import torch
 
-from k26.ops import moe_cuda
+from k26.ops import moe_layout
 from k26.ops.int4 import pack_int4, unpack_int4
-from k26.ops.moe_cuda import _K, _ROW, _SHIFT, repack, repack_experts, repack_scales, unrepack, w13_row_order
+from k26.ops.moe_layout import (
+    _K,
+    _ROW,
+    _SHIFT,
+    repack,
+    repack_experts,
+    repack_scales,
+    unrepack,
+    w13_row_order,
+)
 
 
 def loop_repack(packed, scale, row_order=None):
@@ -50,7 +59,7 @@ def test_repack_with_row_order_bit_identical_to_loop():
 
 
 def test_repack_experts_bit_identical_to_concatenated_loop(monkeypatch):
-    monkeypatch.setattr(moe_cuda, "_CHUNK_ELEMS", 700)  # several expert chunks, the last one short
+    monkeypatch.setattr(moe_layout, "_CHUNK_ELEMS", 700)  # several expert chunks, the last one short
     E, D, inter = 7, 128, 64
     gp, up = random_words(E, inter, D // 8, seed=3), random_words(E, inter, D // 8, seed=4)
     gs, us = random_scales(E, inter, D // 32, seed=5), random_scales(E, inter, D // 32, seed=6)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from k26.ops.moe_cuda import _reference, repack_scales, w13_row_order
+from k26.ops.moe_cuda import _reference
+from k26.ops.moe_layout import repack_scales, w13_row_order
 
 pytestmark = pytest.mark.gpu
 

@@ -4,15 +4,8 @@ import pytest
 import torch
 
 from k26.ops import pack_int4
-from k26.ops.moe_cuda import (
-    check_inputs,
-    repack,
-    repack_experts,
-    route_table,
-    route_table_size,
-    unrepack,
-    w13_row_order,
-)
+from k26.ops.moe_cuda import check_inputs, route_table, route_table_size
+from k26.ops.moe_layout import repack, repack_experts, unrepack, w13_row_order
 
 
 def experts(E=3, D=128, inter=64, seed=0):

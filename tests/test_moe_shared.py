@@ -5,7 +5,7 @@ import torch
 
 import k26.ops  # noqa: F401  (registers the ops)
 from k26.ops import pack_int4, reference
-from k26.ops.moe_cuda import repack_experts
+from k26.ops.moe_layout import repack_experts
 
 
 def inputs(T=6, E=4, D=64, inter=64, K=2, seed=0):

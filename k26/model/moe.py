@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference
-from ..ops.moe_cuda import repack_experts
+from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
 

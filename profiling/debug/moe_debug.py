@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from k26.ops.moe_cuda import _library as library  # with the op's ctypes signatures
-from k26.ops.moe_cuda import route_table_groups, route_table_size, unrepack, w13_row_order
+from k26.ops.moe_cuda import route_table_groups, route_table_size
+from k26.ops.moe_layout import unrepack, w13_row_order
 
 sys.path.insert(0, "tests")
 from test_moe_gpu import random_repacked, routing
