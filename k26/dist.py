@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .model.layers import TPInfo
-from .ops.allreduce_cuda import FusedAllReduce  # registers torch.ops.k26.allreduce_add_rmsnorm
+from .ops.allreduce_group import FusedAllReduce  # registers torch.ops.k26.allreduce_add_rmsnorm
 
 
 def timeout() -> timedelta:

@@ -4,7 +4,7 @@
 
 1. In-graph latency per operation for 7168 x N bf16 (N = 1..256), 20 per graph: NCCL all-reduce alone
    and with the residual add + RMSNorm, torch symmetric memory one-/two-shot + norm, and the fused
-   all-reduce + add + RMSNorm (k26/ops/allreduce_cuda.py: auto, forced one-shot, forced two-shot).
+   all-reduce + add + RMSNorm (k26/ops/allreduce_group.py: auto, forced one-shot, forced two-shot).
 2. The embedded pair at TP 2 (bf16): greedy tokens with graphs == without graphs, DDTree == AR, and the
    batch-1 graph step time; then `python profiling/bench_tp2.py --tp1 FILE.md.json --out FILE.md` runs TP 1
    on one GPU and appends tokens TP 2 == TP 1 and the step times side by side. The pair runs twice: with
@@ -76,7 +76,7 @@ def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph
     memory one-shot / two-shot (+ norm), and the fused op (auto, forced one-shot, forced two-shot, one-shot
     launched without programmatic dependent launch)."""
     from k26.ops import allreduce_cuda
-    from k26.ops.allreduce_cuda import FusedAllReduce
+    from k26.ops.allreduce_group import FusedAllReduce
     from k26.ops.reference import rms_norm
 
     group = dist.group.WORLD

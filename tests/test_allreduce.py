@@ -20,7 +20,8 @@ from k26.embedded import DEFAULT_DIR
 from k26.model import AttnBatch, KimiK2
 from k26.model.drafter import DFlashDrafter
 from k26.model.layers import TPInfo
-from k26.ops.allreduce_cuda import FusedAllReduce, add_rmsnorm_reference, check_inputs
+from k26.ops.allreduce_cuda import add_rmsnorm_reference
+from k26.ops.allreduce_group import FusedAllReduce, check_inputs
 from k26.tiny import DEFAULT_SIZES, text_config
 
 
@@ -183,16 +184,21 @@ def test_calibrated_crossover_size_runs_nccl(monkeypatch):
     """calibrate() measures where NCCL wins; a message of exactly that size must then run the composition
     over NCCL (the front door sends messages *above* nccl_bytes there), the size below it the kernel."""
     import k26.ops.allreduce_cuda as arc
+    import k26.ops.allreduce_group as arg
 
     D, rows = 64, [1, 2, 4, 8]
     sizes = [2 * n * D for n in rows]
     times = [[5.0, 9.0, 20.0], [6.0, 9.0, 20.0], [7.0, 9.0, 6.5], [9.0, 9.5, 7.0]]  # NCCL from 4 rows on
-    two_shot, nccl = arc.crossovers(sizes, times, 1 << 30)
+    two_shot, nccl = arg.crossovers(sizes, times, 1 << 30)
     assert two_shot == 1 << 62  # the two-shot never wins here
     ran = []
-    monkeypatch.setattr(
-        arc, "composition", lambda x, r, w, eps, group: ran.append(group) or (r.clone(), r.clone())
-    )
+
+    def composition(x, r, w, eps, group):
+        ran.append(group)
+        return r.clone(), r.clone()
+
+    for module in (arc, arg):  # the op's reference (arc) and the front door's NCCL path (arg) both call it
+        monkeypatch.setattr(module, "composition", composition)
     monkeypatch.setattr(arc, "_group", lambda name: "kernel op")  # the op's CPU reference: the kernel's path
     ar = FusedAllReduce.__new__(FusedAllReduce)
     ar.p2p, ar.max_dim, ar.cap, ar.group, ar.group_name, ar.rank = True, 1024, 1 << 20, "nccl", "g", 0

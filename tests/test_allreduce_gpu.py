@@ -67,7 +67,7 @@ def _check(out, res, parts, residual, weight, what: str) -> None:
 def worker(rank: int, world: int, port: int, out_dir: str, replays: int, devices: bool) -> None:
     import torch.distributed as dist
 
-    from k26.ops.allreduce_cuda import FusedAllReduce
+    from k26.ops.allreduce_group import FusedAllReduce
 
     dev = torch.device("cuda", rank if devices else 0)
     torch.cuda.set_device(dev)

@@ -27,7 +27,7 @@ class TPInfo:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     # (partial, residual, norm weight, eps) -> (normed, new residual): the all-reduce fused with the residual
-    # add and the next RMSNorm (k26.ops.allreduce_cuda.FusedAllReduce); None: the composition below.
+    # add and the next RMSNorm (k26.ops.allreduce_group.FusedAllReduce); None: the composition below.
     allreduce_add_rmsnorm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
