@@ -64,6 +64,8 @@ class LLM:
         capture: bool = False,
         allreduce: str = "fused",
     ):
+        # Ranks 1..tp-1 build this same LLM: every keyword argument travels (a new one too), see below.
+        rank_kw = {k: v for k, v in locals().items() if k not in ("self", "model_path")}
         check_world(tp)
         check_allreduce(allreduce)
         check_device(device)
@@ -77,23 +79,7 @@ class LLM:
         self._owns_group = tp > 1 and not torch.distributed.is_initialized()
         self._ranks: RankGroup | None = None
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-            rank_kw = {
-                "drafter": drafter,
-                "device": device,
-                "dtype": dtype,
-                "tp": tp,
-                "max_model_len": max_model_len,
-                "max_batch": max_batch,
-                "absorb": absorb,
-                "progress": False,
-                "cuda_kernels": cuda_kernels,
-                "graphs": graphs,
-                "buckets": buckets,
-                "compile": compile,
-                "cache_dir": cache_dir,
-                "capture": capture,
-                "allreduce": allreduce,
-            }
+            rank_kw.update(drafter=drafter, progress=False)  # the pair as resolved; rank 0 draws
             self._start_ranks(tp, device, rank_kw)
         self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size, self.allreduce = tp, allreduce
