@@ -283,46 +283,38 @@ def test_bench_report_lists_every_captured_graph():
     assert "| (1, 16) | 7.50 | 33.6 |" in text and "| (2, 1) | 1.25 | 0.0 |" in text
 
 
-def test_serve_start_up_flags_reach_the_llm(monkeypatch, tmp_path, capsys):
-    """`serve --compile --capture --cache-dir D --allreduce nccl` builds the LLM with them (checked before
-    loading); a --cache-dir that is a file is refused in one line before any loading."""
-    seen = {}
+class _Built(Exception):
+    """Raised by `llm_kwargs`'s stand-in for LLM: the command got as far as building the model."""
 
-    class Stop(Exception):
-        pass
+
+@pytest.fixture
+def llm_kwargs(monkeypatch) -> dict:
+    """The keyword arguments a command builds its LLM with (the build itself stops with _Built)."""
+    seen = {}
 
     def fake_llm(*args, **kw):
         seen.update(kw)
-        raise Stop
+        raise _Built
 
     monkeypatch.setattr(k26, "LLM", fake_llm)
-    argv = ["serve", "--compile", "--capture", "--cache-dir", str(tmp_path), "--allreduce", "nccl"]
-    with pytest.raises(Stop):
-        main(argv)
-    assert (seen["compile"], seen["capture"], seen["cache_dir"], seen["allreduce"]) == (
-        True,
-        True,
-        str(tmp_path),
-        "nccl",
-    )
+    return seen
+
+
+def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, capsys):
+    """`serve --compile --capture --cache-dir D --allreduce nccl` builds the LLM with them (checked before
+    loading); a --cache-dir that is a file is refused in one line before any loading."""
+    with pytest.raises(_Built):
+        main(["serve", "--compile", "--capture", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
+    got = tuple(llm_kwargs[k] for k in ("compile", "capture", "cache_dir", "allreduce"))
+    assert got == (True, True, str(tmp_path), "nccl")
     (tmp_path / "f").write_text("x")
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
     assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2
     assert "--cache-dir" in capsys.readouterr().err
 
 
-def test_generate_start_up_flags_reach_the_llm(monkeypatch, tmp_path):
+def test_generate_start_up_flags_reach_the_llm(llm_kwargs, tmp_path):
     """`generate --cache-dir D --allreduce nccl` builds the LLM with them."""
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_llm(*args, **kw):
-        seen.update(kw)
-        raise Stop
-
-    monkeypatch.setattr(k26, "LLM", fake_llm)
-    with pytest.raises(Stop):
+    with pytest.raises(_Built):
         main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
-    assert (seen["cache_dir"], seen["allreduce"]) == (str(tmp_path), "nccl")
+    assert (llm_kwargs["cache_dir"], llm_kwargs["allreduce"]) == (str(tmp_path), "nccl")
