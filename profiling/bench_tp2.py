@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import events_time as events
+from timing import graph_time
 
 DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
@@ -128,17 +128,8 @@ def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph
         bodies["fused one-shot, no PDL"] = one_shot_no_pdl
         for name, body in bodies.items():
             try:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        body()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(ops_per_graph):
-                        body()
-                rows.setdefault(name, {})[N] = f"{events(g.replay) / ops_per_graph * 1e6:.1f}"
+                us = graph_time(lambda body=body: [body() for _ in range(ops_per_graph)], ops_per_graph) * 1e6
+                rows.setdefault(name, {})[N] = f"{us:.1f}"
             except Exception as e:  # noqa: BLE001  (one failing method must not hide the others)
                 rows.setdefault(name, {})[N] = f"failed ({type(e).__name__})"
         for f in fused.values():
