@@ -56,6 +56,12 @@ def _out_arg(value: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
 
 
+def _cache_dir_arg(value: str | None) -> None:
+    """--cache-dir: created on first use, so it may be missing, but not a file."""
+    if value is not None and Path(value).exists() and not Path(value).is_dir():
+        raise ValueError(f"--cache-dir {value}: exists and is not a directory")
+
+
 def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
     """(model dir, drafter dir or None, method). A drafter means DDTree unless --spec says otherwise: the
     embedded pair's drafter comes with it; --drafter never goes unused, --spec never lacks one."""
@@ -87,8 +93,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     from .tokenizer import Tokenizer
 
     check_device(a.device)
-    if a.cache_dir is not None and Path(a.cache_dir).exists() and not Path(a.cache_dir).is_dir():
-        raise ValueError(f"--cache-dir {a.cache_dir}: exists and is not a directory")
+    _cache_dir_arg(a.cache_dir)
     model, drafter, method = _resolve_pair(a)
     sp = SamplingParams(
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed
@@ -227,6 +232,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     _dir_arg(a.model, "--model")
     _dir_arg(a.drafter, "--drafter")
+    _cache_dir_arg(a.cache_dir)
     check_device(a.device)
     check_args(a)
     return serve(a)

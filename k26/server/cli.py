@@ -27,8 +27,6 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("--max-batch and --max-waiting must be >= 1")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
-    if a.cache_dir is not None and os.path.exists(a.cache_dir) and not os.path.isdir(a.cache_dir):
-        raise ValueError(f"--cache-dir {a.cache_dir}: exists and is not a directory")
 
 
 def serve(a: argparse.Namespace) -> int:
