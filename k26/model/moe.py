@@ -54,6 +54,8 @@ class Int4Experts(nn.Module):
     """Experts stacked over E in the compressed-tensors layout: packed int32 along the input dim.
     Scales stay bf16 whatever the activation dtype: the checkpoint's weights are bf16(q·s)."""
 
+    CHECKPOINT = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
+
     def __init__(self, E: int, D: int, inter: int, group: int):
         super().__init__()
         dtype = torch.bfloat16
@@ -66,18 +68,15 @@ class Int4Experts(nn.Module):
 
         self.repacked = False
 
+    def checkpoint_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The int4 weights in the checkpoint's layout, in `CHECKPOINT` order (before `repack_`)."""
+        return tuple(getattr(self, name) for name in self.CHECKPOINT)
+
     @torch.no_grad()
     def repack_(self) -> None:
         """Swap the checkpoint layout for the CUDA kernel's (csrc/moe_w4a16.cu), once, after loading."""
-        w13, s13, w2, s2 = repack_experts(
-            self.gate_packed,
-            self.gate_scale,
-            self.up_packed,
-            self.up_scale,
-            self.down_packed,
-            self.down_scale,
-        )
-        for name in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"):
+        w13, s13, w2, s2 = repack_experts(*self.checkpoint_tensors())
+        for name in self.CHECKPOINT:
             delattr(self, name)
         self.w13, self.s13, self.w2, self.s2 = (
             nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2)
@@ -101,17 +100,7 @@ class Int4Experts(nn.Module):
             return torch.ops.k26.moe_w4a16_repacked(
                 x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw
             )
-        return torch.ops.k26.moe_w4a16(
-            x_TD,
-            self.gate_packed,
-            self.gate_scale,
-            self.up_packed,
-            self.up_scale,
-            self.down_packed,
-            self.down_scale,
-            ids_TK,
-            w_TK,
-        )
+        return torch.ops.k26.moe_w4a16(x_TD, *self.checkpoint_tensors(), ids_TK, w_TK)
 
 
 class DenseExperts(nn.Module):
