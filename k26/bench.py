@@ -35,6 +35,12 @@ def _timed_generate(llm: LLM, prompts, sp, spec):
     return toks / dt, tau, host / max(steps, 1), outs
 
 
+def _budgets_used(outs) -> str:
+    """DDTree budgets verified over a run's steps, {budget: steps} (— for a mode without a tree)."""
+    used = [b for o in outs for b in o.stats.budgets]
+    return str({b: used.count(b) for b in sorted(set(used))}) if used else "—"
+
+
 def _hf_baseline(model_dir: Path, prompts, max_tokens: int, device) -> float | None:
     try:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -97,14 +103,14 @@ def run_bench(a: argparse.Namespace) -> str:
     cuda = dev.type == "cuda"
     # Graph-less speculative rows only where there are no graphs: on CUDA the eager AR row is the baseline.
     for name, spec in _modes(a, graphs=False)[: 1 if cuda else None]:
-        tps, tau, _, _ = _timed_generate(eager, prompts, sp, spec)
-        rows.append((name, tps, tau, None))  # eager steps are not timed on the host side
+        tps, tau, _, outs = _timed_generate(eager, prompts, sp, spec)
+        rows.append((name, tps, tau, None, _budgets_used(outs)))  # eager steps: no host time (see report)
     graphs = None
     if cuda:
         graphs = LLM(model_dir, graphs=True, compile=a.compile, **kw)
         for name, spec in _modes(a, graphs=True):
-            tps, tau, host, _ = _timed_generate(graphs, prompts, sp, spec)
-            rows.append((name, tps, tau, host))
+            tps, tau, host, outs = _timed_generate(graphs, prompts, sp, spec)
+            rows.append((name, tps, tau, host, _budgets_used(outs)))
     else:
         skipped.append("CUDA-graph rows (AR / DFlash / DDTree graphs, capture table): no CUDA device here")
         if a.compile:
@@ -114,7 +120,9 @@ def run_bench(a: argparse.Namespace) -> str:
     hf = None if a.no_hf else _hf_baseline(model_dir, prompts, a.max_tokens, dev)
     if hf:
         one = ", one prompt at a time" if a.batch > 1 else ""
-        rows.append((f"HF transformers generate() (eager, experts dequantised to bf16{one})", hf, 1.0, None))
+        rows.append(
+            (f"HF transformers generate() (eager, experts dequantised to bf16{one})", hf, 1.0, None, "—")
+        )
     else:
         skipped.append(
             "HF transformers generate(): "
@@ -154,9 +162,14 @@ def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], gra
         ),
     ]
     out += [f"- skipped: {s}" for s in skipped]
-    out += ["", "| mode | tokens/s | τ | host µs / step |", "|---|---|---|---|"]
     out += [
-        f"| {m} | {t:.0f} | {tau:.2f} | {'—' if h is None else f'{h * 1e6:.0f}'} |" for m, t, tau, h in rows
+        "",
+        "| mode | tokens/s | τ | host µs / step | budgets verified (steps) |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {m} | {t:.0f} | {tau:.2f} | {'—' if h is None else f'{h * 1e6:.0f}'} | {u} |"
+        for m, t, tau, h, u in rows
     ]
     if graphs is not None:
         out += ["", "| graph bucket (batch, nodes) | capture s | pool MB |", "|---|---|---|"]

@@ -45,12 +45,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--extra", type=int, nargs="*", default=[], help="fixed budgets besides the candidates")
     ap.add_argument("--out")
     a = ap.parse_args()
     llm = LLM(device="cuda", graphs=True, compile=a.compile, progress=False, max_batch=1, max_model_len=512)
     ids = llm.tokenizer.encode(corpus.text("eval"))
     prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(3), room=16)
-    specs = {str(b): SpecConfig("ddtree", b) for b in CANDIDATES} | {"auto": SpecConfig("ddtree", "auto")}
+    fixed = sorted(set(CANDIDATES) | set(a.extra))
+    specs = {str(b): SpecConfig("ddtree", b) for b in fixed} | {"auto": SpecConfig("ddtree", "auto")}
     lines = [
         f"# bench_budget — {datetime.date.today()} (measured: GPU wall-clock, CUDA graphs, batch 1)",
         "",
@@ -65,7 +67,8 @@ def main() -> None:
         ),
         (
             f"- command: `python profiling/bench_budget.py --prompts {a.prompts} --tokens {a.tokens} "
-            f"--rounds {a.rounds}{' --compile' if a.compile else ''}`"
+            f"--rounds {a.rounds}{' --compile' if a.compile else ''}"
+            f"{' --extra ' + ' '.join(map(str, a.extra)) if a.extra else ''}`"
         ),
         "",
     ]
@@ -95,7 +98,7 @@ def main() -> None:
         best = max(v for k, v in med.items() if k != "auto")
         for k, r in runs.items():
             _, acc, used = r[-1]
-            counts = {c: used.count(c) for c in CANDIDATES if c in used}
+            counts = {c: used.count(c) for c in sorted(set(used))}
             lines.append(
                 f"| {k} | {sum(acc) / len(acc):.2f} | {med[k]:.0f} | "
                 f"{' / '.join(f'{x:.0f}' for x in tps[k])} | {med[k] / best:.3f} | {counts} |"

@@ -229,7 +229,8 @@ def test_bench_on_cpu_lists_skips_and_no_zero_host_time(capsys):
         "| DDTree eager (budget 4)",
         "| DDTree eager (auto)",
     ]
-    assert all(r.endswith("| — |") for r in rows) and "nan" not in out
+    assert all(r.split(" | ")[3] == "—" for r in rows) and "nan" not in out  # host µs / step: eager has none
+    assert re.search(r"\| \{4: \d+\} \|$", rows[2])  # the budget column: fixed budget 4 on every step
 
 
 # -- 6: a truncated shard is one line ------------------------------------------------------------------------
@@ -279,8 +280,10 @@ def test_bench_report_lists_every_captured_graph():
     ]
     graphs = SimpleNamespace(decoder=SimpleNamespace(runners={"a": SimpleNamespace(report=recs)}))
     a = SimpleNamespace(batch=1, max_tokens=8, budget=12, drafter="d", compile=True)
-    text = _report(a, Path("m"), torch.device("cpu"), [("AR eager", 10.0, 1.0, None)], [], graphs)
+    rows = [("AR eager", 10.0, 1.0, None, "—"), ("DDTree graphs (auto)", 20.0, 2.5, 4e-5, "{7: 3, 15: 9}")]
+    text = _report(a, Path("m"), torch.device("cpu"), rows, [], graphs)
     assert "| (1, 16) | 7.50 | 33.6 |" in text and "| (2, 1) | 1.25 | 0.0 |" in text
+    assert "| DDTree graphs (auto) | 20 | 2.50 | 40 | {7: 3, 15: 9} |" in text
 
 
 class _Built(Exception):
