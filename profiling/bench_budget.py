@@ -45,10 +45,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true")
+    # under graphs the tiny pair's reference attention reads whole cache rows: the row length sets how
+    # steeply a step's cost grows with the tree (K2.6's kernel reads only the live prefix)
+    ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--extra", type=int, nargs="*", default=[], help="fixed budgets besides the candidates")
     ap.add_argument("--out")
     a = ap.parse_args()
-    llm = LLM(device="cuda", graphs=True, compile=a.compile, progress=False, max_batch=1, max_model_len=512)
+    kw = {"max_batch": 1, "max_model_len": a.max_model_len}
+    llm = LLM(device="cuda", graphs=True, compile=a.compile, progress=False, **kw)
     ids = llm.tokenizer.encode(corpus.text("eval"))
     prompts = corpus.windows(ids, a.prompts, 48, torch.Generator().manual_seed(3), room=16)
     fixed = sorted(set(CANDIDATES) | set(a.extra))
@@ -67,7 +71,7 @@ def main() -> None:
         ),
         (
             f"- command: `python profiling/bench_budget.py --prompts {a.prompts} --tokens {a.tokens} "
-            f"--rounds {a.rounds}{' --compile' if a.compile else ''}"
+            f"--rounds {a.rounds} --max-model-len {a.max_model_len}{' --compile' if a.compile else ''}"
             f"{' --extra ' + ' '.join(map(str, a.extra)) if a.extra else ''}`"
         ),
         "",
