@@ -9,6 +9,7 @@ the rows it admits or retires (continuous batching) into the same buffers.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 
@@ -113,29 +114,29 @@ class GraphStepper:
             bucket.nodes - 1 if bucket.nodes > 1 else None,
         )
 
-    def time_buckets(self, at: int) -> list[float]:
-        """Seconds per whole replay of each bucket (one per candidate budget) at context `at`."""
-        return [self.time_candidate(b, at) for b in self.buckets]
-
-    def time_candidate(self, bucket: Bucket, at: int) -> float:
-        """Seconds per whole replay of `bucket` at context `at` (scratch caches: before any prefill)."""
+    def time_buckets(self, at: int, rounds: int = 7) -> list[float]:
+        """Seconds per step of each bucket (one per candidate budget) at context `at`, on scratch caches
+        (before any prefill): the median of `rounds` single replays, each launched and waited for alone as
+        the decode loop does (it reads every step's tokens back). Replays timed back to back overlapped
+        each launch with the previous replay, which left out the per-step launch and sync that every
+        candidate pays alike, and so overstated the long-run rate the budget rule charges the bigger trees
+        at (tiny pair, H200, 4K rows: auto kept budget 15 at 0.95 of budget 31). The buckets take turns
+        within each round, so clock drift reaches all of them alike."""
         graph = next(iter(self.runners.values()))
-        state = graph.states[bucket]
-        state.start.fill_(at), state.alive.fill_(True)
-        graph.replay(bucket)
-        best = float("inf")
-        # best of three after a warm replay: one sample was too noisy to rank buckets 3 % apart, and the
-        # first timings also ramp the clocks up
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                state.start.fill_(at)
+        times: list[list[float]] = [[] for _ in self.buckets]
+        for r in range(rounds + 1):  # round 0 warms each bucket up (and the clocks)
+            for i, bucket in enumerate(self.buckets):
+                state = graph.states[bucket]
+                state.start.fill_(at), state.alive.fill_(True)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
                 graph.replay(bucket)
-            torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - t0) / 3)
-        state.reset()
-        return best
+                torch.cuda.synchronize()
+                if r:
+                    times[i].append(time.perf_counter() - t0)
+        for bucket in self.buckets:
+            graph.states[bucket].reset()
+        return [statistics.median(t) for t in times]
 
 
 class DecodeGraphs:
