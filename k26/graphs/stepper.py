@@ -118,10 +118,11 @@ class GraphStepper:
         """Seconds per step of each bucket (one per candidate budget) at context `at`, on scratch caches
         (before any prefill): the median of `rounds` single replays, each launched and waited for alone as
         the decode loop does (it reads every step's tokens back). Replays timed back to back overlapped
-        each launch with the previous replay, which left out the per-step launch and sync that every
-        candidate pays alike, and so overstated the long-run rate the budget rule charges the bigger trees
-        at (tiny pair, H200, 4K rows: auto kept budget 15 at 0.95 of budget 31). The buckets take turns
-        within each round, so clock drift reaches all of them alike."""
+        each launch with the previous replay and measured the buckets out of order (tiny pair, H200, 4K
+        rows: 15 cheaper than 3 and 7, 31 dearer than 15 by 0.15 ms where the decode loop saw 0.11), so the
+        rule kept budget 15 at 0.95 of budget 31's tokens/s; timed this way, 0.98 (2026-12-01 results,
+        bench_budget-h200-session6). The buckets take turns within each round, so clock drift reaches all
+        of them alike."""
         graph = next(iter(self.runners.values()))
         times: list[list[float]] = [[] for _ in self.buckets]
         for r in range(rounds + 1):  # round 0 warms each bucket up (and the clocks)
