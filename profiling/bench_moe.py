@@ -36,7 +36,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from k26.ops import moe_cuda, reference
+from k26.ops import reference
+from k26.ops.moe_cuda import pick_nt
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe_block import SHAPES, block_main, expert_bytes
@@ -140,7 +141,7 @@ def bench_shape(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[
                 f"| {name} | {kind} | {M} | {touched} | {mb:.1f} | {t * 1e6:.1f} | {gbs:.0f} | "
                 f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_bf * 1e6:.1f} | {t_ref * 1e6:.0f} | "
                 f"{best_peer / t:.1f}x | "
-                f"{moe_cuda.pick_nt(M)} |"
+                f"{pick_nt(M * K, E)} |"
             )
             print(rows[-1], flush=True)
     torch.cuda.empty_cache()
@@ -179,13 +180,6 @@ def kernel_breakdown(shp: dict, M: int) -> list[str]:
     return out
 
 
-def expected_nt(M: int, topk: int = 8, experts: int = 384) -> int:
-    """The group-width rule before 2026-12-01 (K2.6 top-k and experts): 8 token columns unless uniform
-    routing would give an expert 8 or more; it split a popular expert into many narrow groups."""
-    per_expert = M * topk / experts
-    return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -197,16 +191,7 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="--block without the two baselines (shared separate, before)"
     )
-    ap.add_argument(
-        "--nt-rule",
-        choices=("max", "expected"),
-        default="max",
-        help="routing-table group width: as many tokens as an expert can get (the op's pick_nt), or the "
-        "rule before it (from the expected tokens per expert under uniform routing), for an A/B",
-    )
     a = ap.parse_args()
-    if a.nt_rule == "expected":
-        moe_cuda.pick_nt = expected_nt
     ms = [int(v) for v in a.ms.split(",")]
     copy_bw, flops = copy_bandwidth(), gemm_rate()
     commit = (
@@ -227,7 +212,7 @@ def main() -> None:
         (
             f"- command: `python profiling/bench_moe.py{' --block' if a.block else ''}"
             f"{' --quick' if a.quick else ''} --shapes {a.shapes} "
-            f"--ms {a.ms} --nt-rule {a.nt_rule}`"
+            f"--ms {a.ms}`"
         ),
         (
             f"- ceilings measured in this run: copy {copy_bw / 1e12:.2f} TB/s (read+write bytes), "

@@ -78,8 +78,8 @@ def test_uneven_routing(kind, M):
 
 @pytest.mark.parametrize("M", [9, 16, 17, 40, 64])
 def test_skewed_routing_in_wide_groups_k26_shape(M):
-    """Popular experts' tokens in groups up to 32 wide (pick_nt), each group's block issuing only the
-    column tiles it fills: groups of a few to 32 tokens, with and without the shared expert."""
+    """The benchmark's skewed routing (every token to 8 of the same 10 experts) at K2.6 shapes: a popular
+    expert's tokens split over many 8-token groups, with and without the shared expert."""
     check(E=384, K=8, D=7168, inter=256, M=M, kind="hot10", seed=300 + M)
     gen = torch.Generator(device="cuda").manual_seed(400 + M)
     w = random_repacked(384, 7168, 256, gen)
@@ -163,7 +163,7 @@ def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     sh = shared_weights(D, inter, gen) if with_shared else (None,) * 3
     x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = routing("uniform", M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
-    table = route_table(ids, E, pick_nt(M), with_shared)
+    table = route_table(ids, E, pick_nt(M * K, E), with_shared)
     plain = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
     poison_allocator()
     given = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh, table)

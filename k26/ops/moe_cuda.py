@@ -13,13 +13,10 @@ from .moe_layout import unrepack, w13_row_order
 from .reference import expert_mlp, moe_combine
 
 
-def pick_nt(M: int) -> int:
-    """Token columns per expert group (8 per mma n-tile) in the routing table: as many as one expert can
-    receive (M: a token visits an expert once), up to 32. The table then holds a popular expert's tokens in
-    few wide groups (skewed routing: each group re-reads and re-dequantises the expert), and the kernel
-    issues only the column tiles a group fills, so the many experts with a token or two cost what they did
-    with narrow groups: the tile shape follows the routing counts on the device, no host sync."""
-    return 1 if M <= 8 else 2 if M <= 16 else 4
+def pick_nt(pairs: int, experts: int) -> int:
+    """Token columns per expert group (8 per mma n-tile): wider only when experts see many tokens."""
+    per_expert = pairs / experts
+    return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
 
 
 def route_table_groups(M: int, topk: int, E: int, nt: int, shared: bool) -> int:
@@ -105,8 +102,8 @@ def moe_w4a16_repacked(
     table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids.
-    `table`: the routing table of these ids (csrc/moe_route.cuh, `route_table(topk_ids, E, pick_nt(M),
-    shared given)`), so the kernel skips its own routing launch; the reference ignores it."""
+    `table`: the routing table of these ids (csrc/moe_route.cuh, `route_table(topk_ids, E, pick_nt(M * topk,
+    E), shared given)`), so the kernel skips its own routing launch; the reference ignores it."""
     return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
 
 
@@ -189,10 +186,10 @@ def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None
             named.append((name, t))
     if table is not None:
         K, has_shared = topk_ids.shape[1], shared[0] is not None
-        n = route_table_size(M, K, E, pick_nt(M), has_shared)
+        n = route_table_size(M, K, E, pick_nt(M * K, E), has_shared)
         need(
             table.dim() == 1 and table.dtype == torch.int32 and table.numel() == n,
-            f"table must be int32 [{n}] (route_table with nt=pick_nt({M}), "
+            f"table must be int32 [{n}] (route_table with nt=pick_nt({M * K}, {E}), "
             f"shared={has_shared}), got {table.dtype} {list(table.shape)}",
         )
         named.append(("table", table))
@@ -259,7 +256,7 @@ def _moe_cuda(
             raise ValueError(f"moe_w4a16_repacked: topk_ids holds {ids[bad][0].item()}, outside [0, {E})")
     w = topk_weights.to(torch.float32).contiguous()
     lib = _library()
-    nt = pick_nt(M)
+    nt = pick_nt(M * topk, E)
     has_shared = shared_gate is not None
     ws = torch.empty(
         lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt, int(has_shared)), dtype=torch.uint8, device=x.device

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const int64_t* __r
 template <int RT, int NT, bool GATED>
 __device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa, const __nv_bfloat16* __restrict__ sb,
                                            int K, int tile0, int c_begin, int c_end, const uint4* const* brow,
-                                           int nt_used, float acc[RT][NT][4]) {
+                                           float acc[RT][NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint4 *ra[RT], *rb[RT];
 #pragma unroll
@@ -145,7 +145,6 @@ __device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa,
                                  (j & 1) ? B.w : B.y};
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            if (nt >= nt_used) break;  // block-uniform: the group's empty column tiles cost no mma
             const uint4 b = bv[u][nt][q];
             mma_bf16(acc[r][nt], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
           }
@@ -193,9 +192,6 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
   const int tile0 = (blockIdx.x * WM + wm) * RT;
   const bool active = tile0 < n_tiles;  // n_tiles is a multiple of RT
   const int KC = K >> 6;
-  // Column tiles this group fills: the table's groups hold up to 8 * NT tokens, but an expert with fewer
-  // (most of them under uniform routing) gets a narrow group, so its block issues only the mma it needs.
-  const int nt_used = min(NT, (len + 7) >> 3);
 
   // Activation row of the token in column g of each n-tile (nullptr: padding column, contributes 0).
   const uint4* brow[NT];
@@ -229,7 +225,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
     pdl_wait();  // act comes from the gate/up GEMM
   }
   if (active && shared) {
-    shared_acc<RT, NT, GATED>(sa, sb, K, tile0, wk * KC / WK, (wk + 1) * KC / WK, brow, nt_used, acc);
+    shared_acc<RT, NT, GATED>(sa, sb, K, tile0, wk * KC / WK, (wk + 1) * KC / WK, brow, acc);
   } else if (active) {
     const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
     const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
@@ -272,7 +268,6 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
               dequant(word, sv[u][r], a);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
-                if (nt >= nt_used) break;  // block-uniform, as in shared_acc
                 const uint4 b = bv[u][nt][j >> 1];
                 const uint32_t b0 = (j & 1) ? b.z : b.x, b1 = (j & 1) ? b.w : b.y;
                 mma_bf16(acc[r][nt], a, b0, b1);
