@@ -41,7 +41,7 @@ from .spec.step import (
     verify_nodes,
 )
 from .spec.tree import TreeTables
-from .tokenizer import Tokenizer
+from .tokenizer import TextStream, Tokenizer, first_stop
 
 
 @dataclass
@@ -128,6 +128,7 @@ class BatchState:
     outs: list[RequestOutput | None] = field(init=False)  # per slot, sized by __post_init__
     params: list[SamplingParams | None] = field(init=False)
     stops: list[frozenset[int]] = field(init=False)
+    texts: list[TextStream | None] = field(init=False)  # rows with stop strings: their text as it grows
     gens: list[torch.Generator | None] = field(init=False)
     live: list[int] = field(default_factory=list)
     timer: PhaseTimer | None = None
@@ -137,6 +138,7 @@ class BatchState:
         cap = self.capacity
         self.outs, self.params, self.gens = [None] * cap, [None] * cap, [None] * cap
         self.stops = [frozenset()] * cap
+        self.texts = [None] * cap
 
     @property
     def capacity(self) -> int:
@@ -165,6 +167,7 @@ class BatchState:
                 sp.stop_token_ids if sp.stop_token_ids is not None else self.tokenizer.stop_ids
             )
             self.gens[b] = None if sp.seed is None else torch.Generator(device=dev).manual_seed(sp.seed)
+            self.texts[b] = TextStream(self.tokenizer) if sp.stop else None
             if self.graph is not None:  # the per-row sampling the captured step reads
                 st = self.graph.state
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
@@ -184,7 +187,7 @@ class BatchState:
         if slot in self.live:
             self.live.remove(slot)
         self.alive[slot] = False
-        self.outs[slot] = self.params[slot] = self.gens[slot] = None
+        self.outs[slot] = self.params[slot] = self.gens[slot] = self.texts[slot] = None
         self.rs = None
         return out
 
@@ -227,9 +230,11 @@ class BatchState:
                     self.finish(b, "stop")
                     break
                 o.token_ids.append(t)
-                if sp.stop and (cut := self._cut_at_stop_string(o, sp.stop)) is not None:
-                    self.finish(b, "stop", text=cut)
-                    break
+                if (ts := self.texts[b]) is not None:
+                    new_chars = len(ts.push([t]))  # only they can complete a stop string
+                    if (at := first_stop(ts.text, sp.stop, new_chars)) is not None:
+                        self.finish(b, "stop", text=ts.text[:at])
+                        break
                 if (
                     len(o.token_ids) >= sp.max_tokens
                     or len(o.prompt_token_ids) + len(o.token_ids) >= self.max_model_len
@@ -245,16 +250,13 @@ class BatchState:
             o.stats.host_s = self.graph.host_s
         elif self.timer is not None:  # batch-wide phase totals so far (one sync, at the end of a row)
             o.stats.draft_s, o.stats.verify_s = self.timer.total("draft"), self.timer.total("verify")
-        o.text = text if text is not None else self.tokenizer.decode(o.token_ids, skip_special=True)
+        if text is None:
+            ts = self.texts[b]
+            text = ts.finish() if ts is not None else self.tokenizer.decode(o.token_ids, skip_special=True)
+        o.text = text
         if b in self.live:
             self.live.remove(b)
             self.alive[b] = False
-
-    def _cut_at_stop_string(self, o: RequestOutput, stop: tuple[str, ...]) -> str | None:
-        """The output before the first stop string (may be empty), or None when none occurs yet."""
-        text = self.tokenizer.decode(o.token_ids, skip_special=True)
-        hits = [text.find(s) for s in stop if s in text]
-        return text[: min(hits)] if hits else None
 
 
 class Decoder:

@@ -36,7 +36,7 @@ from .model import AttnBatch, CompiledLayers, KimiK2
 from .sampling import MODES, SamplingParams, stop_prefix_len
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
-from .tokenizer import Tokenizer
+from .tokenizer import TextStream, Tokenizer
 from .tp_driver import RankGroup, releasing_ranks_on_failure, surfacing_rank_errors
 
 Prompt = str | Sequence[int]
@@ -297,20 +297,21 @@ class LLM:
         if len(encoded) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
         self._mirror("stream", encoded[0], sp, spec)
-        sent, o = "", None
+        ts, sent, o = TextStream(self.tokenizer), 0, None  # sent: characters yielded so far
         steps = self.decoder.run(encoded, sp, spec)
         try:
             for outs in steps:
                 o = outs[0]
+                ts.push(o.token_ids[ts.ids :])
                 if o.finish_reason == "stop":
                     text = o.text  # cut before the stop string (empty when it came first)
-                else:
-                    text = _complete_utf8(self.tokenizer, o.token_ids)
-                    if o.finish_reason is None:  # what may begin a stop string waits for the next tokens
-                        text = text[: len(text) - stop_prefix_len(text, sp.stop)]
-                if len(text) > len(sent):
-                    yield text[len(sent) :]
-                    sent = text
+                elif o.finish_reason is not None:
+                    text = ts.finish()
+                else:  # what may begin a stop string waits for the next tokens
+                    text = ts.text[: len(ts.text) - stop_prefix_len(ts.text, sp.stop)]
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
         except GeneratorExit:
             if self._ranks is not None:
                 # The caller stopped iterating early: the ranks run the mirrored stream to its end, so this
@@ -378,14 +379,3 @@ class LLM:
         """Free a row (finished, or its request cancelled); returns its output."""
         self._mirror("release", slot)
         return self.decoder.release(self.batch, slot)
-
-
-def _complete_utf8(tok: Tokenizer, ids: list[int]) -> str:
-    """Text of `ids` up to the last complete UTF-8 character (a token may end mid-character)."""
-    data = tok.decode_bytes([i for i in ids if i < tok.num_base])
-    for cut in range(4):
-        try:
-            return data[: len(data) - cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-    return data.decode("utf-8", errors="replace")

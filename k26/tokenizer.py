@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import json
 import re
 from dataclasses import dataclass
@@ -206,6 +207,40 @@ SPECIAL_OFFSETS = {
     "[UNK]": 254,
     "[PAD]": 255,
 }
+
+
+class TextStream:
+    """The text of a growing token sequence, decoded as it grows: each `push` decodes only the new tokens'
+    bytes (re-decoding the whole output at every step cost O(length) per step, O(length^2) per request, on
+    the thread that steps every row), special tokens left out, whole UTF-8 characters only (a token may end
+    mid-character: its bytes wait for the next token). After `finish` (the rest flushed, an incomplete
+    character as U+FFFD) `text` equals `Tokenizer.decode(ids, skip_special=True)` of every id pushed."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.ids = 0  # tokens pushed so far
+
+    def push(self, ids: list[int]) -> str:
+        """Append tokens; returns the text they completed."""
+        self.ids += len(ids)
+        new = self._utf8.decode(self.tok.decode_bytes([i for i in ids if i < self.tok.num_base]))
+        self.text += new
+        return new
+
+    def finish(self) -> str:
+        """The whole text, with what waited for a character's next bytes flushed."""
+        self.text += self._utf8.decode(b"", final=True)
+        return self.text
+
+
+def first_stop(text: str, stops: tuple[str, ...], new: int) -> int | None:
+    """Where the first stop string begins in `text`, given that none occurred before its last `new`
+    characters came (so any occurrence ends among them: only that tail is searched), or None."""
+    start = max(0, len(text) - new - max(map(len, stops), default=1) + 1)
+    hits = [h for s in stops if (h := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
 
 
 def save_tokenizer(out: str | Path, ranks: dict[bytes, int]) -> int:

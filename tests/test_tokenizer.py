@@ -1,8 +1,10 @@
 """(f) Tokenizer round trip, special-token safety, and the K2.5/K2.6 chat format."""
 
+import random
+
 import pytest
 
-from k26.tokenizer import KIMI_PAT_STR, NUM_SPECIAL_IDS, Tokenizer
+from k26.tokenizer import KIMI_PAT_STR, NUM_SPECIAL_IDS, TextStream, Tokenizer, first_stop
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,44 @@ def test_kimi_pattern_compiles_in_tiktoken():
         "p", pat_str=KIMI_PAT_STR, mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={}
     )
     assert enc.decode(enc.encode_ordinary("中文ABCdef's 123")) == "中文ABCdef's 123"
+
+
+def test_text_stream_grows_by_whole_characters_and_ends_as_decode(tok):
+    """Pushed one token at a time (specials in between), the text only grows, never shows a broken
+    character, and after finish equals decode(skip_special=True) of everything pushed."""
+    im_end = tok.special_ids["<|im_end|>"]
+    ids = [i for t in TEXTS for i in tok.encode(t) + [im_end]]
+    lone = [tok.decode_bytes([i]) for i in ids]
+    assert any(len(b) == 1 and b[0] >= 0x80 for b in lone)  # some characters do span tokens
+    ts, seen = TextStream(tok), ""
+    for i in ids:
+        ts.push([i])
+        assert ts.text.startswith(seen) and "\ufffd" not in ts.text
+        seen = ts.text
+    assert ts.ids == len(ids) and ts.finish() == tok.decode(ids, skip_special=True)
+
+
+def test_text_stream_cut_mid_character_ends_as_decode(tok):
+    """Ended inside a character (max_tokens, say), the final text is what decode gives: U+FFFD."""
+    rocket = tok.encode("ok 🚀")
+    ts = TextStream(tok)
+    ts.push(rocket[:-1])
+    assert ts.text == "ok "
+    assert ts.finish() == tok.decode(rocket[:-1], skip_special=True) == "ok \ufffd"
+
+
+def test_first_stop_on_the_tail_equals_a_search_of_the_whole_text():
+    """Checked after every piece, the tail search finds the first stop string where a search of the whole
+    text does, at the same piece."""
+    rng = random.Random(0)
+    for _ in range(300):
+        word = lambda: "".join(rng.choice("ab") for _ in range(rng.randint(1, 4)))
+        stops = tuple(word() for _ in range(rng.randint(1, 3)))
+        text = ""
+        for _ in range(20):
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
+            text += piece
+            whole = min((h for s in stops if (h := text.find(s)) >= 0), default=None)
+            assert first_stop(text, stops, len(piece)) == whole
+            if whole is not None:
+                break

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine import _complete_utf8
 from ..sampling import stop_prefix_len
+from ..tokenizer import TextStream
 from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
 from .protocol import APIError, completion_body, parse, usage
@@ -136,6 +136,7 @@ async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_us
     """Server-sent chunks: text increments of whole UTF-8 characters, the finish reason, usage if asked,
     then `[DONE]`. However it ends (the client gone included), the request is cancelled."""
     ids, sent, first = [], "", True
+    ts = TextStream(s.llm.tokenizer)  # the text as it grows: each event decodes only its own tokens
     try:
         if chat:  # the role comes first, as OpenAI's stream does
             yield _sse(completion_body(rid, s.model, chat, "", None, None, delta=True, first=True))
@@ -146,7 +147,8 @@ async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_us
                 yield _sse(APIError(500, ev.error, type="server_error").body())
                 break
             ids += ev.token_ids
-            text = ev.text if ev.text is not None else _complete_utf8(s.llm.tokenizer, ids)
+            ts.push(ev.token_ids)
+            text = ev.text if ev.text is not None else ts.text  # a finished row's event carries its text
             if ev.finish_reason is None:  # what may be the start of a stop string waits for the next tokens
                 text = text[: len(text) - stop_prefix_len(text, req.params.stop)]
             if len(text) > len(sent) or ev.finish_reason is not None:
