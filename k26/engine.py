@@ -305,13 +305,16 @@ class LLM:
                 ts.push(o.token_ids[ts.ids :])
                 if o.finish_reason == "stop":
                     text = o.text  # cut before the stop string (empty when it came first)
+                    end = len(text)
                 elif o.finish_reason is not None:
                     text = ts.finish()
+                    end = len(text)
                 else:  # what may begin a stop string waits for the next tokens
-                    text = ts.text[: len(ts.text) - stop_prefix_len(ts.text, sp.stop)]
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
+                    text = ts.text
+                    end = len(text) - stop_prefix_len(text, sp.stop)
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
         except GeneratorExit:
             if self._ranks is not None:
                 # The caller stopped iterating early: the ranks run the mirrored stream to its end, so this

@@ -135,7 +135,7 @@ async def whole(s: Served, request: Request, req: EngineRequest, rid: str, chat:
 async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_usage: bool):
     """Server-sent chunks: text increments of whole UTF-8 characters, the finish reason, usage if asked,
     then `[DONE]`. However it ends (the client gone included), the request is cancelled."""
-    ids, sent, first = [], "", True
+    sent, first = 0, True  # sent: characters streamed so far
     ts = TextStream(s.llm.tokenizer)  # the text as it grows: each event decodes only its own tokens
     try:
         if chat:  # the role comes first, as OpenAI's stream does
@@ -146,13 +146,13 @@ async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_us
             if ev.error is not None:
                 yield _sse(APIError(500, ev.error, type="server_error").body())
                 break
-            ids += ev.token_ids
             ts.push(ev.token_ids)
             text = ev.text if ev.text is not None else ts.text  # a finished row's event carries its text
+            end = len(text)
             if ev.finish_reason is None:  # what may be the start of a stop string waits for the next tokens
-                text = text[: len(text) - stop_prefix_len(text, req.params.stop)]
-            if len(text) > len(sent) or ev.finish_reason is not None:
-                piece, sent = text[len(sent) :], text
+                end -= stop_prefix_len(text, req.params.stop)
+            if end > sent or ev.finish_reason is not None:
+                piece, sent = text[sent:end], max(sent, end)
                 yield _sse(
                     completion_body(
                         rid, s.model, chat, piece, ev.finish_reason, None, delta=True, first=first
@@ -162,7 +162,7 @@ async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_us
             if ev.finish_reason is not None:
                 if include_usage:
                     body = completion_body(
-                        rid, s.model, chat, "", None, usage(len(req.prompt_ids), len(ids)), delta=True
+                        rid, s.model, chat, "", None, usage(len(req.prompt_ids), ts.ids), delta=True
                     )
                     body["choices"] = []
                     yield _sse(body)
