@@ -3,6 +3,9 @@
 python profiling/debug/moe_debug.py            # the dumps
 python profiling/debug/moe_debug.py --router   # only the router kernel at the TP8 shape, M = 1 (a target
                                                # for ncu --kernel-name regex:router_kernel)
+python profiling/debug/moe_debug.py --op hot10 64   # only the expert op (+ shared expert) at the TP8 shape,
+                                               # the routing kind and M given, 3 launches (a target for
+                                               # ncu --kernel-name regex:gemm_kernel --launch-skip 2 -c 2)
 """
 
 import sys
@@ -122,8 +125,24 @@ def router_only(reps: int = 3) -> None:
     torch.cuda.synchronize()
 
 
+def op_only(kind: str, M: int, reps: int = 3) -> None:
+    from test_moe_gpu import shared_weights
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, K, D, I = 384, 8, 7168, 256
+    w, sh = random_repacked(E, D, I, gen), shared_weights(D, I, gen)
+    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = routing(kind, M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    for _ in range(reps):
+        torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    torch.cuda.synchronize()
+
+
 if "--router" in sys.argv:
     router_only()
+elif "--op" in sys.argv:
+    i = sys.argv.index("--op")
+    op_only(sys.argv[i + 1], int(sys.argv[i + 2]))
 else:
     run(8, 2, 64, 64, 1, "uniform", 1)
     run(64, 8, 256, 64, 8, "each_once", 3)
