@@ -1,8 +1,10 @@
-"""Independent implementations k26 is checked against (transformers, compressed-tensors)."""
+"""Independent implementations k26 is checked against (transformers, compressed-tensors), and the random
+inputs several test files share."""
 
 import torch
 
 from k26.hf_state import deepseek_v3_state
+from k26.ops import pack_int4
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 600) -> list[list[int]]:
@@ -12,6 +14,26 @@ def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 600) -> lis
         torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n)
     ]
+
+
+def random_int4_experts(E: int, D: int, inter: int, g: torch.Generator, min_scale: float = 0.01) -> tuple:
+    """E random experts in the checkpoint layout (compressed-tensors pack-quantized int4, one bf16 scale per
+    32 inputs): gate, gate scale, up, up scale, down, down scale, drawn from `g` in that order."""
+
+    def packed(o, i):
+        return pack_int4(torch.randint(-8, 8, (E, o, i), generator=g, dtype=torch.int8))
+
+    def scale(o, i):
+        return (torch.rand(E, o, i // 32, generator=g) * 0.1 + min_scale).to(torch.bfloat16)
+
+    return (
+        packed(inter, D),
+        scale(inter, D),
+        packed(inter, D),
+        scale(inter, D),
+        packed(D, inter),
+        scale(D, inter),
+    )
 
 
 def hf_oracle(path):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from oracles import random_int4_experts
 
 from k26.ops import pack_int4
 from k26.ops.moe_cuda import check_inputs, route_table, route_table_size
@@ -9,22 +10,7 @@ from k26.ops.moe_layout import repack, repack_experts, unrepack, w13_row_order
 
 
 def experts(E=3, D=128, inter=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def packed(o, i):
-        return pack_int4(torch.randint(-8, 8, (E, o, i), generator=g, dtype=torch.int8))
-
-    def scale(o, i):
-        return (torch.rand(E, o, i // 32, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
-
-    return (
-        packed(inter, D),
-        scale(inter, D),
-        packed(inter, D),
-        scale(inter, D),
-        packed(D, inter),
-        scale(D, inter),
-    )
+    return random_int4_experts(E, D, inter, torch.Generator().manual_seed(seed))
 
 
 def test_repack_round_trip():

@@ -2,29 +2,17 @@
 layout plus the shared expert's MLP, added after the routed sum is rounded, as MoE.forward did separately."""
 
 import torch
+from oracles import random_int4_experts
 
 import k26.ops  # noqa: F401  (registers the ops)
-from k26.ops import pack_int4, reference
+from k26.ops import reference
 from k26.ops.moe_layout import repack_experts
 
 
 def inputs(T=6, E=4, D=64, inter=64, K=2, seed=0):
     g = torch.Generator().manual_seed(seed)
 
-    def packed(o, i):
-        return pack_int4(torch.randint(-8, 8, (E, o, i), generator=g, dtype=torch.int8))
-
-    def scale(o, i):
-        return (torch.rand(E, o, i // 32, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
-
-    ct = (
-        packed(inter, D),
-        scale(inter, D),
-        packed(inter, D),
-        scale(inter, D),
-        packed(D, inter),
-        scale(D, inter),
-    )
+    ct = random_int4_experts(E, D, inter, g)
     shared = tuple(
         (torch.randn(*s, generator=g) * 0.1).to(torch.bfloat16) for s in ((inter, D), (inter, D), (D, inter))
     )

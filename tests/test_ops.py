@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from oracles import random_int4_experts
 
 import k26.ops  # noqa: F401  (registers the ops)
-from k26.ops import OPS, causal_words, pack_int4, reference
+from k26.ops import OPS, causal_words, reference
 
 
 def test_ops_lists_every_registered_op():
@@ -27,27 +28,10 @@ def test_every_op_is_registered_with_a_fake():
 
 def moe_inputs(T=5, E=4, D=64, inter=64, K=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-
-    def packed(o, i):
-        return pack_int4(torch.randint(-8, 8, (E, o, i), generator=g, dtype=torch.int8))
-
-    def scale(o, i):
-        return (torch.rand(E, o, i // 32, generator=g) * 0.1).to(torch.bfloat16)
-
     x = torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)
-    return (
-        x,
-        packed(inter, D),
-        scale(inter, D),
-        packed(inter, D),
-        scale(inter, D),
-        packed(D, inter),
-        scale(D, inter),
-        ids,
-        w,
-    )
+    return (x, *random_int4_experts(E, D, inter, g, min_scale=0.0), ids, w)
 
 
 def test_moe_opcheck():
