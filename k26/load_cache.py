@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .shard_reader import DTYPES, Piece, ReadStats, fill_alone, io_read_bytes, tensor_spans
+from .shard_reader import DTYPES, Piece, ReadStats, fill_alone, io_read_bytes, staged_read, tensor_spans
 from .stager import Stager
-from .startup import phase_bar
 
 FORMAT = 1
 _CODE = ("loader.py", "shard_reader.py", "load_cache.py", "config.py", "model/*.py", "ops/int4.py")
@@ -156,16 +155,8 @@ class LoadCache:
             for k in params
         ]
         stager = Stager(torch.device(device))
-        bar = phase_bar("read", sum(p.nbytes for p in pieces), "B", progress)
-        try:
-            fill_alone(params, pieces, stager, bar)
-        finally:
-            bar.close()
-            stager.close()
-        io1 = io_read_bytes()
-        dt = time.perf_counter() - t0
-        disk = None if io0 is None or io1 is None else io1 - io0
-        return ReadStats(stager.bytes_read, disk, dt, {"read": dt}, from_cache=True)
+        fill = lambda bar: fill_alone(params, pieces, stager, bar)
+        return staged_read(fill, pieces, stager, progress, t0, io0, from_cache=True)
 
     def write(self, model: torch.nn.Module) -> None:
         tmp, mtmp = self.dir / f"weights.{os.getpid()}.tmp", self.dir / f"meta.{os.getpid()}.tmp"

@@ -73,6 +73,23 @@ def io_read_bytes() -> int | None:
     return None
 
 
+def staged_read(fill, pieces, stager: Stager, progress: bool, t0: float, io0: int | None, **kw) -> ReadStats:
+    """`fill(bar)` the pieces through `stager` under the read phase's progress bar, close both however it
+    ends, and count what was read since `t0` / `io0` (`kw`: more `ReadStats` fields)."""
+    from .startup import phase_bar  # lazily: tqdm only when a load runs
+
+    bar = phase_bar("read", sum(p.nbytes for p in pieces), "B", progress)
+    try:
+        fill(bar)
+    finally:
+        bar.close()
+        stager.close()
+    io1 = io_read_bytes()
+    disk = None if io0 is None or io1 is None else io1 - io0
+    dt = time.perf_counter() - t0
+    return ReadStats(stager.bytes_read, disk, dt, {"read": dt}, **kw)
+
+
 def read_small(f: Path, span: tuple[int, int], dtype: str) -> torch.Tensor:
     """One small tensor's exact bytes (e.g. an int4 `weight_shape`), without mapping or readahead."""
     fd = open_random(f)
@@ -357,8 +374,6 @@ def read_into(
 ) -> ReadStats:
     """Fill `model`'s parameters from the planned `items` (see `loader.plan_load`); returns what was read.
     `progress`: the "read" line (bytes, GB/s, ETA; in coordinated mode the bytes of every rank)."""
-    from .startup import phase_bar
-
     device = torch.device(device)
     t0, io0 = time.perf_counter(), io_read_bytes()
     spans = tensor_spans(sorted({infos[it.hf].file for it in items}, key=str))
@@ -377,17 +392,11 @@ def read_into(
         xdev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     stamps = {infos[it.hf].file: infos[it.hf].stamp for it in items if infos[it.hf].stamp is not None}
     stager = Stager(xdev, chunk, stamps=stamps)
-    total = sum(p.nbytes for p in pieces)
-    bar = phase_bar("read", total, "B", progress)
-    try:
+
+    def fill(bar) -> None:
         if coordinated:
             fill_coordinated(params, pieces, stager, rank, size, group, device, bar)
         else:
             fill_alone(params, pieces, stager, bar)
-    finally:
-        bar.close()
-        stager.close()
-    io1 = io_read_bytes()
-    disk = None if io0 is None or io1 is None else io1 - io0
-    dt = time.perf_counter() - t0
-    return ReadStats(stager.bytes_read, disk, dt, {"read": dt})
+
+    return staged_read(fill, pieces, stager, progress, t0, io0)
