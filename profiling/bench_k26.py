@@ -22,14 +22,13 @@ import argparse
 import datetime
 import math
 import os
-import statistics
 import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernel_table import record, run_variants
+from kernel_table import experts_touched, record, run_variants
 from timing import copy_bandwidth, events_time
 
 from k26.config import K26_TEXT_CONFIG, ModelConfig
@@ -231,10 +230,10 @@ def main() -> None:
     for m in model.modules():
         if isinstance(m, Int4Experts):
             m.register_forward_pre_hook(count)
+    counter = (touched, counting)
     if a.variants:
         lines[-2:] = ["| variant | ctx L | verify N | time ms | experts/layer | GB read | GB/s | % copy BW |"]
         lines.append("|---|---|---|---|---|---|---|---|")
-        counter = (touched, counting)
         lines += run_variants(
             model, cfg, a, ctxs[0], nodes, counter, (nonrouted, per_expert, copy_bw), graph_step_time
         )
@@ -258,12 +257,7 @@ def main() -> None:
                 h, _ = model(ids, batch, cache, aux_layers=dcfg.target_layer_ids)
                 model.logits(h)
 
-            touched.clear()
-            counting[0] = True
-            with torch.compiler.set_stance("force_eager"):  # the counting hook syncs: never traced
-                verify()
-            counting[0] = False
-            experts = statistics.mean(touched) if touched else 0
+            experts = experts_touched(verify, counter)
             t = graph_step_time(verify, lambda: None)
             gb = (nonrouted + experts * per_expert * moe_layers + kv_bytes) / 1e9
             lines.append(

@@ -149,9 +149,22 @@ def apply_variant(model, name: str) -> None:
     use_linear_kernel(model, name == "fused-all")
 
 
+def experts_touched(verify, counter) -> float:
+    """Mean experts per MoE layer that one eager pass of `verify` touches (`counter`: the list the counting
+    hook appends to and its on switch; the hook syncs with the host, so the pass is never traced)."""
+    touched, counting = counter
+    touched.clear()
+    counting[0] = True
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            verify()
+    finally:
+        counting[0] = False
+    return statistics.mean(touched) if touched else 0
+
+
 def run_variants(model, cfg, a, L, nodes, counter, sizes, graph_step_time) -> list[str]:
     """Step time of each variant at each N, and its per-kernel table at --table-nodes."""
-    touched, counting = counter
     nonrouted, per_expert, copy_bw = sizes
     dev = torch.device("cuda")
     table_nodes = {int(x) for x in a.table_nodes.split(",") if x}
@@ -175,12 +188,7 @@ def run_variants(model, cfg, a, L, nodes, counter, sizes, graph_step_time) -> li
                 h, _ = model(ids, batch, cache)
                 model.logits(h)
 
-            touched.clear()
-            counting[0] = True
-            with torch.compiler.set_stance("force_eager"):  # the counting hook syncs: never traced
-                verify()
-            counting[0] = False
-            experts = statistics.mean(touched) if touched else 0
+            experts = experts_touched(verify, counter)
             kernels: list | None = [] if N in table_nodes else None
             t = graph_step_time(verify, lambda: None, kernels)
             gb = (nonrouted + experts * per_expert * moe_layers + kv_bytes) / 1e9
