@@ -80,6 +80,11 @@ def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: 
     return M, D, E
 
 
+# Programmatic dependent launch (csrc/moe_router.cu: the first weight batch streams in while the kernel
+# before it finishes); profiling/bench_moe_block.py flips it, with moe_cuda.PDL, to measure what it buys.
+PDL = True
+
+
 @functools.cache  # once per process, like build.library
 def _library() -> ctypes.CDLL:
     """The kernel library with this op's ctypes signatures (csrc/moe_router.cu)."""
@@ -89,9 +94,10 @@ def _library() -> ctypes.CDLL:
     lib.k26_moe_router_workspace.restype = ctypes.c_size_t
     lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
     lib.k26_moe_router.restype = ctypes.c_int
-    # x, weight, bias, barrier, workspace, out_w, out_ids; M, D, E, n_group, topk_group, topk, renormalize
+    # x, weight, bias, barrier, workspace, out_w, out_ids; M, D, E, n_group, topk_group, topk, renormalize;
+    # scale; pdl; stream
     ptrs, ints = [ctypes.c_void_p] * 7, [ctypes.c_int] * 7
-    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_void_p]
+    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -122,6 +128,7 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
         topk,
         int(renormalize),
         scale,
+        int(PDL),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

@@ -37,7 +37,22 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Phase timestamps for profiling/debug/router_trace.py (built with -DK26_ROUTER_TRACE; absent otherwise).
+#ifdef K26_ROUTER_TRACE
+__device__ unsigned long long g_router_trace[1024][8];
+#define TRACE(k)                                                         \
+  if (threadIdx.x == 0 && blockIdx.x < 1024) {                           \
+    unsigned long long t_;                                               \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));               \
+    g_router_trace[blockIdx.x][k] = t_;                                  \
+  }
+#else
+#define TRACE(k)
+#endif
 
 namespace {
 
@@ -102,6 +117,8 @@ __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float ac
 #pragma unroll
         for (int q = 0; q < 2; ++q)
           wv[u][h][q] = (c + u < c1 && wr[h]) ? __ldcs(wr[h] + (size_t)(c + u) * 8 + q) : zero;  // streamed once
+    // PDL: the first weight batch (a constant) is in flight while the kernel before us finishes; x is its output.
+    if (c == c0) pdl_wait();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c + u >= c1) break;
@@ -132,6 +149,7 @@ __device__ void logits_phase(const Args& a, float (*red)[NT * 4][32]) {
     const int cb = ks * a.chunks_per_ks, ce = min(kc, cb + a.chunks_per_ks), n = ce - cb;
     float acc[NT][4];
     dot_tile<NT>(a, mt * 8 * NT, rt * 16, cb + warp * n / kWarps, cb + (warp + 1) * n / kWarps, acc);
+    TRACE(1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -193,40 +211,53 @@ __device__ __forceinline__ void local_best(const float* choice, int E, int lane,
   }
 }
 
-// One warp: the group-limited top-k of one token from choice[] / score[] in shared memory.
-__device__ void select_topk(const Args& a, float* choice, const float* score, int tok) {
-  const int lane = threadIdx.x & 31;
-  uint32_t keep = 0xffffffffu;
-  if (a.n_group > 1) {
-    const int gs = a.E / a.n_group;
-    float gscore = -INFINITY;
-    for (int gi = 0; gi < a.n_group; ++gi) {
-      float b1 = -INFINITY, b2 = -INFINITY;  // this lane's two best of the group
-      for (int e = gi * gs + lane; e < (gi + 1) * gs; e += 32) {
-        const float v = choice[e];
-        if (v > b1) b2 = b1, b1 = v; else if (v > b2) b2 = v;
-      }
+// One warp: keep only the topk_group groups with the largest sum of their two best choices (n_group > 1);
+// experts of dropped groups get -inf, so they can only be chosen after every kept one (as the reference).
+__device__ void group_mask(const Args& a, float* choice) {
+  const int lane = threadIdx.x & 31, gs = a.E / a.n_group;
+  float gscore = -INFINITY;
+  for (int gi = 0; gi < a.n_group; ++gi) {
+    float b1 = -INFINITY, b2 = -INFINITY;  // this lane's two best of the group
+    for (int e = gi * gs + lane; e < (gi + 1) * gs; e += 32) {
+      const float v = choice[e];
+      if (v > b1) b2 = b1, b1 = v; else if (v > b2) b2 = v;
+    }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
-        if (o1 > b1) b2 = fmaxf(b1, o2), b1 = o1; else b2 = fmaxf(b2, o1);
-      }
-      if (lane == gi) gscore = b1 + b2;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float o1 = __shfl_xor_sync(0xffffffffu, b1, o), o2 = __shfl_xor_sync(0xffffffffu, b2, o);
+      if (o1 > b1) b2 = fmaxf(b1, o2), b1 = o1; else b2 = fmaxf(b2, o1);
     }
-    keep = 0;
-    for (int k = 0; k < a.topk_group; ++k) {
-      float v = (lane < a.n_group && !(keep >> lane & 1)) ? gscore : -INFINITY;
-      int idx = (lane < a.n_group && !(keep >> lane & 1)) ? lane : -1;
-      warp_argmax(v, idx);
-      if (idx >= 0) keep |= 1u << idx;
-    }
-    // Experts of dropped groups can only be chosen after every kept one (-inf, as the reference).
-    for (int e = lane; e < a.E; e += 32)
-      if (!(keep >> (e / gs) & 1)) choice[e] = -INFINITY;
-    __syncwarp();
+    if (lane == gi) gscore = b1 + b2;
   }
-  // Each lane keeps the best of its own experts (e ≡ lane mod 32); per pick one redux.sync finds the best
-  // key, the lowest lane holding it gives its expert, and only that lane rescans its own experts.
+  uint32_t keep = 0;
+  for (int k = 0; k < a.topk_group; ++k) {
+    float v = (lane < a.n_group && !(keep >> lane & 1)) ? gscore : -INFINITY;
+    int idx = (lane < a.n_group && !(keep >> lane & 1)) ? lane : -1;
+    warp_argmax(v, idx);
+    if (idx >= 0) keep |= 1u << idx;
+  }
+  for (int e = lane; e < a.E; e += 32)
+    if (!(keep >> (e / gs) & 1)) choice[e] = -INFINITY;
+}
+
+// One warp, lane k holding the k-th chosen expert `mine` (k < topk): the weights, summed in k order.
+__device__ void write_choice(const Args& a, const float* score, int tok, int mine) {
+  const int lane = threadIdx.x & 31;
+  const float s = lane < a.topk ? score[mine] : 0.f;
+  float sum = 0.f;  // in k order, as every lane sees the same sequence
+  for (int k = 0; k < a.topk; ++k) sum += __shfl_sync(0xffffffffu, s, k);
+  if (lane < a.topk) {
+    const float w = a.renormalize ? s / (sum + 1e-20f) : s;
+    a.out_w[(size_t)tok * a.topk + lane] = w * a.scale;
+    a.out_ids[(size_t)tok * a.topk + lane] = mine;
+  }
+}
+
+// One warp, any topk <= 32: per pick one redux.sync finds the best key among the lanes' own bests
+// (e ≡ lane mod 32), the lowest lane holding it gives its expert, and only that lane rescans its experts.
+// A serial chain of topk picks (~2 µs for 8 of 384): used only where topk > kFastTopk.
+__device__ void topk_serial(const Args& a, float* choice, const float* score, int tok) {
+  const int lane = threadIdx.x & 31;
   uint32_t key;
   int idx;
   local_best(choice, a.E, lane, key, idx);
@@ -242,22 +273,86 @@ __device__ void select_topk(const Args& a, float* choice, const float* score, in
     }
   }
   __syncwarp();
-  const float s = lane < a.topk ? score[mine] : 0.f;
-  float sum = 0.f;  // in k order, as every lane sees the same sequence
-  for (int k = 0; k < a.topk; ++k) sum += __shfl_sync(0xffffffffu, s, k);
-  if (lane < a.topk) {
-    const float w = a.renormalize ? s / (sum + 1e-20f) : s;
-    a.out_w[(size_t)tok * a.topk + lane] = w * a.scale;
-    a.out_ids[(size_t)tok * a.topk + lane] = mine;
+  write_choice(a, score, tok, mine);
+}
+
+// Top-kFastTopk as sorted lists of 64-bit keys (order_key(choice) above, ~expert below: distinct keys, and
+// an exact tie goes to the lower expert id). Every thread folds its experts into its own list; lists merge
+// pairwise in a butterfly (warp shuffles), then the 8 warps' lists in warp 0. Merging two descending lists
+// A, B: max(A[i], B[7 - i]) is the 8 largest of both as a bitonic sequence, which three half-cleaners sort.
+constexpr int kFastTopk = 8;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void bitonic_sort8(u64 t[kFastTopk]) {
+#pragma unroll
+  for (int s = 4; s > 0; s >>= 1)
+#pragma unroll
+    for (int i = 0; i < kFastTopk; ++i)
+      if (!(i & s)) {
+        const u64 hi = t[i] > t[i + s] ? t[i] : t[i + s], lo = t[i] > t[i + s] ? t[i + s] : t[i];
+        t[i] = hi, t[i + s] = lo;
+      }
+}
+
+__device__ __forceinline__ void merge_xor(u64 l[kFastTopk], int o) {
+  u64 t[kFastTopk];
+#pragma unroll
+  for (int i = 0; i < kFastTopk; ++i) {
+    const u64 p = __shfl_xor_sync(0xffffffffu, l[kFastTopk - 1 - i], o);
+    t[i] = l[i] > p ? l[i] : p;
   }
+  bitonic_sort8(t);
+#pragma unroll
+  for (int i = 0; i < kFastTopk; ++i) l[i] = t[i];
+}
+
+// All threads of the block (one barrier inside); warp 0 writes the outputs.
+__device__ void topk_fast(const Args& a, const float* choice, const float* score, int tok, u64 (*lists)[kFastTopk]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u64 l[kFastTopk];
+#pragma unroll
+  for (int i = 0; i < kFastTopk; ++i) l[i] = 0ull;  // below every expert (order_key(-inf) > 0)
+  for (int e = threadIdx.x; e < a.E; e += kThreads) {
+    u64 k = (u64)order_key(choice[e]) << 32 | (uint32_t)~e;
+#pragma unroll
+    for (int i = 0; i < kFastTopk; ++i) {  // insertion: k sinks to its place, the smallest falls off
+      const u64 hi = l[i] > k ? l[i] : k;
+      k = l[i] > k ? k : l[i];
+      l[i] = hi;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) merge_xor(l, o);
+  if (lane < kFastTopk) {
+#pragma unroll
+    for (int i = 0; i < kFastTopk; ++i)
+      if (i == lane) lists[warp][i] = l[i];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int i = 0; i < kFastTopk; ++i) l[i] = lists[lane % kWarps][i];
+#pragma unroll
+  for (int o = kWarps / 2; o > 0; o >>= 1) merge_xor(l, o);
+  int mine = -1;
+#pragma unroll
+  for (int i = 0; i < kFastTopk; ++i)
+    if (i == lane) mine = (int)~(uint32_t)l[i];
+  write_choice(a, score, tok, mine);
 }
 
 template <int NT>
 __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ float choice[kMaxE], score[kMaxE];
+  __shared__ u64 lists[kWarps][kFastTopk];
+  TRACE(0);
   logits_phase<NT>(a, red);
+  TRACE(2);
+  pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
   grid_barrier(a.barrier);
+  TRACE(3);
+  pdl_trigger();  // all blocks are resident and past phase 1: the expert op may start launching
   for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
     for (int e = threadIdx.x; e < a.E; e += kThreads) {
       float l = 0.f;
@@ -271,8 +366,15 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
       choice[e] = isnan(c) ? -INFINITY : c;
     }
     __syncthreads();
-    if (threadIdx.x < 32) select_topk(a, choice, score, tok);
+    TRACE(4);
+    if (a.n_group > 1) {
+      if (threadIdx.x < 32) group_mask(a, choice);
+      __syncthreads();
+    }
+    if (a.topk <= kFastTopk) topk_fast(a, choice, score, tok, lists);
+    else if (threadIdx.x < 32) topk_serial(a, choice, score, tok);
     __syncthreads();
+    TRACE(5);
   }
 }
 
@@ -309,6 +411,16 @@ Plan plan(int M, int D, int E) {
 
 }  // namespace
 
+#ifdef K26_ROUTER_TRACE
+K26_EXPORT int k26_moe_router_trace(void* host) {
+  return (int)cudaMemcpyFromSymbol(host, g_router_trace, sizeof(g_router_trace));
+}
+K26_EXPORT int k26_moe_router_trace_reset() {
+  static unsigned long long zeros[1024][8];
+  return (int)cudaMemcpyToSymbol(g_router_trace, zeros, sizeof(zeros));
+}
+#endif
+
 K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
   const Plan p = plan(M, D, E);
   return (size_t)p.ks * M * E * sizeof(float);
@@ -318,16 +430,12 @@ K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
 // D % 64 == 0, E <= 1024, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group.
 K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
                               float* out_w, int64_t* out_ids, int M, int D, int E, int n_group, int topk_group,
-                              int topk, int renormalize, float scale, void* stream) {
+                              int topk, int renormalize, float scale, int pdl, void* stream) {
   if (E > kMaxE || topk > kMaxTopk || topk > E || n_group > kMaxGroups || D % 64) return (int)cudaErrorInvalidValue;
   const Plan p = plan(M, D, E);
   Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids,
          M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, scale};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  switch (p.nt) {
-    case 1: router_kernel<1><<<p.grid, kThreads, 0, st>>>(a); break;
-    case 2: router_kernel<2><<<p.grid, kThreads, 0, st>>>(a); break;
-    default: router_kernel<4><<<p.grid, kThreads, 0, st>>>(a); break;
-  }
-  return (int)cudaGetLastError();
+  void (*kernel)(Args) = p.nt == 1 ? router_kernel<1> : p.nt == 2 ? router_kernel<2> : router_kernel<4>;
+  return (int)launch_pdl(kernel, dim3(p.grid), dim3(kThreads), 0, pdl != 0, st, a);
 }
