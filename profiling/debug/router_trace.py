@@ -35,7 +35,8 @@ lib.k26_moe_router_workspace.restype = ctypes.c_size_t
 lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
 lib.k26_moe_router.restype = ctypes.c_int
 pdl = [] if a.legacy else [ctypes.c_int]
-lib.k26_moe_router.argtypes = [*[ctypes.c_void_p] * 7, *[ctypes.c_int] * 7, ctypes.c_float, *pdl, ctypes.c_void_p]
+ptrs, ints = [ctypes.c_void_p] * 7, [ctypes.c_int] * 7
+lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, *pdl, ctypes.c_void_p]
 
 gen = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(a.m, a.d, device="cuda", generator=gen).bfloat16()
@@ -58,7 +59,8 @@ for _ in range(4):  # the last launch is the one read back
     torch.cuda.synchronize()
 ref_w, ref_ids = router_cuda.reference.moe_router(x, w, bias, 1, 1, 8, True, 2.827)
 same = (out_ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()
-print(f"top-k sets equal to the reference on {same:.3f} of rows; weights max err {(out_w - ref_w).abs().max():.2e}")
+err = (out_w.sort(-1).values - ref_w.sort(-1).values).abs().max()
+print(f"top-k sets equal to the reference on {same:.3f} of rows; sorted weights max err {err:.2e}")
 host = (ctypes.c_ulonglong * (1024 * 8))()
 assert lib.k26_moe_router_trace(host) == 0
 t = torch.tensor(list(host), dtype=torch.float64).view(1024, 8)
