@@ -61,13 +61,15 @@ ref_w, ref_ids = router_cuda.reference.moe_router(x, w, bias, 1, 1, 8, True, 2.8
 same = (out_ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()
 err = (out_w.sort(-1).values - ref_w.sort(-1).values).abs().max()
 print(f"top-k sets equal to the reference on {same:.3f} of rows; sorted weights max err {err:.2e}")
-host = (ctypes.c_ulonglong * (1024 * 8))()
+host = (ctypes.c_ulonglong * (1024 * 16))()
 assert lib.k26_moe_router_trace(host) == 0
-t = torch.tensor(list(host), dtype=torch.float64).view(1024, 8)
+t = torch.tensor(list(host), dtype=torch.float64).view(1024, 16)
 used = t[:, 0] > 0
 t0 = t[used, 0].min()
 rel = torch.where(t > 0, (t - t0) / 1e3, torch.full_like(t, float("nan")))
-names = {0: "start", 1: "dot done", 2: "partial written", 3: "barrier passed", 4: "scores", 5: "top-k done"}
+names = {0: "start", 1: "dot done", 2: "partial written", 3: "barrier passed", 4: "scores"}
+names |= {6: "inserted", 7: "warp merged", 8: "lists shared", 9: "block merged"}
+names |= {10: "written", 5: "top-k done"}
 print(f"M={a.m} blocks={int(used.sum())}")
 for k, nm in names.items():
     col = rel[used, k]

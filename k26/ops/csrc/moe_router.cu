@@ -43,7 +43,7 @@
 
 // Phase timestamps for profiling/debug/router_trace.py (built with -DK26_ROUTER_TRACE; absent otherwise).
 #ifdef K26_ROUTER_TRACE
-__device__ unsigned long long g_router_trace[1024][8];
+__device__ unsigned long long g_router_trace[1024][16];
 #define TRACE(k)                                                         \
   if (threadIdx.x == 0 && blockIdx.x < 1024) {                           \
     unsigned long long t_;                                               \
@@ -186,6 +186,25 @@ __device__ void grid_barrier(int* bar) {
   __syncthreads();
 }
 
+#ifdef K26_ROUTER_GEN_BARRIER
+// Experiment: generation barrier (bar[1] counts launches): the last arrival re-arms and releases in one go.
+__device__ void grid_barrier_gen(int* bar, int gen) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&bar[0], 1) == (int)gridDim.x - 1) {
+      atomicExch(&bar[0], 0);
+      __threadfence();
+      atomicAdd(&bar[1], 1);
+    } else {
+      while (*reinterpret_cast<volatile int*>(&bar[1]) == gen) __nanosleep(20);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+#endif
+
 // Warp argmax over (value, index): larger value wins, ties go to the lower index; NaN marks "taken".
 __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
 #pragma unroll
@@ -321,24 +340,29 @@ __device__ void topk_fast(const Args& a, const float* choice, const float* score
       l[i] = hi;
     }
   }
+  TRACE(6);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) merge_xor(l, o);
+  TRACE(7);
   if (lane < kFastTopk) {
 #pragma unroll
     for (int i = 0; i < kFastTopk; ++i)
       if (i == lane) lists[warp][i] = l[i];
   }
   __syncthreads();
+  TRACE(8);
   if (warp != 0) return;
 #pragma unroll
   for (int i = 0; i < kFastTopk; ++i) l[i] = lists[lane % kWarps][i];
 #pragma unroll
   for (int o = kWarps / 2; o > 0; o >>= 1) merge_xor(l, o);
+  TRACE(9);
   int mine = -1;
 #pragma unroll
   for (int i = 0; i < kFastTopk; ++i)
     if (i == lane) mine = (int)~(uint32_t)l[i];
   write_choice(a, score, tok, mine);
+  TRACE(10);
 }
 
 template <int NT>
@@ -347,22 +371,49 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ float choice[kMaxE], score[kMaxE];
   __shared__ u64 lists[kWarps][kFastTopk];
   TRACE(0);
+#ifdef K26_ROUTER_GEN_BARRIER
+  const int gen = threadIdx.x == 0 ? *reinterpret_cast<volatile int*>(&a.barrier[1]) : 0;
+#endif
+  // The correction bias (a constant) of this thread's experts, for the token blocks of phase 2: loads issued
+  // now land during phase 1 (loaded after the barrier they cost a DRAM round trip, ~1 µs cold).
+  float bias[kMaxE / kThreads];
+#pragma unroll
+  for (int j = 0; j < kMaxE / kThreads; ++j) {
+    const int e = threadIdx.x + j * kThreads;
+    bias[j] = blockIdx.x < a.M && e < a.E ? __ldg(a.bias + e) : 0.f;
+  }
   logits_phase<NT>(a, red);
   TRACE(2);
   pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
+#ifdef K26_ROUTER_GEN_BARRIER
+  grid_barrier_gen(a.barrier, gen);
+#else
   grid_barrier(a.barrier);
+#endif
   TRACE(3);
   pdl_trigger();  // all blocks are resident and past phase 1: the expert op may start launching
   for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
-    for (int e = threadIdx.x; e < a.E; e += kThreads) {
-      float l = 0.f;
-#pragma unroll 8
-      for (int k = 0; k < a.ks; ++k) l += __ldcg(a.partial + ((size_t)k * a.M + tok) * a.E + e);  // k order
-      const float s = 1.f / (1.f + expf(-l));
+    // Every partial of this thread's experts in flight at once (one L2 round trip, not one per expert);
+    // each logit still sums its k ranges in k order (deterministic).
+    float l[kMaxE / kThreads];
+#pragma unroll
+    for (int j = 0; j < kMaxE / kThreads; ++j) l[j] = 0.f;
+#pragma unroll 4
+    for (int k = 0; k < a.ks; ++k)
+#pragma unroll
+      for (int j = 0; j < kMaxE / kThreads; ++j) {
+        const int e = threadIdx.x + j * kThreads;
+        if (e < a.E) l[j] += __ldcg(a.partial + ((size_t)k * a.M + tok) * a.E + e);
+      }
+#pragma unroll
+    for (int j = 0; j < kMaxE / kThreads; ++j) {
+      const int e = threadIdx.x + j * kThreads;
+      if (e >= a.E) continue;
+      const float s = 1.f / (1.f + expf(-l[j]));
       score[e] = s;
       // A NaN logit (a poisoned or padded row) must still give valid expert ids: it ranks below -inf, and
-      // NaN itself stays the "taken" mark of select_topk (an all-NaN row returned id -1 and read score[-1]).
-      const float c = s + a.bias[e];
+      // NaN itself stays the "taken" mark of topk_serial (an all-NaN row returned id -1 and read score[-1]).
+      const float c = s + (tok == blockIdx.x ? bias[j] : __ldg(a.bias + e));  // later tokens: M > grid
       choice[e] = isnan(c) ? -INFINITY : c;
     }
     __syncthreads();
@@ -416,7 +467,7 @@ K26_EXPORT int k26_moe_router_trace(void* host) {
   return (int)cudaMemcpyFromSymbol(host, g_router_trace, sizeof(g_router_trace));
 }
 K26_EXPORT int k26_moe_router_trace_reset() {
-  static unsigned long long zeros[1024][8];
+  static unsigned long long zeros[1024][16];
   return (int)cudaMemcpyToSymbol(g_router_trace, zeros, sizeof(zeros));
 }
 #endif
