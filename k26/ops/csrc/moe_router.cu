@@ -295,72 +295,77 @@ __device__ void topk_serial(const Args& a, float* choice, const float* score, in
   write_choice(a, score, tok, mine);
 }
 
-// Top-kFastTopk as sorted lists of 64-bit keys (order_key(choice) above, ~expert below: distinct keys, and
-// an exact tie goes to the lower expert id). Every thread folds its experts into its own list; lists merge
-// pairwise in a butterfly (warp shuffles), then the 8 warps' lists in warp 0. Merging two descending lists
-// A, B: max(A[i], B[7 - i]) is the 8 largest of both as a bitonic sequence, which three half-cleaners sort.
+// Top-kFastTopk in two rounds of redux.sync picks, all in registers: each warp picks the best kFastTopk of
+// its own experts (thread t holds e = t + 256 j), then warp 0 picks the final kFastTopk from the 64
+// candidates. A pick: the best key of the lanes' bests (redux.sync), the lowest lane holding it gives its
+// expert and recomputes its best over its few register-held keys. An exact tie of two choices goes to one of
+// them, deterministically. (Measured 2026-12-01, H200: ~1.5 µs less than merging sorted 64-bit lists in a
+// shuffle butterfly, which spent 1.5 µs in its five rounds alone.)
 constexpr int kFastTopk = 8;
-typedef unsigned long long u64;
+constexpr int kPerThread = kMaxE / kThreads;
 
-__device__ __forceinline__ void bitonic_sort8(u64 t[kFastTopk]) {
+// `n` picks over each lane's keys key[0..J) (experts id[0..J), key 0 = empty); lane k < n gets the k-th pick.
+template <int J>
+__device__ __forceinline__ void warp_picks(uint32_t key[J], const int id[J], int n, uint32_t& got_key,
+                                           int& got_id) {
+  const int lane = threadIdx.x & 31;
+  uint32_t best = 0;
+  int bj = 0;
 #pragma unroll
-  for (int s = 4; s > 0; s >>= 1)
+  for (int j = 0; j < J; ++j)
+    if (key[j] > best) best = key[j], bj = j;
+  got_key = 0, got_id = -1;
+  for (int k = 0; k < n; ++k) {
+    const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+    const int wl = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
+    int win = 0;
 #pragma unroll
-    for (int i = 0; i < kFastTopk; ++i)
-      if (!(i & s)) {
-        const u64 hi = t[i] > t[i + s] ? t[i] : t[i + s], lo = t[i] > t[i + s] ? t[i + s] : t[i];
-        t[i] = hi, t[i + s] = lo;
-      }
-}
-
-__device__ __forceinline__ void merge_xor(u64 l[kFastTopk], int o) {
-  u64 t[kFastTopk];
+    for (int j = 0; j < J; ++j)
+      if (j == bj) win = id[j];
+    win = __shfl_sync(0xffffffffu, win, wl);
+    if (lane == k) got_key = top, got_id = win;
+    if (lane == wl) {
 #pragma unroll
-  for (int i = 0; i < kFastTopk; ++i) {
-    const u64 p = __shfl_xor_sync(0xffffffffu, l[kFastTopk - 1 - i], o);
-    t[i] = l[i] > p ? l[i] : p;
+      for (int j = 0; j < J; ++j)
+        if (j == bj) key[j] = 0;
+      best = 0, bj = 0;
+#pragma unroll
+      for (int j = 0; j < J; ++j)
+        if (key[j] > best) best = key[j], bj = j;
+    }
   }
-  bitonic_sort8(t);
-#pragma unroll
-  for (int i = 0; i < kFastTopk; ++i) l[i] = t[i];
 }
 
 // All threads of the block (one barrier inside); warp 0 writes the outputs.
-__device__ void topk_fast(const Args& a, const float* choice, const float* score, int tok, u64 (*lists)[kFastTopk]) {
+__device__ void topk_fast(const Args& a, const float* choice, const float* score, int tok, uint32_t* cand_key,
+                          int* cand_id) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  u64 l[kFastTopk];
+  uint32_t key[kPerThread];
+  int id[kPerThread];
 #pragma unroll
-  for (int i = 0; i < kFastTopk; ++i) l[i] = 0ull;  // below every expert (order_key(-inf) > 0)
-  for (int e = threadIdx.x; e < a.E; e += kThreads) {
-    u64 k = (u64)order_key(choice[e]) << 32 | (uint32_t)~e;
-#pragma unroll
-    for (int i = 0; i < kFastTopk; ++i) {  // insertion: k sinks to its place, the smallest falls off
-      const u64 hi = l[i] > k ? l[i] : k;
-      k = l[i] > k ? k : l[i];
-      l[i] = hi;
-    }
+  for (int j = 0; j < kPerThread; ++j) {
+    const int e = threadIdx.x + j * kThreads;
+    key[j] = e < a.E ? order_key(choice[e]) : 0u;  // every choice ranks above 0 (NaN became -inf)
+    id[j] = e;
   }
   TRACE(6);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) merge_xor(l, o);
+  uint32_t k1;
+  int i1;
+  warp_picks<kPerThread>(key, id, kFastTopk, k1, i1);
   TRACE(7);
-  if (lane < kFastTopk) {
-#pragma unroll
-    for (int i = 0; i < kFastTopk; ++i)
-      if (i == lane) lists[warp][i] = l[i];
-  }
+  if (lane < kFastTopk) cand_key[warp * kFastTopk + lane] = k1, cand_id[warp * kFastTopk + lane] = i1;
   __syncthreads();
   TRACE(8);
   if (warp != 0) return;
+  constexpr int C = kWarps * kFastTopk / 32;  // candidates per lane
+  uint32_t ck[C];
+  int ci[C];
 #pragma unroll
-  for (int i = 0; i < kFastTopk; ++i) l[i] = lists[lane % kWarps][i];
-#pragma unroll
-  for (int o = kWarps / 2; o > 0; o >>= 1) merge_xor(l, o);
+  for (int j = 0; j < C; ++j) ck[j] = cand_key[lane + 32 * j], ci[j] = cand_id[lane + 32 * j];
+  uint32_t k2;
+  int mine;
+  warp_picks<C>(ck, ci, a.topk, k2, mine);
   TRACE(9);
-  int mine = -1;
-#pragma unroll
-  for (int i = 0; i < kFastTopk; ++i)
-    if (i == lane) mine = (int)~(uint32_t)l[i];
   write_choice(a, score, tok, mine);
   TRACE(10);
 }
@@ -369,7 +374,8 @@ template <int NT>
 __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ float choice[kMaxE], score[kMaxE];
-  __shared__ u64 lists[kWarps][kFastTopk];
+  __shared__ uint32_t cand_key[kWarps * kFastTopk];
+  __shared__ int cand_id[kWarps * kFastTopk];
   TRACE(0);
 #ifdef K26_ROUTER_GEN_BARRIER
   const int gen = threadIdx.x == 0 ? *reinterpret_cast<volatile int*>(&a.barrier[1]) : 0;
@@ -422,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
       if (threadIdx.x < 32) group_mask(a, choice);
       __syncthreads();
     }
-    if (a.topk <= kFastTopk) topk_fast(a, choice, score, tok, lists);
+    if (a.topk <= kFastTopk) topk_fast(a, choice, score, tok, cand_key, cand_id);
     else if (threadIdx.x < 32) topk_serial(a, choice, score, tok);
     __syncthreads();
     TRACE(5);
