@@ -152,8 +152,8 @@ def test_shared_expert_in_the_grid_matches_reference(M, E, K, D, inter, kind):
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     """A routing table passed in (csrc/moe_route.cuh, here from the torch reference) replaces the op's own
-    routing launch, and programmatic dependent launch (the shared expert's blocks overlapping the routing)
-    changes no bit."""
+    routing launch (at M = 1: the GEMMs' direct routing from the ids), and programmatic dependent launch (the
+    shared expert's blocks overlapping the routing) changes no bit."""
     from k26.ops import moe_cuda
     from k26.ops.moe_cuda import pick_nt, route_table
 
