@@ -13,8 +13,11 @@
 //      tokens per mma, so M = 1 wastes no weight bytes) and reduce in shared memory in warp order;
 //      each item writes one fp32 partial per (k range, token, expert). A few k ranges per row tile
 //      give the grid enough blocks to stream the 5.5 MB weight at bandwidth.
-//   2. per token (one block each): partials summed in k-range order (deterministic), sigmoid, bias into
-//      shared memory; one warp runs the group-limited top-k with warp shuffles and writes the outputs.
+//   2. per token (one block each): partials summed in k-range order (deterministic), sigmoid, bias (loaded
+//      before phase 1); top-k (<= 8) by redux.sync picks over register-held keys, per warp then across the
+//      warps' candidates (topk_fast); larger topk by one warp's serial picks (topk_serial).
+// PDL: the first weight batch is loaded before the grid-dependency wait; dependents may launch once every
+// block has passed the barrier.
 // The k index inside each 64-wide chunk is permuted identically for A and B (lane t owns k in
 // [16t, 16t + 16)), so each lane's fragments are 32 contiguous bytes of a W row / an x row: plain
 // 16-byte loads, no ldmatrix, no shared-memory staging.
@@ -24,13 +27,14 @@
 // Legality: warp-level mma.sync bf16 only, <= 48 KB static shared memory per block: legal on sm_120
 // (99 KB) and sm_90; built for sm_90a and sm_120a. No host sync: CUDA-graph capturable.
 // Speed and its benchmark: profiling/bench_moe.py --block (router column and whole block), results in
-// profiling/results/2026-12-01-bench_moe_block-h200*.md (H200, K2.6 shapes, cold L2, graph replay): 11.8 µs
-// at M = 1 (11 % of copy bandwidth for the 5.5 MB weight, which alone would stream in ~1.3 µs: the launch,
-// the grid barrier and the per-token tail bound it, not the bytes), 14 µs at M = 64. The redux.sync top-k
-// took it from 13.0 / 20.6 µs (2026-12-01, first version: one shuffle argmax per pick). Tried and reverted
-// (run 3, commit 7aecc8d): no barrier, the last block of each token tile selecting its tokens and writing the
-// expert op's routing table (csrc/moe_route.cuh): 13.1 µs at M = 1 with the table, but 28.5 / 53.3 µs at
-// M = 16 / 64 (one block selects a whole token tile, a few L2 round trips per 8 tokens).
+// profiling/results/2026-12-01-bench_moe_block-h200*.md (H200, K2.6 shapes, cold L2, graph replay): 7.0 µs
+// at M = 1, 7.6 at M = 16, 9.9 at M = 64 (run 6). Phases at M = 1 (profiling/debug/router_trace.py): weight
+// tile in and multiplied 3.3 µs from the first block's start, partials written 3.6, barrier passed 5.1,
+// scores 6.7, top-k written 9.0 (the trace's stamps cost ~1 µs). Before run 6: 11.8 µs (bias loaded after
+// the barrier, one L2 round trip per expert's partials, one warp's serial top-k: 3.1 and 2.8 µs). Tried and
+// dropped: merging sorted 64-bit key lists in a shuffle butterfly (1.5 µs in its five rounds alone); a
+// generation-counting barrier (no gain); no barrier, the last block of each token tile selecting its tokens
+// and writing the expert op's routing table (run 3, commit 7aecc8d: 28.5 / 53.3 µs at M = 16 / 64).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -185,25 +189,6 @@ __device__ void grid_barrier(int* bar) {
   }
   __syncthreads();
 }
-
-#ifdef K26_ROUTER_GEN_BARRIER
-// Experiment: generation barrier (bar[1] counts launches): the last arrival re-arms and releases in one go.
-__device__ void grid_barrier_gen(int* bar, int gen) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&bar[0], 1) == (int)gridDim.x - 1) {
-      atomicExch(&bar[0], 0);
-      __threadfence();
-      atomicAdd(&bar[1], 1);
-    } else {
-      while (*reinterpret_cast<volatile int*>(&bar[1]) == gen) __nanosleep(20);
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-#endif
 
 // Warp argmax over (value, index): larger value wins, ties go to the lower index; NaN marks "taken".
 __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
@@ -377,9 +362,6 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ uint32_t cand_key[kWarps * kFastTopk];
   __shared__ int cand_id[kWarps * kFastTopk];
   TRACE(0);
-#ifdef K26_ROUTER_GEN_BARRIER
-  const int gen = threadIdx.x == 0 ? *reinterpret_cast<volatile int*>(&a.barrier[1]) : 0;
-#endif
   // The correction bias (a constant) of this thread's experts, for the token blocks of phase 2: loads issued
   // now land during phase 1 (loaded after the barrier they cost a DRAM round trip, ~1 µs cold).
   float bias[kMaxE / kThreads];
@@ -391,11 +373,7 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   logits_phase<NT>(a, red);
   TRACE(2);
   pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
-#ifdef K26_ROUTER_GEN_BARRIER
-  grid_barrier_gen(a.barrier, gen);
-#else
   grid_barrier(a.barrier);
-#endif
   TRACE(3);
   pdl_trigger();  // all blocks are resident and past phase 1: the expert op may start launching
   for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
