@@ -201,49 +201,6 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
   }
 }
 
-// The shared expert's gate/up rows (bf16) for one token, B from the staged row like gated_one_token:
-// 16 registers a chunk in flight instead of 24, so kSharedOneTokU chunks instead of 2 (4 spills at 80 registers,
-// the sm_90 cap of 3 blocks per SM; the shared blocks carry 4x the bytes of a routed one). Bit-identical to
-// shared_acc.
-constexpr int kSharedOneTokU = 3;
-
-__device__ __forceinline__ void shared_one_token(const __nv_bfloat16* __restrict__ sa,
-                                                 const __nv_bfloat16* __restrict__ sb, const __nv_bfloat16* xrow,
-                                                 int K, int tile0, int c_begin, int c_end, uint4* xs, float acc[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const size_t row_a = (size_t)tile0 * 8 + g;
-  const uint4* ra = reinterpret_cast<const uint4*>(sa + row_a * K) + 2 * t;
-  const uint4* rb = reinterpret_cast<const uint4*>(sb + row_a * K) + 2 * t;
-  uint4 wa[kSharedOneTokU][2], wb[kSharedOneTokU][2];
-  auto load = [&](int c0) {
-#pragma unroll
-    for (int u = 0; u < kSharedOneTokU; ++u)
-      if (c0 + u < c_end)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) wa[u][q] = __ldcs(ra + (c0 + u) * 8 + q), wb[u][q] = __ldcs(rb + (c0 + u) * 8 + q);
-  };
-  load(c_begin);
-  const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldg(x4 + i);
-  __syncthreads();
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c0 = c_begin; c0 < c_end; c0 += kSharedOneTokU) {
-    if (c0 != c_begin) load(c0);
-#pragma unroll
-    for (int u = 0; u < kSharedOneTokU; ++u) {
-      if (c0 + u >= c_end) break;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int q = j >> 1;
-        const uint4 &A = wa[u][q], &B = wb[u][q];
-        const uint32_t a[4] = {(j & 1) ? A.z : A.x, (j & 1) ? B.z : B.x, (j & 1) ? A.w : A.y, (j & 1) ? B.w : B.y};
-        const uint4 b = g == 0 ? xs[(c0 + u) * 8 + 2 * t + q] : zero;
-        mma_bf16(acc, a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
-      }
-    }
-  }
-}
-
 // MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
 // gate/up blocks: one wave on 132 SMs); sm_120's register file would spill, so it keeps 1 there.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
@@ -326,11 +283,8 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
   bool one_token = false;  // block-uniform: len and (WM = 1 for the gated GEMM) active
   if constexpr (GATED && RT == 1 && NT == 1 && WM == 1) {
     __shared__ uint4 xs[GATED && RT == 1 && NT == 1 && WM == 1 ? kOneTokMaxK / 8 : 1];
-    one_token = active && len == 1 && K <= kOneTokMaxK;
-    if (one_token && shared) {
-      shared_one_token(sa, sb, x + (size_t)(start - P) * K, K, tile0, wk * KC / WK, (wk + 1) * KC / WK, xs,
-                       acc[0][0]);
-    } else if (one_token) {
+    one_token = active && !shared && len == 1 && K <= kOneTokMaxK;
+    if (one_token) {
       const int pair = direct != nullptr ? start : __ldcg(sorted + start);
       gated_one_token(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC, wk * KC / WK,
                       (wk + 1) * KC / WK, xs, acc[0][0]);
