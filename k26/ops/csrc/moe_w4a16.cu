@@ -154,52 +154,7 @@ __device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa,
   }
 }
 
-// Gate/up rows of one routed expert for a group of ONE token (decode), x's row staged in shared memory:
-// B fragments come from there (lanes g = 0 hold the token, others zero), so a chunk in flight costs a
-// lane 5 registers instead of 13 and kOneTokU chunks stay in flight (the register path keeps 4: its
-// 14-chunk k range per warp at K2.6 took 4 round trips, this takes 2). Same fragments, same mma order as
-// the register path: bit-identical. All threads of the block call it (it stages x and synchronises).
-constexpr int kOneTokU = 8;
-constexpr int kOneTokMaxK = 7168;  // the staged row's capacity (bf16): K2.6's hidden size
-
-__device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, const uint32_t* __restrict__ s,
-                                                const __nv_bfloat16* __restrict__ xrow, int K, size_t tile_base,
-                                                int c_begin, int c_end, uint4* xs, float acc[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  uint4 wv[kOneTokU];
-  uint32_t sv[kOneTokU];
-  auto load = [&](int c0) {
-#pragma unroll
-    for (int u = 0; u < kOneTokU; ++u) {
-      const size_t chunk = tile_base + c0 + u;
-      if (c0 + u < c_end) {
-        wv[u] = __ldcs(w + chunk * 32 + lane);  // streamed once: evict-first
-        sv[u] = __ldg(s + chunk * 16 + 2 * g + (t >> 1));
-      }
-    }
-  };
-  load(c_begin);  // the first weight batch is in flight while x is staged
-  const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldg(x4 + i);
-  __syncthreads();
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c0 = c_begin; c0 < c_end; c0 += kOneTokU) {
-    if (c0 != c_begin) load(c0);
-#pragma unroll
-    for (int u = 0; u < kOneTokU; ++u) {
-      if (c0 + u >= c_end) break;
-      const uint4 b[2] = {g == 0 ? xs[(c0 + u) * 8 + 2 * t] : zero, g == 0 ? xs[(c0 + u) * 8 + 2 * t + 1] : zero};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t word = j == 0 ? wv[u].x : j == 1 ? wv[u].y : j == 2 ? wv[u].z : wv[u].w;
-        uint32_t a[4];
-        dequant(word, sv[u], a);
-        const uint4 bb = b[j >> 1];
-        mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
-      }
-    }
-  }
-}
+#include "moe_one_token.cuh"  // the one-token (decode) paths: they use the helpers above
 
 // MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
 // gate/up blocks: one wave on 132 SMs); sm_120's register file would spill, so it keeps 1 there.
@@ -493,9 +448,14 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
                               (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
                               rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up, direct);
   if (err != cudaSuccess) return err;
+  const int tiles2 = D / 16;
+  if (direct && topk <= kDownOneTokPairs && I <= kDownOneTokMaxI) {  // decode: down + combine in one launch
+    return launch_on(down_combine_one_token, dim3((tiles2 + kDownOneTokWarps - 1) / kDownOneTokWarps),
+                     32 * kDownOneTokWarps, pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2,
+                     (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
+  }
   // down: D/16 tiles, one per warp, 8 warps per block, K = I.
   constexpr int WM2 = 8;
-  const int tiles2 = D / 16;
   err = launch_on(gemm_kernel<1, NT, 1, WM2, false, (NT == 1 ? 3 : 1)>, dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2,
                   pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk,
                   rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.y, D, E, P, S, sh.down,
