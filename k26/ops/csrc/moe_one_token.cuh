@@ -3,10 +3,10 @@
 //
 // gated_one_token: the gate/up rows of one routed expert for a group of one token, x staged in shared memory.
 // down_combine_one_token: the down projection of every routed pair (and the shared expert) of one token and
-//   their weighted sum in one launch: no y round trip through global memory and no combine launch.
+//   their weighted sum in one launch: the pairs' outputs meet in shared memory, no combine launch.
 // Both reproduce the general kernels' fragments, mma order and rounding points: bit-identical results.
 //
-// Legality: as moe_w4a16.cu (mma.sync, ld.global, prefetch, griddepcontrol; <= 37 KB static shared memory).
+// Legality: as moe_w4a16.cu (mma.sync, ld.global, prefetch, griddepcontrol; <= 15 KB static shared memory).
 
 #pragma once
 
@@ -58,111 +58,83 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
 }
 
 
-// down_combine_one_token: one warp per 16-row tile of the output (D / 16 tiles), over all of K = I, for every
-// routed pair of the token (direct routing: pair k's expert is ids[k]) and the shared expert (slot topk of
-// act), then out = bf16( bf16(sum_k w_k * bf16(y_k)) + bf16(y_shared) ) in k order, as combine_kernel.
-// One chunk of every pair in flight per warp (~56 registers: the pairs' weights are prefetched into L2
-// before the grid-dependency wait, so the K loop runs on L2 hits); the act rows are staged in shared memory
-// (lanes g = 0 hold the token's B fragments, others zero).
-constexpr int kDownOneTokPairs = 8;   // topk <= 8
-constexpr int kDownOneTokWarps = 2;   // warps (tiles) per block: 224 blocks at D = 7168
-constexpr int kDownOneTokMaxI = 512;  // K chunks per warp <= 8 (TP1's I = 2048 keeps the general path)
+// down_combine_one_token: one block per 16-row tile of the output (D / 16 blocks) and one warp per routed pair
+// (direct routing: pair k's expert is ids[k]; warp kDownOneTokPairs: the shared expert, slot topk of act),
+// each over all of K = I with its chunks in flight at once, like the general down GEMM; the pairs' bf16
+// outputs meet in shared memory and 16 threads write out = bf16( bf16(sum_k w_k y_k) + y_shared ) in k
+// order, as combine_kernel: no y round trip through global memory and no combine launch.
+constexpr int kDownOneTokPairs = 8;                         // topk <= 8
+constexpr int kDownOneTokThreads = 32 * (kDownOneTokPairs + 1);
+constexpr int kDownOneTokMaxI = 512;                        // K chunks per warp <= 8 (TP1's I = 2048 keeps
+constexpr int kDownOneTokU = 4;                             // the general path); chunks in flight per warp
 
-__global__ void __launch_bounds__(32 * kDownOneTokWarps) down_combine_one_token(
+__global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
     int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
     const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
-  __shared__ uint4 sact[(kDownOneTokPairs + 1) * kDownOneTokMaxI / 8];
+  __shared__ float ys[kDownOneTokPairs + 1][16];
   pdl_trigger();  // the next kernel waits for us before reading out
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x * kDownOneTokWarps + warp;
-  const bool active = tile < n_tiles;
-  const int KC = I >> 6;
+  const int tile = blockIdx.x, KC = I >> 6;
+  const bool shared = warp == kDownOneTokPairs;
   // ids come from the router, complete before the gate/up GEMM's routed blocks let this grid launch.
-  int e[kDownOneTokPairs];
-#pragma unroll
-  for (int k = 0; k < kDownOneTokPairs; ++k) {
-    e[k] = -1;
-    if (k < topk) {
-      const int64_t id = __ldcg(ids + k);
-      if (id >= 0 && id < E) e[k] = (int)id;
-    }
+  int e = -1;
+  if (!shared && warp < topk) {
+    const int64_t id = __ldcg(ids + warp);
+    if (id >= 0 && id < E) e = (int)id;
   }
-  const size_t row_a = (size_t)tile * 16 + g;
-  const uint4* ra = reinterpret_cast<const uint4*>(sd + row_a * I) + 2 * t;
-  const uint4* rb = reinterpret_cast<const uint4*>(sd + (row_a + 8) * I) + 2 * t;
-  if (active) {
+  const bool busy = shared ? sd != nullptr : e >= 0;
+  const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
+  if (busy && !shared)  // the pair's weights into L2 while the gate/up GEMM finishes
     for (int c = 0; c < KC; ++c) {
-#pragma unroll
-      for (int k = 0; k < kDownOneTokPairs; ++k)
-        if (e[k] >= 0) {
-          const size_t chunk = ((size_t)e[k] * n_tiles + tile) * KC + c;
-          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w2 + chunk * 32 + lane));
-          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s2 + chunk * 16));
-        }
-      if (sd) {
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ra + c * 8));
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rb + c * 8));
-      }
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w2 + (base + c) * 32 + lane));
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s2 + (base + c) * 16));
     }
-  }
   pdl_wait();  // act comes from the gate/up GEMM
-  const int rows = topk + (sd ? 1 : 0);
-  const uint4* a4 = reinterpret_cast<const uint4*>(act);
-  for (int i = threadIdx.x; i < rows * I / 8; i += blockDim.x) sact[i] = __ldcg(a4 + i);
+  float acc[1][1][4] = {{{0.f, 0.f, 0.f, 0.f}}};
+  // Activation row of this warp's slot in column g = 0 (the token); other columns are zero padding.
+  const int slot = shared ? topk : warp;
+  const uint4* brow[1] = {g == 0 ? reinterpret_cast<const uint4*>(act + (size_t)slot * I) + 2 * t : nullptr};
+  if (busy && shared) {
+    shared_acc<1, 1, false>(sd, nullptr, I, tile, 0, KC, brow, acc);
+  } else if (busy) {
+    for (int c0 = 0; c0 < KC; c0 += kDownOneTokU) {
+      uint4 wv[kDownOneTokU], bv[kDownOneTokU][2];
+      uint32_t sv[kDownOneTokU];
+#pragma unroll
+      for (int u = 0; u < kDownOneTokU; ++u)
+        if (c0 + u < KC) {
+          wv[u] = __ldcs(w2 + (base + c0 + u) * 32 + lane);
+          sv[u] = __ldg(s2 + (base + c0 + u) * 16 + 2 * g + (t >> 1));
+#pragma unroll
+          for (int q = 0; q < 2; ++q) bv[u][q] = brow[0] ? __ldg(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < kDownOneTokU; ++u) {
+        if (c0 + u >= KC) break;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t word = j == 0 ? wv[u].x : j == 1 ? wv[u].y : j == 2 ? wv[u].z : wv[u].w;
+          uint32_t a[4];
+          dequant(word, sv[u], a);
+          const uint4 b = bv[u][j >> 1];
+          mma_bf16(acc[0][0], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+        }
+      }
+    }
+  }
+  if (t == 0) {  // column 0 (the token): rows g (element 0) and g + 8 (element 2), rounded as y is stored
+    ys[warp][g] = bf16_round(acc[0][0][0]);
+    ys[warp][g + 8] = bf16_round(acc[0][0][2]);
+  }
   __syncthreads();
-  if (!active) return;
-  float acc[kDownOneTokPairs][4], accs[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int k = 0; k < kDownOneTokPairs; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[k][i] = 0.f;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c = 0; c < KC; ++c) {
-    uint4 wv[kDownOneTokPairs], wa[2], wb[2];
-    uint32_t sv[kDownOneTokPairs];
-#pragma unroll
-    for (int k = 0; k < kDownOneTokPairs; ++k)
-      if (e[k] >= 0) {
-        const size_t chunk = ((size_t)e[k] * n_tiles + tile) * KC + c;
-        wv[k] = __ldcs(w2 + chunk * 32 + lane);
-        sv[k] = __ldg(s2 + chunk * 16 + 2 * g + (t >> 1));
-      }
-    if (sd) {
-#pragma unroll
-      for (int q = 0; q < 2; ++q) wa[q] = __ldcs(ra + c * 8 + q), wb[q] = __ldcs(rb + c * 8 + q);
-    }
-#pragma unroll
-    for (int k = 0; k < kDownOneTokPairs; ++k) {
-      if (e[k] < 0) continue;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t word = j == 0 ? wv[k].x : j == 1 ? wv[k].y : j == 2 ? wv[k].z : wv[k].w;
-        uint32_t a[4];
-        dequant(word, sv[k], a);
-        const uint4 b = g == 0 ? sact[(size_t)k * (I / 8) + c * 8 + 2 * t + (j >> 1)] : zero;
-        mma_bf16(acc[k], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
-      }
-    }
-    if (sd) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int q = j >> 1;
-        const uint4 &A = wa[q], &B = wb[q];
-        const uint32_t a[4] = {(j & 1) ? A.z : A.x, (j & 1) ? B.z : B.x, (j & 1) ? A.w : A.y, (j & 1) ? B.w : B.y};
-        const uint4 b = g == 0 ? sact[(size_t)topk * (I / 8) + c * 8 + 2 * t + q] : zero;
-        mma_bf16(accs, a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
-      }
-    }
+  if (threadIdx.x >= 16) return;
+  const int r = threadIdx.x;
+  float sum = 0.f;
+  for (int k = 0; k < topk; ++k) {
+    const int64_t id = __ldcg(ids + k);
+    if (id >= 0 && id < E) sum += __ldg(topw + k) * ys[k][r];
   }
-  if (t != 0) return;  // lanes t = 0 hold the token's column: rows g (element 0) and g + 8 (element 2)
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < kDownOneTokPairs; ++k)
-      if (e[k] >= 0) sum += __ldg(topw + k) * bf16_round(acc[k][2 * h]);
-    if (sd) sum = bf16_round(sum) + bf16_round(accs[2 * h]);
-    out[(size_t)tile * 16 + g + 8 * h] = __float2bfloat16(sum);
-  }
+  if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
+  out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
 }

@@ -450,8 +450,8 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   if (err != cudaSuccess) return err;
   const int tiles2 = D / 16;
   if (direct && topk <= kDownOneTokPairs && I <= kDownOneTokMaxI) {  // decode: down + combine in one launch
-    return launch_on(down_combine_one_token, dim3((tiles2 + kDownOneTokWarps - 1) / kDownOneTokWarps),
-                     32 * kDownOneTokWarps, pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2,
+    return launch_on(down_combine_one_token, dim3(tiles2), kDownOneTokThreads, pdl, st,
+                     (const __nv_bfloat16*)ws.act, (const uint4*)w2,
                      (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
   }
   // down: D/16 tiles, one per warp, 8 warps per block, K = I.
