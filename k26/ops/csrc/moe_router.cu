@@ -16,8 +16,8 @@
 //   2. per token (one block each): partials summed in k-range order (deterministic), sigmoid, bias (loaded
 //      before phase 1); top-k (<= 8) by redux.sync picks over register-held keys, per warp then across the
 //      warps' candidates (topk_fast); larger topk by one warp's serial picks (topk_serial).
-// PDL: the first weight batch is loaded before the grid-dependency wait; dependents may launch once every
-// block has passed the barrier.
+// PDL: the first weight batch is loaded before the grid-dependency wait; dependents may launch at once (the
+// expert op's shared-expert blocks overlap this kernel).
 // The k index inside each 64-wide chunk is permuted identically for A and B (lane t owns k in
 // [16t, 16t + 16)), so each lane's fragments are 32 contiguous bytes of a W row / an x row: plain
 // 16-byte loads, no ldmatrix, no shared-memory staging.
@@ -362,6 +362,10 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ uint32_t cand_key[kWarps * kFastTopk];
   __shared__ int cand_id[kWarps * kFastTopk];
   TRACE(0);
+  // Dependents may launch at once: the expert op's shared-expert blocks need only x, so they stream their
+  // weights under this kernel; its routed blocks wait for our completion. Safe for the grid barrier: the
+  // dependent grid launches only once every block of this one has run this line, i.e. is resident.
+  pdl_trigger();
   // The correction bias (a constant) of this thread's experts, for the token blocks of phase 2: loads issued
   // now land during phase 1 (loaded after the barrier they cost a DRAM round trip, ~1 µs cold).
   float bias[kMaxE / kThreads];
@@ -375,7 +379,6 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
   grid_barrier(a.barrier);
   TRACE(3);
-  pdl_trigger();  // all blocks are resident and past phase 1: the expert op may start launching
   for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
     // Every partial of this thread's experts in flight at once (one L2 round trip, not one per expert);
     // each logit still sums its k ranges in k order (deterministic).
