@@ -63,10 +63,9 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
 // each over all of K = I with its chunks in flight at once, like the general down GEMM; the pairs' bf16
 // outputs meet in shared memory and 16 threads write out = bf16( bf16(sum_k w_k y_k) + y_shared ) in k
 // order, as combine_kernel: no y round trip through global memory and no combine launch.
-constexpr int kDownOneTokPairs = 8;                         // topk <= 8
+constexpr int kDownOneTokPairs = 8;  // topk <= 8
 constexpr int kDownOneTokThreads = 32 * (kDownOneTokPairs + 1);
-constexpr int kDownOneTokMaxI = 512;                        // K chunks per warp <= 8 (TP1's I = 2048 keeps
-constexpr int kDownOneTokU = 4;                             // the general path); chunks in flight per warp
+constexpr int kDownOneTokU = 4;  // chunks in flight per warp, as the general down GEMM
 
 __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,

@@ -449,7 +449,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
                               rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up, direct);
   if (err != cudaSuccess) return err;
   const int tiles2 = D / 16;
-  if (direct && topk <= kDownOneTokPairs && I <= kDownOneTokMaxI) {  // decode: down + combine in one launch
+  if (direct && topk <= kDownOneTokPairs) {  // decode: down + combine in one launch
     return launch_on(down_combine_one_token, dim3(tiles2), kDownOneTokThreads, pdl, st,
                      (const __nv_bfloat16*)ws.act, (const uint4*)w2,
                      (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
