@@ -6,6 +6,8 @@ python profiling/debug/moe_debug.py --router   # only the router kernel at the T
 python profiling/debug/moe_debug.py --op hot10 64   # only the expert op (+ shared expert) at the TP8 shape,
                                                # the routing kind and M given, 3 launches (a target for
                                                # ncu --kernel-name regex:gemm_kernel --launch-skip 2 -c 2)
+At M = 1 the op is two launches (gate/up gemm_kernel, down_combine_one_token): it routes directly (no
+table) and never writes y, so the dumps use M >= 2.
 """
 
 import sys
@@ -144,5 +146,5 @@ elif "--op" in sys.argv:
     i = sys.argv.index("--op")
     op_only(sys.argv[i + 1], int(sys.argv[i + 2]))
 else:
-    run(8, 2, 64, 64, 1, "uniform", 1)
+    run(8, 2, 64, 64, 2, "uniform", 1)
     run(64, 8, 256, 64, 8, "each_once", 3)

@@ -6,8 +6,9 @@
 //   token visits, in the same gate/up and down grids (no separate launches), read straight from its bf16
 //   rows with the same k permutation as the activations.
 //
-// Four launches (three when the caller passes the routing table), all on the caller's stream, no host sync
-// (CUDA-graph capturable), each after the first with programmatic dependent launch (see gemm_kernel):
+// Four launches (three when the caller passes the routing table; two for one token: see the end of this
+// list), all on the caller's stream, no host sync (CUDA-graph capturable), each after the first with
+// programmatic dependent launch (see gemm_kernel):
 //   1. route:   unless the caller passes the table: one block groups the (token, k) pairs by expert in
 //               groups of 8*NT tokens, the shared expert's first (csrc/moe_route.cuh).
 //   2. gemm13:  per (expert group, 16-row tile pair): gate and up rows interleaved in one 16-row tile,
@@ -17,6 +18,10 @@
 //               writes each pair's bf16 expert output (the reference's per-expert rounding point).
 //   4. combine: out[t] = bf16(sum_k w[t,k] * y[t,k]) in k order: deterministic, no float atomics. (Fusing
 //               it into gemm2 with arrival counters measured slower: the fences stretch every block.)
+// One token (decode) without a given table (csrc/moe_one_token.cuh): no route launch, each pair is its own
+// group read straight from the ids ("direct"); a one-token group's gate/up stages x in shared memory and keeps
+// 8 weight chunks in flight per warp; down + combine are one launch (one block per output tile, one warp per
+// pair, the sum in shared memory). Bit-identical to the four-launch path.
 //
 // "Swap AB": the weights are the mma A operand (16 output features per tile) and the few tokens per
 // expert are the n = 8 columns, so small batches waste no weight bandwidth. Weight layout (repacked
@@ -34,9 +39,9 @@
 // memory, no TMA), <= 32 KB static shared memory per block: legal on sm_120 (99 KB limit) and sm_90; built for
 // sm_90a and sm_120a.
 // Speed and its benchmark: profiling/bench_moe.py (--block: the whole MoE block), results in profiling/results/
-// (H200, TP8 rank, cold L2, graph replay: router + experts + shared expert in 5 launches, M = 1 40 µs, M = 64
-// 226 µs, 2026-12-01-bench_moe_block-h200.md; run 3, -run3.md: PDL 3.4 µs less at M = 1, 10.6 at M = 64,
-// the scale layout and the shared expert's two chunks in flight ~10 µs less at TP1 M = 1).
+// (H200, TP8 rank, cold L2, graph replay): router + experts + shared expert, M = 1 26.3-27.0 µs in 3 launches
+// (2026-12-01-bench_moe_block-h200-run7.md; 37.5 µs in 5 launches before), M = 64 237 µs; TP1 M = 1 103 µs
+// (67 % of copy). PDL 3.4 µs less at M = 1, 10.6 at M = 64 (run 3).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
