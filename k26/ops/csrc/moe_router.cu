@@ -7,7 +7,8 @@
 //   ids    = top-k of choice over kept groups (descending; an exact tie goes to one of them, deterministically)
 //   w      = score[ids] / (Σ score[ids] + 1e-20) (if renormalize) · routed_scaling_factor
 //
-// One launch, two phases separated by a grid barrier:
+// One launch, two phases separated by a grid barrier (one token: no barrier, the last block to finish phase 1
+// runs phase 2):
 //   1. logits: work items (64-token tile, 16-row tile of W, k range); the 8 warps of a block split the
 //      item's k range, mma.sync.m16n8k16 with W rows as the A operand ("swap AB": 16 experts x 8
 //      tokens per mma, so M = 1 wastes no weight bytes) and reduce in shared memory in warp order;
@@ -188,6 +189,24 @@ __device__ void grid_barrier(int* bar) {
     }
   }
   __syncthreads();
+}
+
+// One token: no barrier, the last block to write its partials runs phase 2 (the others leave at once). Its
+// count starts and ends at zero like the barrier's.
+__device__ bool last_arrival(int* bar) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's partials are visible before the count says so
+    const int last = atomicAdd(&bar[0], 1) == (int)gridDim.x - 1;
+    if (last) {
+      atomicExch(&bar[0], 0);
+      __threadfence();  // acquire: the other blocks' partials are read after their counts
+    }
+    s_last = last;
+  }
+  __syncthreads();
+  return s_last;
 }
 
 // Warp argmax over (value, index): larger value wins, ties go to the lower index; NaN marks "taken".
@@ -372,14 +391,19 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
 #pragma unroll
   for (int j = 0; j < kMaxE / kThreads; ++j) {
     const int e = threadIdx.x + j * kThreads;
-    bias[j] = blockIdx.x < a.M && e < a.E ? __ldg(a.bias + e) : 0.f;
+    bias[j] = (a.M == 1 || blockIdx.x < a.M) && e < a.E ? __ldg(a.bias + e) : 0.f;
   }
   logits_phase<NT>(a, red);
   TRACE(2);
   pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
-  grid_barrier(a.barrier);
+  const int first = a.M == 1 ? 0 : blockIdx.x;  // this block's first token in phase 2
+  if (a.M == 1) {
+    if (!last_arrival(a.barrier)) return;
+  } else {
+    grid_barrier(a.barrier);
+  }
   TRACE(3);
-  for (int tok = blockIdx.x; tok < a.M; tok += gridDim.x) {
+  for (int tok = first; tok < a.M; tok += gridDim.x) {
     // Every partial of this thread's experts in flight at once (one L2 round trip, not one per expert);
     // each logit still sums its k ranges in k order (deterministic).
     float l[kMaxE / kThreads];
@@ -400,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
       score[e] = s;
       // A NaN logit (a poisoned or padded row) must still give valid expert ids: it ranks below -inf, and
       // NaN itself stays the "taken" mark of topk_serial (an all-NaN row returned id -1 and read score[-1]).
-      const float c = s + (tok == blockIdx.x ? bias[j] : __ldg(a.bias + e));  // later tokens: M > grid
+      const float c = s + (tok == first ? bias[j] : __ldg(a.bias + e));  // later tokens: M > grid
       choice[e] = isnan(c) ? -INFINITY : c;
     }
     __syncthreads();
