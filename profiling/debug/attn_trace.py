@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from phases import print_phases
 
 from k26.ops import attention_cuda, tree_mask_to_words
 
@@ -80,12 +81,6 @@ for _ in range(4):
     )
     assert err == 0, err
     torch.cuda.synchronize()
-host = (ctypes.c_ulonglong * (1024 * 16))()
-assert lib.k26_mla_tree_attn_trace(host) == 0
-t = torch.tensor(list(host), dtype=torch.float64).view(1024, 16)
-used = t[:, 0] > 0
-t0 = t[used, 0].min()
-rel = torch.where(t > 0, (t - t0) / 1e3, torch.full_like(t, float("nan")))
 names = {
     0: "start",
     1: "Q in regs",
@@ -95,12 +90,4 @@ names = {
     6: "last cluster",
     7: "final merged",
 }
-print(f"S={S} cluster={CL} min_keys={mk} splits traced={int(used.sum())}")
-for k, nm in names.items():
-    col = rel[used, k]
-    col = col[~col.isnan()]
-    if col.numel():
-        print(
-            f"{nm:16s} n={col.numel():4d} min {col.min():7.2f} "
-            f"median {col.median():7.2f} max {col.max():7.2f} µs"
-        )
+print_phases(lib.k26_mla_tree_attn_trace, names, f"S={S} cluster={CL} min_keys={mk} splits")

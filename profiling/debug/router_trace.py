@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from phases import print_phases
 
 from k26.ops import router_cuda
 
@@ -61,19 +62,7 @@ ref_w, ref_ids = router_cuda.reference.moe_router(x, w, bias, 1, 1, 8, True, 2.8
 same = (out_ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()
 err = (out_w.sort(-1).values - ref_w.sort(-1).values).abs().max()
 print(f"top-k sets equal to the reference on {same:.3f} of rows; sorted weights max err {err:.2e}")
-host = (ctypes.c_ulonglong * (1024 * 16))()
-assert lib.k26_moe_router_trace(host) == 0
-t = torch.tensor(list(host), dtype=torch.float64).view(1024, 16)
-used = t[:, 0] > 0
-t0 = t[used, 0].min()
-rel = torch.where(t > 0, (t - t0) / 1e3, torch.full_like(t, float("nan")))
 names = {0: "start", 1: "dot done", 2: "partial written", 3: "barrier passed", 4: "scores"}
-names |= {6: "inserted", 7: "warp merged", 8: "lists shared", 9: "block merged"}
-names |= {10: "written", 5: "top-k done"}
-print(f"M={a.m} blocks={int(used.sum())}")
-for k, nm in names.items():
-    col = rel[used, k]
-    col = col[~col.isnan()]
-    if col.numel():
-        q = col.quantile(torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)).tolist()
-        print(f"{nm:16s} n={col.numel():4d} min {q[0]:7.2f} median {q[1]:7.2f} max {q[2]:7.2f} µs")
+names |= {6: "keys loaded", 7: "warp picks", 8: "candidates in", 9: "final picks", 10: "written"}
+names[5] = "top-k done"
+print_phases(lib.k26_moe_router_trace, names, f"M={a.m} blocks")
