@@ -1,5 +1,4 @@
-// The one-token (decode, M = 1) paths of the fused MoE (csrc/moe_w4a16.cu, included there after its helpers
-// dequant / mma_bf16 / bf16_round, inside its anonymous namespace; not a standalone header).
+// The one-token (decode, M = 1) paths of the fused MoE kernel (csrc/moe_w4a16.cu launches them).
 //
 // gated_one_token: the gate/up rows of one routed expert for a group of one token, x staged in shared memory.
 // down_combine_one_token: the down projection of every routed pair (and the shared expert) of one token and
@@ -9,6 +8,14 @@
 // Legality: as moe_w4a16.cu (mma.sync, ld.global, prefetch, griddepcontrol; <= 15 KB static shared memory).
 
 #pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "moe_mma.cuh"
+#include "pdl.cuh"
+
+namespace k26_moe {
 
 // Gate/up rows of one routed expert for a group of ONE token (decode), x's row staged in shared memory:
 // B fragments come from there (lanes g = 0 hold the token, others zero), so a chunk in flight costs a
@@ -67,7 +74,7 @@ constexpr int kDownOneTokPairs = 8;  // topk <= 8
 constexpr int kDownOneTokThreads = 32 * (kDownOneTokPairs + 1);
 constexpr int kDownOneTokU = 4;  // chunks in flight per warp, as the general down GEMM
 
-__global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
+static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
     int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
     const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
@@ -137,3 +144,5 @@ __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
   if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
   out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
 }
+
+}  // namespace k26_moe
