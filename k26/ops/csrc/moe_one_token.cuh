@@ -15,6 +15,10 @@
 #include "moe_mma.cuh"
 #include "pdl.cuh"
 
+#ifndef MOE_TRACE  // phase stamps: csrc/moe_w4a16.cu defines it (-DK26_MOE_TRACE)
+#define MOE_TRACE(table, k)
+#endif
+
 namespace k26_moe {
 
 // Gate/up rows of one routed expert for a group of ONE token (decode), x's row staged in shared memory:
@@ -79,6 +83,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
     int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
     const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
   __shared__ float ys[kDownOneTokPairs + 1][16];
+  MOE_TRACE(1, 0);
   pdl_trigger();  // the next kernel waits for us before reading out
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, KC = I >> 6;
@@ -97,6 +102,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s2 + (base + c) * 16));
     }
   pdl_wait();  // act comes from the gate/up GEMM
+  MOE_TRACE(1, 1);
   float acc[1][1][4] = {{{0.f, 0.f, 0.f, 0.f}}};
   // Activation row of this warp's slot in column g = 0 (the token); other columns are zero padding.
   const int slot = shared ? topk : warp;
@@ -133,6 +139,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
     ys[warp][g] = bf16_round(acc[0][0][0]);
     ys[warp][g + 8] = bf16_round(acc[0][0][2]);
   }
+  MOE_TRACE(1, 2);
   __syncthreads();
   if (threadIdx.x >= 16) return;
   const int r = threadIdx.x;
@@ -143,6 +150,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
   }
   if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
   out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
+  MOE_TRACE(1, 3);
 }
 
 }  // namespace k26_moe

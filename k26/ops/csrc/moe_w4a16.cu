@@ -47,6 +47,23 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+// Phase timestamps for profiling/debug/moe_trace.py (built with -DK26_MOE_TRACE; absent otherwise): table 0
+// the gate/up GEMM, 1 the down GEMM / down_combine_one_token; a row per block, thread 0 stamps.
+#ifdef K26_MOE_TRACE
+__device__ unsigned long long g_moe_trace[2][1024][16];
+#define MOE_TRACE(table, k)                                                             \
+  {                                                                                     \
+    const unsigned row_ = blockIdx.y * gridDim.x + blockIdx.x;                          \
+    if (threadIdx.x == 0 && row_ < 1024) {                                              \
+      unsigned long long t_;                                                            \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                            \
+      g_moe_trace[table][row_][k] = t_;                                                 \
+    }                                                                                   \
+  }
+#else
+#define MOE_TRACE(table, k)
+#endif
+
 #include "moe_mma.cuh"
 #include "moe_one_token.cuh"
 #include "moe_route.cuh"
@@ -96,6 +113,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
   // routing (route_kernel, or a table producer that triggers early) still runs; every other block waits for the previous grid before reading
   // anything it wrote. gate/up blocks let the down GEMM launch once past that wait (so the down GEMM may
   // read the table early); down GEMM blocks let the combine launch at once (it waits for them).
+  MOE_TRACE(GATED ? 0 : 1, 0);
   const int grp = blockIdx.y, gt = 8 * NT;
   const bool shared = grp * gt < S;
   int e = E, start = P + grp * gt, len = min(gt, S - grp * gt);
@@ -116,6 +134,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
   } else if (GATED) {
     pdl_trigger();
   }
+  MOE_TRACE(GATED ? 0 : 1, 1);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wk = warp % WK, wm = warp / WK;
   const int g = lane >> 2, t = lane & 3;
@@ -243,6 +262,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
           acc[r][nt][i] = v;
         }
   }
+  MOE_TRACE(GATED ? 0 : 1, 2);
   pdl_wait();  // shared-expert blocks computed early; they write only once the previous grid is done
   if (active) {
 #pragma unroll
@@ -268,6 +288,7 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
       }
     }
   }
+  MOE_TRACE(GATED ? 0 : 1, 3);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -388,6 +409,14 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
 }
 
 }  // namespace
+
+#ifdef K26_MOE_TRACE
+K26_EXPORT int k26_moe_trace(void* host) { return (int)cudaMemcpyFromSymbol(host, g_moe_trace, sizeof(g_moe_trace)); }
+K26_EXPORT int k26_moe_trace_reset() {
+  static unsigned long long zeros[2][1024][16];
+  return (int)cudaMemcpyToSymbol(g_moe_trace, zeros, sizeof(zeros));
+}
+#endif
 
 K26_EXPORT size_t k26_moe_w4a16_workspace(int M, int D, int I, int E, int topk, int nt, int shared) {
   return carve(nullptr, M, D, I, E, topk, nt, shared, nullptr);
