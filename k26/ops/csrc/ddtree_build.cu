@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   }
   __syncthreads();
   for (int i = tid; i < L * budget; i += blockDim.x) {
-    const int d = i / budget, k = i % budget;
+    const int d = i / budget;
     const int r = sc.grank[i];
     if (r >= n) continue;
     const int node = r + 1;
