@@ -18,8 +18,8 @@
 // owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
 // Software-pipelined: P V of tile i and S of tile i + 1 share one barrier interval, so two barriers a tile.
 //
-// Split-KV merge in the same launch (details in csrc/mla_attn_merge.cuh): the splits of a cluster reduce their
-// partials through distributed shared memory, each block a column slice; clusters then meet in the
+// Split-KV merge in the same launch (details in csrc/mla_attn_merge.cuh): the splits of a cluster reduce
+// their partials through distributed shared memory, each block a column slice; clusters then meet in the
 // workspace, where the last to arrive merges them, again one column slice a block.
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, thread-block clusters of <= 8 with distributed
