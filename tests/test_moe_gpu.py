@@ -205,6 +205,34 @@ def test_out_of_range_ids_are_refused():
         )
 
 
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_out_of_range_ids_inside_capture_contribute_nothing(M, with_shared):
+    """Inside a graph the ids are not checked: a pair with an id outside [0, E) must add nothing and read
+    nothing out of bounds — through the routing table (M = 5) and the one-token direct paths (M = 1)."""
+    gen = torch.Generator(device="cuda").manual_seed(300 + M)
+    E, K, D, inter = 64, 8, 512, 256
+    w = random_repacked(E, D, inter, gen)
+    sh = shared_weights(D, inter, gen) if with_shared else (None,) * 3
+    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = routing("uniform", M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)  # build/load before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    bad = torch.zeros(M, K, dtype=torch.bool, device="cuda")
+    bad[:, 1], bad[-1, K - 1] = True, True
+    valid_ids = ids.clone()
+    outside = torch.where(torch.rand(M, K, generator=gen, device="cuda") < 0.5, -1, E + 3)
+    ids.copy_(torch.where(bad, outside, ids))
+    poison_allocator()
+    out.fill_(float("nan"))
+    g.replay()
+    ref = _reference(x, *w, valid_ids, tw.masked_fill(bad, 0.0), *sh).float()
+    assert torch.isfinite(out.float()).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_model_uses_kernel_after_gpu_load(tiny_k25):
     from k26 import LLM
     from k26.model import AttnBatch
