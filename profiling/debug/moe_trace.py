@@ -6,7 +6,7 @@ with the router's and the expert kernels' phase stamps (library built with -DK26
     python profiling/debug/moe_trace.py --m 1 [--lib traced.so]
 
 --lib: a library built with those flags (e.g. on the CPU machine, with the nvcc line of this script);
-without it the script builds one (~40 s).
+without it the script builds one (~40 s). A kernel stamps only its first 1024 blocks (all of them at M = 1).
 """
 
 import argparse
@@ -39,6 +39,7 @@ lib = ctypes.CDLL(lib_path)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from test_moe_gpu import random_repacked, shared_weights
 
+from k26.ops.moe_cuda import pick_nt
 from k26.ops.router_cuda import router_barrier
 
 E, K, D, I = 384, 8, 7168, 256
@@ -76,8 +77,9 @@ print("router")
 stamps = {0: "start", 1: "dot done", 2: "partials written", 3: "phase 2 begins", 5: "top-k written"}
 print_table(router, stamps, t0)
 names = {0: "start", 1: "group known (waited)", 2: "loop done", 3: "written"}
-gate_up_tiles = I // 8  # gridDim.x of the gate/up GEMM: row = group * tiles + tile, the shared expert first
-shared_rows = torch.arange(1024) < gate_up_tiles
+# A block's row: group * (I / 8 gate/up tiles) + tile; the shared expert's ceil(M / (8 nt)) groups come first.
+shared_groups = -(-a.m // (8 * pick_nt(a.m * K, E)))
+shared_rows = torch.arange(1024) < shared_groups * (I // 8)
 print("gate/up GEMM, shared-expert blocks")
 print_table(moe[0], names, t0, shared_rows)
 print("gate/up GEMM, routed blocks")
