@@ -4,6 +4,7 @@ the same rank's shapes, against the byte roofline measured in the same run.
 
     python profiling/bench_k26.py [--tp 8] [--layers 61] [--ctx 4096,32768] [--nodes 1,8,16,32,64] [--out F]
     python profiling/bench_k26.py --compile --variants base,fused --nodes 1,16 --table-nodes 1,16 --ctx 4096
+    (--no-pdl: every k26 kernel launched without programmatic dependent launch, for the on / off comparison)
 
 `--variants`: the decode / verify rows of each variant of the dense path in turn (base: the module glue and
 cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK and W_UV in the small-M kernel;
@@ -37,6 +38,7 @@ from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import DFlashDrafter
 from k26.model.moe import Int4Experts, Router
+from k26.ops import pdl
 from k26.ops.moe_layout import repack_scales, w13_row_order
 from k26.sampling import RowSampling
 from k26.spec.step import SpecConfig, StepModels, speculative_step
@@ -155,9 +157,13 @@ def main() -> None:
         help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)",
     )
     ap.add_argument("--variants", default="", help="base,glue,fused,fused-all: see the docstring")
+    ap.add_argument(
+        "--no-pdl", action="store_true", help="every k26 kernel without programmatic dependent launch"
+    )
     ap.add_argument("--table-nodes", default="", help="verify sizes with a per-kernel table (--variants)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    pdl.ENABLED = not a.no_pdl  # read at each capture below
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
     a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]
     cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
@@ -202,7 +208,8 @@ def main() -> None:
         f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {commit}",
         (
             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
-            f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}`"
+            f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
+            f"{' --no-pdl' if a.no_pdl else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import build_cu, events_time
 
+from k26.ops import pdl
 from k26.ops.linear_cuda import launch, plan_splits
 
 FLOOR_CU = r"""
@@ -176,11 +177,12 @@ def bench_m(name, G, N, K, M, ws, floor, R, copy_bw, sweep) -> str:
         N if G > 1 else 0,
     )
 
-    def k26(i, pdl=True, splits=None):
-        launch(x, ws[i], None, y, groups=G, strides=strides, splits=splits, pdl=pdl)
+    def k26(i, splits=None):
+        launch(x, ws[i], None, y, groups=G, strides=strides, splits=splits)
 
     t = chain_us(k26, R)
-    t_nopdl = chain_us(lambda i: k26(i, pdl=False), R)
+    with pdl.disabled():  # read at capture
+        t_nopdl = chain_us(k26, R)
     if G > 1:
         x3 = x.view(M, G, K)
         t_cublas = chain_us(lambda i: torch.einsum("mgk,gnk->mgn", x3, ws[i]), R)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from timing import capture, graph_time_cold, mma_sync_peak
 
-from k26.ops import moe_cuda, reference, router_cuda
+from k26.ops import pdl, reference
 from k26.ops.router_cuda import router_barrier
 
 SHAPES = {
@@ -87,13 +87,9 @@ def launches(fn) -> list[str]:
 
 
 def no_pdl_time(fn, calls: int) -> float:
-    """graph_time_cold of fn with the router's and the expert op's kernels launched without programmatic
-    dependent launch."""
-    moe_cuda.PDL = router_cuda.PDL = False
-    try:
+    """graph_time_cold of fn with every kernel launched without programmatic dependent launch."""
+    with pdl.disabled():  # read at capture
         return graph_time_cold(fn, calls)
-    finally:
-        moe_cuda.PDL = router_cuda.PDL = True
 
 
 def bench_block(

@@ -75,7 +75,7 @@ def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph
     """In-graph µs per operation for 7168 x N bf16: NCCL alone and with add + RMSNorm, torch symmetric
     memory one-shot / two-shot (+ norm), and the fused op (auto, forced one-shot, forced two-shot, one-shot
     launched without programmatic dependent launch)."""
-    from k26.ops import allreduce_cuda
+    from k26.ops import pdl
     from k26.ops.allreduce_group import FusedAllReduce
     from k26.ops.reference import rms_norm
 
@@ -119,11 +119,8 @@ def collective_table(dev: torch.device, sizes=(1, 8, 16, 64, 256), ops_per_graph
             bodies[name] = lambda f=f, x=x, r=r: f(x, r, w, 1e-6)
 
         def one_shot_no_pdl(f=fused["fused one-shot"], x=x, r=r):  # the launch attribute is read at capture
-            allreduce_cuda.PDL = False
-            try:
+            with pdl.disabled():
                 return f(x, r, w, 1e-6)
-            finally:
-                allreduce_cuda.PDL = True
 
         bodies["fused one-shot, no PDL"] = one_shot_no_pdl
         for name, body in bodies.items():

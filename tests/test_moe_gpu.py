@@ -154,7 +154,7 @@ def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     """A routing table passed in (csrc/moe_route.cuh, here from the torch reference) replaces the op's own
     routing launch (at M = 1: the GEMMs' direct routing from the ids), and programmatic dependent launch (the
     shared expert's blocks overlapping the routing) changes no bit."""
-    from k26.ops import moe_cuda
+    from k26.ops import pdl
     from k26.ops.moe_cuda import pick_nt, route_table
 
     gen = torch.Generator(device="cuda").manual_seed(200 + M)
@@ -168,7 +168,7 @@ def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     poison_allocator()
     given = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh, table)
     assert torch.isfinite(given.float()).all() and torch.equal(plain, given)
-    monkeypatch.setattr(moe_cuda, "PDL", False)
+    monkeypatch.setattr(pdl, "ENABLED", False)
     poison_allocator()
     serial = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
     assert torch.equal(plain, serial)

@@ -15,11 +15,9 @@ import functools
 import torch
 import torch.distributed as dist
 
+from . import pdl
 from .reference import rms_norm
 
-# Programmatic dependent launch: the kernel's launch and the next kernel's prologue overlap the kernel
-# before / the peers' wait (csrc/allreduce_fused.cu). Added after the two-H200 run: not yet measured.
-PDL = True
 BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
 
 
@@ -132,7 +130,7 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
         rank,
         world,
         two_shot,
-        int(PDL),
+        int(pdl.ENABLED),  # overlaps the kernel before / the peers' wait; not yet measured on two GPUs
         stream,
     )
     if e:

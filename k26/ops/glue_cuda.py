@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from . import reference
+from . import pdl, reference
 from .log import say_once
 from .reference import rms_norm
 
@@ -210,7 +210,7 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         R,
         P,
         float(eps),
-        1,
+        int(pdl.ENABLED),
         torch.cuda.current_stream(q_a.device).cuda_stream,
     )
     if err:

@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import pdl
 from .log import say_once
 
 MAX_M = 64
@@ -180,7 +181,7 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
 
 
-def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = None, pdl: bool = True) -> None:
+def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = None) -> None:
     """Run the kernel: x2 [M, ...], w rows of K, y [M, ...]; strides (x_ld, x_gs, w_ld, w_gs, y_ld, y_gs)."""
     M, K = x2.shape[0], w.shape[-1]
     N = w.shape[-2]
@@ -202,7 +203,7 @@ def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = Non
         *strides,
         S,
         per,
-        int(pdl),
+        int(pdl.ENABLED),
         torch.cuda.current_stream(x2.device).cuda_stream,
     )
     if err:

@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from . import pdl
 from .moe_layout import unrepack, w13_row_order
 from .reference import expert_mlp, moe_combine
 
@@ -217,10 +218,6 @@ def _library():
     return lib
 
 
-# Programmatic dependent launch between the op's kernels (csrc/moe_w4a16.cu: the shared expert's gate/up
-# blocks overlap the routing, each launch the previous kernel's tail); profiling/bench_moe_block.py flips it
-# to measure what it buys.
-PDL = True
 MAX_TOKENS = 65535  # CUDA's grid-y limit: csrc/moe_w4a16.cu launches the combine with gridDim.y = M
 
 
@@ -280,7 +277,7 @@ def _moe_cuda(
         nt,
         *sp,
         None if table is None else table.data_ptr(),
-        int(PDL),
+        int(pdl.ENABLED),  # csrc/moe_w4a16.cu: the shared expert's gate/up blocks overlap the routing
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from . import reference
+from . import pdl, reference
 
 
 def router_barrier(device: torch.device | str) -> torch.Tensor:
@@ -80,11 +80,6 @@ def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: 
     return M, D, E
 
 
-# Programmatic dependent launch (csrc/moe_router.cu: the first weight batch streams in while the kernel
-# before it finishes); profiling/bench_moe_block.py flips it, with moe_cuda.PDL, to measure what it buys.
-PDL = True
-
-
 @functools.cache  # once per process, like build.library
 def _library() -> ctypes.CDLL:
     """The kernel library with this op's ctypes signatures (csrc/moe_router.cu)."""
@@ -128,7 +123,7 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
         topk,
         int(renormalize),
         scale,
-        int(PDL),
+        int(pdl.ENABLED),  # csrc/moe_router.cu: the first weight batch streams in under the previous kernel
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:
