@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .shard_reader import DTYPES, Piece, ReadStats, fill_alone, io_read_bytes, staged_read, tensor_spans
+from .safetensors_file import DTYPES, tensor_spans
+from .shard_reader import Piece, ReadStats, fill_alone, io_read_bytes, staged_read
 from .stager import Stager
 
 FORMAT = 1

@@ -23,7 +23,8 @@ from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
 from .model.moe import Int4Experts, use_cuda_kernels
-from .shard_reader import file_stamp, read_header, read_into, read_small
+from .safetensors_file import file_stamp, read_header, read_small
+from .shard_reader import read_into
 from .startup import phase_line
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint

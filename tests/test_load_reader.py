@@ -14,7 +14,8 @@ import torch
 from k26.config import ModelConfig
 from k26.loader import fill, load_model, plan_load, read_index
 from k26.model import KimiK2, TPInfo
-from k26.shard_reader import read_into, tensor_spans
+from k26.safetensors_file import tensor_spans
+from k26.shard_reader import read_into
 from k26.stager import ShardChangedError, Stager
 
 
@@ -184,7 +185,7 @@ def _safetensors(f: Path, header: dict, data: bytes) -> Path:
 )
 def test_a_bad_header_is_refused_by_name(tmp_path, entry, data, why):
     """Headers are read without safetensors' loader, so the format's checks are the reader's own."""
-    from k26.shard_reader import read_header
+    from k26.safetensors_file import read_header
 
     f = _safetensors(tmp_path / "x.safetensors", {"w": entry}, data)
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -192,7 +193,7 @@ def test_a_bad_header_is_refused_by_name(tmp_path, entry, data, why):
 
 
 def test_a_good_header_gives_absolute_spans(tmp_path):
-    from k26.shard_reader import read_header
+    from k26.safetensors_file import read_header
 
     header = {"__metadata__": {"format": "pt"}, "a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}}
     header["b"] = {"dtype": "I64", "shape": [1, 1], "data_offsets": [6, 14]}
