@@ -8,12 +8,9 @@ everything (µs from the first block's start).
 
 import argparse
 import ctypes
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
-from phases import print_phases
+from phases import build_traced, print_phases
 
 from k26.ops import attention_cuda, tree_mask_to_words
 
@@ -23,26 +20,8 @@ ap.add_argument("--h", type=int, default=8)
 ap.add_argument("--l", type=int, default=4096)
 ap.add_argument("--cflags", default="", help="extra nvcc flags, e.g. -DMERGE_INLINE=__forceinline__")
 a = ap.parse_args()
-src = Path(attention_cuda.__file__).parent / "csrc" / "mla_tree_attn.cu"
-so = Path(tempfile.gettempdir()) / f"k26_attn_trace_{abs(hash(a.cflags))}.so"
-subprocess.run(
-    [
-        "nvcc",
-        "-O3",
-        "-std=c++17",
-        "-shared",
-        "-Xcompiler",
-        "-fPIC",
-        "-DK26_ATTN_TRACE",
-        *a.cflags.split(),
-        "-gencode=arch=compute_90a,code=sm_90a",
-        "-o",
-        str(so),
-        str(src),
-    ],
-    check=True,
-)
-lib = ctypes.CDLL(str(so))
+so = build_traced(["mla_tree_attn.cu"], ["-DK26_ATTN_TRACE", *a.cflags.split()])
+lib = ctypes.CDLL(so)
 attention_cuda._bind(lib)
 gen = torch.Generator(device="cuda").manual_seed(0)
 cache = torch.randn(1, a.l + a.n, 576, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -5,34 +5,25 @@ with the router's and the expert kernels' phase stamps (library built with -DK26
 
     python profiling/debug/moe_trace.py --m 1 [--lib traced.so]
 
---lib: a library built with those flags (e.g. on the CPU machine, with the nvcc line of this script);
-without it the script builds one (~40 s). A kernel stamps only its first 1024 blocks (all of them at M = 1).
+--lib: a library built with those flags (e.g. on the CPU machine: phases.build_traced's nvcc line);
+without it the script builds one. A kernel stamps only its first 1024 blocks (all of them at M = 1).
 """
 
 import argparse
 import ctypes
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from phases import first_start, print_table, read_tables
-
-from k26.ops import build
+from phases import build_traced, first_start, print_table, read_tables
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--m", type=int, default=1)
 ap.add_argument("--lib", default=None)
 a = ap.parse_args()
-lib_path = a.lib
-if lib_path is None:
-    lib_path = str(Path(tempfile.gettempdir()) / "k26_moe_trace.so")
-    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-DK26_ROUTER_TRACE"]
-    cmd += ["-DK26_MOE_TRACE", "-gencode=arch=compute_90a,code=sm_90a", "-o", lib_path]
-    cmd += [str(src) for src in build.sources()]
-    subprocess.run(cmd, check=True)
+flags = ["-DK26_ROUTER_TRACE", "-DK26_MOE_TRACE"]
+lib_path = a.lib or build_traced(["moe_router.cu", "moe_w4a16.cu"], flags)
 os.environ["K26_OPS_LIB"] = lib_path  # read by build.library() at the ops' first call
 lib = ctypes.CDLL(lib_path)
 

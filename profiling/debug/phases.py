@@ -1,13 +1,34 @@
-"""Print the phase stamps a kernel built with its trace flag left in a device table (`-DK26_ATTN_TRACE`,
-`-DK26_ROUTER_TRACE`, `-DK26_MOE_TRACE`): [rows (blocks or splits), 16 stamps] of %globaltimer ns, 0 = not
-stamped. Shared by attn_trace.py, router_trace.py and moe_trace.py."""
+"""Build kernels with their trace flag and print the phase stamps they leave in a device table
+(`-DK26_ATTN_TRACE`, `-DK26_ROUTER_TRACE`, `-DK26_MOE_TRACE`): [rows (blocks or splits), 16 stamps] of
+%globaltimer ns, 0 = not stamped. Shared by attn_trace.py, router_trace.py and moe_trace.py."""
 
 import ctypes
+import hashlib
+import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from k26.ops import build
+
 ROWS, STAMPS = 1024, 16
+
+
+def build_traced(sources: list[str], flags: list[str]) -> str:
+    """A library of the named csrc/ sources built for sm_90a with `flags` (the trace defines), cached in the
+    temp directory by the sources' and flags' hash; load it as the ops' library with K26_OPS_LIB."""
+    paths = [build.CSRC / name for name in sources]
+    h = hashlib.sha256(" ".join(flags).encode())
+    for src in paths + sorted(build.CSRC.glob("*.cuh")):
+        h.update(src.read_bytes())
+    so = Path(tempfile.gettempdir()) / f"k26_traced_{h.hexdigest()[:16]}.so"
+    if not so.exists():
+        cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", *flags]
+        cmd += ["-gencode=arch=compute_90a,code=sm_90a", "-o", str(so), *map(str, paths)]
+        subprocess.run(cmd, check=True)
+    return str(so)
 
 
 def read_tables(read: Callable[[ctypes.Array], int], tables: int = 1) -> torch.Tensor:
