@@ -50,6 +50,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "globaltimer.cuh"
 #include "pdl.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
@@ -90,11 +91,7 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long
   return v;
 }
 
-__device__ __forceinline__ long long now_ns() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ long long now_ns() { return (long long)k26_globaltimer(); }
 
 __device__ __forceinline__ unsigned long long* flag(const Params& p, int rank, size_t off, int src) {
   return reinterpret_cast<unsigned long long*>(p.ws[rank] + off) + blockIdx.x * kMaxRanks + src;

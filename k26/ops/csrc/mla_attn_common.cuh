@@ -12,15 +12,14 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include "globaltimer.cuh"
+
 // Phase timestamps for profiling/debug/attn_trace.py (built with -DK26_ATTN_TRACE; absent otherwise).
 #ifdef K26_ATTN_TRACE
 __device__ unsigned long long g_attn_trace[1024][16];
-#define TRACE(k)                                                                                   \
-  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y < 1024) {             \
-    unsigned long long t_;                                                                         \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                         \
-    g_attn_trace[blockIdx.y][k] = t_;                                                              \
-  }
+#define TRACE(k)                                                                       \
+  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y < 1024) \
+    g_attn_trace[blockIdx.y][k] = k26_globaltimer();
 #else
 #define TRACE(k)
 #endif

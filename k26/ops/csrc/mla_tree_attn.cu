@@ -367,13 +367,7 @@ K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max
   return layout(B, N, H, S_max, CL).lse;
 }
 #ifdef K26_ATTN_TRACE
-K26_EXPORT int k26_mla_tree_attn_trace(void* host) {
-  return (int)cudaMemcpyFromSymbol(host, g_attn_trace, sizeof(g_attn_trace));
-}
-K26_EXPORT int k26_mla_tree_attn_trace_reset() {
-  static unsigned long long zeros[1024][16];
-  return (int)cudaMemcpyToSymbol(g_attn_trace, zeros, sizeof(zeros));
-}
+K26_TRACE_EXPORTS(k26_mla_tree_attn_trace, k26_mla_tree_attn_trace_reset, g_attn_trace)
 #endif
 K26_EXPORT int k26_mla_tree_attn_tile_rows(int N, int H) { return tile_rows(N, H); }
 // The launch plan for (B, N, H) on the current device: splits per row tile and the cluster size.

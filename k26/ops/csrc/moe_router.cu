@@ -42,6 +42,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "globaltimer.cuh"
 #include "pdl.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
@@ -49,12 +50,8 @@
 // Phase timestamps for profiling/debug/router_trace.py (built with -DK26_ROUTER_TRACE; absent otherwise).
 #ifdef K26_ROUTER_TRACE
 __device__ unsigned long long g_router_trace[1024][16];
-#define TRACE(k)                                                         \
-  if (threadIdx.x == 0 && blockIdx.x < 1024) {                           \
-    unsigned long long t_;                                               \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));               \
-    g_router_trace[blockIdx.x][k] = t_;                                  \
-  }
+#define TRACE(k) \
+  if (threadIdx.x == 0 && blockIdx.x < 1024) g_router_trace[blockIdx.x][k] = k26_globaltimer();
 #else
 #define TRACE(k)
 #endif
@@ -308,13 +305,7 @@ Plan plan(int M, int D, int E) {
 }  // namespace
 
 #ifdef K26_ROUTER_TRACE
-K26_EXPORT int k26_moe_router_trace(void* host) {
-  return (int)cudaMemcpyFromSymbol(host, g_router_trace, sizeof(g_router_trace));
-}
-K26_EXPORT int k26_moe_router_trace_reset() {
-  static unsigned long long zeros[1024][16];
-  return (int)cudaMemcpyToSymbol(g_router_trace, zeros, sizeof(zeros));
-}
+K26_TRACE_EXPORTS(k26_moe_router_trace, k26_moe_router_trace_reset, g_router_trace)
 #endif
 
 K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {

@@ -47,18 +47,16 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "globaltimer.cuh"
+
 // Phase timestamps for profiling/debug/moe_trace.py (built with -DK26_MOE_TRACE; absent otherwise): table 0
 // the gate/up GEMM, 1 the down GEMM / down_combine_one_token; a row per block, thread 0 stamps.
 #ifdef K26_MOE_TRACE
 __device__ unsigned long long g_moe_trace[2][1024][16];
-#define MOE_TRACE(table, k)                                                             \
-  {                                                                                     \
-    const unsigned row_ = blockIdx.y * gridDim.x + blockIdx.x;                          \
-    if (threadIdx.x == 0 && row_ < 1024) {                                              \
-      unsigned long long t_;                                                            \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                            \
-      g_moe_trace[table][row_][k] = t_;                                                 \
-    }                                                                                   \
+#define MOE_TRACE(table, k)                                                          \
+  {                                                                                  \
+    const unsigned row_ = blockIdx.y * gridDim.x + blockIdx.x;                       \
+    if (threadIdx.x == 0 && row_ < 1024) g_moe_trace[table][row_][k] = k26_globaltimer(); \
   }
 #else
 #define MOE_TRACE(table, k)
@@ -411,11 +409,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
 }  // namespace
 
 #ifdef K26_MOE_TRACE
-K26_EXPORT int k26_moe_trace(void* host) { return (int)cudaMemcpyFromSymbol(host, g_moe_trace, sizeof(g_moe_trace)); }
-K26_EXPORT int k26_moe_trace_reset() {
-  static unsigned long long zeros[2][1024][16];
-  return (int)cudaMemcpyToSymbol(g_moe_trace, zeros, sizeof(zeros));
-}
+K26_TRACE_EXPORTS(k26_moe_trace, k26_moe_trace_reset, g_moe_trace)
 #endif
 
 K26_EXPORT size_t k26_moe_w4a16_workspace(int M, int D, int I, int E, int topk, int nt, int shared) {
