@@ -84,17 +84,22 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
     int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
     const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
   __shared__ float ys[kDownOneTokPairs + 1][16];
+  __shared__ float weight[kDownOneTokPairs];  // pair k's combine weight, 0 unless live[k]
+  __shared__ int live[kDownOneTokPairs];      // pair k's id is in [0, E)
   MOE_TRACE(1, 0);
   pdl_trigger();  // the next kernel waits for us before reading out
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, KC = I >> 6;
   const bool shared = warp == kDownOneTokPairs;
-  // ids come from the router, complete before the gate/up GEMM's routed blocks let this grid launch.
+  // ids and weights come from the router, complete before the gate/up GEMM's routed blocks let this grid
+  // launch; read once here (the combine at the end reads them from shared memory).
   int e = -1;
+  float wgt = 0.f;
   if (!shared && warp < topk) {
     const int64_t id = __ldcg(ids + warp);
-    if (id >= 0 && id < E) e = (int)id;
+    if (id >= 0 && id < E) e = (int)id, wgt = __ldg(topw + warp);
   }
+  if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
   const bool busy = shared ? sd != nullptr : e >= 0;
   const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
   if (busy && !shared)  // the pair's weights into L2 while the gate/up GEMM finishes
@@ -145,10 +150,8 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
   if (threadIdx.x >= 16) return;
   const int r = threadIdx.x;
   float sum = 0.f;
-  for (int k = 0; k < topk; ++k) {
-    const int64_t id = __ldcg(ids + k);
-    if (id >= 0 && id < E) sum += __ldg(topw + k) * ys[k][r];
-  }
+  for (int k = 0; k < topk; ++k)
+    if (live[k]) sum += weight[k] * ys[k][r];
   if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
   out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
   MOE_TRACE(1, 3);
