@@ -128,17 +128,24 @@ def shared_weights(D, inter, gen):
     return bf(inter, D), bf(inter, D), bf(D, inter)
 
 
+def block_inputs(seed, M, E, K, D, inter, kind="uniform", with_shared=True):
+    """Fresh repacked experts, the shared expert's weights (or Nones), x, ids of `kind` and weights in
+    (0.1, 1.1), drawn in that order from a generator seeded with `seed` (returned for further draws)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = random_repacked(E, D, inter, gen)
+    sh = shared_weights(D, inter, gen) if with_shared else (None,) * 3
+    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, tw = routing(kind, M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    return gen, w, sh, x, ids, tw
+
+
 @pytest.mark.parametrize("M", [1, 5, 16, 40, 130])
 @pytest.mark.parametrize(
     "E,K,D,inter,kind",
     [(384, 8, 7168, 256, "uniform"), (64, 8, 512, 256, "same"), (16, 4, 7168, 2048, "uniform")],
 )
 def test_shared_expert_in_the_grid_matches_reference(M, E, K, D, inter, kind):
-    gen = torch.Generator(device="cuda").manual_seed(100 + M + E)
-    w = random_repacked(E, D, inter, gen)
-    sh = shared_weights(D, inter, gen)
-    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = routing(kind, M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    _, w, sh, x, ids, tw = block_inputs(100 + M + E, M, E, K, D, inter, kind)
     ref = _reference(x, *w, ids, tw, *sh).float()
     poison_allocator()
     got = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh).float()
@@ -157,12 +164,8 @@ def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     from k26.ops import pdl
     from k26.ops.moe_cuda import pick_nt, route_table
 
-    gen = torch.Generator(device="cuda").manual_seed(200 + M)
     E, K, D, inter = 384, 8, 7168, 256
-    w = random_repacked(E, D, inter, gen)
-    sh = shared_weights(D, inter, gen) if with_shared else (None,) * 3
-    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = routing("uniform", M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    _, w, sh, x, ids, tw = block_inputs(200 + M, M, E, K, D, inter, with_shared=with_shared)
     table = route_table(ids, E, pick_nt(M * K, E), with_shared)
     plain = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
     poison_allocator()
@@ -210,12 +213,8 @@ def test_out_of_range_ids_are_refused():
 def test_out_of_range_ids_inside_capture_contribute_nothing(M, with_shared):
     """Inside a graph the ids are not checked: a pair with an id outside [0, E) must add nothing and read
     nothing out of bounds — through the routing table (M = 5) and the one-token direct paths (M = 1)."""
-    gen = torch.Generator(device="cuda").manual_seed(300 + M)
     E, K, D, inter = 64, 8, 512, 256
-    w = random_repacked(E, D, inter, gen)
-    sh = shared_weights(D, inter, gen) if with_shared else (None,) * 3
-    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = routing("uniform", M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    gen, w, sh, x, ids, tw = block_inputs(300 + M, M, E, K, D, inter, with_shared=with_shared)
     torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)  # build/load before capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

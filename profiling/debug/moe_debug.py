@@ -128,13 +128,9 @@ def router_only(reps: int = 3) -> None:
 
 
 def op_only(kind: str, M: int, reps: int = 3) -> None:
-    from test_moe_gpu import shared_weights
+    from test_moe_gpu import block_inputs
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    E, K, D, I = 384, 8, 7168, 256
-    w, sh = random_repacked(E, D, I, gen), shared_weights(D, I, gen)
-    x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, tw = routing(kind, M, E, K, gen), torch.rand(M, K, generator=gen, device="cuda") + 0.1
+    _, w, sh, x, ids, tw = block_inputs(0, M, 384, 8, 7168, 256, kind)
     for _ in range(reps):
         torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
     torch.cuda.synchronize()
