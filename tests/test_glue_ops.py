@@ -94,12 +94,18 @@ def test_bad_input_is_named(change, name):
         torch.ops.k26.mla_glue(**(inputs() | change))
 
 
-def test_fused_mla_matches_unfused():
-    torch.manual_seed(0)
+def random_tiny(dtype: torch.dtype, seed: int) -> tuple[ModelConfig, KimiK2]:
+    """The tiny config's model with N(0, 0.3) weights, the global RNG seeded first (later draws follow)."""
+    torch.manual_seed(seed)
     cfg = ModelConfig.from_dict(TINY)
-    model = KimiK2(cfg, torch.float32).eval()
+    model = KimiK2(cfg, dtype).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3)
+    return cfg, model
+
+
+def test_fused_mla_matches_unfused():
+    cfg, model = random_tiny(torch.float32, 0)
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
     batch = AttnBatch.causal(torch.tensor([3, 7]), 5)
     caches = [torch.randn(cfg.num_hidden_layers, 2, 16, cfg.latent_dim) for _ in range(2)]
@@ -118,11 +124,7 @@ def test_fused_mla_matches_unfused():
 
 
 def test_glue_op_in_the_model_is_bitwise_the_composition():
-    torch.manual_seed(1)
-    cfg = ModelConfig.from_dict(TINY)
-    model = KimiK2(cfg, torch.bfloat16).eval()
-    for p in model.parameters():
-        p.data.normal_(0, 0.3)
+    cfg, model = random_tiny(torch.bfloat16, 1)
     ids = torch.randint(0, cfg.vocab_size, (2, 4))
     batch = AttnBatch.causal(torch.tensor([2, 5]), 4)
     caches = [torch.randn(cfg.num_hidden_layers, 2, 12, cfg.latent_dim).bfloat16() for _ in range(2)]
