@@ -12,6 +12,13 @@ __device__ __forceinline__ unsigned long long k26_globaltimer() {
   return t;
 }
 
+// The SM this thread runs on (%smid): the trace builds record it to tell co-resident blocks apart.
+__device__ __forceinline__ unsigned k26_smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 // Exported `int read_fn(void* host)` (the __device__ array `table` into host memory) and `int reset_fn()`
 // (zeroes it): cudaError_t codes.
 #define K26_TRACE_EXPORTS(read_fn, reset_fn, table)                                       \

@@ -27,7 +27,10 @@ namespace k26_moe {
 // 14-chunk k range per warp at K2.6 took 4 round trips, this takes 2). Measured (run 7): the TP1 M = 1 block
 // 8 % faster, TP8 unchanged (its gate/up is not bound by one warp's round trips). Same fragments, same mma
 // order as the register path: bit-identical. All threads of the block call it (it stages x and synchronises).
-constexpr int kOneTokU = 8;
+#ifndef K26_ONE_TOK_U  // chunks in flight per warp (-DK26_ONE_TOK_U=n: the depth experiment of moe_trace.py)
+#define K26_ONE_TOK_U 8
+#endif
+constexpr int kOneTokU = K26_ONE_TOK_U;
 constexpr int kOneTokMaxK = 7168;  // the staged row's capacity (bf16): K2.6's hidden size
 
 __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, const uint32_t* __restrict__ s,
@@ -66,6 +69,7 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
         mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
       }
     }
+    if (c0 == c_begin) MOE_TRACE(0, 4);  // warp 0's first weight batch arrived and multiplied
   }
 }
 

@@ -53,10 +53,14 @@
 // the gate/up GEMM, 1 the down GEMM / down_combine_one_token; a row per block, thread 0 stamps.
 #ifdef K26_MOE_TRACE
 __device__ unsigned long long g_moe_trace[2][1024][16];
+// Stamp 0 also records the block's SM (slot 15, %smid + 1: 0 stays "not stamped").
 #define MOE_TRACE(table, k)                                                          \
   {                                                                                  \
     const unsigned row_ = blockIdx.y * gridDim.x + blockIdx.x;                       \
-    if (threadIdx.x == 0 && row_ < 1024) g_moe_trace[table][row_][k] = k26_globaltimer(); \
+    if (threadIdx.x == 0 && row_ < 1024) {                                           \
+      g_moe_trace[table][row_][k] = k26_globaltimer();                               \
+      if ((k) == 0) g_moe_trace[table][row_][15] = k26_smid() + 1;                   \
+    }                                                                                \
   }
 #else
 #define MOE_TRACE(table, k)
