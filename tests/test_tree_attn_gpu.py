@@ -146,3 +146,44 @@ def test_refuses_bad_mask_shape():
     q, cache, rows, prefix, words = case(1, 8, 8, [100], seed=13)
     with pytest.raises(ValueError, match="mask_words must be int64"):
         torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words[:, :4], 0.1, 512)
+
+
+def rotary_case(B, N, H, L, seed):
+    """case()'s inputs with the query split as the model passes it: q̃ [B, N, H, 512] and q_pe a strided
+    view of a q_b-like output [B, N, H, 192] (its last 64 dims, before RoPE), positions, frequencies."""
+    q, cache, rows, prefix, words = case(B, N, H, [L] * B, seed)
+    dgen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    q_b = (torch.randn(B, N, H, 192, generator=dgen, device="cuda") * 0.5).to(torch.bfloat16)
+    positions = prefix[:, None] + torch.arange(N, device="cuda")
+    inv_freq = 1.0 / (50000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    return q[..., :512].contiguous(), q_b[..., 128:], positions, inv_freq, cache, rows, prefix, words
+
+
+@pytest.mark.parametrize(
+    "B, N, H, L", [(1, 1, 8, 4095), (2, 16, 8, 1000), (1, 65, 16, 300), (2, 7, 64, 20011)]
+)
+def test_rotary_query_equals_the_concatenated_query_bitwise(B, N, H, L):
+    q_lat, q_pe, pos, freq, cache, rows, prefix, words = rotary_case(B, N, H, L, seed=20 + N)
+    assert not q_pe.is_contiguous()  # read in place, rows 192 apart
+    q_abs = torch.cat([q_lat, reference.rope(q_pe, pos[:, :, None], freq)], dim=-1)
+    want_o, want_l = torch.ops.k26.mla_tree_attention(q_abs, cache, rows, prefix, words, 0.1, 512)
+    poison()
+    out, lse = torch.ops.k26.mla_tree_attention(
+        q_lat, cache, rows, prefix, words, 0.1, 512, False, q_pe, pos, freq
+    )
+    assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+    ref_o, ref_l = reference.mla_tree_attention(
+        q_lat, cache, rows, prefix, words, 0.1, 512, False, q_pe, pos, freq
+    )
+    assert ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item() <= 3e-3
+    assert (lse - ref_l).abs().max().item() <= 1e-3
+
+
+def test_rotary_query_refuses_missing_positions():
+    q_lat, q_pe, pos, freq, cache, rows, prefix, words = rotary_case(1, 4, 8, 10, seed=30)
+    with pytest.raises(ValueError, match="q_pe, positions and inv_freq come together"):
+        torch.ops.k26.mla_tree_attention(q_lat, cache, rows, prefix, words, 0.1, 512, False, q_pe, None, freq)
+    with pytest.raises(ValueError, match="inv_freq must be float32"):
+        torch.ops.k26.mla_tree_attention(
+            q_lat, cache, rows, prefix, words, 0.1, 512, False, q_pe, pos, freq.double()
+        )

@@ -105,8 +105,8 @@ class MLA(nn.Module):
         short = B * N <= self.short_k_max_m
         q_b = torch.ops.k26.linear(q_a, self.q_b_proj.weight) if short else self.q_b_proj(q_a)
         q_BNHQ = q_b.view(B, N, H, cfg.qk_head_dim)
-        q_nope, q_pe = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = rope(q_pe, batch.positions_BN[:, :, None])
+        q_nope, q_pe_raw = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = rope(q_pe_raw, batch.positions_BN[:, :, None]) if cache_RLC is None or not absorb else None
         if cache_RLC is None:  # no cache (training): the new tokens attend among themselves, differentiably
             vis_BNN = reference.words_to_tree_mask(batch.mask_words_BNW, N)
             o_BNHV = self._attend_latent(q_nope, q_pe, latent_BNC, vis_BNN)
@@ -122,9 +122,9 @@ class MLA(nn.Module):
                 q_lat = torch.ops.k26.linear_grouped(q_nope, self.w_uk_t)
             else:
                 q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
-            q_abs = torch.cat([q_lat, q_pe], dim=-1)
+            # q_pe's RoPE and the concatenation [q̃, rope(q_pe)] run inside the attention kernel.
             o_lat, _ = torch.ops.k26.mla_tree_attention(
-                q_abs,
+                q_lat,
                 cache_RLC,
                 batch.rows_B,
                 batch.prefix_lens_B,
@@ -132,6 +132,9 @@ class MLA(nn.Module):
                 cfg.softmax_scale,
                 r,
                 batch.static,
+                q_pe_raw,
+                batch.positions_BN,
+                rope.inv_freq,
             )
             if self.kv_b_proj.use_kernel or short:  # W_UV per head: kv_b's rows as a strided view, no copy
                 o_BNHV = torch.ops.k26.linear_grouped(o_lat.to(x_BND.dtype), w_kv[:, nope:])

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import RopeConfig
-from ..ops.glue_cuda import rope
+from ..ops.reference import rope
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:

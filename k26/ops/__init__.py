@@ -68,12 +68,29 @@ def mla_tree_attention(
     scale: float,
     v_dim: int,
     static: bool = False,
+    q_pe: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static)
+    return reference.mla_tree_attention(
+        q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
+    )
 
 
 @mla_tree_attention.register_fake
-def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
+def _(
+    q,
+    cache,
+    rows,
+    prefix_lens,
+    mask_words,
+    scale,
+    v_dim,
+    static=False,
+    q_pe=None,
+    positions=None,
+    inv_freq=None,
+):
     B, N, H, _ = q.shape
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 

@@ -68,17 +68,44 @@ def _bind(lib) -> None:
     lib.k26_mla_tree_attn_plan.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
     lib.k26_mla_tree_attn.restype = ctypes.c_int
     ints = [ctypes.c_int] * 8  # B, N, H, W, max_len, S, CL, min_keys
-    lib.k26_mla_tree_attn.argtypes = [ctypes.c_void_p] * 8 + ints + [ctypes.c_float, ctypes.c_void_p]
+    # q_pe, pe_ld, positions, inv_freq
+    rotary = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p]
+    lib.k26_mla_tree_attn.argtypes = (
+        [ctypes.c_void_p] * 8 + ints + [ctypes.c_float] + rotary + [ctypes.c_void_p]
+    )
     lib._k26_attn_bound = True
 
 
-def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
+def check_inputs(
+    q, cache, rows, prefix_lens, mask_words, v_dim, q_pe=None, positions=None, inv_freq=None
+) -> None:
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ValueError(f"mla_tree_attention: {msg}")
 
     need(q.dim() == 4, f"q must be [B, N, H, C], got {list(q.shape)}")
-    B, N, _, C = q.shape
+    B, N, H, C = q.shape
+    need(
+        (q_pe is None) == (positions is None) == (inv_freq is None),
+        "q_pe, positions and inv_freq come together (the query's rotary part, its positions and frequencies)",
+    )
+    if q_pe is not None:
+        need(
+            q_pe.dim() == 4 and q_pe.shape[:3] == q.shape[:3] and q_pe.shape[3] % 2 == 0,
+            f"q_pe must be [{B}, {N}, {H}, P] with P even, got {list(q_pe.shape)}",
+        )
+        need(q_pe.dtype == q.dtype, f"q_pe dtype {q_pe.dtype} differs from q's {q.dtype}")
+        need(
+            positions.shape == (B, N) and not positions.is_floating_point(),
+            f"positions must be integer [{B}, {N}], got {positions.dtype} {list(positions.shape)}",
+        )
+        need(
+            inv_freq.shape == (q_pe.shape[3] // 2,) and inv_freq.dtype == torch.float32,
+            f"inv_freq must be float32 [{q_pe.shape[3] // 2}], got {inv_freq.dtype} {list(inv_freq.shape)}",
+        )
+        for name, t in (("q_pe", q_pe), ("positions", positions), ("inv_freq", inv_freq)):
+            need(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+        C += q_pe.shape[3]
     need(
         cache.dim() == 3 and cache.shape[2] == C,
         f"cache must be [rows, max_len, {C}], got {list(cache.shape)}",
@@ -105,13 +132,32 @@ def check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim) -> None:
 
 
 @torch.library.register_kernel("k26::mla_tree_attention", "cuda")
-def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
+def _(
+    q,
+    cache,
+    rows,
+    prefix_lens,
+    mask_words,
+    scale,
+    v_dim,
+    static=False,
+    q_pe=None,
+    positions=None,
+    inv_freq=None,
+):
     from .build import available, library  # lazily: `python -m k26.ops.build` must not import itself first
 
-    check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim)
+    check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     B, N, H, C = q.shape
-    if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or not available():
-        return reference.mla_tree_attention(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static)
+    C += 0 if q_pe is None else q_pe.shape[3]
+    if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or (q_pe is not None and q.shape[3] != DV):
+        return reference.mla_tree_attention(
+            q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
+        )
+    if not available():
+        return reference.mla_tree_attention(
+            q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
+        )
     if B * N * H == 0:  # nothing to attend (the launch plan divides by the row tiles)
         return q.new_empty(B, N, H, DV), q.new_empty(B, N, H, dtype=torch.float32)
     if N > MAX_NEW_TOKENS:
@@ -129,6 +175,13 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
                 f"length is negative, or a row is outside [0, {cache.shape[0]})"
             )
     qc, cc, words = q.contiguous(), cache.contiguous(), mask_words.contiguous()
+    pe_ptr, pe_ld, pos_ptr, freq_ptr = None, 0, None, None
+    if q_pe is not None:  # rows pe_ld apart: a view into the q_b projection's output is read in place
+        s = q_pe.stride()
+        if s[3] != 1 or s[2] % 8 or s[1] != H * s[2] or s[0] != N * H * s[2] or q_pe.data_ptr() % 16:
+            q_pe = q_pe.contiguous()
+        pos64, freq = positions.to(torch.int64).contiguous(), inv_freq.contiguous()
+        pe_ptr, pe_ld, pos_ptr, freq_ptr = q_pe.data_ptr(), q_pe.stride(2), pos64.data_ptr(), freq.data_ptr()
     out = torch.empty(B, N, H, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, N, H, dtype=torch.float32, device=q.device)
     lib = library()
@@ -155,6 +208,10 @@ def _(q, cache, rows, prefix_lens, mask_words, scale, v_dim, static=False):
         CL,
         min_keys,
         ctypes.c_float(scale),
+        pe_ptr,
+        pe_ld,
+        pos_ptr,
+        freq_ptr,
         torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:

@@ -21,17 +21,7 @@ import torch
 
 from . import pdl, reference
 from .log import say_once
-from .reference import rms_norm
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair RoPE: x [..., P] with positions broadcastable to x.shape[:-1], inv_freq fp32 [P/2]."""
-    ang = positions.float().unsqueeze(-1) * inv_freq
-    cos, sin = ang.cos(), ang.sin()
-    x2 = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = x2[..., 0], x2[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+from .reference import rms_norm, rope
 
 
 def mla_glue_reference(

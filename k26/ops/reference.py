@@ -72,14 +72,44 @@ def mla_write_cache(cache_RLC, latent_BNC, rows_B, prefix_lens_B) -> None:
     cache_RLC[rows_B[:, None], pos_BN] = latent_BNC.to(cache_RLC.dtype)
 
 
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair RoPE: x [..., P] with positions broadcastable to x.shape[:-1], inv_freq fp32 [P/2]."""
+    ang = positions.float().unsqueeze(-1) * inv_freq
+    cos, sin = ang.cos(), ang.sin()
+    x2 = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = x2[..., 0], x2[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def attention_query(q_BNHC, q_pe_BNHP=None, positions_BN=None, inv_freq=None) -> torch.Tensor:
+    """mla_tree_attention's query: q itself, or with q_pe (the rotary part, before RoPE) the concatenation
+    [q, rope(q_pe, positions, inv_freq)]."""
+    if q_pe_BNHP is None:
+        return q_BNHC
+    return torch.cat([q_BNHC, rope(q_pe_BNHP, positions_BN[:, :, None], inv_freq)], dim=-1)
+
+
 def mla_tree_attention(
-    q_BNHC, cache_RLC, rows_B, prefix_lens_B, words_BNW, scale: float, v_dim: int, static: bool = False
+    q_BNHC,
+    cache_RLC,
+    rows_B,
+    prefix_lens_B,
+    words_BNW,
+    scale: float,
+    v_dim: int,
+    static: bool = False,
+    q_pe_BNHP=None,
+    positions_BN=None,
+    inv_freq=None,
 ):
     """Absorbed MLA over the latent cache: one shared 576-wide key per token, values its first v_dim.
-    `static`: whole cache rows, no host sync (`live_keys`).
+    `static`: whole cache rows, no host sync (`live_keys`). With q_pe, q holds the query's first dims and
+    q_pe its rotary part before RoPE (`attention_query`): the caller's rope and concatenation, fused.
 
     Returns out [B, N, H, v_dim] in q's dtype and the fp32 log-sum-exp [B, N, H].
     """
+    q_BNHC = attention_query(q_BNHC, q_pe_BNHP, positions_BN, inv_freq)
     _, N, _, _ = q_BNHC.shape
     if not (static or capturing()) and int(prefix_lens_B.max()) + N > cache_RLC.shape[1]:
         raise ValueError(

@@ -52,7 +52,11 @@ struct Cfg {
 };
 
 struct Params {
-  const __nv_bfloat16* q;      // [B, N, H, 576]
+  const __nv_bfloat16* q;      // [B, N, H, 576], or [B, N, H, 512] with q_pe
+  const __nv_bfloat16* q_pe;   // null, or the rotary part before RoPE: row (b, n, h) at + ((b N + n) H + h) pe_ld
+  const int64_t* positions;    // [B, N] with q_pe: the RoPE positions
+  const float* inv_freq;       // [32] with q_pe: the RoPE inverse frequencies (interleaved pairs)
+  long long pe_ld;             // q_pe's row stride (elements)
   const __nv_bfloat16* cache;  // [cache rows, max_len, 576]
   const int64_t* rows;         // [B]
   const int64_t* prefix;       // [B]

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "pdl.cuh"
+#include "rope.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -126,13 +127,8 @@ __global__ void __launch_bounds__(kThreads) mla_glue_kernel(const GlueParams p) 
   // Interleaved rotary pairs (2i, 2i + 1) of k_pe, angle = fp32(position) * inv_freq[i] in fp32.
   const int i = threadIdx.x;
   if (i < p.P / 2) {
-    const float ang = __fmul_rn((float)p.pos[t], p.inv_freq[i]);
-    const float c = cosf(ang), s = sinf(ang);
     const __nv_bfloat162 v = reinterpret_cast<const __nv_bfloat162*>(p.kv + t * p.kv_ld + p.R)[i];
-    const float x0 = __low2float(v), x1 = __high2float(v);
-    reinterpret_cast<__nv_bfloat162*>(dst + p.R)[i] =
-        __floats2bfloat162_rn(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)),
-                              __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+    reinterpret_cast<__nv_bfloat162*>(dst + p.R)[i] = k26_rope_pair(v, p.pos[t], p.inv_freq[i]);
   }
 }
 

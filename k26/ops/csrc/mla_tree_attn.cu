@@ -35,6 +35,7 @@
 
 #include "mla_attn_common.cuh"
 #include "mla_attn_merge.cuh"
+#include "rope.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -59,13 +60,17 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int row0 = rt * BM;
-  // Q first (it depends on nothing): its load overlaps the reads of the sequence's length and row.
+  // Q first (it depends on nothing): its load overlaps the reads of the sequence's length and row. With
+  // q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
   {
     __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
     for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
       const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
-      const int row = min(row0 + r, p.R - 1);
-      cp_async16(sQ + r * LDS + c, p.q + ((size_t)b * p.R + row) * DQK + c, row0 + r < p.R);
+      const size_t row = (size_t)b * p.R + min(row0 + r, p.R - 1);
+      const __nv_bfloat16* src = !p.q_pe ? p.q + row * DQK + c
+                                 : c < DV ? p.q + row * DV + c
+                                          : p.q_pe + row * p.pe_ld + (c - DV);
+      cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
     }
   }
   const int L = static_cast<int>(p.prefix[b]);
@@ -114,6 +119,17 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   uint32_t qa[MT][KSTEPS][4];
   cp_wait<0>();
   __syncthreads();
+  if (p.q_pe) {  // RoPE of the rotary dims in shared memory, as the reference (k26/ops/reference.py: rope)
+    __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
+    for (int i = tid; i < BM * (DQK - DV) / 2; i += THREADS) {
+      const int r = i / ((DQK - DV) / 2), pair = i % ((DQK - DV) / 2);
+      if (row0 + r >= p.R) continue;
+      const int64_t pos = p.positions[(size_t)b * p.N + (row0 + r) / p.H];
+      __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(sQ + r * LDS + DV) + pair;
+      *x = k26_rope_pair(*x, pos, __ldg(p.inv_freq + pair));
+    }
+    __syncthreads();
+  }
   {
     const __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
 #pragma unroll
@@ -376,14 +392,18 @@ K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits, int* clu
 }
 
 // Returns a cudaError_t. Shapes are validated by the Python front door (k26/ops/attention_cuda.py).
+// q_pe (null: q holds all 576 dims): the rotary dims before RoPE, rows pe_ld apart, rotated by positions [B, N]
+// and inv_freq [32] in the kernel; q then holds the 512 latent dims per row.
 K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t* rows, const int64_t* prefix,
                                  const int64_t* words, void* out, float* lse, void* workspace, int B, int N, int H,
-                                 int W, int max_len, int S_max, int CL, int min_keys, float scale, void* stream) {
+                                 int W, int max_len, int S_max, int CL, int min_keys, float scale, const void* q_pe,
+                                 long long pe_ld, const int64_t* positions, const float* inv_freq, void* stream) {
   if (CL < 1 || CL > 8 || S_max % CL) return (int)cudaErrorInvalidValue;
   const Layout w = layout(B, N, H, S_max, CL);
   char* ws = static_cast<char*>(workspace);
   Params p;
-  p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
+  p.q = (const __nv_bfloat16*)q, p.q_pe = (const __nv_bfloat16*)q_pe, p.pe_ld = pe_ld, p.positions = positions,
+  p.inv_freq = inv_freq, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
   p.words = words, p.out = (__nv_bfloat16*)out, p.lse = lse;
   p.counters = reinterpret_cast<int*>(ws), p.lse_part = reinterpret_cast<float*>(ws + w.lse),
   p.o_part = reinterpret_cast<float*>(ws + w.o);
