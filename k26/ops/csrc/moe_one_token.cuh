@@ -74,32 +74,26 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
 }
 
 
-// down_combine_one_token<RT>: one block per RT 16-row tiles of the output (D / 16 / RT blocks) and one warp
-// per routed pair (direct routing: pair k's expert is ids[k]; warp kDownOneTokPairs: the shared expert,
-// slot topk of act), each over all of K = I for its RT tiles with their chunks in flight at once, like the
-// general down GEMM; the pairs' bf16 outputs meet in shared memory and 16 RT threads write
-// out = bf16( bf16(sum_k w_k y_k) + y_shared ) in k order, as combine_kernel: no y round trip through global
-// memory and no combine launch. RT = 2 at K2.6's TP8 rank: 224 blocks, all resident at once (RT = 1's 448
-// blocks at 78 registers ran in two waves, the second ~3 µs late; a loop over tiles took 130 registers).
-// Before the grid-dependency wait every warp prefetches its weights into L2: the routed pairs' int4 rows and
-// the shared expert's bf16 rows (constants; ids come from the router, complete before the gate/up GEMM
-// let this grid launch).
+// down_combine_one_token: one block per 16-row tile of the output (D / 16 blocks) and one warp per routed pair
+// (direct routing: pair k's expert is ids[k]; warp kDownOneTokPairs: the shared expert, slot topk of act),
+// each over all of K = I with its chunks in flight at once, like the general down GEMM; the pairs' bf16
+// outputs meet in shared memory and 16 threads write out = bf16( bf16(sum_k w_k y_k) + y_shared ) in k
+// order, as combine_kernel: no y round trip through global memory and no combine launch.
 constexpr int kDownOneTokPairs = 8;  // topk <= 8
 constexpr int kDownOneTokThreads = 32 * (kDownOneTokPairs + 1);
-constexpr int kDownOneTokU = 4;  // chunks in flight per warp and tile, as the general down GEMM
+constexpr int kDownOneTokU = 4;  // chunks in flight per warp, as the general down GEMM
 
-template <int RT>
 static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
     int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
     const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
-  __shared__ float ys[kDownOneTokPairs + 1][16 * RT];
+  __shared__ float ys[kDownOneTokPairs + 1][16];
   __shared__ float weight[kDownOneTokPairs];  // pair k's combine weight, 0 unless live[k]
   __shared__ int live[kDownOneTokPairs];      // pair k's id is in [0, E)
   MOE_TRACE(1, 0);
   pdl_trigger();  // the next kernel waits for us before reading out
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int tile0 = blockIdx.x * RT, KC = I >> 6;  // n_tiles is a multiple of RT
+  const int tile = blockIdx.x, KC = I >> 6;
   const bool shared = warp == kDownOneTokPairs;
   // ids and weights come from the router, complete before the gate/up GEMM's routed blocks let this grid
   // launch; read once here (the combine at the end reads them from shared memory).
@@ -111,40 +105,29 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
   }
   if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
   const bool busy = shared ? sd != nullptr : e >= 0;
-  const size_t base = ((size_t)max(e, 0) * n_tiles + tile0) * KC;  // RT tiles' chunks are consecutive
-  if (busy && !shared) {
-    for (int c = 0; c < RT * KC; ++c) {
+  const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
+  if (busy && !shared)  // the pair's weights into L2 while the gate/up GEMM finishes
+    for (int c = 0; c < KC; ++c) {
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w2 + (base + c) * 32 + lane));
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s2 + (base + c) * 16));
     }
-  } else if (busy) {  // the shared expert's 16 RT bf16 rows: contiguous, 128-byte lines
-    const char* rows = reinterpret_cast<const char*>(sd + (size_t)tile0 * 16 * I);
-    for (int b = lane * 128; b < RT * 16 * I * 2; b += 32 * 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rows + b));
-  }
   pdl_wait();  // act comes from the gate/up GEMM
   MOE_TRACE(1, 1);
-  float acc[RT][1][4];
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[r][0][i] = 0.f;
+  float acc[1][1][4] = {{{0.f, 0.f, 0.f, 0.f}}};
   // Activation row of this warp's slot in column g = 0 (the token); other columns are zero padding.
   const int slot = shared ? topk : warp;
   const uint4* brow[1] = {g == 0 ? reinterpret_cast<const uint4*>(act + (size_t)slot * I) + 2 * t : nullptr};
   if (busy && shared) {
-    shared_acc<RT, 1, false>(sd, nullptr, I, tile0, 0, KC, brow, acc);
+    shared_acc<1, 1, false>(sd, nullptr, I, tile, 0, KC, brow, acc);
   } else if (busy) {
     for (int c0 = 0; c0 < KC; c0 += kDownOneTokU) {
-      uint4 wv[kDownOneTokU][RT], bv[kDownOneTokU][2];
-      uint32_t sv[kDownOneTokU][RT];
+      uint4 wv[kDownOneTokU], bv[kDownOneTokU][2];
+      uint32_t sv[kDownOneTokU];
 #pragma unroll
       for (int u = 0; u < kDownOneTokU; ++u)
         if (c0 + u < KC) {
-#pragma unroll
-          for (int r = 0; r < RT; ++r) {
-            wv[u][r] = __ldcs(w2 + (base + r * KC + c0 + u) * 32 + lane);
-            sv[u][r] = __ldg(s2 + (base + r * KC + c0 + u) * 16 + 2 * g + (t >> 1));
-          }
+          wv[u] = __ldcs(w2 + (base + c0 + u) * 32 + lane);
+          sv[u] = __ldg(s2 + (base + c0 + u) * 16 + 2 * g + (t >> 1));
 #pragma unroll
           for (int q = 0; q < 2; ++q) bv[u][q] = brow[0] ? __ldg(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
         }
@@ -152,34 +135,29 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
       for (int u = 0; u < kDownOneTokU; ++u) {
         if (c0 + u >= KC) break;
 #pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t word = j == 0 ? wv[u][r].x : j == 1 ? wv[u][r].y : j == 2 ? wv[u][r].z : wv[u][r].w;
-            uint32_t a[4];
-            dequant(word, sv[u][r], a);
-            const uint4 b = bv[u][j >> 1];
-            mma_bf16(acc[r][0], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
-          }
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t word = j == 0 ? wv[u].x : j == 1 ? wv[u].y : j == 2 ? wv[u].z : wv[u].w;
+          uint32_t a[4];
+          dequant(word, sv[u], a);
+          const uint4 b = bv[u][j >> 1];
+          mma_bf16(acc[0][0], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+        }
       }
     }
   }
   if (t == 0) {  // column 0 (the token): rows g (element 0) and g + 8 (element 2), rounded as y is stored
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      ys[warp][16 * r + g] = bf16_round(acc[r][0][0]);
-      ys[warp][16 * r + g + 8] = bf16_round(acc[r][0][2]);
-    }
+    ys[warp][g] = bf16_round(acc[0][0][0]);
+    ys[warp][g + 8] = bf16_round(acc[0][0][2]);
   }
   MOE_TRACE(1, 2);
   __syncthreads();
-  if (threadIdx.x >= 16 * RT) return;
-  const int row = threadIdx.x;
+  if (threadIdx.x >= 16) return;
+  const int r = threadIdx.x;
   float sum = 0.f;
   for (int k = 0; k < topk; ++k)
-    if (live[k]) sum += weight[k] * ys[k][row];
-  if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][row];
-  out[(size_t)tile0 * 16 + row] = __float2bfloat16(sum);
+    if (live[k]) sum += weight[k] * ys[k][r];
+  if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
+  out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
   MOE_TRACE(1, 3);
 }
 

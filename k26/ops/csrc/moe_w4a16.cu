@@ -358,16 +358,6 @@ struct Shared {  // the shared expert's bf16 weights, or all nullptr
   const __nv_bfloat16 *gate, *up, *down;
 };
 
-// How many blocks of `kernel` (threads each, static shared memory only) the GPU holds at once.
-template <typename... Params>
-int resident_blocks(void (*kernel)(Params...), int threads) {
-  int dev = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
-  return sms * (per_sm > 0 ? per_sm : 1);
-}
-
 // Kernel launch on `st` (pdl.cuh; the kernels' pdl_wait / pdl_trigger say what may overlap).
 template <typename... Params, typename... Args>
 cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pdl, cudaStream_t st, Args... args) {
@@ -403,13 +393,8 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   if (err != cudaSuccess) return err;
   const int tiles2 = D / 16;
   if (direct && topk <= kDownOneTokPairs) {  // decode: down + combine in one launch
-    // Two tiles per block unless that takes more waves of resident blocks than one (sm_120's larger register
-    // use holds one such block per SM there).
-    const int r1 = resident_blocks(down_combine_one_token<1>, kDownOneTokThreads);
-    const int r2 = resident_blocks(down_combine_one_token<2>, kDownOneTokThreads);
-    const bool two = (tiles2 / 2 + r2 - 1) / r2 <= (tiles2 + r1 - 1) / r1;
-    return launch_on(two ? down_combine_one_token<2> : down_combine_one_token<1>, dim3(two ? tiles2 / 2 : tiles2),
-                     kDownOneTokThreads, pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2,
+    return launch_on(down_combine_one_token, dim3(tiles2), kDownOneTokThreads, pdl, st,
+                     (const __nv_bfloat16*)ws.act, (const uint4*)w2,
                      (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
   }
   // down: D/16 tiles, one per warp, 8 warps per block, K = I.
