@@ -73,6 +73,19 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
       cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
     }
   }
+  // With q_pe: this thread's rotary pairs (row r, pair j) of the block's query rows and their cos / sin,
+  // computed while Q and the first tiles are in flight (after the wait they cost a dependent load ~2 µs).
+  constexpr int PAIRS = (DQK - DV) / 2, ROPE_ITEMS = (BM * PAIRS + THREADS - 1) / THREADS;
+  float2 rope_cs[ROPE_ITEMS];
+  if (p.q_pe) {
+#pragma unroll
+    for (int k = 0; k < ROPE_ITEMS; ++k) {
+      const int i = tid + k * THREADS, r = i / PAIRS;
+      rope_cs[k] = make_float2(1.f, 0.f);
+      if (i < BM * PAIRS && row0 + r < p.R)
+        rope_cs[k] = k26_rope_cos_sin(p.positions[(size_t)b * p.N + (row0 + r) / p.H], __ldg(p.inv_freq + i % PAIRS));
+    }
+  }
   const int L = static_cast<int>(p.prefix[b]);
   const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
   int chunk, active;
@@ -121,12 +134,12 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   __syncthreads();
   if (p.q_pe) {  // RoPE of the rotary dims in shared memory, as the reference (k26/ops/reference.py: rope)
     __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
-    for (int i = tid; i < BM * (DQK - DV) / 2; i += THREADS) {
-      const int r = i / ((DQK - DV) / 2), pair = i % ((DQK - DV) / 2);
-      if (row0 + r >= p.R) continue;
-      const int64_t pos = p.positions[(size_t)b * p.N + (row0 + r) / p.H];
-      __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(sQ + r * LDS + DV) + pair;
-      *x = k26_rope_pair(*x, pos, __ldg(p.inv_freq + pair));
+#pragma unroll
+    for (int k = 0; k < ROPE_ITEMS; ++k) {
+      const int i = tid + k * THREADS;
+      if (i >= BM * PAIRS || row0 + i / PAIRS >= p.R) continue;
+      __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(sQ + (i / PAIRS) * LDS + DV) + i % PAIRS;
+      *x = k26_rope_rotate(*x, rope_cs[k]);
     }
     __syncthreads();
   }

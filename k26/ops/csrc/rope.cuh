@@ -10,10 +10,18 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ __nv_bfloat162 k26_rope_pair(__nv_bfloat162 v, int64_t position, float inv_freq) {
+// cos and sin of one pair's angle (split from the rotation so a kernel can compute them while loads fly).
+__device__ __forceinline__ float2 k26_rope_cos_sin(int64_t position, float inv_freq) {
   const float ang = __fmul_rn((float)position, inv_freq);
-  const float c = cosf(ang), s = sinf(ang);
+  return make_float2(cosf(ang), sinf(ang));
+}
+
+__device__ __forceinline__ __nv_bfloat162 k26_rope_rotate(__nv_bfloat162 v, float2 cs) {
   const float x0 = __low2float(v), x1 = __high2float(v);
-  return __floats2bfloat162_rn(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)),
-                               __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+  return __floats2bfloat162_rn(__fsub_rn(__fmul_rn(x0, cs.x), __fmul_rn(x1, cs.y)),
+                               __fadd_rn(__fmul_rn(x0, cs.y), __fmul_rn(x1, cs.x)));
+}
+
+__device__ __forceinline__ __nv_bfloat162 k26_rope_pair(__nv_bfloat162 v, int64_t position, float inv_freq) {
+  return k26_rope_rotate(v, k26_rope_cos_sin(position, inv_freq));
 }
