@@ -1,13 +1,15 @@
 """Benchmark `torch.ops.k26.mla_tree_attention` against its roofline, with the ceilings measured in the
 same run (profiling/timing.py): eager copy bandwidth, the mma.sync bf16 peak, cuBLAS's bf16 GEMM rate.
 
-    python profiling/bench_tree_attn.py [--out FILE.md] [--quick] [--tune]
+    python profiling/bench_tree_attn.py [--out FILE.md] [--quick] [--tune] [--rotary]
 
 Per shape: graph replay, cold L2 (256 MB read before every replay), median; small shapes capture
 several calls on distinct inputs in one graph and report per call (the graph launch is amortised, every
 call still reads its KV from HBM). Bytes = the latent KV read once (B x (L + N) x 576 x 2) + q + out;
 FLOPs = 2 x (576 + 512) per (query row, visible key). roofline = max(bytes / copy BW, FLOPs / mma.sync
-peak); "x roofline" = time / roofline. `--tune` sweeps the minimum keys per split.
+peak); "x roofline" = time / roofline. `--tune` sweeps the minimum keys per split. `--rotary`: the query as
+the model passes it, q̃ [.., 512] and q_pe before RoPE (a strided view of a q_b-like output), rotated in the
+kernel.
 """
 
 from __future__ import annotations
@@ -35,27 +37,37 @@ def random_tree(N: int, gen: torch.Generator) -> torch.Tensor:
     return ancestors_from_parents(torch.tensor([parents]))[0]
 
 
-def inputs(B, N, H, L, gen):
+def inputs(B, N, H, L, gen, rotary=False):
+    """The op's positional arguments up to mask_words, the trailing ones (rotary query), the ancestors."""
     cache = torch.randn(B, L + N, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
     q = torch.randn(B, N, H, 576, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.3
     anc = random_tree(N, torch.Generator().manual_seed(N)).expand(B, N, N)
     words = tree_mask_to_words(anc).cuda()
     rows, prefix = torch.arange(B, device="cuda"), torch.full((B,), L, device="cuda")
-    return (q, cache, rows, prefix, words), anc
+    if not rotary:
+        return (q, cache, rows, prefix, words), (), anc
+    q_b = torch.randn(B, N, H, 192, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.3
+    positions = prefix[:, None] + torch.arange(N, device="cuda")
+    inv_freq = 1.0 / (50000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    return (
+        (q[..., :512].contiguous(), cache, rows, prefix, words),
+        (False, q_b[..., 128:], positions, inv_freq),
+        anc,
+    )
 
 
-def measure(B, N, H, L, gen) -> tuple[float, float, float]:
+def measure(B, N, H, L, gen, rotary=False) -> tuple[float, float, float]:
     """(seconds per call, bytes, flops) on fresh random inputs."""
     kv_bytes = B * (L + N) * 576 * 2
     copies = max(1, min(16, math.ceil((64 << 20) / kv_bytes)))  # distinct inputs per graph for small shapes
-    sets = [inputs(B, N, H, L, gen) for _ in range(copies)]
+    sets = [inputs(B, N, H, L, gen, rotary) for _ in range(copies)]
 
     def run():
-        for args, _ in sets:
-            torch.ops.k26.mla_tree_attention(*args, SCALE, 512)
+        for args, extra, _ in sets:
+            torch.ops.k26.mla_tree_attention(*args, SCALE, 512, *extra)
 
     t = graph_time_cold(run, calls=copies)
-    anc = sets[0][1]
+    anc = sets[0][2]
     visible = anc[0].sum().item() + N * L
     bytes_ = kv_bytes + B * N * H * (576 + 512) * 2
     return t, bytes_, 2 * (576 + 512) * B * H * visible
@@ -66,6 +78,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="sweep MIN_SPLIT_KEYS on a few shapes")
+    ap.add_argument("--rotary", action="store_true", help="q̃ and q_pe apart, RoPE in the kernel")
     a = ap.parse_args()
     copy_bw, mma_peak, gemm = copy_bandwidth(), mma_sync_peak(), gemm_rate()
     commit = (
@@ -80,7 +93,10 @@ def main() -> None:
         "",
         f"- device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}",
         f"- commit: {commit or 'unknown'}",
-        f"- command: `python profiling/bench_tree_attn.py{' --quick' * a.quick}{' --tune' * a.tune}`",
+        (
+            "- command: `python profiling/bench_tree_attn.py"
+            f"{' --quick' * a.quick}{' --tune' * a.tune}{' --rotary' * a.rotary}`"
+        ),
         (
             f"- ceilings in this run: copy {copy_bw / 1e12:.2f} TB/s (eager, read+write), mma.sync bf16 "
             f"{mma_peak / 1e12:.0f} TFLOP/s, cuBLAS bf16 GEMM {gemm / 1e12:.0f} TFLOP/s"
@@ -115,7 +131,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for H, N, L, B in shapes:
-        t, bytes_, flops = measure(B, N, H, L, gen)
+        t, bytes_, flops = measure(B, N, H, L, gen, a.rotary)
         roof = max(bytes_ / copy_bw, flops / mma_peak)
         lines.append(
             f"| {H} | {N} | {L} | {B} | {B * (L + N) * 1152 / 1e6:.1f} | {flops / 1e9:.2f} | "

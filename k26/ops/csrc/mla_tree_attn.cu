@@ -73,17 +73,19 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
       cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
     }
   }
-  // With q_pe: this thread's rotary pairs (row r, pair j) of the block's query rows and their cos / sin,
-  // computed while Q and the first tiles are in flight (after the wait they cost a dependent load ~2 µs).
+  // With q_pe: this thread's rotary pairs (row r, pair j) of the block's query rows. Their positions and
+  // frequencies load here, beside Q; cos / sin are computed once the first key tiles are issued, just before
+  // the wait (after it, or before the tiles, they cost the kernel ~2 µs: one more dependent load on its path).
   constexpr int PAIRS = (DQK - DV) / 2, ROPE_ITEMS = (BM * PAIRS + THREADS - 1) / THREADS;
-  float2 rope_cs[ROPE_ITEMS];
+  int64_t rope_pos[ROPE_ITEMS];
+  float rope_freq[ROPE_ITEMS];
   if (p.q_pe) {
 #pragma unroll
     for (int k = 0; k < ROPE_ITEMS; ++k) {
       const int i = tid + k * THREADS, r = i / PAIRS;
-      rope_cs[k] = make_float2(1.f, 0.f);
-      if (i < BM * PAIRS && row0 + r < p.R)
-        rope_cs[k] = k26_rope_cos_sin(p.positions[(size_t)b * p.N + (row0 + r) / p.H], __ldg(p.inv_freq + i % PAIRS));
+      const bool live = i < BM * PAIRS && row0 + r < p.R;
+      rope_pos[k] = live ? p.positions[(size_t)b * p.N + (row0 + r) / p.H] : 0;
+      rope_freq[k] = live ? __ldg(p.inv_freq + i % PAIRS) : 0.f;
     }
   }
   const int L = static_cast<int>(p.prefix[b]);
@@ -130,6 +132,11 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   }
   const int nt = warp & 1, kq = warp >> 1;  // S-phase role: key n-tile, dim quarter
   uint32_t qa[MT][KSTEPS][4];
+  float2 rope_cs[ROPE_ITEMS];
+  if (p.q_pe) {
+#pragma unroll
+    for (int k = 0; k < ROPE_ITEMS; ++k) rope_cs[k] = k26_rope_cos_sin(rope_pos[k], rope_freq[k]);
+  }
   cp_wait<0>();
   __syncthreads();
   if (p.q_pe) {  // RoPE of the rotary dims in shared memory, as the reference (k26/ops/reference.py: rope)
