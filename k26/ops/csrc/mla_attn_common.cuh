@@ -52,11 +52,7 @@ struct Cfg {
 };
 
 struct Params {
-  const __nv_bfloat16* q;      // [B, N, H, 576], or [B, N, H, 512] with q_pe
-  const __nv_bfloat16* q_pe;   // null, or the rotary part before RoPE: row (b, n, h) at + ((b N + n) H + h) pe_ld
-  const int64_t* positions;    // [B, N] with q_pe: the RoPE positions
-  const float* inv_freq;       // [32] with q_pe: the RoPE inverse frequencies (interleaved pairs)
-  long long pe_ld;             // q_pe's row stride (elements)
+  const __nv_bfloat16* q;      // [B, N, H, 576], or [B, N, H, 512] with a Rotary query part
   const __nv_bfloat16* cache;  // [cache rows, max_len, 576]
   const int64_t* rows;         // [B]
   const int64_t* prefix;       // [B]
@@ -68,6 +64,16 @@ struct Params {
   float* o_part;               // [B, RT, S_max / CL, BM, 512]
   int N, H, W, R, RT, max_len, S_max, CL, min_keys;
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
+};
+
+// The query's rotary part apart from q (tree_attn_kernel<MT, true>): a second kernel argument, not fields of
+// Params, whose local copy the kernel keeps (Params grown by these 32 bytes cost the plain query's kernel
+// 4-7 %, bench_tree_attn 2026-12-01).
+struct Rotary {
+  const __nv_bfloat16* q_pe;  // row (b, n, h) at + ((b N + n) H + h) pe_ld: the rotary dims before RoPE
+  const int64_t* positions;   // [B, N]
+  const float* inv_freq;      // [32] (interleaved pairs)
+  long long pe_ld;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

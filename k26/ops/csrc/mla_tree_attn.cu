@@ -43,8 +43,11 @@ namespace {
 
 using namespace k26_attn;
 
-template <int MT>
-__global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Params p) {
+// ROPE: the query comes as q (512 latent dims) and rot.q_pe (rotary dims before RoPE). A template parameter,
+// not a runtime branch: with the branch the plain query's kernel measured 4-7 % slower (its registers
+// changed), bench_tree_attn 2026-12-01.
+template <int MT, bool ROPE>
+__global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Params p, Rotary rot) {
   using C = Cfg<MT>;
   constexpr int BM = C::BM;
   constexpr int LPR = 16 / MT;  // softmax lanes per query row (MT keys each)
@@ -67,25 +70,25 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
     for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
       const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
       const size_t row = (size_t)b * p.R + min(row0 + r, p.R - 1);
-      const __nv_bfloat16* src = !p.q_pe ? p.q + row * DQK + c
+      const __nv_bfloat16* src = !ROPE ? p.q + row * DQK + c
                                  : c < DV ? p.q + row * DV + c
-                                          : p.q_pe + row * p.pe_ld + (c - DV);
+                                          : rot.q_pe + row * rot.pe_ld + (c - DV);
       cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
     }
   }
   // With q_pe: this thread's rotary pairs (row r, pair j) of the block's query rows. Their positions and
   // frequencies load here, beside Q; cos / sin are computed once the first key tiles are issued, just before
   // the wait (after it, or before the tiles, they cost the kernel ~2 µs: one more dependent load on its path).
-  constexpr int PAIRS = (DQK - DV) / 2, ROPE_ITEMS = (BM * PAIRS + THREADS - 1) / THREADS;
+  constexpr int PAIRS = (DQK - DV) / 2, ROPE_ITEMS = ROPE ? (BM * PAIRS + THREADS - 1) / THREADS : 1;
   int64_t rope_pos[ROPE_ITEMS];
   float rope_freq[ROPE_ITEMS];
-  if (p.q_pe) {
+  if constexpr (ROPE) {
 #pragma unroll
     for (int k = 0; k < ROPE_ITEMS; ++k) {
       const int i = tid + k * THREADS, r = i / PAIRS;
       const bool live = i < BM * PAIRS && row0 + r < p.R;
-      rope_pos[k] = live ? p.positions[(size_t)b * p.N + (row0 + r) / p.H] : 0;
-      rope_freq[k] = live ? __ldg(p.inv_freq + i % PAIRS) : 0.f;
+      rope_pos[k] = live ? rot.positions[(size_t)b * p.N + (row0 + r) / p.H] : 0;
+      rope_freq[k] = live ? __ldg(rot.inv_freq + i % PAIRS) : 0.f;
     }
   }
   const int L = static_cast<int>(p.prefix[b]);
@@ -133,13 +136,13 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   const int nt = warp & 1, kq = warp >> 1;  // S-phase role: key n-tile, dim quarter
   uint32_t qa[MT][KSTEPS][4];
   float2 rope_cs[ROPE_ITEMS];
-  if (p.q_pe) {
+  if constexpr (ROPE) {
 #pragma unroll
     for (int k = 0; k < ROPE_ITEMS; ++k) rope_cs[k] = k26_rope_cos_sin(rope_pos[k], rope_freq[k]);
   }
   cp_wait<0>();
   __syncthreads();
-  if (p.q_pe) {  // RoPE of the rotary dims in shared memory, as the reference (k26/ops/reference.py: rope)
+  if constexpr (ROPE) {  // RoPE of the rotary dims in shared memory, as the reference (k26/ops/reference.py: rope)
     __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
 #pragma unroll
     for (int k = 0; k < ROPE_ITEMS; ++k) {
@@ -336,8 +339,11 @@ template <int MT>
 cudaError_t allow_smem() {
   static bool attr_set = false;  // per process; the attribute is per function, not per device
   if (attr_set) return cudaSuccess;
-  cudaError_t e =
-      cudaFuncSetAttribute(tree_attn_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<MT>::SMEM);
+  cudaError_t e = cudaFuncSetAttribute(tree_attn_kernel<MT, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)Cfg<MT>::SMEM);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(tree_attn_kernel<MT, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)Cfg<MT>::SMEM);
   attr_set = e == cudaSuccess;
   return e;
 }
@@ -352,14 +358,16 @@ cudaLaunchConfig_t config(dim3 grid, int CL, cudaStream_t st, cudaLaunchAttribut
   return c;
 }
 
-// Splits and cluster size for (B, N, H): one full wave of clusters of up to 8 splits.
+// Splits and cluster size for (B, N, H): one full wave of clusters of up to 8 splits (the plain query's
+// kernel; the rotary one has the same block shape, shared memory and register bound).
 template <int MT>
 int plan(int B, int N, int H, int* splits, int* cluster) {
   if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
   int dev = 0, sms = 0, per_sm = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tree_attn_kernel<MT>, THREADS, Cfg<MT>::SMEM);
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tree_attn_kernel<MT, false>, THREADS,
+                                                               Cfg<MT>::SMEM);
   if (e != cudaSuccess) return (int)e;
   const int tiles = B * ((N * H + 16 * MT - 1) / (16 * MT));
   const int blocks = per_sm * sms / tiles;  // splits per row tile in one wave
@@ -372,7 +380,7 @@ int plan(int B, int N, int H, int* splits, int* cluster) {
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t c = config<MT>(dim3(1, CL, 1), CL, nullptr, &attr);
     int max_clusters = 0;
-    e = cudaOccupancyMaxActiveClusters(&max_clusters, tree_attn_kernel<MT>, &c);
+    e = cudaOccupancyMaxActiveClusters(&max_clusters, tree_attn_kernel<MT, false>, &c);
     if (e != cudaSuccess) return (int)e;
     const int S = min(want / CL, max_clusters / tiles) * CL;
     if (S >= CL && 5 * S >= 4 * want) {
@@ -385,11 +393,12 @@ int plan(int B, int N, int H, int* splits, int* cluster) {
 }
 
 template <int MT>
-int launch(const Params& p, int B, cudaStream_t st) {
+int launch(const Params& p, const Rotary& rot, int B, cudaStream_t st) {
   if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t c = config<MT>(dim3(p.RT, p.S_max, B), p.CL, st, &attr);
-  return (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT>, p);
+  return rot.q_pe ? (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, true>, p, rot)
+                  : (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, false>, p, rot);
 }
 
 }  // namespace
@@ -422,8 +431,7 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   const Layout w = layout(B, N, H, S_max, CL);
   char* ws = static_cast<char*>(workspace);
   Params p;
-  p.q = (const __nv_bfloat16*)q, p.q_pe = (const __nv_bfloat16*)q_pe, p.pe_ld = pe_ld, p.positions = positions,
-  p.inv_freq = inv_freq, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
+  p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
   p.words = words, p.out = (__nv_bfloat16*)out, p.lse = lse;
   p.counters = reinterpret_cast<int*>(ws), p.lse_part = reinterpret_cast<float*>(ws + w.lse),
   p.o_part = reinterpret_cast<float*>(ws + w.o);
@@ -431,5 +439,6 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   p.min_keys = min_keys < BN ? BN : min_keys;
   p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return w.BM == 16 ? launch<1>(p, B, st) : launch<2>(p, B, st);
+  const Rotary rot{(const __nv_bfloat16*)q_pe, positions, inv_freq, pe_ld};
+  return w.BM == 16 ? launch<1>(p, rot, B, st) : launch<2>(p, rot, B, st);
 }
