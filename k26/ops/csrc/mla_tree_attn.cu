@@ -43,6 +43,13 @@ namespace {
 
 using namespace k26_attn;
 
+// cosf / sinf out of line: inlined, their rarely taken large-argument path (a local array) changed the whole
+// kernel's code and cost the N = 16 / 64 rotary kernel 6 % (bench_tree_attn --rotary, 2026-12-01: 100.6 vs
+// 95.1 µs at N = 16, L = 32K; __sincosf measured like the out-of-line call, but is not the reference's value).
+static __device__ __noinline__ float2 rope_cos_sin(int64_t position, float inv_freq) {
+  return k26_rope_cos_sin(position, inv_freq);
+}
+
 // ROPE: the query comes as q (512 latent dims) and rot.q_pe (rotary dims before RoPE). A template parameter,
 // not a runtime branch: with the branch the plain query's kernel measured 4-7 % slower (its registers
 // changed), bench_tree_attn 2026-12-01.
@@ -138,7 +145,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   float2 rope_cs[ROPE_ITEMS];
   if constexpr (ROPE) {
 #pragma unroll
-    for (int k = 0; k < ROPE_ITEMS; ++k) rope_cs[k] = k26_rope_cos_sin(rope_pos[k], rope_freq[k]);
+    for (int k = 0; k < ROPE_ITEMS; ++k) rope_cs[k] = rope_cos_sin(rope_pos[k], rope_freq[k]);
   }
   cp_wait<0>();
   __syncthreads();
