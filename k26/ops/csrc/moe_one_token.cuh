@@ -106,16 +106,11 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
   if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
   const bool busy = shared ? sd != nullptr : e >= 0;
   const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
-  if (busy && !shared) {  // the pair's weights into L2 while the gate/up GEMM finishes
+  if (busy && !shared)  // the pair's weights into L2 while the gate/up GEMM finishes
     for (int c = 0; c < KC; ++c) {
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w2 + (base + c) * 32 + lane));
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s2 + (base + c) * 16));
     }
-  } else if (busy) {  // the shared expert's 16 bf16 rows too (contiguous 128-byte lines): 4x a pair's bytes,
-    // they were read from DRAM after the wait, the block's longest load (trace: down loop 2.5 µs after it)
-    const char* rows = reinterpret_cast<const char*>(sd + (size_t)tile * 16 * I);
-    for (int b = lane * 128; b < 16 * I * 2; b += 32 * 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rows + b));
-  }
   pdl_wait();  // act comes from the gate/up GEMM
   MOE_TRACE(1, 1);
   float acc[1][1][4] = {{{0.f, 0.f, 0.f, 0.f}}};
