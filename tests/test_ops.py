@@ -70,6 +70,59 @@ def test_attention_opcheck():
     )
 
 
+def rotary_inputs():
+    """attention_inputs() with the query split: its first C - 4 dims and a 4-dim rotary part before RoPE."""
+    q, cache, rows, prefix, words, scale, v = attention_inputs()
+    g = torch.Generator().manual_seed(7)
+    positions = prefix[:, None] + torch.arange(q.shape[1])
+    inv_freq = torch.rand(2, generator=g)
+    return (q[..., :-4], cache, rows, prefix, words, scale, v, False, q[..., -4:], positions, inv_freq)
+
+
+def test_attention_opcheck_with_a_rotary_query():
+    torch.library.opcheck(
+        torch.ops.k26.mla_tree_attention.default,
+        rotary_inputs(),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_rope_rotates_interleaved_pairs_by_position_times_frequency():
+    g = torch.Generator().manual_seed(3)
+    x, pos, freq = (
+        torch.randn(2, 3, 8, generator=g),
+        torch.randint(0, 5000, (2, 3), generator=g),
+        torch.rand(4),
+    )
+    # Independently: pairs (2i, 2i + 1) as complex numbers times e^{i · angle}, the angle pos · freq_i in fp32
+    # as specified (at pos ~ 5000 its rounding alone moves the result by ~1e-4).
+    angle = (pos[..., None].float() * freq).double()
+    turn = torch.polar(torch.ones(2, 3, 4, dtype=torch.float64), angle)
+    want = torch.view_as_real(torch.view_as_complex(x.double().unflatten(-1, (4, 2)).contiguous()) * turn)
+    assert torch.allclose(reference.rope(x, pos, freq).double(), want.flatten(-2), atol=1e-4)
+
+
+def test_rotary_query_attends_as_its_rotated_concatenation():
+    q, cache, rows, prefix, words, scale, v, static, q_pe, positions, inv_freq = rotary_inputs()
+    whole = torch.cat([q, reference.rope(q_pe, positions[:, :, None], inv_freq)], dim=-1)
+    got = torch.ops.k26.mla_tree_attention(
+        q, cache, rows, prefix, words, scale, v, static, q_pe, positions, inv_freq
+    )
+    want = torch.ops.k26.mla_tree_attention(whole, cache, rows, prefix, words, scale, v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(whole[..., -4:], q_pe)  # the rotation did something
+
+
+def test_attention_front_door_names_why_it_runs_the_reference():
+    from k26.ops.attention_cuda import _unsupported
+
+    bf = torch.zeros(1, 1, 8, 512, dtype=torch.bfloat16)
+    assert _unsupported(bf.float(), 576, 512, None) == "dtype torch.float32"
+    assert "key width 64" in _unsupported(bf[..., :64], 64, 32, None)
+    assert "rotary query of 448 + 128" in _unsupported(bf[..., :448], 576, 512, bf[..., :128])
+    assert _unsupported(bf, 576, 512, bf[..., :64]) is None
+
+
 def test_write_cache_opcheck():
     cache = torch.randn(3, 12, 8)
     args = (cache, torch.randn(2, 4, 8), torch.tensor([2, 0]), torch.tensor([3, 8]))

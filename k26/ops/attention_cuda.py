@@ -8,10 +8,12 @@ dtypes (the tiny test models, float32 scoring) run the op's pure-torch reference
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 
 from . import reference
+from .log import say_once
 
 DQK, DV = 576, 512
 MAX_NEW_TOKENS = 256  # 4 ancestor words per row: the largest verify bucket the kernel is built for
@@ -131,6 +133,18 @@ def check_inputs(
         need(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
 
 
+def _unsupported(q, C: int, v_dim: int, q_pe) -> str | None:
+    """Why the kernel does not serve these shapes (None: it does). It holds K2's MLA: bf16, 576-wide keys,
+    512-wide values, a rotary query part of 64 beside 512."""
+    if q.dtype != torch.bfloat16:
+        return f"dtype {q.dtype}"
+    if C != DQK or v_dim != DV:
+        return f"key width {C} / value width {v_dim} (not {DQK} / {DV})"
+    if q_pe is not None and q.shape[3] != DV:
+        return f"a rotary query of {q.shape[3]} + {q_pe.shape[3]} (not {DV} + {DQK - DV})"
+    return None
+
+
 @torch.library.register_kernel("k26::mla_tree_attention", "cuda")
 def _(
     q,
@@ -150,11 +164,9 @@ def _(
     check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     B, N, H, C = q.shape
     C += 0 if q_pe is None else q_pe.shape[3]
-    if q.dtype != torch.bfloat16 or C != DQK or v_dim != DV or (q_pe is not None and q.shape[3] != DV):
-        return reference.mla_tree_attention(
-            q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
-        )
-    if not available():
+    why = _unsupported(q, C, v_dim, q_pe) or (None if available() else "no kernel library")
+    if why is not None:
+        say_once(__name__, logging.INFO, f"k26.mla_tree_attention: {why} runs the reference")
         return reference.mla_tree_attention(
             q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
         )

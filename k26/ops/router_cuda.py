@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 
 from . import pdl, reference
+from .log import say_once
 
 
 def router_barrier(device: torch.device | str) -> torch.Tensor:
@@ -100,6 +102,11 @@ def _library() -> ctypes.CDLL:
 def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
     M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk)
     if D % 64:  # the kernel tiles k by 64; no K2 checkpoint has such a hidden size
+        say_once(
+            __name__,
+            logging.INFO,
+            f"k26.moe_router: hidden size {D} (not a multiple of 64) runs the reference",
+        )
         return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
     out_w = torch.empty(M, topk, dtype=torch.float32, device=x.device)
     out_ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)
