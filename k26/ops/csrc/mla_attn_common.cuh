@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "globaltimer.cuh"
+#include "rope.cuh"
 
 // Phase timestamps for profiling/debug/attn_trace.py (built with -DK26_ATTN_TRACE; absent otherwise).
 #ifdef K26_ATTN_TRACE
@@ -113,5 +114,55 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
   chunk = ((T + want - 1) / want + BN - 1) / BN * BN;
   active = (T + chunk - 1) / chunk;
 }
+
+// cosf / sinf out of line: inlined, their rarely taken large-argument path (a local array) changed the whole
+// kernel's code and cost the N = 16 / 64 rotary kernel 6 % (bench_tree_attn --rotary, 2026-12-01: 100.6 vs
+// 95.1 µs at N = 16, L = 32K; __sincosf measured like the out-of-line call, but is not the reference's value).
+static __device__ __noinline__ float2 rope_cos_sin(int64_t position, float inv_freq) {
+  return k26_rope_cos_sin(position, inv_freq);
+}
+
+// One thread's share of a block's rotary query pairs (row r, pair j; BM rows x 32 pairs over the block's
+// threads): `load` their positions and frequencies beside Q, `cos_sin` once the first key tiles are issued
+// (just before the wait, so neither the loads nor the sincos add a step to the block's path), `rotate` Q's
+// rotary dims in shared memory after it. Measured cost of the rotary query: +0.7 µs at N = 1, L = 4K; within
+// 1 % at L = 32K (2026-12-01-bench_k26-rope-h200.md). ROPE = false: empty, nothing runs.
+template <bool ROPE, int BM>
+struct RotaryPairs {
+  static constexpr int PAIRS = (DQK - DV) / 2, ITEMS = ROPE ? (BM * PAIRS + THREADS - 1) / THREADS : 1;
+  int64_t pos[ITEMS];
+  float freq[ITEMS];
+  float2 cs[ITEMS];
+
+  __device__ __forceinline__ void load(const Params& p, const Rotary& rot, int b, int row0, int tid) {
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int i = tid + k * THREADS, r = i / PAIRS;
+        const bool live = i < BM * PAIRS && row0 + r < p.R;
+        pos[k] = live ? rot.positions[(size_t)b * p.N + (row0 + r) / p.H] : 0;
+        freq[k] = live ? __ldg(rot.inv_freq + i % PAIRS) : 0.f;
+      }
+    }
+  }
+  __device__ __forceinline__ void cos_sin() {
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) cs[k] = rope_cos_sin(pos[k], freq[k]);
+    }
+  }
+  // sQ: the block's staged Q rows (LDS apart); the caller synchronises the block before and after.
+  __device__ __forceinline__ void rotate(__nv_bfloat16* sQ, const Params& p, int row0, int tid) {
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int i = tid + k * THREADS;
+        if (i >= BM * PAIRS || row0 + i / PAIRS >= p.R) continue;
+        __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(sQ + (i / PAIRS) * LDS + DV) + i % PAIRS;
+        *x = k26_rope_rotate(*x, cs[k]);
+      }
+    }
+  }
+};
 
 }  // namespace k26_attn

@@ -40,20 +40,12 @@
 
 #include "mla_attn_common.cuh"
 #include "mla_attn_merge.cuh"
-#include "rope.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
 using namespace k26_attn;
-
-// cosf / sinf out of line: inlined, their rarely taken large-argument path (a local array) changed the whole
-// kernel's code and cost the N = 16 / 64 rotary kernel 6 % (bench_tree_attn --rotary, 2026-12-01: 100.6 vs
-// 95.1 µs at N = 16, L = 32K; __sincosf measured like the out-of-line call, but is not the reference's value).
-static __device__ __noinline__ float2 rope_cos_sin(int64_t position, float inv_freq) {
-  return k26_rope_cos_sin(position, inv_freq);
-}
 
 // ROPE: the query comes as q (512 latent dims) and rot.q_pe (rotary dims before RoPE). A template parameter,
 // not a runtime branch: with the branch the plain query's kernel measured 4-7 % slower (its registers
@@ -88,22 +80,8 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
       cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
     }
   }
-  // With q_pe: this thread's rotary pairs (row r, pair j) of the block's query rows. Their positions and
-  // frequencies load here, beside Q; cos / sin are computed once the first key tiles are issued, just before
-  // the wait, so neither the loads nor the sincos add a step to the block's path (measured cost of the rotary
-  // query: +0.7 µs at N = 1, L = 4K; within 1 % at L = 32K).
-  constexpr int PAIRS = (DQK - DV) / 2, ROPE_ITEMS = ROPE ? (BM * PAIRS + THREADS - 1) / THREADS : 1;
-  int64_t rope_pos[ROPE_ITEMS];
-  float rope_freq[ROPE_ITEMS];
-  if constexpr (ROPE) {
-#pragma unroll
-    for (int k = 0; k < ROPE_ITEMS; ++k) {
-      const int i = tid + k * THREADS, r = i / PAIRS;
-      const bool live = i < BM * PAIRS && row0 + r < p.R;
-      rope_pos[k] = live ? rot.positions[(size_t)b * p.N + (row0 + r) / p.H] : 0;
-      rope_freq[k] = live ? __ldg(rot.inv_freq + i % PAIRS) : 0.f;
-    }
-  }
+  RotaryPairs<ROPE, BM> rope;  // the rotary query's pairs of this thread (empty unless ROPE)
+  rope.load(p, rot, b, row0, tid);
   const int L = static_cast<int>(p.prefix[b]);
   const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
   int chunk, active;
@@ -148,22 +126,11 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   }
   const int nt = warp & 1, kq = warp >> 1;  // S-phase role: key n-tile, dim quarter
   uint32_t qa[MT][KSTEPS][4];
-  float2 rope_cs[ROPE_ITEMS];
-  if constexpr (ROPE) {
-#pragma unroll
-    for (int k = 0; k < ROPE_ITEMS; ++k) rope_cs[k] = rope_cos_sin(rope_pos[k], rope_freq[k]);
-  }
+  rope.cos_sin();
   cp_wait<0>();
   __syncthreads();
-  if constexpr (ROPE) {  // RoPE of the rotary dims in shared memory, as the reference (k26/ops/reference.py: rope)
-    __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
-#pragma unroll
-    for (int k = 0; k < ROPE_ITEMS; ++k) {
-      const int i = tid + k * THREADS;
-      if (i >= BM * PAIRS || row0 + i / PAIRS >= p.R) continue;
-      __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(sQ + (i / PAIRS) * LDS + DV) + i % PAIRS;
-      *x = k26_rope_rotate(*x, rope_cs[k]);
-    }
+  if constexpr (ROPE) {  // RoPE of the rotary dims on Q in shared memory, as the reference (reference.py: rope)
+    rope.rotate(sK + (NSTAGE - MT) * BN * LDS, p, row0, tid);
     __syncthreads();
   }
   {
