@@ -27,10 +27,9 @@ namespace k26_moe {
 // 14-chunk k range per warp at K2.6 took 4 round trips, this takes 2). Measured (run 7): the TP1 M = 1 block
 // 8 % faster, TP8 unchanged (its gate/up is not bound by one warp's round trips). Same fragments, same mma
 // order as the register path: bit-identical. All threads of the block call it (it stages x and synchronises).
-#ifndef K26_ONE_TOK_U  // chunks in flight per warp (-DK26_ONE_TOK_U=n: the depth experiment of moe_trace.py)
-#define K26_ONE_TOK_U 8
-#endif
-constexpr int kOneTokU = K26_ONE_TOK_U;
+// (14, all of a warp's K2.6 chunks in one round trip, spills at the 80-register bound and took 14.5 µs for the
+// routed loop instead of 9.5: 2026-12-01-moe_trace-h200.md.)
+constexpr int kOneTokU = 8;
 constexpr int kOneTokMaxK = 7168;  // the staged row's capacity (bf16): K2.6's hidden size
 
 __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, const uint32_t* __restrict__ s,
