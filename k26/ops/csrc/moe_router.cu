@@ -17,8 +17,8 @@
 //   2. per token (one block each): partials summed in k-range order (deterministic), sigmoid, bias (loaded
 //      before phase 1); top-k (<= 8) by redux.sync picks over register-held keys, per warp then across the
 //      warps' candidates (topk_fast); larger topk by one warp's serial picks (topk_serial).
-// PDL: the first weight batch is loaded before the grid-dependency wait; dependents may launch at once (the
-// expert op's shared-expert blocks overlap this kernel).
+// PDL: the first weight batch is loaded before the grid-dependency wait; dependents may launch right after
+// it (the expert op's shared-expert blocks overlap this kernel; they read x, complete by then).
 // The k index inside each 64-wide chunk is permuted identically for A and B (lane t owns k in
 // [16t, 16t + 16)), so each lane's fragments are 32 contiguous bytes of a W row / an x row: plain
 // 16-byte loads, no ldmatrix, no shared-memory staging.
@@ -118,7 +118,11 @@ __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float ac
         for (int q = 0; q < 2; ++q)
           wv[u][h][q] = (c + u < c1 && wr[h]) ? __ldcs(wr[h] + (size_t)(c + u) * 8 + q) : zero;  // streamed once
     // PDL: the first weight batch (a constant) is in flight while the kernel before us finishes; x is its output.
-    if (c == c0) pdl_wait();
+    // Dependents are released only after this wait (router_kernel says why).
+    if (c == c0) {
+      pdl_wait();
+      pdl_trigger();
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c + u >= c1) break;
@@ -211,10 +215,12 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ uint32_t cand_key[kWarps * kFastTopk];
   __shared__ int cand_id[kWarps * kFastTopk];
   TRACE(0);
-  // Dependents may launch at once: the expert op's shared-expert blocks need only x, so they stream their
-  // weights under this kernel; its routed blocks wait for our completion. Safe for the grid barrier: the
-  // dependent grid launches only once every block of this one has run this line, i.e. is resident.
-  pdl_trigger();
+  // Dependents (the expert op) may launch once every block has passed its grid-dependency wait (in dot_tile,
+  // or below for a warp without k chunks): its shared-expert blocks then stream their weights under this
+  // kernel and read x before their own wait, which is safe only because x's producer, the kernel before us,
+  // has completed by then. (Released at this kernel's start, as until 2026-12-01, a fused all-reduce + norm
+  // that releases its dependents early could still be writing x.) Safe for the grid barrier: the dependent
+  // grid launches only once every block of this one has triggered, i.e. is resident.
   // The correction bias (a constant) of this thread's experts, for the token blocks of phase 2: loads issued
   // now land during phase 1 (loaded after the barrier they cost a DRAM round trip, ~1 µs cold).
   float bias[kMaxE / kThreads];
@@ -226,6 +232,7 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   logits_phase<NT>(a, red);
   TRACE(2);
   pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
+  pdl_trigger();
   const int first = a.M == 1 ? 0 : blockIdx.x;  // this block's first token in phase 2
   if (a.M == 1) {
     if (!last_arrival(a.barrier)) return;
