@@ -32,10 +32,12 @@ def poison():
     torch.cuda.synchronize()
 
 
-def compare(args, scale=0.1446796):
-    ref_o, ref_l = reference.mla_tree_attention(*args, scale, 512)
+def compare(args, scale=0.1446796, rotary=()):
+    """The kernel against the reference on case()'s inputs; `rotary`: the model's split-query arguments
+    (static, q_pe, positions, inv_freq), args' q then being the first 512 dims."""
+    ref_o, ref_l = reference.mla_tree_attention(*args, scale, 512, *rotary)
     poison()
-    out, lse = torch.ops.k26.mla_tree_attention(*args, scale, 512)
+    out, lse = torch.ops.k26.mla_tree_attention(*args, scale, 512, *rotary)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err = ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
     lerr = (lse - ref_l).abs().max().item()
@@ -55,6 +57,18 @@ GRID = [
 @pytest.mark.parametrize("N, L, H", GRID)
 def test_matches_reference_on_the_issue_grid(N, L, H):
     compare(case(1, N, H, [L], seed=1000 * N + 7 * H + L))
+
+
+@pytest.mark.parametrize("N, L, H", GRID)
+def test_rotary_query_matches_reference_on_the_issue_grid(N, L, H):
+    """The same grid with the query as the model passes it (RoPE and the concatenation in the kernel)."""
+    q, cache, rows, prefix, words = case(1, N, H, [L], seed=1000 * N + 7 * H + L + 1)
+    positions = prefix[:, None] + torch.arange(N, device="cuda")
+    inv_freq = 1.0 / (50000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    compare(
+        (q[..., :512].contiguous(), cache, rows, prefix, words),
+        rotary=(False, q[..., 512:], positions, inv_freq),
+    )
 
 
 @pytest.mark.parametrize("B, N, H", [(2, 1, 8), (4, 7, 8), (4, 16, 16), (3, 65, 8), (2, 200, 8)])
