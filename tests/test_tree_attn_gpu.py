@@ -27,6 +27,12 @@ def case(B, N, H, lens, seed, causal=False):
     return q, cache, rows, prefix, words
 
 
+def rope_args(prefix, N):
+    """The new tokens' RoPE positions (after each sequence's prefix) and 32 YaRN-like frequencies."""
+    positions = prefix[:, None] + torch.arange(N, device="cuda")
+    return positions, 1.0 / (50000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+
+
 def poison():
     torch.full((1 << 27,), float("nan"), device="cuda")
     torch.cuda.synchronize()
@@ -63,8 +69,7 @@ def test_matches_reference_on_the_issue_grid(N, L, H):
 def test_rotary_query_matches_reference_on_the_issue_grid(N, L, H):
     """The same grid with the query as the model passes it (RoPE and the concatenation in the kernel)."""
     q, cache, rows, prefix, words = case(1, N, H, [L], seed=1000 * N + 7 * H + L + 1)
-    positions = prefix[:, None] + torch.arange(N, device="cuda")
-    inv_freq = 1.0 / (50000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    positions, inv_freq = rope_args(prefix, N)
     compare(
         (q[..., :512].contiguous(), cache, rows, prefix, words),
         rotary=(False, q[..., 512:], positions, inv_freq),
@@ -168,8 +173,7 @@ def rotary_case(B, N, H, L, seed):
     q, cache, rows, prefix, words = case(B, N, H, [L] * B, seed)
     dgen = torch.Generator(device="cuda").manual_seed(seed + 1)
     q_b = (torch.randn(B, N, H, 192, generator=dgen, device="cuda") * 0.5).to(torch.bfloat16)
-    positions = prefix[:, None] + torch.arange(N, device="cuda")
-    inv_freq = 1.0 / (50000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    positions, inv_freq = rope_args(prefix, N)
     return q[..., :512].contiguous(), q_b[..., 128:], positions, inv_freq, cache, rows, prefix, words
 
 

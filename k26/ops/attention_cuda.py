@@ -80,7 +80,10 @@ def _bind(lib) -> None:
 
 def check_inputs(
     q, cache, rows, prefix_lens, mask_words, v_dim, q_pe=None, positions=None, inv_freq=None
-) -> None:
+) -> int:
+    """Every shape / dtype / device problem as a ValueError naming the argument; returns the key width
+    (q's, plus q_pe's when the query comes split)."""
+
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ValueError(f"mla_tree_attention: {msg}")
@@ -131,6 +134,7 @@ def check_inputs(
         ("mask_words", mask_words),
     ):
         need(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    return C
 
 
 def _unsupported(q, C: int, v_dim: int, q_pe) -> str | None:
@@ -161,9 +165,8 @@ def _(
 ):
     from .build import available, library  # lazily: `python -m k26.ops.build` must not import itself first
 
-    check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
-    B, N, H, C = q.shape
-    C += 0 if q_pe is None else q_pe.shape[3]
+    C = check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
+    B, N, H, _ = q.shape
     why = _unsupported(q, C, v_dim, q_pe) or (None if available() else "no kernel library")
     if why is not None:
         say_once(__name__, logging.INFO, f"k26.mla_tree_attention: {why} runs the reference")
