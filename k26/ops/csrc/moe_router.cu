@@ -208,6 +208,8 @@ __device__ bool last_arrival(int* bar) {
   return s_last;
 }
 
+constexpr int kKsBatch = 8;  // phase 2's partial loads in flight per expert (plan: ks <= D / 1024, 7 at K2.6)
+
 template <int NT>
 __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   __shared__ float red[kWarps][NT * 4][32];
@@ -241,18 +243,27 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   }
   TRACE(3);
   for (int tok = first; tok < a.M; tok += gridDim.x) {
-    // Every partial of this thread's experts in flight at once (one L2 round trip, not one per expert);
-    // each logit still sums its k ranges in k order (deterministic).
+    // Every partial of this thread's experts in flight at once: kKsBatch k ranges of every expert loaded before
+    // any is added (K2.6, ks <= 7: one L2 round trip; unrolled by 4 it took two); each logit still sums its
+    // k ranges in k order (deterministic).
     float l[kMaxE / kThreads];
 #pragma unroll
     for (int j = 0; j < kMaxE / kThreads; ++j) l[j] = 0.f;
-#pragma unroll 4
-    for (int k = 0; k < a.ks; ++k)
+    for (int k0 = 0; k0 < a.ks; k0 += kKsBatch) {
+      float v[kKsBatch][kMaxE / kThreads];
 #pragma unroll
-      for (int j = 0; j < kMaxE / kThreads; ++j) {
-        const int e = threadIdx.x + j * kThreads;
-        if (e < a.E) l[j] += __ldcg(a.partial + ((size_t)k * a.M + tok) * a.E + e);
-      }
+      for (int k = 0; k < kKsBatch; ++k)
+#pragma unroll
+        for (int j = 0; j < kMaxE / kThreads; ++j) {
+          const int e = threadIdx.x + j * kThreads;
+          v[k][j] = k0 + k < a.ks && e < a.E ? __ldcg(a.partial + ((size_t)(k0 + k) * a.M + tok) * a.E + e) : 0.f;
+        }
+#pragma unroll
+      for (int k = 0; k < kKsBatch; ++k)
+#pragma unroll
+        for (int j = 0; j < kMaxE / kThreads; ++j)
+          if (k0 + k < a.ks) l[j] += v[k][j];  // k order, as before: the same sums
+    }
 #pragma unroll
     for (int j = 0; j < kMaxE / kThreads; ++j) {
       const int e = threadIdx.x + j * kThreads;
