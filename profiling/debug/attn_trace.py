@@ -1,7 +1,8 @@
 """Per-phase timestamps of the MLA tree-attention kernel (row tile 0, sequence 0, every split): builds a
 copy of the kernel with -DK26_ATTN_TRACE, runs one shape, prints when each split started, had Q, left its
-key loop, passed the cluster barrier, finished the cluster merge, and when the last cluster merged
-everything (µs from the first block's start).
+key loop, passed the cluster barrier, finished the cluster merge, and, for the split that counted last on a
+column slice's counter, when it knew and when it had merged that slice over every cluster (µs from the
+first block's start).
 
     python profiling/debug/attn_trace.py --n 1 --l 4096
 """
@@ -66,7 +67,7 @@ names = {
     2: "key loop done",
     3: "cluster barrier",
     4: "cluster merged",
-    6: "last cluster",
+    6: "last of slice",
     7: "final merged",
 }
 print_phases(lib.k26_mla_tree_attn_trace, names, f"S={S} cluster={CL} min_keys={mk} splits")

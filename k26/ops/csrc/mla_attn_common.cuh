@@ -60,8 +60,8 @@ struct Params {
   const int64_t* words;        // [B, N, W]
   __nv_bfloat16* out;          // [B, N, H, 512]
   float* lse;                  // [B, N, H]
-  int* counters;               // [B, RT]   zero at rest
-  float* lse_part;             // [B, RT, S_max / CL, BM]      one partial per cluster
+  int* counters;               // [B, RT, CL]   per (row tile, column slice), zero at rest
+  float* lse_part;             // [B, RT, CL, S_max / CL, BM]  each cluster's lse, one copy per slice
   float* o_part;               // [B, RT, S_max / CL, BM, 512]
   int N, H, W, R, RT, max_len, S_max, CL, min_keys;
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain

@@ -15,9 +15,13 @@ namespace k26_attn {
 //    partial (o, lse) in its own shared memory; after a cluster barrier block q reduces output columns
 //    [q * 512 / CL, +512 / CL) over the CL partials through distributed shared memory. The reduction is
 //    spread over CL SMs and never touches global memory.
-// 2. Across clusters: each block writes its column slice of the cluster's partial to the workspace; the
-//    last cluster to arrive (an atomic counter per row tile, reset by that cluster, so graph replays need
-//    no memset) merges every cluster's partial, each of its blocks again for its own column slice.
+// 2. Across clusters, per column slice: block q writes slice q of its cluster's partial and its own copy
+//    of the cluster's lse (every block of a cluster computes the same one) to the workspace and counts on
+//    the atomic counter of (row tile, slice q). The block that brings it to the live cluster count resets it
+//    (graph replays need no memset) and merges slice q over every cluster. Slice q's merger depends only on
+//    the blocks q that counted on its counter, so no cluster barrier orders the hand-off: the blocks of a
+//    cluster only keep each other's shared memory alive until their step-1 reads are done (a split cluster
+//    barrier: arrive after the reads, wait just before exiting).
 // Both steps run in a fixed order, so results are deterministic.
 constexpr int LDO = DV + 4;  // fp32 partial row in shared memory (padded against bank conflicts)
 #ifndef MERGE_LOADS
@@ -57,12 +61,13 @@ __device__ __forceinline__ void store4(__nv_bfloat16* out, float* part, int r, i
   }
 }
 
-// Step 2 of the merge, in the last cluster: columns [c0, c0 + W) of the final output from the clusters'
-// partials. Not inlined: the kernel's register budget (MT 1: 128) then need not hold it.
+// Step 2 of the merge, in the last block to count for its column slice: columns [c0, c0 + W) of the final
+// output from the clusters' partials (lp: the slice's lse copies, one per cluster). Not inlined: the
+// kernel's register budget (MT 1: 128) then need not hold it.
 template <int BM>
 __device__ __noinline__ void merge_clusters(const float* lp, const float* op, __nv_bfloat16* out, float* lse,
                                             int clusters, int rows_real, int c0, int W, float* sw) {
-  float* slse = sw + clusters * BM;  // sw: [clusters][BM] weights in the (free) key stages
+  float* slse = sw + clusters * BM;  // sw: [clusters][BM] weights, then [BM] merged lse
   merge_weights<BM>(clusters, rows_real, [&](int k, int r) { return __ldcg(lp + k * BM + r); }, sw, slse);
   for (int item = threadIdx.x; item < rows_real * (W / 4); item += THREADS) {
     const int r = item / (W / 4), c = c0 + (item % (W / 4)) * 4;
@@ -133,33 +138,46 @@ __device__ __noinline__ void merge_splits(const Params& p, uint8_t* smem) {
     }
     store4(out, p.o_part + ((tile * ncl + cid) * BM) * DV, r, c, acc);
   }
-  if (q == 0 && tid < rows_real) {
-    if (out) p.lse[(size_t)b * p.R + row0 + tid] = sLc[tid];
-    else __stcg(p.lse_part + (tile * ncl + cid) * BM + tid, sLc[tid]);
-  }
-  cluster.sync();  // every distributed-shared-memory read is done before a block of the cluster moves on
+  // The cluster barrier split in two: arrive (release) now that this thread's reads of its peers' shared
+  // memory are done, wait (acquire) just before the block exits or overwrites what peers read, so the
+  // step-2 hand-off runs in between and the barrier's latency stays off the critical path. Every thread
+  // arrives and waits exactly once.
+  cluster.barrier_arrive();
   TRACE(4);
-  if (out) return;
+  if (out) {
+    if (q == 0 && tid < rows_real) p.lse[(size_t)b * p.R + row0 + tid] = sLc[tid];
+    cluster.barrier_wait();  // peers may still read this block's partial: it must outlive their reads
+    return;
+  }
+  if (tid < rows_real) __stcg(p.lse_part + ((tile * CL + q) * ncl + cid) * BM + tid, sLc[tid]);
 
-  // Step 2: the last cluster to arrive merges the clusters' partials, each block its column slice.
+  // Step 2: the last block to count for slice q merges the slice over every cluster.
   __shared__ int s_last;
-  __threadfence();  // this block's slice is visible device-wide before the count says so
-  cluster.sync();
-  if (q == 0 && tid == 0) {
-    int* cnt = p.counters + tile;
+  __threadfence();  // this block's slice and lse copy are visible device-wide before the count says so
+  __syncthreads();
+  if (tid == 0) {
+    int* cnt = p.counters + tile * CL + q;
     const int last = atomicAdd(cnt, 1) == clusters - 1;
-    if (last) atomicExch(cnt, 0);  // every cluster has arrived: zero again for the next call / graph replay
+    if (last) atomicExch(cnt, 0);  // every cluster has counted: zero again for the next call / graph replay
     s_last = last;
   }
-  cluster.sync();
-  const int last = *cluster.map_shared_rank(&s_last, 0);
-  cluster.sync();  // rank 0's flag is read before it may exit
-  if (!last) return;
+  __syncthreads();
+  if (!s_last) {
+    cluster.barrier_wait();
+    return;
+  }
   TRACE(6);
-  __threadfence();  // acquire: the other clusters' partials are read after their counts
-  merge_clusters<BM>(p.lse_part + tile * ncl * BM, p.o_part + tile * ncl * BM * DV,
+  __threadfence();  // acquire: the other clusters' slices are read after their counts
+  // The merge's weights go past this block's partial (sO) and below its lse, which peers may still be
+  // reading (the region step 1's weights used is free again). Only when they do not fit there (more than
+  // 751 clusters at MT 1, 167 at MT 2: beyond one wave of an H200) does the block first wait for its peers.
+  constexpr int PART = BM * LDO, FREE = (int)((C::K + C::S + C::P + C::WORDS) / 4) - PART;
+  const bool late = (clusters + 1) * BM <= FREE;
+  if (!late) cluster.barrier_wait();
+  merge_clusters<BM>(p.lse_part + (tile * CL + q) * ncl * BM, p.o_part + tile * ncl * BM * DV,
                      p.out + ((size_t)b * p.R + row0) * DV, q == 0 ? p.lse + (size_t)b * p.R + row0 : nullptr,
-                     clusters, rows_real, q * W, W, reinterpret_cast<float*>(smem));
+                     clusters, rows_real, q * W, W, late ? sO + PART : sO);
+  if (late) cluster.barrier_wait();
 }
 
 }  // namespace k26_attn

@@ -24,7 +24,7 @@
 //
 // Split-KV merge in the same launch (details in csrc/mla_attn_merge.cuh): the splits of a cluster reduce
 // their partials through distributed shared memory, each block a column slice; clusters then meet in the
-// workspace, where the last to arrive merges them, again one column slice a block.
+// workspace, one counter per column slice: the last block to arrive for a slice merges it over all clusters.
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, thread-block clusters of <= 8 with distributed
 // shared memory (sm_90 and sm_120 both have them; no warpgroup MMA, TMA or tensor memory); <= 88 KB shared
@@ -297,7 +297,8 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
 
 int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
 
-// Workspace layout: counters (int32, zero at rest) | cluster lse partials | cluster o partials, 256-B aligned.
+// Workspace layout, 256-B aligned: counters (int32 [tiles][CL column slices], zero at rest) | cluster lse
+// partials ([tiles][CL][S_max / CL][BM]: a copy per slice) | cluster o partials ([tiles][S_max / CL][BM][512]).
 struct Layout {
   int BM, RT;
   size_t lse, o, total;
@@ -309,8 +310,8 @@ Layout layout(int B, int N, int H, int S_max, int CL) {
   w.RT = (N * H + w.BM - 1) / w.BM;
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   const size_t tiles = (size_t)B * w.RT, parts = tiles * (S_max / CL) * w.BM;
-  w.lse = up(tiles * 4);
-  w.o = w.lse + up(parts * 4);
+  w.lse = up(tiles * CL * 4);
+  w.o = w.lse + up(parts * CL * 4);
   w.total = w.o + parts * DV * 4;
   return w;
 }
