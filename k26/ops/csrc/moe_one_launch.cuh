@@ -106,34 +106,27 @@ __device__ __forceinline__ void gate_up_item(const OneLaunch& p, int row, int ti
     if (!waited) pdl_wait(), waited = true;  // the ids come from the router
     const int64_t id = __ldcg(p.ids + row);  // block-uniform
     if (id < 0 || id >= p.E) return;         // dropped: its B warp never waits for this row
-    // Tile j of tiles brings the j-th part of the expert's down weights (one contiguous block) into L2: the
-    // B items find them there (they start as the gate/up ends; from HBM they took ~3 µs more at K2.6 TP8).
-    const size_t w2_bytes = (size_t)(p.D / 16) * (p.I >> 6) * 512, part = w2_bytes / tiles;
-    const char* w2e = reinterpret_cast<const char*>(p.w2) + (size_t)id * w2_bytes + tile * part;
-    const char* s2e = reinterpret_cast<const char*>(p.s2) + ((size_t)id * w2_bytes + tile * part) / 8;
-    for (size_t b = threadIdx.x * 128; b < part; b += kOneLaunchThreads * 128) prefetch_l2(w2e + b);
-    for (size_t b = threadIdx.x * 128; b < part / 8; b += kOneLaunchThreads * 128) prefetch_l2(s2e + b);
     gated_one_token(p.w13, p.s13, p.x, p.D, ((size_t)id * tiles + tile) * KC, c_begin, c_end, xs, acc[0][0]);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) red[warp][i][lane] = acc[0][0][i];
   __syncthreads();
-  float v[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[i] = 0.f;
-#pragma unroll
-    for (int q = 0; q < kOneLaunchWarps; ++q) v[i] += red[q][i][lane];  // gemm13's order (warp 0's is used)
-  }
-  __syncthreads();  // red and xs are free: the other warps start the next item while warp 0 publishes this one
   if (warp == 0) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = 0.f;
+#pragma unroll
+      for (int q = 0; q < kOneLaunchWarps; ++q) v[i] += red[q][i][lane];  // gemm13's order
+    }
     if (t == 0) {  // token column 0: rows g / g + 8 are gate / up of feature tile * 8 + g
       const float gate = bf16_round(v[0]), up = bf16_round(v[2]);
       const float a = bf16_round(gate / (1.f + __expf(-gate)));
       p.act[(size_t)row * p.I + tile * 8 + g] = __float2bfloat16(a * up);
     }
-    count_done(p.counters + row);  // its fence no longer holds the whole block at a barrier
+    count_done(p.counters + row);
   }
+  __syncthreads();  // red and xs are free for the block's next item
 }
 
 // One warp: the down rows of output tile `tile` for act row `row` over K = I, into acc (column 0), once that
