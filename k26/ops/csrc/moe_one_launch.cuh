@@ -7,28 +7,25 @@
 // Work items, taken in this order by every block (item = blockIdx.x, + gridDim.x, ...):
 //   A shared: the shared expert's 8-feature gate/up tiles, computed under the router (before the
 //             grid-dependency wait), as the two-launch path's shared-expert blocks are;
-//   A routed: the routed pairs' gate/up tiles (after the wait: they need the router's ids);
 //   S:        the shared expert's down, 8 output tiles an item (a warp each) -> y_shared [D] (bf16, the
-//             workspace), once its act row is complete;
+//             workspace), as soon as its act row is complete (long before the routed rows are);
+//   A routed: the routed pairs' gate/up tiles (after the wait: they need the router's ids);
 //   B:        one 16-row output tile: warp k the down rows of pair k, then the weighted sum (+ y_shared) in
 //             shared memory, as down_combine_one_token.
-// With 3 blocks per SM every A item is in the first wave (as the two-launch gate/up grid), and the S and B
-// items of that wave have their first weights in registers and the rest in L2 before their rows complete.
 // A items: the 8 warps split K = D exactly as gemm13 (WK = 8) and reduce in the same order. Same fragments,
 // same mma order and rounding points as the two-launch path: bit-identical results.
 //
 // Dependencies inside the grid: when an A item's act values (or an S warp's y_shared rows) are stored, one
-// lane fences and bumps a counter (per act row; one for all of S); a waiting warp first issues its weights,
-// then polls the counter (relaxed loads, then one fence), then reads what it waited for through L2 (ld.cg:
-// written in this launch). No deadlock: an item waits only on items of earlier kinds, which every block takes
-// first, and A items wait on nothing but the previous grid; the grid is capped at the occupancy (queried)
-// times the SM count, and PDL dependents launch only once every block has started.
+// lane fences and bumps a counter (per act row; one for all of S); a waiting warp first issues its first
+// weight batch, then spins (ld.acquire, every lane) until the counter is complete, then reads what it waited
+// for through L2 (ld.cg: written in this launch). No deadlock: an item waits only on items of earlier kinds,
+// which every block takes first, and A items wait on nothing but the previous grid; the grid is capped at
+// the occupancy (queried) times the SM count, and PDL dependents launch only once every block has started.
 // Counters: int32 [kOneLaunchCounters], owned by the caller (zero on allocation); the last block to leave
 // zeroes them for the next launch (a later launch touches them only after its grid-dependency wait, which
 // implies this grid completed).
-// 8 warps, 3 blocks per SM: 80 registers, so 1 (shared) / 2 (routed) down chunks in registers at a time.
-// (A first version at 2 blocks per SM, 128 registers, with S items before the routed gate/up: TP8 M = 1
-// block 26.3 µs vs 25.0 for two launches, TP1 118 vs 107: 2026-12-01-bench_moe_block-h200-one-launch.md.)
+// 8 warps, 2 blocks per SM: 128 registers (9 warps, one per B-item pair plus the shared expert, allowed
+// only 96 per thread: 5 warps on one SM sub-partition's 16K registers, and spilled).
 //
 // Legality: mma.sync, ld.global (nc / cg / cs / acquire), atomics, nanosleep and griddepcontrol; <= 20 KB
 // static shared memory per block: sm_90a and sm_120a.
@@ -66,20 +63,16 @@ struct OneLaunch {
   int D, I, E, topk;
 };
 
-__device__ __forceinline__ int ld_relaxed(const int* p) {
+__device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-// Every lane of the calling warp until counter >= target (one coalesced load per poll), then one fence: the
-// acquire. (Polling with ld.acquire would invalidate the SM's L1 at every poll, under the other warps' loads.)
+// Every lane of the calling warp until counter >= target (one coalesced load per poll).
 __device__ __forceinline__ void wait_count(const int* counter, int target) {
-  while (ld_relaxed(counter) < target) __nanosleep(32);
-  __threadfence();
+  while (ld_acquire(counter) < target) __nanosleep(32);
 }
-
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // One lane per warp, after the warp's stores (ordered before it by __syncwarp): publish, then count.
 __device__ __forceinline__ void count_done(int* counter) {
@@ -90,15 +83,14 @@ __device__ __forceinline__ void count_done(int* counter) {
   }
 }
 
-// A item: gate/up tile `tile` of act row `row` (SHARED: row topk, the shared expert). All threads of the block.
-template <bool SHARED>
+// A item: gate/up tile `tile` of act row `row` (row topk: the shared expert). All threads of the block.
 __device__ __forceinline__ void gate_up_item(const OneLaunch& p, int row, int tile, bool& waited, uint4* xs,
-                                             float (*red)[4][32]) {
+                                          float (*red)[4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tiles = p.I / 8, KC = p.D >> 6;
   const int c_begin = warp * KC / kOneLaunchWarps, c_end = (warp + 1) * KC / kOneLaunchWarps;
   float acc[1][1][4] = {{{0.f, 0.f, 0.f, 0.f}}};
-  if constexpr (SHARED) {
+  if (row == p.topk) {
     const uint4* brow[1] = {g == 0 ? reinterpret_cast<const uint4*>(p.x) + 2 * t : nullptr};
     shared_acc<1, 1, true>(p.sa, p.sb, p.D, tile, c_begin, c_end, brow, acc);
     if (!waited) pdl_wait(), waited = true;  // computed under the router; written only after it completed
@@ -130,12 +122,12 @@ __device__ __forceinline__ void gate_up_item(const OneLaunch& p, int row, int ti
 }
 
 // One warp: the down rows of output tile `tile` for act row `row` over K = I, into acc (column 0), once that
-// row is complete. Routed (SHARED false): int4 expert e, as down_combine_one_token; SHARED: sd's bf16 rows,
-// as shared_acc (same fragments and mma order; fewer chunks in registers at once, the rest prefetched to L2).
+// row is complete. Routed (SHARED false): int4 expert e, kDownOneTokU chunks in flight, as
+// down_combine_one_token; SHARED: sd's bf16 rows, 2 chunks in flight, as shared_acc.
 template <bool SHARED>
 __device__ __forceinline__ void down_rows(const OneLaunch& p, int e, int row, int tile, float acc[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, KC = p.I >> 6, tiles = p.I / 8;
-  constexpr int U = SHARED ? 1 : 2;  // chunks in registers: the most 80 registers hold (3 blocks per SM)
+  constexpr int U = SHARED ? 2 : kDownOneTokU;
   const uint4* brow = g == 0 ? reinterpret_cast<const uint4*>(p.act + (size_t)row * p.I) + 2 * t : nullptr;
   const size_t base = ((size_t)max(e, 0) * (p.D / 16) + tile) * KC;
   const uint4* ra = reinterpret_cast<const uint4*>(p.sd + (size_t)(tile * 16 + g) * p.I) + 2 * t;  // SHARED
@@ -156,16 +148,7 @@ __device__ __forceinline__ void down_rows(const OneLaunch& p, int e, int row, in
         sv[u] = __ldg(p.s2 + (base + c) * 16 + 2 * g + (t >> 1));
       }
     }
-    if (c0 == 0) {  // the first weight batch is in flight; the rest goes to L2 (no registers) while we wait
-      for (int c = U; c < KC; ++c) {
-        if constexpr (SHARED) {
-          prefetch_l2(ra + c * 8), prefetch_l2(rb + c * 8);
-        } else {
-          prefetch_l2(p.w2 + (base + c) * 32 + lane), prefetch_l2(p.s2 + (base + c) * 16);
-        }
-      }
-      wait_count(p.counters + row, tiles);
-    }
+    if (c0 == 0) wait_count(p.counters + row, tiles);  // the first weight batch is in flight meanwhile
     uint4 bv[U][2];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -236,7 +219,7 @@ __device__ __forceinline__ void down_item(const OneLaunch& p, int tile, float (*
   __syncthreads();  // ys / weight / live are free for the block's next item
 }
 
-static __global__ void __launch_bounds__(kOneLaunchThreads, 3)
+static __global__ void __launch_bounds__(kOneLaunchThreads, 2)
     experts_one_launch(const __grid_constant__ OneLaunch p) {
   __shared__ uint4 xs[kOneTokMaxK / 8];
   __shared__ float red[kOneLaunchWarps][4][32];
@@ -245,21 +228,21 @@ static __global__ void __launch_bounds__(kOneLaunchThreads, 3)
   __shared__ int live[kOneLaunchWarps];
   pdl_trigger();  // the next kernel waits for this grid before reading out
   const int tiles13 = p.I / 8, tiles2 = p.D / 16;
-  const int a_shared = p.sa ? tiles13 : 0, a_end = a_shared + p.topk * tiles13;
-  const int s_end = a_end + (p.sa ? (tiles2 + kOneLaunchWarps - 1) / kOneLaunchWarps : 0), items = s_end + tiles2;
+  const int a_shared = p.sa ? tiles13 : 0, s_items = p.sa ? (tiles2 + kOneLaunchWarps - 1) / kOneLaunchWarps : 0;
+  const int a_end = a_shared + s_items + p.topk * tiles13, items = a_end + tiles2;
   // One loop per kind (in the kinds' order, so an item never waits on a later one), each block striding.
   int item = blockIdx.x;
   bool waited = false;
-  for (; item < a_shared; item += gridDim.x) gate_up_item<true>(p, p.topk, item, waited, xs, red);  // waits itself
+  for (; item < a_shared; item += gridDim.x) gate_up_item(p, p.topk, item, waited, xs, red);  // waits itself
   // Everything else reads the ids or the counters: only after the previous grid completed (the header).
   if (!waited) pdl_wait();
   waited = true;
+  for (; item < a_shared + s_items; item += gridDim.x) shared_down_item(p, item - a_shared);
   for (; item < a_end; item += gridDim.x) {
-    const int i = item - a_shared;
-    gate_up_item<false>(p, i / tiles13, i % tiles13, waited, xs, red);
+    const int i = item - a_shared - s_items;
+    gate_up_item(p, i / tiles13, i % tiles13, waited, xs, red);
   }
-  for (; item < s_end; item += gridDim.x) shared_down_item(p, item - a_end);
-  for (; item < items; item += gridDim.x) down_item(p, item - s_end, ys, weight, live);
+  for (; item < items; item += gridDim.x) down_item(p, item - a_end, ys, weight, live);
   __syncthreads();
   if (threadIdx.x == 0 && atomicAdd(p.counters + kDeparted, 1) == (int)gridDim.x - 1) {
     for (int i = 0; i < kOneLaunchCounters; ++i) p.counters[i] = 0;  // every block is done with them
