@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from timing import capture, graph_time_cold, mma_sync_peak
 
 from k26.ops import pdl, reference
-from k26.ops.moe_cuda import one_launch_counters
 from k26.ops.router_cuda import router_barrier
 
 SHAPES = {
@@ -54,7 +53,6 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
         "router": bf(E, D),
         "bias": bias,
         "barrier": router_barrier("cuda"),
-        "counters": one_launch_counters("cuda"),  # one token: the experts in one launch
         "experts": experts,
         "gate": bf(I, D),
         "up": bf(I, D),
@@ -71,8 +69,7 @@ def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     else:
         tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
     if mode == "fused":
-        sh = (lw["gate"], lw["up"], lw["down"])
-        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh, counters=lw["counters"])
+        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, lw["gate"], lw["up"], lw["down"])
     y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw)
     return y + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
 

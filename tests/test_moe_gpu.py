@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k26.ops.moe_cuda import _reference, one_launch_counters
+from k26.ops.moe_cuda import _reference
 from k26.ops.moe_layout import repack_scales, w13_row_order
 
 pytestmark = pytest.mark.gpu
@@ -240,101 +240,9 @@ def test_model_uses_kernel_after_gpu_load(tiny_k25):
     slow = LLM(tiny_k25, device="cuda", progress=False, cuda_kernels=False)
     assert fast.model.layers[1].mlp.experts.repacked and not slow.model.layers[1].mlp.experts.repacked
     assert fast.model.layers[1].mlp.gate.barrier is not None and slow.model.layers[1].mlp.gate.barrier is None
-    assert fast.model.layers[1].mlp.experts.counters is not None  # one token: the one-launch experts
     ids = torch.randint(0, 600, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
     batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device="cuda"), 40)
     with torch.no_grad():  # the first MoE layer's output: before any routing can diverge
         a = fast.model(ids, batch, fast.cache.kv_LRTC, aux_layers=(1,))[1].float()
         b = slow.model(ids, batch, slow.cache.kv_LRTC, aux_layers=(1,))[1].float()
     assert ((a - b).norm() / b.norm()).item() < 1e-2
-
-
-# The one-launch decode path (csrc/moe_one_launch.cuh: gate/up, down and the weighted sum of one token in one
-# persistent grid, ordered by in-grid counters) against the two-launch path, bit for bit.
-
-
-def one_launch(x, w, ids, tw, sh, counters):
-    return torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh, counters=counters)
-
-
-@pytest.mark.parametrize(
-    "E,K,D,inter",
-    [(384, 8, 7168, 256), (16, 8, 7168, 2048), (64, 6, 512, 256), (8, 1, 64, 64), (32, 3, 1024, 128)],
-)
-@pytest.mark.parametrize("with_shared", [True, False])
-def test_one_launch_is_bit_identical_to_two_launches(E, K, D, inter, with_shared):
-    _, w, sh, x, ids, tw = block_inputs(400 + E + K + inter, 1, E, K, D, inter, with_shared=with_shared)
-    two = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
-    counters = one_launch_counters("cuda")
-    poison_allocator()
-    got = one_launch(x, w, ids, tw, sh, counters)
-    assert torch.isfinite(got.float()).all()
-    assert torch.equal(got, two)
-    assert not counters.any()  # the kernel leaves its counters at zero for the next call
-    ref = _reference(x, *w, ids, tw, *sh).float()
-    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@pytest.mark.parametrize("with_shared", [True, False])
-def test_one_launch_graph_replays_fresh_routings_and_drops_out_of_range_ids(with_shared):
-    """Graphs of both paths, many replays with new x and ids (a repeated expert, ids outside [0, E), which the
-    eager op refuses): every replay of the one-launch graph equals the two-launch graph's bit for bit, and
-    none leaves a counter behind."""
-    E, K, D, inter = 384, 8, 7168, 256
-    gen, w, sh, x, ids, tw = block_inputs(500, 1, E, K, D, inter, with_shared=with_shared)
-    counters = one_launch_counters("cuda")
-    one_launch(x, w, ids, tw, sh, counters)  # build/load before capture
-    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g1):
-        out = one_launch(x, w, ids, tw, sh, counters)
-    with torch.cuda.graph(g2):
-        two = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
-    for step in range(6):
-        x.copy_(torch.randn(1, D, generator=gen, device="cuda"))
-        new = routing("uniform", 1, E, K, gen)
-        if step == 2:
-            new[0, 3] = new[0, 5]  # one expert twice
-        if step >= 4:
-            new[0, 1], new[0, K - 1] = -1, E + step  # dropped: contribute nothing, read nothing
-        ids.copy_(new)
-        out.fill_(float("nan"))
-        two.fill_(float("nan"))
-        g1.replay()
-        g2.replay()
-        torch.cuda.synchronize()
-        assert torch.isfinite(out.float()).all() and torch.equal(out, two), step
-        assert not counters.any()
-    valid = (ids >= 0) & (ids < E)
-    ref = _reference(x, *w, torch.where(valid, ids, 0), tw.masked_fill(~valid, 0.0), *sh).float()
-    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@pytest.mark.parametrize("pdl_on", [True, False])
-def test_router_then_one_launch_repeatedly_with_pdl(pdl_on, monkeypatch):
-    """The router and the one-launch experts back to back, 100 times in one graph (the decode step's chain,
-    programmatic dependent launch on or off): every output equals the two-launch path's, bit for bit."""
-    from k26.ops import pdl
-    from k26.ops.router_cuda import router_barrier
-
-    monkeypatch.setattr(pdl, "ENABLED", pdl_on)
-    E, K, D, inter, n = 384, 8, 7168, 256, 100
-    gen, w, sh, _, _, _ = block_inputs(600, 1, E, K, D, inter)
-    rw = (torch.randn(E, D, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-    bias = torch.randn(E, generator=gen, device="cuda") * 0.01
-    xs = torch.randn(n, 1, D, generator=gen, device="cuda").to(torch.bfloat16)
-    barrier, counters = router_barrier("cuda"), one_launch_counters("cuda")
-
-    def block(x, counters):
-        tw, ids = torch.ops.k26.moe_router(x, rw, bias, barrier, 1, 1, K, True, 2.827)
-        return torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh, counters=counters)
-
-    block(xs[0], counters)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = torch.stack([block(xs[i], counters) for i in range(n)])
-    outs.fill_(float("nan"))
-    g.replay()
-    want = torch.stack([block(xs[i], None) for i in range(n)])
-    torch.cuda.synchronize()
-    assert torch.equal(outs, want)
-    assert not counters.any()

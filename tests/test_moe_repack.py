@@ -5,7 +5,7 @@ import torch
 from oracles import random_int4_experts
 
 from k26.ops import pack_int4
-from k26.ops.moe_cuda import check_inputs, one_launch_counters, route_table, route_table_size
+from k26.ops.moe_cuda import check_inputs, route_table, route_table_size
 from k26.ops.moe_layout import repack, repack_experts, unrepack, w13_row_order
 
 
@@ -103,16 +103,3 @@ def test_a_table_of_another_size_is_named():
         check_inputs(*args, table=torch.zeros(5, dtype=torch.int32))
     ok = route_table(args[5], 3, 1, False)
     assert check_inputs(*args, table=ok)[0] == 3
-
-
-def test_one_launch_counters_of_another_shape_are_named():
-    args = [
-        torch.randn(1, 128).to(torch.bfloat16),
-        *repack_experts(*experts()),
-        torch.tensor([[0, 1]]),
-        torch.rand(1, 2),
-    ]
-    for bad in (torch.zeros(8, dtype=torch.int32), torch.zeros(16, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="counters must be int32 \\[16\\]"):
-            check_inputs(*args, counters=bad)
-    assert check_inputs(*args, counters=one_launch_counters("cpu"))[0] == 1

@@ -8,7 +8,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference
-from ..ops.moe_cuda import one_launch_counters
 from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
@@ -68,7 +67,6 @@ class Int4Experts(nn.Module):
         self.down_scale = _param(E, D, inter // group, dtype=dtype)
 
         self.repacked = False
-        self.register_buffer("counters", None, persistent=False)  # the one-launch kernel's scratch
 
     def checkpoint_tensors(self) -> tuple[torch.Tensor, ...]:
         """The int4 weights in the checkpoint's layout, in `CHECKPOINT` order (before `repack_`)."""
@@ -83,8 +81,6 @@ class Int4Experts(nn.Module):
         self.w13, self.s13, self.w2, self.s2 = (
             nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2)
         )
-        # One token then runs gate/up, down and the weighted sum in one launch (csrc/moe_one_launch.cuh).
-        self.counters = one_launch_counters(w13.device)
         self.repacked = True
 
     def fuses(self, shared: MLP | None, x_TD: torch.Tensor) -> bool:
@@ -102,7 +98,7 @@ class Int4Experts(nn.Module):
             mlp = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
             sw = tuple(m.weight for m in mlp)
             return torch.ops.k26.moe_w4a16_repacked(
-                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw, counters=self.counters
+                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw
             )
         return torch.ops.k26.moe_w4a16(x_TD, *self.checkpoint_tensors(), ids_TK, w_TK)
 

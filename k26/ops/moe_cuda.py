@@ -101,23 +101,11 @@ def moe_w4a16_repacked(
     shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids.
     `table`: the routing table of these ids (csrc/moe_route.cuh, `route_table(topk_ids, E, pick_nt(M * topk,
-    E), shared given)`), so the kernel skips its own routing launch; the reference ignores it.
-    `counters`: `one_launch_counters(device)`, owned by the caller (zero before and after every call): one
-    token without a table then runs in ONE launch (csrc/moe_one_launch.cuh); the reference ignores it."""
+    E), shared given)`), so the kernel skips its own routing launch; the reference ignores it."""
     return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
-
-
-ONE_LAUNCH_COUNTERS = 16  # csrc/moe_one_launch.cuh: kOneLaunchCounters
-
-
-def one_launch_counters(device: torch.device | str) -> torch.Tensor:
-    """The one-launch path's scratch (int32, zero at rest; the kernel leaves it zero): one per MoE layer, or
-    shared by layers that never run concurrently."""
-    return torch.zeros(ONE_LAUNCH_COUNTERS, dtype=torch.int32, device=device)
 
 
 @moe_w4a16_repacked.register_fake
@@ -133,14 +121,11 @@ def _(
     shared_up=None,
     shared_down=None,
     table=None,
-    counters=None,
 ):
     return x.new_empty(x.shape[0], w13.shape[2] * 64)
 
 
-def check_inputs(
-    x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None), table=None, counters=None
-):
+def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None), table=None):
     """Every shape/dtype/device problem as a ValueError naming the argument, before any launch.
     Returns M, D, I, E, topk."""
 
@@ -209,13 +194,6 @@ def check_inputs(
             f"shared={has_shared}), got {table.dtype} {list(table.shape)}",
         )
         named.append(("table", table))
-    if counters is not None:
-        need(
-            counters.shape == (ONE_LAUNCH_COUNTERS,) and counters.dtype == torch.int32,
-            f"counters must be int32 [{ONE_LAUNCH_COUNTERS}] (one_launch_counters), "
-            f"got {counters.dtype} {list(counters.shape)}",
-        )
-        named.append(("counters", counters))
     for name, t in named:
         need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
         need(t.is_contiguous(), f"{name} must be contiguous")
@@ -233,10 +211,10 @@ def _library():
     lib.k26_moe_w4a16_workspace.restype = ctypes.c_size_t
     lib.k26_moe_w4a16_workspace.argtypes = [ctypes.c_int] * 7
     lib.k26_moe_w4a16.restype = ctypes.c_int
-    # x, w13, s13, w2, s2, ids, topw, out, workspace; M, D, I, E, topk, nt; shared gate/up/down, table,
-    # counters; pdl; stream
+    # x, w13, s13, w2, s2, ids, topw, out, workspace; M, D, I, E, topk, nt; shared gate/up/down, table;
+    # pdl; stream
     ptrs, ints = [ctypes.c_void_p] * 9, [ctypes.c_int] * 6
-    lib.k26_moe_w4a16.argtypes = [*ptrs, *ints, *[ctypes.c_void_p] * 5, ctypes.c_int, ctypes.c_void_p]
+    lib.k26_moe_w4a16.argtypes = [*ptrs, *ints, *[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -255,10 +233,9 @@ def _moe_cuda(
     shared_up=None,
     shared_down=None,
     table=None,
-    counters=None,
 ):
     shared = (shared_gate, shared_up, shared_down)
-    M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared, table, counters)
+    M, D, I, E, topk = check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared, table)
     out = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return out
@@ -300,7 +277,6 @@ def _moe_cuda(
         nt,
         *sp,
         None if table is None else table.data_ptr(),
-        None if counters is None else counters.data_ptr(),
         int(pdl.ENABLED),  # csrc/moe_w4a16.cu: the shared expert's gate/up blocks overlap the routing
         torch.cuda.current_stream(x.device).cuda_stream,
     )

@@ -21,8 +21,7 @@
 // One token (decode) without a given table (csrc/moe_one_token.cuh): no route launch, each pair is its own
 // group read straight from the ids ("direct"); a one-token group's gate/up stages x in shared memory and keeps
 // 8 weight chunks in flight per warp; down + combine are one launch (one block per output tile, one warp per
-// pair, the sum in shared memory). Bit-identical to the four-launch path. With `counters` from the caller,
-// gate/up and down + combine are ONE launch (csrc/moe_one_launch.cuh), also bit-identical.
+// pair, the sum in shared memory). Bit-identical to the four-launch path.
 //
 // "Swap AB": the weights are the mma A operand (16 output features per tile) and the few tokens per
 // expert are the n = 8 columns, so small batches waste no weight bandwidth. Weight layout (repacked
@@ -68,7 +67,6 @@ __device__ unsigned long long g_moe_trace[2][1024][16];
 #endif
 
 #include "moe_mma.cuh"
-#include "moe_one_launch.cuh"
 #include "moe_one_token.cuh"
 #include "moe_route.cuh"
 #include "pdl.cuh"
@@ -366,38 +364,15 @@ cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pd
   return launch_pdl(kernel, grid, dim3(threads), 0, pdl, st, args...);
 }
 
-// The one-launch grid: every block resident (csrc/moe_one_launch.cuh), at most one per item.
-int one_launch_grid(int items) {
-  static int resident[64] = {};  // per device: SMs x blocks per SM (queried once)
-  int dev = 0;
-  cudaGetDevice(&dev);
-  int& r = resident[dev & 63];
-  if (r == 0) {
-    int sms = 0, per_sm = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, experts_one_launch, kOneLaunchThreads, 0);
-    r = sms * (per_sm > 0 ? per_sm : 1);
-  }
-  return items < r ? items : r;
-}
-
 // `table`: a routing table of exactly these ids, group size 8 * NT and S (nullptr: route here).
-// `counters`: the one-launch path's (M = 1, no table, topk <= 8), or nullptr for the two-launch one.
 template <int NT, int RT1>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
-                   const float* topw, void* out, void* ws_base, int* table, int* counters, int M, int D, int I, int E,
-                   int topk, Shared sh, bool pdl, cudaStream_t st) {
+                   const float* topw, void* out, void* ws_base, int* table, int M, int D, int I, int E, int topk,
+                   Shared sh, bool pdl, cudaStream_t st) {
   Workspace ws;
   const int S = sh.gate ? M : 0;
   carve(ws_base, M, D, I, E, topk, NT, S, &ws);
   const int P = M * topk;
-  if (counters && M == 1 && !table && topk <= kDownOneTokPairs && D <= kOneTokMaxK) {
-    const OneLaunch a{(const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, (const uint4*)w2,
-                      (const uint32_t*)s2, ids, topw, sh.gate, sh.up, sh.down, ws.act, ws.y + (size_t)P * D,
-                      (__nv_bfloat16*)out, counters, D, I, E, topk};
-    const int items = (topk + (sh.gate ? 1 : 0)) * (I / 8) + D / 16;
-    return launch_on(experts_one_launch, dim3(one_launch_grid(items)), kOneLaunchThreads, pdl, st, a);
-  }
   // One token (decode) and no table given: every pair is its own group, read straight from the ids by the
   // GEMMs, so no routing launch (~3.7 µs in the TP8 M = 1 block). Exact for any ids (a repeated expert would
   // be read twice); more tokens share experts, so they are grouped by route_kernel.
@@ -451,15 +426,13 @@ K26_EXPORT size_t k26_moe_route_table_ints(int M, int E, int topk, int nt, int s
 
 // Returns a cudaError_t (0 = success). Shapes are validated by the Python front door. shared_gate/up [I, D] and
 // shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids. table: the routing
-// table of these ids for this nt and shared (csrc/moe_route.cuh), or null (routed here). counters: int32
-// [kOneLaunchCounters] zero at rest, or null; given, one token without a table runs in one launch.
+// table of these ids for this nt and shared (csrc/moe_route.cuh), or null (routed here).
 
 K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
                              int E, int topk, int nt, const void* shared_gate, const void* shared_up,
-                             const void* shared_down, void* table, void* counters, int pdl, void* stream) {
+                             const void* shared_down, void* table, int pdl, void* stream) {
   int* tab = static_cast<int*>(table);
-  int* cnt = static_cast<int*>(counters);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
                   (const __nv_bfloat16*)shared_down};
@@ -467,14 +440,10 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, cnt, M, D, I, E, topk, sh, pdl,
-                                st)
-                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, cnt, M, D, I, E, topk, sh, pdl,
-                                st);
-    case 2:
-      return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, cnt, M, D, I, E, topk, sh, pdl, st);
-    case 4:
-      return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, cnt, M, D, I, E, topk, sh, pdl, st);
+      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st)
+                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+    case 2: return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+    case 4: return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
