@@ -77,8 +77,16 @@ def test_largest_staged_x(M, N, K):
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 28])
-def test_split_counts_agree(splits):
-    check(16, 256, 7168, seed=splits, splits=splits)
+@pytest.mark.parametrize("M", [1, 16])
+def test_split_counts_agree(splits, M):
+    """Split-K at the sizes tile mode serves by default (M <= 16), so both modes stay tested."""
+    check(M, 256, 7168, seed=splits + M, splits=splits)
+
+
+@pytest.mark.parametrize("M", [1, 2, 9, 16])
+@pytest.mark.parametrize("N,K", [(2112, 7168), (17, 40), (100, 7176), (1536, 1536), (7168, 1024)])
+def test_tile_mode_matches_reference(M, N, K):
+    check(M, N, K, seed=M + N, residual=M % 2 == 1, splits=0)
 
 
 def test_counters_are_reset_between_calls():

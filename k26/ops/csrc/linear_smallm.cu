@@ -82,10 +82,11 @@ __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, u
 }
 
 // Unit u's 16 bytes of rows g and g + 8 for this lane; zeros past K (K % 8 == 0: a load is all in or all out).
-__device__ __forceinline__ void load_batch(uint4 (&w)[kBatch][2], const __nv_bfloat16* w_lo, const __nv_bfloat16* w_hi,
+template <int B>
+__device__ __forceinline__ void load_batch(uint4 (&w)[B][2], const __nv_bfloat16* w_lo, const __nv_bfloat16* w_hi,
                                            int u, int u_end, int kt, int K) {
 #pragma unroll
-  for (int i = 0; i < kBatch; ++i) {
+  for (int i = 0; i < B; ++i) {
     const int k = (u + i) * kUnit + kt;
     if (u + i < u_end && k < K) {
       w[i][0] = ld_stream(w_lo + k);
@@ -219,6 +220,95 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (stream order; PDL waits on completion)
 }
 
+// Tile mode (S == 0, M <= 16): one block per 16-row tile of W, its 8 warps splitting K and reducing in shared
+// memory in warp order; x comes straight from global memory (L1 / L2: every tile reads it), no staging. No
+// workspace, no counters, no second pass: a projection is one round of weight loads and one barrier, where the
+// split-K mode pays a partial store, a fence, an atomic and the last block's reads of S partials. Sums in a
+// fixed order (deterministic), but another order than split-K's: the two modes agree to rounding, not bits.
+constexpr int kTileWarps = 8, kTileThreads = 32 * kTileWarps;
+constexpr int kTileBatch = 2;  // units per register batch (two in flight): 2 blocks per SM within 128 registers
+
+// Unit u's x fragment of token tile j for this lane (row 8j + g, k = 32u + 8t .. +8); zeros past M or K.
+template <int MT>
+__device__ __forceinline__ void load_x(uint4 (&xb)[kTileBatch][MT], const __nv_bfloat16* xg, long long x_ld, int M,
+                                       int g, int u, int u_end, int kt, int K) {
+#pragma unroll
+  for (int i = 0; i < kTileBatch; ++i)
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const int k = (u + i) * kUnit + kt, m = 8 * j + g;
+      xb[i][j] = u + i < u_end && k < K && m < M ? __ldg(reinterpret_cast<const uint4*>(xg + m * x_ld + k))
+                                                 : make_uint4(0, 0, 0, 0);
+    }
+}
+
+template <int MT>
+__device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const uint4 (&w)[kTileBatch][2],
+                                                   const uint4 (&xb)[kTileBatch][MT], int u, int u_end) {
+#pragma unroll
+  for (int i = 0; i < kTileBatch; ++i) {
+    if (u + i >= u_end) break;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const uint4 b = xb[i][j];
+      mma_bf16(acc[j], w[i][0].x, w[i][1].x, w[i][0].y, w[i][1].y, b.x, b.y);
+      mma_bf16(acc[j], w[i][0].z, w[i][1].z, w[i][0].w, w[i][1].w, b.z, b.w);
+    }
+  }
+}
+
+template <int MT>
+__global__ void __launch_bounds__(kTileThreads, 2) linear_tile_kernel(const Params p) {
+  __shared__ float red[kTileWarps][MT * 4][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, kt = 8 * t;
+  const int grp = blockIdx.z, n_tile = blockIdx.x * 16;
+  const int units = (p.K + kUnit - 1) / kUnit;
+  const int u_begin = warp * units / kTileWarps, u_end = (warp + 1) * units / kTileWarps;
+  const __nv_bfloat16* wg = p.w + grp * p.w_gs;
+  const __nv_bfloat16* w_lo = wg + (long long)min(n_tile + g, p.N - 1) * p.w_ld;  // clamped rows are discarded
+  const __nv_bfloat16* w_hi = wg + (long long)min(n_tile + g + 8, p.N - 1) * p.w_ld;
+  const __nv_bfloat16* xg = p.x + grp * p.x_gs;
+
+  uint4 wa[kTileBatch][2], wb[kTileBatch][2], xa[kTileBatch][MT], xb[kTileBatch][MT];
+  load_batch(wa, w_lo, w_hi, u_begin, u_end, kt, p.K);  // two weight batches in flight across the wait
+  load_batch(wb, w_lo, w_hi, u_begin + kTileBatch, u_end, kt, p.K);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();  // x and residual may come from the previous kernel
+#endif
+  load_x<MT>(xa, xg, p.x_ld, p.M, g, u_begin, u_end, kt, p.K);
+  load_x<MT>(xb, xg, p.x_ld, p.M, g, u_begin + kTileBatch, u_end, kt, p.K);
+  float acc[MT][4] = {};
+  for (int u = u_begin; u < u_end; u += 2 * kTileBatch) {  // each buffer refilled as soon as it is consumed
+    compute_tile_batch<MT>(acc, wa, xa, u, u_end);
+    load_batch(wa, w_lo, w_hi, u + 2 * kTileBatch, u_end, kt, p.K);
+    load_x<MT>(xa, xg, p.x_ld, p.M, g, u + 2 * kTileBatch, u_end, kt, p.K);
+    compute_tile_batch<MT>(acc, wb, xb, u + kTileBatch, u_end);
+    load_batch(wb, w_lo, w_hi, u + 3 * kTileBatch, u_end, kt, p.K);
+    load_x<MT>(xb, xg, p.x_ld, p.M, g, u + 3 * kTileBatch, u_end, kt, p.K);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();  // the next kernel may start streaming its weights
+#endif
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[warp][j * 4 + c][lane] = acc[j][c];
+  __syncthreads();
+  if (warp != 0) return;
+  const __nv_bfloat16* res = p.residual ? p.residual + grp * p.y_gs : nullptr;
+  __nv_bfloat16* yg = p.y + grp * p.y_gs;
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float v = 0.f;
+#pragma unroll
+      for (int q = 0; q < kTileWarps; ++q) v += red[q][j * 4 + c][lane];  // warp order: deterministic
+      const int n = n_tile + g + 8 * (c / 2), m = 8 * j + 2 * t + c % 2;  // accumulator (j, c)
+      if (n < p.N && m < p.M) yg[m * p.y_ld + n] = finish(v, res, m * p.y_ld + n);
+    }
+}
+
 template <int MT>
 cudaError_t launch(const Params& p, int groups, bool pdl, cudaStream_t stream) {
   const size_t smem = (size_t)8 * MT * (p.units_per_split * kUnit + kPad) * sizeof(__nv_bfloat16);
@@ -247,6 +337,12 @@ K26_EXPORT int k26_linear_smallm(const void* x, const void* w, const void* resid
   p.M = M, p.N = N, p.K = K, p.S = S, p.units_per_split = units_per_split;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int mt = (M + 7) / 8;
+  if (S == 0) {  // tile mode
+    const dim3 grid((N + 15) / 16, 1, G);
+    if (mt == 1) return (int)launch_pdl(linear_tile_kernel<1>, grid, dim3(kTileThreads), 0, pdl != 0, st, p);
+    if (mt == 2) return (int)launch_pdl(linear_tile_kernel<2>, grid, dim3(kTileThreads), 0, pdl != 0, st, p);
+    return (int)cudaErrorInvalidValue;
+  }
   if (mt == 1) return (int)launch<1>(p, G, pdl, st);
   if (mt == 2) return (int)launch<2>(p, G, pdl, st);
   if (mt <= 4) return (int)launch<4>(p, G, pdl, st);
