@@ -19,9 +19,10 @@ from .rope import Rope
 # Token rows up to which `fuse_` routes MLA's projections through torch.ops.k26.linear instead of cuBLAS,
 # where the compiled, graph-replayed K2.6 step measured it faster
 # (profiling/results/2026-12-01-bench_k26-glue-h200.md): the stacked q_a / kv_a and W_UK won or tied at
-# 1 and 16 rows; q_b and W_UV (short K) won at 1 row and lost at 16.
+# 1 and 16 rows; q_b and W_UV (short K) won at 1 row and lost at 16 under split-K, and win at 16 in tile
+# mode (q_b 4.3 vs cuBLAS 4.9 µs, W_UV 2.7 vs 3.2: 2026-12-01-bench_linear-h200-tile.md).
 KERNEL_MAX_M = 64
-SHORT_K_MAX_M = 8
+SHORT_K_MAX_M = 16
 
 
 class MLA(nn.Module):
