@@ -77,24 +77,39 @@ def test_largest_staged_x(M, N, K):
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 28])
-@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("M", [1, 16, 64])
 def test_split_counts_agree(splits, M):
-    """Split-K at the sizes tile mode serves by default (M <= 16), so both modes stay tested."""
+    """Split-K (asked for: tile mode is the default), against the reference."""
     check(M, 256, 7168, seed=splits + M, splits=splits)
 
 
-@pytest.mark.parametrize("M", [1, 2, 9, 16])
+@pytest.mark.parametrize("M", [1, 2, 9, 16, 31, 40, 64])
 @pytest.mark.parametrize("N,K", [(2112, 7168), (17, 40), (100, 7176), (1536, 1536), (7168, 1024)])
 def test_tile_mode_matches_reference(M, N, K):
     check(M, N, K, seed=M + N, residual=M % 2 == 1, splits=0)
 
 
+@pytest.mark.parametrize("N,K,G", [(2112, 7168, 1), (100, 7176, 1), (128, 512, 8)])
+def test_tile_mode_is_batch_invariant(N, K, G):
+    """A row of y has the same bits whatever the other rows: every M from 1 to 64 reproduces the M = 64
+    result on its first M rows (what makes a verify step reproduce decode's logits)."""
+    gen = torch.Generator(device="cuda").manual_seed(N + G)
+    x, w = rand(64, G, K, gen=gen), rand(G, N, K, gen=gen, scale=K**-0.5)
+    full = torch.ops.k26.linear_grouped(x, w) if G > 1 else torch.ops.k26.linear(x[:, 0], w[0])
+    for M in (1, 2, 7, 8, 9, 16, 17, 33, 63):
+        poison_allocator()
+        part = torch.ops.k26.linear_grouped(x[:M], w) if G > 1 else torch.ops.k26.linear(x[:M, 0], w[0])
+        assert torch.equal(part, full[:M]), M
+
+
 def test_counters_are_reset_between_calls():
     gen = torch.Generator(device="cuda").manual_seed(1)
     w = rand(2112, 7168, gen=gen, scale=0.01)
-    for _ in range(3):
+    for _ in range(3):  # split-K (tile mode, the default, has no counters)
         x = rand(4, 7168, gen=gen)
-        close(torch.ops.k26.linear(x, w), linear_reference(x, w))
+        got = torch.full((4, 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch(x, w, None, got, groups=1, strides=(7168, 0, 7168, 0, 2112, 0), splits=16)
+        close(got, linear_reference(x, w))
 
 
 @pytest.mark.parametrize("M", [1, 16, 64])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import k26.ops  # noqa: F401  (registers the ops)
-from k26.ops.linear_cuda import MAX_M, TILE_MAX_M, UNIT, padded_m, plan_splits
+from k26.ops.linear_cuda import MAX_M, UNIT, padded_m, plan_splits
 
 
 def rand(*shape, seed=0, dtype=torch.bfloat16):
@@ -89,9 +89,8 @@ def test_grouped_bad_shapes_are_named():
 def test_split_plan_covers_k_and_fits_shared_memory(M, N, K, G):
     S, per = plan_splits(M, N, K, G, sms=132)
     units = math.ceil(K / UNIT)
-    if padded_m(M) <= TILE_MAX_M:  # tile mode: one block per 16 rows over all of K, nothing staged
-        assert (S, per) == (0, units)
-        S, per = plan_splits(M, N, K, G, sms=132, splits=1)  # split-K still serves small M when asked
+    assert (S, per) == (0, units)  # tile mode: one block per 16 rows over all of K, nothing staged
+    S, per = plan_splits(M, N, K, G, sms=132, splits=1)  # split-K, when asked
     assert (S - 1) * per < units <= S * per  # every unit in exactly one split, no empty split
     assert (
         2 * padded_m(M) * (per * UNIT + 32) + 1024 <= 48 * 1024
@@ -100,9 +99,3 @@ def test_split_plan_covers_k_and_fits_shared_memory(M, N, K, G):
 
 def test_padded_m_is_a_kernel_instance():
     assert [padded_m(m) for m in (1, 8, 9, 16, 17, 32, 33, MAX_M)] == [8, 8, 16, 16, 32, 32, 64, 64]
-
-
-def test_tile_mode_refuses_more_than_16_rows():
-    assert plan_splits(16, 64, 128, 1, sms=132, splits=0) == (0, 4)
-    with pytest.raises(ValueError, match="tile mode serves at most 16 rows, got M=17"):
-        plan_splits(17, 64, 128, 1, sms=132, splits=0)

@@ -24,7 +24,6 @@ from .log import say_once
 
 MAX_M = 64
 UNIT = 32  # k per unit of the kernel's loop
-TILE_MAX_M = 16  # csrc/linear_smallm.cu: linear_tile_kernel's token tiles (MT <= 2)
 MIN_UNITS_PER_SPLIT = 8  # two register batches: below this a split costs more than it streams
 BLOCKS_PER_SM = 4  # 16 warps per SM keep enough 16-byte loads in flight to saturate HBM
 COUNTERS = 1 << 16  # split-K arrival counters per device; more (group, row block) pairs run unsplit
@@ -145,14 +144,13 @@ def padded_m(M: int) -> int:
 
 
 def plan_splits(M: int, N: int, K: int, G: int, sms: int, splits: int | None = None) -> tuple[int, int]:
-    """(S, units per split). S = 0, tile mode, for M <= TILE_MAX_M: a block per 16 rows of W, its 8 warps
-    splitting K in shared memory (no workspace, no second pass). Otherwise split-K: the fewest k-splits whose
+    """(S, units per split). By default S = 0, tile mode: a block per 16 rows of W, its 8 warps splitting K
+    in shared memory (no workspace, no second pass) and batch-invariant (the same bits for a row at every M:
+    a verify step reproduces decode). `splits` >= 1 asks for split-K instead: the fewest k-splits whose
     staged x fits X_SMEM_BUDGET, raised until the grid has about BLOCKS_PER_SM blocks per SM (while each
-    split keeps two register batches). `splits` overrides (0: tile mode, refused above TILE_MAX_M)."""
+    split keeps two register batches)."""
     units = math.ceil(K / UNIT)
-    if splits == 0 or (splits is None and padded_m(M) <= TILE_MAX_M):
-        if padded_m(M) > TILE_MAX_M:
-            raise ValueError(f"k26.linear: tile mode serves at most {TILE_MAX_M} rows, got M={M}")
+    if not splits:
         return 0, units
     row_blocks = math.ceil(N / 64) * G
     max_units = (X_SMEM_BUDGET // (2 * padded_m(M)) - UNIT) // UNIT  # the 64-byte row pad included

@@ -220,33 +220,42 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (stream order; PDL waits on completion)
 }
 
-// Tile mode (S == 0, M <= 16): one block per 16-row tile of W, its 8 warps splitting K and reducing in shared
-// memory in warp order; x comes straight from global memory (L1 / L2: every tile reads it), no staging. No
-// workspace, no counters, no second pass: a projection is one round of weight loads and one barrier, where the
-// split-K mode pays a partial store, a fence, an atomic and the last block's reads of S partials. Sums in a
-// fixed order (deterministic), but another order than split-K's: the two modes agree to rounding, not bits.
+// Tile mode (S == 0; the default for every M <= 64): one block per 16-row tile of W, its 8 warps splitting K
+// and reducing in shared memory in warp order; x comes straight from global memory (L1 / L2: every tile reads
+// it), no staging. No workspace, no counters, no second pass: a projection is one round of weight loads and
+// one barrier, where split-K pays a partial store, a fence, an atomic and the last block's reads of S
+// partials. Batch-invariant: a warp's k range does not depend on M and it accumulates unit by unit whatever
+// its batch size, so a row of y has the same bits at every M (a verify step reproduces decode's logits bit
+// for bit); split-K's plan (and so its sums) changes with M. Split-K and tile mode agree to rounding only.
 constexpr int kTileWarps = 8, kTileThreads = 32 * kTileWarps;
-constexpr int kTileBatch = 2;  // units per register batch (two in flight): 2 blocks per SM within 128 registers
 
-// Unit u's x fragment of token tile j for this lane (row 8j + g, k = 32u + 8t .. +8); zeros past M or K.
+// Units per register batch (two batches in flight): two up to 16 tokens, one beyond (the x fragments grow
+// with the token tiles); blocks per SM: 2 within 128 registers up to 32 tokens, 1 at 64.
 template <int MT>
-__device__ __forceinline__ void load_x(uint4 (&xb)[kTileBatch][MT], const __nv_bfloat16* xg, long long x_ld, int M,
-                                       int g, int u, int u_end, int kt, int K) {
+__host__ __device__ constexpr int tile_batch() { return MT <= 2 ? 2 : 1; }
+template <int MT>
+__host__ __device__ constexpr int tile_blocks() { return MT <= 4 ? 2 : 1; }
+
+// Unit u's x fragments of the token tiles j for this lane (row 8j + g, k = 32u + 8t .. +8); zeros past M or K.
+// xr: this lane's row g at k = kt; tiles_live: the token tiles holding row 8j + g < M.
+template <int MT, int B>
+__device__ __forceinline__ void load_x(uint4 (&xb)[B][MT], const __nv_bfloat16* xr, long long x_tile, int tiles_live,
+                                       int u, int u_end, int kt, int K) {
 #pragma unroll
-  for (int i = 0; i < kTileBatch; ++i)
+  for (int i = 0; i < B; ++i) {
+    const bool in = u + i < u_end && (u + i) * kUnit + kt < K;
 #pragma unroll
-    for (int j = 0; j < MT; ++j) {
-      const int k = (u + i) * kUnit + kt, m = 8 * j + g;
-      xb[i][j] = u + i < u_end && k < K && m < M ? __ldg(reinterpret_cast<const uint4*>(xg + m * x_ld + k))
-                                                 : make_uint4(0, 0, 0, 0);
-    }
+    for (int j = 0; j < MT; ++j)
+      xb[i][j] = in && j < tiles_live ? __ldg(reinterpret_cast<const uint4*>(xr + j * x_tile + (u + i) * kUnit))
+                                      : make_uint4(0, 0, 0, 0);
+  }
 }
 
-template <int MT>
-__device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const uint4 (&w)[kTileBatch][2],
-                                                   const uint4 (&xb)[kTileBatch][MT], int u, int u_end) {
+template <int MT, int B>
+__device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const uint4 (&w)[B][2],
+                                                   const uint4 (&xb)[B][MT], int u, int u_end) {
 #pragma unroll
-  for (int i = 0; i < kTileBatch; ++i) {
+  for (int i = 0; i < B; ++i) {
     if (u + i >= u_end) break;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
@@ -258,7 +267,8 @@ __device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const ui
 }
 
 template <int MT>
-__global__ void __launch_bounds__(kTileThreads, 2) linear_tile_kernel(const Params p) {
+__global__ void __launch_bounds__(kTileThreads, tile_blocks<MT>()) linear_tile_kernel(const Params p) {
+  constexpr int B = tile_batch<MT>();
   __shared__ float red[kTileWarps][MT * 4][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, kt = 8 * t;
   const int grp = blockIdx.z, n_tile = blockIdx.x * 16;
@@ -267,24 +277,26 @@ __global__ void __launch_bounds__(kTileThreads, 2) linear_tile_kernel(const Para
   const __nv_bfloat16* wg = p.w + grp * p.w_gs;
   const __nv_bfloat16* w_lo = wg + (long long)min(n_tile + g, p.N - 1) * p.w_ld;  // clamped rows are discarded
   const __nv_bfloat16* w_hi = wg + (long long)min(n_tile + g + 8, p.N - 1) * p.w_ld;
-  const __nv_bfloat16* xg = p.x + grp * p.x_gs;
+  const __nv_bfloat16* xr = p.x + grp * p.x_gs + g * p.x_ld + kt;
+  const long long x_tile = 8 * p.x_ld;
+  const int tiles_live = (p.M - g + 7) / 8;  // j with 8j + g < M
 
-  uint4 wa[kTileBatch][2], wb[kTileBatch][2], xa[kTileBatch][MT], xb[kTileBatch][MT];
+  uint4 wa[B][2], wb[B][2], xa[B][MT], xb[B][MT];
   load_batch(wa, w_lo, w_hi, u_begin, u_end, kt, p.K);  // two weight batches in flight across the wait
-  load_batch(wb, w_lo, w_hi, u_begin + kTileBatch, u_end, kt, p.K);
+  load_batch(wb, w_lo, w_hi, u_begin + B, u_end, kt, p.K);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();  // x and residual may come from the previous kernel
 #endif
-  load_x<MT>(xa, xg, p.x_ld, p.M, g, u_begin, u_end, kt, p.K);
-  load_x<MT>(xb, xg, p.x_ld, p.M, g, u_begin + kTileBatch, u_end, kt, p.K);
+  load_x<MT, B>(xa, xr, x_tile, tiles_live, u_begin, u_end, kt, p.K);
+  load_x<MT, B>(xb, xr, x_tile, tiles_live, u_begin + B, u_end, kt, p.K);
   float acc[MT][4] = {};
-  for (int u = u_begin; u < u_end; u += 2 * kTileBatch) {  // each buffer refilled as soon as it is consumed
-    compute_tile_batch<MT>(acc, wa, xa, u, u_end);
-    load_batch(wa, w_lo, w_hi, u + 2 * kTileBatch, u_end, kt, p.K);
-    load_x<MT>(xa, xg, p.x_ld, p.M, g, u + 2 * kTileBatch, u_end, kt, p.K);
-    compute_tile_batch<MT>(acc, wb, xb, u + kTileBatch, u_end);
-    load_batch(wb, w_lo, w_hi, u + 3 * kTileBatch, u_end, kt, p.K);
-    load_x<MT>(xb, xg, p.x_ld, p.M, g, u + 3 * kTileBatch, u_end, kt, p.K);
+  for (int u = u_begin; u < u_end; u += 2 * B) {  // each buffer refilled as soon as it is consumed
+    compute_tile_batch<MT, B>(acc, wa, xa, u, u_end);
+    load_batch(wa, w_lo, w_hi, u + 2 * B, u_end, kt, p.K);
+    load_x<MT, B>(xa, xr, x_tile, tiles_live, u + 2 * B, u_end, kt, p.K);
+    compute_tile_batch<MT, B>(acc, wb, xb, u + B, u_end);
+    load_batch(wb, w_lo, w_hi, u + 3 * B, u_end, kt, p.K);
+    load_x<MT, B>(xb, xr, x_tile, tiles_live, u + 3 * B, u_end, kt, p.K);
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaTriggerProgrammaticLaunchCompletion();  // the next kernel may start streaming its weights
@@ -297,7 +309,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) linear_tile_kernel(const Para
   if (warp != 0) return;
   const __nv_bfloat16* res = p.residual ? p.residual + grp * p.y_gs : nullptr;
   __nv_bfloat16* yg = p.y + grp * p.y_gs;
-#pragma unroll
+#pragma unroll 1  // unrolled, the 8 x 4 x MT shared loads were hoisted at once (255 registers at MT 8)
   for (int j = 0; j < MT; ++j)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -339,8 +351,11 @@ K26_EXPORT int k26_linear_smallm(const void* x, const void* w, const void* resid
   const int mt = (M + 7) / 8;
   if (S == 0) {  // tile mode
     const dim3 grid((N + 15) / 16, 1, G);
-    if (mt == 1) return (int)launch_pdl(linear_tile_kernel<1>, grid, dim3(kTileThreads), 0, pdl != 0, st, p);
-    if (mt == 2) return (int)launch_pdl(linear_tile_kernel<2>, grid, dim3(kTileThreads), 0, pdl != 0, st, p);
+    const dim3 block(kTileThreads);
+    if (mt == 1) return (int)launch_pdl(linear_tile_kernel<1>, grid, block, 0, pdl != 0, st, p);
+    if (mt == 2) return (int)launch_pdl(linear_tile_kernel<2>, grid, block, 0, pdl != 0, st, p);
+    if (mt <= 4) return (int)launch_pdl(linear_tile_kernel<4>, grid, block, 0, pdl != 0, st, p);
+    if (mt <= 8) return (int)launch_pdl(linear_tile_kernel<8>, grid, block, 0, pdl != 0, st, p);
     return (int)cudaErrorInvalidValue;
   }
   if (mt == 1) return (int)launch<1>(p, G, pdl, st);
