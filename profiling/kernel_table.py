@@ -28,7 +28,7 @@ ATTN = "tree_attn"
 CATEGORIES = (  # first match wins; lower-case substrings of the kernel name (Triton's name the ops they fuse)
     ("fused elementwise (Triton)", ("triton",)),
     ("MLA glue (norms + RoPE + cache write)", ("mla_glue",)),
-    ("dense projection (k26 small-M linear)", ("linear_smallm",)),
+    ("dense projection (k26 small-M linear)", ("linear_smallm", "linear_tile")),
     ("MLA tree attention", (ATTN, "merge")),
     ("MoE router", ("router",)),
     ("MoE experts (int4 kernel)", ("moe", "route_kernel", "combine", "gemm_kernel")),
