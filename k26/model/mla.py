@@ -21,10 +21,10 @@ from .rope import Rope
 # (profiling/results/2026-12-01-bench_k26-glue-h200.md): the stacked q_a / kv_a and W_UK won or tied at
 # 1 and 16 rows; q_b and W_UV (short K) won at 1 row and lost at 16 under split-K, and win at 16 in tile
 # mode (q_b 4.3 vs cuBLAS 4.9 µs, W_UV 2.7 vs 3.2: 2026-12-01-bench_linear-h200-tile.md). Tile mode is
-# batch-invariant, so every MLA projection but o_proj runs it up to 64 rows: a verify step then reproduces
-# decode's projections bit for bit (cuBLAS picks its algorithm by M).
-KERNEL_MAX_M = 64
-SHORT_K_MAX_M = 64
+# batch-invariant (in launches of 64 rows too), so every MLA projection but o_proj runs it up to 512 rows:
+# a verify step then reproduces decode's projections bit for bit (cuBLAS picks its algorithm by M).
+KERNEL_MAX_M = 512  # linear_cuda.MAX_ROWS: verify steps of up to 512 tokens (batch x tree)
+SHORT_K_MAX_M = 512
 
 
 class MLA(nn.Module):

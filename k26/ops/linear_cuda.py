@@ -5,8 +5,9 @@ and the kernel-owned split-K counters.
     linear(x [..., K], weight [N, K], residual [..., N] | None) -> [..., N]   F.linear(x, weight) (+ residual)
     linear_grouped(x [..., G, K], weight [G, N, K]) -> [..., G, N]            one matrix per group (W_UV)
 
-The kernel serves bf16 with at most 64 rows of x, K a multiple of 8 and 16-byte aligned rows; anything
-else (float32 test models, prefill, odd strides) runs the reference on the same device, said once in the log.
+The kernel serves bf16 with at most 512 rows of x (in launches of 64), K a multiple of 8 and 16-byte aligned
+rows; anything else (float32 test models, prefill, odd strides) runs the reference on the same device, said
+once in the log.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from . import pdl
 from .log import say_once
 
-MAX_M = 64
+MAX_M = 64  # rows per launch (the kernel's token tiles)
+MAX_ROWS = 512  # rows served in launches of MAX_M: tile mode is batch-invariant, so chunks change no bit
 UNIT = 32  # k per unit of the kernel's loop
 MIN_UNITS_PER_SPLIT = 8  # two register batches: below this a split costs more than it streams
 BLOCKS_PER_SM = 4  # 16 warps per SM keep enough 16-byte loads in flight to saturate HBM
@@ -186,7 +188,15 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
 
 
 def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = None) -> None:
-    """Run the kernel: x2 [M, ...], w rows of K, y [M, ...]; strides (x_ld, x_gs, w_ld, w_gs, y_ld, y_gs)."""
+    """Run the kernel: x2 [M, ...], w rows of K, y [M, ...]; strides (x_ld, x_gs, w_ld, w_gs, y_ld, y_gs).
+    More than MAX_M rows (tile mode only): one launch per MAX_M rows, the same bits as one launch."""
+    if x2.shape[0] > MAX_M:
+        if splits:
+            raise ValueError(f"k26.linear: split-K serves at most {MAX_M} rows, got {x2.shape[0]}")
+        for a in range(0, x2.shape[0], MAX_M):
+            r = residual[a : a + MAX_M] if residual is not None else None
+            launch(x2[a : a + MAX_M], w, r, y[a : a + MAX_M], groups=groups, strides=strides)
+        return
     M, K = x2.shape[0], w.shape[-1]
     N = w.shape[-2]
     sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
@@ -219,8 +229,8 @@ def _unsupported(x: torch.Tensor, M: int, K: int) -> str | None:
 
     if x.dtype != torch.bfloat16:
         return f"dtype {x.dtype} (the kernel is bf16)"
-    if M > MAX_M:
-        return f"more than {MAX_M} rows"
+    if M > MAX_ROWS:
+        return f"more than {MAX_ROWS} rows"
     if K % 8:
         return f"K={K} not a multiple of 8"
     if not available():
