@@ -1,10 +1,16 @@
 // Small-M dense linear for decode and verify: y[m, n] = bf16( sum_k x[m, k] * W[n, k] ) (+ residual[m, n]),
 // bf16 x / W / y, fp32 accumulation, M <= 64 tokens, W in nn.Linear's own [N, K] row-major layout (no repack).
+// One launch per projection, in one of two modes (k26/ops/linear_cuda.py plans it):
 //
-// One launch per projection. Grid (N / 64 row blocks, S k-splits, G groups); 4 warps per block, each warp
-// owns one 16-row tile of W and streams it with 16-byte ld.global.nc loads, two batches of 4 units (32 k
-// each) in flight per lane (software double buffer). Groups (blockIdx.z) are independent matrices at
-// fixed strides (the per-head W_UV of MLA); a plain linear is G = 1.
+// Tile mode (S = 0, the default; linear_tile_kernel): a block per 16-row tile of W, its 8 warps splitting K and
+// reducing in shared memory in warp order, x read straight from L1 / L2. Batch-invariant (a row of y has the
+// same bits at every M), so a verify step reproduces decode's projections bit for bit.
+// Split-K (S >= 1, on request; linear_smallm_kernel): grid (N / 64 row blocks, S k-splits, G groups); 4 warps
+// per block, each warp owns one 16-row tile of W over the split's k range, x of that range staged once in
+// shared memory (cp.async; rows padded by 64 B so the 8 rows of a quarter-warp read hit distinct banks).
+// Both stream W with 16-byte ld.global.nc loads, two register batches of units (32 k each) in flight per lane
+// (software double buffer). Groups (blockIdx.z) are independent matrices at fixed strides (the per-head W_UV
+// of MLA); a plain linear is G = 1.
 //
 // "Swap AB": W rows are the mma A operand (m16) and the tokens the n8 columns, so M = 1..64 costs the same
 // weight bytes; tokens come in groups of 8 (MT = 1, 2, 4, 8 groups per block).
@@ -12,8 +18,6 @@
 // x[token g] at k = 8t .. 8t + 7 (one 16-byte load each); mma step s in {0, 1} uses words 2s, 2s + 1 of
 // those loads as the fragments of logical k {2t, 2t + 1} and {2t + 8, 2t + 9}. A and B share the
 // permutation, so the dot products are exact reorderings: no ldmatrix, no shared memory for W.
-// x of the block's k range is staged once in shared memory (cp.async; rows padded by 64 B so the 8 rows
-// of a quarter-warp read hit distinct banks); the row blocks re-read it from L2, M / 64 of W's bytes.
 //
 // Split-K without a reduce kernel: with S > 1 each block writes its fp32 partial tile to a workspace and
 // bumps a per-(group, row block) counter; the last of the S blocks sums the S partials in split order
@@ -25,14 +29,14 @@
 // next kernel fires after the main loop.
 //
 // Legality: mma.sync.m16n8k16 bf16, cp.async, ld.global.nc and griddepcontrol only (no warpgroup MMA, tensor
-// memory or TMA); < 48 KB shared memory per block (k26/ops/linear_cuda.py plans 47 KB of staged x). Built
-// for sm_90a and sm_120a.
-// Speed (H200, profiling/results/2026-12-01-bench_linear-h200.md, version of commit 294f8de: one batch before
-// the wait, a fence per thread): 1.24-1.52x of the streaming floor at M = 1 (>= 14 MB), 1.7-2.5x at M = 16;
-// slower than cuBLAS for most projections. This version (two batches before the wait, one fence per block) in
-// the compiled, graph-replayed K2.6 step (profiling/results/2026-12-01-bench_k26-glue-h200.md): q_a + kv_a
-// stacked (30 MB) 11.7-12.2 us at M = 1 (cuBLAS: 17 us in two GEMVs + two split-K reduces), 18 us at M = 16
-// (cuBLAS the same); W_UK 2.7-2.9 us; q_b and W_UV win at M = 1 and lose at 16, o_proj loses at both.
+// memory or TMA); < 48 KB shared memory per block (k26/ops/linear_cuda.py plans 47 KB of staged x; tile mode
+// <= 32 KB). Built for sm_90a and sm_120a.
+// Speed (H200, profiling/results/2026-12-01-bench_linear-h200-tile.md, cold L2): tile mode 1.08-1.54x of the
+// streaming floor at M = 1 (lm_head shard 93 % of copy bandwidth; q_a+kv_a 10.7 µs vs cuBLAS 12.8), 1.2-2.1x at
+// M = 16, faster than split-K at its best split count everywhere but W_UK^T at M = 16; at M = 64 2-4x slower than
+// cuBLAS (every 16-row block reads all of x). In the compiled K2.6 step
+// (profiling/results/2026-12-01-bench_k26-session9-h200.md) the MLA projections went from 33.5 to 27.1 µs per layer
+// at one token and the decode step from 5.08 to 4.80 ms.
 // Benchmarks: profiling/bench_linear.py (one projection), profiling/bench_k26.py --variants (the step).
 
 #include <cuda_bf16.h>
@@ -220,13 +224,12 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (stream order; PDL waits on completion)
 }
 
-// Tile mode (S == 0; the default for every M <= 64): one block per 16-row tile of W, its 8 warps splitting K
-// and reducing in shared memory in warp order; x comes straight from global memory (L1 / L2: every tile reads
-// it), no staging. No workspace, no counters, no second pass: a projection is one round of weight loads and
-// one barrier, where split-K pays a partial store, a fence, an atomic and the last block's reads of S
-// partials. Batch-invariant: a warp's k range does not depend on M and it accumulates unit by unit whatever
-// its batch size, so a row of y has the same bits at every M (a verify step reproduces decode's logits bit
-// for bit); split-K's plan (and so its sums) changes with M. Split-K and tile mode agree to rounding only.
+// Tile mode (S == 0; the default for every M <= 64; see the header): x comes straight from global memory
+// (L1 / L2: every tile reads it), no staging. No workspace, no counters, no second pass: a projection is one
+// round of weight loads and one barrier, where split-K pays a partial store, a fence, an atomic and the last
+// block's reads of S partials. Batch-invariant: a warp's k range does not depend on M and it accumulates unit
+// by unit whatever its batch size, so a row of y has the same bits at every M (a verify step reproduces
+// decode's logits bit for bit); split-K's plan (and so its sums) changes with M. The modes agree to rounding.
 constexpr int kTileWarps = 8, kTileThreads = 32 * kTileWarps;
 
 // Units per register batch (two batches in flight): two up to 16 tokens, one beyond (the x fragments grow

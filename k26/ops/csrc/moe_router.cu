@@ -29,7 +29,8 @@
 // (99 KB) and sm_90; built for sm_90a and sm_120a. No host sync: CUDA-graph capturable.
 // Speed and its benchmark: profiling/bench_moe.py --block (router column and whole block), results in
 // profiling/results/2026-12-01-bench_moe_block-h200*.md (H200, K2.6 shapes, cold L2, graph replay): 6.9 µs
-// at M = 1, 8.1 at M = 16, 9.9 at M = 64 (runs 6-7). Phases at M = 1 (profiling/debug/router_trace.py): weight
+// at M = 1, 8.1 at M = 16, 9.9 at M = 64 (runs 6-7); 6.3 at M = 1 with phase 2's partials in one round trip
+// (2026-12-01-bench_moe_block-h200-one-launch.md). Phases at M = 1 (profiling/debug/router_trace.py): weight
 // tile in and multiplied 3.1 µs from the first block's start, partials written 3.3, last block in 4.6,
 // scores 6.4, top-k written 8.5 (the trace's stamps cost ~1 µs). Before run 6: 11.8 µs (bias loaded after
 // the barrier, one L2 round trip per expert's partials, one warp's serial top-k: 3.1 and 2.8 µs). Tried and
