@@ -25,10 +25,6 @@ from .rope import Rope
 # a verify step then reproduces decode's projections bit for bit (cuBLAS picks its algorithm by M).
 KERNEL_MAX_M = 512  # linear_cuda.MAX_ROWS: verify steps of up to 512 tokens (batch x tree)
 SHORT_K_MAX_M = 512
-# o_proj (N = 7168, K = 1024 at TP8) only up to 16 rows: above, every 16-row block re-reading x costs 2-4x
-# cuBLAS (24 vs 6.6 µs at 64 rows); alone it is 0.5 µs slower than cuBLAS at 1 row, but under PDL after
-# W_UV its weights stream in during the attention tail (2026-12-01-bench_k26-session9-h200.md).
-O_PROJ_MAX_M = 16
 
 
 class MLA(nn.Module):
@@ -52,20 +48,15 @@ class MLA(nn.Module):
         # Buffers, not attributes: torch.compile then takes them as inputs, one body for every layer.
         self.register_buffer("qkv_a", None, persistent=False)
         self.register_buffer("w_uk_t", None, persistent=False)
-        self.kernel_max_m = self.short_k_max_m = self.o_proj_max_m = 0
+        self.kernel_max_m = self.short_k_max_m = 0
 
     @torch.no_grad()
-    def fuse_(
-        self,
-        kernel_max_m: int = KERNEL_MAX_M,
-        short_k_max_m: int = SHORT_K_MAX_M,
-        o_proj_max_m: int = O_PROJ_MAX_M,
-    ) -> None:
+    def fuse_(self, kernel_max_m: int = KERNEL_MAX_M, short_k_max_m: int = SHORT_K_MAX_M) -> None:
         """Stack q_a / kv_a (same input: one projection) and lay W_UK^T out once, after the weights are
         loaded; `kernel_max_m` rows and fewer run the stacked projection and W_UK in the small-M linear
-        kernel, `short_k_max_m` rows and fewer also q_b and W_UV, `o_proj_max_m` rows and fewer o_proj.
-        Both weights stay parameters under their own names (views of the stack: no extra memory); W_UK^T is a
-        copy (1 MB a layer at TP8), so call this once the weights are final (inference)."""
+        kernel, `short_k_max_m` rows and fewer also q_b and W_UV. Both weights stay parameters under their
+        own names (views of the stack: no extra memory); W_UK^T is a copy (1 MB a layer at TP8), so call this
+        once the weights are final (inference)."""
         if self.qkv_a is None:
             w = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
             q = self.q_a_proj.weight.shape[0]
@@ -75,7 +66,7 @@ class MLA(nn.Module):
             nope, r = self.cfg.qk_nope_head_dim, self.cfg.kv_lora_rank
             w_uk = self.kv_b_proj.weight.view(self.heads, nope + self.cfg.v_head_dim, r)[:, :nope]
             self.w_uk_t = w_uk.transpose(1, 2).contiguous()
-        self.kernel_max_m, self.short_k_max_m, self.o_proj_max_m = kernel_max_m, short_k_max_m, o_proj_max_m
+        self.kernel_max_m, self.short_k_max_m = kernel_max_m, short_k_max_m
 
     def _project_a(self, x_BND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q_a and kv_a projections (raw, before their norms): one stacked matmul after `fuse_`."""
@@ -154,10 +145,7 @@ class MLA(nn.Module):
                 o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
         else:
             o_BNHV = self._naive(q_nope, q_pe, batch, cache_RLC)
-        o_BND = o_BNHV.reshape(B, N, H * cfg.v_head_dim)
-        if B * N <= self.o_proj_max_m:
-            return reduce(torch.ops.k26.linear(o_BND, self.o_proj.weight))
-        return reduce(self.o_proj(o_BND))
+        return reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
 
     def _naive(self, q_nope, q_pe, batch: AttnBatch, cache_RLC):
         """Expand every visible latent row of the cache into per-head k_nope / v and attend as plain MHA."""
