@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernel_table import experts_touched, record, run_variants
+from kernel_table import category, experts_touched, record, run_variants
 from timing import copy_bandwidth, events_time
 
 from k26.config import K26_TEXT_CONFIG, ModelConfig
@@ -329,18 +329,6 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
 
 
-CATEGORIES = [
-    ("MoE (int4 kernel: route, gate/up, down, combine)", ("gemm_kernel", "route_kernel", "combine_kernel")),
-    ("MLA tree attention (split + merge)", ("split_kernel", "merge_kernel")),
-    ("dense GEMM/GEMV (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitK")),
-    ("latent cache write / gather / scatter", ("index", "scatter", "gather")),
-    (
-        "elementwise, norms, RoPE, reductions",
-        ("elementwise", "reduce", "vectorized", "unrolled", "softmax", "cat", "copy", "fill", "where"),
-    ),
-]
-
-
 def breakdown(model, cfg, dcfg, dev, L, nodes) -> list[str]:
     """Device time per kernel category of one eager verify step (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -367,15 +355,12 @@ def breakdown(model, cfg, dcfg, dev, L, nodes) -> list[str]:
             torch.cuda.synchronize()
         evs = [e for e in prof.key_averages() if e.device_time_total > 0]
         total = sum(e.device_time_total for e in evs)
-        seen = set()
-        for name, keys in CATEGORIES:
-            sel = [e for e in evs if e.key not in seen and any(k.lower() in e.key.lower() for k in keys)]
-            seen |= {e.key for e in sel}
+        by_cat: dict[str, list] = {}
+        for e in evs:  # the per-kernel table's categories (kernel_table.CATEGORIES): one list of names
+            by_cat.setdefault(category(e.key), []).append(e)
+        for name, sel in sorted(by_cat.items(), key=lambda kv: -sum(e.device_time_total for e in kv[1])):
             t = sum(e.device_time_total for e in sel)
             out.append(f"| {N} | {name} | {sum(e.count for e in sel)} | {t:.0f} | {100 * t / total:.0f}% |")
-        rest = [e for e in evs if e.key not in seen]
-        t = sum(e.device_time_total for e in rest)
-        out.append(f"| {N} | other | {sum(e.count for e in rest)} | {t:.0f} | {100 * t / total:.0f}% |")
         out.append(f"| {N} | **total** | {sum(e.count for e in evs)} | {total:.0f} | 100% |")
     return out
 
