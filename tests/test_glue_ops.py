@@ -135,3 +135,28 @@ def test_glue_op_in_the_model_is_bitwise_the_composition():
             layer.self_attn.glue = False
         h1, _ = model(ids, batch, caches[1])
     assert torch.equal(h0, h1) and torch.equal(caches[0], caches[1])
+
+
+def _linear_calls(model, ids, batch, cache) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(ids, batch, cache)
+    return sum(e.count for e in prof.key_averages() if e.key == "k26::linear")
+
+
+def test_prefill_above_64_rows_leaves_the_small_m_kernel():
+    """Decode / verify batches up to 512 rows take the batch-invariant kernel (a verify step must reproduce
+    decode's bits); a prefill, which no forward reproduces, takes it only up to 64 rows."""
+    cfg, model = random_tiny(torch.bfloat16, 2)
+    model.fuse_dense_()
+    cache = torch.zeros(cfg.num_hidden_layers, 2, 128, cfg.latent_dim).bfloat16()
+    for B, N, prefill, kernel in (
+        (2, 20, False, True),
+        (2, 20, True, True),
+        (1, 80, False, True),
+        (1, 80, True, False),
+    ):
+        ids = torch.randint(0, cfg.vocab_size, (B, N))
+        batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long), N, prefill=prefill)
+        assert (_linear_calls(model, ids, batch, cache) > 0) == kernel, (B, N, prefill)

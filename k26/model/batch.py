@@ -23,6 +23,9 @@ class AttnBatch:
     # Reference paths attend over whole cache rows (masked) instead of reading the live length back to the
     # host: slower, but sync-free, so CUDA-graph capturable and replay-identical (graph bodies set it).
     static: bool = False
+    # A prompt's prefill: no other forward must reproduce its bits, so layers may take their fastest path
+    # (MLA: cuBLAS rather than the batch-invariant small-M kernel above 64 rows).
+    prefill: bool = False
 
     @property
     def num_new(self) -> int:
@@ -30,13 +33,18 @@ class AttnBatch:
 
     @classmethod
     def causal(
-        cls, prefix_lens_B: torch.Tensor, n: int, rows_B: torch.Tensor | None = None, static: bool = False
+        cls,
+        prefix_lens_B: torch.Tensor,
+        n: int,
+        rows_B: torch.Tensor | None = None,
+        static: bool = False,
+        prefill: bool = False,
     ) -> AttnBatch:
         dev = prefix_lens_B.device
         b = prefix_lens_B.shape[0]
         rows = torch.arange(b, device=dev) if rows_B is None else rows_B
         pos = prefix_lens_B[:, None] + torch.arange(n, device=dev)
-        return cls(pos, rows, prefix_lens_B, causal_words(b, n, dev), static)
+        return cls(pos, rows, prefix_lens_B, causal_words(b, n, dev), static, prefill)
 
     @classmethod
     def tree(

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import glue_cuda, reference  # noqa: F401  (glue_cuda registers torch.ops.k26.mla_glue)
+from ..ops.linear_cuda import MAX_ROWS
 from .batch import AttnBatch
 from .layers import RMSNorm, TPInfo, linear
 from .rope import Rope
@@ -25,6 +26,9 @@ from .rope import Rope
 # a verify step then reproduces decode's projections bit for bit (cuBLAS picks its algorithm by M).
 KERNEL_MAX_M = 512  # linear_cuda.MAX_ROWS: verify steps of up to 512 tokens (batch x tree)
 SHORT_K_MAX_M = 512
+# A prefill (AttnBatch.prefill) needs no bit-equality with any other forward: above 64 rows it takes cuBLAS,
+# 2-4x faster there than tile mode (every 16-row block re-reads x).
+PREFILL_KERNEL_MAX_M = 64
 
 
 class MLA(nn.Module):
@@ -68,11 +72,11 @@ class MLA(nn.Module):
             self.w_uk_t = w_uk.transpose(1, 2).contiguous()
         self.kernel_max_m, self.short_k_max_m = kernel_max_m, short_k_max_m
 
-    def _project_a(self, x_BND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_a and kv_a projections (raw, before their norms): one stacked matmul after `fuse_`."""
+    def _project_a(self, x_BND: torch.Tensor, small: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_a and kv_a projections (raw, before their norms): one stacked matmul after `fuse_` (`small`:
+        in the small-M kernel)."""
         if self.qkv_a is None:
             return self.q_a_proj(x_BND), self.kv_a_proj_with_mqa(x_BND)
-        small = x_BND.shape[0] * x_BND.shape[1] <= self.kernel_max_m
         a = torch.ops.k26.linear(x_BND, self.qkv_a) if small else F.linear(x_BND, self.qkv_a)
         return a.split([self.cfg.q_lora_rank, a.shape[-1] - self.cfg.q_lora_rank], dim=-1)
 
@@ -86,7 +90,9 @@ class MLA(nn.Module):
         cfg = self.cfg
         B, N, _ = x_BND.shape
         H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q_a, kv_a = self._project_a(x_BND)
+        rows = B * N if not batch.prefill or B * N <= PREFILL_KERNEL_MAX_M else MAX_ROWS + 1  # see the top
+        small, short = rows <= self.kernel_max_m, rows <= self.short_k_max_m
+        q_a, kv_a = self._project_a(x_BND, small)
         latent_BNC = None
         if cache_RLC is not None and self.glue:  # one kernel: both norms, k_pe's RoPE, the cache write
             q_a = torch.ops.k26.mla_glue(
@@ -105,7 +111,6 @@ class MLA(nn.Module):
             q_a = self.q_a_layernorm(q_a)
             c_kv = self.kv_a_layernorm(kv_a[..., :r])
             latent_BNC = torch.cat([c_kv, rope(kv_a[..., r:], batch.positions_BN)], dim=-1)
-        short = B * N <= self.short_k_max_m
         q_b = torch.ops.k26.linear(q_a, self.q_b_proj.weight) if short else self.q_b_proj(q_a)
         q_BNHQ = q_b.view(B, N, H, cfg.qk_head_dim)
         q_nope, q_pe_raw = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
@@ -116,7 +121,6 @@ class MLA(nn.Module):
             return reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
         if latent_BNC is not None:
             torch.ops.k26.mla_write_cache(cache_RLC, latent_BNC, batch.rows_B, batch.prefix_lens_B)
-        small = B * N <= self.kernel_max_m
 
         w_kv = self.kv_b_proj.weight.view(H, nope + cfg.v_head_dim, r)
         if absorb:

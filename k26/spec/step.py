@@ -263,7 +263,7 @@ def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[t
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     aux_layers = m.drafter.cfg.target_layer_ids if aux else ()
     with nvtx_range("prefill"):
-        batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows)
+        batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows, prefill=True)
         h, feats = m.target(ids.to(dev), batch, m.cache_LRTC, aux_layers=aux_layers, absorb=m.absorb)
         if aux_layers:
             pos = torch.arange(T, device=dev).expand(B, T)
