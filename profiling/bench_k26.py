@@ -23,14 +23,13 @@ import argparse
 import datetime
 import math
 import os
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernel_table import category, experts_touched, record, run_variants
-from timing import copy_bandwidth, events_time
+from timing import copy_bandwidth, events_time, source_commit
 
 from k26.config import K26_TEXT_CONFIG, ModelConfig
 from k26.drafter_config import DrafterConfig
@@ -199,12 +198,7 @@ def main() -> None:
     randomize(drafter, False)
     drafter.rope.reset_buffers()
     copy_bw = copy_bandwidth()
-    commit = (
-        os.environ.get("K26_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()  # outside a git checkout: an empty commit
-    )
+    commit = source_commit()
     nonrouted, routed_all = param_bytes(model, False), param_bytes(model, True)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     per_expert = routed_all / max(moe_layers, 1) / cfg.n_routed_experts

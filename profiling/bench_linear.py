@@ -22,7 +22,6 @@ import ctypes
 import datetime
 import math
 import os
-import subprocess
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import build_cu, events_time
+from timing import build_cu, events_time, source_commit
 
 from k26.ops import pdl
 from k26.ops.linear_cuda import launch, plan_splits
@@ -223,9 +222,7 @@ def main() -> None:
         "GB/s | % copy | splits | best splits (µs) |\n|" + "---|" * 13
     )
     dev = torch.cuda.get_device_properties(0)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
-    ).stdout.strip()
+    commit = source_commit()
     out = open(a.out, "w") if a.out else None  # noqa: SIM115  (rows are appended as they come: a crash keeps them)
 
     def emit(text: str) -> None:

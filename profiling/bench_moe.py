@@ -30,7 +30,6 @@ import argparse
 import datetime
 import math
 import os
-import subprocess
 import sys
 
 import torch
@@ -41,7 +40,7 @@ from k26.ops.moe_cuda import pick_nt
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe_block import SHAPES, block_main, expert_bytes
-from timing import copy_bandwidth, events_time, gemm_rate, graph_time
+from timing import copy_bandwidth, events_time, gemm_rate, graph_time, source_commit
 
 
 def routing(kind: str, M: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -194,12 +193,7 @@ def main() -> None:
     a = ap.parse_args()
     ms = [int(v) for v in a.ms.split(",")]
     copy_bw, flops = copy_bandwidth(), gemm_rate()
-    commit = (
-        os.environ.get("K26_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    )
+    commit = source_commit()
     head = [
         f"# bench_moe — {datetime.date.today()}",
         "",

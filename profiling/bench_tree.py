@@ -13,14 +13,13 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import graph_time
+from timing import graph_time, source_commit
 
 from k26.spec.tree import build_ddtree_from_topk, build_ddtree_heap
 
@@ -29,12 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    commit = (
-        os.environ.get("K26_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()  # outside a git checkout: an empty commit
-    )
+    commit = source_commit()
     lines = [
         f"# bench_tree — {datetime.date.today()}",
         "",

@@ -18,13 +18,12 @@ import argparse
 import datetime
 import math
 import os
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_bandwidth, gemm_rate, graph_time_cold, mma_sync_peak
+from timing import copy_bandwidth, gemm_rate, graph_time_cold, mma_sync_peak, source_commit
 
 from k26.ops import attention_cuda, tree_mask_to_words
 from k26.spec.tree import ancestors_from_parents
@@ -81,12 +80,7 @@ def main() -> None:
     ap.add_argument("--rotary", action="store_true", help="q̃ and q_pe apart, RoPE in the kernel")
     a = ap.parse_args()
     copy_bw, mma_peak, gemm = copy_bandwidth(), mma_sync_peak(), gemm_rate()
-    commit = (
-        os.environ.get("K26_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
-        ).stdout.strip()
-    )
+    commit = source_commit()
     props = torch.cuda.get_device_properties(0)
     lines = [
         f"# bench_tree_attn — {datetime.date.today()}",

@@ -21,6 +21,18 @@ import torch
 FLUSH_BYTES = 256 << 20
 
 
+def source_commit() -> str:
+    """The commit a benchmark runs: K26_COMMIT (profiling/ab.sh sets it), else the COMMIT file of a snapshot
+    (profiling/snapshot.sh: a tree without .git), else the checkout's HEAD, else ''."""
+    root = Path(__file__).resolve().parents[1]
+    if os.environ.get("K26_COMMIT"):
+        return os.environ["K26_COMMIT"]
+    if (root / "COMMIT").is_file():
+        return (root / "COMMIT").read_text().strip()
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, check=False, capture_output=True, text=True, cwd=root).stdout.strip()
+
+
 def copy_bandwidth() -> float:
     """Read + write bytes per second of an eager 2 GiB device copy, after the clocks are up."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
