@@ -163,7 +163,6 @@ def bench_shape(name, G, N, K, ms, lib, copy_bw, sweep):
 
 
 def bench_m(name, G, N, K, M, ws, floor, R, copy_bw, sweep) -> str:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     nbytes = G * N * K * 2
     x = torch.randn(M, G * K, device="cuda").to(torch.bfloat16)
     y = torch.empty(M, G * N, dtype=torch.bfloat16, device="cuda")
@@ -187,12 +186,12 @@ def bench_m(name, G, N, K, M, ws, floor, R, copy_bw, sweep) -> str:
         t_cublas = chain_us(lambda i: torch.einsum("mgk,gnk->mgn", x3, ws[i]), R)
     else:
         t_cublas = chain_us(lambda i: F.linear(x, ws[i]), R)
-    S, _ = plan_splits(M, N, K, G, sms)
+    S, _ = plan_splits(M, N, K, G)
     best = ""
     if sweep:
         tried = {s: chain_us(lambda i, s=s: k26(i, splits=s), R) for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)}
         s_best = min(tried, key=tried.get)
-        best = f"{plan_splits(M, N, K, G, sms, s_best)[0]} ({tried[s_best]:.1f})"
+        best = f"{plan_splits(M, N, K, G, s_best)[0]} ({tried[s_best]:.1f})"
     gbs = nbytes / (t * 1e-6) / 1e9
     row = (
         f"| {name} | {G} x [{N}, {K}] | {nbytes / 1e6:.2f} | {M} | {floor:.2f} | {t:.2f} | "

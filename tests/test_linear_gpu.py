@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import k26.ops  # noqa: F401  (registers the ops)
-from k26.ops.linear_cuda import launch, linear_grouped_reference, linear_reference
+from k26.ops.linear_cuda import MAX_ROWS, launch, linear_grouped_reference, linear_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -140,7 +140,7 @@ def test_leading_dims_and_non_contiguous_x():
 
 def test_unsupported_runs_the_reference():
     gen = torch.Generator(device="cuda").manual_seed(4)
-    x, w = rand(513, 64, gen=gen), rand(32, 64, gen=gen)  # M > 512 (linear_cuda.MAX_ROWS)
+    x, w = rand(MAX_ROWS + 1, 64, gen=gen), rand(32, 64, gen=gen)
     assert torch.equal(torch.ops.k26.linear(x, w), linear_reference(x, w))
     xf, wf = x.float(), w.float()
     assert torch.equal(torch.ops.k26.linear(xf, wf), linear_reference(xf, wf))

@@ -87,10 +87,10 @@ def test_grouped_bad_shapes_are_named():
     "N,K,G", [(2112, 7168, 1), (1536, 1536, 1), (128, 512, 8), (163840, 7168, 1), (40, 72, 1)]
 )
 def test_split_plan_covers_k_and_fits_shared_memory(M, N, K, G):
-    S, per = plan_splits(M, N, K, G, sms=132)
+    S, per = plan_splits(M, N, K, G)
     units = math.ceil(K / UNIT)
     assert (S, per) == (0, units)  # tile mode: one block per 16 rows over all of K, nothing staged
-    S, per = plan_splits(M, N, K, G, sms=132, splits=1)  # split-K, when asked
+    S, per = plan_splits(M, N, K, G, splits=1)  # split-K, when asked
     assert (S - 1) * per < units <= S * per  # every unit in exactly one split, no empty split
     assert (
         2 * padded_m(M) * (per * UNIT + 32) + 1024 <= 48 * 1024

@@ -78,7 +78,8 @@ class TPInfo:
 class Linear(nn.Linear):
     """A bias-free projection. With `use_kernel` (see `use_linear_kernel`) it runs `torch.ops.k26.linear`,
     the small-M streaming kernel; that op runs F.linear itself for shapes the kernel does not serve
-    (prefill, M > 64, non-bf16), so the flag never changes results beyond rounding."""
+    (M > linear_cuda.MAX_ROWS, non-bf16), so the flag never changes results beyond rounding. (Every row count
+    up to MAX_ROWS takes the kernel, prefills too: MLA routes its own projections, `AttnBatch.prefill`.)"""
 
     use_kernel: bool = False
 

@@ -22,10 +22,10 @@ from .rope import Rope
 # (profiling/results/2026-12-01-bench_k26-glue-h200.md): the stacked q_a / kv_a and W_UK won or tied at
 # 1 and 16 rows; q_b and W_UV (short K) won at 1 row and lost at 16 under split-K, and win at 16 in tile
 # mode (q_b 4.3 vs cuBLAS 4.9 µs, W_UV 2.7 vs 3.2: 2026-12-01-bench_linear-h200-tile.md). Tile mode is
-# batch-invariant (in launches of 64 rows too), so every MLA projection but o_proj runs it up to 512 rows:
-# a verify step then reproduces decode's projections bit for bit (cuBLAS picks its algorithm by M).
-KERNEL_MAX_M = 512  # linear_cuda.MAX_ROWS: verify steps of up to 512 tokens (batch x tree)
-SHORT_K_MAX_M = 512
+# batch-invariant (in launches of 64 rows too), so every MLA projection but o_proj runs it for every decode /
+# verify batch: a verify step then reproduces decode's MLA projections bit for bit (cuBLAS picks its algorithm
+# by M). The layer as a whole is not batch-invariant yet: o_proj, the dense MLP and the head are cuBLAS.
+KERNEL_MAX_M = SHORT_K_MAX_M = MAX_ROWS  # every decode / verify batch (linear_cuda.MAX_ROWS)
 # A prefill (AttnBatch.prefill) needs no bit-equality with any other forward: above 64 rows it takes cuBLAS,
 # 2-4x faster there than tile mode (every 16-row block re-reads x).
 PREFILL_KERNEL_MAX_M = 64

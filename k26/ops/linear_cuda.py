@@ -5,8 +5,8 @@ and the kernel-owned split-K counters.
     linear(x [..., K], weight [N, K], residual [..., N] | None) -> [..., N]   F.linear(x, weight) (+ residual)
     linear_grouped(x [..., G, K], weight [G, N, K]) -> [..., G, N]            one matrix per group (W_UV)
 
-The kernel serves bf16 with at most 512 rows of x (in launches of 64), K a multiple of 8 and 16-byte aligned
-rows; anything else (float32 test models, prefill, odd strides) runs the reference on the same device, said
+The kernel serves bf16 with at most 16,384 rows of x (in launches of 64), K a multiple of 8 and 16-byte
+aligned rows; anything else (float32 test models, odd strides) runs the reference on the same device, said
 once in the log.
 """
 
@@ -24,10 +24,10 @@ from . import pdl
 from .log import say_once
 
 MAX_M = 64  # rows per launch (the kernel's token tiles)
-MAX_ROWS = 512  # rows served in launches of MAX_M: tile mode is batch-invariant, so chunks change no bit
+# Rows served in launches of MAX_M (tile mode is batch-invariant, so chunks change no bit): every decode /
+# verify batch the engine forms, 64 sequences x 256 tree tokens (spec.step.MAX_BUDGET + 1).
+MAX_ROWS = 16384
 UNIT = 32  # k per unit of the kernel's loop
-MIN_UNITS_PER_SPLIT = 8  # two register batches: below this a split costs more than it streams
-BLOCKS_PER_SM = 4  # 16 warps per SM keep enough 16-byte loads in flight to saturate HBM
 COUNTERS = 1 << 16  # split-K arrival counters per device; more (group, row block) pairs run unsplit
 # Staged x per block: 48 KB needs no opt-in, but the kernel's own static shared memory counts against it
 # (at exactly 48 KB of x the launch fails: M = 16 with K = 43008, M = 64 with K = 7168).
@@ -145,22 +145,17 @@ def padded_m(M: int) -> int:
     return 8 * (1 << max(0, math.ceil(math.log2(max(1, (M + 7) // 8)))))
 
 
-def plan_splits(M: int, N: int, K: int, G: int, sms: int, splits: int | None = None) -> tuple[int, int]:
+def plan_splits(M: int, N: int, K: int, G: int, splits: int | None = None) -> tuple[int, int]:
     """(S, units per split). By default S = 0, tile mode: a block per 16 rows of W, its 8 warps splitting K
     in shared memory (no workspace, no second pass) and batch-invariant (the same bits for a row at every M:
-    a verify step reproduces decode). `splits` >= 1 asks for split-K instead: the fewest k-splits whose
-    staged x fits X_SMEM_BUDGET, raised until the grid has about BLOCKS_PER_SM blocks per SM (while each
-    split keeps two register batches)."""
+    a verify step reproduces decode). `splits` >= 1 asks for split-K instead (benchmarks, tests): that many
+    k-splits, at least as many as staged x needs to fit X_SMEM_BUDGET, at most one per unit."""
     units = math.ceil(K / UNIT)
     if not splits:
         return 0, units
     row_blocks = math.ceil(N / 64) * G
     max_units = (X_SMEM_BUDGET // (2 * padded_m(M)) - UNIT) // UNIT  # the 64-byte row pad included
-    s_min = math.ceil(units / max_units)
-    if splits is None:
-        s_fill = math.ceil(BLOCKS_PER_SM * sms / row_blocks)
-        splits = max(s_min, min(s_fill, units // MIN_UNITS_PER_SPLIT))
-    splits = max(s_min, min(splits, units))
+    splits = max(math.ceil(units / max_units), min(splits, units))
     if row_blocks > COUNTERS and splits > 1:
         raise ValueError(f"k26.linear: {row_blocks} row blocks exceed the {COUNTERS} split-K counters")
     per = math.ceil(units / splits)
@@ -199,17 +194,17 @@ def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = Non
         return
     M, K = x2.shape[0], w.shape[-1]
     N = w.shape[-2]
-    sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
-    S, per = plan_splits(M, N, K, groups, sms, splits)
-    partial = torch.empty(groups * S * M * N if S > 1 else 1, dtype=torch.float32, device=x2.device)
-    counters = split_counters(x2.device)
+    S, per = plan_splits(M, N, K, groups, splits)
+    split = S > 1  # only split-K's last-block sums use a workspace and the counters
+    partial = torch.empty(groups * S * M * N, dtype=torch.float32, device=x2.device) if split else None
+    counters = split_counters(x2.device) if split else None
     err = _lib().k26_linear_smallm(
         x2.data_ptr(),
         w.data_ptr(),
         residual.data_ptr() if residual is not None else None,
         y.data_ptr(),
-        partial.data_ptr(),
-        counters.data_ptr(),
+        partial.data_ptr() if split else None,
+        counters.data_ptr() if split else None,
         M,
         N,
         K,
