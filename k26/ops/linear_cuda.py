@@ -28,7 +28,7 @@ MAX_M = 64  # rows per launch (the kernel's token tiles)
 # verify batch the engine forms, 64 sequences x 256 tree tokens (spec.step.MAX_BUDGET + 1).
 MAX_ROWS = 16384
 UNIT = 32  # k per unit of the kernel's loop
-COUNTERS = 1 << 16  # split-K arrival counters per device; more (group, row block) pairs run unsplit
+COUNTERS = 1 << 16  # split-K arrival counters per device: more (group, row block) pairs are refused
 # Staged x per block: 48 KB needs no opt-in, but the kernel's own static shared memory counts against it
 # (at exactly 48 KB of x the launch fails: M = 16 with K = 43008, M = 64 with K = 7168).
 X_SMEM_BUDGET = 47 * 1024
