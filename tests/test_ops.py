@@ -62,14 +62,6 @@ def attention_inputs(B=2, N=5, H=3, C=40, v=32, L=16):
     return q, cache, torch.tensor([2, 0]), torch.tensor([6, 3]), causal_words(B, N, "cpu"), 0.3, v
 
 
-def test_attention_opcheck():
-    torch.library.opcheck(
-        torch.ops.k26.mla_tree_attention.default,
-        attention_inputs(),
-        test_utils=("test_schema", "test_faketensor"),
-    )
-
-
 def rotary_inputs():
     """attention_inputs() with the query split: its first C - 4 dims and a 4-dim rotary part before RoPE."""
     q, cache, rows, prefix, words, scale, v = attention_inputs()
@@ -79,11 +71,10 @@ def rotary_inputs():
     return (q[..., :-4], cache, rows, prefix, words, scale, v, False, q[..., -4:], positions, inv_freq)
 
 
-def test_attention_opcheck_with_a_rotary_query():
+@pytest.mark.parametrize("inputs", [attention_inputs, rotary_inputs], ids=["whole_query", "rotary_query"])
+def test_attention_opcheck(inputs):
     torch.library.opcheck(
-        torch.ops.k26.mla_tree_attention.default,
-        rotary_inputs(),
-        test_utils=("test_schema", "test_faketensor"),
+        torch.ops.k26.mla_tree_attention.default, inputs(), test_utils=("test_schema", "test_faketensor")
     )
 
 

@@ -90,8 +90,9 @@ class MLA(nn.Module):
         cfg = self.cfg
         B, N, _ = x_BND.shape
         H, nope, r = self.heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        rows = B * N if not batch.prefill or B * N <= PREFILL_KERNEL_MAX_M else MAX_ROWS + 1  # see the top
-        small, short = rows <= self.kernel_max_m, rows <= self.short_k_max_m
+        rows = B * N
+        kernel = not batch.prefill or rows <= PREFILL_KERNEL_MAX_M  # see the top
+        small, short = kernel and rows <= self.kernel_max_m, kernel and rows <= self.short_k_max_m
         q_a, kv_a = self._project_a(x_BND, small)
         latent_BNC = None
         if cache_RLC is not None and self.glue:  # one kernel: both norms, k_pe's RoPE, the cache write
