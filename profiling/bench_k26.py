@@ -7,7 +7,8 @@ the same rank's shapes, against the byte roofline measured in the same run.
     (--no-pdl: every k26 kernel launched without programmatic dependent launch, for the on / off comparison)
 
 `--variants`: the decode / verify rows of each variant of the dense path in turn (base: the module glue and
-cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK and W_UV in the small-M kernel;
+cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK and W_UV in the small-M kernel and
+the residual adds + norms as torch.ops.k26.add_rmsnorm;
 fused-all: + every projection and the head in the small-M kernel), each with a per-kernel table of the
 graph-replayed step at `--table-nodes` (profiling/kernel_table.py).
 

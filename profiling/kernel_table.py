@@ -28,6 +28,7 @@ ATTN = "tree_attn"
 CATEGORIES = (  # first match wins; lower-case substrings of the kernel name (Triton's name the ops they fuse)
     ("fused elementwise (Triton)", ("triton",)),
     ("MLA glue (norms + RoPE + cache write)", ("mla_glue",)),
+    ("residual add + RMSNorm (k26)", ("add_rmsnorm",)),
     ("dense projection (k26 small-M linear)", ("linear_smallm", "linear_tile")),
     ("MLA tree attention", (ATTN, "merge")),
     ("MoE router", ("router",)),
@@ -147,6 +148,8 @@ def apply_variant(model, name: str) -> None:
         if name in ("fused", "fused-all"):
             m.fuse_(kernel_max_m=64)
     use_linear_kernel(model, name == "fused-all")
+    for norm in model.residual_norms():  # the residual add + norm as one op (csrc/add_rmsnorm.cu)
+        norm.use_kernel = name in ("fused", "fused-all")
 
 
 def experts_touched(verify, counter) -> float:

@@ -7,6 +7,18 @@ from k26.hf_state import deepseek_v3_state
 from k26.ops import pack_int4
 
 
+def poison_allocator(nbytes: int = 1 << 28) -> None:
+    """Leave NaN in the CUDA caching allocator's free blocks: any output element a kernel forgets shows up."""
+    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance of a from b in bf16 units in the last place (b's ulp: 2^(exponent - 7))."""
+    ulp = torch.ldexp(torch.ones_like(b.float()), torch.frexp(b.float()).exponent - 8)
+    return (a.float() - b.float()).abs() / ulp.clamp_min(2.0**-133)
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 600) -> list[list[int]]:
     """n prompts of random ids with lengths in [lo, hi), drawn from one seeded generator."""
     g = torch.Generator().manual_seed(seed)

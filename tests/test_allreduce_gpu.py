@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import bf16_ulps
 
 D, EPS = 7168, 1e-6
 
@@ -49,18 +50,12 @@ def _reference(parts, residual, weight):
     return add_rmsnorm_reference(acc.bfloat16(), residual, weight, EPS)
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in bf16 units in the last place (b's ulp: 2^(exponent - 7))."""
-    ulp = torch.ldexp(torch.ones_like(b.float()), torch.frexp(b.float()).exponent - 8)
-    return (a.float() - b.float()).abs() / ulp.clamp_min(2.0**-133)
-
-
 def _check(out, res, parts, residual, weight, what: str) -> None:
     """h bitwise; the normed output within bf16 rounding: rstd (rsqrtf, the row sum's order) may move
     bf16(h * rstd) by one ulp, and the product with the weight rounds again: at most 2 ulps."""
     ref_out, ref_res = _reference(parts, residual, weight)
     assert torch.equal(res, ref_res), f"{what}: new residual differs from the reference"
-    worst = _ulps(out, ref_out).max().item()
+    worst = bf16_ulps(out, ref_out).max().item()
     assert worst <= 2, f"{what}: normed output {worst:.1f} bf16 ulps from the reference"
 
 

@@ -137,12 +137,33 @@ def test_glue_op_in_the_model_is_bitwise_the_composition():
     assert torch.equal(h0, h1) and torch.equal(caches[0], caches[1])
 
 
-def _linear_calls(model, ids, batch, cache) -> int:
+def _op_calls(model, ids, batch, cache, op: str = "k26::linear") -> int:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         model(ids, batch, cache)
-    return sum(e.count for e in prof.key_averages() if e.key == "k26::linear")
+    return sum(e.count for e in prof.key_averages() if e.key == op)
+
+
+def test_residual_norms_run_as_one_add_rmsnorm_op_bitwise():
+    """`fuse_dense_` turns on `RMSNorm.use_kernel` for the norms after a residual add: each layer's two
+    (residual add, norm) pairs become one `k26::add_rmsnorm` call, the reference's arithmetic (bitwise the
+    composition on the CPU, where the op is the reference); the MLA's own norms are not among them."""
+    cfg, model = random_tiny(torch.bfloat16, 3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5))
+    batch = AttnBatch.causal(torch.tensor([3, 7]), 5)
+    cache = torch.randn(cfg.num_hidden_layers, 2, 16, cfg.latent_dim).bfloat16()
+    with torch.no_grad():
+        h0, _ = model(ids, batch, cache.clone())
+        assert _op_calls(model, ids, batch, cache.clone(), "k26::add_rmsnorm") == 0
+        model.fuse_dense_()
+        assert all(n.use_kernel for n in model.residual_norms())
+        assert not model.layers[0].self_attn.q_a_layernorm.use_kernel
+        for layer in model.layers:  # the projections as before: only the norms differ
+            layer.self_attn.kernel_max_m = layer.self_attn.short_k_max_m = 0
+        h1, _ = model(ids, batch, cache.clone())
+    assert torch.equal(h0, h1)
+    assert _op_calls(model, ids, batch, cache.clone(), "k26::add_rmsnorm") == 2 * cfg.num_hidden_layers
 
 
 def test_prefill_above_64_rows_leaves_the_small_m_kernel():
@@ -159,4 +180,4 @@ def test_prefill_above_64_rows_leaves_the_small_m_kernel():
     ):
         ids = torch.randint(0, cfg.vocab_size, (B, N))
         batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long), N, prefill=prefill)
-        assert (_linear_calls(model, ids, batch, cache) > 0) == kernel, (B, N, prefill)
+        assert (_op_calls(model, ids, batch, cache) > 0) == kernel, (B, N, prefill)

@@ -2,17 +2,12 @@
 
 import pytest
 import torch
+from oracles import poison_allocator
 
 from k26.ops.moe_cuda import _reference
 from k26.ops.moe_layout import repack_scales, w13_row_order
 
 pytestmark = pytest.mark.gpu
-
-
-def poison_allocator(nbytes=1 << 28):
-    """Leave NaN in the caching allocator's free blocks: any output element the kernel forgets shows up."""
-    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    torch.cuda.synchronize()
 
 
 def random_repacked(E, D, inter, gen):

@@ -3,6 +3,7 @@ and the CUDA kernel against the reference on fresh random rows (GPU)."""
 
 import pytest
 import torch
+from oracles import poison_allocator
 
 import k26.ops  # noqa: F401  (registers the ops)
 from k26.ops import reference
@@ -69,11 +70,6 @@ def test_bad_inputs_are_named(change, match):
     kw.update(change)
     with pytest.raises(ValueError, match=match):
         check_inputs(**kw)
-
-
-def poison_allocator(nbytes=1 << 28):
-    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    torch.cuda.synchronize()
 
 
 def count_differences(got_w, got_ids, x, w, bias, n_group, topk_group, topk, scale=2.827):

@@ -40,6 +40,12 @@ def test_moe_opcheck():
     )
 
 
+def test_add_rmsnorm_opcheck():
+    g = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(3, 64, generator=g).bfloat16() for _ in range(2))
+    torch.library.opcheck(torch.ops.k26.add_rmsnorm.default, (x, residual, torch.rand(64).bfloat16(), 1e-6))
+
+
 def test_moe_reference_is_per_token_sum():
     args = moe_inputs(T=3)
     x, ids, w = args[0], args[7], args[8]

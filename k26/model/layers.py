@@ -45,9 +45,12 @@ class TPInfo:
         self, partial: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h), h) with h = residual + all-reduce(partial): one fused collective when the group has
-        it, else the three steps (gloo / CPU / TP 1: the reference)."""
+        it, else the all-reduce and then the add and the norm, as one op when `norm.use_kernel` (see
+        `RMSNorm`), else as three steps (the reference)."""
         if self.size > 1 and self.allreduce_add_rmsnorm is not None:
             return self.allreduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
+        if norm.use_kernel:  # the add and the norm as one op (csrc/add_rmsnorm.cu on CUDA)
+            return torch.ops.k26.add_rmsnorm(self.reduce(partial), residual, norm.weight, norm.eps)
         h = residual + self.reduce(partial)
         return norm(h), h
 
@@ -92,7 +95,12 @@ def linear(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
 
 
 class RMSNorm(nn.Module):
-    """HF precision: normalise in fp32, round to the activation dtype, then multiply by the weight."""
+    """HF precision: normalise in fp32, round to the activation dtype, then multiply by the weight.
+    `use_kernel`: where it follows a residual add (`TPInfo.reduce_add_norm`), the add and the norm run as
+    `torch.ops.k26.add_rmsnorm` (one kernel on CUDA, chained to its neighbours by programmatic dependent
+    launch; same rounding points). `KimiK2.fuse_dense_` turns it on for inference."""
+
+    use_kernel: bool = False
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()

@@ -85,9 +85,18 @@ class KimiK2(nn.Module):
 
     def fuse_dense_(self) -> None:
         """After loading, for inference: each MLA's q_a / kv_a stacked into one matrix and its projections
-        in the small-M linear kernel at the row counts where that measured faster (`MLA.fuse_`)."""
+        in the small-M linear kernel at the row counts where that measured faster (`MLA.fuse_`); each
+        residual add with the norm after it as one op (`RMSNorm.use_kernel`)."""
         for layer in self.layers:
             layer.self_attn.fuse_()
+        for norm in self.residual_norms():
+            norm.use_kernel = True
+
+    def residual_norms(self) -> list[RMSNorm]:
+        """The norms that follow a residual add (`TPInfo.reduce_add_norm`): each layer's post-attention
+        norm, the next layer's input norm, the final norm."""
+        pairs = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in self.layers]
+        return [m for pair in pairs for m in pair] + [self.norm]
 
     def forward_train(self, ids_BT: torch.Tensor, aux_layers: tuple[int, ...] = ()):
         """Differentiable causal forward over whole sequences: `forward` with no cache (each layer's attention

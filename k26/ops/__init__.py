@@ -96,7 +96,7 @@ def _(
 
 
 from . import (
-    allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm with its CUDA kernel)
+    allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm and add_rmsnorm with their CUDA kernels)
     attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
     glue_cuda,  # noqa: F401  (registers mla_glue with its CUDA kernel)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
@@ -114,4 +114,5 @@ OPS = (
     "ddtree_build",
     "mla_glue",
     "allreduce_add_rmsnorm",
+    "add_rmsnorm",
 )

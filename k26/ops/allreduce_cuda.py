@@ -5,6 +5,12 @@ use, is `FusedAllReduce` (k26/ops/allreduce_group.py).
 
     allreduce_add_rmsnorm(x [..., D], residual [..., D], weight [D], eps, group, ...) -> (normed, new resid.)
         new residual = residual + all_reduce(x);  normed = RMSNorm(new residual) * weight
+
+and what follows an all-reduce on one GPU (no peers: TP 1, after NCCL), `torch.ops.k26.add_rmsnorm`:
+
+    add_rmsnorm(x [..., D], residual [..., D], weight [D], eps) -> (RMSNorm(residual + x), residual + x)
+
+one kernel (csrc/add_rmsnorm.cu) with the same row arithmetic as the fused all-reduce (csrc/rmsnorm_row.cuh).
 """
 
 from __future__ import annotations
@@ -30,6 +36,19 @@ def add_rmsnorm_reference(
     """What follows the all-reduce: (RMSNorm(residual + reduced), residual + reduced)."""
     h = residual + reduced
     return rms_norm(h, weight, eps), h
+
+
+@torch.library.custom_op("k26::add_rmsnorm", mutates_args=())
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x) * weight, residual + x), the reference's rounding points."""
+    return add_rmsnorm_reference(x, residual, weight, eps)
+
+
+@add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(residual), torch.empty_like(residual)
 
 
 @torch.library.custom_op("k26::allreduce_add_rmsnorm", mutates_args=())
@@ -89,6 +108,8 @@ def library() -> ctypes.CDLL:
     lib.k26_ar_error_string.restype = ctypes.c_char_p
     lib.k26_ar_error_string.argtypes = [I]
     lib.k26_ar_launch.argtypes = [P] * 5 + [ctypes.POINTER(P), P, P, LL, LL, ctypes.c_float] + [I] * 6 + [P]
+    lib.k26_add_rmsnorm.argtypes = [P] * 5 + [I, I, ctypes.c_float, I, P]
+    lib.k26_add_rmsnorm_max_dim.restype = I
     return lib
 
 
@@ -135,4 +156,40 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
     )
     if e:
         raise RuntimeError(f"k26.allreduce_add_rmsnorm: launch failed: {cuda_error(e)}")
+    return out, res_out
+
+
+def add_rmsnorm_served(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether csrc/add_rmsnorm.cu takes this call (the reference does otherwise): bf16 on one CUDA device,
+    matching shapes, a D of whole 16-byte vectors within the kernel's registers."""
+    D = x.shape[-1]
+    return (
+        x.dtype == residual.dtype == weight.dtype == torch.bfloat16
+        and x.shape == residual.shape
+        and weight.shape == (D,)
+        and x.device == residual.device == weight.device
+        and x.numel() > 0
+        and D % BLOCK_DIM_ALIGN == 0
+        and D <= library().k26_add_rmsnorm_max_dim()
+    )
+
+
+@torch.library.register_kernel("k26::add_rmsnorm", "cuda")
+def _(x, residual, weight, eps):
+    if not add_rmsnorm_served(x, residual, weight):
+        return add_rmsnorm_reference(x, residual, weight, eps)
+    x, residual, weight = (t.contiguous() for t in (x, residual, weight))
+    x, residual, weight = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x, residual, weight))
+    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    D = x.shape[-1]
+    e = library().k26_add_rmsnorm(
+        *(t.data_ptr() for t in (x, residual, weight, out, res_out)),
+        x.numel() // D,
+        D,
+        eps,
+        int(pdl.ENABLED),
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    if e:
+        raise RuntimeError(f"k26.add_rmsnorm: launch failed: {cuda_error(e)}")
     return out, res_out

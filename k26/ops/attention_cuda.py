@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from . import reference
+from . import pdl, reference
 from .log import say_once
 
 DQK, DV = 576, 512
@@ -73,7 +73,7 @@ def _bind(lib) -> None:
     # q_pe, pe_ld, positions, inv_freq
     rotary = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p]
     lib.k26_mla_tree_attn.argtypes = (
-        [ctypes.c_void_p] * 8 + ints + [ctypes.c_float] + rotary + [ctypes.c_void_p]
+        [ctypes.c_void_p] * 8 + ints + [ctypes.c_float] + rotary + [ctypes.c_int, ctypes.c_void_p]
     )
     lib._k26_attn_bound = True
 
@@ -227,6 +227,7 @@ def _(
         pe_ld,
         pos_ptr,
         freq_ptr,
+        int(pdl.ENABLED),
         torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:

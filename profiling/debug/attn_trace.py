@@ -57,6 +57,11 @@ for _ in range(4):
         CL,
         mk,
         ctypes.c_float(0.1),
+        None,  # q_pe, pe_ld, positions, inv_freq: the plain query
+        0,
+        None,
+        None,
+        0,  # no programmatic dependent launch
         torch.cuda.current_stream().cuda_stream,
     )
     assert err == 0, err

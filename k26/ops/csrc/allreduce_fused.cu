@@ -52,15 +52,16 @@
 
 #include "globaltimer.cuh"
 #include "pdl.cuh"
+#include "rmsnorm_row.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
+using namespace k26_norm;  // kThreads, kMaxVec, the row arithmetic
+
 constexpr int kMaxRanks = 8;
 constexpr int kMaxBlocks = 96;   // one block per row up to here (fewer than the SMs of an H200 or RTX PRO 6000)
-constexpr int kThreads = 512;
-constexpr int kMaxVec = 4;       // 16-byte vectors per thread per row: D <= 8 * kMaxVec * kThreads = 16384
 constexpr size_t kFlagsA = 0, kFlagsB = kMaxBlocks * kMaxRanks * 8, kDataA = 2 * kFlagsB;
 
 struct Ctl {
@@ -70,15 +71,12 @@ struct Ctl {
 struct Params {
   const __nv_bfloat16* x;         // [rows, D] this rank's partial sum
   const __nv_bfloat16* residual;  // [rows, D]
-  const __nv_bfloat16* weight;    // [D]
-  __nv_bfloat16* out;             // [rows, D] normed
-  __nv_bfloat16* res_out;         // [rows, D] h
+  Row norm;                       // weight [D], out (normed) and res_out (h) [rows, D], D, eps
   char* ws[kMaxRanks];            // every rank's workspace as mapped in this process (ws[rank]: our own)
   Ctl* ctl;                       // this rank's, zeroed once
   unsigned int* host_err;         // host-mapped [2]: code, info
   long long timeout_ns, cap;      // cap: elements per data region
-  float eps;
-  int rows, D, rank, world, two_shot;
+  int rows, rank, world, two_shot;
 };
 
 __device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
@@ -146,79 +144,17 @@ __device__ __forceinline__ uint4 ld_cg(const __nv_bfloat16* p) {
   return __ldcg(reinterpret_cast<const uint4*>(p));
 }
 
-__device__ __forceinline__ void add8(float (&a)[8], uint4 v) {
-  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(b[j]);
-    a[2 * j] += f.x;
-    a[2 * j + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&a)[8]) {
-  uint4 v;
-  __nv_bfloat162* b = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) b[j] = __floats2bfloat162_rn(a[2 * j], a[2 * j + 1]);
-  return v;
-}
-
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float part[kThreads / 32];
-#pragma unroll
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();  // `part` may still be read by the previous row's sum
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
-  __syncthreads();
-  float s = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) s += part[w];  // the same order in every thread and on every rank
-  return s;
-}
-
-// h (bf16 values held as floats, this thread's vectors of one row) -> res_out and the normed row -> out.
-__device__ void finish_row(const Params& p, int row, float (&h)[kMaxVec][8]) {
-  const int V = p.D / 8;
-  float ss = 0.f;
-#pragma unroll
-  for (int k = 0; k < kMaxVec; ++k)
-    if (threadIdx.x + k * kThreads < V)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) ss += h[k][j] * h[k][j];
-  const float rstd = rsqrtf(block_sum(ss) / float(p.D) + p.eps);
-#pragma unroll
-  for (int k = 0; k < kMaxVec; ++k) {
-    const int v = threadIdx.x + k * kThreads;
-    if (v >= V) continue;
-    const size_t at = size_t(row) * p.D + size_t(v) * 8;
-    const uint4 wv = *reinterpret_cast<const uint4*>(p.weight + size_t(v) * 8);
-    const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(&wv);
-    float y[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)  // HF order: normalise in fp32, round, then multiply by the weight and round
-      y[j] = __bfloat162float(w[j]) * __bfloat162float(__float2bfloat16_rn(h[k][j] * rstd));
-    *reinterpret_cast<uint4*>(p.res_out + at) = pack8(h[k]);
-    *reinterpret_cast<uint4*>(p.out + at) = pack8(y);
-  }
-}
-
 // h = bf16(residual + bf16(sum over ranks in rank order)) for this thread's vectors of `row`.
 __device__ void reduce_row(const Params& p, int row, int slot, float (&h)[kMaxVec][8]) {
-  const int V = p.D / 8;
+  const int V = p.norm.D / 8;
 #pragma unroll
   for (int k = 0; k < kMaxVec; ++k) {
     const int v = threadIdx.x + k * kThreads;
     if (v >= V) continue;
-    const size_t at = size_t(row) * p.D + size_t(v) * 8;
+    const size_t at = size_t(row) * p.norm.D + size_t(v) * 8;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int q = 0; q < p.world; ++q) add8(acc, ld_cg(data_a(p, p.rank, slot, q) + at));
-    const uint4 sv = pack8(acc), rv = *reinterpret_cast<const uint4*>(p.residual + at);
-    const __nv_bfloat16* s = reinterpret_cast<const __nv_bfloat16*>(&sv);
-    const __nv_bfloat16* r = reinterpret_cast<const __nv_bfloat16*>(&rv);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      h[k][j] = __bfloat162float(__float2bfloat16_rn(__bfloat162float(r[j]) + __bfloat162float(s[j])));
+    add_residual(h[k], pack8(acc), *reinterpret_cast<const uint4*>(p.residual + at));
   }
 }
 
@@ -226,9 +162,9 @@ __device__ void reduce_row(const Params& p, int row, int slot, float (&h)[kMaxVe
 template <typename Dst>
 __device__ __forceinline__ void push_row(const Params& p, const __nv_bfloat16* src, int row, Dst dst, int q0,
                                          int q1) {
-  const int V = p.D / 8;
+  const int V = p.norm.D / 8;
   for (int v = threadIdx.x; v < V; v += kThreads) {
-    const size_t at = size_t(row) * p.D + size_t(v) * 8;
+    const size_t at = size_t(row) * p.norm.D + size_t(v) * 8;
     const uint4 val = *reinterpret_cast<const uint4*>(src + at);
     for (int i = 0; i < q1 - q0; ++i) {
       const int q = q0 + (p.rank + i) % (q1 - q0);  // start at a different peer on every rank: spread the links
@@ -248,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
   pdl_wait();
   pdl_trigger();
   const unsigned e = *reinterpret_cast<volatile unsigned*>(&p.ctl->epoch) + 1u;
-  const unsigned n = unsigned(p.rows) * unsigned(p.D);
+  const unsigned n = unsigned(p.rows) * unsigned(p.norm.D);
   const int slot = e & 1u;
   float h[kMaxVec][8];
   if (*reinterpret_cast<volatile unsigned*>(&p.ctl->err) == 0u) {
@@ -259,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
       if (wait_all(p, kFlagsA, e, n)) {
         for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
           reduce_row(p, row, slot, h);
-          finish_row(p, row, h);
+          finish_row(p.norm, row, h);
         }
       }
     } else {
@@ -269,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
       signal_all(p, kFlagsA, e, n);
       bool ok = wait_all(p, kFlagsA, e, n);
       if (ok) {
-        const int V = p.D / 8;
+        const int V = p.norm.D / 8;
         for (int row = slice_lo(p, p.rank) + blockIdx.x; row < slice_lo(p, p.rank + 1); row += gridDim.x) {
           reduce_row(p, row, slot, h);  // our slice: sum in rank order, then h to every rank's data B
 #pragma unroll
@@ -277,7 +213,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
             const int v = threadIdx.x + k * kThreads;
             if (v >= V) continue;
             const uint4 hv = pack8(h[k]);
-            const size_t at = size_t(row) * p.D + size_t(v) * 8;
+            const size_t at = size_t(row) * p.norm.D + size_t(v) * 8;
             for (int i = 0; i < p.world; ++i)
               *reinterpret_cast<uint4*>(data_b(p, (p.rank + i) % p.world, slot) + at) = hv;
           }
@@ -286,19 +222,19 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
         ok = wait_all(p, kFlagsB, e, n);
       }
       if (ok) {
-        const int V = p.D / 8;
+        const int V = p.norm.D / 8;
         for (int q = 0; q < p.world; ++q)
           for (int row = slice_lo(p, q) + blockIdx.x; row < slice_lo(p, q + 1); row += gridDim.x) {
 #pragma unroll
             for (int k = 0; k < kMaxVec; ++k) {
               const int v = threadIdx.x + k * kThreads;
               if (v >= V) continue;
-              const uint4 hv = ld_cg(data_b(p, p.rank, slot) + size_t(row) * p.D + size_t(v) * 8);
+              const uint4 hv = ld_cg(data_b(p, p.rank, slot) + size_t(row) * p.norm.D + size_t(v) * 8);
               const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&hv);
 #pragma unroll
               for (int j = 0; j < 8; ++j) h[k][j] = __bfloat162float(b[j]);
             }
-            finish_row(p, row, h);
+            finish_row(p.norm, row, h);
           }
       }
     }
@@ -374,17 +310,14 @@ K26_EXPORT int k26_ar_launch(const void* x, const void* residual, const void* we
   Params p{};
   p.x = static_cast<const __nv_bfloat16*>(x);
   p.residual = static_cast<const __nv_bfloat16*>(residual);
-  p.weight = static_cast<const __nv_bfloat16*>(weight);
-  p.out = static_cast<__nv_bfloat16*>(out);
-  p.res_out = static_cast<__nv_bfloat16*>(res_out);
+  p.norm = Row{static_cast<const __nv_bfloat16*>(weight), static_cast<__nv_bfloat16*>(out),
+               static_cast<__nv_bfloat16*>(res_out), D, eps};
   for (int q = 0; q < world; ++q) p.ws[q] = static_cast<char*>(ws[q]);
   p.ctl = static_cast<Ctl*>(ctl);
   p.host_err = static_cast<unsigned*>(host_err);
   p.timeout_ns = timeout_ns;
   p.cap = cap;
-  p.eps = eps;
   p.rows = rows;
-  p.D = D;
   p.rank = rank;
   p.world = world;
   p.two_shot = two_shot;

@@ -232,12 +232,17 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
 // decode's logits bit for bit); split-K's plan (and so its sums) changes with M. The modes agree to rounding.
 constexpr int kTileWarps = 8, kTileThreads = 32 * kTileWarps;
 
-// Units per register batch (two batches in flight): two up to 16 tokens, one beyond (the x fragments grow
-// with the token tiles); blocks per SM: 2 within 128 registers up to 32 tokens, 1 at 64.
+// Units per register batch B (two batches in flight) and blocks per SM: two units up to 16 tokens, one beyond
+// (the x fragments grow with the token tiles); 2 blocks per SM within 128 registers up to 32 tokens, 1 at 64.
+// A grid of at most one block per SM (q_a / kv_a: 132 blocks, q_b, W_UK, W_UV) has no second block to hide
+// latency with, so up to 16 tokens it takes the deep variant: 4 units per batch, twice the weight bytes in
+// flight per warp, within one block's 255 registers. B changes only how many loads are in flight, never a
+// warp's k range or its accumulation order: every variant gives the same bits.
 template <int MT>
 __host__ __device__ constexpr int tile_batch() { return MT <= 2 ? 2 : 1; }
 template <int MT>
 __host__ __device__ constexpr int tile_blocks() { return MT <= 4 ? 2 : 1; }
+constexpr int kDeepBatch = 4;
 
 // Unit u's x fragments of the token tiles j for this lane (row 8j + g, k = 32u + 8t .. +8); zeros past M or K.
 // xr: this lane's row g at k = kt; tiles_live: the token tiles holding row 8j + g < M.
@@ -269,9 +274,8 @@ __device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const ui
   }
 }
 
-template <int MT>
-__global__ void __launch_bounds__(kTileThreads, tile_blocks<MT>()) linear_tile_kernel(const Params p) {
-  constexpr int B = tile_batch<MT>();
+template <int MT, int B, int MINB>
+__global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const Params p) {
   __shared__ float red[kTileWarps][MT * 4][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, kt = 8 * t;
   const int grp = blockIdx.z, n_tile = blockIdx.x * 16;
@@ -324,6 +328,19 @@ __global__ void __launch_bounds__(kTileThreads, tile_blocks<MT>()) linear_tile_k
     }
 }
 
+// The tile kernel of MT token tiles at its default batch and occupancy.
+template <int MT>
+constexpr auto tile_kernel() { return linear_tile_kernel<MT, tile_batch<MT>(), tile_blocks<MT>()>; }
+
+// The current device's SM count (host side, once per device).
+int sms() {
+  static int count[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
+  return count[dev];
+}
+
 template <int MT>
 cudaError_t launch(const Params& p, int groups, bool pdl, cudaStream_t stream) {
   const size_t smem = (size_t)8 * MT * (p.units_per_split * kUnit + kPad) * sizeof(__nv_bfloat16);
@@ -355,10 +372,13 @@ K26_EXPORT int k26_linear_smallm(const void* x, const void* w, const void* resid
   if (S == 0) {  // tile mode
     const dim3 grid((N + 15) / 16, 1, G);
     const dim3 block(kTileThreads);
-    if (mt == 1) return (int)launch_pdl(linear_tile_kernel<1>, grid, block, 0, pdl != 0, st, p);
-    if (mt == 2) return (int)launch_pdl(linear_tile_kernel<2>, grid, block, 0, pdl != 0, st, p);
-    if (mt <= 4) return (int)launch_pdl(linear_tile_kernel<4>, grid, block, 0, pdl != 0, st, p);
-    if (mt <= 8) return (int)launch_pdl(linear_tile_kernel<8>, grid, block, 0, pdl != 0, st, p);
+    const bool deep = (long long)grid.x * G <= sms(), on = pdl != 0;  // deep: one block per SM at most
+    if (mt == 1 && deep) return (int)launch_pdl(linear_tile_kernel<1, kDeepBatch, 1>, grid, block, 0, on, st, p);
+    if (mt == 2 && deep) return (int)launch_pdl(linear_tile_kernel<2, kDeepBatch, 1>, grid, block, 0, on, st, p);
+    if (mt == 1) return (int)launch_pdl(tile_kernel<1>(), grid, block, 0, on, st, p);
+    if (mt == 2) return (int)launch_pdl(tile_kernel<2>(), grid, block, 0, on, st, p);
+    if (mt <= 4) return (int)launch_pdl(tile_kernel<4>(), grid, block, 0, on, st, p);
+    if (mt <= 8) return (int)launch_pdl(tile_kernel<8>(), grid, block, 0, on, st, p);
     return (int)cudaErrorInvalidValue;
   }
   if (mt == 1) return (int)launch<1>(p, G, pdl, st);

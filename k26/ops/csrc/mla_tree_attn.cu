@@ -26,9 +26,12 @@
 // their partials through distributed shared memory, each block a column slice; clusters then meet in the
 // workspace, one counter per column slice: the last block to arrive for a slice merges it over all clusters.
 //
-// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, thread-block clusters of <= 8 with distributed
-// shared memory (sm_90 and sm_120 both have them; no warpgroup MMA, TMA or tensor memory); <= 88 KB shared
-// memory per block: legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
+// Programmatic dependent launch (csrc/pdl.cuh): launched before the query's projection has finished, every
+// block waits for it first thing and then lets W_UV's launch start.
+//
+// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, thread-block clusters of <= 8 with
+// distributed shared memory (sm_90 and sm_120 both have them; no warpgroup MMA, TMA or tensor memory); <= 88 KB
+// shared memory per block: legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
 // Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay; --rotary: the rotary query), results in
 // profiling/results/ (the rotary query: 2026-12-01-bench_k26-rope-h200.md).
 
@@ -40,6 +43,7 @@
 
 #include "mla_attn_common.cuh"
 #include "mla_attn_merge.cuh"
+#include "pdl.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -67,6 +71,10 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int row0 = rt * BM;
+  // PDL: the launch and the blocks' set-up overlap the kernel before (the query's projection); everything
+  // read below may come from it, so wait first. Dependents (W_UV) may then start streaming their weights.
+  pdl_wait();
+  pdl_trigger();
   // Q first (it depends on nothing): its load overlaps the reads of the sequence's length and row. With
   // q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
   {
@@ -329,13 +337,16 @@ cudaError_t allow_smem() {
   return e;
 }
 
+// attr: room for two (the cluster shape; programmatic stream serialization when `pdl`, csrc/pdl.cuh).
 template <int MT>
-cudaLaunchConfig_t config(dim3 grid, int CL, cudaStream_t st, cudaLaunchAttribute* attr) {
+cudaLaunchConfig_t config(dim3 grid, int CL, cudaStream_t st, cudaLaunchAttribute* attr, bool pdl = false) {
   cudaLaunchConfig_t c = {};
   c.gridDim = grid, c.blockDim = dim3(THREADS), c.dynamicSmemBytes = Cfg<MT>::SMEM, c.stream = st;
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = 1, attr->val.clusterDim.y = CL, attr->val.clusterDim.z = 1;
-  c.attrs = attr, c.numAttrs = 1;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1, attr[0].val.clusterDim.y = CL, attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  c.attrs = attr, c.numAttrs = pdl ? 2 : 1;
   return c;
 }
 
@@ -358,8 +369,8 @@ int plan(int B, int N, int H, int* splits, int* cluster) {
   const int want = max(1, min(1024, blocks));
   int best_S = want, best_CL = 1;
   for (int CL = 8; CL >= 2; CL /= 2) {
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t c = config<MT>(dim3(1, CL, 1), CL, nullptr, &attr);
+    cudaLaunchAttribute attr[2];
+    cudaLaunchConfig_t c = config<MT>(dim3(1, CL, 1), CL, nullptr, attr);
     int max_clusters = 0;
     e = cudaOccupancyMaxActiveClusters(&max_clusters, tree_attn_kernel<MT, false>, &c);
     if (e != cudaSuccess) return (int)e;
@@ -374,10 +385,10 @@ int plan(int B, int N, int H, int* splits, int* cluster) {
 }
 
 template <int MT>
-int launch(const Params& p, const Rotary& rot, int B, cudaStream_t st) {
+int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st) {
   if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t c = config<MT>(dim3(p.RT, p.S_max, B), p.CL, st, &attr);
+  cudaLaunchAttribute attr[2];
+  const cudaLaunchConfig_t c = config<MT>(dim3(p.RT, p.S_max, B), p.CL, st, attr, pdl);
   return rot.q_pe ? (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, true>, p, rot)
                   : (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, false>, p, rot);
 }
@@ -407,7 +418,8 @@ K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits, int* clu
 K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t* rows, const int64_t* prefix,
                                  const int64_t* words, void* out, float* lse, void* workspace, int B, int N, int H,
                                  int W, int max_len, int S_max, int CL, int min_keys, float scale, const void* q_pe,
-                                 long long pe_ld, const int64_t* positions, const float* inv_freq, void* stream) {
+                                 long long pe_ld, const int64_t* positions, const float* inv_freq, int pdl,
+                                 void* stream) {
   if (CL < 1 || CL > 8 || S_max % CL) return (int)cudaErrorInvalidValue;
   const Layout w = layout(B, N, H, S_max, CL);
   char* ws = static_cast<char*>(workspace);
@@ -421,5 +433,5 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Rotary rot{(const __nv_bfloat16*)q_pe, positions, inv_freq, pe_ld};
-  return w.BM == 16 ? launch<1>(p, rot, B, st) : launch<2>(p, rot, B, st);
+  return w.BM == 16 ? launch<1>(p, rot, B, pdl != 0, st) : launch<2>(p, rot, B, pdl != 0, st);
 }
