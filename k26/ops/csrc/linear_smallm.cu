@@ -291,18 +291,6 @@ __global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const P
   uint4 wa[B][2], wb[B][2], xa[B][MT], xb[B][MT];
   load_batch(wa, w_lo, w_hi, u_begin, u_end, kt, p.K);  // two weight batches in flight across the wait
   load_batch(wb, w_lo, w_hi, u_begin + B, u_end, kt, p.K);
-  if constexpr (MINB == 1 && MT <= 2) {
-    // The deep variant's grid is one wave (at most a block per SM, <= SMs x 229 KB: 30 MB for q_a / kv_a),
-    // so the rest of the block's weights can go to L2 now, while the kernel before still runs: the loop
-    // below then streams from L2. (A grid of several waves would evict its own lines: no prefetch there.)
-    for (int u = u_begin + 2 * B; u < u_end; ++u) {
-      const int k = u * kUnit + kt;
-      if (k < p.K) {
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w_lo + k));
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w_hi + k));
-      }
-    }
-  }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();  // x and residual may come from the previous kernel
 #endif
