@@ -167,9 +167,9 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
       for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.f;
 
   if (!GATED) {
-    if (active && !shared) {  // the down GEMM's weights into L2 while the gate/up GEMM finishes
+    if (active && !shared) {  // the down GEMM's weights (RT tiles) into L2 while the gate/up GEMM finishes
       const size_t base = ((size_t)e * n_tiles + tile0) * KC;
-      for (int c = 0; c < KC; ++c) {
+      for (int c = 0; c < RT * KC; ++c) {
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + (base + c) * 32 + lane));
         asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s + (base + c) * 16));
       }
@@ -365,7 +365,8 @@ cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pd
 }
 
 // `table`: a routing table of exactly these ids, group size 8 * NT and S (nullptr: route here).
-template <int NT, int RT1>
+// RT1 / RT2: 16-row tiles per warp in the gate/up / down GEMM.
+template <int NT, int RT1, int RT2>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
                    const float* topw, void* out, void* ws_base, int* table, int M, int D, int I, int E, int topk,
                    Shared sh, bool pdl, cudaStream_t st) {
@@ -397,9 +398,10 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
                      (const __nv_bfloat16*)ws.act, (const uint4*)w2,
                      (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
   }
-  // down: D/16 tiles, one per warp, 8 warps per block, K = I.
+  // down: D/16 tiles, RT2 per warp, 8 warps per block, K = I.
   constexpr int WM2 = 8;
-  err = launch_on(gemm_kernel<1, NT, 1, WM2, false, (NT == 1 ? 3 : 1)>, dim3((tiles2 + WM2 - 1) / WM2, G), 32 * WM2,
+  err = launch_on(gemm_kernel<RT2, NT, 1, WM2, false, (NT == 1 ? (RT2 == 1 ? 3 : 2) : 1)>,
+                  dim3((tiles2 / RT2 + WM2 - 1) / WM2, G), 32 * WM2,
                   pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk,
                   rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.y, D, E, P, S, sh.down,
                   (const __nv_bfloat16*)nullptr, direct);
@@ -436,14 +438,15 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
                   (const __nv_bfloat16*)shared_down};
-  // Few pairs: one gate/up tile per warp doubles the blocks in flight; many: two tiles share B loads.
+  // Few pairs: one gate/up tile per warp doubles the blocks in flight; many: two tiles share B loads, and the
+  // down GEMM's warps take two tiles each (half the blocks: its grid was several waves of short blocks).
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      return few ? launch<1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st)
-                 : launch<1, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
-    case 2: return launch<2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
-    case 4: return launch<4, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st)
+                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+    case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+    case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
