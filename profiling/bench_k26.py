@@ -4,7 +4,8 @@ the same rank's shapes, against the byte roofline measured in the same run.
 
     python profiling/bench_k26.py [--tp 8] [--layers 61] [--ctx 4096,32768] [--nodes 1,8,16,32,64] [--out F]
     python profiling/bench_k26.py --compile --variants base,fused --nodes 1,16 --table-nodes 1,16 --ctx 4096
-    (--no-pdl: every k26 kernel launched without programmatic dependent launch, for the on / off comparison)
+    (--no-pdl: every k26 kernel launched without programmatic dependent launch, for the on / off comparison;
+    --fused: the step rows, speculative steps included, on the loader's inference path, KimiK2.fuse_dense_)
 
 `--variants`: the decode / verify rows of each variant of the dense path in turn (base: the module glue and
 cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK and W_UV in the small-M kernel and
@@ -167,6 +168,12 @@ def main() -> None:
         "--no-pdl", action="store_true", help="every k26 kernel without programmatic dependent launch"
     )
     ap.add_argument("--table-nodes", default="", help="verify sizes with a per-kernel table (--variants)")
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="the step rows on the loader's inference path (KimiK2.fuse_dense_: stacked q_a / kv_a, MLA "
+        "projections in the small-M kernel, residual adds + norms as one op); default: the module path",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     pdl.ENABLED = not a.no_pdl  # read at each capture below
@@ -185,6 +192,8 @@ def main() -> None:
     for m in model.modules():  # as the loader does (moe.use_cuda_kernels): the fused router kernel
         if isinstance(m, Router):
             m.fuse_()
+    if a.fused:
+        model.fuse_dense_()
     if a.compile:
         torch._dynamo.config.cache_size_limit = 64  # a body per (variant, N, dense / MoE layer)
         torch._dynamo.config.accumulated_cache_size_limit = (
@@ -210,7 +219,7 @@ def main() -> None:
         (
             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
-            f"{' --no-pdl' if a.no_pdl else ''}`"
+            f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "
