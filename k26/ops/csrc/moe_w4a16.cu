@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const int64_t* __r
                                                              int S, int* __restrict__ table) {
   extern __shared__ int sm[];
   pdl_trigger();  // the gate/up GEMM's shared-expert blocks need no routing: let them start now
+  pdl_wait();     // the ids come from the router kernel (launched with PDL, this launch overlaps its tail)
   build_route_table([=](int p) { return ids[p]; }, P, E, gt, S, route_table_at(table, P, S, E, gt), sm);
 }
 
@@ -381,7 +382,9 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   const int G = direct ? (S + 8 * NT - 1) / (8 * NT) + P : route_groups(P, S, E, 8 * NT);
   if (table == nullptr && direct == nullptr) {
     table = ws.table;
-    route_kernel<<<1, kRouteThreads, 3 * E * sizeof(int), st>>>(ids, P, E, 8 * NT, S, table);
+    const cudaError_t e = launch_pdl(route_kernel, dim3(1), dim3(kRouteThreads), 3 * E * sizeof(int), pdl, st, ids, P,
+                                     E, 8 * NT, S, table);
+    if (e != cudaSuccess) return e;
   }
   const RouteTable rt = route_table_at(table ? table : ws.table, P, S, E, 8 * NT);  // unread when direct
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
