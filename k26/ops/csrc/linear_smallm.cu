@@ -36,7 +36,10 @@
 // M = 16, faster than split-K at its best split count everywhere but W_UK^T at M = 16; at M = 64 2-4x slower than
 // cuBLAS (every 16-row block reads all of x). In the compiled K2.6 step
 // (profiling/results/2026-12-01-bench_k26-session9-h200.md) the MLA projections went from 33.5 to 27.1 µs per layer
-// at one token and the decode step from 5.08 to 4.80 ms.
+// at one token and the decode step from 5.08 to 4.80 ms. The deep variant (one-wave grids, <= 16 rows):
+// q_a+kv_a 10.1 µs at M = 1 (1.19x its floor), 12.3 at M = 16
+// (profiling/results/2026-12-01-bench_k26-session10-h200.md; prefetching the rest of its weights to L2 before
+// the wait measured no gain there and was dropped).
 // Benchmarks: profiling/bench_linear.py (one projection), profiling/bench_k26.py --variants (the step).
 
 #include <cuda_bf16.h>

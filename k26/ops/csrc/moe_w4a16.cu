@@ -41,7 +41,9 @@
 // Speed and its benchmark: profiling/bench_moe.py (--block: the whole MoE block), results in profiling/results/
 // (H200, TP8 rank, cold L2, graph replay): router + experts + shared expert, M = 1 26.3-27.0 µs in 3 launches
 // (2026-12-01-bench_moe_block-h200-run7.md; 37.5 µs in 5 launches before), M = 64 237 µs; TP1 M = 1 103 µs
-// (67 % of copy). PDL 3.4 µs less at M = 1, 10.6 at M = 64 (run 3).
+// (67 % of copy). PDL 3.4 µs less at M = 1, 10.6 at M = 64 (run 3). The down GEMM with two tiles per warp above
+// 64 pairs and the routing launch under PDL: M = 16 122.9 -> 118 µs (58 % of copy), skewed M = 64 137.9 -> 128
+// (2026-12-01-bench_k26-session10-h200.md; four tiles per warp measured slower).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
