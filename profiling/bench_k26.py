@@ -176,6 +176,8 @@ def main() -> None:
     )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.fused and a.variants:
+        ap.error("--fused applies the loader's path for good; --variants switches paths itself: pick one")
     pdl.ENABLED = not a.no_pdl  # read at each capture below
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
     a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]

@@ -28,6 +28,7 @@ ATTN = "tree_attn"
 CATEGORIES = (  # first match wins; lower-case substrings of the kernel name (Triton's name the ops they fuse)
     ("fused elementwise (Triton)", ("triton",)),
     ("MLA glue (norms + RoPE + cache write)", ("mla_glue",)),
+    ("fused all-reduce + add + RMSNorm (k26)", ("allreduce_add_rmsnorm",)),
     ("residual add + RMSNorm (k26)", ("add_rmsnorm",)),
     ("dense projection (k26 small-M linear)", ("linear_smallm", "linear_tile")),
     ("MLA tree attention", (ATTN, "merge")),

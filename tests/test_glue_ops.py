@@ -145,10 +145,11 @@ def _op_calls(model, ids, batch, cache, op: str = "k26::linear") -> int:
     return sum(e.count for e in prof.key_averages() if e.key == op)
 
 
-def test_residual_norms_run_as_one_add_rmsnorm_op_bitwise():
+def test_fuse_dense_sends_each_residual_add_and_norm_through_one_op():
     """`fuse_dense_` turns on `RMSNorm.use_kernel` for the norms after a residual add: each layer's two
-    (residual add, norm) pairs become one `k26::add_rmsnorm` call, the reference's arithmetic (bitwise the
-    composition on the CPU, where the op is the reference); the MLA's own norms are not among them."""
+    (residual add, norm) pairs become one `k26::add_rmsnorm` call (2 per layer, counted), and the output is
+    unchanged (on the CPU the op is the reference itself); the MLA's own norms and layer 0's input norm (no
+    add before it) are not among them."""
     cfg, model = random_tiny(torch.bfloat16, 3)
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
     batch = AttnBatch.causal(torch.tensor([3, 7]), 5)
@@ -159,6 +160,7 @@ def test_residual_norms_run_as_one_add_rmsnorm_op_bitwise():
         model.fuse_dense_()
         assert all(n.use_kernel for n in model.residual_norms())
         assert not model.layers[0].self_attn.q_a_layernorm.use_kernel
+        assert not model.layers[0].input_layernorm.use_kernel
         for layer in model.layers:  # the projections as before: only the norms differ
             layer.self_attn.kernel_max_m = layer.self_attn.short_k_max_m = 0
         h1, _ = model(ids, batch, cache.clone())

@@ -98,7 +98,8 @@ class RMSNorm(nn.Module):
     """HF precision: normalise in fp32, round to the activation dtype, then multiply by the weight.
     `use_kernel`: where it follows a residual add (`TPInfo.reduce_add_norm`), the add and the norm run as
     `torch.ops.k26.add_rmsnorm` (one kernel on CUDA, chained to its neighbours by programmatic dependent
-    launch; same rounding points). `KimiK2.fuse_dense_` turns it on for inference."""
+    launch; same rounding points). `KimiK2.fuse_dense_` turns it on for inference: the op has no autograd
+    formula, so a model trained through `forward_train` keeps it off."""
 
     use_kernel: bool = False
 

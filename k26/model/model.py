@@ -94,9 +94,9 @@ class KimiK2(nn.Module):
 
     def residual_norms(self) -> list[RMSNorm]:
         """The norms that follow a residual add (`TPInfo.reduce_add_norm`): each layer's post-attention
-        norm, the next layer's input norm, the final norm."""
-        pairs = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in self.layers]
-        return [m for pair in pairs for m in pair] + [self.norm]
+        norm, the input norms of layers 1.. (layer 0's normalises the embedding: no add), the final norm."""
+        after_attention = [layer.post_attention_layernorm for layer in self.layers]
+        return after_attention + [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
 
     def forward_train(self, ids_BT: torch.Tensor, aux_layers: tuple[int, ...] = ()):
         """Differentiable causal forward over whole sequences: `forward` with no cache (each layer's attention

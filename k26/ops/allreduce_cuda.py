@@ -48,7 +48,11 @@ def add_rmsnorm(
 
 @add_rmsnorm.register_fake
 def _(x, residual, weight, eps):
-    return torch.empty_like(residual), torch.empty_like(residual)
+    # The reference's shapes and dtypes (broadcast, promoted), contiguous like the kernel's outputs.
+    shape = torch.broadcast_shapes(x.shape, residual.shape)
+    h_dtype = torch.promote_types(residual.dtype, x.dtype)
+    out_dtype = torch.promote_types(weight.dtype, h_dtype)
+    return residual.new_empty(shape, dtype=out_dtype), residual.new_empty(shape, dtype=h_dtype)
 
 
 @torch.library.custom_op("k26::allreduce_add_rmsnorm", mutates_args=())

@@ -46,6 +46,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "pdl.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
@@ -335,13 +337,16 @@ __global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const P
 template <int MT>
 constexpr auto tile_kernel() { return linear_tile_kernel<MT, tile_batch<MT>(), tile_blocks<MT>()>; }
 
-// The current device's SM count (host side, once per device).
+// The current device's SM count (host side, queried once per device; threads racing on the first query
+// store the same value). Only the variant's speed depends on it, never the bits.
 int sms() {
-  static int count[64] = {};
+  static std::atomic<int> count[64];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
-  return count[dev];
+  int n = count[dev].load(std::memory_order_relaxed);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+    count[dev].store(n, std::memory_order_relaxed);
+  return n;
 }
 
 template <int MT>

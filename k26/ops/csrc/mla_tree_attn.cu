@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   // read below may come from it, so wait first. Dependents (W_UV) may then start streaming their weights.
   pdl_wait();
   pdl_trigger();
-  // Q first (it depends on nothing): its load overlaps the reads of the sequence's length and row. With
-  // q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
+  // Q first (no other read here decides its address): its load overlaps the reads of the sequence's length
+  // and row. With q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
   {
     __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
     for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {

@@ -7,14 +7,15 @@
 //   rows with the same k permutation as the activations.
 //
 // Four launches (three when the caller passes the routing table; two for one token: see the end of this
-// list), all on the caller's stream, no host sync (CUDA-graph capturable), each after the first with
-// programmatic dependent launch (see gemm_kernel):
+// list), all on the caller's stream, no host sync (CUDA-graph capturable), each with programmatic dependent
+// launch (see gemm_kernel; the route launch waits for the router's ids):
 //   1. route:   unless the caller passes the table: one block groups the (token, k) pairs by expert in
 //               groups of 8*NT tokens, the shared expert's first (csrc/moe_route.cuh).
 //   2. gemm13:  per (expert group, 16-row tile pair): gate and up rows interleaved in one 16-row tile,
 //               so each lane holds gate and up of the same feature and applies silu(g)*u in registers.
 //               The K = hidden reduction is split over the 8 warps of a block and summed in shared memory.
-//   3. gemm2:   per (expert group, 16-row tile): the down projection, one warp per tile over all of K;
+//   3. gemm2:   per (expert group, 16-row tile): the down projection, one warp per tile (two above 64 pairs)
+//               over all of K;
 //               writes each pair's bf16 expert output (the reference's per-expert rounding point).
 //   4. combine: out[t] = bf16(sum_k w[t,k] * y[t,k]) in k order: deterministic, no float atomics. (Fusing
 //               it into gemm2 with arrival counters measured slower: the fences stretch every block.)
