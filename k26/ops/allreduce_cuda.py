@@ -128,14 +128,19 @@ def limits() -> tuple[int, int]:
     return r.value, d.value
 
 
+def vector_ready(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as the kernels read them: contiguous, at 16-byte aligned addresses (copied if not)."""
+    ts = tuple(t.contiguous() for t in ts)
+    return tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in ts)
+
+
 @torch.library.register_kernel("k26::allreduce_add_rmsnorm", "cuda")
 def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
     if peers.numel() == 0:
         return composition(x, residual, weight, eps, _group(group_name))
     # The kernel moves 16-byte vectors. An unaligned view is copied, never sent down another path: whether
     # a tensor is aligned is this rank's own business, and ranks on different paths would wait on each other.
-    x, residual, weight = (t.contiguous() for t in (x, residual, weight))
-    x, residual, weight = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x, residual, weight))
+    x, residual, weight = vector_ready(x, residual, weight)
     world, D = peers.numel(), x.shape[-1]
     rows = x.numel() // D
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
@@ -182,8 +187,7 @@ def add_rmsnorm_served(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def _(x, residual, weight, eps):
     if not add_rmsnorm_served(x, residual, weight):
         return add_rmsnorm_reference(x, residual, weight, eps)
-    x, residual, weight = (t.contiguous() for t in (x, residual, weight))
-    x, residual, weight = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (x, residual, weight))
+    x, residual, weight = vector_ready(x, residual, weight)
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
     D = x.shape[-1]
     e = library().k26_add_rmsnorm(
