@@ -3,8 +3,10 @@ CUDA-graph replay after a 256 MB L2 flush, at the TP8 rank's shapes (E = 384, D 
 with the router's and the expert kernels' phase stamps (library built with -DK26_ROUTER_TRACE
 -DK26_MOE_TRACE), all in µs from the router's first block.
 
-    python profiling/debug/moe_trace.py --m 1 [--lib traced.so] [--warm-tlb]
+    python profiling/debug/moe_trace.py --m 1 [--hot 10] [--lib traced.so] [--warm-tlb]
 
+--hot N: N random experts get a large correction bias, so every token picks 8 of those N (bench_moe --block's
+skewed routing; 0: a trained-like router's spread).
 --lib: a library built with those flags (e.g. on the CPU machine: phases.build_traced's nvcc line);
 without it the script builds one. A kernel stamps only its first 1024 blocks (all of them at M = 1).
 --warm-tlb: before each replay (after the flush) read one word per 4 KB of the chosen experts' weights, so
@@ -25,6 +27,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--m", type=int, default=1)
 ap.add_argument("--lib", default=None)
 ap.add_argument("--warm-tlb", action="store_true")
+ap.add_argument("--hot", type=int, default=0)
 a = ap.parse_args()
 flags = ["-DK26_ROUTER_TRACE", "-DK26_MOE_TRACE"]
 lib_path = a.lib or build_traced(["moe_router.cu", "moe_w4a16.cu"], flags)
@@ -42,6 +45,8 @@ gen = torch.Generator(device="cuda").manual_seed(0)
 experts, shared = random_repacked(E, D, I, gen), shared_weights(D, I, gen)
 router_w = (torch.randn(E, D, generator=gen, device="cuda") * D**-0.5).bfloat16()
 bias = torch.randn(E, generator=gen, device="cuda") * 0.01
+if a.hot:
+    bias[torch.randperm(E, generator=gen, device="cuda")[: a.hot]] += 10.0
 barrier = router_barrier("cuda")
 x = torch.randn(a.m, D, generator=gen, device="cuda").bfloat16()
 
@@ -75,14 +80,16 @@ for _ in range(4):  # the last replay is the one read back
 router = read_tables(lib.k26_moe_router_trace)[0]
 moe = read_tables(lib.k26_moe_trace, tables=2)
 t0 = first_start(router)
-print(f"M = {a.m}: µs from the router's first block")
+print(f"M = {a.m}, hot experts {a.hot or 'none'}: µs from the router's first block; experts touched "
+      f"{int(chosen.unique().numel())}")
 print("router")
 stamps = {0: "start", 1: "dot done", 2: "partials written", 3: "phase 2 begins", 5: "top-k written"}
 print_table(router, stamps, t0)
 names = {0: "start", 1: "group known (waited)", 4: "first batch (warp 0)", 2: "loop done", 3: "written"}
 # A block's row: group * (I / 8 gate/up tiles) + tile; the shared expert's ceil(M / (8 nt)) groups come first.
 shared_groups = -(-a.m // (8 * pick_nt(a.m * K, E)))
-shared_rows = torch.arange(1024) < shared_groups * (I // 8)
+x_blocks = I // 8 // (1 if a.m * K <= 64 else 2)  # gate/up tiles per block: csrc/moe_w4a16.cu's RT1
+shared_rows = torch.arange(1024) < shared_groups * x_blocks
 print("gate/up GEMM, shared-expert blocks")
 print_table(moe[0], names, t0, shared_rows)
 print("gate/up GEMM, routed blocks")
