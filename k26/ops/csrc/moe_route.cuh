@@ -42,7 +42,7 @@ __host__ __device__ inline RouteTable route_table_at(int* base, int P, int S, in
 // sm: 3 * E ints of shared memory.
 template <typename Ids>
 __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, RouteTable tab, int* sm) {
-  __shared__ int warp_tot[2][32];
+  __shared__ int warp_tot[2][32], warp_pre[2][33];
   const int G = route_groups(P, S, E, gt);
   int* count = sm;            // [E]
   int* cursor = sm + E;       // [E] pair offset of each expert, then a running cursor
@@ -69,11 +69,22 @@ __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, Ro
     }
     if (lane == 31) warp_tot[0][warp] = ic, warp_tot[1][warp] = ig;
     __syncthreads();
-    int wc = 0, wg = 0, tc = 0, tg = 0;
-    for (int w = 0; w < nthreads / 32; ++w) {
-      if (w < warp) wc += warp_tot[0][w], wg += warp_tot[1][w];
-      tc += warp_tot[0][w], tg += warp_tot[1][w];
+    // Warp 0 scans the warps' totals (one shuffle scan, not a serial sum of up to 32 per thread: ~1 µs of a
+    // 1024-thread block's shared-memory loads) into their exclusive prefixes and the chunk's totals.
+    if (warp == 0) {
+      const int nw = nthreads / 32;
+      int sc = lane < nw ? warp_tot[0][lane] : 0, sg = lane < nw ? warp_tot[1][lane] : 0;
+      const int own_c = sc, own_g = sg;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int vc = __shfl_up_sync(0xffffffffu, sc, o), vg = __shfl_up_sync(0xffffffffu, sg, o);
+        if (lane >= o) sc += vc, sg += vg;
+      }
+      warp_pre[0][lane] = sc - own_c, warp_pre[1][lane] = sg - own_g;
+      if (lane == 31) warp_pre[0][32] = sc, warp_pre[1][32] = sg;
     }
+    __syncthreads();
+    const int wc = warp_pre[0][warp], wg = warp_pre[1][warp], tc = warp_pre[0][32], tg = warp_pre[1][32];
     if (e < E) {
       cursor[e] = base_pairs + wc + ic - c;
       gcursor[e] = base_groups + wg + ig - g;

@@ -134,8 +134,11 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
       if (id < 0 || id >= E) return;
       e = (int)id, start = j, len = 1;
     } else {
-      if (grp >= __ldcg(num_groups)) return;
-      e = __ldcg(grp_expert + grp), start = __ldcg(grp_start + grp), len = __ldcg(grp_len + grp);
+      // grp < the grid's G groups, so the group's fields are in bounds: read with the count, one round trip
+      const int ng = __ldcg(num_groups), ge = __ldcg(grp_expert + grp), gs = __ldcg(grp_start + grp),
+                gl = __ldcg(grp_len + grp);
+      if (grp >= ng) return;
+      e = ge, start = gs, len = gl;
     }
   } else if (GATED) {
     pdl_trigger();
