@@ -23,6 +23,9 @@ namespace k26_attn {
 //    cluster only keep each other's shared memory alive until their step-1 reads are done (a split cluster
 //    barrier: arrive after the reads, wait just before exiting).
 // Both steps run in a fixed order, so results are deterministic.
+// Measured and dropped (2026-12-01-bench_moe-session11-h200.md, tree attention section): four items' loads in
+// flight per thread at 32-row tiles (N = 16 at 4K 25.4 -> 26.5 µs), and the first partials' loads issued
+// before the merge weights in both steps (no change at any shape): the merges are not bound by load latency.
 constexpr int LDO = DV + 4;  // fp32 partial row in shared memory (padded against bank conflicts)
 #ifndef MERGE_LOADS
 #define MERGE_LOADS 12  // float4 loads in flight per thread in the global merge
