@@ -2,8 +2,9 @@
 
 Issue 18, deliverable 5. Inputs are measurements, read from the results files, not typed in here:
 - the per-category kernel tables of one compiled, graph-replayed 61-layer step at one TP8 rank's shapes on
-  an H200 (`profiling/bench_k26.py --variants fused --table-nodes 1,16`; a results file with the sections
-  "### <variant>, L = <ctx>, N = <n>"): per category of one MoE layer its launches, µs and bytes;
+  an H200 (`profiling/bench_k26.py --variants fused --table-nodes 1,16 --no-pdl`: without PDL, so that the
+  kernels' spans do not overlap; a results file with the sections "### <variant>, L = <ctx>, N = <n>"): per
+  category of one MoE layer its launches, µs and bytes;
 - the per-message all-reduce latencies of the 8-GPU PCIe model (`2026-12-01-allreduce_pcie8-model.md`,
   itself built from published P2P figures), taken at the message of each step.
 
@@ -88,7 +89,8 @@ def layer_us(rows) -> tuple[float, float, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", type=Path, default=RESULTS / "2026-12-01-bench_k26-glue-h200.md")
+    # spans without PDL: under PDL a span starts at launch and covers the kernel it waits for
+    ap.add_argument("--results", type=Path, default=RESULTS / "2026-12-01-bench_k26-nopdl-table-h200.md")
     ap.add_argument("--allreduce-model", type=Path, default=RESULTS / "2026-12-01-allreduce_pcie8-model.md")
     ap.add_argument("--variant", default="fused")
     ap.add_argument("--ctx", type=int, default=4096)

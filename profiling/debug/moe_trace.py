@@ -80,8 +80,10 @@ for _ in range(4):  # the last replay is the one read back
 router = read_tables(lib.k26_moe_router_trace)[0]
 moe = read_tables(lib.k26_moe_trace, tables=2)
 t0 = first_start(router)
-print(f"M = {a.m}, hot experts {a.hot or 'none'}: µs from the router's first block; experts touched "
-      f"{int(chosen.unique().numel())}")
+print(
+    f"M = {a.m}, hot experts {a.hot or 'none'}: µs from the router's first block; experts touched "
+    f"{int(chosen.unique().numel())}"
+)
 print("router")
 stamps = {0: "start", 1: "dot done", 2: "partials written", 3: "phase 2 begins", 5: "top-k written"}
 print_table(router, stamps, t0)
