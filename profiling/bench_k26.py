@@ -39,7 +39,7 @@ from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import DFlashDrafter
 from k26.model.moe import Int4Experts, Router
-from k26.ops import pdl
+from k26.ops import moe_cuda, pdl
 from k26.ops.moe_layout import repack_scales, w13_row_order
 from k26.sampling import RowSampling
 from k26.spec.step import SpecConfig, StepModels, speculative_step
@@ -174,11 +174,17 @@ def main() -> None:
         help="the step rows on the loader's inference path (KimiK2.fuse_dense_: stacked q_a / kv_a, MLA "
         "projections in the small-M kernel, residual adds + norms as one op); default: the module path",
     )
+    ap.add_argument(
+        "--split-down",
+        action="store_true",
+        help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fused and a.variants:
         ap.error("--fused applies the loader's path for good; --variants switches paths itself: pick one")
     pdl.ENABLED = not a.no_pdl  # read at each capture below
+    moe_cuda.SPLIT_DOWN = a.split_down
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
     a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]
     cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
@@ -221,7 +227,8 @@ def main() -> None:
         (
             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
-            f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}`"
+            f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
+            f"{' --split-down' if a.split_down else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "

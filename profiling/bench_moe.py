@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from k26.ops import reference
+from k26.ops import moe_cuda, reference
 from k26.ops.moe_cuda import pick_nt
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -181,6 +181,11 @@ def kernel_breakdown(shp: dict, M: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--split-down",
+        action="store_true",
+        help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="tp8,tp1")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256")
@@ -191,6 +196,7 @@ def main() -> None:
         "--quick", action="store_true", help="--block without the two baselines (shared separate, before)"
     )
     a = ap.parse_args()
+    moe_cuda.SPLIT_DOWN = a.split_down  # read at each launch and capture below
     ms = [int(v) for v in a.ms.split(",")]
     copy_bw, flops = copy_bandwidth(), gemm_rate()
     commit = source_commit()
@@ -205,7 +211,7 @@ def main() -> None:
         f"- commit: {commit or 'unknown'}",
         (
             f"- command: `python profiling/bench_moe.py{' --block' if a.block else ''}"
-            f"{' --quick' if a.quick else ''} --shapes {a.shapes} "
+            f"{' --quick' if a.quick else ''}{' --split-down' if a.split_down else ''} --shapes {a.shapes} "
             f"--ms {a.ms}`"
         ),
         (

@@ -174,6 +174,45 @@ def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     assert ((given.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("M", [2, 5, 16, 33, 64])
+@pytest.mark.parametrize("kind", ["uniform", "hot10"])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_one_launch_down_combine_equals_split_launches_bitwise(M, kind, with_shared):
+    """csrc/moe_down_combine.cuh (down projection + combine in one launch over the routing table, the path
+    for 1 < M <= 64 at nt = 1) gives the same bits as the down GEMM + combine launches, at K2.6 TP8 shapes
+    uniform and skewed (a popular expert in many groups)."""
+    from k26.ops import moe_cuda
+
+    E, K, D, inter = 384, 8, 7168, 256
+    _, w, sh, x, ids, tw = block_inputs(500 + M, M, E, K, D, inter, kind, with_shared=with_shared)
+    assert moe_cuda.pick_nt(M * K, E) == 1  # the one-launch path's table
+    poison_allocator()
+    fused = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    with moe_cuda.split_down():
+        poison_allocator()
+        split = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    assert torch.isfinite(fused.float()).all() and torch.equal(fused, split)
+    ref = _reference(x, *w, ids, tw, *sh).float()
+    assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("M", [3, 16])
+def test_one_launch_down_combine_narrow_experts_equals_split_launches_bitwise(M):
+    """Narrower experts than K2.6's TP8 rank (I = 128: two k chunks of the four a group holds in flight) and a
+    small model's width (D = 512: 16 blocks) on both paths."""
+    from k26.ops import moe_cuda
+
+    E, K, D, inter = 64, 8, 512, 128
+    _, w, sh, x, ids, tw = block_inputs(600 + M, M, E, K, D, inter, "uniform")
+    assert moe_cuda.pick_nt(M * K, E) == 1
+    poison_allocator()
+    fused = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    with moe_cuda.split_down():
+        poison_allocator()
+        split = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    assert torch.isfinite(fused.float()).all() and torch.equal(fused, split)
+
+
 def test_table_of_another_size_is_refused():
     gen = torch.Generator(device="cuda").manual_seed(9)
     w = random_repacked(8, 64, 64, gen)

@@ -5,13 +5,29 @@ reference, and input checks before any launch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
 from . import pdl
 from .moe_layout import unrepack, w13_row_order
 from .reference import expert_mlp, moe_combine
+
+SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see split_down()
+
+
+@contextlib.contextmanager
+def split_down() -> Iterator[None]:
+    """Run the down GEMM and the combine as two launches where the one-launch down + combine would serve
+    (csrc/moe_down_combine.cuh; the same bits): for the A/B in profiling/bench_moe.py and the bit test."""
+    global SPLIT_DOWN
+    before, SPLIT_DOWN = SPLIT_DOWN, True
+    try:
+        yield
+    finally:
+        SPLIT_DOWN = before
 
 
 def pick_nt(pairs: int, experts: int) -> int:
@@ -277,7 +293,8 @@ def _moe_cuda(
         nt,
         *sp,
         None if table is None else table.data_ptr(),
-        int(pdl.ENABLED),  # csrc/moe_w4a16.cu: the shared expert's gate/up blocks overlap the routing
+        # flags (csrc/moe_w4a16.cu): PDL (the shared expert's gate/up blocks overlap the routing), split down
+        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

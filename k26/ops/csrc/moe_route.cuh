@@ -37,8 +37,8 @@ __host__ __device__ inline RouteTable route_table_at(int* base, int P, int S, in
   return RouteTable{base, sorted, expert, expert + G, expert + 2 * G};
 }
 
-// One block (any multiple of 32 threads up to 1024) builds the table of the P ids `id(p)` gives (read twice;
-// a functor so that a producer holding the ids in shared memory can pass them from there).
+// One block (any multiple of 32 threads up to 1024) builds the table of the P ids `id(p)` gives (read once when
+// P <= threads, else twice; a functor so that a producer holding the ids in shared memory can pass them from there).
 // sm: 3 * E ints of shared memory.
 template <typename Ids>
 __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, RouteTable tab, int* sm) {
@@ -48,10 +48,14 @@ __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, Ro
   int* cursor = sm + E;       // [E] pair offset of each expert, then a running cursor
   int* gcursor = sm + 2 * E;  // [E] first group of each expert
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthreads = blockDim.x;
+  // Up to one pair per thread (M <= 64 at top-8 with 512 threads): its id is read once and kept for the
+  // scatter at the end, one global round trip instead of two.
+  const bool cached = P <= nthreads;
+  const int64_t my_id = cached && tid < P ? id(tid) : -1;
   for (int e = tid; e < E; e += nthreads) count[e] = 0;
   __syncthreads();
   for (int p = tid; p < P; p += nthreads) {
-    const int64_t e = id(p);
+    const int64_t e = cached ? my_id : id(p);
     if (e >= 0 && e < E) atomicAdd(&count[e], 1);
   }
   __syncthreads();
@@ -117,7 +121,7 @@ __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, Ro
   }
   __syncthreads();
   for (int p = tid; p < P; p += nthreads) {
-    const int64_t e = id(p);
+    const int64_t e = cached ? my_id : id(p);
     if (e >= 0 && e < E) tab.sorted[atomicAdd(&cursor[e], 1)] = p;  // order within an expert is irrelevant
   }
 }

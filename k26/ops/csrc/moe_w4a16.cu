@@ -73,6 +73,7 @@ __device__ unsigned long long g_moe_trace[2][1024][16];
 #define MOE_TRACE(table, k)
 #endif
 
+#include "moe_down_combine.cuh"
 #include "moe_mma.cuh"
 #include "moe_one_token.cuh"
 #include "moe_route.cuh"
@@ -84,7 +85,7 @@ namespace {
 
 using namespace k26_moe;
 
-constexpr int kRouteThreads = 1024;
+constexpr int kRouteThreads = 512;  // >= 384 experts and the 512 pairs of M = 64 at top-8: one each
 
 // ---------------------------------------------------------------------------------------------
 // 1. Routing (when the caller passes no table): one block groups the pairs by
@@ -380,7 +381,7 @@ cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pd
 template <int NT, int RT1, int RT2>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
                    const float* topw, void* out, void* ws_base, int* table, int M, int D, int I, int E, int topk,
-                   Shared sh, bool pdl, cudaStream_t st) {
+                   Shared sh, bool pdl, bool split_down, cudaStream_t st) {
   Workspace ws;
   const int S = sh.gate ? M : 0;
   carve(ws_base, M, D, I, E, topk, NT, S, &ws);
@@ -410,6 +411,18 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
     return launch_on(down_combine_one_token, dim3(tiles2), kDownOneTokThreads, pdl, st,
                      (const __nv_bfloat16*)ws.act, (const uint4*)w2,
                      (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
+  }
+  if (NT == 1 && !split_down && P + S <= kDownCombineMaxSlots && I <= 64 * kDownCombineMaxChunks &&
+      tiles2 % kDownCombineRT == 0) {  // a few tokens: down + combine in one launch
+    const size_t smem = down_combine_smem(P, S, G);
+    if (smem > 48 * 1024) {
+      const cudaError_t e = cudaFuncSetAttribute(down_combine_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)smem);
+      if (e != cudaSuccess) return e;
+    }
+    return launch_pdl(down_combine_grouped, dim3(tiles2 / kDownCombineRT), dim3(32 * kDownCombineWarps), smem,
+                      pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, rt, G,
+                      ids, topw, M, topk, E, S, sh.down, (__nv_bfloat16*)out);
   }
   // down: D/16 tiles, RT2 per warp, 8 warps per block, K = I.
   constexpr int WM2 = 8;
@@ -441,12 +454,14 @@ K26_EXPORT size_t k26_moe_route_table_ints(int M, int E, int topk, int nt, int s
 
 // Returns a cudaError_t (0 = success). Shapes are validated by the Python front door. shared_gate/up [I, D] and
 // shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids. table: the routing
-// table of these ids for this nt and shared (csrc/moe_route.cuh), or null (routed here).
-
+// table of these ids for this nt and shared (csrc/moe_route.cuh), or null (routed here). flags: bit 0 launches
+// with PDL; bit 1 runs the down GEMM + combine launches where down_combine_grouped would serve (same bits: the
+// A/B and the bit-identity test).
 K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
                              int E, int topk, int nt, const void* shared_gate, const void* shared_up,
-                             const void* shared_down, void* table, int pdl, void* stream) {
+                             const void* shared_down, void* table, int flags, void* stream) {
+  const bool pdl = flags & 1, split = flags & 2;
   int* tab = static_cast<int*>(table);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
@@ -456,10 +471,10 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st)
-                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
-    case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
-    case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, st);
+      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st)
+                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
+    case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
+    case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
