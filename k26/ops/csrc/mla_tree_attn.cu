@@ -27,7 +27,7 @@
 // workspace, one counter per column slice: the last block to arrive for a slice merges it over all clusters.
 //
 // Programmatic dependent launch (csrc/pdl.cuh): launched before the query's projection has finished, every
-// block waits for it first thing and then lets W_UV's launch start.
+// block issues its first prefix key tiles, waits for it, then lets W_UV's launch start (see the kernel).
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, thread-block clusters of <= 8 with
 // distributed shared memory (sm_90 and sm_120 both have them; no warpgroup MMA, TMA or tensor memory); <= 88 KB
@@ -71,13 +71,36 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
   const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int row0 = rt * BM;
-  // PDL: the launch and the blocks' set-up overlap the kernel before (the query's projection); everything
-  // read below may come from it, so wait first. Dependents (W_UV) may then start streaming their weights.
+  // PDL: the launch and the blocks' set-up overlap the kernel before (the query's projection). That kernel
+  // releases us only after its own wait (linear_smallm.cu), so every kernel before it has completed: the
+  // prefix keys (cache rows below L, never written in this step) and the lengths and rows are final, and the
+  // block's first prefix tiles go out before the wait, their DRAM round trip under the projection's tail.
+  // The query (and the tree rows, written by the glue kernel) are read after it. Dependents (W_UV) may then
+  // start streaming their weights.
+  const int L = static_cast<int>(p.prefix[b]);
+  const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
+  int chunk, active;
+  split_geometry(p, T, chunk, active);
+  if (split / p.CL >= (active + p.CL - 1) / p.CL) return;  // no live split in this block's cluster: all leave
+  // A split past `active` in a live cluster streams nothing and contributes an empty partial.
+  const int k0 = split < active ? split * chunk : 0, k1 = split < active ? min(T, k0 + chunk) : 0;
+  const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
+  const int n_tiles = (k1 - k0 + BN - 1) / BN;
+  auto issue_tile = [&](int it, __nv_bfloat16* dst) {
+    const int key0 = k0 + it * BN;
+    for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const int key = min(key0 + r, k1 - 1);
+      cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+    }
+  };
+  // Q is staged in the last MT stages, the first NSTAGE - MT tiles beside it (one commit group for all).
+  auto early = [&](int it) { return it < n_tiles && k0 + (it + 1) * BN <= L; };  // wholly prefix keys
+  for (int it = 0; it < NSTAGE - MT; ++it)
+    if (early(it)) issue_tile(it, sK + it * BN * LDS);
   pdl_wait();
   pdl_trigger();
-  // Q first (no other read here decides its address): its load overlaps the reads of the sequence's length
-  // and row. With q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
-  {
+  {  // With q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
     __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
     for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
       const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
@@ -88,50 +111,18 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Par
       cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
     }
   }
+  for (int it = 0; it < NSTAGE - MT; ++it)
+    if (it < n_tiles && !early(it)) issue_tile(it, sK + it * BN * LDS);
+  cp_commit();
   RotaryPairs<ROPE, BM> rope;  // the rotary query's pairs of this thread (empty unless ROPE)
   rope.load(p, rot, b, row0, tid);
-  const int L = static_cast<int>(p.prefix[b]);
-  const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
-  int chunk, active;
-  split_geometry(p, T, chunk, active);
-  if (split / p.CL >= (active + p.CL - 1) / p.CL) {  // no live split in this block's cluster  // the whole cluster is idle: every block of it leaves here
-    cp_wait<0>();                  // nothing may land in shared memory after the block exits
-    return;
-  }
   TRACE(0);
-  // A split past `active` in a live cluster streams nothing and contributes an empty partial.
-  const int k0 = split < active ? split * chunk : 0, k1 = split < active ? min(T, k0 + chunk) : 0;
-  const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
-  const int n_tiles = (k1 - k0 + BN - 1) / BN;
 
   auto load_tile = [&](int it) {
-    if (it < n_tiles) {
-      const int key0 = k0 + it * BN;
-      __nv_bfloat16* dst = sK + (it % NSTAGE) * BN * LDS;
-      for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
-        const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
-        const int key = min(key0 + r, k1 - 1);
-        cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
-      }
-    }
+    if (it < n_tiles) issue_tile(it, sK + (it % NSTAGE) * BN * LDS);
     cp_commit();  // always commit, so the group count per iteration stays uniform
   };
 
-  // Q (rows past R zero-filled, issued above) is staged in the last MT stages, the first tiles alongside.
-  {
-    for (int it = 0; it < NSTAGE - MT; ++it) {
-      if (it < n_tiles) {
-        const int key0 = k0 + it * BN;
-        __nv_bfloat16* dst = sK + it * BN * LDS;
-        for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
-          const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
-          const int key = min(key0 + r, k1 - 1);
-          cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
-        }
-      }
-    }
-    cp_commit();
-  }
   const int nt = warp & 1, kq = warp >> 1;  // S-phase role: key n-tile, dim quarter
   uint32_t qa[MT][KSTEPS][4];
   rope.cos_sin();
