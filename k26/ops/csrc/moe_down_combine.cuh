@@ -1,3 +1,6 @@
+// The MoE kernel's weighted combine of the pairs' expert outputs (csrc/moe_w4a16.cu launches these):
+// combine_kernel after the down GEMM (any M), and down_combine_grouped, which also runs the down projection.
+//
 // down_combine_grouped: the MoE kernel's down projection and weighted combine of a few tokens (1 < M, at most
 // kDownCombineMaxSlots routed + shared slots, I <= 64 kDownCombineMaxChunks) in one launch over the routing
 // table (csrc/moe_route.cuh), in place of the down GEMM (one block per (group, 128 output rows): a grid of the
@@ -44,7 +47,7 @@ __host__ __device__ inline size_t down_combine_smem(int P, int S, int G) {
 }
 
 // One 8-token column tile per group (nt = 1: the routing table's groups hold <= 8 tokens).
-__global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine_grouped(
+static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine_grouped(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
     int n_tiles, RouteTable tab, int G, const int64_t* __restrict__ ids, const float* __restrict__ topw, int M,
     int topk, int E, int S, const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
@@ -166,6 +169,46 @@ __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine_groupe
     out[(size_t)tok * D + tile0 * 16 + rr] = __float2bfloat16(sum);
   }
   MOE_TRACE(1, 3);
+}
+
+// combine_kernel (launch 4 of moe_w4a16.cu): out[t, d] = bf16(sum_k w[t,k] * y[t*topk + k, d]) over valid experts, k in order.
+// With the shared expert: out[t] = bf16(bf16(routed sum) + y_shared[t]), the reference's two rounding points.
+static __global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float* __restrict__ topw,
+                                      const int64_t* __restrict__ ids, int E, int topk, int D,
+                                      __nv_bfloat16* __restrict__ out, const __nv_bfloat16* __restrict__ y_shared) {
+  pdl_wait();  // y comes from the down GEMM
+  const int tok = blockIdx.y;
+  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (d >= D) return;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k = 0; k < topk; ++k) {
+    const int64_t e = ids[tok * topk + k];
+    if (e < 0 || e >= E) continue;
+    const float wk = topw[tok * topk + k];
+    const uint4 v = *reinterpret_cast<const uint4*>(y + ((size_t)tok * topk + k) * D + d);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += wk * f.x;
+      acc[2 * i + 1] += wk * f.y;
+    }
+  }
+  if (y_shared != nullptr) {
+    const uint4 v = *reinterpret_cast<const uint4*>(y_shared + (size_t)tok * D + d);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] = bf16_round(acc[2 * i]) + f.x;
+      acc[2 * i + 1] = bf16_round(acc[2 * i + 1]) + f.y;
+    }
+  }
+  uint4 o;
+  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  *reinterpret_cast<uint4*>(out + (size_t)tok * D + d) = o;
 }
 
 }  // namespace k26_moe

@@ -22,7 +22,10 @@
 // One token (decode) without a given table (csrc/moe_one_token.cuh): no route launch, each pair is its own
 // group read straight from the ids ("direct"); a one-token group's gate/up stages x in shared memory and keeps
 // 8 weight chunks in flight per warp; down + combine are one launch (one block per output tile, one warp per
-// pair, the sum in shared memory). Bit-identical to the four-launch path.
+// pair, the sum in shared memory). A few tokens (P + S <= 576, nt = 1, I <= 256: K2.6 at TP8 up to M = 64):
+// gemm2 + combine are one launch too (csrc/moe_down_combine.cuh: a block per 32 output rows over every group,
+// one wave; TP8 block 4-20 % faster, the verify N = 16 step 7.77 -> 7.24 ms,
+// 2026-12-02-bench_moe-down-combine-h200.md). Both bit-identical to the four-launch path.
 //
 // "Swap AB": the weights are the mma A operand (16 output features per tile) and the few tokens per
 // expert are the n = 8 columns, so small batches waste no weight bandwidth. Weight layout (repacked
@@ -303,47 +306,6 @@ __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
     }
   }
   MOE_TRACE(GATED ? 0 : 1, 3);
-}
-
-// ---------------------------------------------------------------------------------------------
-// 4. out[t, d] = bf16(sum_k w[t,k] * y[t*topk + k, d]) over valid experts, k in order.
-// With the shared expert: out[t] = bf16(bf16(routed sum) + y_shared[t]), the reference's two rounding points.
-__global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, const float* __restrict__ topw,
-                               const int64_t* __restrict__ ids, int E, int topk, int D, __nv_bfloat16* __restrict__ out,
-                               const __nv_bfloat16* __restrict__ y_shared) {
-  pdl_wait();  // y comes from the down GEMM
-  const int tok = blockIdx.y;
-  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
-  if (d >= D) return;
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < topk; ++k) {
-    const int64_t e = ids[tok * topk + k];
-    if (e < 0 || e >= E) continue;
-    const float wk = topw[tok * topk + k];
-    const uint4 v = *reinterpret_cast<const uint4*>(y + ((size_t)tok * topk + k) * D + d);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      acc[2 * i] += wk * f.x;
-      acc[2 * i + 1] += wk * f.y;
-    }
-  }
-  if (y_shared != nullptr) {
-    const uint4 v = *reinterpret_cast<const uint4*>(y_shared + (size_t)tok * D + d);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      acc[2 * i] = bf16_round(acc[2 * i]) + f.x;
-      acc[2 * i + 1] = bf16_round(acc[2 * i + 1]) + f.y;
-    }
-  }
-  uint4 o;
-  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-  *reinterpret_cast<uint4*>(out + (size_t)tok * D + d) = o;
 }
 
 struct Workspace {
