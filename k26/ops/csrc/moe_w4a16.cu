@@ -430,6 +430,9 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
                   (const __nv_bfloat16*)shared_down};
   // Few pairs: one gate/up tile per warp doubles the blocks in flight; many: two tiles share B loads, and the
   // down GEMM's warps take two tiles each (half the blocks: its grid was several waves of short blocks).
+  // (One tile per warp up to 128 / 256 pairs measured slower with the one-launch down + combine: M = 16 block
+  // uniform 100.5 -> 106.8 / 109.2 µs, skewed 40.6 -> 44.4 / 45.2, verify N = 16 step 7.18 -> 7.45 ms;
+  // 2026-12-02-bench_moe-down-combine-h200.md.)
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
