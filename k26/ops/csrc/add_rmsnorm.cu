@@ -34,6 +34,7 @@ using namespace k26_norm;
 __global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(const __nv_bfloat16* x, const __nv_bfloat16* residual,
                                                               Row r) {
   pdl_trigger();  // every block is resident once all have triggered: dependents never take our SMs
+  const RowWeight wt = load_weight(r);  // a constant: in flight across the wait
   pdl_wait();     // x and residual come from the kernels before
   const int row = blockIdx.x, V = r.D / 8;
   float h[kMaxVec][8];
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(const __nv_bfloat
     const size_t at = size_t(row) * r.D + size_t(v) * 8;
     add_residual(h[k], *reinterpret_cast<const uint4*>(x + at), *reinterpret_cast<const uint4*>(residual + at));
   }
-  finish_row(r, row, h);
+  finish_row(r, row, h, wt);
 }
 
 }  // namespace

@@ -181,6 +181,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
   // this one advanced); the kernel after may then start its own prologue (a projection's weight prefetch)
   // while this one waits on its peers — it reads our outputs only after its own wait, i.e. after we exit.
   // Every block triggers only once resident, so dependents never take the SMs this grid needs.
+  const RowWeight wt = load_weight(p.norm);  // the norm weight (a constant) in flight across the waits
   pdl_wait();
   pdl_trigger();
   const unsigned e = *reinterpret_cast<volatile unsigned*>(&p.ctl->epoch) + 1u;
@@ -195,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
       if (wait_all(p, kFlagsA, e, n)) {
         for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
           reduce_row(p, row, slot, h);
-          finish_row(p.norm, row, h);
+          finish_row(p.norm, row, h, wt);
         }
       }
     } else {
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_add_rmsnorm_kernel(Params 
 #pragma unroll
               for (int j = 0; j < 8; ++j) h[k][j] = __bfloat162float(b[j]);
             }
-            finish_row(p.norm, row, h);
+            finish_row(p.norm, row, h, wt);
           }
       }
     }

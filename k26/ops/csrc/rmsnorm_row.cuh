@@ -66,8 +66,24 @@ __device__ __forceinline__ float block_sum(float v) {
   return s;
 }
 
-// h (this thread's vectors of `row`) -> res_out and the normed row -> out.
-__device__ inline void finish_row(const Row& r, int row, const float (&h)[kMaxVec][8]) {
+// This thread's vectors of the norm weight (a constant): loaded by the kernels before their grid-dependency
+// wait, so the weight's DRAM round trip is off the row's path (loaded after the row's sum it was one more).
+struct RowWeight {
+  uint4 v[kMaxVec];
+};
+
+__device__ __forceinline__ RowWeight load_weight(const Row& r) {
+  RowWeight w;
+#pragma unroll
+  for (int k = 0; k < kMaxVec; ++k) {
+    const int v = threadIdx.x + k * kThreads;
+    w.v[k] = v < r.D / 8 ? __ldg(reinterpret_cast<const uint4*>(r.weight) + v) : make_uint4(0, 0, 0, 0);
+  }
+  return w;
+}
+
+// h (this thread's vectors of `row`) -> res_out and the normed row -> out; wt = load_weight(r).
+__device__ inline void finish_row(const Row& r, int row, const float (&h)[kMaxVec][8], const RowWeight& wt) {
   const int V = r.D / 8;
   float ss = 0.f;
 #pragma unroll
@@ -81,8 +97,7 @@ __device__ inline void finish_row(const Row& r, int row, const float (&h)[kMaxVe
     const int v = threadIdx.x + k * kThreads;
     if (v >= V) continue;
     const size_t at = size_t(row) * r.D + size_t(v) * 8;
-    const uint4 wv = *reinterpret_cast<const uint4*>(r.weight + size_t(v) * 8);
-    const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(&wv);
+    const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(&wt.v[k]);
     float y[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j)  // HF order: normalise in fp32, round, then multiply by the weight and round
