@@ -213,6 +213,38 @@ def test_one_launch_down_combine_narrow_experts_equals_split_launches_bitwise(M)
     assert torch.isfinite(fused.float()).all() and torch.equal(fused, split)
 
 
+def _kernel_names(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # built and warm outside the recording
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [ev.key for ev in prof.key_averages() if ev.device_time_total > 0]
+
+
+def test_few_tokens_run_down_and_combine_as_one_launch():
+    """At M = 16 (K2.6 TP8 shapes) the op launches down_combine_grouped and no separate down GEMM / combine;
+    under split_down() it launches those two instead (what the bitwise tests above compare)."""
+    from k26.ops import moe_cuda
+
+    _, w, sh, x, ids, tw = block_inputs(700, 16, 384, 8, 7168, 256)
+    fused = _kernel_names(lambda: torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh))
+    with moe_cuda.split_down():
+        split = _kernel_names(lambda: torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh))
+    assert any("down_combine_grouped" in k for k in fused), fused
+    assert not any("combine_kernel" in k for k in fused), fused
+    assert not any("down_combine_grouped" in k for k in split), split
+    assert any("combine_kernel" in k for k in split), split
+
+
+def test_one_token_with_more_than_eight_experts_matches_reference():
+    """One token, no table, top-10: too many pairs for the one-token down + combine, and the direct routing
+    (no routing table is built) must not reach the table-driven down + combine either."""
+    check(E=64, K=10, D=512, inter=256, M=1, kind="uniform", seed=11)
+
+
 def test_table_of_another_size_is_refused():
     gen = torch.Generator(device="cuda").manual_seed(9)
     w = random_repacked(8, 64, 64, gen)

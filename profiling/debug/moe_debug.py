@@ -7,7 +7,8 @@ python profiling/debug/moe_debug.py --op hot10 64   # only the expert op (+ shar
                                                # the routing kind and M given, 3 launches (a target for
                                                # ncu --kernel-name regex:gemm_kernel --launch-skip 2 -c 2)
 At M = 1 the op is two launches (gate/up gemm_kernel, down_combine_one_token): it routes directly (no
-table) and never writes y, so the dumps use M >= 2.
+table) and never writes y, so the dumps use M >= 2, with the down GEMM + combine launches (flags bit 1;
+csrc/moe_down_combine.cuh, the default for a few tokens, keeps y in shared memory).
 """
 
 import sys
@@ -58,7 +59,7 @@ def run(E, K, D, I, M, kind, seed):
         None,
         None,
         None,  # no table: the op's own route_kernel writes it into the workspace
-        0,  # no PDL
+        2,  # flags: no PDL; the down GEMM + combine launches (y in the workspace, not in shared memory)
         torch.cuda.current_stream().cuda_stream,
     )
     torch.cuda.synchronize()

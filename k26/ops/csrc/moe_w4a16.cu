@@ -374,7 +374,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
                      (const __nv_bfloat16*)ws.act, (const uint4*)w2,
                      (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
   }
-  if (NT == 1 && !split_down && P + S <= kDownCombineMaxSlots && I <= 64 * kDownCombineMaxChunks &&
+  if (NT == 1 && !direct && !split_down && P + S <= kDownCombineMaxSlots && I <= 64 * kDownCombineMaxChunks &&
       tiles2 % kDownCombineRT == 0) {  // a few tokens: down + combine in one launch
     const size_t smem = down_combine_smem(P, S, G);
     if (smem > 48 * 1024) {
