@@ -174,6 +174,19 @@ def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     assert ((given.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def one_launch_and_split(x, w, ids, tw, sh):
+    """The op's output as it runs (one-launch down + combine where it serves) and with split_down(), each
+    into a poisoned allocator."""
+    from k26.ops import moe_cuda
+
+    poison_allocator()
+    fused = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    with moe_cuda.split_down():
+        poison_allocator()
+        split = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    return fused, split
+
+
 @pytest.mark.parametrize("M", [2, 5, 16, 33, 64])
 @pytest.mark.parametrize("kind", ["uniform", "hot10"])
 @pytest.mark.parametrize("with_shared", [False, True])
@@ -186,11 +199,7 @@ def test_one_launch_down_combine_equals_split_launches_bitwise(M, kind, with_sha
     E, K, D, inter = 384, 8, 7168, 256
     _, w, sh, x, ids, tw = block_inputs(500 + M, M, E, K, D, inter, kind, with_shared=with_shared)
     assert moe_cuda.pick_nt(M * K, E) == 1  # the one-launch path's table
-    poison_allocator()
-    fused = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
-    with moe_cuda.split_down():
-        poison_allocator()
-        split = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    fused, split = one_launch_and_split(x, w, ids, tw, sh)
     assert torch.isfinite(fused.float()).all() and torch.equal(fused, split)
     ref = _reference(x, *w, ids, tw, *sh).float()
     assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
@@ -205,11 +214,7 @@ def test_one_launch_down_combine_narrow_experts_equals_split_launches_bitwise(M)
     E, K, D, inter = 64, 8, 512, 128
     _, w, sh, x, ids, tw = block_inputs(600 + M, M, E, K, D, inter, "uniform")
     assert moe_cuda.pick_nt(M * K, E) == 1
-    poison_allocator()
-    fused = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
-    with moe_cuda.split_down():
-        poison_allocator()
-        split = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    fused, split = one_launch_and_split(x, w, ids, tw, sh)
     assert torch.isfinite(fused.float()).all() and torch.equal(fused, split)
 
 
