@@ -1,5 +1,6 @@
-"""Front door of the MLA tree-attention CUDA kernel (csrc/mla_tree_attn.cu) for
-`torch.ops.k26.mla_tree_attention`: input checks before launch, the split count, the workspace.
+"""Front door of the MLA tree-attention CUDA kernel (csrc/mla_tree_attn_kernel.cuh; host side
+csrc/mla_tree_attn.cu) for `torch.ops.k26.mla_tree_attention`: input checks before launch, the split count,
+the workspace.
 
 The kernel serves K2's absorbed shape (576-wide latent keys, 512-wide values, bf16). Other shapes and
 dtypes (the tiny test models, float32 scoring) run the op's pure-torch reference on the same device.

@@ -1,4 +1,4 @@
-// Shared pieces of the MLA tree-attention kernel (csrc/mla_tree_attn.cu, csrc/mla_attn_merge.cuh): tile
+// Shared pieces of the MLA tree-attention kernel (csrc/mla_tree_attn_kernel.cuh, csrc/mla_attn_merge.cuh): tile
 // geometry and shared-memory layout (Cfg), the launch parameters, cp.async / ldmatrix / mma.sync wrappers, the
 // split geometry every block of a sequence agrees on, and the -DK26_ATTN_TRACE phase stamps.
 //

@@ -1,4 +1,4 @@
-// The split-KV merge of the MLA tree-attention kernel (csrc/mla_tree_attn.cu), in the same launch: within a
+// The split-KV merge of the MLA tree-attention kernel (csrc/mla_tree_attn_kernel.cuh), in the same launch: within a
 // thread-block cluster through distributed shared memory, then across clusters in the workspace.
 //
 // Legality: thread-block clusters of <= 8 with distributed shared memory (sm_90 and sm_120), plain loads and

@@ -1,7 +1,7 @@
 // Interleaved-pair RoPE of one pair, bit-identical to the reference (k26/ops/reference.py: rope): angle =
 // fp32(position) * inv_freq in fp32, accurate cosf / sinf, products and sums without FMA contraction
 // (torch's eager x0 * cos - x1 * sin), rounded to bf16 once. Shared by the glue kernel (k_pe, csrc/mla_glue.cu)
-// and the tree attention's query (q_pe, csrc/mla_tree_attn.cu).
+// and the tree attention's query (q_pe, csrc/mla_tree_attn_kernel.cuh).
 //
 // Legality: plain fp32 arithmetic and bf16 conversions: sm_90a and sm_120a.
 
