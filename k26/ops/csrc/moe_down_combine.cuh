@@ -131,26 +131,16 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   MOE_TRACE(1, 1);
   for (; gi < ng; gi += kDownCombineWarps) {
     begin_group(gi);
-    uint4 bv[kDownCombineMaxChunks][2];
+    uint4 bv[kDownCombineMaxChunks][1][2];
 #pragma unroll
     for (int c = 0; c < kDownCombineMaxChunks; ++c)
 #pragma unroll
       for (int q = 0; q < 2; ++q)
-        bv[c][q] = c < KC && brow[0] ? __ldg(brow[0] + c * 8 + q) : make_uint4(0, 0, 0, 0);
+        bv[c][0][q] = c < KC && brow[0] ? __ldg(brow[0] + c * 8 + q) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int c = 0; c < kDownCombineMaxChunks; ++c) {
       if (c >= KC) break;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-          const uint32_t word = j == 0 ? wv[c][r].x : j == 1 ? wv[c][r].y : j == 2 ? wv[c][r].z : wv[c][r].w;
-          uint32_t a[4];
-          dequant(word, sv[c][r], a);
-          const uint4 b = bv[c][j >> 1];
-          mma_bf16(acc[r][0], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
-        }
-      }
+      mma_chunk<RT, 1>(wv[c], sv[c], bv[c], acc);
     }
     if (gi + kDownCombineWarps < ng) load_w(s_expert[gi + kDownCombineWarps]);
     store_group(gi, false);

@@ -152,25 +152,8 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
         }
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (c0 + u < c_end) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-              const uint32_t word = j == 0 ? wv[u][r].x : j == 1 ? wv[u][r].y : j == 2 ? wv[u][r].z : wv[u][r].w;
-              uint32_t a[4];
-              dequant(word, sv[u][r], a);
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                const uint4 b = bv[u][nt][j >> 1];
-                const uint32_t b0 = (j & 1) ? b.z : b.x, b1 = (j & 1) ? b.w : b.y;
-                mma_bf16(acc[r][nt], a, b0, b1);
-              }
-            }
-          }
-        }
-      }
+      for (int u = 0; u < U; ++u)
+        if (c0 + u < c_end) mma_chunk<RT, NT>(wv[u], sv[u], bv[u], acc);
     }
   }
 

@@ -40,6 +40,28 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One 64-wide k chunk: RT int4 weight tiles (wv[r], scales sv[r]) times NT 8-token B tiles (bv[nt]: a lane's 32
+// activation bytes of the chunk), the chunk's 4 k-steps in order, tiles then n-tiles within a step: the mma order
+// every routed GEMM path shares (so they stay bit-identical to each other).
+template <int RT, int NT>
+__device__ __forceinline__ void mma_chunk(const uint4 (&wv)[RT], const uint32_t (&sv)[RT], const uint4 (&bv)[NT][2],
+                                          float (&acc)[RT][NT][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const uint32_t word = j == 0 ? wv[r].x : j == 1 ? wv[r].y : j == 2 ? wv[r].z : wv[r].w;
+      uint32_t a[4];
+      dequant(word, sv[r], a);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 b = bv[nt][j >> 1];
+        mma_bf16(acc[r][nt], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
 // The shared expert (group expert id == E) as bf16 rows: GATED: rows g / g+8 of a tile are gate / up row
