@@ -140,7 +140,7 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
         return composition(x, residual, weight, eps, _group(group_name))
     # The kernel moves 16-byte vectors. An unaligned view is copied, never sent down another path: whether
     # a tensor is aligned is this rank's own business, and ranks on different paths would wait on each other.
-    given = weight
+    given = weight  # read before the kernel's wait (pdl.enabled_as_given)
     x, residual, weight = vector_ready(x, residual, weight)
     world, D = peers.numel(), x.shape[-1]
     rows = x.numel() // D
@@ -161,9 +161,8 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
         rank,
         world,
         two_shot,
-        # PDL overlaps the kernel before / the peers' wait (not yet measured on two GPUs); the weight is read
-        # before the wait, so a weight copied here (the kernel just before) means no PDL
-        int(pdl.ENABLED and weight.data_ptr() == given.data_ptr()),
+        # PDL overlaps the kernel before / the peers' wait (not yet measured on two GPUs)
+        int(pdl.enabled_as_given((weight, given))),
         stream,
     )
     if e:
@@ -190,7 +189,7 @@ def add_rmsnorm_served(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def _(x, residual, weight, eps):
     if not add_rmsnorm_served(x, residual, weight):
         return add_rmsnorm_reference(x, residual, weight, eps)
-    given = weight
+    given = weight  # read before the kernel's wait (pdl.enabled_as_given)
     x, residual, weight = vector_ready(x, residual, weight)
     out, res_out = torch.empty_like(residual), torch.empty_like(residual)
     D = x.shape[-1]
@@ -199,9 +198,7 @@ def _(x, residual, weight, eps):
         x.numel() // D,
         D,
         eps,
-        # The kernel reads the weight before its grid-dependency wait: a copy made here (an unaligned or
-        # strided weight) would be the kernel just before it, so then it launches without PDL.
-        int(pdl.ENABLED and weight.data_ptr() == given.data_ptr()),
+        int(pdl.enabled_as_given((weight, given))),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if e:

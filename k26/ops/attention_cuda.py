@@ -200,12 +200,8 @@ def _(
         pe_ptr, pe_ld, pos_ptr, freq_ptr = q_pe.data_ptr(), q_pe.stride(2), pos64.data_ptr(), freq.data_ptr()
     out = torch.empty(B, N, H, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, N, H, dtype=torch.float32, device=q.device)
-    # Under PDL the kernel reads rows, prefix_lens and the prefix keys before its grid-dependency wait, which
-    # is safe only when the kernel just before did not write them. A conversion or copy made here would be
-    # that kernel: then launch without PDL (fully ordered after it). The model passes them as they are read.
-    early_reads_ok = all(
-        a.data_ptr() == b.data_ptr() for a, b in ((rows64, rows), (prefix64, prefix_lens), (cc, cache))
-    )
+    # Under PDL the kernel reads rows, prefix_lens and the prefix keys before its grid-dependency wait.
+    early_ok = pdl.enabled_as_given((rows64, rows), (prefix64, prefix_lens), (cc, cache))
     lib = library()
     _bind(lib)
     S, CL = PLANS.plan(lib, q.device, B, N, H)
@@ -234,7 +230,7 @@ def _(
         pe_ld,
         pos_ptr,
         freq_ptr,
-        int(pdl.ENABLED and early_reads_ok),
+        int(early_ok),
         torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:

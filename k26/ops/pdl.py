@@ -21,3 +21,11 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         ENABLED = before
+
+
+def enabled_as_given(*pairs: tuple) -> bool:
+    """Whether to launch with PDL a kernel that reads some inputs before its grid-dependency wait: only when
+    each such input (kernel's tensor, caller's tensor) is the caller's own. A copy its front door made (a
+    dtype conversion, `.contiguous()`, an alignment clone) would be the kernel just before it, still
+    writing while it reads."""
+    return ENABLED and all(used.data_ptr() == given.data_ptr() for used, given in pairs)
