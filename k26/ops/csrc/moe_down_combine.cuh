@@ -31,6 +31,10 @@
 #include "moe_route.cuh"
 #include "pdl.cuh"
 
+#ifndef MOE_TRACE  // phase stamps: csrc/moe_w4a16.cu defines it (-DK26_MOE_TRACE)
+#define MOE_TRACE(table, k)
+#endif
+
 namespace k26_moe {
 
 constexpr int kDownCombineMaxSlots = 576;  // P + S: 64 tokens at top-8 plus their 64 shared-expert slots
