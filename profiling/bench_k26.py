@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernel_table import category, experts_touched, record, run_variants
+from kernel_table import by_name, category, experts_touched, record, run_variants
 from timing import copy_bandwidth, events_time, source_commit
 
 from k26.config import K26_TEXT_CONFIG, ModelConfig
@@ -179,6 +179,11 @@ def main() -> None:
         action="store_true",
         help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
     )
+    ap.add_argument(
+        "--step-kernels",
+        action="store_true",
+        help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fused and a.variants:
@@ -267,6 +272,7 @@ def main() -> None:
             with open(a.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
         return
+    tables: list[str] = []  # --step-kernels, after the step table
     for L in ctxs:
         cache = torch.zeros(
             cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev
@@ -316,12 +322,14 @@ def main() -> None:
                     StepModels(model, drafter, cache, dcache, static=True), rows, st, bonus, alive, spec, sp
                 )
 
-            t = graph_step_time(step, lambda st=st, start=start: st.copy_(start))
-            lines.append(
-                f"| whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step | "
-                f"{L} | {8 if spec.method == 'dflash' else spec.budget + 1} | {t * 1e3:.2f} | | | | |"
-            )
+            kernels: list | None = [] if a.step_kernels else None
+            t = graph_step_time(step, lambda st=st, start=start: st.copy_(start), kernels)
+            what = f"whole {spec.method}{'' if spec.method == 'dflash' else f' budget {spec.budget}'} step"
+            n_ver = 8 if spec.method == "dflash" else spec.budget + 1
+            lines.append(f"| {what} | {L} | {n_ver} | {t * 1e3:.2f} | | | | |")
             print(lines[-1], flush=True)
+            if kernels:
+                tables += by_name(kernels, f"{what}, L = {L}")
         if not a.no_specs:
             dstart = start.clone()
 
@@ -330,12 +338,15 @@ def main() -> None:
 
                 draft(model, drafter, dcache, rows, dstart, bonus, static=True)
 
-            t = graph_step_time(draft_only, lambda: None)
+            kernels = [] if a.step_kernels else None
+            t = graph_step_time(draft_only, lambda: None, kernels)
             lines.append(f"| draft forward (drafter + lm_head shard) | {L} | 8 | {t * 1e3:.2f} | | | | |")
             print(lines[-1], flush=True)
+            if kernels:
+                tables += by_name(kernels, f"draft forward, L = {L}")
         del cache, dcache
         torch.cuda.empty_cache()
-    lines += breakdown(model, cfg, dcfg, dev, ctxs[0], a.breakdown_nodes)
+    lines += tables + breakdown(model, cfg, dcfg, dev, ctxs[0], a.breakdown_nodes)
     print("\n".join(lines[-40:]), flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -73,6 +73,21 @@ def record(replay) -> list[dict]:
     ]
 
 
+def by_name(kernels: list[dict], label: str, top: int = 25) -> list[str]:
+    """Markdown: one replay's kernels summed by name, the most time first (launches, µs, share of the sum).
+    For steps that are not a chain of identical layers (a whole speculative step, the drafter)."""
+    total = sum(k["dur"] for k in kernels) or 1.0
+    agg: dict[str, list[float]] = {}
+    for k in kernels:
+        agg.setdefault(k["name"], []).append(k["dur"])
+    out = ["", f"### {label}: {len(kernels)} kernels, summed {total / 1e3:.2f} ms", ""]
+    out += ["| kernel | category | launches | µs | share |", "|---|---|---|---|---|"]
+    for name, ts in sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        share = 100 * sum(ts) / total
+        out.append(f"| `{short(name)}` | {category(name)} | {len(ts)} | {sum(ts):.0f} | {share:.1f}% |")
+    return out
+
+
 def layer_segments(kernels: list[dict]) -> list[list[dict]]:
     """The kernel runs between consecutive attention kernels, from the second on (MoE layers only), keeping
     the runs with the most common name sequence."""

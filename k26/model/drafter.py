@@ -9,12 +9,15 @@ frequencies and the attention factor on cos/sin (legacy by default, see DrafterC
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..drafter_config import DrafterConfig
-from ..ops.reference import live_keys
+from ..ops import drafter_attn_cuda  # noqa: F401  (registers torch.ops.k26.drafter_attention)
+from ..ops.reference import gqa_attention, live_keys
 from .layers import MLP, RMSNorm, TPInfo, linear
 from .rope import yarn_inv_freq
 
@@ -59,25 +62,35 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self.k_proj(h_BTD).view(B, T, -1, self.cfg.head_dim))
         return rope(k, pos_BT), self.v_proj(h_BTD).view(B, T, -1, self.cfg.head_dim)
 
-    def forward(self, h_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope, partial: bool = False):
-        """Block queries over [context ; block] keys. `visible`: [B, L] context rows each query sees, the
-        block seen whole (inference: one block per row); or [B, S, L + S] per query (training: many
-        blocks per row, each seeing its own context prefix and itself)."""
-        cfg = self.cfg
+    def project(self, h_BSD: torch.Tensor, pos_BS: torch.Tensor, rope: NeoxRope):
+        """The block's queries [B, S, heads, hd] and its own keys and values [B, S, kv_heads, hd]."""
         B, S, _ = h_BSD.shape
-        q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, cfg.head_dim)), pos_BS)
-        k_blk, v_blk = self.kv(h_BSD, pos_BS, rope)
-        k = torch.cat([ctx_k, k_blk], dim=1)  # [B, L + S, Hkv, hd]
-        v = torch.cat([ctx_v, v_blk], dim=1)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, self.cfg.head_dim)), pos_BS)
+        return (q, *self.kv(h_BSD, pos_BS, rope))
+
+    def output(self, a_BSHD: torch.Tensor, partial: bool) -> torch.Tensor:
+        y = self.o_proj(a_BSHD.flatten(2))
+        return y if partial else self.tp.reduce(y)  # partial: the caller reduces (TPInfo.reduce_add_norm)
+
+    def forward(self, h_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope, partial: bool = False):
+        """Block queries over explicit context K/V [B, L, kv_heads, hd] and the block's own. `visible`: [B, L]
+        context rows each query sees, the block seen whole (one block per row); or [B, S, L + S] per query
+        (training: many blocks per row, each seeing its own context prefix and itself)."""
+        B, S, _ = h_BSD.shape
+        q, k_blk, v_blk = self.project(h_BSD, pos_BS, rope)
+        k, v = torch.cat([ctx_k, k_blk], dim=1), torch.cat([ctx_v, v_blk], dim=1)  # [B, L + S, kv_heads, hd]
         if visible.dim() == 2:
             visible = torch.cat([visible, visible.new_ones(B, S)], dim=1)[:, None]  # [B, 1, L + S]
-        s = torch.einsum("bshd,blhd->bhsl", q.float(), k.float()) * cfg.head_dim**-0.5
-        s = s.masked_fill(~visible[:, None], float("-inf"))
-        a = torch.einsum("bhsl,blhd->bshd", torch.softmax(s, dim=-1).to(v.dtype), v)
-        y = self.o_proj(a.reshape(B, S, -1))
-        return y if partial else self.tp.reduce(y)  # partial: the caller reduces (TPInfo.reduce_add_norm)
+        return self.output(gqa_attention(q, k, v, visible, self.cfg.head_dim**-0.5), partial)
+
+    def cached(self, h_BSD, pos_BS, cache_k, cache_v, rows_B, ctx_lens_B, rope: NeoxRope, partial=False):
+        """Inference: the block over its sequence's cached context, one layer's cache [rows, T, kv_heads, hd]
+        with rows[b]'s first ctx_lens[b] slots live, as `torch.ops.k26.drafter_attention` (on CUDA a
+        split-KV kernel that reads the cache in place; the reference gathers)."""
+        q, k_blk, v_blk = self.project(h_BSD, pos_BS, rope)
+        scale = self.cfg.head_dim**-0.5
+        a = torch.ops.k26.drafter_attention(q, cache_k, cache_v, k_blk, v_blk, rows_B, ctx_lens_B, scale)
+        return self.output(a, partial)
 
 
 class DrafterLayer(nn.Module):
@@ -90,13 +103,19 @@ class DrafterLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, tp.split(cfg.intermediate_size, "drafter intermediate_size"), dtype)
 
     def forward(self, x_BSD, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope) -> torch.Tensor:
-        """One pre-norm residual layer; `visible` as in `DrafterAttention.forward`."""
-        return self.fused(x_BSD, self.input_layernorm(x_BSD), pos_BS, ctx_k, ctx_v, visible, rope, None)[1]
+        """One pre-norm residual layer over explicit context K/V, `visible` as in `DrafterAttention.forward`
+        (training; inference runs `DFlashDrafter.forward` over the cache)."""
 
-    def fused(self, x_BSD, normed, pos_BS, ctx_k, ctx_v, visible, rope: NeoxRope, next_norm: RMSNorm | None):
-        """`forward` given the input norm `normed` -> (next_norm(x'), x'): each all-reduce runs with the
-        residual add and the norm after it (`TPInfo.reduce_add_norm`); next_norm None: (None, x')."""
-        a = self.self_attn(normed, pos_BS, ctx_k, ctx_v, visible, rope, partial=True)
+        def attend(normed):
+            return self.self_attn(normed, pos_BS, ctx_k, ctx_v, visible, rope, partial=True)
+
+        return self.fused(x_BSD, self.input_layernorm(x_BSD), attend, None)[1]
+
+    def fused(self, x_BSD, normed, attend, next_norm: RMSNorm | None):
+        """The layer given its input norm `normed` and `attend` (normed -> the attention's partial output)
+        -> (next_norm(x'), x'): each all-reduce runs with the residual add and the norm after it
+        (`TPInfo.reduce_add_norm`); next_norm None: (None, x')."""
+        a = attend(normed)
         normed, x_BSD = self.tp.reduce_add_norm(a, x_BSD, self.post_attention_layernorm)
         h = self.mlp(normed)
         if next_norm is None:
@@ -141,13 +160,22 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Block hidden states after the final norm [B, S, D]; context = cache positions < ctx_lens.
         `static`: whole cache rows, no host sync (graph bodies), as `AttnBatch.static`."""
-        keys = live_keys(ctx_lens_B, 0, cache_k.shape[2], static)
-        vis = torch.arange(keys, device=x_BSD.device)[None, :] < ctx_lens_B[:, None]
+        keys = live_keys(ctx_lens_B, 0, cache_k.shape[2], static)  # a view of the live slots, read in place
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         normed = self.layers[0].input_layernorm(x_BSD) if len(self.layers) else self.norm(x_BSD)
         for i, layer in enumerate(self.layers):
-            k, v = cache_k[i][rows_B, :keys], cache_v[i][rows_B, :keys]
-            normed, x_BSD = layer.fused(x_BSD, normed, pos_BS, k, v, vis, self.rope, norms[i])
+            ck, cv = cache_k[i][:, :keys], cache_v[i][:, :keys]
+            attend = functools.partial(
+                layer.self_attn.cached,
+                pos_BS=pos_BS,
+                cache_k=ck,
+                cache_v=cv,
+                rows_B=rows_B,
+                ctx_lens_B=ctx_lens_B,
+                rope=self.rope,
+                partial=True,
+            )
+            normed, x_BSD = layer.fused(x_BSD, normed, attend, norms[i])
         return normed
 
 

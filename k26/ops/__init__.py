@@ -98,6 +98,7 @@ def _(
 from . import (
     allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm and add_rmsnorm with their CUDA kernels)
     attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
+    drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
     glue_cuda,  # noqa: F401  (registers mla_glue with its CUDA kernel)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
@@ -115,4 +116,5 @@ OPS = (
     "mla_glue",
     "allreduce_add_rmsnorm",
     "add_rmsnorm",
+    "drafter_attention",
 )

@@ -128,6 +128,29 @@ def mla_tree_attention(
     return out.to(q_BNHC.dtype), lse_BNH
 
 
+def gqa_attention(q_BSHD, k_BLKD, v_BLKD, visible_BSL: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention, fp32 scores and softmax, the probabilities rounded to v's dtype before P V:
+    query head h reads KV head h // (H / K). visible_BSL: [B, S or 1, L] keys each query sees (each query
+    must see one). Keys no query sees may hold anything, NaN included: their values are read as zeros."""
+    rep = q_BSHD.shape[2] // k_BLKD.shape[2]
+    v_BLKD = v_BLKD.masked_fill(~visible_BSL.any(1)[:, :, None, None], 0.0)
+    k, v = k_BLKD.repeat_interleave(rep, dim=2), v_BLKD.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bshd,blhd->bhsl", q_BSHD.float(), k.float()) * scale
+    s = s.masked_fill(~visible_BSL[:, None], float("-inf"))
+    return torch.einsum("bhsl,blhd->bshd", torch.softmax(s, dim=-1).to(v.dtype), v)
+
+
+def drafter_attention(q_BSHD, cache_k_RTKD, cache_v_RTKD, k_blk_BSKD, v_blk_BSKD, rows_B, ctx_lens_B, scale):
+    """The DFlash drafter at inference: the block's queries over the cached context rows cache[rows[b],
+    0 .. ctx_lens[b]) (clamped to the cache length T) and the block's own S keys, all visible."""
+    T, S = cache_k_RTKD.shape[1], q_BSHD.shape[1]
+    k = torch.cat([cache_k_RTKD[rows_B], k_blk_BSKD], dim=1)  # [B, T + S, K, D]
+    v = torch.cat([cache_v_RTKD[rows_B], v_blk_BSKD], dim=1)
+    j = torch.arange(T + S, device=q_BSHD.device)
+    visible = (j[None] < ctx_lens_B.clamp(0, T)[:, None]) | (j[None] >= T)
+    return gqa_attention(q_BSHD, k, v, visible[:, None], scale).contiguous()
+
+
 def moe_router(
     x_TD, weight_ED, bias_E, n_group: int, topk_group: int, topk: int, renormalize: bool, scale: float
 ):
