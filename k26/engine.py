@@ -33,6 +33,7 @@ from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
 from .model import AttnBatch, CompiledLayers, KimiK2
+from .model.drafter import CompiledDrafter
 from .sampling import MODES, SamplingParams, stop_prefix_len
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
@@ -94,9 +95,11 @@ class LLM:
         self.progress = progress and self.rank == 0  # one set of progress lines, whatever the ranks were told
         self._load(drafter, max_batch, self.progress, cuda_kernels, cache_dir)
         self.user_buckets = check_buckets(buckets, max_batch)
-        # torch.compile of the decoder layers: fixed shapes per bucket, lengths and positions as tensors, so
-        # decode never recompiles; it runs (and autotunes) in the warm-ups before each graph capture.
+        # torch.compile of the decoder layers and the drafter's block forward: fixed shapes per bucket,
+        # lengths and positions as tensors, so decode never recompiles; it runs (and autotunes) in the
+        # warm-ups before each graph capture.
         self.model_fwd = CompiledLayers(self.model) if compile else self.model
+        self.drafter_fwd = CompiledDrafter(self.drafter) if compile and self.drafter is not None else None
         self._compile_cache = None  # torch.compile's artifacts (the body, the budget policies) for restarts
         if self.graphs and cache_dir is not None:
             self._compile_cache = compile_cache_file(cache_dir, self.path, self.device)
@@ -207,6 +210,7 @@ class LLM:
             self.absorb,
             self.graphs,
             self.progress,
+            drafter_fwd=self.drafter_fwd,
         )
 
     # -- tensor parallel driven from one Python process -------------------------------------------

@@ -393,4 +393,5 @@ def load_drafter(
     model.rope.reset_buffers()
     if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
         use_cuda_kernels(model)  # the target's switch: today nothing of the drafter's changes
+        model.fuse_()  # residual adds + norms as one op
     return model.eval()

@@ -37,7 +37,7 @@ from k26.config import K26_TEXT_CONFIG, ModelConfig
 from k26.drafter_config import DrafterConfig
 from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
-from k26.model.drafter import DFlashDrafter
+from k26.model.drafter import CompiledDrafter, DFlashDrafter
 from k26.model.moe import Int4Experts, Router
 from k26.ops import moe_cuda, pdl
 from k26.ops.moe_layout import repack_scales, w13_row_order
@@ -220,6 +220,10 @@ def main() -> None:
     drafter.to_empty(device=dev)
     randomize(drafter, False)
     drafter.rope.reset_buffers()
+    if a.fused:
+        drafter.fuse_()  # as the loader does
+    if a.compile:
+        drafter = CompiledDrafter(drafter)  # as the engine's captured steps run it
     copy_bw = copy_bandwidth()
     commit = source_commit()
     nonrouted, routed_all = param_bytes(model, False), param_bytes(model, True)

@@ -56,3 +56,42 @@ def test_compile_static_serves_more_buckets_than_dynamo_s_default_limit():
             plain(torch.ones(n))
     assert [float(static(torch.ones(n))) for n in range(1, 13)] == [2.0 * n for n in range(1, 13)]
     assert torch._dynamo.config.recompile_limit == 8
+
+
+def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
+    """`CompiledDrafter` (the block forward under torch.compile, CPU inductor) equals the eager forward on
+    random weights and ragged contexts, and `fuse_` (residual adds + norms as one op) changes no value; the
+    drafter's other attributes are its own."""
+    from k26.drafter_config import DrafterConfig
+    from k26.model.drafter import CompiledDrafter, DFlashDrafter
+
+    raw = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "rope_theta": 50000.0,
+        "block_size": 4,
+        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 299},
+    }
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw), torch.float32).eval()
+    for p in drafter.parameters():
+        p.data.normal_(0, 0.2)
+    ck, cv = torch.randn(2, 3, 40, 2, 16), torch.randn(2, 3, 40, 2, 16)
+    x, pos = torch.randn(2, 4, 64), torch.tensor([[11, 12, 13, 14], [30, 31, 32, 33]])
+    rows, lens = torch.tensor([2, 0]), torch.tensor([11, 30])
+    with torch.no_grad():
+        want = drafter(x, pos, ck, cv, rows, lens, static=True)
+        fwd = CompiledDrafter(drafter)
+        assert fwd.cfg is drafter.cfg and fwd.append_context == drafter.append_context
+        torch.testing.assert_close(fwd(x, pos, ck, cv, rows, lens, static=True), want, rtol=1e-5, atol=1e-5)
+        drafter.fuse_()
+        assert all(n.use_kernel for n in drafter.residual_norms())
+        got = drafter(x, pos, ck, cv, rows, lens, static=True)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

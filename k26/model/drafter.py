@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compiling import compile_static
 from ..drafter_config import DrafterConfig
 from ..ops import drafter_attn_cuda  # noqa: F401  (registers torch.ops.k26.drafter_attention)
 from ..ops.reference import gqa_attention, live_keys
@@ -136,6 +137,18 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.rope = NeoxRope(cfg)
 
+    def fuse_(self) -> None:
+        """For inference (the loader, on CUDA): each residual add with the norm after it as one op
+        (`RMSNorm.use_kernel`), as `KimiK2.fuse_dense_` does for the target."""
+        for norm in self.residual_norms():
+            norm.use_kernel = True
+
+    def residual_norms(self) -> list[RMSNorm]:
+        """The norms that follow a residual add (`DrafterLayer.fused`): each layer's post-attention norm,
+        the input norms of layers 1.. (layer 0's normalises the embedding: no add), the final norm."""
+        after_attention = [layer.post_attention_layernorm for layer in self.layers]
+        return after_attention + [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+
     def context_kv(
         self, feat_BCX: torch.Tensor, pos_BC: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -177,6 +190,25 @@ class DFlashDrafter(nn.Module):
             )
             normed, x_BSD = layer.fused(x_BSD, normed, attend, norms[i])
         return normed
+
+
+class CompiledDrafter:
+    """`drafter` with its block forward (every layer and the final norm) under torch.compile (fullgraph,
+    static shapes), called as the drafter is; every other attribute (`cfg`, `append_context`, ...) is the
+    drafter's own. For graph bodies (`static=True`): a forward over a live-length cache view would compile
+    once per length. Eager, the forward is ~80 small kernels a layer (fp32 norms, RoPE, casts)."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.compiled = compile_static(drafter.forward)
+
+    def __call__(self, *args, **kw) -> torch.Tensor:
+        return self.compiled(*args, **kw)
+
+    def __getattr__(self, name: str):  # only for names this object lacks: the drafter's
+        if name in ("drafter", "compiled"):  # not set yet (a copy being built): no recursion through them
+            raise AttributeError(name)
+        return getattr(self.drafter, name)
 
 
 def drafter_logits(hidden_BSD: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
