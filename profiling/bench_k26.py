@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernel_table import by_name, category, experts_touched, record, run_variants
+from kernel_table import by_name, category, experts_touched, record, run_variants, spec_phases
 from timing import copy_bandwidth, events_time, source_commit
 
 from k26.config import K26_TEXT_CONFIG, ModelConfig
@@ -333,7 +333,7 @@ def main() -> None:
             lines.append(f"| {what} | {L} | {n_ver} | {t * 1e3:.2f} | | | | |")
             print(lines[-1], flush=True)
             if kernels:
-                tables += by_name(kernels, f"{what}, L = {L}")
+                tables += by_name(kernels, f"{what}, L = {L}") + spec_phases(kernels)
         if not a.no_specs:
             dstart = start.clone()
 

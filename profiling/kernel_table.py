@@ -68,7 +68,12 @@ def record(replay) -> list[dict]:
     evs = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     evs.sort(key=lambda e: e["ts"])
     return [
-        {"name": e["name"], "grid": tuple(e.get("args", {}).get("grid", ())), "dur": float(e["dur"])}
+        {
+            "name": e["name"],
+            "grid": tuple(e.get("args", {}).get("grid", ())),
+            "dur": float(e["dur"]),
+            "ts": float(e["ts"]),
+        }
         for e in evs
     ]
 
@@ -85,6 +90,27 @@ def by_name(kernels: list[dict], label: str, top: int = 25) -> list[str]:
     for name, ts in sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]:
         share = 100 * sum(ts) / total
         out.append(f"| `{short(name)}` | {category(name)} | {len(ts)} | {sum(ts):.0f} | {share:.1f}% |")
+    return out
+
+
+def spec_phases(kernels: list[dict]) -> list[str]:
+    """Markdown: a whole speculative step's replay cut into draft (+ tree build), verify and accept (+ KV
+    commit + drafter context) at landmark kernels: the verify runs from the kernel before layer 0's MLA
+    glue (its q_a / kv_a projection) to two kernels past the last residual add + norm (the final norm, then
+    the head's GEMM and argmax). Span: first kernel's start to last kernel's end (PDL overlap included)."""
+    glue = [i for i, k in enumerate(kernels) if "mla_glue" in k["name"]]
+    norms = [i for i, k in enumerate(kernels) if "add_rmsnorm" in k["name"]]
+    if not glue or not norms:
+        return ["- no phase landmarks (MLA glue / add_rmsnorm kernels) in the trace"]
+    a, b = max(glue[0] - 1, 0), min(norms[-1] + 2, len(kernels) - 1)
+    out = ["", "| phase | kernels | span µs | summed µs |", "|---|---|---|---|"]
+    cuts = (("draft + tree", 0, a), ("verify", a, b + 1), ("accept + commit + context", b + 1, len(kernels)))
+    for name, lo, hi in cuts:
+        ks = kernels[lo:hi]
+        if not ks:
+            continue
+        span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+        out.append(f"| {name} | {len(ks)} | {span:.0f} | {sum(k['dur'] for k in ks):.0f} |")
     return out
 
 
