@@ -60,7 +60,8 @@ def test_compile_static_serves_more_buckets_than_dynamo_s_default_limit():
 
 def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
     """`CompiledDrafter` (the block forward under torch.compile, CPU inductor) equals the eager forward on
-    random weights and ragged contexts, and `fuse_` (residual adds + norms as one op) changes no value; the
+    random weights and ragged contexts, and `fuse_` (q / k / v and gate / up stacked, residual adds + norms
+    as one op) changes no value beyond fp32 summation order, in the forward and the context K/V; the
     drafter's other attributes are its own."""
     from k26.drafter_config import DrafterConfig
     from k26.model.drafter import CompiledDrafter, DFlashDrafter
@@ -91,7 +92,14 @@ def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
         fwd = CompiledDrafter(drafter)
         assert fwd.cfg is drafter.cfg and fwd.append_context == drafter.append_context
         torch.testing.assert_close(fwd(x, pos, ck, cv, rows, lens, static=True), want, rtol=1e-5, atol=1e-5)
+        feat = torch.randn(2, 5, 128)
+        kv_want = drafter.context_kv(feat, pos[:, :1] + torch.arange(5))
         drafter.fuse_()
         assert all(n.use_kernel for n in drafter.residual_norms())
+        assert drafter.layers[0].self_attn.qkv is not None and drafter.layers[0].mlp.gate_up is not None
         got = drafter(x, pos, ck, cv, rows, lens, static=True)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        kv_got = drafter.context_kv(feat, pos[:, :1] + torch.arange(5))
+        for (k1, v1), (k2, v2) in zip(kv_got, kv_want, strict=True):
+            torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)

@@ -57,17 +57,43 @@ class DrafterAttention(nn.Module):
         self.o_proj = linear(self.heads * hd, D, dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.qkv: torch.Tensor | None = None  # fuse_: [q; k; v] stacked, one GEMM for the three
+
+    def fuse_(self) -> None:
+        """Stack q / k / v (same input) after the weights are loaded; the three stay parameters under their
+        own names (views of the stack: no extra memory)."""
+        if self.qkv is None:
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            q, kv = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+            self.q_proj.weight = nn.Parameter(w[:q], requires_grad=False)
+            self.k_proj.weight = nn.Parameter(w[q : q + kv], requires_grad=False)
+            self.v_proj.weight = nn.Parameter(w[q + kv :], requires_grad=False)
+            self.qkv = w
 
     def kv(self, h_BTD: torch.Tensor, pos_BT: torch.Tensor, rope: NeoxRope):
-        B, T, _ = h_BTD.shape
-        k = self.k_norm(self.k_proj(h_BTD).view(B, T, -1, self.cfg.head_dim))
-        return rope(k, pos_BT), self.v_proj(h_BTD).view(B, T, -1, self.cfg.head_dim)
+        """Keys (normed, rotated) and values [B, T, kv_heads, hd] of rows h (one GEMM after `fuse_`)."""
+        if self.qkv is None:
+            return self._kv_heads(self.k_proj(h_BTD), self.v_proj(h_BTD), pos_BT, rope)
+        k, v = F.linear(h_BTD, self.qkv[self.heads * self.cfg.head_dim :]).chunk(2, dim=-1)
+        return self._kv_heads(k, v, pos_BT, rope)
+
+    def _kv_heads(self, k_BTX, v_BTX, pos_BT, rope: NeoxRope):
+        B, T, _ = k_BTX.shape
+        hd = self.cfg.head_dim
+        return rope(self.k_norm(k_BTX.view(B, T, -1, hd)), pos_BT), v_BTX.view(B, T, -1, hd)
 
     def project(self, h_BSD: torch.Tensor, pos_BS: torch.Tensor, rope: NeoxRope):
-        """The block's queries [B, S, heads, hd] and its own keys and values [B, S, kv_heads, hd]."""
+        """The block's queries [B, S, heads, hd] and its own keys and values [B, S, kv_heads, hd] (one GEMM
+        for the three after `fuse_`)."""
         B, S, _ = h_BSD.shape
-        q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, self.cfg.head_dim)), pos_BS)
-        return (q, *self.kv(h_BSD, pos_BS, rope))
+        hd = self.cfg.head_dim
+        if self.qkv is None:
+            q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, hd)), pos_BS)
+            return (q, *self.kv(h_BSD, pos_BS, rope))
+        kv = self.kv_heads * hd
+        q, k, v = F.linear(h_BSD, self.qkv).split([self.heads * hd, kv, kv], dim=-1)
+        q = rope(self.q_norm(q.view(B, S, -1, hd)), pos_BS)
+        return (q, *self._kv_heads(k, v, pos_BS, rope))
 
     def output(self, a_BSHD: torch.Tensor, partial: bool) -> torch.Tensor:
         y = self.o_proj(a_BSHD.flatten(2))
@@ -138,8 +164,12 @@ class DFlashDrafter(nn.Module):
         self.rope = NeoxRope(cfg)
 
     def fuse_(self) -> None:
-        """For inference (the loader, on CUDA): each residual add with the norm after it as one op
-        (`RMSNorm.use_kernel`), as `KimiK2.fuse_dense_` does for the target."""
+        """For inference (the loader, on CUDA), as `KimiK2.fuse_dense_` does for the target: q / k / v and
+        gate / up stacked (one GEMM each), each residual add with the norm after it as one op
+        (`RMSNorm.use_kernel`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_()
+            layer.mlp.fuse_()
         for norm in self.residual_norms():
             norm.use_kernel = True
 

@@ -120,8 +120,22 @@ class MLP(nn.Module):
         self.gate_proj = linear(dim, inter, dtype)
         self.up_proj = linear(dim, inter, dtype)
         self.down_proj = linear(inter, dim, dtype)
+        self.gate_up: torch.Tensor | None = None  # fuse_: [gate; up] stacked, one GEMM for both
+
+    def fuse_(self) -> None:
+        """Stack gate / up (same input: one GEMM, one launch fewer) after the weights are loaded; both stay
+        parameters under their own names (views of the stack: no extra memory)."""
+        if self.gate_up is None and not (self.gate_proj.use_kernel or self.up_proj.use_kernel):
+            w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            n = self.gate_proj.weight.shape[0]
+            self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
+            self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
+            self.gate_up = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
