@@ -88,12 +88,14 @@ class DecodeContext:
     static: bool = False  # eager steps with the graphs' static shapes too (AttnBatch.static): for comparisons
     tables: TreeTables = field(default_factory=TreeTables)  # tree padding constants, as long as the graphs
     drafter_fwd: Callable | None = None  # compiled drafter for the captured steps (None: `drafter`)
+    compiled: bool = False  # the captured steps' glue under torch.compile too (StepModels.compiled)
 
     def models(self, target: Callable | None = None) -> StepModels:
         kv, dc = self.cache.kv_LRTC, self.dcache
         model = self.model if target is None else target  # not `or`: bool() of a compiled module calls len()
         drafter = self.drafter if target is None or self.drafter_fwd is None else self.drafter_fwd
-        return StepModels(model, drafter, kv, dc, self.absorb, self.static, self.tables)
+        compiled = self.compiled and target is not None
+        return StepModels(model, drafter, kv, dc, self.absorb, self.static, self.tables, compiled)
 
     @property
     def block(self) -> int:

@@ -211,6 +211,7 @@ class LLM:
             self.graphs,
             self.progress,
             drafter_fwd=self.drafter_fwd,
+            compiled=self.drafter_fwd is not None or self.model_fwd is not self.model,
         )
 
     # -- tensor parallel driven from one Python process -------------------------------------------

@@ -323,7 +323,13 @@ def main() -> None:
                 st=st, spec=spec, cache=cache, dcache=dcache, rows=rows, bonus=bonus, alive=alive, sp=sp
             ):
                 speculative_step(
-                    StepModels(model, drafter, cache, dcache, static=True), rows, st, bonus, alive, spec, sp
+                    StepModels(model, drafter, cache, dcache, static=True, compiled=a.compile),
+                    rows,
+                    st,
+                    bonus,
+                    alive,
+                    spec,
+                    sp,
                 )
 
             kernels: list | None = [] if a.step_kernels else None

@@ -90,8 +90,16 @@ def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
     with torch.no_grad():
         want = drafter(x, pos, ck, cv, rows, lens, static=True)
         fwd = CompiledDrafter(drafter)
-        assert fwd.cfg is drafter.cfg and fwd.append_context == drafter.append_context
+        assert fwd.cfg is drafter.cfg
         torch.testing.assert_close(fwd(x, pos, ck, cv, rows, lens, static=True), want, rtol=1e-5, atol=1e-5)
+        # the context append, compiled: the same cache writes (slot 39 is past a clamp, row 2 the trash row)
+        feat, cpos = torch.randn(2, 3, 128), torch.tensor([[5, 6, 7], [38, 39, 45]])
+        valid = torch.tensor([[True, True, False], [True, True, True]])
+        caches = [(ck.clone(), cv.clone()) for _ in range(2)]
+        drafter.append_context(*caches[0], feat, cpos, rows, valid_BC=valid)
+        fwd.append_context(*caches[1], feat, cpos, rows, valid_BC=valid)
+        for a, b in zip(caches[0], caches[1], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         feat = torch.randn(2, 5, 128)
         kv_want = drafter.context_kv(feat, pos[:, :1] + torch.arange(5))
         drafter.fuse_()
@@ -103,3 +111,24 @@ def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
         for (k1, v1), (k2, v2) in zip(kv_got, kv_want, strict=True):
             torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_acceptance_equals_eager():
+    """`accept_paths_compiled` (the captured steps' acceptance walk under torch.compile) returns exactly
+    the eager paths, counts, bonus and emitted tokens on random trees with random target choices (some
+    rows finished)."""
+    from k26.spec.accept import accept_paths, accept_paths_compiled
+    from k26.spec.tree import build_ddtree
+
+    g = torch.Generator().manual_seed(3)
+    lp = torch.log_softmax(torch.randn(4, 7, 12, generator=g) * 3, -1)
+    tree = build_ddtree(lp, 15)
+    alive = torch.tensor([True, True, False, True])
+    for _ in range(3):
+        # choices drawn from each node's children's tokens most of the time, so paths go deep
+        pick = torch.randint(0, tree.num_nodes, (4, tree.num_nodes), generator=g)
+        choice = torch.where(torch.rand(4, tree.num_nodes, generator=g) < 0.8, tree.tokens.gather(1, pick), 0)
+        want = accept_paths(tree, choice, alive)
+        got = accept_paths_compiled()(tree, choice, alive)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)

@@ -223,20 +223,22 @@ class DFlashDrafter(nn.Module):
 
 
 class CompiledDrafter:
-    """`drafter` with its block forward (every layer and the final norm) under torch.compile (fullgraph,
-    static shapes), called as the drafter is; every other attribute (`cfg`, `append_context`, ...) is the
-    drafter's own. For graph bodies (`static=True`): a forward over a live-length cache view would compile
-    once per length. Eager, the forward is ~80 small kernels a layer (fp32 norms, RoPE, casts)."""
+    """`drafter` with its block forward (every layer and the final norm) and its context append (fc,
+    hidden norm, each layer's K/V and cache write) under torch.compile (fullgraph, static shapes), called as
+    the drafter is; every other attribute (`cfg`, ...) is the drafter's own. For graph bodies
+    (`static=True`): a forward over a live-length cache view would compile once per length. Eager, the
+    forward is ~80 small kernels a layer (fp32 norms, RoPE, casts) and the append ~20."""
 
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
         self.compiled = compile_static(drafter.forward)
+        self.append_context = compile_static(drafter.append_context)
 
     def __call__(self, *args, **kw) -> torch.Tensor:
         return self.compiled(*args, **kw)
 
     def __getattr__(self, name: str):  # only for names this object lacks: the drafter's
-        if name in ("drafter", "compiled"):  # not set yet (a copy being built): no recursion through them
+        if name in ("drafter", "compiled", "append_context"):  # not set yet (a copy being built)
             raise AttributeError(name)
         return getattr(self.drafter, name)
 

@@ -9,8 +9,11 @@ autoregressive decoding and sampled output has the same distribution.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ..compiling import compile_static
 from .tree import DraftTree
 
 
@@ -54,3 +57,20 @@ def emitted_tokens(tree: DraftTree, path_BJ: torch.Tensor, bonus_B: torch.Tensor
     n = (drafts >= 0).sum(dim=1, keepdim=True)
     out = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
     return out.scatter(1, n, bonus_B[:, None])
+
+
+def accept_paths(tree: DraftTree, choice_BN: torch.Tensor, alive_B: torch.Tensor):
+    """The step's acceptance: (path [B, 1 + max_depth], -1 past the end and for finished rows (frozen:
+    nothing of theirs is committed); accepted drafts [B]; the new bonus [B]; the emitted tokens
+    [B, max_depth + 1], `emitted_tokens`)."""
+    path, n_acc, bonus = accept_walk(tree, choice_BN)
+    path = torch.where(alive_B[:, None], path, -1)
+    path[:, 0] = torch.where(alive_B, 0, -1)
+    return path, n_acc, bonus, emitted_tokens(tree, path, bonus)
+
+
+@functools.cache  # one compiled body per process (compile_static: a version per bucket shape)
+def accept_paths_compiled():
+    """`accept_paths` under torch.compile, for graph bodies: eager, its walk is ~8 small kernels per depth
+    step (~60 a step); compiled, a few."""
+    return compile_static(accept_paths)

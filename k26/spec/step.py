@@ -15,7 +15,7 @@ from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
 from ..profiling import nvtx_range
 from ..sampling import RowSampling, sample_rows
-from .accept import accept_walk, commit_latent, emitted_tokens
+from .accept import accept_paths, accept_paths_compiled, commit_latent
 from .budget import truncate_tree
 from .tree import TreeTables, build_ddtree_from_topk, chain_from_topk, pad_tree
 
@@ -131,6 +131,7 @@ class StepModels:
     absorb: bool = True
     static: bool = False  # whole cache rows, no host sync (graph bodies): see AttnBatch.static
     tables: TreeTables = field(default_factory=TreeTables)  # bucket padding's constants (graphs read them)
+    compiled: bool = False  # the step's own glue (acceptance) under torch.compile: graph bodies only
 
     def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> torch.Tensor:
         """Next token per row from final hidden states: the shards' argmax merged when every row is greedy,
@@ -190,16 +191,13 @@ def speculative_step(
         # greedy merges the shards' argmax (no full-vocabulary gather); sampling gathers the logits
         choice = target.lm_head.argmax(h) if rs.greedy else sample_rows(target.logits(h), rs)
     with t("accept"):  # acceptance walk, KV commit, drafter-context update
-        path, n_acc, new_bonus = accept_walk(tree, choice)
-        # Finished rows stay frozen: nothing of theirs is committed.
-        path = torch.where(alive[:, None], path, -1)
-        path[:, 0] = torch.where(alive, 0, -1)
+        accept = accept_paths_compiled() if m.compiled else accept_paths
+        path, n_acc, new_bonus, emitted = accept(tree, choice, alive)
         commit_latent(m.cache_LRTC, rows, start, path.clamp_min(0))
         J = path.shape[1]
         feat = aux.gather(1, path.clamp_min(0)[:, :, None].expand(-1, -1, aux.shape[2]))
         pos = start[:, None] + torch.arange(J, device=start.device)
         drafter.append_context(m.dcache.k, m.dcache.v, feat, pos, rows, valid_BC=path >= 0)
-        emitted = emitted_tokens(tree, path, new_bonus)
     if policy is not None:
         used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
         policy.update(full, used, n_acc, alive, path, start)
