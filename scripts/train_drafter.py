@@ -38,7 +38,7 @@ def block_logits(drafter, target, x, feats, anchors):
     ctx_vis = torch.arange(T, device=dev)[None, None, :] < anchors[:, row_blk][..., None]
     blk_vis = (row_blk[:, None] == row_blk[None, :]).expand(Bs, -1, -1)
     visible = torch.cat([ctx_vis, blk_vis], dim=2)  # [Bs, nA * S, T + nA * S]: own context prefix, own block
-    for layer, (kc, vc) in zip(drafter.layers, drafter.context_kv(feats, pos_ctx), strict=True):
+    for layer, kc, vc in zip(drafter.layers, *drafter.context_kv(feats, pos_ctx), strict=True):
         h = layer(h, pos_blk, kc, vc, visible, drafter.rope)  # the inference layer, many blocks per row
     h = drafter.norm(h).view(Bs, nA, S, D)[:, :, 1:]
     return target.lm_head(h)
