@@ -1,6 +1,7 @@
 // Shared pieces of the MLA tree-attention kernel (csrc/mla_tree_attn_kernel.cuh, csrc/mla_attn_merge.cuh): tile
-// geometry and shared-memory layout (Cfg), the launch parameters, cp.async / ldmatrix / mma.sync wrappers, the
-// split geometry every block of a sequence agrees on, and the -DK26_ATTN_TRACE phase stamps.
+// geometry and shared-memory layout (Cfg), the launch parameters, the split geometry every block of a sequence
+// agrees on, and the -DK26_ATTN_TRACE phase stamps (the cp.async / ldmatrix / mma.sync wrappers:
+// csrc/warp_mma.cuh).
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async (sm_80+): sm_90a and sm_120a.
 
@@ -14,6 +15,7 @@
 
 #include "globaltimer.cuh"
 #include "rope.cuh"
+#include "warp_mma.cuh"
 
 // Phase timestamps for profiling/debug/attn_trace.py (built with -DK26_ATTN_TRACE; absent otherwise).
 #ifdef K26_ATTN_TRACE
@@ -76,36 +78,6 @@ struct Rotary {
   const float* inv_freq;      // [32] (interleaved pairs)
   long long pe_ld;
 };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N_>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_)); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x2(uint32_t r[2], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Split geometry, identical in every block of a sequence: chunk (keys per split, a multiple of BN) and
 // the active split count for T = live keys.
