@@ -227,11 +227,11 @@ class DFlashDrafter(nn.Module):
 
 
 class CompiledDrafter:
-    """`drafter` with its block forward (every layer and the final norm) and its context append (fc,
-    hidden norm, each layer's K/V and cache write) under torch.compile (fullgraph, static shapes), called as
-    the drafter is; every other attribute (`cfg`, ...) is the drafter's own. For graph bodies
-    (`static=True`): a forward over a live-length cache view would compile once per length. Eager, the
-    forward is ~80 small kernels a layer (fp32 norms, RoPE, casts) and the append ~20."""
+    """`drafter` with its block forward (every layer and the final norm) and its context K/V (fc, hidden
+    norm, each layer's K/V; `append_context`'s cache writes stay eager) under torch.compile (fullgraph,
+    static shapes), called as the drafter is; every other attribute (`cfg`, ...) is the drafter's own. For
+    graph bodies (`static=True`): a forward over a live-length cache view would compile once per length.
+    Eager, the forward is ~80 small kernels a layer (fp32 norms, RoPE, casts) and the context K/V ~20."""
 
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
