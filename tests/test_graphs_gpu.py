@@ -114,3 +114,24 @@ def test_auto_budget_in_graphs_is_lossless(pair):
     spec = SpecConfig("ddtree", "auto")  # the policy chose every step's budget among its candidates
     assert {b for o in auto for b in o.stats.budgets} <= set(spec.candidates)
     assert sum(int(p.steps) for p in graphed.decoder.policies.values()) >= max(o.stats.steps for o in auto)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 12)], ids=str)
+def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, drafter_dir, spec):
+    """compile=True with a drafter: the captured steps run the compiled drafter (forward, context K/V) and
+    the compiled acceptance walk; greedy output equals the same (compiled) target's autoregressive decoding,
+    and 100+ more steps after the first request compile nothing."""
+    import torch._dynamo.utils as dynamo_utils
+
+    kw = {"device": "cuda", "progress": False, "max_batch": 2, "max_model_len": 512}
+    llm = LLM(tiny_k25, drafter=drafter_dir, compile=True, **kw)
+    assert llm.decoder.ctx.drafter_fwd is not None and llm.decoder.ctx.models(llm.model_fwd).compiled
+    sp = SamplingParams(max_tokens=10, stop_token_ids=[])
+    llm.generate([[1, 2, 3]], sp, spec)  # compile + capture
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    ps = prompts(1, seed=21)
+    long = SamplingParams(max_tokens=120, stop_token_ids=[])
+    got = llm.generate(ps, long, spec)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == before
+    want = llm.generate(ps, long, SpecConfig("ar"))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
