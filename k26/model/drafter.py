@@ -19,7 +19,7 @@ from ..compiling import compile_static
 from ..drafter_config import DrafterConfig
 from ..ops import drafter_attn_cuda  # noqa: F401  (registers torch.ops.k26.drafter_attention)
 from ..ops.reference import gqa_attention, live_keys
-from .layers import MLP, RMSNorm, TPInfo, linear
+from .layers import MLP, RMSNorm, TPInfo, linear, stack_
 from .rope import yarn_inv_freq
 
 
@@ -60,15 +60,9 @@ class DrafterAttention(nn.Module):
         self.qkv: torch.Tensor | None = None  # fuse_: [q; k; v] stacked, one GEMM for the three
 
     def fuse_(self) -> None:
-        """Stack q / k / v (same input) after the weights are loaded; the three stay parameters under their
-        own names (views of the stack: no extra memory)."""
+        """Stack q / k / v (same input: one GEMM for the three; `stack_`)."""
         if self.qkv is None:
-            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-            q, kv = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
-            self.q_proj.weight = nn.Parameter(w[:q], requires_grad=False)
-            self.k_proj.weight = nn.Parameter(w[q : q + kv], requires_grad=False)
-            self.v_proj.weight = nn.Parameter(w[q + kv :], requires_grad=False)
-            self.qkv = w
+            self.qkv = stack_(self.q_proj, self.k_proj, self.v_proj)
 
     def kv(self, h_BTD: torch.Tensor, pos_BT: torch.Tensor, rope: NeoxRope):
         """Keys (normed, rotated) and values [B, T, kv_heads, hd] of rows h (one GEMM after `fuse_`)."""

@@ -94,6 +94,19 @@ def linear(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
     return Linear(in_f, out_f, bias=False, dtype=dtype)
 
 
+def stack_(*mods: nn.Linear) -> torch.Tensor:
+    """The weights of projections that share an input, stacked into one matrix (one GEMM for all, after the
+    weights are loaded); each keeps its parameter under its own name as a view of the stack (no extra
+    memory)."""
+    w = torch.cat([m.weight for m in mods])
+    start = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[start : start + n], requires_grad=False)
+        start += n
+    return w
+
+
 class RMSNorm(nn.Module):
     """HF precision: normalise in fp32, round to the activation dtype, then multiply by the weight.
     `use_kernel`: where it follows a residual add (`TPInfo.reduce_add_norm`), the add and the norm run as
@@ -123,14 +136,9 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # fuse_: [gate; up] stacked, one GEMM for both
 
     def fuse_(self) -> None:
-        """Stack gate / up (same input: one GEMM, one launch fewer) after the weights are loaded; both stay
-        parameters under their own names (views of the stack: no extra memory)."""
+        """Stack gate / up (same input: one GEMM, one launch fewer; `stack_`)."""
         if self.gate_up is None and not (self.gate_proj.use_kernel or self.up_proj.use_kernel):
-            w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-            n = self.gate_proj.weight.shape[0]
-            self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
-            self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
-            self.gate_up = w
+            self.gate_up = stack_(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from ..ops import glue_cuda, reference  # noqa: F401  (glue_cuda registers torch.ops.k26.mla_glue)
 from ..ops.linear_cuda import MAX_ROWS
 from .batch import AttnBatch
-from .layers import RMSNorm, TPInfo, linear
+from .layers import RMSNorm, TPInfo, linear, stack_
 from .rope import Rope
 
 # Token rows up to which `fuse_` routes MLA's projections through torch.ops.k26.linear instead of cuBLAS,
@@ -62,11 +62,7 @@ class MLA(nn.Module):
         own names (views of the stack: no extra memory); W_UK^T is a copy (1 MB a layer at TP8), so call this
         once the weights are final (inference)."""
         if self.qkv_a is None:
-            w = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
-            q = self.q_a_proj.weight.shape[0]
-            self.q_a_proj.weight = nn.Parameter(w[:q], requires_grad=False)
-            self.kv_a_proj_with_mqa.weight = nn.Parameter(w[q:], requires_grad=False)
-            self.qkv_a = w
+            self.qkv_a = stack_(self.q_a_proj, self.kv_a_proj_with_mqa)
             nope, r = self.cfg.qk_nope_head_dim, self.cfg.kv_lora_rank
             w_uk = self.kv_b_proj.weight.view(self.heads, nope + self.cfg.v_head_dim, r)[:, :nope]
             self.w_uk_t = w_uk.transpose(1, 2).contiguous()
