@@ -83,7 +83,8 @@ def test_drafter_attention_opcheck():
         (lambda a: a.__setitem__(3, a[3][:, :2]), "k_blk"),
         (lambda a: a.__setitem__(4, a[4].double()), "v_blk"),
         (lambda a: a.__setitem__(5, a[5][:1]), "rows"),
-        (lambda a: a.__setitem__(6, a[6].float()), "integers"),
+        (lambda a: a.__setitem__(6, a[6].float()), "int32 or int64"),
+        (lambda a: a.__setitem__(5, a[5].bool()), "int32 or int64"),
     ],
 )
 def test_bad_inputs_are_named(edit, match):

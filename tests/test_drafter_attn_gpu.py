@@ -87,3 +87,28 @@ def test_graph_replays_follow_new_lengths_and_inputs():
         graph.replay()
         want = reference.drafter_attention(q, ck, cv, kb, vb, rows, lens, scale).float()
         assert ((out.float() - want).norm() / want.norm()).item() <= 5e-3, L
+
+
+def test_cache_view_int32_indices_and_misaligned_inputs_match_reference():
+    """The eager drafter's path: a view of the live slots of a longer cache (rows further apart than T x Hkv x
+    hd), int32 rows / lengths, and a query at an odd element offset (copied to an aligned buffer)."""
+    q, ck, cv, kb, vb, rows, lens = case(2, 8, 8, 1, 128, [700, 1500], seed=13, T=2000)
+    view_k, view_v = ck[:, :1600], cv[:, :1600]
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_odd = buf[1:].view(q.shape)
+    q_odd.copy_(q)
+    args = (q_odd, view_k, view_v, kb, vb, rows.int(), lens.int())
+    packed = (view_k.contiguous(), view_v.contiguous())
+    want = reference.drafter_attention(q, *packed, kb, vb, rows, lens, 128**-0.5)
+    got = torch.ops.k26.drafter_attention(*args, 128**-0.5)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 5e-3
+
+
+def test_pdl_changes_no_bit():
+    from k26.ops import pdl
+
+    args = case(1, 8, 64, 8, 128, [3000], seed=17)
+    with_pdl = torch.ops.k26.drafter_attention(*args, 128**-0.5)
+    with pdl.disabled():
+        without = torch.ops.k26.drafter_attention(*args, 128**-0.5)
+    assert torch.equal(with_pdl, without)

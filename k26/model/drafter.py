@@ -60,8 +60,9 @@ class DrafterAttention(nn.Module):
         self.qkv: torch.Tensor | None = None  # fuse_: [q; k; v] stacked, one GEMM for the three
 
     def fuse_(self) -> None:
-        """Stack q / k / v (same input: one GEMM for the three; `stack_`)."""
-        if self.qkv is None:
+        """Stack q / k / v (same input: one GEMM for the three; `stack_`), unless they run in the small-M
+        kernel (`use_linear_kernel`), as `MLP.fuse_`."""
+        if self.qkv is None and not any(m.use_kernel for m in (self.q_proj, self.k_proj, self.v_proj)):
             self.qkv = stack_(self.q_proj, self.k_proj, self.v_proj)
 
     def kv(self, h_BTD: torch.Tensor, pos_BT: torch.Tensor, rope: NeoxRope):

@@ -60,7 +60,8 @@ def check(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens) -> None:
     for name, t in (("k_blk", k_blk), ("v_blk", v_blk)):
         need(t.shape == (B, S, Hkv, hd), f"{name} must be [{B}, {S}, {Hkv}, {hd}], got {list(t.shape)}")
     need(rows.shape == (B,) and ctx_lens.shape == (B,), f"rows and ctx_lens must be [B={B}]")
-    need(not (rows.is_floating_point() or ctx_lens.is_floating_point()), "rows and ctx_lens must be integers")
+    ints = (torch.int32, torch.int64)
+    need(rows.dtype in ints and ctx_lens.dtype in ints, "rows and ctx_lens must be int32 or int64")
     for name, t in (("cache_k", cache_k), ("cache_v", cache_v), ("k_blk", k_blk), ("v_blk", v_blk)):
         need(t.dtype == q.dtype, f"{name} dtype {t.dtype} differs from q's {q.dtype}")
     for name, t in (
@@ -85,6 +86,7 @@ def _lib() -> ctypes.CDLL:
     lib.k26_drafter_attn_plan.restype = ctypes.c_int
     lib.k26_drafter_attn_plan.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.k26_drafter_attn_block_rows.restype = ctypes.c_int
+    lib.block_rows = lib.k26_drafter_attn_block_rows()  # the kernel's query rows per block, a constant
     lib.k26_drafter_attn.restype = ctypes.c_int
     lib.k26_drafter_attn.argtypes = (
         [ctypes.c_void_p] * 3
@@ -119,6 +121,13 @@ def _cache_rows_ok(c: torch.Tensor) -> bool:
     )
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t packed with a 16-byte aligned start (the kernel's cp.async reads 16-byte chunks): itself, or a copy
+    (a view into the qkv projection's output, a view at an odd offset)."""
+    c = t.contiguous()
+    return c if c.data_ptr() % 16 == 0 else c.clone()
+
+
 def _unsupported(q, cache_k, cache_v) -> str | None:
     from .build import available
 
@@ -137,7 +146,7 @@ def _unsupported(q, cache_k, cache_v) -> str | None:
 def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
     check(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens)
     B, S, Hq, hd = q.shape
-    why = _unsupported(q, cache_k, cache_v) or (None if B * S else "an empty batch")
+    why = _unsupported(q, cache_k, cache_v) or (None if B * S * Hq else "an empty batch")
     if why is not None:
         say_once(__name__, logging.INFO, f"k26.drafter_attention: {why} runs the reference")
         return reference.drafter_attention(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale)
@@ -146,10 +155,10 @@ def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
     if not torch.cuda.is_current_stream_capturing() and bool(((rows < 0) | (rows >= cache_k.shape[0])).any()):
         raise ValueError(f"drafter_attention: a row is outside the cache's [0, {cache_k.shape[0]})")
     lib = _lib()
-    BM = lib.k26_drafter_attn_block_rows()
+    BM = lib.block_rows
     RT = (S * (Hq // Hkv) + BM - 1) // BM
     S_max = _splits(q.device, hd, B * Hkv * RT)
-    qc, kb, vb = q.contiguous(), k_blk.contiguous(), v_blk.contiguous()
+    qc, kb, vb = (_aligned(t) for t in (q, k_blk, v_blk))
     rows64, lens64 = rows.to(torch.int64).contiguous(), ctx_lens.to(torch.int64).contiguous()
     out = torch.empty_like(qc)
     # Every live split writes its partial before the merge reads it: no zeroing, no counters.

@@ -103,8 +103,8 @@ static __global__ void __launch_bounds__(THREADS, 1) split_kernel(Params p) {
   // The query, the block's K/V and the context rows come from the kernels before (projections, RoPE, the
   // context append): everything is read after the wait.
   pdl_wait();
-  pdl_trigger();  // the merge may launch; it waits for this grid before reading the partials
   const Split sg = split_geometry(p, b);
+  pdl_trigger();  // the merge may launch (it waits for this grid before reading the partials)
   if (split >= sg.active) return;
   const int k0 = split * sg.chunk, k1 = min(sg.n, k0 + sg.chunk), n_tiles = (k1 - k0 + BN - 1) / BN;
   const __nv_bfloat16* ckrow = p.ck + (size_t)p.rows[b] * p.cache_ld + (size_t)kvh * HD;
@@ -244,9 +244,9 @@ static __global__ void __launch_bounds__(THREADS) merge_kernel(Params p) {
   const int i = blockIdx.x, rt = blockIdx.y / p.Hkv, kvh = blockIdx.y % p.Hkv, b = blockIdx.z;
   const int r = rt * BM + i, tid = threadIdx.x;
   pdl_wait();  // the split kernel's partials
+  const int active = split_geometry(p, b).active;  // the lengths are read before dependents may start
   pdl_trigger();
   if (r >= p.R) return;
-  const int active = split_geometry(p, b).active;
   const size_t tile0 = (((size_t)b * p.Hkv + kvh) * p.RT + rt) * p.S_max;
   for (int k = tid; k < active; k += THREADS) w[k] = __ldcg(p.lse_part + (tile0 + k) * BM + i);
   __syncthreads();
@@ -285,13 +285,17 @@ static __global__ void __launch_bounds__(THREADS) merge_kernel(Params p) {
   *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(sum.z * inv, sum.w * inv);
 }
 
+// The shared-memory opt-in above 48 KB, once per device: an attribute set in one device's context does not
+// carry to another's (one process may drive several GPUs: tests, benchmarks).
 template <int HD>
 cudaError_t allow_smem() {
-  static bool attr_set = false;  // per process; the attribute is per function, not per device
-  if (attr_set) return cudaSuccess;
-  const cudaError_t e =
-      cudaFuncSetAttribute(split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<HD>::SMEM);
-  attr_set = e == cudaSuccess;
+  static uint64_t done = 0;  // bit d: set on device d (< 64)
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 64 && (done >> dev & 1)) return cudaSuccess;
+  e = cudaFuncSetAttribute(split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<HD>::SMEM);
+  if (e == cudaSuccess && dev < 64) done |= uint64_t(1) << dev;
   return e;
 }
 
@@ -320,7 +324,6 @@ int launch(const Params& p, int B, bool pdl, cudaStream_t st) {
 }  // namespace
 
 K26_EXPORT int k26_drafter_attn_block_rows() { return BM; }
-K26_EXPORT int k26_drafter_attn_max_splits() { return MAX_SPLITS; }
 
 // Splits per (row tile, KV head) on the current device for `tiles` = B x Hkv x row tiles.
 K26_EXPORT int k26_drafter_attn_plan(int head_dim, int tiles, int* splits) {
@@ -335,7 +338,7 @@ K26_EXPORT int k26_drafter_attn(const void* q, const void* ck, const void* cv, l
                                 const void* bv, const int64_t* rows, const int64_t* ctx, void* out, float* o_part,
                                 float* lse_part, int B, int S, int Hq, int Hkv, int head_dim, int T, int S_max,
                                 int min_keys, float scale, int pdl, void* stream) {
-  if (S_max < 1 || S_max > MAX_SPLITS || Hkv < 1 || Hq % Hkv) return (int)cudaErrorInvalidValue;
+  if (S_max < 1 || S_max > MAX_SPLITS || S < 1 || Hkv < 1 || Hq < 1 || Hq % Hkv) return (int)cudaErrorInvalidValue;
   Params p;
   p.q = (const __nv_bfloat16*)q, p.ck = (const __nv_bfloat16*)ck, p.cv = (const __nv_bfloat16*)cv;
   p.bk = (const __nv_bfloat16*)bk, p.bv = (const __nv_bfloat16*)bv, p.rows = rows, p.ctx = ctx;

@@ -35,16 +35,21 @@ Layout layout(int B, int N, int H, int S_max, int CL) {
   return w;
 }
 
+// The shared-memory opt-in above 48 KB, once per device: an attribute set in one device's context does not
+// carry to another's (one process may drive several GPUs: tests, benchmarks).
 template <int MT>
 cudaError_t allow_smem() {
-  static bool attr_set = false;  // per process; the attribute is per function, not per device
-  if (attr_set) return cudaSuccess;
-  cudaError_t e = cudaFuncSetAttribute(tree_attn_kernel<MT, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)Cfg<MT>::SMEM);
+  static uint64_t done = 0;  // bit d: set on device d (< 64)
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 64 && (done >> dev & 1)) return cudaSuccess;
+  e = cudaFuncSetAttribute(tree_attn_kernel<MT, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)Cfg<MT>::SMEM);
   if (e == cudaSuccess)
     e = cudaFuncSetAttribute(tree_attn_kernel<MT, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)Cfg<MT>::SMEM);
-  attr_set = e == cudaSuccess;
+  if (e == cudaSuccess && dev < 64) done |= uint64_t(1) << dev;
   return e;
 }
 
