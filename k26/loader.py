@@ -208,6 +208,7 @@ def target_rule(pname: str) -> tuple[str, int | None, bool]:
 DRAFTER_SHARDS = [
     (re.compile(r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight$"), 0),
     (re.compile(r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$"), 1),
+    (re.compile(r"^fc\.weight$"), 1),  # row-parallel (DFlashDrafter)
 ]
 
 

@@ -48,15 +48,16 @@ from k26.tiny import quantization_config
 K26_TEXT = K26_TEXT_CONFIG | {"quantization_config": quantization_config()}
 
 
-def drafter_config(tp: int) -> DrafterConfig:
-    """Kimi-K2.5-DFlash at one TP rank: 64/tp query heads, 8/tp (>= 1) KV heads, 18432/tp MLP columns."""
+def drafter_config() -> DrafterConfig:
+    """Kimi-K2.5-DFlash (the module splits it per TP rank: 64/tp query heads, 8/tp KV heads, 18432/tp MLP
+    columns, fc's inputs)."""
     raw = {
         "hidden_size": 7168,
-        "num_attention_heads": 64 // tp,
-        "num_key_value_heads": max(1, 8 // tp),
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
         "head_dim": 128,
         "num_hidden_layers": 6,
-        "intermediate_size": 18432 // tp,
+        "intermediate_size": 18432,
         "rms_norm_eps": 1e-6,
         "vocab_size": 163840,
         "max_position_embeddings": 262144,
@@ -214,9 +215,9 @@ def main() -> None:
         )
         for layer in model.layers:
             layer.compile(dynamic=False)
-    dcfg = drafter_config(a.tp)
+    dcfg = drafter_config()
     with torch.device("meta"):
-        drafter = DFlashDrafter(dcfg, torch.bfloat16).requires_grad_(False)
+        drafter = DFlashDrafter(dcfg, torch.bfloat16, tp).requires_grad_(False)
     drafter.to_empty(device=dev)
     randomize(drafter, False)
     drafter.rope.reset_buffers()
@@ -281,7 +282,7 @@ def main() -> None:
         cache = torch.zeros(
             cfg.num_hidden_layers, 1, L + 512, cfg.latent_dim, dtype=torch.bfloat16, device=dev
         )
-        dcache = DrafterCache.allocate(dcfg, 1, L + 512, torch.bfloat16, dev)
+        dcache = DrafterCache.allocate(dcfg, 1, L + 512, torch.bfloat16, dev, tp_size=a.tp)
         rows, start = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), L, device=dev)
         kv_bytes = cfg.num_hidden_layers * L * cfg.latent_dim * 2
         for N in nodes:

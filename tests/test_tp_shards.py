@@ -24,7 +24,7 @@ TARGET_SPLITS = [
 ]
 DRAFTER_SPLITS = [
     (r".*self_attn\.(q|k|v)_proj\.weight|.*mlp\.(gate|up)_proj\.weight", 0),
-    (r".*self_attn\.o_proj\.weight|.*mlp\.down_proj\.weight", 1),
+    (r".*self_attn\.o_proj\.weight|.*mlp\.down_proj\.weight|fc\.weight", 1),
 ]
 
 
