@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 #include "pdl.cuh"
+#include "smem_optin.cuh"
 #include "warp_mma.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
@@ -285,18 +286,9 @@ static __global__ void __launch_bounds__(THREADS) merge_kernel(Params p) {
   *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(sum.z * inv, sum.w * inv);
 }
 
-// The shared-memory opt-in above 48 KB, once per device: an attribute set in one device's context does not
-// carry to another's (one process may drive several GPUs: tests, benchmarks).
 template <int HD>
 cudaError_t allow_smem() {
-  static uint64_t done = 0;  // bit d: set on device d (< 64)
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 64 && (done >> dev & 1)) return cudaSuccess;
-  e = cudaFuncSetAttribute(split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<HD>::SMEM);
-  if (e == cudaSuccess && dev < 64) done |= uint64_t(1) << dev;
-  return e;
+  return smem_opt_in<split_kernel<HD>>((int)Cfg<HD>::SMEM);
 }
 
 template <int HD>

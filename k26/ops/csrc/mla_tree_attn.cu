@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "mla_tree_attn_kernel.cuh"
+#include "smem_optin.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -35,22 +36,9 @@ Layout layout(int B, int N, int H, int S_max, int CL) {
   return w;
 }
 
-// The shared-memory opt-in above 48 KB, once per device: an attribute set in one device's context does not
-// carry to another's (one process may drive several GPUs: tests, benchmarks).
 template <int MT>
 cudaError_t allow_smem() {
-  static uint64_t done = 0;  // bit d: set on device d (< 64)
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 64 && (done >> dev & 1)) return cudaSuccess;
-  e = cudaFuncSetAttribute(tree_attn_kernel<MT, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           (int)Cfg<MT>::SMEM);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(tree_attn_kernel<MT, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)Cfg<MT>::SMEM);
-  if (e == cudaSuccess && dev < 64) done |= uint64_t(1) << dev;
-  return e;
+  return smem_opt_in<tree_attn_kernel<MT, false>, tree_attn_kernel<MT, true>>((int)Cfg<MT>::SMEM);
 }
 
 // attr: room for two (the cluster shape; programmatic stream serialization when `pdl`, csrc/pdl.cuh).
