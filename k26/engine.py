@@ -98,6 +98,7 @@ class LLM:
         # torch.compile of the decoder layers and the drafter's block forward: fixed shapes per bucket,
         # lengths and positions as tensors, so decode never recompiles; it runs (and autotunes) in the
         # warm-ups before each graph capture.
+        self.compiled = compile
         self.model_fwd = CompiledLayers(self.model) if compile else self.model
         self.drafter_fwd = CompiledDrafter(self.drafter) if compile and self.drafter is not None else None
         self._compile_cache = None  # torch.compile's artifacts (the body, the budget policies) for restarts
@@ -211,7 +212,7 @@ class LLM:
             self.graphs,
             self.progress,
             drafter_fwd=self.drafter_fwd,
-            compiled=self.drafter_fwd is not None or self.model_fwd is not self.model,
+            compiled=self.compiled,
         )
 
     # -- tensor parallel driven from one Python process -------------------------------------------
