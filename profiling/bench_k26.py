@@ -77,6 +77,29 @@ def token_ids(N: int, vocab: int, dev: torch.device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, N), device=dev, generator=gen)
 
 
+def seed_draft_topk(vocab: int, dev: torch.device) -> None:
+    """`--seeded-tree`: the step's draft top-k, after the drafter has run (its kernels stay in the step), is
+    replaced by the same seeded (log-prob, token) table in every run, so every run builds and verifies the
+    same tree: with random weights the drafter's own tokens set the experts the verify reads, and a change
+    that only rounds the drafter differently moved a DFlash step by 6 % (2026-12-02, call 7)."""
+    import k26.spec.step as step_mod
+
+    real = step_mod.draft_topk
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def seeded(*args, **kw):
+        lp, tok = real(*args, **kw)
+        if lp.shape not in tables:  # made outside capture: the warm-ups run every shape first
+            fixed = torch.rand(lp.shape, device=dev, generator=gen).log().sort(-1, descending=True).values
+            base = torch.randint(0, vocab, (*tok.shape[:-1], 1), device=dev, generator=gen)
+            ranks = torch.arange(tok.shape[-1], device=dev)
+            tables[lp.shape] = fixed, (base + ranks) % vocab  # distinct tokens per depth, as a top-k's
+        return tables[lp.shape]
+
+    step_mod.draft_topk = seeded
+
+
 def randomize(model: torch.nn.Module, skew: bool) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, p in model.named_parameters():
@@ -160,6 +183,11 @@ def main() -> None:
         "--no-specs", action="store_true", help="decode/verify rows only (no whole steps, no draft)"
     )
     ap.add_argument(
+        "--seeded-tree",
+        action="store_true",
+        help="whole steps verify a seeded tree (the drafter still runs): A/Bs of whole steps compare alike",
+    )
+    ap.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)",
@@ -190,6 +218,8 @@ def main() -> None:
     if a.fused and a.variants:
         ap.error("--fused applies the loader's path for good; --variants switches paths itself: pick one")
     pdl.ENABLED = not a.no_pdl  # read at each capture below
+    if a.seeded_tree:
+        seed_draft_topk(K26_TEXT["vocab_size"], torch.device("cuda"))
     moe_cuda.SPLIT_DOWN = a.split_down
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
     a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]
@@ -238,7 +268,7 @@ def main() -> None:
             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
-            f"{' --split-down' if a.split_down else ''}`"
+            f"{' --split-down' if a.split_down else ''}{' --seeded-tree' if a.seeded_tree else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "
