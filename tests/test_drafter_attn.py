@@ -92,3 +92,22 @@ def test_bad_inputs_are_named(edit, match):
     edit(args)
     with pytest.raises(ValueError, match=match):
         torch.ops.k26.drafter_attention(*args, 0.125)
+
+
+def test_block_kv_views_into_a_stacked_projection_are_read_in_place():
+    """The front door hands the kernel a view of the stacked qkv output as it is (its token stride), and
+    copies only what the kernel cannot read (heads not packed, an odd offset)."""
+    from k26.ops.drafter_attn_cuda import _block_tokens
+
+    qkv = torch.zeros(2, 8, (8 + 2) * 64)
+    v = qkv[..., 9 * 64 :].view(2, 8, 1, 64)
+    same, ld = _block_tokens(v)
+    assert same.data_ptr() == v.data_ptr() and ld == 10 * 64
+    packed = torch.zeros(2, 8, 2, 64)
+    assert _block_tokens(packed)[1] == 128
+    odd = torch.zeros(2 * 8 * 2 * 64 + 1)[1:].view(2, 8, 2, 64)
+    copy, ld = _block_tokens(odd)
+    assert copy.data_ptr() % 16 == 0 and ld == 128 and torch.equal(copy, odd)
+    heads_apart = torch.zeros(2, 2, 8, 64).transpose(1, 2)
+    copy, ld = _block_tokens(heads_apart)
+    assert copy.is_contiguous() and ld == 128

@@ -112,3 +112,16 @@ def test_pdl_changes_no_bit():
     with pdl.disabled():
         without = torch.ops.k26.drafter_attention(*args, 128**-0.5)
     assert torch.equal(with_pdl, without)
+
+
+def test_block_values_as_a_view_of_the_qkv_output_match_reference():
+    """The drafter's fused path: k_blk / v_blk are views into one [B, S, (Hq + 2 Hkv) hd] projection output,
+    read in place with their token stride."""
+    q, ck, cv, kb, vb, rows, lens = case(2, 8, 8, 1, 128, [900, 40], seed=19)
+    qkv = torch.randn(2, 8, (8 + 2) * 128, device="cuda").to(torch.bfloat16)
+    qkv[..., 8 * 128 : 9 * 128] = kb.flatten(2)
+    qkv[..., 9 * 128 :] = vb.flatten(2)
+    k_view, v_view = qkv[..., 8 * 128 : 9 * 128].view(2, 8, 1, 128), qkv[..., 9 * 128 :].view(2, 8, 1, 128)
+    want = reference.drafter_attention(q, ck, cv, kb, vb, rows, lens, 128**-0.5)
+    got = torch.ops.k26.drafter_attention(q, ck, cv, k_view, v_view, rows, lens, 128**-0.5)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 5e-3

@@ -91,7 +91,9 @@ def _lib() -> ctypes.CDLL:
     lib.k26_drafter_attn.argtypes = (
         [ctypes.c_void_p] * 3
         + [ctypes.c_longlong]
-        + [ctypes.c_void_p] * 7
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_longlong] * 2
+        + [ctypes.c_void_p] * 5
         + [ctypes.c_int] * 8
         + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     )
@@ -123,9 +125,21 @@ def _cache_rows_ok(c: torch.Tensor) -> bool:
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t packed with a 16-byte aligned start (the kernel's cp.async reads 16-byte chunks): itself, or a copy
-    (a view into the qkv projection's output, a view at an odd offset)."""
+    (a view at an odd offset, or not packed)."""
     c = t.contiguous()
     return c if c.data_ptr() % 16 == 0 else c.clone()
+
+
+def _block_tokens(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Block K or V [B, S, Hkv, hd] as the kernel reads it: (tensor, elements between tokens). Tokens may lie
+    any 16-byte multiple apart, so a view into the stacked qkv projection's output is read in place;
+    anything else is copied packed."""
+    B, S, Hkv, hd = t.shape
+    st = t.stride()
+    tokens_packed = B == 1 or st[0] == S * st[1]
+    if st[3] == 1 and st[2] == hd and tokens_packed and st[1] % 8 == 0 and t.data_ptr() % 16 == 0:
+        return t, st[1]
+    return _aligned(t), Hkv * hd
 
 
 def _unsupported(q, cache_k, cache_v) -> str | None:
@@ -158,7 +172,8 @@ def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
     BM = lib.block_rows
     RT = (S * (Hq // Hkv) + BM - 1) // BM
     S_max = _splits(q.device, hd, B * Hkv * RT)
-    qc, kb, vb = (_aligned(t) for t in (q, k_blk, v_blk))
+    qc = _aligned(q)
+    (kb, ldk), (vb, ldv) = _block_tokens(k_blk), _block_tokens(v_blk)
     rows64, lens64 = rows.to(torch.int64).contiguous(), ctx_lens.to(torch.int64).contiguous()
     out = torch.empty_like(qc)
     # Every live split writes its partial before the merge reads it: no zeroing, no counters.
@@ -171,6 +186,8 @@ def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
         cache_k.stride(0),
         kb.data_ptr(),
         vb.data_ptr(),
+        ldk,
+        ldv,
         rows64.data_ptr(),
         lens64.data_ptr(),
         out.data_ptr(),

@@ -58,14 +58,15 @@ struct Params {
   const __nv_bfloat16* q;   // [B, S, Hq, HD]
   const __nv_bfloat16* ck;  // context keys, row r at + r * cache_ld: [T, Hkv, HD] per row
   const __nv_bfloat16* cv;  // context values, same layout
-  const __nv_bfloat16* bk;  // block keys [B, S, Hkv, HD]
-  const __nv_bfloat16* bv;  // block values [B, S, Hkv, HD]
+  const __nv_bfloat16* bk;  // block keys [B, S, Hkv, HD], token t of sequence b at + (b S + t) blk_ld_k
+  const __nv_bfloat16* bv;  // block values, the same with blk_ld_v (a view into the qkv projection's output)
   const int64_t* rows;      // [B] cache row of each sequence
   const int64_t* ctx;       // [B] context rows visible (clamped to [0, T])
   __nv_bfloat16* out;       // [B, S, Hq, HD]
   float* o_part;            // [B, Hkv, RT, S_max, BM, HD]
   float* lse_part;          // [B, Hkv, RT, S_max, BM] (log2 domain)
   long long cache_ld;       // elements between cache rows
+  long long blk_ld_k, blk_ld_v;  // elements between block tokens (Hkv * HD when packed)
   int S, Hq, Hkv, rep, R, RT, T, S_max, min_keys;
   float scale_log2;  // softmax scale * log2(e)
 };
@@ -110,7 +111,8 @@ static __global__ void __launch_bounds__(THREADS, 1) split_kernel(Params p) {
   const int k0 = split * sg.chunk, k1 = min(sg.n, k0 + sg.chunk), n_tiles = (k1 - k0 + BN - 1) / BN;
   const __nv_bfloat16* ckrow = p.ck + (size_t)p.rows[b] * p.cache_ld + (size_t)kvh * HD;
   const __nv_bfloat16* cvrow = p.cv + (size_t)p.rows[b] * p.cache_ld + (size_t)kvh * HD;
-  const size_t blk0 = ((size_t)b * p.S * p.Hkv + kvh) * HD;  // block row s at + s * Hkv * HD
+  const __nv_bfloat16* bkrow = p.bk + (size_t)b * p.S * p.blk_ld_k + (size_t)kvh * HD;  // token t at + t ld
+  const __nv_bfloat16* bvrow = p.bv + (size_t)b * p.S * p.blk_ld_v + (size_t)kvh * HD;
 
   // Q: row i of the tile is query row rt * BM + i = (s, head kvh * rep + i % rep); rows past R are zeros.
   for (int c = tid; c < BM * CPR; c += THREADS) {
@@ -125,9 +127,9 @@ static __global__ void __launch_bounds__(THREADS, 1) split_kernel(Params p) {
     for (int c = tid; c < BN * CPR; c += THREADS) {
       const int r = c / CPR, col = (c % CPR) * 8, j = k0 + it * BN + r;
       const bool live = j < k1;
-      const size_t off = j < sg.ctx ? (size_t)j * p.Hkv * HD + col : blk0 + (size_t)(j - sg.ctx) * p.Hkv * HD + col;
-      const __nv_bfloat16* ks = !live ? p.bk : j < sg.ctx ? ckrow + off : p.bk + off;
-      const __nv_bfloat16* vs = !live ? p.bv : j < sg.ctx ? cvrow + off : p.bv + off;
+      const size_t cj = (size_t)j * p.Hkv * HD + col, bj = (size_t)(j - sg.ctx);
+      const __nv_bfloat16* ks = !live ? p.bk : j < sg.ctx ? ckrow + cj : bkrow + bj * p.blk_ld_k + col;
+      const __nv_bfloat16* vs = !live ? p.bv : j < sg.ctx ? cvrow + cj : bvrow + bj * p.blk_ld_v + col;
       cp_async16(sK + r * LD + col, ks, live);  // keys past the split's end: zero-filled, masked below
       cp_async16(sV + r * LD + col, vs, live);
     }
@@ -326,14 +328,17 @@ K26_EXPORT int k26_drafter_attn_plan(int head_dim, int tiles, int* splits) {
 
 // Returns a cudaError_t. Shapes are validated by the Python front door (k26/ops/drafter_attn_cuda.py);
 // o_part / lse_part: [B, Hkv, RT, S_max, 64, head_dim] and [B, Hkv, RT, S_max, 64] fp32, any contents.
+// blk_ld_k / blk_ld_v: elements between consecutive block tokens of k_blk / v_blk (rows of a sequence's S tokens
+// packed one after the other, heads HD apart within a token).
 K26_EXPORT int k26_drafter_attn(const void* q, const void* ck, const void* cv, long long cache_ld, const void* bk,
-                                const void* bv, const int64_t* rows, const int64_t* ctx, void* out, float* o_part,
-                                float* lse_part, int B, int S, int Hq, int Hkv, int head_dim, int T, int S_max,
+                                const void* bv, long long blk_ld_k, long long blk_ld_v, const int64_t* rows,
+                                const int64_t* ctx, void* out, float* o_part, float* lse_part, int B, int S, int Hq, int Hkv, int head_dim, int T, int S_max,
                                 int min_keys, float scale, int pdl, void* stream) {
   if (S_max < 1 || S_max > MAX_SPLITS || S < 1 || Hkv < 1 || Hq < 1 || Hq % Hkv) return (int)cudaErrorInvalidValue;
   Params p;
   p.q = (const __nv_bfloat16*)q, p.ck = (const __nv_bfloat16*)ck, p.cv = (const __nv_bfloat16*)cv;
   p.bk = (const __nv_bfloat16*)bk, p.bv = (const __nv_bfloat16*)bv, p.rows = rows, p.ctx = ctx;
+  p.blk_ld_k = blk_ld_k, p.blk_ld_v = blk_ld_v;
   p.out = (__nv_bfloat16*)out, p.o_part = o_part, p.lse_part = lse_part, p.cache_ld = cache_ld;
   p.S = S, p.Hq = Hq, p.Hkv = Hkv, p.rep = Hq / Hkv, p.R = S * (Hq / Hkv), p.RT = (p.R + BM - 1) / BM, p.T = T;
   p.S_max = S_max, p.min_keys = min_keys < BN ? BN : min_keys;
