@@ -127,7 +127,7 @@ static __global__ void __launch_bounds__(THREADS, 1) split_kernel(Params p) {
     for (int c = tid; c < BN * CPR; c += THREADS) {
       const int r = c / CPR, col = (c % CPR) * 8, j = k0 + it * BN + r;
       const bool live = j < k1;
-      const size_t cj = (size_t)j * p.Hkv * HD + col, bj = (size_t)(j - sg.ctx);
+      const size_t cj = (size_t)j * p.Hkv * HD + col, bj = (size_t)max(j - sg.ctx, 0);
       const __nv_bfloat16* ks = !live ? p.bk : j < sg.ctx ? ckrow + cj : bkrow + bj * p.blk_ld_k + col;
       const __nv_bfloat16* vs = !live ? p.bv : j < sg.ctx ? cvrow + cj : bvrow + bj * p.blk_ld_v + col;
       cp_async16(sK + r * LD + col, ks, live);  // keys past the split's end: zero-filled, masked below
@@ -332,8 +332,9 @@ K26_EXPORT int k26_drafter_attn_plan(int head_dim, int tiles, int* splits) {
 // packed one after the other, heads HD apart within a token).
 K26_EXPORT int k26_drafter_attn(const void* q, const void* ck, const void* cv, long long cache_ld, const void* bk,
                                 const void* bv, long long blk_ld_k, long long blk_ld_v, const int64_t* rows,
-                                const int64_t* ctx, void* out, float* o_part, float* lse_part, int B, int S, int Hq, int Hkv, int head_dim, int T, int S_max,
-                                int min_keys, float scale, int pdl, void* stream) {
+                                const int64_t* ctx, void* out, float* o_part, float* lse_part, int B, int S, int Hq,
+                                int Hkv, int head_dim, int T, int S_max, int min_keys, float scale, int pdl,
+                                void* stream) {
   if (S_max < 1 || S_max > MAX_SPLITS || S < 1 || Hkv < 1 || Hq < 1 || Hq % Hkv) return (int)cudaErrorInvalidValue;
   Params p;
   p.q = (const __nv_bfloat16*)q, p.ck = (const __nv_bfloat16*)ck, p.cv = (const __nv_bfloat16*)cv;
