@@ -3,7 +3,7 @@ recompiles with torch.compile."""
 
 import pytest
 import torch
-from oracles import random_prompts
+from oracles import assert_diverges_only_at_near_ties, random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.graphs import Bucket
@@ -119,8 +119,9 @@ def test_auto_budget_in_graphs_is_lossless(pair):
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 12)], ids=str)
 def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, drafter_dir, spec):
     """compile=True with a drafter: the captured steps run the compiled drafter (forward, context K/V) and
-    the compiled acceptance walk; greedy output equals the same (compiled) target's autoregressive decoding,
-    and 100+ more steps after the first request compile nothing."""
+    the compiled acceptance walk; greedy output is the same (compiled) target's autoregressive decoding up to
+    a bf16 near-tie (the first run, b410e5e, differed from token ~115 of 120: verify and decode round
+    differently), and 100+ more steps after the first request compile nothing."""
     import torch._dynamo.utils as dynamo_utils
 
     kw = {"device": "cuda", "progress": False, "max_batch": 2, "max_model_len": 512}
@@ -134,4 +135,5 @@ def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, d
     got = llm.generate(ps, long, spec)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == before
     want = llm.generate(ps, long, SpecConfig("ar"))
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_diverges_only_at_near_ties(llm, ps, want, got)
+    assert sum(o.stats.steps for o in got) < sum(o.stats.steps for o in want)  # drafts were accepted
