@@ -34,12 +34,12 @@ namespace k26_moe {
 
 constexpr int kStagedWarps = 8;   // warps of a block, splitting K (as the register GEMM's WK)
 constexpr int kStagedStages = 4;  // ring slots per warp: 3 chunks in flight while one is multiplied
-// 2 blocks per SM on sm_90 (<= 128 registers: the shared expert's two register-held tiles need ~110; capped at
-// 85 for 3 blocks, ptxas spills), 1 on sm_120 (its 100 KB per SM holds one 72 KB ring).
+// 3 blocks per SM on sm_90 (72 KB of ring each: 216 of its 228 KB; <= 85 registers); sm_120's 100 KB per SM
+// holds one block whatever the registers.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr int kStagedMinBlocks = 1;
 #else
-constexpr int kStagedMinBlocks = 2;
+constexpr int kStagedMinBlocks = 3;
 #endif
 
 // Bytes of one ring slot for one lane: RT weight words (16 B each), RT scale words (4 B), the lane's token's
