@@ -34,13 +34,6 @@ namespace k26_moe {
 
 constexpr int kStagedWarps = 8;   // warps of a block, splitting K (as the register GEMM's WK)
 constexpr int kStagedStages = 4;  // ring slots per warp: 3 chunks in flight while one is multiplied
-// 3 blocks per SM on sm_90 (72 KB of ring each: 216 of its 228 KB; <= 85 registers); sm_120's 100 KB per SM
-// holds one block whatever the registers.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-constexpr int kStagedMinBlocks = 1;
-#else
-constexpr int kStagedMinBlocks = 3;
-#endif
 
 // Bytes of one ring slot for one lane: RT weight words (16 B each), RT scale words (4 B), the lane's token's
 // 32 activation bytes of the chunk.
@@ -124,7 +117,7 @@ __device__ __forceinline__ void staged_chunks(const uint4* __restrict__ w, const
 // grid (I / 8 / RT, Gy <= the table's G groups), 256 threads, staged_smem_bytes<RT>() dynamic shared memory.
 // Arguments as gemm_kernel's (GATED: out = act [slot, I]); no `direct` ids (M = 1 keeps gemm_kernel).
 template <int RT>
-static __global__ void __launch_bounds__(32 * kStagedWarps, kStagedMinBlocks) gate_up_staged(
+static __global__ void __launch_bounds__(32 * kStagedWarps) gate_up_staged(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
@@ -172,7 +165,10 @@ static __global__ void __launch_bounds__(32 * kStagedWarps, kStagedMinBlocks) ga
       for (int i = 0; i < 4; ++i) acc[r][0][i] = 0.f;
     if (active && shared) {
       const uint4* brows[1] = {brow};
-      shared_acc<RT, 1, true>(sa, sb, K, tile0, c_begin, c_end, brows, acc);
+#pragma unroll
+      for (int r = 0; r < RT; ++r)  // one tile at a time: each tile's mma sequence as gemm_kernel's
+        shared_acc<1, 1, true>(sa, sb, K, tile0 + r, c_begin, c_end, brows,
+                               reinterpret_cast<float(&)[1][1][4]>(acc[r]));
     } else if (active) {
       staged_chunks<RT>(w, s, ((size_t)e * n_tiles + tile0) * KC, KC, c_begin, c_end, brow, x, ring, acc);
     }
