@@ -118,11 +118,6 @@ def main() -> None:
         help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
     )
     ap.add_argument(
-        "--register-gate-up",
-        action="store_true",
-        help="the register-held MoE gate/up GEMM where the staged one serves (moe_cuda.register_gate_up)",
-    )
-    ap.add_argument(
         "--step-kernels",
         action="store_true",
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
@@ -135,7 +130,6 @@ def main() -> None:
     if a.seeded_tree:
         seed_draft_topk(K26_TEXT["vocab_size"], torch.device("cuda"))
     moe_cuda.SPLIT_DOWN = a.split_down
-    moe_cuda.REGISTER_GATE_UP = a.register_gate_up
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
     a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]
     cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
@@ -183,8 +177,7 @@ def main() -> None:
             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
-            f"{' --split-down' if a.split_down else ''}{' --register-gate-up' if a.register_gate_up else ''}"
-            f"{' --seeded-tree' if a.seeded_tree else ''}`"
+            f"{' --split-down' if a.split_down else ''}{' --seeded-tree' if a.seeded_tree else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "

@@ -186,11 +186,6 @@ def main() -> None:
         action="store_true",
         help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
     )
-    ap.add_argument(
-        "--register-gate-up",
-        action="store_true",
-        help="the register-held MoE gate/up GEMM where the staged one serves (moe_cuda.register_gate_up)",
-    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="tp8,tp1")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128,256")
@@ -202,7 +197,6 @@ def main() -> None:
     )
     a = ap.parse_args()
     moe_cuda.SPLIT_DOWN = a.split_down  # read at each launch and capture below
-    moe_cuda.REGISTER_GATE_UP = a.register_gate_up
     ms = [int(v) for v in a.ms.split(",")]
     copy_bw, flops = copy_bandwidth(), gemm_rate()
     commit = source_commit()
@@ -217,8 +211,7 @@ def main() -> None:
         f"- commit: {commit or 'unknown'}",
         (
             f"- command: `python profiling/bench_moe.py{' --block' if a.block else ''}"
-            f"{' --quick' if a.quick else ''}{' --split-down' if a.split_down else ''}"
-            f"{' --register-gate-up' if a.register_gate_up else ''} --shapes {a.shapes} "
+            f"{' --quick' if a.quick else ''}{' --split-down' if a.split_down else ''} --shapes {a.shapes} "
             f"--ms {a.ms}`"
         ),
         (

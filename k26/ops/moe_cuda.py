@@ -15,32 +15,19 @@ from . import pdl
 from .moe_layout import unrepack, w13_row_order
 from .reference import expert_mlp, moe_combine
 
-# Variants of one library, read at launch (so at capture), like pdl.ENABLED: the same bits, for A/Bs in
-# profiling/bench_moe.py / bench_k26.py and the bit tests.
-SPLIT_DOWN = False  # the down GEMM and the combine as two launches where one serves (split_down())
-REGISTER_GATE_UP = False  # the register-held gate/up GEMM where the staged one serves (register_gate_up())
+SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see split_down()
 
 
 @contextlib.contextmanager
-def _overridden(name: str) -> Iterator[None]:
-    before = globals()[name]
-    globals()[name] = True
+def split_down() -> Iterator[None]:
+    """Run the down GEMM and the combine as two launches where the one-launch down + combine would serve
+    (csrc/moe_down_combine.cuh; the same bits): for the A/B in profiling/bench_moe.py and the bit test."""
+    global SPLIT_DOWN
+    before, SPLIT_DOWN = SPLIT_DOWN, True
     try:
         yield
     finally:
-        globals()[name] = before
-
-
-def split_down() -> contextlib.AbstractContextManager[None]:
-    """Run the down GEMM and the combine as two launches where the one-launch down + combine would serve
-    (csrc/moe_down_combine.cuh; the same bits)."""
-    return _overridden("SPLIT_DOWN")
-
-
-def register_gate_up() -> contextlib.AbstractContextManager[None]:
-    """Run the register-held gate/up GEMM (csrc/moe_gemm.cuh) where the cp.async-staged one would serve
-    (csrc/moe_gate_up_staged.cuh: more than 64 pairs; the same bits)."""
-    return _overridden("REGISTER_GATE_UP")
+        SPLIT_DOWN = before
 
 
 def pick_nt(pairs: int, experts: int) -> int:
@@ -306,9 +293,8 @@ def _moe_cuda(
         nt,
         *sp,
         None if table is None else table.data_ptr(),
-        # flags (csrc/moe_w4a16.cu): PDL (the shared expert's gate/up blocks overlap the routing), split down,
-        # register gate/up
-        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0) | (4 if REGISTER_GATE_UP else 0),
+        # flags (csrc/moe_w4a16.cu): PDL (the shared expert's gate/up blocks overlap the routing), split down
+        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

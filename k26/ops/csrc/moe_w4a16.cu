@@ -78,13 +78,11 @@ __device__ unsigned long long g_moe_trace[2][1024][16];
 #endif
 
 #include "moe_down_combine.cuh"
-#include "moe_gate_up_staged.cuh"
 #include "moe_gemm.cuh"
 #include "moe_mma.cuh"
 #include "moe_one_token.cuh"
 #include "moe_route.cuh"
 #include "pdl.cuh"
-#include "smem_optin.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -135,38 +133,12 @@ cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pd
   return launch_pdl(kernel, grid, dim3(threads), 0, pdl, st, args...);
 }
 
-// Group rows of the staged gate/up grid: as many as one wave of its blocks holds (blocks loop over the rest),
-// at most the table's bound G. Occupancy queried once per device.
-template <int RT>
-cudaError_t staged_rows(int G, int blocks_per_group, int* rows) {
-  constexpr int smem = staged_smem_bytes<RT>();
-  static int slots[64] = {};  // blocks of one wave, per device (< 64)
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev >= 64 || slots[dev] == 0) {
-    if ((e = smem_opt_in<gate_up_staged<RT>>(smem)) != cudaSuccess) return e;
-    int sms = 0, per_sm = 0;
-    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gate_up_staged<RT>, 32 * kStagedWarps, smem);
-    if (e != cudaSuccess) return e;
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    if (dev >= 64) {
-      *rows = max(1, min(G, per_sm * sms / blocks_per_group));
-      return cudaSuccess;
-    }
-    slots[dev] = per_sm * sms;
-  }
-  *rows = max(1, min(G, slots[dev] / blocks_per_group));
-  return cudaSuccess;
-}
-
 // `table`: a routing table of exactly these ids, group size 8 * NT and S (nullptr: route here).
 // RT1 / RT2: 16-row tiles per warp in the gate/up / down GEMM.
 template <int NT, int RT1, int RT2>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
                    const float* topw, void* out, void* ws_base, int* table, int M, int D, int I, int E, int topk,
-                   Shared sh, bool pdl, bool split_down, bool register_gate_up, cudaStream_t st) {
+                   Shared sh, bool pdl, bool split_down, cudaStream_t st) {
   Workspace ws;
   const int S = sh.gate ? M : 0;
   carve(ws_base, M, D, I, E, topk, NT, S, &ws);
@@ -186,25 +158,10 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  cudaError_t err = cudaSuccess;
-  bool staged = false;
-  if constexpr (NT == 1 && RT1 == 2) {  // many pairs: weights through a cp.async ring
-    if (!direct && !register_gate_up) {
-      staged = true;
-      int rows = 0;
-      if ((err = staged_rows<RT1>(G, tiles13 / RT1, &rows)) != cudaSuccess) return err;
-      err = launch_pdl(gate_up_staged<RT1>, dim3(tiles13 / RT1, rows), dim3(32 * kStagedWarps),
-                       staged_smem_bytes<RT1>(), pdl, st, (const __nv_bfloat16*)x, (const uint4*)w13,
-                       (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
-                       rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up);
-    }
-  }
-  if (!staged) {
-    err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : 1)>,
+  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : 1)>,
                               dim3(tiles13 / RT1, G), 32 * WK1, pdl, st, (const __nv_bfloat16*)x, (const uint4*)w13,
                               (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
                               rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up, direct);
-  }
   if (err != cudaSuccess) return err;
   const int tiles2 = D / 16;
   if (direct && topk <= kDownOneTokPairs) {  // decode: down + combine in one launch
@@ -255,13 +212,13 @@ K26_EXPORT size_t k26_moe_route_table_ints(int M, int E, int topk, int nt, int s
 // Returns a cudaError_t (0 = success). Shapes are validated by the Python front door. shared_gate/up [I, D] and
 // shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids. table: the routing
 // table of these ids for this nt and shared (csrc/moe_route.cuh), or null (routed here). flags: bit 0 launches
-// with PDL; bit 1 runs the down GEMM + combine launches where down_combine_grouped would serve; bit 2 the
-// register-held gate/up GEMM where gate_up_staged would serve (same bits, both: the A/Bs and bit-identity tests).
+// with PDL; bit 1 runs the down GEMM + combine launches where down_combine_grouped would serve (same bits: the
+// A/B and the bit-identity test).
 K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
                              int E, int topk, int nt, const void* shared_gate, const void* shared_up,
                              const void* shared_down, void* table, int flags, void* stream) {
-  const bool pdl = flags & 1, split = flags & 2, reg13 = flags & 4;
+  const bool pdl = flags & 1, split = flags & 2;
   int* tab = static_cast<int*>(table);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
@@ -274,10 +231,10 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, reg13, st)
-                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, reg13, st);
-    case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, reg13, st);
-    case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, reg13, st);
+      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st)
+                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
+    case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
+    case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
