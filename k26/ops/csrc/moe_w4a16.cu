@@ -52,7 +52,11 @@
 // Tried and dropped (2026-12-01-bench_moe-session11-h200.md): blocks looping over expert groups with a one-wave
 // grid (no empty blocks; the loop took the M = 16 gate/up kernel from 128 to 201 registers, or ~280 B of spills
 // at 128); NT = 2 / 4 at M = 16 (slower uniform, no gain skewed, verify N = 16 7.69 -> 8.31 ms); the gate/up
-// blocks prefetching their expert's down weights into L2 (M = 1 24.6 -> 25.3-26.0 µs, M = 16 slower).
+// blocks prefetching their expert's down weights into L2 (M = 1 24.6 -> 25.3-26.0 µs, M = 16 slower). Also dropped
+// (2026-12-02-bench_moe-staged-gate-up-h200.md): a gate/up GEMM for > 64 pairs streaming weights, scales and
+// activations through a lane-private cp.async ring (4 slots a warp, 72 KB a block) in a one-wave grid whose
+// blocks loop over the groups — block M = 16 100.9 -> 105.5 µs uniform, 41.0 -> 51.5 skewed, slower at every M
+// and shape (2 blocks per SM at 128 registers: the shared expert's register-held tiles; 3 blocks spill).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
