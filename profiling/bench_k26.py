@@ -118,6 +118,11 @@ def main() -> None:
         help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
     )
     ap.add_argument(
+        "--route-launch",
+        action="store_true",
+        help="the MoE expert op routes in its own launch (the router writes no routing table: the A/B)",
+    )
+    ap.add_argument(
         "--step-kernels",
         action="store_true",
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
@@ -145,6 +150,7 @@ def main() -> None:
     for m in model.modules():  # as the loader does (moe.use_cuda_kernels): the fused router kernel
         if isinstance(m, Router):
             m.fuse_()
+            m.writes_table = not a.route_launch
     if a.fused:
         model.fuse_dense_()
     if a.compile:
@@ -177,7 +183,8 @@ def main() -> None:
             f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
-            f"{' --split-down' if a.split_down else ''}{' --seeded-tree' if a.seeded_tree else ''}`"
+            f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
+            f"{' --seeded-tree' if a.seeded_tree else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from timing import capture, graph_time_cold, mma_sync_peak
 
-from k26.ops import pdl, reference
+from k26.ops import moe_cuda, pdl, reference
 from k26.ops.router_cuda import router_barrier
 
 SHAPES = {
@@ -61,15 +61,24 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
 
 
 def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
-    """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused": router
-    kernel, shared expert in the expert kernel's grids; "router": router kernel, shared expert as its own
-    three GEMMs; "unfused": the reference router (fp32 weight copy, GEMV, topk), separate shared expert."""
+    """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused":
+    router kernel (writing the routing table for M > 1), shared expert in the expert kernel's grids;
+    "route": the same but the expert op routes in its own launch (before the router wrote the table);
+    "router": router kernel, shared expert as its own three GEMMs; "unfused": the reference router (fp32
+    weight copy, GEMV, topk), separate shared expert."""
+    M, E = x.shape[0], lw["router"].shape[0]
+    sh = (lw["gate"], lw["up"], lw["down"])
+    if mode == "fused" and M > 1:
+        nt = moe_cuda.pick_nt(M * ROUTE[2], E)
+        route = (x, lw["router"], lw["bias"], lw["barrier"], *ROUTE, nt, True)
+        tw, ids, table = torch.ops.k26.moe_router_table(*route)
+        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh, table)
     if mode == "unfused":
         tw, ids = reference.moe_router(x, lw["router"], lw["bias"], *ROUTE)
     else:
         tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
-    if mode == "fused":
-        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, lw["gate"], lw["up"], lw["down"])
+    if mode in ("fused", "route"):
+        return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh)
     y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw)
     return y + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
 
@@ -121,6 +130,7 @@ def bench_block(
                 ]
 
             t = graph_time_cold(lambda: blocks("fused"), L)
+            t_route = graph_time_cold(lambda: blocks("route"), L) if M > 1 else t
             t_no_pdl = no_pdl_time(lambda: blocks("fused"), L)
             t_unfused = math.nan if quick else graph_time_cold(lambda: blocks("unfused"), L)
             t_router_only = math.nan if quick else graph_time_cold(lambda: blocks("router"), L)
@@ -140,7 +150,7 @@ def bench_block(
             gbs = mb / 1e3 / t
             rows.append(
                 f"| {name} | {kind} | {M} | {touched:.1f} | {mb:.1f} | {t * 1e6:.1f} | {gbs:.0f} | "
-                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_no_pdl * 1e6:.1f} | "
+                f"{100 * gbs * 1e9 / copy_bw:.1f}% | {t_route * 1e6:.1f} | {t_no_pdl * 1e6:.1f} | "
                 f"{t_router_only * 1e6:.1f} | {t_unfused * 1e6:.1f} | "
                 f"{n_fused} / {n_unfused} | "
                 f"{t_router * 1e6:.1f} ({100 * E * D * 2 / t_router / copy_bw:.0f}%) |"
@@ -155,10 +165,11 @@ def block_main(a, copy_bw: float, head: list[str]) -> str:
         f"- mma.sync bf16 peak measured in this run: {mma_sync_peak() / 1e12:.0f} TFLOP/s",
         "",
         (
-            "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | no PDL µs | "
-            "shared separate µs | before (unfused) µs | launches fused / before | router µs (% copy) |"
+            "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | "
+            "own route launch µs | no PDL µs | shared separate µs | before (unfused) µs | "
+            "launches fused / before | router µs (% copy) |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(head), flush=True)
     rows: list[str] = []

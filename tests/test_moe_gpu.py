@@ -317,3 +317,22 @@ def test_model_uses_kernel_after_gpu_load(tiny_k25):
         a = fast.model(ids, batch, fast.cache.kv_LRTC, aux_layers=(1,))[1].float()
         b = slow.model(ids, batch, slow.cache.kv_LRTC, aux_layers=(1,))[1].float()
     assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+def test_router_written_table_in_the_model_changes_no_bit(tiny_k25):
+    """MoE.forward on more than one token takes the routing table from the router kernel (no routing launch
+    in the expert op): the same bits as the expert op routing itself, with and without the shared expert."""
+    from k26 import LLM
+
+    llm = LLM(tiny_k25, device="cuda", progress=False)
+    moe = llm.model.layers[1].mlp
+    assert moe.gate.writes_table
+    gen = torch.Generator("cuda").manual_seed(8)
+    x = torch.randn(3, 13, moe.gate.weight.shape[1], generator=gen, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        _, _, table = moe.gate.route(x.flatten(0, 1), shared=True)
+        assert table is not None
+        with_table = moe(x, partial=True)
+        moe.gate.writes_table = False
+        own_route = moe(x, partial=True)
+    assert torch.isfinite(with_table.float()).all() and torch.equal(with_table, own_route)

@@ -7,6 +7,7 @@ from oracles import poison_allocator
 
 import k26.ops  # noqa: F401  (registers the ops)
 from k26.ops import reference
+from k26.ops.moe_cuda import pick_nt, route_table, route_table_groups
 from k26.ops.router_cuda import check_inputs, router_barrier
 
 gpu = pytest.mark.gpu
@@ -42,6 +43,31 @@ def test_router_opcheck():
     torch.library.opcheck(
         torch.ops.k26.moe_router.default, args, test_utils=("test_schema", "test_faketensor")
     )
+
+
+def test_router_table_opcheck_and_reference_table():
+    """moe_router_table: the schema and fake agree with the reference, whose table is route_table's."""
+    x, w, bias = router_inputs(6, 16, 64)
+    args = (x, w, bias, router_barrier("cpu"), 4, 2, 3, True, 1.5, 1, True)
+    torch.library.opcheck(
+        torch.ops.k26.moe_router_table.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+    tw, ids, table = torch.ops.k26.moe_router_table(*args)
+    ref_w, ref_ids = reference.moe_router(*args[:3], *args[4:9])
+    assert torch.equal(tw, ref_w) and torch.equal(ids, ref_ids)
+    assert torch.equal(table, route_table(ids, 16, 1, True))
+
+
+def canonical_table(table, M, K, E, nt, shared):
+    """(group count, [(expert, start, len, the group's pair slots sorted)]): the table as the expert op reads
+    it (the kernel orders pairs inside a group arbitrarily and leaves groups past the count unwritten)."""
+    P, S = M * K, M if shared else 0
+    G = route_table_groups(M, K, E, nt, shared)
+    t = table.tolist()
+    n, slots = t[0], t[1 : 1 + P + S]
+    expert, start, length = (t[1 + P + S + i * G : 1 + P + S + i * G + n] for i in range(3))
+    groups = [(e, s, n_, sorted(slots[s : s + n_])) for e, s, n_ in zip(expert, start, length, strict=True)]
+    return n, groups
 
 
 @pytest.mark.parametrize(
@@ -120,7 +146,7 @@ def test_kernel_matches_reference(M, E, D, n_group, topk_group, topk, hot):
     poison_allocator()
     got_w, got_ids = torch.ops.k26.moe_router(x, w, bias, barrier, n_group, topk_group, topk, True, 2.827)
     assert count_differences(got_w, got_ids, x, w, bias, n_group, topk_group, topk)[1] == 0
-    assert barrier.tolist() == [0, 0]  # left armed for the next call
+    assert barrier.tolist() == [0, 0, 0]  # left armed for the next call
 
 
 @gpu
@@ -139,3 +165,56 @@ def test_graph_replay_is_bit_identical_and_matches_eager():
     assert torch.equal(first[0], out_w) and torch.equal(first[1], out_ids)
     eager_w, eager_ids = torch.ops.k26.moe_router(x, w, bias, barrier, *args)
     assert torch.equal(eager_w, out_w) and torch.equal(eager_ids, out_ids)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 5, 16, 33, 64, 65, 300])
+@pytest.mark.parametrize(
+    "E,D,topk,hot,shared",
+    [(384, 7168, 8, 0, True), (384, 7168, 8, 10, True), (384, 7168, 8, 0, False), (40, 256, 3, 0, True)],
+)
+def test_router_table_equals_route_table_of_its_ids(M, E, D, topk, hot, shared):
+    """The table the router kernel's last block builds is the torch route_table of the ids it returns (same
+    groups, same pairs in each), and ids / weights are moe_router's bit for bit; the counters end at zero."""
+    x, w, bias = router_inputs(M, E, D, device="cuda", seed=3 * M + E, hot=hot)
+    nt = pick_nt(M * topk, E)
+    barrier = router_barrier("cuda")
+    plain_w, plain_ids = torch.ops.k26.moe_router(x, w, bias, barrier, 1, 1, topk, True, 2.827)
+    poison_allocator()
+    args = (x, w, bias, barrier, 1, 1, topk, True, 2.827, nt, shared)
+    got_w, got_ids, table = torch.ops.k26.moe_router_table(*args)
+    assert torch.equal(got_w, plain_w) and torch.equal(got_ids, plain_ids)
+    want = canonical_table(route_table(got_ids, E, nt, shared), M, topk, E, nt, shared)
+    assert canonical_table(table, M, topk, E, nt, shared) == want
+    assert barrier.tolist() == [0, 0, 0]
+
+
+@gpu
+def test_router_table_graph_replays_follow_new_inputs():
+    """Captured once, the router + table replays on new rows: each replay's table is the route_table of that
+    replay's ids (the arrival counter re-arms itself), and the expert op fed the table gives the same bits as
+    the expert op routing itself."""
+    from test_moe_gpu import block_inputs
+
+    M, E, K, D, inter = 16, 384, 8, 7168, 256
+    _, ew, sh, x, _, _ = block_inputs(77, M, E, K, D, inter, with_shared=True)
+    _, w, bias = router_inputs(M, E, D, device="cuda", seed=5, hot=10)
+    barrier, nt = router_barrier("cuda"), pick_nt(M * K, E)
+    args = (1, 1, K, True, 2.827, nt, True)
+
+    def block():
+        tw, ids, table = torch.ops.k26.moe_router_table(x, w, bias, barrier, *args)
+        return tw, ids, table, torch.ops.k26.moe_w4a16_repacked(x, *ew, ids, tw, *sh, table)
+
+    block()  # build/load before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = block()
+    for seed in (11, 12, 13):
+        x.copy_(torch.randn(M, D, generator=torch.Generator("cuda").manual_seed(seed), device="cuda"))
+        g.replay()
+        tw, ids, table, y = (t.clone() for t in out)
+        want = canonical_table(route_table(ids, E, nt, True), M, K, E, nt, True)
+        assert canonical_table(table, M, K, E, nt, True) == want
+        assert torch.equal(y, torch.ops.k26.moe_w4a16_repacked(x, *ew, ids, tw, *sh))
+    assert barrier.tolist() == [0, 0, 0]

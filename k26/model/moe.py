@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference
+from ..ops.moe_cuda import pick_nt
 from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
@@ -24,26 +25,45 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.register_buffer("barrier", None, persistent=False)  # the fused kernel's grid-barrier scratch
+        # With the fused kernel, also build the expert op's routing table for more than one token (the
+        # expert op then runs no routing launch); False: the expert op routes itself (the A/B in benchmarks).
+        self.writes_table = False
 
     @torch.no_grad()
     def fuse_(self) -> None:
         """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on: bf16 weight on CUDA, loaded."""
         self.barrier = router_barrier(self.weight.device)
+        self.writes_table = True
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _args(self) -> tuple:
         cfg = self.cfg
-        args = (
+        return (
             cfg.n_group,
             cfg.topk_group,
             cfg.num_experts_per_tok,
             cfg.norm_topk_prob,
             cfg.routed_scaling_factor,
         )
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.barrier is not None and x_TD.dtype == torch.bfloat16:
             return torch.ops.k26.moe_router(
-                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *args
+                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args()
             )
-        return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *args)
+        return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *self._args())
+
+    def route(
+        self, x_TD: torch.Tensor, shared: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weights, ids, routing table or None): the table of `moe_w4a16_repacked` (with the shared expert's
+        slots when `shared`) from the fused kernel when it writes one and there is more than one token (one
+        token routes straight from its ids in the expert op, no table needed)."""
+        M = x_TD.shape[0]
+        if not (self.writes_table and M > 1 and self.barrier is not None and x_TD.dtype == torch.bfloat16):
+            return (*self(x_TD), None)
+        nt = pick_nt(M * self.cfg.num_experts_per_tok, self.cfg.n_routed_experts)
+        args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args())
+        return torch.ops.k26.moe_router_table(*args, nt, shared)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -92,13 +112,14 @@ class Int4Experts(nn.Module):
             and tuple(shared.gate_proj.weight.shape) == (self.w13.shape[1] * 8, self.w13.shape[2] * 64)
         )
 
-    def forward(self, x_TD, ids_TK, w_TK, shared: MLP | None = None):
-        """Routed experts; with `shared` (only when `fuses`) plus the shared expert, in the same launches."""
+    def forward(self, x_TD, ids_TK, w_TK, shared: MLP | None = None, table: torch.Tensor | None = None):
+        """Routed experts; with `shared` (only when `fuses`) plus the shared expert, in the same launches.
+        `table`: the routing table of these ids (`Router.route`, repacked only)."""
         if self.repacked:
-            mlp = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
-            sw = tuple(m.weight for m in mlp)
+            mlp = (None,) * 3 if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+            sw = tuple(None if m is None else m.weight for m in mlp)
             return torch.ops.k26.moe_w4a16_repacked(
-                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw
+                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw, table
             )
         return torch.ops.k26.moe_w4a16(x_TD, *self.checkpoint_tensors(), ids_TK, w_TK)
 
@@ -136,10 +157,14 @@ class MoE(nn.Module):
         """`partial`: this rank's share, unreduced (the caller reduces it with the residual add and the next
         norm, `TPInfo.reduce_add_norm`)."""
         x_TD = x_BND.flatten(0, -2)
-        w_TK, ids_TK = self.gate(x_TD)
-        if isinstance(self.experts, Int4Experts) and self.experts.fuses(self.shared_experts, x_TD):
-            y_TD = self.experts(x_TD, ids_TK, w_TK, shared=self.shared_experts)
+        if isinstance(self.experts, Int4Experts) and self.experts.repacked:
+            fused = self.experts.fuses(self.shared_experts, x_TD)
+            w_TK, ids_TK, table = self.gate.route(x_TD, shared=fused)
+            y_TD = self.experts(x_TD, ids_TK, w_TK, self.shared_experts if fused else None, table)
+            if self.shared_experts is not None and not fused:
+                y_TD = y_TD + self.shared_experts(x_TD)
         else:
+            w_TK, ids_TK = self.gate(x_TD)
             y_TD = self.experts(x_TD, ids_TK, w_TK)
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)

@@ -108,6 +108,7 @@ OPS = (
     "moe_w4a16",
     "moe_w4a16_repacked",
     "moe_router",
+    "moe_router_table",
     "mla_write_cache",
     "mla_tree_attention",
     "linear",

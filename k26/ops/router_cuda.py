@@ -1,8 +1,10 @@
 """Front door of the fused MoE router (csrc/moe_router.cu): `torch.ops.k26.moe_router`, input checks
 before any launch, and the CUDA kernel (the pure-torch reference `reference.moe_router` elsewhere).
 
-The op returns what `moe_w4a16_repacked` takes: fp32 weights [M, topk] and int64 ids [M, topk].
-`barrier` is the kernel's grid-barrier scratch: int32 [2], zero before and after every call; its owner
+The op returns what `moe_w4a16_repacked` takes: fp32 weights [M, topk] and int64 ids [M, topk];
+`torch.ops.k26.moe_router_table` also returns the expert op's routing table of those ids (csrc/moe_route.cuh,
+`moe_cuda.route_table`), built by the router kernel's last block, so the expert op runs no routing launch.
+`barrier` is the kernel's grid-barrier scratch: int32 [3], zero before and after every call; its owner
 (the model's `Router`) allocates it once with `router_barrier`. The reference ignores it.
 """
 
@@ -16,10 +18,11 @@ import torch
 
 from . import pdl, reference
 from .log import say_once
+from .moe_cuda import route_table, route_table_size
 
 
 def router_barrier(device: torch.device | str) -> torch.Tensor:
-    return torch.zeros(2, dtype=torch.int32, device=device)
+    return torch.zeros(3, dtype=torch.int32, device=device)
 
 
 @torch.library.custom_op("k26::moe_router", mutates_args=())
@@ -41,6 +44,39 @@ def moe_router(
 def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
     M = x.shape[0]
     return x.new_empty(M, topk, dtype=torch.float32), x.new_empty(M, topk, dtype=torch.int64)
+
+
+@torch.library.custom_op("k26::moe_router_table", mutates_args=())
+def moe_router_table(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    barrier: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    topk: int,
+    renormalize: bool,
+    scale: float,
+    nt: int,
+    shared: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_router` plus the routing table `moe_w4a16_repacked(..., table=)` takes for these ids: groups of
+    8·nt tokens (nt = moe_cuda.pick_nt(M * topk, E)), the shared expert's slots when `shared`. The kernel
+    orders the pairs inside a group arbitrarily and leaves the groups past the count unwritten (the expert
+    op reads neither); the reference is `route_table`'s order."""
+    w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+    return w, ids, route_table(ids, weight.shape[0], nt, shared)
+
+
+@moe_router_table.register_fake
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, nt, shared):
+    M, E = x.shape[0], weight.shape[0]
+    n = route_table_size(M, topk, E, nt, shared)
+    return (
+        x.new_empty(M, topk, dtype=torch.float32),
+        x.new_empty(M, topk, dtype=torch.int64),
+        x.new_empty(n, dtype=torch.int32),
+    )
 
 
 MAX_EXPERTS, MAX_TOPK, MAX_GROUPS = 1024, 32, 32  # csrc/moe_router.cu: kMaxE, kMaxTopk, kMaxGroups
@@ -68,7 +104,7 @@ def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: 
         bias.shape == (E,) and bias.dtype == torch.float32,
         f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}",
     )
-    need(barrier.shape == (2,) and barrier.dtype == torch.int32, "barrier must be int32 [2] (router_barrier)")
+    need(barrier.shape == (3,) and barrier.dtype == torch.int32, "barrier must be int32 [3] (router_barrier)")
     need(0 < topk <= min(E, MAX_TOPK), f"topk={topk} must be in [1, {min(E, MAX_TOPK)}]")
     need(
         0 < n_group <= MAX_GROUPS and E % n_group == 0,
@@ -91,15 +127,16 @@ def _library() -> ctypes.CDLL:
     lib.k26_moe_router_workspace.restype = ctypes.c_size_t
     lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
     lib.k26_moe_router.restype = ctypes.c_int
-    # x, weight, bias, barrier, workspace, out_w, out_ids; M, D, E, n_group, topk_group, topk, renormalize;
-    # scale; pdl; stream
-    ptrs, ints = [ctypes.c_void_p] * 7, [ctypes.c_int] * 7
+    # x, weight, bias, barrier, workspace, out_w, out_ids, table; M, D, E, n_group, topk_group, topk,
+    # renormalize, table_gt, table_S; scale; pdl; stream
+    ptrs, ints = [ctypes.c_void_p] * 8, [ctypes.c_int] * 9
     lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
-@moe_router.register_kernel("cuda")
-def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, table_of):
+    """The CUDA kernel (or the reference for an unsupported hidden size); `table_of` = (nt, shared) to build
+    the routing table too, or None. Returns (weights, ids, table or None)."""
     M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk)
     if D % 64:  # the kernel tiles k by 64; no K2 checkpoint has such a hidden size
         say_once(
@@ -107,11 +144,17 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
             logging.INFO,
             f"k26.moe_router: hidden size {D} (not a multiple of 64) runs the reference",
         )
-        return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+        w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+        return w, ids, None if table_of is None else route_table(ids, E, *table_of)
     out_w = torch.empty(M, topk, dtype=torch.float32, device=x.device)
     out_ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)
+    table, gt, S = None, 0, 0
+    if table_of is not None:
+        nt, shared = table_of
+        table = torch.empty(route_table_size(M, topk, E, nt, shared), dtype=torch.int32, device=x.device)
+        gt, S = 8 * nt, M if shared else 0
     if M == 0:
-        return out_w, out_ids
+        return out_w, out_ids, None if table is None else route_table(out_ids, E, *table_of)
     lib = _library()
     ws = torch.empty(lib.k26_moe_router_workspace(M, D, E) // 4, dtype=torch.float32, device=x.device)
     err = lib.k26_moe_router(
@@ -122,6 +165,7 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
         ws.data_ptr(),
         out_w.data_ptr(),
         out_ids.data_ptr(),
+        None if table is None else table.data_ptr(),
         M,
         D,
         E,
@@ -129,10 +173,24 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
         topk_group,
         topk,
         int(renormalize),
+        gt,
+        S,
         scale,
         int(pdl.ENABLED),  # csrc/moe_router.cu: the first weight batch streams in under the previous kernel
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:
         raise RuntimeError(f"moe_router: CUDA launch failed with error {err}")
-    return out_w, out_ids
+    return out_w, out_ids, table
+
+
+@moe_router.register_kernel("cuda")
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, None)[:2]
+
+
+@moe_router_table.register_kernel("cuda")
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, nt, shared):
+    if nt not in (1, 2, 4):
+        raise ValueError(f"moe_router_table: nt={nt} must be 1, 2 or 4 (moe_cuda.pick_nt)")
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, (nt, bool(shared)))

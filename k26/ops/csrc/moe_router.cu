@@ -17,13 +17,16 @@
 //   2. per token (one block each): partials summed in k-range order (deterministic), sigmoid, bias (loaded
 //      before phase 1); top-k (<= 8) by redux.sync picks over register-held keys, per warp then across the
 //      warps' candidates (topk_fast); larger topk by one warp's serial picks (topk_serial).
+//   3. (when asked, `table`) the expert op's routing table (csrc/moe_route.cuh) from every token's ids, built by
+//      the last phase-2 block to finish: the expert op then runs no routing launch of its own.
 // PDL: the first weight batch is loaded before the grid-dependency wait; dependents may launch right after
 // it (the expert op's shared-expert blocks overlap this kernel; they read x, complete by then).
 // The k index inside each 64-wide chunk is permuted identically for A and B (lane t owns k in
 // [16t, 16t + 16)), so each lane's fragments are 32 contiguous bytes of a W row / an x row: plain
 // 16-byte loads, no ldmatrix, no shared-memory staging.
 // The barrier needs every block resident: the grid is capped at SMs x occupancy (queried); its two
-// int32 counters (arrivals, departures) start at zero and every launch leaves them at zero.
+// int32 counters (arrivals, departures) and the phase-2 arrival count start at zero and every launch leaves
+// them at zero.
 //
 // Legality: warp-level mma.sync bf16 only, <= 48 KB static shared memory per block: legal on sm_120
 // (99 KB) and sm_90; built for sm_90a and sm_120a. No host sync: CUDA-graph capturable.
@@ -44,6 +47,7 @@
 #include <stdint.h>
 
 #include "globaltimer.cuh"
+#include "moe_route.cuh"
 #include "pdl.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
@@ -79,11 +83,13 @@ struct Args {
   const __nv_bfloat16* x;  // [M, D]
   const __nv_bfloat16* w;  // [E, D]
   const float* bias;       // [E]
-  int* barrier;            // [2], zero on entry and exit
+  int* barrier;            // [3], zero on entry and exit: grid barrier (2), phase-2 arrivals (1)
   float* partial;          // [KS, M, E]
   float* out_w;            // [M, K]
   int64_t* out_ids;        // [M, K]
+  int* table;              // the expert op's routing table (csrc/moe_route.cuh), or null: not built here
   int M, D, E, n_group, topk_group, topk, renormalize, ks, chunks_per_ks;
+  int table_gt, table_S;   // the table's group size (8 nt) and shared-expert slots (M or 0)
   float scale;
 };
 
@@ -191,17 +197,18 @@ __device__ void grid_barrier(int* bar) {
   __syncthreads();
 }
 
-// One token: no barrier, the last block to write its partials runs phase 2 (the others leave at once). Its
-// count starts and ends at zero like the barrier's.
-__device__ bool last_arrival(int* bar) {
+// The last of `n` blocks to arrive returns true (the others false): one token's phase 2 after the partials
+// (no barrier: the others leave at once), the routing table after every token's top-k. The count starts and
+// ends at zero like the barrier's.
+__device__ bool last_arrival(int* count, int n) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // this block's partials are visible before the count says so
-    const int last = atomicAdd(&bar[0], 1) == (int)gridDim.x - 1;
+    __threadfence();  // this block's writes are visible before the count says so
+    const int last = atomicAdd(count, 1) == n - 1;
     if (last) {
-      atomicExch(&bar[0], 0);
-      __threadfence();  // acquire: the other blocks' partials are read after their counts
+      atomicExch(count, 0);
+      __threadfence();  // acquire: the other blocks' writes are read after their counts
     }
     s_last = last;
   }
@@ -238,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   pdl_trigger();
   const int first = a.M == 1 ? 0 : blockIdx.x;  // this block's first token in phase 2
   if (a.M == 1) {
-    if (!last_arrival(a.barrier)) return;
+    if (!last_arrival(a.barrier, gridDim.x)) return;
   } else {
     grid_barrier(a.barrier);
   }
@@ -288,6 +295,16 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
     __syncthreads();
     TRACE(5);
   }
+  if (a.table == nullptr || first >= a.M) return;
+  // The routing table from every token's ids, by the last phase-2 block to finish (one token: the one block
+  // that ran phase 2), so the expert op needs no routing launch of its own: the launch and its two grid
+  // hand-offs cost ~4 µs of the M = 16 block's critical path (2026-12-01-bench_moe-session11-h200.md).
+  if (a.M > 1 && !last_arrival(a.barrier + 2, min(a.M, (int)gridDim.x))) return;
+  __shared__ int route_sm[3 * kMaxE];
+  const int P = a.M * a.topk;
+  build_route_table([&](int p) { return __ldcg(a.out_ids + p); }, P, a.E, a.table_gt, a.table_S,
+                    route_table_at(a.table, P, a.table_S, a.E, a.table_gt), route_sm);
+  TRACE(11);
 }
 
 struct Plan {
@@ -334,13 +351,17 @@ K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
 
 // Returns a cudaError_t (0 = success). Shapes are validated by the Python front door (k26/ops/router_cuda.py):
 // D % 64 == 0, E <= 1024, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group.
+// table (null: none): the expert op's routing table of these ids (csrc/moe_route.cuh) for groups of table_gt
+// tokens and table_S shared-expert slots, route_table_ints(M * topk, table_S, E, table_gt) ints.
 K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
-                              float* out_w, int64_t* out_ids, int M, int D, int E, int n_group, int topk_group,
-                              int topk, int renormalize, float scale, int pdl, void* stream) {
+                              float* out_w, int64_t* out_ids, int* table, int M, int D, int E, int n_group,
+                              int topk_group, int topk, int renormalize, int table_gt, int table_S, float scale,
+                              int pdl, void* stream) {
   if (E > kMaxE || topk > kMaxTopk || topk > E || n_group > kMaxGroups || D % 64) return (int)cudaErrorInvalidValue;
+  if (table && (table_gt < 8 || table_gt % 8 || table_S < 0)) return (int)cudaErrorInvalidValue;
   const Plan p = plan(M, D, E);
-  Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids,
-         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, scale};
+  Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids, table,
+         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, table_gt, table_S, scale};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   void (*kernel)(Args) = p.nt == 1 ? router_kernel<1> : p.nt == 2 ? router_kernel<2> : router_kernel<4>;
   return (int)launch_pdl(kernel, dim3(p.grid), dim3(kThreads), 0, pdl != 0, st, a);
