@@ -1,6 +1,6 @@
 // The MoE routing table: the (token, k) pairs grouped by expert, in groups of at most `gt` tokens, as the
-// expert GEMMs of csrc/moe_w4a16.cu read it. Built by the expert op's route_kernel unless the caller passes
-// one (a router kernel that wrote it in its last block was tried in run 3: commit 7aecc8d).
+// expert GEMMs of csrc/moe_w4a16.cu read it. Built by the router kernel's last block (csrc/moe_router.cu, when
+// asked: the model's path for more than one token) or else by the expert op's route_kernel.
 //
 // One int32 buffer (k26/ops/moe_cuda.py: route_table_size / route_table, the torch reference):
 //   [0]                 number of groups (<= G)
@@ -38,8 +38,9 @@ __host__ __device__ inline RouteTable route_table_at(int* base, int P, int S, in
 }
 
 // One block (any multiple of 32 threads up to 1024) builds the table of the P ids `id(p)` gives (read once when
-// P <= threads, else twice; a functor so that a producer holding the ids in shared memory can pass them from there).
-// sm: 3 * E ints of shared memory.
+// P <= 2 x threads, else twice; a functor so that a producer holding the ids in shared memory can pass them from
+// there). sm: 3 * E ints of shared memory. Two scans' worth of barriers whatever E: each thread scans a run of
+// consecutive experts in registers (the expert op's route_kernel and the router kernel's last block both call it).
 template <typename Ids>
 __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, RouteTable tab, int* sm) {
   __shared__ int warp_tot[2][32], warp_pre[2][33];
@@ -48,57 +49,67 @@ __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, Ro
   int* cursor = sm + E;       // [E] pair offset of each expert, then a running cursor
   int* gcursor = sm + 2 * E;  // [E] first group of each expert
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nthreads = blockDim.x;
-  // Up to one pair per thread (M <= 64 at top-8 with 512 threads): its id is read once and kept for the
+  // Up to two pairs per thread (M <= 64 at top-8 on 256 threads): their ids are read once and kept for the
   // scatter at the end, one global round trip instead of two.
-  const bool cached = P <= nthreads;
-  const int64_t my_id = cached && tid < P ? id(tid) : -1;
+  const bool cached = P <= 2 * nthreads;
+  int64_t my_id[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) my_id[j] = cached && tid + j * nthreads < P ? id(tid + j * nthreads) : -1;
   for (int e = tid; e < E; e += nthreads) count[e] = 0;
   __syncthreads();
-  for (int p = tid; p < P; p += nthreads) {
-    const int64_t e = cached ? my_id : id(p);
-    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  if (cached) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (my_id[j] >= 0 && my_id[j] < E) atomicAdd(&count[my_id[j]], 1);
+  } else {
+    for (int p = tid; p < P; p += nthreads) {
+      const int64_t e = id(p);
+      if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+    }
   }
   __syncthreads();
-  // Exclusive scans of pair counts and group counts, in chunks of blockDim experts.
-  int base_pairs = 0, base_groups = 0;
-  for (int e0 = 0; e0 < E; e0 += nthreads) {
-    const int e = e0 + tid;
-    const int c = e < E ? count[e] : 0;
-    const int g = (c + gt - 1) / gt;
-    int ic = c, ig = g;
+  // Exclusive scans of pair counts and group counts in expert order: thread t owns experts [t ept, t ept + ept).
+  const int ept = (E + nthreads - 1) / nthreads, e0 = tid * ept;
+  int ic = 0, ig = 0;
+  for (int i = 0; i < ept && e0 + i < E; ++i) {
+    const int c = count[e0 + i];
+    ic += c, ig += (c + gt - 1) / gt;
+  }
+  const int own_c = ic, own_g = ig;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int vc = __shfl_up_sync(0xffffffffu, ic, o), vg = __shfl_up_sync(0xffffffffu, ig, o);
+    if (lane >= o) ic += vc, ig += vg;
+  }
+  if (lane == 31) warp_tot[0][warp] = ic, warp_tot[1][warp] = ig;
+  __syncthreads();
+  // Warp 0 scans the warps' totals (one shuffle scan, not a serial sum of up to 32 per thread: ~1 µs of a
+  // 1024-thread block's shared-memory loads) into their exclusive prefixes and the totals.
+  if (warp == 0) {
+    const int nw = nthreads / 32;
+    int sc = lane < nw ? warp_tot[0][lane] : 0, sg = lane < nw ? warp_tot[1][lane] : 0;
+    const int wc = sc, wg = sg;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const int vc = __shfl_up_sync(0xffffffffu, ic, o), vg = __shfl_up_sync(0xffffffffu, ig, o);
-      if (lane >= o) ic += vc, ig += vg;
+      const int vc = __shfl_up_sync(0xffffffffu, sc, o), vg = __shfl_up_sync(0xffffffffu, sg, o);
+      if (lane >= o) sc += vc, sg += vg;
     }
-    if (lane == 31) warp_tot[0][warp] = ic, warp_tot[1][warp] = ig;
-    __syncthreads();
-    // Warp 0 scans the warps' totals (one shuffle scan, not a serial sum of up to 32 per thread: ~1 µs of a
-    // 1024-thread block's shared-memory loads) into their exclusive prefixes and the chunk's totals.
-    if (warp == 0) {
-      const int nw = nthreads / 32;
-      int sc = lane < nw ? warp_tot[0][lane] : 0, sg = lane < nw ? warp_tot[1][lane] : 0;
-      const int own_c = sc, own_g = sg;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int vc = __shfl_up_sync(0xffffffffu, sc, o), vg = __shfl_up_sync(0xffffffffu, sg, o);
-        if (lane >= o) sc += vc, sg += vg;
-      }
-      warp_pre[0][lane] = sc - own_c, warp_pre[1][lane] = sg - own_g;
-      if (lane == 31) warp_pre[0][32] = sc, warp_pre[1][32] = sg;
-    }
-    __syncthreads();
-    const int wc = warp_pre[0][warp], wg = warp_pre[1][warp], tc = warp_pre[0][32], tg = warp_pre[1][32];
-    if (e < E) {
-      cursor[e] = base_pairs + wc + ic - c;
-      gcursor[e] = base_groups + wg + ig - g;
-    }
-    base_pairs += tc, base_groups += tg;
-    __syncthreads();
+    warp_pre[0][lane] = sc - wc, warp_pre[1][lane] = sg - wg;
+    if (lane == 31) warp_pre[0][32] = sc, warp_pre[1][32] = sg;
   }
+  __syncthreads();
+  {
+    int pc = warp_pre[0][warp] + ic - own_c, pg = warp_pre[1][warp] + ig - own_g;
+    for (int i = 0; i < ept && e0 + i < E; ++i) {
+      const int c = count[e0 + i];
+      cursor[e0 + i] = pc, gcursor[e0 + i] = pg;
+      pc += c, pg += (c + gt - 1) / gt;
+    }
+  }
+  const int total_groups = warp_pre[1][32];
   // The shared expert (id E) sees every token: slots P + t after all routed pairs, groups 0.. first.
   const int shared_groups = (S + gt - 1) / gt;
-  if (tid == 0) *tab.num_groups = min(base_groups + shared_groups, G);
+  if (tid == 0) *tab.num_groups = min(total_groups + shared_groups, G);
   for (int j = tid; j < shared_groups; j += nthreads) {
     const int gi = j;
     if (gi < G) {
@@ -108,6 +119,7 @@ __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, Ro
     }
   }
   for (int t = tid; t < S; t += nthreads) tab.sorted[P + t] = P + t;
+  __syncthreads();  // cursor / gcursor written by their owners
   for (int e = tid; e < E; e += nthreads) {
     const int c = count[e];
     for (int j = 0; j * gt < c; ++j) {
@@ -120,8 +132,14 @@ __device__ inline void build_route_table(Ids id, int P, int E, int gt, int S, Ro
     }
   }
   __syncthreads();
-  for (int p = tid; p < P; p += nthreads) {
-    const int64_t e = cached ? my_id : id(p);
-    if (e >= 0 && e < E) tab.sorted[atomicAdd(&cursor[e], 1)] = p;  // order within an expert is irrelevant
+  if (cached) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      if (my_id[j] >= 0 && my_id[j] < E) tab.sorted[atomicAdd(&cursor[my_id[j]], 1)] = tid + j * nthreads;
+  } else {
+    for (int p = tid; p < P; p += nthreads) {
+      const int64_t e = id(p);
+      if (e >= 0 && e < E) tab.sorted[atomicAdd(&cursor[e], 1)] = p;  // order within an expert is irrelevant
+    }
   }
 }
