@@ -40,6 +40,8 @@
 // dropped: merging sorted 64-bit key lists in a shuffle butterfly (1.5 µs in its five rounds alone); a
 // generation-counting barrier (no gain); no barrier, the last block of each token tile selecting its tokens
 // and writing the expert op's routing table (run 3, commit 7aecc8d: 28.5 / 53.3 µs at M = 16 / 64).
+// Phase 3 (the table by the last phase-2 block): the M = 16 block 104.9 -> 104.5 µs, one launch fewer; the
+// verify N = 16 step 7.25 -> 7.23 ms (2026-12-02-bench_moe-router-table-h200.md).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

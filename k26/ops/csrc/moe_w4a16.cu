@@ -9,8 +9,9 @@
 // Four launches (three when the caller passes the routing table; two for one token: see the end of this
 // list), all on the caller's stream, no host sync (CUDA-graph capturable), each with programmatic dependent
 // launch (see gemm_kernel; the route launch waits for the router's ids):
-//   1. route:   unless the caller passes the table: one block groups the (token, k) pairs by expert in
-//               groups of 8*NT tokens, the shared expert's first (csrc/moe_route.cuh).
+//   1. route:   unless the caller passes the table (the model passes the router kernel's, csrc/moe_router.cu,
+//               for more than one token): one block groups the (token, k) pairs by expert in groups of 8*NT
+//               tokens, the shared expert's first (csrc/moe_route.cuh).
 //   2. gemm13:  (gemm_kernel, csrc/moe_gemm.cuh) per (expert group, 16-row tile pair): gate and up rows
 //               interleaved in one 16-row tile, so each lane holds gate and up of the same feature and applies
 //               silu(g)*u in registers.
