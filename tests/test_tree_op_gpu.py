@@ -24,7 +24,17 @@ def poison_allocator() -> None:
 
 
 @pytest.mark.parametrize(
-    "B, L, V, budget", [(3, 7, 3000, 31), (2, 15, 500, 255), (4, 3, 6, 40), (1, 1, 9, 1)]
+    "B, L, V, budget",
+    # beams in shared memory up to 64 KB (budget 128 at depth 15), the global scratch above (160, 255)
+    [
+        (3, 7, 3000, 31),
+        (2, 7, 5000, 64),
+        (1, 15, 2000, 128),
+        (1, 15, 2000, 160),
+        (2, 15, 500, 255),
+        (4, 3, 6, 40),
+        (1, 1, 9, 1),
+    ],
 )
 def test_kernel_equals_reference(B, L, V, budget):
     lp, tok = topk_inputs(B, L, V, budget, seed=budget + L)

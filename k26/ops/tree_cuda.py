@@ -77,9 +77,10 @@ def check_inputs(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> None:
 
 class _Plans:
     """Per (device, B, L, budget) the kernel's scratch (each tree's beams: fp64 scores and four int indices
-    per depth and slot, L2-resident), allocated once and reused by every call of that shape — the steps of
-    all of a batch's buckets share it, one launch at a time on one stream, like the attention workspace.
-    The kernel's shared-memory opt-in is made once per device."""
+    per depth and slot, L2-resident; the kernel keeps small trees' beams in shared memory), allocated once
+    and reused by every call of that shape — the steps of all of a batch's buckets share it, one launch at a
+    time on one stream, like the attention workspace. The kernel's shared-memory opt-in is made once per
+    device."""
 
     def __init__(self) -> None:
         self._scratch: dict[tuple, torch.Tensor] = {}

@@ -8,6 +8,9 @@
 //            search in every depth's score-sorted beam; parents, tokens, depths and the ancestor
 //            bitmask words (what the tree attention reads) are written in pop order.
 //
+// Small trees (beams + candidates <= 64 KB: budget <= 128 at depth 15) keep the beams in shared memory, large
+// ones in the caller's global scratch; the ancestor words walk the parents in shared memory.
+//
 // Legality: plain CUDA, no tensor cores; at most 64 KB + a few KB of dynamic shared memory (budget 512):
 // legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. Benchmark: profiling/bench_tree.py.
 
@@ -55,21 +58,29 @@ __device__ void bitonic(double* s, int* lx, int* pl, int n2) {
   }
 }
 
+// Admissible children of the parent of score-rank i: j < min(K, budget / (i + 1)).
+__device__ __forceinline__ int children(int i, int K, int budget) { return min(K, budget / (i + 1)); }
+
+// scratch_smem: byte offset of the beams in dynamic shared memory, or -1 for the global scratch (large trees).
 __global__ void __launch_bounds__(THREADS) build_kernel(
     const float* __restrict__ lp, const int64_t* __restrict__ tok, int L, int K, int budget, int64_t* __restrict__ out_tok,
     int64_t* __restrict__ out_par, int64_t* __restrict__ out_dep, bool* __restrict__ out_valid,
-    int64_t* __restrict__ out_words, double* __restrict__ out_score, char* __restrict__ scratch_base) {
+    int64_t* __restrict__ out_words, double* __restrict__ out_score, char* __restrict__ scratch_base,
+    int scratch_smem) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int b = blockIdx.x, tid = threadIdx.x;
+  const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const int N = 1 + budget, NW = (N + 63) / 64;
   const size_t per = (size_t)L * budget;
-  char* sb = scratch_base + (size_t)b * per * 24;
+  // Small trees keep their beams in shared memory: every depth reads the previous one, and from global memory
+  // each such read was a dependent L2 round trip.
+  char* sb = scratch_smem >= 0 ? reinterpret_cast<char*>(smem) + scratch_smem : scratch_base + (size_t)b * per * 24;
   Scratch sc{reinterpret_cast<double*>(sb), reinterpret_cast<int*>(sb + per * 8), reinterpret_cast<int*>(sb + per * 12),
              reinterpret_cast<int*>(sb + per * 16), reinterpret_cast<int*>(sb + per * 20)};
   const float* lpb = lp + (size_t)b * L * K;
   const int64_t* tokb = tok + (size_t)b * L * K;
   __shared__ int width[16];  // beam size per depth (L <= 15)
   __shared__ int cstart[MAX_BUDGET + 1];
+  __shared__ int spar[MAX_BUDGET + 1];  // each node's parent, for the ancestor words
 
   // Depth 1: the top-K tokens in rank order are already score order and lexicographic order.
   const int W0 = min(budget, K);
@@ -84,11 +95,22 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
     const int Wp = width[d - 1];
     const double* ps = sc.score + (size_t)(d - 1) * budget;
     const int* plex = sc.lexpos + (size_t)(d - 1) * budget;
-    // Admissible children per parent score-rank i: j < min(K, budget / (i + 1)); exclusive prefix sums.
-    if (tid == 0) {
-      int acc = 0;
-      for (int i = 0; i < Wp; ++i) cstart[i] = acc, acc += min(K, budget / (i + 1));
-      cstart[Wp] = acc;
+    // Exclusive prefix sums of the admissible children per parent: warp 0, 32 parents a shuffle scan (a serial
+    // loop of Wp integer divisions in one thread was ~1 µs a depth at budget 64).
+    if (tid < 32) {
+      int carry = 0;
+      for (int i0 = 0; i0 < Wp; i0 += 32) {
+        const int i = i0 + lane, c = i < Wp ? children(i, K, budget) : 0;
+        int inc = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int v = __shfl_up_sync(0xffffffffu, inc, o);
+          if (lane >= o) inc += v;
+        }
+        if (i < Wp) cstart[i] = carry + inc - c;
+        carry += __shfl_sync(0xffffffffu, inc, 31);
+      }
+      if (lane == 0) cstart[Wp] = carry;
     }
     __syncthreads();
     const int P = cstart[Wp];
@@ -166,9 +188,10 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   int64_t* odep = out_dep + (size_t)b * N;
   bool* oval = out_valid + (size_t)b * N;
   double* osc = out_score + (size_t)b * N;
-  for (int i = tid; i < N; i += blockDim.x) {  // defaults: padding nodes
-    otok[i] = 0, opar[i] = i == 0 ? -1 : 0, odep[i] = i == 0 ? 0 : 1, oval[i] = i <= n;
-    osc[i] = i == 0 ? 0.0 : -CUDART_INF;
+  for (int i = tid; i < N; i += blockDim.x) {  // defaults: padding nodes (the root's parent -1)
+    if (i == 0 || i > n) otok[i] = 0, odep[i] = i == 0 ? 0 : 1, osc[i] = i == 0 ? 0.0 : -CUDART_INF;
+    oval[i] = i <= n;
+    spar[i] = i == 0 ? -1 : 0;
   }
   __syncthreads();
   for (int i = tid; i < L * budget; i += blockDim.x) {
@@ -179,17 +202,20 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
     otok[node] = tokb[(size_t)d * K + sc.j[i]];
     odep[node] = d + 1;
     osc[node] = us[i];
-    opar[node] = d == 0 ? 0 : sc.grank[(size_t)(d - 1) * budget + sc.parent[i]] + 1;
+    spar[node] = d == 0 ? 0 : sc.grank[(size_t)(d - 1) * budget + sc.parent[i]] + 1;
   }
   __syncthreads();
+  // Ancestor words by walking the parents in shared memory (from global memory each step of the walk was a
+  // dependent L2 round trip: up to L of them).
   int64_t* ow = out_words + (size_t)b * N * NW;
   for (int i = tid; i < N; i += blockDim.x) {
+    opar[i] = spar[i];
     for (int w = 0; w < NW; ++w) ow[(size_t)i * NW + w] = 0;
     if (i > n) { ow[(size_t)i * NW + i / 64] = (int64_t)(1ull << (i % 64)); continue; }
     int u = i;
     for (int step = 0; step <= L && u >= 0; ++step) {
       ow[(size_t)i * NW + u / 64] |= (int64_t)(1ull << (u % 64));
-      u = (int)opar[u];
+      u = spar[u];
     }
   }
 }
@@ -200,18 +226,28 @@ K26_EXPORT size_t k26_ddtree_scratch(int B, int L, int budget) { return (size_t)
 
 // The shared-memory opt-in above 48 KB, for the current device: the front door's plan calls it once per
 // device before the first launch (an attribute set on one device's context does not carry to another's).
+constexpr int kMaxSmem = 16 * 4096;  // the opt-in: 64 KB (sm_120 allows 99 KB a block)
+
 K26_EXPORT int k26_ddtree_prepare() {
-  return (int)cudaFuncSetAttribute(build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 4096);
+  return (int)cudaFuncSetAttribute(build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
 }
 
 K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int L, int K, int budget, int64_t* out_tok,
                                 int64_t* out_par, int64_t* out_dep, bool* out_valid, int64_t* out_words,
                                 double* out_score, void* scratch, void* stream) {
   if (budget > MAX_BUDGET || L > 15 || L < 1) return (int)cudaErrorInvalidValue;
-  // Candidates: (i + 1)(j + 1) <= budget gives at most budget * H(budget) < 4096 for budget <= 512.
-  size_t cand = 16 * 4096, uni = (size_t)8 * L * budget;
-  const size_t smem = cand > uni ? cand : uni;
+  // Candidates of one depth: at most sum_i min(K, budget / (i + 1)) (< budget * H(budget) < 4096 for budget
+  // <= 512), sorted in a power of two; 16 bytes each. The union of the beams' scores reuses that region.
+  size_t most = 0;
+  for (int i = 0; i < budget; ++i) most += (size_t)(K < budget / (i + 1) ? K : budget / (i + 1));
+  size_t n2 = 1;
+  while (n2 < most) n2 <<= 1;
+  const size_t cand = 16 * n2, uni = (size_t)8 * L * budget, beams = (size_t)24 * L * budget;
+  const size_t region = ((cand > uni ? cand : uni) + 15) / 16 * 16;
+  const bool in_smem = region + beams <= kMaxSmem;
+  const size_t smem = in_smem ? region + beams : region;
   build_kernel<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
-      lp, tok, L, K, budget, out_tok, out_par, out_dep, out_valid, out_words, out_score, static_cast<char*>(scratch));
+      lp, tok, L, K, budget, out_tok, out_par, out_dep, out_valid, out_words, out_score, static_cast<char*>(scratch),
+      in_smem ? (int)region : -1);
   return (int)cudaGetLastError();
 }
