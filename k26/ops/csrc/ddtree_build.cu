@@ -134,7 +134,30 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
       }
     }
     __syncthreads();
-    bitonic(cs, clex, cpl, n2);
+    if (P <= 2 * (int)blockDim.x) {
+      // Rank sort: each candidate counts the ones before it (keys are distinct: a permutation), then all move
+      // at once — two barriers where the bitonic network takes log2(n2)(log2(n2) + 1) / 2 (21 at budget 16).
+      double vs[2];
+      int vl[2], vr[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int c = tid + u * blockDim.x;
+        vr[u] = -1;
+        if (c < P) {
+          vs[u] = cs[c], vl[u] = clex[c];
+          int r = 0;
+          for (int q = 0; q < P; ++q) r += before(cs[q], clex[q], vs[u], vl[u]);
+          vr[u] = r;
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        if (vr[u] >= 0) cs[vr[u]] = vs[u], clex[vr[u]] = vl[u], cpl[vr[u]] = tid + u * blockDim.x;
+      __syncthreads();
+    } else {
+      bitonic(cs, clex, cpl, n2);
+    }
     const int W = min(budget, P);
     double* ns = sc.score + (size_t)d * budget;
     int* nlex = sc.lexpos + (size_t)d * budget;
@@ -207,16 +230,22 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   __syncthreads();
   // Ancestor words by walking the parents in shared memory (from global memory each step of the walk was a
   // dependent L2 round trip: up to L of them).
+  // Each node's words are gathered in a register and stored once, highest first (read-modify-writes of global
+  // memory along the walk were a dependent round trip per ancestor). A parent precedes its child in pop order,
+  // so the walk visits falling word indices.
   int64_t* ow = out_words + (size_t)b * N * NW;
   for (int i = tid; i < N; i += blockDim.x) {
     opar[i] = spar[i];
-    for (int w = 0; w < NW; ++w) ow[(size_t)i * NW + w] = 0;
-    if (i > n) { ow[(size_t)i * NW + i / 64] = (int64_t)(1ull << (i % 64)); continue; }
-    int u = i;
+    int64_t* row = ow + (size_t)i * NW;
+    for (int w = NW - 1; w > i / 64; --w) row[w] = 0;
+    int cw = i / 64, u = i;
+    uint64_t cur = 0;
     for (int step = 0; step <= L && u >= 0; ++step) {
-      ow[(size_t)i * NW + u / 64] |= (int64_t)(1ull << (u % 64));
-      u = spar[u];
+      for (; u / 64 < cw; --cw) row[cw] = (int64_t)cur, cur = 0;
+      cur |= 1ull << (u % 64);
+      u = i > n ? -1 : spar[u];  // a padding node is its own only ancestor
     }
+    for (; cw >= 0; --cw) row[cw] = (int64_t)cur, cur = 0;
   }
 }
 

@@ -1,0 +1,386 @@
+"""Command line: `python -m k26 generate|info|bench|profile ...`.
+
+Every argument is checked before any weights load (minutes for a real checkpoint), and what a user can
+cause ends in one line, never a traceback: bad input exits 2, Ctrl-C 130, a closed pipe (`| head`) 141.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .embedded import default_drafter_dir, default_model_dir
+
+if TYPE_CHECKING:
+    from . import SamplingParams, SpecConfig
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class GeneratePlan:
+    """`generate`'s arguments, checked and resolved before the model loads."""
+
+    model: Path
+    drafter: Path | None  # None: autoregressive, no drafter loaded
+    sampling: SamplingParams
+    spec: SpecConfig  # fitted to the context
+    prompt_ids: list[int]
+    show_prompt: str  # echoed before the continuation ("" with --chat)
+    tp: int
+
+
+def _dir_arg(value: str | None, flag: str) -> Path | None:
+    """A checkpoint directory argument: a file (say .../config.json) or a missing path, named with the fix."""
+    if value is None:
+        return None
+    p = Path(value)
+    if p.is_file():
+        raise ValueError(
+            f"{flag} {value}: is a file; pass the checkpoint directory that holds it: {p.parent}"
+        )
+    if not p.is_dir():
+        raise ValueError(f"{flag} {value}: no such directory")
+    return p
+
+
+def _out_arg(value: str | None, flag: str) -> None:
+    """An output file: its directory must exist now, not after minutes of loading and running."""
+    if value is not None and not Path(value).resolve().parent.is_dir():
+        raise ValueError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
+
+
+def _cache_dir_arg(value: str | None) -> None:
+    """--cache-dir: created on first use, so it may be missing, but not a file."""
+    if value is not None and Path(value).exists() and not Path(value).is_dir():
+        raise ValueError(f"--cache-dir {value}: exists and is not a directory")
+
+
+def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
+    """(model dir, drafter dir or None, method). A drafter means DDTree unless --spec says otherwise: the
+    embedded pair's drafter comes with it; --drafter never goes unused, --spec never lacks one."""
+    model, drafter = _dir_arg(a.model, "--model"), _dir_arg(a.drafter, "--drafter")
+    if model is None:
+        model = default_model_dir()
+        drafter = drafter or default_drafter_dir()
+    method = a.spec or ("ddtree" if drafter is not None else "ar")
+    if method == "ar":
+        if a.drafter:
+            raise ValueError(
+                "--drafter with --spec ar: autoregressive decoding uses no drafter; drop --drafter "
+                "or pick --spec dflash|ddtree"
+            )
+        drafter = None
+    elif drafter is None:
+        raise ValueError(f"--spec {method} needs --drafter DIR (a DFlash drafter trained for this model)")
+    if a.budget is not None and method != "ddtree":
+        raise ValueError(f"--budget applies to --spec ddtree (this run decodes with {method})")
+    return model, drafter, method
+
+
+def plan_generate(a: argparse.Namespace) -> GeneratePlan:
+    """Check every `generate` argument against the config files only: no weights are read."""
+    from . import SamplingParams, SpecConfig
+    from .checks import check_device, default_max_model_len, fit_spec
+    from .config import ModelConfig
+    from .drafter_config import DrafterConfig
+    from .tokenizer import Tokenizer
+
+    check_device(a.device)
+    _cache_dir_arg(a.cache_dir)
+    model, drafter, method = _resolve_pair(a)
+    sp = SamplingParams(
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed
+    )
+    spec = SpecConfig(method=method, budget=a.budget if a.budget is not None else "auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun --nproc-per-node N: one rank per process
+    tp = a.tp or world
+    if tp < 1:
+        raise ValueError(f"--tp {tp}: expected a positive number of ranks")
+    if world > 1 and tp != world:
+        raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE {world}")
+    cfg = ModelConfig.from_dir(model)
+    cfg.check_tp(tp)
+    max_len = a.max_model_len or default_max_model_len(cfg)
+    if not 1 < max_len <= cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_len}: must lie in (1, {cfg.max_position_embeddings}] "
+            "(the model's max_position_embeddings)"
+        )
+    tok = Tokenizer.from_dir(model)
+    ids = tok.chat([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
+    if not ids:
+        raise ValueError("--prompt is empty")
+    if len(ids) >= max_len:
+        raise ValueError(
+            f"--prompt has {len(ids)} tokens; the context holds {max_len} (--max-model-len), "
+            "leaving no room to generate"
+        )
+    if drafter is not None:  # last: a warning about the context only once nothing else is wrong
+        dcfg = DrafterConfig.from_dir(drafter)
+        dcfg.check_target(cfg)
+        spec = fit_spec(spec, max_len, dcfg.block_size)
+    return GeneratePlan(model, drafter, sp, spec, ids, "" if a.chat else a.prompt, tp)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    """Echo the prompt, then stream the continuation as it is accepted; stats go to stderr."""
+    plan = plan_generate(a)
+    import torch
+
+    from . import LLM
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    llm = LLM(
+        plan.model,
+        drafter=plan.drafter,
+        device=a.device,
+        dtype=getattr(torch, DTYPES[a.dtype]),
+        max_model_len=a.max_model_len,
+        tp=plan.tp,
+        progress=rank0,
+        cache_dir=a.cache_dir,
+        allreduce=a.allreduce,
+    )
+    out = None
+    try:
+        if rank0:
+            print(plan.show_prompt, end="", flush=True)
+        pieces = llm.stream(plan.prompt_ids, plan.sampling, plan.spec)
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as done:
+                out = done.value
+                break
+            if rank0:
+                print(piece, end="", flush=True)
+    finally:
+        if rank0:
+            print(flush=True)  # end the line, also when interrupted
+    llm.close()
+    if rank0 and out is not None:
+        extra = ""
+        if plan.spec.method != "ar":
+            st = out.stats
+            extra = f", {len(st.accepted_per_step)} verify steps, tau={st.tau:.2f}"
+            if st.draft_s or st.verify_s:  # eager only: a graph step has no phase bounds
+                extra += f", draft {st.draft_s * 1e3:.1f} ms, verify {st.verify_s * 1e3:.1f} ms"
+        n, why = len(out.token_ids), out.finish_reason
+        print(f"[k26] {n} tokens, {plan.spec.method}, finish_reason={why}{extra}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from .config import ModelConfig
+    from .kv_cache import LatentCache
+
+    cfg = ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir())
+    for k, v in vars(cfg).items():
+        print(f"{k:28s} {v}")
+    print(f"{'softmax_scale':28s} {cfg.softmax_scale:.7f}")
+    print(f"{'kv bytes/token (bf16)':28s} {LatentCache.bytes_per_token(cfg)}")
+    if a.startup:  # start it: what the load read, the repack and each captured graph cost
+        from .checks import check_device
+        from .engine import LLM
+
+        check_device(a.device)
+        drafter = _dir_arg(a.drafter, "--drafter")
+        llm = LLM(a.model, drafter=drafter, device=a.device, capture=True, cache_dir=a.cache_dir)
+        print("start-up:", *llm.startup.lines(), sep="\n")
+        llm.close()
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import run_bench
+    from .checks import check_device
+
+    _dir_arg(a.model, "--model")
+    _dir_arg(a.drafter, "--drafter")
+    _out_arg(a.out, "--out")
+    check_device(a.device)
+    text = run_bench(a)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from .bench import run_profile
+    from .checks import check_device
+
+    _dir_arg(a.model, "--model")
+    _dir_arg(a.drafter, "--drafter")
+    _out_arg(a.out, "--out")
+    check_device(a.device)
+    print(run_profile(a))
+    print(f"[k26] torch.profiler trace written to {a.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .checks import check_device
+    from .server.cli import check_args, serve
+
+    _dir_arg(a.model, "--model")
+    _dir_arg(a.drafter, "--drafter")
+    _cache_dir_arg(a.cache_dir)
+    check_device(a.device)
+    check_args(a)
+    return serve(a)
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _info_parser(sub) -> None:
+    i = sub.add_parser("info", help="print the parsed model config")
+    i.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
+    i.add_argument(
+        "--startup", action="store_true", help="also start it (graphs captured) and report the cost"
+    )
+    i.add_argument(
+        "--drafter", help="with --startup: a drafter directory (default with no --model: embedded)"
+    )
+    i.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    i.add_argument("--cache-dir", default=None, help="with --startup: the load cache (LLM(cache_dir=...))")
+    i.set_defaults(fn=cmd_info)
+
+
+def _serve_parser(sub) -> None:
+    """`python -m k26 serve`'s arguments (checked by k26.server.cli.check_args before loading)."""
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    sv.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
+    sv.add_argument("--drafter", help="DFlash drafter directory (ddtree unless --spec says otherwise)")
+    sv.add_argument(
+        "--spec",
+        choices=["ar", "dflash", "ddtree"],
+        default=None,
+        help="decoding method (default: ddtree when there is a drafter, else ar)",
+    )
+    sv.add_argument("--budget", default=None, help="DDTree nodes besides the root: N or auto (default)")
+    sv.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks")
+    sv.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    sv.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together")
+    sv.add_argument("--max-waiting", type=_positive, default=64, help="queued requests; beyond: 429")
+    sv.add_argument("--max-model-len", type=_positive, default=None)
+    sv.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
+    sv.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (CUDA graphs)")
+    sv.add_argument("--capture", action="store_true", help="capture every CUDA graph before serving")
+    sv.add_argument("--cache-dir", default=None, help="load cache: sliced, repacked weights, compile cache")
+    sv.add_argument(
+        "--allreduce",
+        choices=["fused", "calibrate", "nccl"],
+        default="fused",
+        help="TP all-reduces: fused with add + RMSNorm (default), fused with measured crossovers, or NCCL",
+    )
+    sv.set_defaults(fn=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    ap = argparse.ArgumentParser(
+        prog="k26", description="Kimi K2.6 inference with DDTree speculative decoding"
+    )
+    ap.add_argument("--version", action="version", version=f"k26 {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="continue a prompt, streaming the text as it is accepted")
+    g.add_argument("--model", help="checkpoint directory (default: the embedded tiny model and its drafter)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the Kimi chat format")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    g.add_argument("--max-model-len", type=_positive, default=None)
+    g.add_argument(
+        "--drafter", help="DFlash drafter directory (decodes with --spec ddtree unless told otherwise)"
+    )
+    g.add_argument(
+        "--spec",
+        choices=["ar", "dflash", "ddtree"],
+        default=None,
+        help="decoding method (default: ddtree when there is a drafter, as with the embedded pair, else ar)",
+    )
+    g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root (default: auto)")
+    g.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)"
+    )
+    g.add_argument("--cache-dir", default=None, help="load cache: a later start reads only its own bytes")
+    g.add_argument(
+        "--allreduce", choices=["fused", "calibrate", "nccl"], default="fused", help="TP all-reduces"
+    )
+    g.set_defaults(fn=cmd_generate)
+    _info_parser(sub)
+    bn = sub.add_parser("bench", help="tokens/s of AR eager / AR graphs / DFlash / DDTree / HF generate()")
+    bn.add_argument("--model")
+    bn.add_argument("--drafter")
+    bn.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    bn.add_argument("--batch", type=_positive, default=1)
+    bn.add_argument("--max-tokens", type=_positive, default=128)
+    bn.add_argument("--budget", type=_positive, default=12)
+    bn.add_argument("--compile", action="store_true")
+    bn.add_argument("--no-hf", action="store_true")
+    bn.add_argument("--out")
+    bn.set_defaults(fn=cmd_bench)
+    pr = sub.add_parser("profile", help="write a torch.profiler trace of a short generation")
+    pr.add_argument("--model", help="checkpoint directory (default: the embedded pair, drafter included)")
+    pr.add_argument("--drafter")
+    pr.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    pr.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
+    pr.add_argument("--budget", type=_positive, default=None, help="DDTree budget (default 12)")
+    pr.add_argument("--max-tokens", type=_positive, default=32)
+    pr.add_argument("--out", default="k26-trace.json")
+    pr.set_defaults(fn=cmd_profile)
+    _serve_parser(sub)
+    return ap
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"k26: warning: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning  # restored on exit: main() also runs in-process (tests)
+        try:
+            return a.fn(a)
+        except (ValueError, TypeError) as e:  # ConfigError, CheckpointError, bad arguments
+            print(f"k26: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("k26: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `python -m k26 info | head`: the reader left; nothing more to say
+            with contextlib.suppress(OSError, ValueError):  # no fd when stdout is captured in-process
+                os.dup2(
+                    os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+                )  # the exit flush must not raise
+            return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""`python -m k26 bench`: decode speed of one model in every mode, and `python -m k26 profile`.
+
+Modes on the same checkpoint and prompts: AR eager, AR graphs, DFlash graphs, DDTree graphs (with a
+drafter), and HF transformers `generate()` (what a user would try first; bf16 weights, eager). Reports
+tokens/s, τ, host time per step, and capture time / memory per graph bucket, as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from . import LLM, SamplingParams, SpecConfig
+
+
+def _timed_generate(llm: LLM, prompts, sp, spec, repeats: int = 3):
+    """Tokens/s (median of `repeats` timed runs), τ, host seconds per step and the last run's outputs, after
+    one untimed run of the same length: it captures / compiles, and the adaptive budget calibrates on it as
+    it would in a server that has been running (a 4-token warm-up left `auto` timed while still learning)."""
+    llm.generate(prompts, sp, spec)
+    runs = []
+    for _ in range(repeats):
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, spec)
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()
+        runs.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    steps = max(len(o.stats.accepted_per_step) for o in outs) or max(len(o.token_ids) for o in outs)
+    host = max(o.stats.host_s for o in outs)
+    tau = sum(o.stats.tau for o in outs) / len(outs)
+    return statistics.median(runs), tau, host / max(steps, 1), outs
+
+
+def _budgets_used(outs) -> str:
+    """DDTree budgets verified over a run's steps, {budget: steps} (— for a mode without a tree)."""
+    used = [b for o in outs for b in o.stats.budgets]
+    return str({b: used.count(b) for b in sorted(set(used))}) if used else "—"
+
+
+def _hf_baseline(model_dir: Path, prompts, max_tokens: int, device) -> float | None:
+    try:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    except ImportError:
+        return None
+    from .hf_state import deepseek_v3_state
+
+    text, state = deepseek_v3_state(model_dir, torch.bfloat16)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**text)).to(torch.bfloat16)
+    model.load_state_dict(state, strict=True)
+    model = model.to(device).eval()
+    toks, dt = 0, 0.0
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt += time.perf_counter() - t0
+        toks += out.shape[1] - len(p)
+    return toks / dt
+
+
+def _prompts(a: argparse.Namespace, model_dir: Path) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    if a.model:  # an arbitrary checkpoint: random ids (its tokenizer's vocabulary is unknown here)
+        return [torch.randint(0, 300, (32,), generator=g).tolist() for _ in range(a.batch)]
+    from .tokenizer import Tokenizer  # the embedded pair: held-out text, so τ means what it says
+    from .train import corpus
+
+    return corpus.windows(Tokenizer.from_dir(model_dir).encode(corpus.text("eval")), a.batch, 32, g)
+
+
+def _modes(a: argparse.Namespace, graphs: bool) -> list[tuple[str, SpecConfig]]:
+    kind = "graphs" if graphs else "eager"
+    modes = [(f"AR {kind}", SpecConfig("ar"))]
+    if a.drafter:
+        modes += [
+            (f"DFlash {kind}", SpecConfig("dflash")),
+            (f"DDTree {kind} (budget {a.budget})", SpecConfig("ddtree", a.budget)),
+            (f"DDTree {kind} (auto)", SpecConfig("ddtree", "auto")),
+        ]
+    return modes
+
+
+def run_bench(a: argparse.Namespace) -> str:
+    """Every mode this machine can run on one checkpoint and prompt set; what it cannot, listed with why."""
+    from .embedded import default_drafter_dir, default_model_dir
+
+    model_dir = Path(a.model) if a.model else default_model_dir()
+    if not a.model and not a.drafter:
+        a.drafter = default_drafter_dir()
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    prompts = _prompts(a, model_dir)
+    sp = SamplingParams(max_tokens=a.max_tokens, stop_token_ids=[])
+    kw = {"device": dev, "progress": False, "max_batch": max(a.batch, 1), "drafter": a.drafter}
+    rows, skipped = [], []
+    eager = LLM(model_dir, graphs=False, **kw)
+    cuda = dev.type == "cuda"
+    # Graph-less speculative rows only where there are no graphs: on CUDA the eager AR row is the baseline.
+    for name, spec in _modes(a, graphs=False)[: 1 if cuda else None]:
+        tps, tau, _, outs = _timed_generate(eager, prompts, sp, spec)
+        rows.append((name, tps, tau, None, _budgets_used(outs)))  # eager steps: no host time (see report)
+    graphs = None
+    if cuda:
+        graphs = LLM(model_dir, graphs=True, compile=a.compile, **kw)
+        for name, spec in _modes(a, graphs=True):
+            tps, tau, host, outs = _timed_generate(graphs, prompts, sp, spec)
+            rows.append((name, tps, tau, host, _budgets_used(outs)))
+    else:
+        skipped.append("CUDA-graph rows (AR / DFlash / DDTree graphs, capture table): no CUDA device here")
+        if a.compile:
+            skipped.append("--compile: it applies to the graph rows")
+    if not a.drafter:
+        skipped.append("DFlash and DDTree rows: no drafter (pass --drafter DIR)")
+    hf = None if a.no_hf else _hf_baseline(model_dir, prompts, a.max_tokens, dev)
+    if hf:
+        one = ", one prompt at a time" if a.batch > 1 else ""
+        rows.append(
+            (f"HF transformers generate() (eager, experts dequantised to bf16{one})", hf, 1.0, None, "—")
+        )
+    else:
+        skipped.append(
+            "HF transformers generate(): "
+            + ("--no-hf" if a.no_hf else "transformers is not installed (pip install -e '.[test]')")
+        )
+    return _report(a, model_dir, dev, rows, skipped, graphs)
+
+
+def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], graphs: LLM | None) -> str:
+    commit = (
+        os.environ.get("K26_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        or "?"
+    )
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    cpu = " on the CPU" if dev.type == "cpu" else ""
+    cmd = f"python -m k26 bench --batch {a.batch} --max-tokens {a.max_tokens} --budget {a.budget}"
+    out = [
+        f"# k26 bench — {datetime.date.today()}",
+        "",
+        f"- device: {name}; model: {model_dir}; drafter: {a.drafter}",
+        f"- commit: {commit}; compile: {a.compile}",
+        f"- command: `{cmd}`",
+        (
+            f"- every row: bf16, batch {a.batch}, same prompts, greedy, exactly {a.max_tokens} new tokens "
+            f"each (no stop tokens); tokens/s: median of 3 timed runs after one untimed run of the same "
+            f"length; eager rows run the pure-torch reference ops{cpu}"
+        ),
+        (
+            "- host µs / step: CPU time of the graph loop between replays (graph rows only: an eager step's "
+            "host time is inseparable from its compute, hence —)"
+        ),
+    ]
+    out += [f"- skipped: {s}" for s in skipped]
+    out += [
+        "",
+        "| mode | tokens/s | τ | host µs / step | budgets verified (steps) |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {m} | {t:.0f} | {tau:.2f} | {'—' if h is None else f'{h * 1e6:.0f}'} | {u} |"
+        for m, t, tau, h, u in rows
+    ]
+    if graphs is not None:
+        out += ["", "| graph bucket (batch, nodes) | capture s | pool MB |", "|---|---|---|"]
+        for runner in graphs.decoder.runners.values():
+            out += [
+                f"| ({r.bucket.batch}, {r.bucket.nodes}) | {r.seconds:.2f} | {r.pool_bytes / 1e6:.1f} |"
+                for r in runner.report
+            ]
+    return "\n".join(out) + "\n"
+
+
+def run_profile(a: argparse.Namespace) -> str:
+    """A torch.profiler trace of a short generation (nsys may be absent): Chrome trace JSON whose phase
+    ranges (prefill / draft / tree / verify / accept / replay) come from `k26.profiling.nvtx_range`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .embedded import default_drafter_dir, default_model_dir
+
+    drafter = a.drafter or (None if a.model else default_drafter_dir())  # the embedded pair has its drafter
+    if a.spec != "ar" and drafter is None:
+        raise ValueError(f"--spec {a.spec} needs --drafter DIR")
+    if a.budget is not None and a.spec != "ddtree":
+        raise ValueError(f"--budget applies to --spec ddtree (not {a.spec})")
+    spec = SpecConfig(a.spec, (a.budget or 12) if a.spec == "ddtree" else None)
+    llm = LLM(
+        a.model or default_model_dir(),
+        drafter=drafter if a.spec != "ar" else None,
+        device=a.device,
+        progress=False,
+    )
+    sp = SamplingParams(max_tokens=a.max_tokens, stop_token_ids=[])
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), spec)  # capture / warm up outside the trace
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        llm.generate([[1, 2, 3, 4]], sp, spec)
+    prof.export_chrome_trace(a.out)
+    sort = "self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=20)

@@ -1,0 +1,183 @@
+"""What a user passes to `LLM` (and the CLI, before loading anything), checked: every refusal one line that
+names the argument and says what to change; and the speculative method fitted to the context."""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .config import ModelConfig
+from .graphs.buckets import Bucket
+from .spec.step import SpecConfig, verify_nodes
+from .tokenizer import Tokenizer
+
+
+def check_device(device) -> None:
+    """A device the user names must exist here: found before any loading, said in one line."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N' ({e})") from None
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = (
+            "this torch build has no CUDA"
+            if torch.version.cuda is None
+            else "no GPU is visible (driver, CUDA_VISIBLE_DEVICES)"
+        )
+        raise ValueError(
+            f"device={device!r}: CUDA is not available ({why}, torch {torch.__version__}); use device='cpu'"
+        )
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def check_precision(device: torch.device, dtype: torch.dtype, graphs: bool | None) -> bool:
+    """The dtype, and whether to decode with CUDA graphs: by default for bf16 on CUDA (other dtypes run the
+    reference ops, which read lengths back to the host and so cannot be captured)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype={dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
+    graphs = (device.type == "cuda" and dtype == torch.bfloat16) if graphs is None else graphs
+    if graphs and device.type != "cuda":
+        raise ValueError("graphs=True needs a CUDA device")
+    if graphs and dtype != torch.bfloat16:
+        raise ValueError(
+            f"graphs=True needs dtype=torch.bfloat16 (got {dtype}): the CUDA kernels take bf16, "
+            "and the reference ops other dtypes run read lengths back to the host, which a CUDA "
+            "graph cannot capture; pass graphs=False"
+        )
+    return graphs
+
+
+def check_tokenizer(tokenizer: Tokenizer, config: ModelConfig) -> None:
+    if tokenizer.num_base + 256 != config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.num_base} base tokens + 256 specials, but config vocab_size is "
+            f"{config.vocab_size}: tiktoken.model does not belong to this checkpoint"
+        )
+
+
+def default_max_model_len(cfg: ModelConfig) -> int:
+    """The context when none is given: 4K (the caches are allocated up front), or less if the model has
+    less."""
+    return min(cfg.max_position_embeddings, 4096)
+
+
+def check_lengths(config: ModelConfig, max_model_len: int | None, max_batch: int) -> int:
+    """The context length (`default_max_model_len` when None), checked with the batch size."""
+    max_model_len = max_model_len or default_max_model_len(config)
+    if not 1 < max_model_len <= config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len}: must lie in (1, max_position_embeddings="
+            f"{config.max_position_embeddings}]"
+        )
+    if max_batch < 1:
+        raise ValueError(f"max_batch={max_batch}: expected a positive integer")
+    return max_model_len
+
+
+def check_buckets(buckets: Sequence[tuple[int, int]] | None, max_batch: int) -> list[Bucket] | None:
+    """The user's graph buckets (batch, verify tokens), each within max_batch; None: the default ones."""
+    user = [Bucket(*b) for b in buckets] if buckets else None
+    for b in user or []:
+        if b.batch > max_batch:
+            raise ValueError(f"bucket {b}: batch {b.batch} exceeds max_batch={max_batch}")
+    return user
+
+
+def check_ids(ids: Sequence[int], what: str, vocab: int, max_model_len: int) -> list[int]:
+    """Token ids as a list of ints in the vocabulary, leaving room to generate."""
+    if isinstance(ids, str):  # a str is a Sequence too: its characters would pass for token ids
+        raise TypeError(
+            f"{what} is a str; expected token ids: encode the text first, llm.tokenizer.encode(text)"
+        )
+    if isinstance(ids, (bytes, bytearray)):  # iterating bytes yields ints: they would be taken for token ids
+        raise TypeError(
+            f"{what} is {type(ids).__name__}; expected a str or token ids: decode it first, "
+            "data.decode('utf-8')"
+        )
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(
+                f"{what} is a {ids.dim()}-d {ids.dtype} tensor; expected a 1-d integer tensor of token ids"
+            )
+        ids = ids.tolist()
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"{what} is empty")
+    for pos, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(
+                f"{what}: token id {t!r} at position {pos} is a {type(t).__name__}; expected an int"
+            )
+        if not 0 <= t < vocab:
+            raise ValueError(
+                f"{what}: token id {t!r} at position {pos} is outside the vocabulary [0, {vocab})"
+            )
+    ids = [int(t) for t in ids]
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"{what} has {len(ids)} tokens; the context holds {max_model_len} (max_model_len), "
+            "leaving no room to generate"
+        )
+    return ids
+
+
+def prompt_list(prompts) -> list:
+    """The prompts of one call as a list: a single string, byte string, tensor or id list is one prompt."""
+    if isinstance(prompts, (str, bytes, bytearray, torch.Tensor)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)
+    ):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts is empty")
+    return prompts
+
+
+def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfig:
+    """The speculative method as it fits the context. A step writes its whole verify tree past the sequence
+    (the drafter its block), and the adaptive budget times its largest candidate at start-up, so a budget B
+    needs max_model_len >= B + block_size + 1. "auto" keeps the candidates that fit (AR if none; said once);
+    a fixed budget or DFlash chain refused when not even one step fits (later steps without room decode
+    AR)."""
+    room = max_model_len - block_size - 1  # the largest budget a step can verify
+    if spec.auto:
+        fit = tuple(c for c in spec.candidates if c <= room)
+        if fit == spec.candidates:
+            return spec
+        if not fit:
+            warnings.warn(
+                f"max_model_len={max_model_len} leaves no room for a DDTree step (the smallest candidate "
+                f"budget {spec.candidates[0]} + drafter block {block_size} + 1 > {max_model_len}): "
+                "decoding autoregressively",
+                stacklevel=3,
+            )
+            return SpecConfig("ar")
+        n = len(fit)
+        costs = spec.costs[: n + 1] if spec.costs else None
+        per_token = spec.cost_per_token[:n] if spec.cost_per_token else None
+        warnings.warn(
+            f"max_model_len={max_model_len}: DDTree budgets limited to {fit} of {spec.candidates} "
+            f"(a budget B needs B + drafter block {block_size} + 1 context tokens)",
+            stacklevel=3,
+        )
+        return SpecConfig("ddtree", "auto", fit, costs, per_token)
+    nodes = verify_nodes(spec, block_size)
+    need = max(nodes, block_size) + 2  # one prompt token and the bonus, then the step's tree (drafter block)
+    if max_model_len < need:
+        what = (
+            f"a DFlash step ({nodes} verify tokens)"
+            if spec.method == "dflash"
+            else f"DDTree budget {nodes - 1}"
+        )
+        raise ValueError(
+            f"max_model_len={max_model_len} is too small for {what} with drafter block {block_size}: "
+            f"it needs {need}; raise max_model_len, lower the budget, or use spec 'ar'"
+        )
+    return spec

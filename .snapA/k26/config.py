@@ -1,0 +1,400 @@
+"""Frozen configuration built from a checkpoint directory's `config.json`.
+
+Accepts the three shapes Kimi checkpoints come in: `kimi_k2` / `deepseek_v3` at the top level
+(K2, K2-Thinking) and `kimi_k25` with the language model nested under `text_config` (K2.5, K2.6).
+Anything k26 cannot run exactly is refused here, naming the field, before a byte of weights is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A config.json field k26 does not understand or cannot honour."""
+
+
+_TOP_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "kimi_k25")
+_TEXT_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    # YaRN fields; factor == 1.0 with no original length means plain RoPE.
+    factor: float = 1.0
+    original_max_position: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @property
+    def is_yarn(self) -> bool:
+        return self.original_max_position is not None
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How routed-expert weights are stored: int4 pack-quantized (group 32, symmetric) or bf16."""
+
+    kind: Literal["none", "int4"] = "none"
+    group_size: int = 32
+
+    @property
+    def int4(self) -> bool:
+        return self.kind == "int4"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    quant: QuantConfig
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # q_a/kv_a norms: "config" uses rms_norm_eps (SGLang/vLLM), "hf_default" uses 1e-6 (HF, DSv3-ref).
+    latent_norm_eps_mode: Literal["config", "hf_default"] = "config"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: normalised c_kv followed by roped k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def latent_norm_eps(self) -> float:
+        return self.rms_norm_eps if self.latent_norm_eps_mode == "config" else 1e-6
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        r = self.rope
+        if r.is_yarn and r.mscale_all_dim and r.factor > 1:
+            m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def check_tp(self, world: int) -> None:
+        """Every dimension TP splits must divide by `world`, and int4 groups must stay whole."""
+        if not isinstance(world, int) or world < 1:
+            raise ConfigError(f"tensor-parallel size {world!r}: expected a positive integer")
+        bad = [
+            f"{name}={getattr(self, name)}"
+            for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size", "vocab_size")
+            if getattr(self, name) % world
+        ]
+        if self.quant.int4 and not bad and (self.moe_intermediate_size // world) % self.quant.group_size:
+            bad.append(
+                f"moe_intermediate_size={self.moe_intermediate_size} (/{world} splits an int4 group of "
+                f"{self.quant.group_size})"
+            )
+        if bad:
+            raise ConfigError(f"tensor-parallel size {world} does not divide {', '.join(bad)}")
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **overrides: Any) -> ModelConfig:
+        return cls.from_dict(read_config_json(path, "checkpoint"), **overrides)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], **overrides: Any) -> ModelConfig:
+        top_type = raw.get("model_type")
+        if top_type not in _TOP_MODEL_TYPES:
+            raise ConfigError(f"model_type {top_type!r} is not supported; expected one of {_TOP_MODEL_TYPES}")
+        if top_type == "kimi_k25":
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError("model_type 'kimi_k25' needs a 'text_config' object with the LM fields")
+            if text.get("model_type", "deepseek_v3") not in _TEXT_MODEL_TYPES:
+                raise ConfigError(
+                    f"text_config.model_type {text.get('model_type')!r} is not supported; "
+                    f"expected one of {_TEXT_MODEL_TYPES}"
+                )
+            prefix = "text_config."
+        else:
+            text, prefix = raw, ""
+        f = Fields(text, prefix)
+
+        expect(f, "hidden_act", "silu")
+        expect(f, "scoring_func", "sigmoid")
+        expect(f, "topk_method", "noaux_tc")
+        expect(f, "attention_bias", False)
+        expect(f, "tie_word_embeddings", False)
+        expect(f, "moe_layer_freq", 1)
+        if f.get("q_lora_rank") is None:
+            raise ConfigError(f"{prefix}q_lora_rank is null: models without a q LoRA are not supported")
+        nextn = f.get("num_nextn_predict_layers", 0) or 0
+        if nextn:
+            raise ConfigError(f"{prefix}num_nextn_predict_layers={nextn}: MTP layers are not supported")
+
+        # The quantization block may sit at the top, inside text_config, or both (K2.5/K2.6).
+        qraw = text.get("quantization_config", raw.get("quantization_config"))
+        quant = _parse_quant(qraw, prefix if "quantization_config" in text else "")
+        rope = parse_rope(f, prefix)
+
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        cfg = cls(
+            model_type=top_type,
+            vocab_size=f.int("vocab_size"),
+            hidden_size=f.int("hidden_size"),
+            intermediate_size=f.int("intermediate_size"),
+            moe_intermediate_size=f.int("moe_intermediate_size"),
+            num_hidden_layers=f.int("num_hidden_layers"),
+            num_attention_heads=f.int("num_attention_heads"),
+            q_lora_rank=f.int("q_lora_rank"),
+            kv_lora_rank=f.int("kv_lora_rank"),
+            qk_nope_head_dim=f.int("qk_nope_head_dim"),
+            qk_rope_head_dim=f.int("qk_rope_head_dim"),
+            v_head_dim=f.int("v_head_dim"),
+            n_routed_experts=f.int("n_routed_experts"),
+            n_shared_experts=f.int("n_shared_experts", minimum=0),
+            num_experts_per_tok=f.int("num_experts_per_tok"),
+            n_group=f.int("n_group", default=1),
+            topk_group=f.int("topk_group", default=1),
+            routed_scaling_factor=f.float("routed_scaling_factor", default=1.0),
+            norm_topk_prob=bool(f.get("norm_topk_prob", True)),
+            first_k_dense_replace=f.int("first_k_dense_replace", minimum=0, default=0),
+            rms_norm_eps=f.float("rms_norm_eps"),
+            max_position_embeddings=f.int("max_position_embeddings"),
+            rope=rope,
+            quant=quant,
+            bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+        )
+        if overrides:
+            cfg = cfg.replace(**overrides)
+        cfg.validate(prefix)
+        return cfg
+
+    def validate(self, prefix: str = "") -> None:
+        def bad(field: str, why: str) -> ConfigError:
+            return ConfigError(f"{prefix}{field}={getattr(self, field)!r}: {why}")
+
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise bad("num_experts_per_tok", f"exceeds n_routed_experts={self.n_routed_experts}")
+        if self.n_routed_experts % self.n_group:
+            raise bad("n_group", f"does not divide n_routed_experts={self.n_routed_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise bad("topk_group", f"must lie in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise bad("n_group", "group-limited routing needs at least 2 experts per group")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise bad("first_k_dense_replace", f"exceeds num_hidden_layers={self.num_hidden_layers}")
+        if self.qk_rope_head_dim % 2:
+            raise bad("qk_rope_head_dim", "RoPE rotates pairs; it must be even")
+        if self.latent_norm_eps_mode not in ("config", "hf_default"):
+            raise bad("latent_norm_eps_mode", "expected 'config' or 'hf_default'")
+        if self.quant.int4:
+            g = self.quant.group_size
+            for name in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, name) % g:
+                    raise bad(name, f"int4 experts need a multiple of the group size {g}")
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size + 2:
+            raise bad("bos_token_id", "outside the vocabulary")
+
+
+def read_config_json(path: str | Path, what: str) -> dict[str, Any]:
+    """The config.json of a checkpoint / drafter directory, with a clear error for each way it is absent."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if path.is_file():  # e.g. .../config.json itself
+        raise ConfigError(
+            f"{what} path {str(path)!r} is a file; pass the directory that holds it: {str(path.parent)!r}"
+        )
+    if not path.is_dir():
+        raise ConfigError(f"{what} directory {str(path)!r} does not exist")
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} is missing: a {what} directory needs config.json")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from e
+
+
+class Fields:
+    """Typed access to one JSON object, naming the offending field on every error."""
+
+    def __init__(self, d: dict[str, Any], prefix: str):
+        self.d, self.prefix = d, prefix
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.d.get(key, default)
+
+    def _need(self, key: str, default: Any) -> Any:
+        if key not in self.d or self.d[key] is None:
+            if default is None:
+                raise ConfigError(f"{self.prefix}{key} is missing from config.json")
+            return default
+        return self.d[key]
+
+    def int(self, key: str, *, minimum: int = 1, default: int | None = None) -> int:
+        v = self._need(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ConfigError(f"{self.prefix}{key}={v!r}: expected an integer >= {minimum}")
+        return v
+
+    def float(self, key: str, *, default: float | None = None) -> float:
+        v = self._need(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError(f"{self.prefix}{key}={v!r}: expected a positive number")
+        return float(v)
+
+
+def expect(f: Fields, key: str, value: Any) -> None:
+    if key in f.d and f.d[key] is not None and f.d[key] != value:
+        raise ConfigError(f"{f.prefix}{key}={f.d[key]!r} is not supported; k26 implements {value!r}")
+
+
+def parse_rope(f: Fields, prefix: str) -> RopeConfig:
+    rs = f.get("rope_scaling") or f.get("rope_parameters")
+    key = "rope_scaling" if f.get("rope_scaling") else "rope_parameters"
+    theta = f.get("rope_theta", (rs or {}).get("rope_theta"))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{prefix}rope_theta={theta!r}: expected a positive number")
+    kind = None if rs is None else (rs.get("type") or rs.get("rope_type"))
+    if kind in (None, "default"):
+        return RopeConfig(theta=float(theta))
+    if kind != "yarn":
+        raise ConfigError(f"{prefix}{key}.type={kind!r} is not supported; Kimi models use 'yarn'")
+    try:
+        factor = float(rs["factor"])
+        orig = int(rs["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"{prefix}{key} needs numeric 'factor' and 'original_max_position_embeddings'"
+        ) from e
+    # Transformers' generic YaRN may re-derive the factor from the two lengths; insisting on equality
+    # keeps every engine computing the same frequencies.
+    max_pos = f.int("max_position_embeddings")
+    if not math.isclose(max_pos / orig, factor):
+        raise ConfigError(
+            f"{prefix}{key}.factor={factor} disagrees with max_position_embeddings / "
+            f"original_max_position_embeddings = {max_pos}/{orig}"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        factor=factor,
+        original_max_position=orig,
+        beta_fast=float(rs.get("beta_fast", 32)),
+        beta_slow=float(rs.get("beta_slow", 1)),
+        mscale=float(rs.get("mscale", 1) or 1),
+        mscale_all_dim=float(rs.get("mscale_all_dim", 0) or 0),
+    )
+
+
+def _parse_quant(q: dict[str, Any] | None, prefix: str) -> QuantConfig:
+    if q is None:
+        return QuantConfig("none")
+    p = f"{prefix}quantization_config"
+    method = q.get("quant_method")
+    if method == "fp8":
+        raise ConfigError(
+            f"{p}.quant_method='fp8' (block-FP8 K2-Instruct) is not supported: its ~1 TB of weights does not "
+            "fit the 8x96 GB target; use an INT4 release (K2-Thinking, K2.5, K2.6)"
+        )
+    if method != "compressed-tensors":
+        raise ConfigError(f"{p}.quant_method={method!r} is not supported; expected 'compressed-tensors'")
+    if q.get("format") != "pack-quantized":
+        raise ConfigError(f"{p}.format={q.get('format')!r} is not supported; expected 'pack-quantized'")
+    status = q.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ConfigError(f"{p}.quantization_status={status!r}: expected 'compressed' weights on disk")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{p}.config_groups is missing or empty")
+    want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    for gname, group in groups.items():
+        w = group.get("weights") or {}
+        for k, v in want.items():
+            if w.get(k) != v:
+                raise ConfigError(f"{p}.config_groups.{gname}.weights.{k}={w.get(k)!r}: k26 supports {v!r}")
+        if w.get("dynamic"):
+            raise ConfigError(f"{p}.config_groups.{gname}.weights.dynamic=true is not supported")
+        if w.get("actorder") not in (None, False):
+            raise ConfigError(
+                f"{p}.config_groups.{gname}.weights.actorder={w['actorder']!r} is not supported"
+            )
+        if group.get("input_activations") is not None:
+            raise ConfigError(
+                f"{p}.config_groups.{gname}.input_activations: only weight-only (W4A16) is supported"
+            )
+    return QuantConfig("int4", group_size=32)
+
+
+# Kimi K2.6's text_config as released (real dimensions; quantization_config left to the caller).
+K26_TEXT_CONFIG = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "num_nextn_predict_layers": 0,
+    "model_type": "kimi_k2",
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}

@@ -1,0 +1,132 @@
+"""Tensor parallelism: the process group and the two collectives the model needs, passed into the model
+as a `TPInfo` (the model never owns a group). NCCL on GPU (capturable inside CUDA graphs), gloo on CPU.
+
+Every rank computes identical logits (the vocab-parallel head all-gathers them) and samples with the
+same seed, so every rank builds the same tree and accepts the same tokens with no extra broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .model.layers import TPInfo
+from .ops.allreduce_group import FusedAllReduce  # registers torch.ops.k26.allreduce_add_rmsnorm
+
+
+def timeout() -> timedelta:
+    """A rank that dies makes the others fail within this long instead of hanging (K26_DIST_TIMEOUT s)."""
+    return timedelta(seconds=float(os.environ.get("K26_DIST_TIMEOUT", "300")))
+
+
+ALLREDUCE = ("fused", "calibrate", "nccl")  # LLM(allreduce=...): how the per-layer all-reduces run
+
+
+def check_allreduce(allreduce: str) -> None:
+    if allreduce not in ALLREDUCE:
+        raise ValueError(f"allreduce={allreduce!r}: expected one of {', '.join(map(repr, ALLREDUCE))}")
+
+
+def tp_info(rank: int, size: int, group=None, allreduce: str = "fused", device=None) -> TPInfo:
+    """The model's view of the group. On NCCL with `allreduce` "fused" (or "calibrate") the all-reduce +
+    residual add + RMSNorm pairs of every layer run as one kernel over peer-mapped memory (`FusedAllReduce`,
+    built here collectively: every rank calls this at the same point), its one-shot / two-shot / NCCL
+    crossovers from the per-TP-size table or, with "calibrate", measured here; without peer access it says
+    so once. "nccl", and gloo always: the three steps (the reference). `device`: this rank's GPU (default:
+    the current CUDA device)."""
+    check_allreduce(allreduce)
+    if size == 1:
+        return TPInfo()
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's last-dim shard, in rank order."""
+        x = x.contiguous()
+        flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # rank-major
+        dist.all_gather_into_tensor(flat, x, group=group)
+        return flat.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+
+    fused_ar = None
+    fused = dist.get_backend(group) == "nccl" and allreduce != "nccl"
+    calibrate = allreduce == "calibrate"
+    # Both choices gate collectives (the workspace exchange, the calibration): a rank asked otherwise (under
+    # torchrun every rank passes its own arguments) would wait in one alone. All take the group's answer.
+    votes = [None] * size
+    dist.all_gather_object(votes, (fused, calibrate), group=group)
+    fused, calibrate = all(v[0] for v in votes), all(v[1] for v in votes)
+    if fused:
+        fused_ar = FusedAllReduce(group, device, timeout_s=timeout().total_seconds())
+        if fused_ar.p2p and calibrate:
+            fused_ar.calibrate()  # the crossovers measured here instead of the published per-size table
+        if not fused_ar.p2p:  # the composition serves this group (said once): release what was set up
+            fused_ar.close()
+            fused_ar = None
+    return TPInfo(rank, size, all_reduce, all_gather, fused_ar)
+
+
+def init_group(rank: int, world: int, device: str | None = None, store=None, local: int | None = None):
+    """Join (or find) the process group: NCCL with a GPU (device cuda:`local`), gloo without. `store`:
+    an explicit rendezvous (the rank driver's); None reads MASTER_ADDR / MASTER_PORT (torchrun)."""
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    dev = torch.device("cuda", rank if local is None else local) if use_cuda else torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        kw = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
+        if use_cuda:
+            torch.cuda.set_device(dev)
+            dist.init_process_group("nccl", device_id=dev, timeout=timeout(), **kw)
+        else:
+            dist.init_process_group("gloo", timeout=timeout(), **kw)
+    return rank, world, dev
+
+
+def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
+    """torchrun: RANK / WORLD_SIZE / LOCAL_RANK from the environment; a group already made (by the rank
+    driver or the user) gives its own rank and size."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return init_group(rank, world, device, local=int(os.environ.get("LOCAL_RANK", str(rank))))
+
+
+def same_checkpoint_on_every_rank(path) -> None:
+    """Every rank must load the same checkpoint: compare a digest of config.json and the tensor index."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = Path(path) / name
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, h.hexdigest())
+    if len(set(digests)) > 1:
+        raise RuntimeError(
+            f"tensor-parallel ranks loaded different checkpoints (digests {digests}); rank "
+            f"{dist.get_rank()} has {path}"
+        )
+
+
+def shared_seed(device: torch.device) -> int:
+    """A fresh seed chosen on rank 0 and broadcast, so every TP rank samples the same tokens."""
+    t = (
+        torch.randint(0, 2**62, (1,), device=device)
+        if dist.get_rank() == 0
+        else torch.zeros(1, dtype=torch.long, device=device)
+    )
+    dist.broadcast(t, src=0)
+    return int(t)
+
+
+def check_world(size: int) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tp={size!r}: expected a positive integer")
+    if dist.is_initialized() and dist.get_world_size() != size:
+        raise ValueError(f"tp={size} but the initialised process group has {dist.get_world_size()} ranks")

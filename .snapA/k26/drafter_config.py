@@ -1,0 +1,122 @@
+"""Frozen configuration of a DFlash drafter directory (the public Kimi-K2.5/K2.6 DFlash format):
+config.json with Qwen3 fields, `block_size` and `dflash_config` {target_layer_ids, mask_token_id}."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import ConfigError, Fields, ModelConfig, RopeConfig, expect, parse_rope, read_config_json
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    # The public Kimi drafters were trained with the legacy YaRN attention factor 0.1·ln(f) + 1 on cos
+    # and sin; "config" honours mscale / mscale_all_dim (1.0 for Kimi) as current transformers does.
+    rope_attention_factor: Literal["legacy", "config"] = "legacy"
+
+    @property
+    def attention_factor(self) -> float:
+        r = self.rope
+        if not r.is_yarn or r.factor <= 1:
+            return 1.0
+        if self.rope_attention_factor == "legacy":
+            return 0.1 * math.log(r.factor) + 1.0
+
+        def mscale(scale: float, m: float) -> float:
+            return 0.1 * m * math.log(scale) + 1.0
+
+        return mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim) if r.mscale_all_dim else 1.0
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **overrides: Any) -> DrafterConfig:
+        return cls.from_dict(read_config_json(path, "drafter"), **overrides)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], **overrides: Any) -> DrafterConfig:
+        f = Fields(raw, "drafter ")
+        dc = raw.get("dflash_config")
+        if not isinstance(dc, dict):
+            raise ConfigError("drafter config.json has no 'dflash_config' object: not a DFlash drafter")
+        if "candidate_selector" in raw or "candidate_selector" in dc:
+            raise ConfigError(
+                "drafter config.json describes DFlash2 (candidate_selector), which is a different model"
+            )
+        expect(f, "hidden_act", "silu")
+        expect(f, "attention_bias", False)
+        ids = dc.get("target_layer_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise ConfigError(
+                f"drafter dflash_config.target_layer_ids={ids!r}: expected a non-empty list of layer ids"
+            )
+        if list(ids) != sorted(set(ids)):
+            raise ConfigError(f"drafter dflash_config.target_layer_ids={ids!r} must be strictly increasing")
+        mask = dc.get("mask_token_id")
+        if not isinstance(mask, int) or mask < 0:
+            raise ConfigError(f"drafter dflash_config.mask_token_id={mask!r}: expected a token id")
+        block = raw.get("block_size", dc.get("block_size"))
+        if not isinstance(block, int) or block < 2:
+            raise ConfigError(f"drafter block_size={block!r}: expected an integer >= 2")
+        heads = f.int("num_attention_heads")
+        hidden = f.int("hidden_size")
+        cfg = cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=f.int("num_key_value_heads", default=heads),
+            head_dim=f.int("head_dim", default=hidden // heads),
+            num_hidden_layers=f.int("num_hidden_layers"),
+            intermediate_size=f.int("intermediate_size"),
+            rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
+            vocab_size=f.int("vocab_size"),
+            max_position_embeddings=f.int("max_position_embeddings"),
+            rope=parse_rope(f, "drafter "),
+            block_size=block,
+            target_layer_ids=tuple(ids),
+            mask_token_id=mask,
+        )
+        if overrides:
+            from dataclasses import replace
+
+            cfg = replace(cfg, **overrides)
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ConfigError(
+                f"drafter num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={cfg.num_key_value_heads}"
+            )
+        if cfg.rope_attention_factor not in ("legacy", "config"):
+            raise ConfigError(
+                f"drafter rope_attention_factor={cfg.rope_attention_factor!r}: 'legacy' or 'config'"
+            )
+        return cfg
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Every way the drafter cannot serve this target, as one error naming the fields."""
+        bad = []
+        if self.hidden_size != target.hidden_size:
+            bad.append(f"hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            bad.append(f"vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
+        beyond = [i for i in self.target_layer_ids if i >= target.num_hidden_layers]
+        if beyond:
+            bad.append(f"target_layer_ids {beyond} beyond the target's {target.num_hidden_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            bad.append(
+                f"mask_token_id {self.mask_token_id} outside the target vocabulary [0, {target.vocab_size})"
+            )
+        if bad:
+            raise ConfigError("drafter does not match the target: " + "; ".join(bad))

@@ -1,0 +1,390 @@
+"""`LLM`: load a checkpoint directory, score token sequences, and generate autoregressively.
+
+Prompts of one call are prefilled together (right-padded: a causal query never sees the padding) and
+then decoded one token per step for the whole batch, each sequence in its own cache row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+from collections.abc import Generator, Sequence
+from pathlib import Path
+
+import torch
+
+from .checks import (
+    check_buckets,
+    check_device,
+    check_ids,
+    check_lengths,
+    check_precision,
+    check_tokenizer,
+    fit_spec,
+    prompt_list,
+)
+from .config import ModelConfig
+from .decode import BatchState, DecodeContext, Decoder, RequestOutput
+from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
+from .graphs.buckets import Bucket, default_batches
+from .kv_cache import DrafterCache, LatentCache
+from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
+from .loader import load_drafter, load_model
+from .model import AttnBatch, CompiledLayers, KimiK2
+from .model.drafter import CompiledDrafter
+from .sampling import MODES, SamplingParams, stop_prefix_len
+from .spec.step import SpecConfig, verify_nodes
+from .startup import StartupReport, phase_bar
+from .tokenizer import TextStream, Tokenizer
+from .tp_driver import RankGroup, releasing_ranks_on_failure, surfacing_rank_errors
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    @releasing_ranks_on_failure
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        drafter: str | Path | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        tp: int = 1,
+        max_model_len: int | None = None,
+        max_batch: int = 8,
+        absorb: bool = True,
+        progress: bool = True,
+        cuda_kernels: bool = True,
+        graphs: bool | None = None,
+        buckets: Sequence[tuple[int, int]] | None = None,
+        compile: bool = False,
+        cache_dir: str | Path | None = None,
+        capture: bool = False,
+        allreduce: str = "fused",
+    ):
+        # Ranks 1..tp-1 build this same LLM: every keyword argument travels (a new one too), see below.
+        rank_kw = {k: v for k, v in locals().items() if k not in ("self", "model_path")}
+        check_world(tp)
+        check_allreduce(allreduce)
+        check_device(device)
+        if model_path is None:  # the embedded pair
+            from .embedded import default_drafter_dir, default_model_dir
+
+            model_path, drafter = default_model_dir(), drafter or default_drafter_dir()
+        self.path = Path(model_path)
+        # The group belongs to whoever made it: an LLM that found one (torchrun + the user's own
+        # init_process_group, or an earlier LLM) must not destroy it on close().
+        self._owns_group = tp > 1 and not torch.distributed.is_initialized()
+        self._ranks: RankGroup | None = None
+        if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+            rank_kw.update(drafter=drafter, progress=False)  # the pair as resolved; rank 0 draws
+            self._start_ranks(tp, device, rank_kw)
+        self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
+        self.tp_size, self.allreduce = tp, allreduce
+        self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or torch.bfloat16
+        self.graphs = check_precision(self.device, self.dtype, graphs)
+        self.config = ModelConfig.from_dir(self.path)
+        self.tokenizer = Tokenizer.from_dir(self.path)
+        check_tokenizer(self.tokenizer, self.config)
+        self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
+        self.absorb = absorb
+        self.progress = progress and self.rank == 0  # one set of progress lines, whatever the ranks were told
+        self._load(drafter, max_batch, self.progress, cuda_kernels, cache_dir)
+        self.user_buckets = check_buckets(buckets, max_batch)
+        # torch.compile of the decoder layers and the drafter's block forward: fixed shapes per bucket,
+        # lengths and positions as tensors, so decode never recompiles; it runs (and autotunes) in the
+        # warm-ups before each graph capture.
+        self.compiled = compile
+        self.model_fwd = CompiledLayers(self.model) if compile else self.model
+        self.drafter_fwd = CompiledDrafter(self.drafter) if compile and self.drafter is not None else None
+        self._compile_cache = None  # torch.compile's artifacts (the body, the budget policies) for restarts
+        if self.graphs and cache_dir is not None:
+            self._compile_cache = compile_cache_file(cache_dir, self.path, self.device)
+            load_compile_cache(self._compile_cache)
+        self.decoder = Decoder(self._decode_context())
+        if capture and self.graphs:
+            with self._surface_rank_errors(), torch.inference_mode():  # as every later capture runs
+                self._capture(None, MODES)
+        if self._ranks is not None:
+            self._ranks.wait_ready()  # a rank that failed to build raises its own error here
+
+    def _start_ranks(self, tp: int, device, kw: dict) -> None:
+        """Ranks 1..tp-1 build this same LLM (`kw`) in their own processes and mirror its calls; this one
+        joins as 0."""
+        self._ranks = RankGroup(tp, type(self), (str(self.path),), kw, str(device) if device else None)
+        weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
+
+    def _load(self, drafter, max_batch: int, progress: bool, cuda_kernels: bool, cache_dir) -> None:
+        """The target (and drafter) weights, each rank its TP shard, and their caches."""
+        tp = self.tp_size
+        if tp > 1:
+            with self._surface_rank_errors():
+                same_checkpoint_on_every_rank(self.path)
+        with self._surface_rank_errors():  # a rank failing mid-load (all-to-all) raises its own error
+            self.model: KimiK2 = self._load_target(progress, cuda_kernels, cache_dir)
+            self.startup = StartupReport.gather(self.model.load_stats, tp)  # every rank's bytes, here
+        self.cache = LatentCache.allocate(self.config, max_batch, self.max_model_len, self.dtype, self.device)
+        self.drafter, self.dcache = None, None
+        if drafter is not None:
+            with self._surface_rank_errors():
+                self.drafter = load_drafter(
+                    drafter,
+                    self.config,
+                    device=self.device,
+                    dtype=self.dtype,
+                    tp=self.model.tp,
+                    cuda_kernels=cuda_kernels,
+                )
+            self.dcache = DrafterCache.allocate(
+                self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
+            )
+
+    def _load_target(self, progress: bool, cuda_kernels: bool, cache_dir) -> KimiK2:
+        tp = self.tp_size
+        return load_model(
+            self.path,
+            self.config,
+            device=self.device,
+            dtype=self.dtype,
+            progress=progress and self.rank == 0,
+            cuda_kernels=cuda_kernels,
+            tp=tp_info(self.rank, tp, allreduce=self.allreduce, device=self.device),
+            group=torch.distributed.group.WORLD if tp > 1 else None,  # each shard read once across the ranks
+            cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
+        )
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def capture(self, spec: SpecConfig | None = None, greedy: bool = True, sampled: bool = True):
+        """Capture the graphs of every batch size's bucket of `spec` (default: DDTree with a drafter, else
+        AR) now rather than on first use, with one progress line; returns their `CaptureRecord`s (also in
+        `self.startup.captures`). `LLM(..., capture=True)` does this at start-up."""
+        if not self.graphs or not (greedy or sampled):  # (neither: no sampling mode, nothing to capture)
+            return []
+        kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
+        self._mirror("capture", spec, greedy, sampled)
+        return self._capture(spec, kinds)
+
+    def _capture(self, spec: SpecConfig | None, kinds: tuple[str, ...]):
+        spec = self._prepare([[0]], None, spec)[2]
+        batches = sorted({b.batch for b in self.buckets_for(spec)})
+        per_batch = (len(spec.candidates) if spec.auto else 1) * len(kinds)
+        ctx, runners, t0 = self.decoder.ctx, self.decoder.runners, time.perf_counter()
+        seen = {key: len(r.report) for key, r in runners.items()}
+        ctx.progress, shown = False, ctx.progress  # one line for the whole set instead of one per batch
+        try:
+            with phase_bar("capture", len(batches) * per_batch, "graph", shown) as bar:
+                for b in batches:
+                    before = sum(len(r.report) for r in runners.values())
+                    self.decoder.open(spec, b, kinds)
+                    bar.update(sum(len(r.report) for r in runners.values()) - before)
+        finally:
+            ctx.progress = shown
+        new = [
+            rec._replace(kind=f"{s.method} {mode}")
+            for (s, mode), r in runners.items()
+            for rec in r.report[seen.get((s, mode), 0) :]
+        ]
+        self.startup.captures += new
+        self.startup.phases["capture"] = self.startup.phases.get("capture", 0.0) + time.perf_counter() - t0
+        if self._compile_cache is not None:
+            save_compile_cache(self._compile_cache)
+        return new
+
+    def _decode_context(self) -> DecodeContext:
+        """What the decoder needs of this LLM (the decoder never sees the LLM itself)."""
+        return DecodeContext(
+            self.model,
+            self.model_fwd,
+            self.drafter,
+            self.cache,
+            self.dcache,
+            self.tokenizer,
+            self.max_model_len,
+            self.device,
+            self.buckets_for,
+            self.tp_size,
+            self.absorb,
+            self.graphs,
+            self.progress,
+            drafter_fwd=self.drafter_fwd,
+            compiled=self.compiled,
+        )
+
+    # -- tensor parallel driven from one Python process -------------------------------------------
+    def _mirror(self, name: str, *args, **kw) -> None:
+        if self._ranks is not None:
+            self._ranks.mirror(name, *args, **kw)
+
+    def _surface_rank_errors(self):
+        """A collective that failed because a rank died raises that rank's own error instead."""
+        return self._ranks.surface() if self._ranks is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
+        graphs hangs), and stop the ranks it started."""
+        if hasattr(self, "decoder"):
+            for runner in self.decoder.runners.values():
+                runner.graphs.clear()  # an open batch's stepper holds the same runners: free their graphs
+            self.decoder.runners.clear()
+        self.batch = None
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if getattr(self, "model", None) is not None:
+            self.model.tp.close()  # after the sync: no kernel of ours still reads a peer's memory
+        if getattr(self, "_ranks", None) is not None:
+            self._ranks.close()
+        if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self._owns_group = False
+
+    def _check_workers(self) -> None:
+        """Raise the error of a rank that reported one."""
+        if self._ranks is not None:
+            self._ranks.check()
+
+    def buckets_for(self, spec: SpecConfig) -> list[Bucket]:
+        """The configured buckets, or one per power-of-two batch size at this method's verify width."""
+        if self.user_buckets:
+            return self.user_buckets
+        block = self.drafter.cfg.block_size if self.drafter is not None else 1
+        return [Bucket(b, verify_nodes(spec, block)) for b in default_batches(self.cache.rows)]
+
+    # -- inputs --------------------------------------------------------------------------------
+    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        return check_ids(ids, what, self.config.vocab_size, self.max_model_len)
+
+    def _encode(self, prompt: Prompt, i: int) -> list[int]:
+        if isinstance(prompt, str):
+            return self._check_ids(self.tokenizer.encode(prompt), f"prompt {i}")
+        if isinstance(prompt, (Sequence, torch.Tensor)):
+            return self._check_ids(prompt, f"prompt {i}")
+        raise TypeError(f"prompt {i} is a {type(prompt).__name__}; expected a string or a list of token ids")
+
+    # -- forward -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """float32 logits [T, vocab] of every position of one sequence, computed in a single forward."""
+        ids = self._check_ids(token_ids, "token_ids")
+        self._mirror("score", ids)
+        rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device=self.device), len(ids), rows)
+        h, _ = self.model(
+            torch.tensor([ids], device=self.device), batch, self.cache.kv_LRTC, absorb=self.absorb
+        )
+        return self.model.logits(h[0])
+
+    def _prepare(self, prompts, sampling, spec):
+        sp = sampling or SamplingParams()
+        spec = spec or SpecConfig(method="ddtree" if self.drafter is not None else "ar")
+        if not isinstance(spec, SpecConfig):
+            raise TypeError(f"spec must be a k26.SpecConfig, got {type(spec).__name__}")
+        if spec.method != "ar" and self.drafter is None:
+            raise ValueError(f"spec method {spec.method!r} needs a drafter: LLM(..., drafter=DIR)")
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
+        if spec.method != "ar":
+            spec = fit_spec(spec, self.max_model_len, self.drafter.cfg.block_size)
+        return [self._encode(p, i) for i, p in enumerate(prompt_list(prompts))], sp, spec
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def stream(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None
+    ) -> Generator[str, None, RequestOutput]:
+        """Yield text increments of one prompt as tokens are accepted (whole UTF-8 characters only); the
+        generator returns the finished `RequestOutput`."""
+        encoded, sp, spec = self._prepare(prompt, sampling, spec)
+        if len(encoded) != 1:
+            raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
+        self._mirror("stream", encoded[0], sp, spec)
+        ts, sent, o = TextStream(self.tokenizer), 0, None  # sent: characters yielded so far
+        steps = self.decoder.run(encoded, sp, spec)
+        try:
+            for outs in steps:
+                o = outs[0]
+                ts.push(o.token_ids[ts.ids :])
+                if o.finish_reason == "stop":
+                    text = o.text  # cut before the stop string (empty when it came first)
+                    end = len(text)
+                elif o.finish_reason is not None:
+                    text = ts.finish()
+                    end = len(text)
+                else:  # what may begin a stop string waits for the next tokens
+                    text = ts.text
+                    end = len(text) - stop_prefix_len(text, sp.stop)
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
+        except GeneratorExit:
+            if self._ranks is not None:
+                # The caller stopped iterating early: the ranks run the mirrored stream to its end, so this
+                # rank must too, or its next collectives would pair with their leftover ones.
+                for _ in steps:
+                    pass
+            raise
+        return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt; a single string or id list counts as one prompt. `spec` picks the decoding
+        method (default: DDTree with a drafter loaded, else autoregressive)."""
+        encoded, sp, spec = self._prepare(prompts, sampling, spec)
+        self._mirror("generate", encoded, sp, spec)
+        outs: list[RequestOutput] = []
+        for start in range(0, len(encoded), self.cache.rows):
+            last = None
+            for last in self.decoder.run(encoded[start : start + self.cache.rows], sp, spec):
+                pass
+            outs += last
+        self._check_workers()
+        return outs
+
+    # -- continuous batching: one open batch driven step by step (the server's engine thread) ------
+    # Every call is mirrored to the TP ranks in order, so their batches admit, step and retire alike.
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def open_batch(self, spec: SpecConfig | None = None, capacity: int | None = None) -> BatchState:
+        """An empty batch of `capacity` rows (default: every cache row), its graphs captured and its
+        budget costs measured; then `admit`, `step` and `release` move requests through it."""
+        spec = self._prepare([[0]], None, spec)[2]
+        capacity = capacity or self.cache.rows
+        if not 1 <= capacity <= self.cache.rows:
+            raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
+        self._mirror("open_batch", spec, capacity)
+        self.batch = self.decoder.open(spec, capacity)
+        return self.batch
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        """Prefill checked token-id prompts into free rows (between steps); returns their slots."""
+        if len(prompts) > len(self.batch.free_slots()):
+            raise ValueError(f"{len(prompts)} prompts, {len(self.batch.free_slots())} free rows")
+        prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        self._mirror("admit", prompts, params)
+        return self.decoder.admit(self.batch, prompts, params)
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def step(self) -> list[int]:
+        """One step of every live row of the open batch; returns the rows that stepped."""
+        self._mirror("step")
+        return self.decoder.step(self.batch)
+
+    @torch.inference_mode()
+    def release(self, slot: int) -> RequestOutput | None:
+        """Free a row (finished, or its request cancelled); returns its output."""
+        self._mirror("release", slot)
+        return self.decoder.release(self.batch, slot)

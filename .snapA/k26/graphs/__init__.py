@@ -1,0 +1,4 @@
+from .buckets import Bucket, pick_bucket
+from .runner import StepGraphs, StepState
+
+__all__ = ["Bucket", "StepGraphs", "StepState", "pick_bucket"]

@@ -1,0 +1,56 @@
+"""Static latent KV cache: [layers, rows, max_len, kv_lora_rank + qk_rope_head_dim].
+
+One row per live sequence, allocated once, so every forward (prefill, decode, tree verify) addresses
+it with tensors only (row ids and prefix lengths) and CUDA graphs can capture it. 576 values per
+token per layer for K2: 70,272 bytes per token over 61 layers in bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .drafter_config import DrafterConfig
+
+
+@dataclass
+class LatentCache:
+    kv_LRTC: torch.Tensor
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, rows: int, max_len: int, dtype: torch.dtype, device) -> LatentCache:
+        shape = (cfg.num_hidden_layers, rows, max_len, cfg.latent_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def rows(self) -> int:
+        return self.kv_LRTC.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.kv_LRTC.shape[2]
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> int:
+        return cfg.num_hidden_layers * cfg.latent_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class DrafterCache:
+    """Per-layer K/V of committed context rows only: [layers, rows + 1, max_len, kv_heads, head_dim].
+    Block rows are never stored, so nothing has to be cropped after a draft. The extra last row is a
+    trash row that absorbs padding writes, keeping every write static-shaped."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, cfg: DrafterConfig, rows: int, max_len: int, dtype: torch.dtype, device, tp_size: int = 1
+    ):
+        shape = (cfg.num_hidden_layers, rows + 1, max_len, cfg.num_key_value_heads // tp_size, cfg.head_dim)
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        )

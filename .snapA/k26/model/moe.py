@@ -1,0 +1,188 @@
+"""K2 mixture of experts: sigmoid router with a selection-only correction bias, group-limited top-k,
+routed experts (int4 pack-quantized or bf16) split along the intermediate dim, and a shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops import reference
+from ..ops.moe_cuda import pick_nt
+from ..ops.moe_layout import repack_experts
+from ..ops.router_cuda import router_barrier
+from .layers import MLP, TPInfo
+
+
+class Router(nn.Module):
+    """noaux_tc gate: the bias chooses experts, the unbiased sigmoid scores weight them
+    (`reference.moe_router` is the specification; after `fuse_()` one CUDA kernel computes it)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("barrier", None, persistent=False)  # the fused kernel's grid-barrier scratch
+        # With the fused kernel, also build the expert op's routing table for more than one token (the
+        # expert op then runs no routing launch); False: the expert op routes itself (the A/B in benchmarks).
+        self.writes_table = False
+
+    @torch.no_grad()
+    def fuse_(self) -> None:
+        """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on: bf16 weight on CUDA, loaded."""
+        self.barrier = router_barrier(self.weight.device)
+        self.writes_table = True
+
+    def _args(self) -> tuple:
+        cfg = self.cfg
+        return (
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.barrier is not None and x_TD.dtype == torch.bfloat16:
+            return torch.ops.k26.moe_router(
+                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args()
+            )
+        return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *self._args())
+
+    def route(
+        self, x_TD: torch.Tensor, shared: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weights, ids, routing table or None): the table of `moe_w4a16_repacked` (with the shared expert's
+        slots when `shared`) from the fused kernel when it writes one and there is more than one token (one
+        token routes straight from its ids in the expert op, no table needed)."""
+        M = x_TD.shape[0]
+        if not (self.writes_table and M > 1 and self.barrier is not None and x_TD.dtype == torch.bfloat16):
+            return (*self(x_TD), None)
+        nt = pick_nt(M * self.cfg.num_experts_per_tok, self.cfg.n_routed_experts)
+        args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args())
+        return torch.ops.k26.moe_router_table(*args, nt, shared)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Int4Experts(nn.Module):
+    """Experts stacked over E in the compressed-tensors layout: packed int32 along the input dim.
+    Scales stay bf16 whatever the activation dtype: the checkpoint's weights are bf16(q·s)."""
+
+    CHECKPOINT = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
+
+    def __init__(self, E: int, D: int, inter: int, group: int):
+        super().__init__()
+        dtype = torch.bfloat16
+        self.gate_packed = _param(E, inter, D // 8, dtype=torch.int32)
+        self.gate_scale = _param(E, inter, D // group, dtype=dtype)
+        self.up_packed = _param(E, inter, D // 8, dtype=torch.int32)
+        self.up_scale = _param(E, inter, D // group, dtype=dtype)
+        self.down_packed = _param(E, D, inter // 8, dtype=torch.int32)
+        self.down_scale = _param(E, D, inter // group, dtype=dtype)
+
+        self.repacked = False
+
+    def checkpoint_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The int4 weights in the checkpoint's layout, in `CHECKPOINT` order (before `repack_`)."""
+        return tuple(getattr(self, name) for name in self.CHECKPOINT)
+
+    @torch.no_grad()
+    def repack_(self) -> None:
+        """Swap the checkpoint layout for the CUDA kernel's (csrc/moe_w4a16.cu), once, after loading."""
+        w13, s13, w2, s2 = repack_experts(*self.checkpoint_tensors())
+        for name in self.CHECKPOINT:
+            delattr(self, name)
+        self.w13, self.s13, self.w2, self.s2 = (
+            nn.Parameter(t, requires_grad=False) for t in (w13, s13, w2, s2)
+        )
+        self.repacked = True
+
+    def fuses(self, shared: MLP | None, x_TD: torch.Tensor) -> bool:
+        """Whether the kernel can run `shared` as one more expert in its grids (bf16, routed width)."""
+        return (
+            self.repacked
+            and shared is not None
+            and x_TD.dtype == torch.bfloat16
+            and tuple(shared.gate_proj.weight.shape) == (self.w13.shape[1] * 8, self.w13.shape[2] * 64)
+        )
+
+    def forward(self, x_TD, ids_TK, w_TK, shared: MLP | None = None, table: torch.Tensor | None = None):
+        """Routed experts; with `shared` (only when `fuses`) plus the shared expert, in the same launches.
+        `table`: the routing table of these ids (`Router.route`, repacked only)."""
+        if self.repacked:
+            mlp = (None,) * 3 if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+            sw = tuple(None if m is None else m.weight for m in mlp)
+            return torch.ops.k26.moe_w4a16_repacked(
+                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw, table
+            )
+        return torch.ops.k26.moe_w4a16(x_TD, *self.checkpoint_tensors(), ids_TK, w_TK)
+
+
+class DenseExperts(nn.Module):
+    """Unquantised experts (bf16 checkpoints), stacked over E."""
+
+    def __init__(self, E: int, D: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = _param(E, inter, D, dtype=dtype)
+        self.up_proj = _param(E, inter, D, dtype=dtype)
+        self.down_proj = _param(E, D, inter, dtype=dtype)
+
+    def forward(self, x_TD, ids_TK, w_TK):
+        return reference.moe_combine(
+            x_TD, ids_TK, w_TK, lambda e: (self.gate_proj[e], self.up_proj[e], self.down_proj[e])
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo):
+        super().__init__()
+        self.tp = tp
+        inter = tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        self.gate = Router(cfg, dtype)
+        if cfg.quant.int4:
+            self.experts: nn.Module = Int4Experts(E, D, inter, cfg.quant.group_size)
+        else:
+            self.experts = DenseExperts(E, D, inter, dtype)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = MLP(D, tp.split(shared, "shared expert width"), dtype) if shared else None
+
+    def forward(self, x_BND: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """`partial`: this rank's share, unreduced (the caller reduces it with the residual add and the next
+        norm, `TPInfo.reduce_add_norm`)."""
+        x_TD = x_BND.flatten(0, -2)
+        if isinstance(self.experts, Int4Experts) and self.experts.repacked:
+            fused = self.experts.fuses(self.shared_experts, x_TD)
+            w_TK, ids_TK, table = self.gate.route(x_TD, shared=fused)
+            y_TD = self.experts(x_TD, ids_TK, w_TK, self.shared_experts if fused else None, table)
+            if self.shared_experts is not None and not fused:
+                y_TD = y_TD + self.shared_experts(x_TD)
+        else:
+            w_TK, ids_TK = self.gate(x_TD)
+            y_TD = self.experts(x_TD, ids_TK, w_TK)
+            if self.shared_experts is not None:
+                y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.view_as(x_BND) if partial else self.tp.reduce(y_TD.view_as(x_BND))
+
+
+def use_cuda_kernels(model: torch.nn.Module) -> None:
+    """Repack int4 experts for the fused CUDA MoE kernel, layer by layer (one layer's copy at a time).
+    The dense path is the loader's next step (`KimiK2.fuse_dense_`)."""
+    from ..ops import build
+
+    experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not (experts or routers):
+        return
+    if not build.available():  # warns once; the int4 experts keep the reference layout
+        return
+    for m in experts:
+        m.repack_()
+    for r in routers:
+        r.fuse_()  # one kernel from hidden state to top-k ids / weights (csrc/moe_router.cu)

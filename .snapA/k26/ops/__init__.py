@@ -1,0 +1,121 @@
+"""`torch.ops.k26.*`: schemas, fakes for torch.compile/graph capture, and the reference kernels.
+
+Each op is registered once here with its pure-torch reference as the implementation for every
+device; CUDA kernels (later modules) override the "cuda" key without changing the schema.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import moe_cuda, reference, router_cuda  # noqa: F401  (moe_cuda, router_cuda register their ops)
+from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from .reference import causal_words, tree_mask_to_words, words_to_tree_mask
+
+__all__ = [
+    "OPS",
+    "causal_words",
+    "dequantize_int4",
+    "pack_int4",
+    "quantize_int4",
+    "tree_mask_to_words",
+    "unpack_int4",
+    "words_to_tree_mask",
+]
+
+
+@torch.library.custom_op("k26::moe_w4a16", mutates_args=())
+def moe_w4a16(
+    x: torch.Tensor,
+    gate_packed: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_packed: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_packed: torch.Tensor,
+    down_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    return reference.moe_w4a16(
+        x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, topk_ids, topk_weights
+    )
+
+
+@moe_w4a16.register_fake
+def _(x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, topk_ids, topk_weights):
+    return x.new_empty(x.shape[0], down_packed.shape[1])
+
+
+@torch.library.custom_op("k26::mla_write_cache", mutates_args=("cache",))
+def mla_write_cache(
+    cache: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor
+) -> None:
+    reference.mla_write_cache(cache, latent, rows, prefix_lens)
+
+
+@mla_write_cache.register_fake
+def _(cache, latent, rows, prefix_lens):
+    return None
+
+
+@torch.library.custom_op("k26::mla_tree_attention", mutates_args=())
+def mla_tree_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    mask_words: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    static: bool = False,
+    q_pe: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.mla_tree_attention(
+        q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
+    )
+
+
+@mla_tree_attention.register_fake
+def _(
+    q,
+    cache,
+    rows,
+    prefix_lens,
+    mask_words,
+    scale,
+    v_dim,
+    static=False,
+    q_pe=None,
+    positions=None,
+    inv_freq=None,
+):
+    B, N, H, _ = q.shape
+    return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
+
+
+from . import (
+    allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm and add_rmsnorm with their CUDA kernels)
+    attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
+    drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
+    glue_cuda,  # noqa: F401  (registers mla_glue with its CUDA kernel)
+    linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
+    tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
+)
+
+OPS = (
+    "moe_w4a16",
+    "moe_w4a16_repacked",
+    "moe_router",
+    "moe_router_table",
+    "mla_write_cache",
+    "mla_tree_attention",
+    "linear",
+    "linear_grouped",
+    "ddtree_build",
+    "mla_glue",
+    "allreduce_add_rmsnorm",
+    "add_rmsnorm",
+    "drafter_attention",
+)

@@ -1,0 +1,206 @@
+"""Tensor-parallel all-reduce fused with the residual add and the next RMSNorm (csrc/allreduce_fused.cu):
+`torch.ops.k26.allreduce_add_rmsnorm`, its reference (today's composition: all-reduce, add, RMSNorm), fake
+and CUDA kernel. The per-TP-group owner of the peer-mapped workspaces that drive it, and the one callers
+use, is `FusedAllReduce` (k26/ops/allreduce_group.py).
+
+    allreduce_add_rmsnorm(x [..., D], residual [..., D], weight [D], eps, group, ...) -> (normed, new resid.)
+        new residual = residual + all_reduce(x);  normed = RMSNorm(new residual) * weight
+
+and what follows an all-reduce on one GPU (no peers: TP 1, after NCCL), `torch.ops.k26.add_rmsnorm`:
+
+    add_rmsnorm(x [..., D], residual [..., D], weight [D], eps) -> (RMSNorm(residual + x), residual + x)
+
+one kernel (csrc/add_rmsnorm.cu) with the same row arithmetic as the fused all-reduce (csrc/rmsnorm_row.cuh).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.distributed as dist
+
+from . import pdl
+from .reference import rms_norm
+
+BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
+
+
+# ---------------------------------------------------------------- reference and op registration
+
+
+def add_rmsnorm_reference(
+    reduced: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What follows the all-reduce: (RMSNorm(residual + reduced), residual + reduced)."""
+    h = residual + reduced
+    return rms_norm(h, weight, eps), h
+
+
+@torch.library.custom_op("k26::add_rmsnorm", mutates_args=())
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x) * weight, residual + x), the reference's rounding points."""
+    return add_rmsnorm_reference(x, residual, weight, eps)
+
+
+@add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    # The reference's shapes and dtypes (broadcast, promoted), contiguous like the kernel's outputs.
+    shape = torch.broadcast_shapes(x.shape, residual.shape)
+    h_dtype = torch.promote_types(residual.dtype, x.dtype)
+    out_dtype = torch.promote_types(weight.dtype, h_dtype)
+    return residual.new_empty(shape, dtype=out_dtype), residual.new_empty(shape, dtype=h_dtype)
+
+
+@torch.library.custom_op("k26::allreduce_add_rmsnorm", mutates_args=())
+def allreduce_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_name: str,
+    peers: torch.Tensor,
+    ctl: torch.Tensor,
+    err: torch.Tensor,
+    rank: int,
+    cap: int,
+    two_shot_bytes: int,
+    timeout_ns: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification: all-reduce over `group_name`, then the add and the RMSNorm. `peers` (int64 CPU,
+    every rank's workspace address as mapped here; empty: this composition on every device), `ctl`,
+    `err`, `rank`, `cap`, `two_shot_bytes` and `timeout_ns` drive the CUDA kernel (FusedAllReduce)."""
+    return composition(x, residual, weight, eps, _group(group_name))
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def composition(x, residual, weight, eps: float, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Today's three steps: NCCL (or gloo) all-reduce over `group`, residual add, RMSNorm."""
+    s = x.contiguous().clone()
+    dist.all_reduce(s, group=group)
+    return add_rmsnorm_reference(s, residual, weight, eps)
+
+
+@allreduce_add_rmsnorm.register_fake
+def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
+# ---------------------------------------------------------------- CUDA kernel
+
+
+@functools.cache  # once per process, like build.library
+def library() -> ctypes.CDLL:
+    """The kernel library with the all-reduce's ctypes signatures (csrc/allreduce_fused.cu)."""
+    from . import build  # lazily: `python -m k26.ops.build` must not import itself first
+
+    lib = build.library()
+    P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.k26_ar_workspace_bytes.restype = ctypes.c_size_t
+    lib.k26_ar_workspace_bytes.argtypes = [I, LL]
+    lib.k26_ar_limits.argtypes = [ctypes.POINTER(I)] * 2
+    lib.k26_ar_alloc.argtypes = [I, ctypes.c_size_t, ctypes.POINTER(P), P]
+    lib.k26_ar_open.argtypes = [I, P, ctypes.POINTER(P)]
+    lib.k26_ar_close.argtypes = [P]
+    lib.k26_ar_free.argtypes = [P]
+    lib.k26_ar_error_string.restype = ctypes.c_char_p
+    lib.k26_ar_error_string.argtypes = [I]
+    lib.k26_ar_launch.argtypes = [P] * 5 + [ctypes.POINTER(P), P, P, LL, LL, ctypes.c_float] + [I] * 6 + [P]
+    lib.k26_add_rmsnorm.argtypes = [P] * 5 + [I, I, ctypes.c_float, I, P]
+    lib.k26_add_rmsnorm_max_dim.restype = I
+    return lib
+
+
+def cuda_error(e: int) -> str:
+    return library().k26_ar_error_string(e).decode()
+
+
+def limits() -> tuple[int, int]:
+    """(most ranks, largest D) the kernel serves."""
+    r, d = ctypes.c_int(), ctypes.c_int()
+    library().k26_ar_limits(ctypes.byref(r), ctypes.byref(d))
+    return r.value, d.value
+
+
+def vector_ready(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as the kernels read them: contiguous, at 16-byte aligned addresses (copied if not)."""
+    ts = tuple(t.contiguous() for t in ts)
+    return tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in ts)
+
+
+@torch.library.register_kernel("k26::allreduce_add_rmsnorm", "cuda")
+def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
+    if peers.numel() == 0:
+        return composition(x, residual, weight, eps, _group(group_name))
+    # The kernel moves 16-byte vectors. An unaligned view is copied, never sent down another path: whether
+    # a tensor is aligned is this rank's own business, and ranks on different paths would wait on each other.
+    given = weight  # read before the kernel's wait (pdl.enabled_as_given)
+    x, residual, weight = vector_ready(x, residual, weight)
+    world, D = peers.numel(), x.shape[-1]
+    rows = x.numel() // D
+    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    ws = (ctypes.c_void_p * world)(*peers.tolist())
+    two_shot = int(rows >= world and 2 * x.numel() >= two_shot_bytes)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    e = library().k26_ar_launch(
+        *(t.data_ptr() for t in (x, residual, weight, out, res_out)),
+        ws,
+        ctl.data_ptr(),
+        err.data_ptr(),
+        timeout_ns,
+        cap,
+        eps,
+        rows,
+        D,
+        rank,
+        world,
+        two_shot,
+        # PDL overlaps the kernel before / the peers' wait (not yet measured on two GPUs)
+        int(pdl.enabled_as_given((weight, given))),
+        stream,
+    )
+    if e:
+        raise RuntimeError(f"k26.allreduce_add_rmsnorm: launch failed: {cuda_error(e)}")
+    return out, res_out
+
+
+def add_rmsnorm_served(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether csrc/add_rmsnorm.cu takes this call (the reference does otherwise): bf16 on one CUDA device,
+    matching shapes, a D of whole 16-byte vectors within the kernel's registers."""
+    D = x.shape[-1]
+    return (
+        x.dtype == residual.dtype == weight.dtype == torch.bfloat16
+        and x.shape == residual.shape
+        and weight.shape == (D,)
+        and x.device == residual.device == weight.device
+        and x.numel() > 0
+        and D % BLOCK_DIM_ALIGN == 0
+        and D <= library().k26_add_rmsnorm_max_dim()
+    )
+
+
+@torch.library.register_kernel("k26::add_rmsnorm", "cuda")
+def _(x, residual, weight, eps):
+    if not add_rmsnorm_served(x, residual, weight):
+        return add_rmsnorm_reference(x, residual, weight, eps)
+    given = weight  # read before the kernel's wait (pdl.enabled_as_given)
+    x, residual, weight = vector_ready(x, residual, weight)
+    out, res_out = torch.empty_like(residual), torch.empty_like(residual)
+    D = x.shape[-1]
+    e = library().k26_add_rmsnorm(
+        *(t.data_ptr() for t in (x, residual, weight, out, res_out)),
+        x.numel() // D,
+        D,
+        eps,
+        int(pdl.enabled_as_given((weight, given))),
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    if e:
+        raise RuntimeError(f"k26.add_rmsnorm: launch failed: {cuda_error(e)}")
+    return out, res_out

@@ -1,0 +1,181 @@
+"""Build every CUDA source of k26 into one shared library with plain nvcc (no torch headers: seconds,
+also on machines without a GPU), report registers / shared memory / spills per kernel, and load it.
+
+    python -m k26.ops.build [--arch sm_90a,sm_120a] [--out DIR]
+
+Fails on any register spill and on more than 99 KB (101,376 B) of static shared memory for sm_120a,
+sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source.
+The library is cached under k26/ops/_build/ keyed by the sources' hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+BUILD_DIR = Path(os.environ.get("K26_OPS_BUILD", Path(__file__).parent / "_build"))
+ARCHS = ("sm_90a", "sm_120a")
+SM120_SMEM_LIMIT = 101_376  # 99 KB: the largest shared-memory block sm_120 can launch
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@dataclass
+class KernelReport:
+    arch: str
+    name: str
+    registers: int = 0
+    smem: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cu"))
+
+
+def library_path(archs: tuple[str, ...] = ARCHS) -> Path:
+    h = hashlib.sha256()
+    for src in sources() + sorted(CSRC.glob("*.cuh")):
+        h.update(src.name.encode() + src.read_bytes())
+    h.update(",".join(archs).encode())
+    return BUILD_DIR / f"libk26_ops-{h.hexdigest()[:16]}.so"
+
+
+def _demangle(names: list[str]) -> dict[str, str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if not tool or not names:
+        return {n: n for n in names}
+    # A failing demangler leaves stdout short: the names are then kept as they are.
+    proc = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=False)
+    out = proc.stdout.splitlines()
+    return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
+
+
+def parse_ptxas(log: str) -> list[KernelReport]:
+    reports: list[KernelReport] = []
+    cur: KernelReport | None = None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\S+)' for '(\S+)'", line):
+            cur = KernelReport(arch=m.group(2), name=m.group(1))
+            reports.append(cur)
+        elif cur and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            cur.spill_stores, cur.spill_loads = int(m.group(1)), int(m.group(2))
+        elif cur and (m := re.search(r"Used (\d+) registers", line)):
+            cur.registers = int(m.group(1))
+            if s := re.search(r"(\d+) bytes smem", line):
+                cur.smem = int(s.group(1))
+    names = _demangle(sorted({r.name for r in reports}))
+    for r in reports:
+        r.name = names[r.name]
+    return reports
+
+
+def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool = True) -> Path:
+    nvcc = shutil.which("nvcc") or (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc")
+    if not Path(nvcc).exists():
+        raise BuildError("nvcc not found: install the CUDA toolkit or set CUDA_HOME to build k26's kernels")
+    out = out or library_path(archs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"  # per process: ranks building at once never share a half-written file
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    cmd = [
+        str(nvcc),
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-Xptxas",
+        "-v",
+        "-lineinfo",
+        *gencode,
+        "-o",
+        tmp,
+        *map(str, sources()),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # stderr goes into BuildError
+    if proc.returncode:
+        raise BuildError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr}")
+    reports = parse_ptxas(proc.stderr)
+    problems = [
+        f"{r.arch} {r.name}: {r.spill_stores} B spill stores / {r.spill_loads} B spill loads"
+        for r in reports
+        if r.spill_stores or r.spill_loads
+    ]
+    problems += [
+        f"{r.arch} {r.name}: {r.smem} B static shared memory > {SM120_SMEM_LIMIT}"
+        for r in reports
+        if r.arch.startswith("sm_120") and r.smem > SM120_SMEM_LIMIT
+    ]
+    if verbose:
+        print(f"{'arch':8s} {'regs':>5s} {'smem B':>7s} {'spill':>6s}  kernel")
+        for r in reports:
+            spills = r.spill_stores + r.spill_loads
+            print(f"{r.arch:8s} {r.registers:5d} {r.smem:7d} {spills:6d}  {r.name[:110]}")
+    if problems:
+        Path(tmp).unlink(missing_ok=True)
+        raise BuildError("kernel resource check failed:\n  " + "\n  ".join(problems))
+    os.replace(tmp, out)  # atomic: a process loading `out` sees no half-written library
+    return out
+
+
+@functools.cache  # one load per process; `library.cache_clear()` forgets it (a failed load is not cached)
+def library() -> ctypes.CDLL:
+    """The loaded kernel library, built on first use if no cached build matches the sources."""
+    path = Path(os.environ["K26_OPS_LIB"]) if "K26_OPS_LIB" in os.environ else library_path()
+    if not path.exists():
+        # TP ranks start together: one builds under the lock, the others find its library afterwards.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                build(out=path, verbose=False)
+    return ctypes.CDLL(str(path))  # each op's front door sets its entry points' signatures
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel library loads (built or buildable here); warns once when it does not."""
+    try:
+        library()
+        return True
+    except (BuildError, OSError) as e:
+        import warnings
+
+        warnings.warn(
+            f"k26: CUDA kernels unavailable ({e}); the pure-torch references run instead", stacklevel=2
+        )
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k26.ops.build", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default=",".join(ARCHS), help="comma-separated SASS targets")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    archs = tuple(x.strip() for x in a.arch.split(",") if x.strip())
+    try:
+        path = build(archs, a.out or library_path(archs))
+    except BuildError as e:
+        print(f"k26.ops.build: {e}", file=sys.stderr)
+        return 1
+    print(f"built {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

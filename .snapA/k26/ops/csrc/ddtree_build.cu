@@ -1,0 +1,217 @@
+// DDTree construction on the device: one thread block per tree, the same level-by-level algorithm and
+// the same total order as k26/spec/tree.py (score desc, depth asc, rank tuple asc), in fp64 scores.
+//
+//   beam_1 = the top-W depth-1 prefixes (the top-K tokens, already sorted by the caller's topk)
+//   beam_d = top-W of the admissible children (i, j), (i+1)(j+1) <= budget, of beam_{d-1}: a bitonic
+//            sort in shared memory on (score desc, lexicographic key asc)
+//   nodes  = the top `budget` of the union of beams: each element's global rank is found by binary
+//            search in every depth's score-sorted beam; parents, tokens, depths and the ancestor
+//            bitmask words (what the tree attention reads) are written in pop order.
+//
+// Legality: plain CUDA, no tensor cores; at most 64 KB + a few KB of dynamic shared memory (budget 512):
+// legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. Benchmark: profiling/bench_tree.py.
+
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#define K26_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int THREADS = 512;
+constexpr int MAX_BUDGET = 512;
+
+struct Scratch {  // per tree, [L][budget] each, in global memory (L2-resident)
+  double* score;   // beam in score order
+  int* lexpos;     // lexicographic position of the element within its beam
+  int* parent;     // score-rank of the parent in the previous beam (-1 at depth 1)
+  int* j;          // token rank at this depth
+  int* grank;      // global pop-order rank (or >= budget if not selected)
+};
+
+__device__ __forceinline__ bool before(double sa, int la, double sb, int lb) {  // (score desc, lex asc)
+  return sa > sb || (sa == sb && la < lb);
+}
+
+// Bitonic sort of n2 (power of two) (score, lex, payload) triples in shared memory, ascending in `before`.
+__device__ void bitonic(double* s, int* lx, int* pl, int n2) {
+  for (int k = 2; k <= n2; k <<= 1) {
+    for (int jj = k >> 1; jj > 0; jj >>= 1) {
+      for (int i = threadIdx.x; i < n2; i += blockDim.x) {
+        const int p = i ^ jj;
+        if (p > i) {
+          const bool up = (i & k) == 0;
+          const bool swap = up ? before(s[p], lx[p], s[i], lx[i]) : before(s[i], lx[i], s[p], lx[p]);
+          if (swap) {
+            const double ts = s[i]; s[i] = s[p]; s[p] = ts;
+            const int tl = lx[i]; lx[i] = lx[p]; lx[p] = tl;
+            const int tp = pl[i]; pl[i] = pl[p]; pl[p] = tp;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+__global__ void __launch_bounds__(THREADS) build_kernel(
+    const float* __restrict__ lp, const int64_t* __restrict__ tok, int L, int K, int budget, int64_t* __restrict__ out_tok,
+    int64_t* __restrict__ out_par, int64_t* __restrict__ out_dep, bool* __restrict__ out_valid,
+    int64_t* __restrict__ out_words, double* __restrict__ out_score, char* __restrict__ scratch_base) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int b = blockIdx.x, tid = threadIdx.x;
+  const int N = 1 + budget, NW = (N + 63) / 64;
+  const size_t per = (size_t)L * budget;
+  char* sb = scratch_base + (size_t)b * per * 24;
+  Scratch sc{reinterpret_cast<double*>(sb), reinterpret_cast<int*>(sb + per * 8), reinterpret_cast<int*>(sb + per * 12),
+             reinterpret_cast<int*>(sb + per * 16), reinterpret_cast<int*>(sb + per * 20)};
+  const float* lpb = lp + (size_t)b * L * K;
+  const int64_t* tokb = tok + (size_t)b * L * K;
+  __shared__ int width[16];  // beam size per depth (L <= 15)
+  __shared__ int cstart[MAX_BUDGET + 1];
+
+  // Depth 1: the top-K tokens in rank order are already score order and lexicographic order.
+  const int W0 = min(budget, K);
+  for (int k = tid; k < W0; k += blockDim.x) {
+    sc.score[k] = (double)lpb[k], sc.lexpos[k] = k, sc.parent[k] = -1, sc.j[k] = k;
+  }
+  if (tid == 0) width[0] = W0;
+  __syncthreads();
+
+  double* cs = reinterpret_cast<double*>(smem);  // candidate arrays, n2 <= 4096
+  for (int d = 1; d < L; ++d) {
+    const int Wp = width[d - 1];
+    const double* ps = sc.score + (size_t)(d - 1) * budget;
+    const int* plex = sc.lexpos + (size_t)(d - 1) * budget;
+    // Admissible children per parent score-rank i: j < min(K, budget / (i + 1)); exclusive prefix sums.
+    if (tid == 0) {
+      int acc = 0;
+      for (int i = 0; i < Wp; ++i) cstart[i] = acc, acc += min(K, budget / (i + 1));
+      cstart[Wp] = acc;
+    }
+    __syncthreads();
+    const int P = cstart[Wp];
+    int n2 = 1;
+    while (n2 < P) n2 <<= 1;
+    int* clex = reinterpret_cast<int*>(cs + n2);
+    int* cpl = clex + n2;
+    for (int c = tid; c < n2; c += blockDim.x) {
+      if (c < P) {
+        int lo = 0, hi = Wp;  // parent i: cstart[i] <= c < cstart[i + 1]
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) >> 1;
+          if (cstart[mid] <= c) lo = mid; else hi = mid;
+        }
+        const int jj = c - cstart[lo];
+        cs[c] = ps[lo] + (double)lpb[(size_t)d * K + jj];
+        clex[c] = plex[lo] * K + jj;
+        cpl[c] = c;
+      } else {
+        cs[c] = -CUDART_INF, clex[c] = 0x7fffffff, cpl[c] = -1;
+      }
+    }
+    __syncthreads();
+    bitonic(cs, clex, cpl, n2);
+    const int W = min(budget, P);
+    double* ns = sc.score + (size_t)d * budget;
+    int* nlex = sc.lexpos + (size_t)d * budget;
+    for (int k = tid; k < W; k += blockDim.x) {
+      const int c = cpl[k];
+      int lo = 0, hi = Wp;
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (cstart[mid] <= c) lo = mid; else hi = mid;
+      }
+      ns[k] = cs[k], sc.parent[(size_t)d * budget + k] = lo, sc.j[(size_t)d * budget + k] = c - cstart[lo];
+      int pos = 0;  // lexicographic position among the W selected (keys are distinct)
+      for (int q = 0; q < W; ++q) pos += clex[q] < clex[k];
+      nlex[k] = pos;
+    }
+    if (tid == 0) width[d] = W;
+    __syncthreads();
+  }
+
+  // Global pop order over the union: rank = elements of every depth that come first.
+  double* us = reinterpret_cast<double*>(smem);  // all beam scores, [L][budget]
+  for (int i = tid; i < L * budget; i += blockDim.x) {
+    const int d = i / budget, k = i % budget;
+    us[i] = k < width[d] ? sc.score[i] : -CUDART_INF;
+  }
+  __syncthreads();
+  for (int i = tid; i < L * budget; i += blockDim.x) {
+    const int d = i / budget, k = i % budget;
+    if (k >= width[d]) { sc.grank[i] = 0x7fffffff; continue; }
+    const double s = us[i];
+    int r = k;  // same depth: its score rank
+    for (int e = 0; e < L; ++e) {
+      if (e == d) continue;
+      // depth e elements before (s, d): score > s, or score == s and e < d (shallower first)
+      const double* a = us + (size_t)e * budget;
+      int lo = 0, hi = width[e];
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (a[mid] > s || (e < d && a[mid] == s)) lo = mid + 1; else hi = mid;
+      }
+      r += lo;
+    }
+    sc.grank[i] = r;
+  }
+  __syncthreads();
+  int total = 0;
+  for (int d = 0; d < L; ++d) total += width[d];
+  const int n = min(budget, total);
+  int64_t* otok = out_tok + (size_t)b * N;
+  int64_t* opar = out_par + (size_t)b * N;
+  int64_t* odep = out_dep + (size_t)b * N;
+  bool* oval = out_valid + (size_t)b * N;
+  double* osc = out_score + (size_t)b * N;
+  for (int i = tid; i < N; i += blockDim.x) {  // defaults: padding nodes
+    otok[i] = 0, opar[i] = i == 0 ? -1 : 0, odep[i] = i == 0 ? 0 : 1, oval[i] = i <= n;
+    osc[i] = i == 0 ? 0.0 : -CUDART_INF;
+  }
+  __syncthreads();
+  for (int i = tid; i < L * budget; i += blockDim.x) {
+    const int d = i / budget;
+    const int r = sc.grank[i];
+    if (r >= n) continue;
+    const int node = r + 1;
+    otok[node] = tokb[(size_t)d * K + sc.j[i]];
+    odep[node] = d + 1;
+    osc[node] = us[i];
+    opar[node] = d == 0 ? 0 : sc.grank[(size_t)(d - 1) * budget + sc.parent[i]] + 1;
+  }
+  __syncthreads();
+  int64_t* ow = out_words + (size_t)b * N * NW;
+  for (int i = tid; i < N; i += blockDim.x) {
+    for (int w = 0; w < NW; ++w) ow[(size_t)i * NW + w] = 0;
+    if (i > n) { ow[(size_t)i * NW + i / 64] = (int64_t)(1ull << (i % 64)); continue; }
+    int u = i;
+    for (int step = 0; step <= L && u >= 0; ++step) {
+      ow[(size_t)i * NW + u / 64] |= (int64_t)(1ull << (u % 64));
+      u = (int)opar[u];
+    }
+  }
+}
+
+}  // namespace
+
+K26_EXPORT size_t k26_ddtree_scratch(int B, int L, int budget) { return (size_t)B * L * budget * 24; }
+
+// The shared-memory opt-in above 48 KB, for the current device: the front door's plan calls it once per
+// device before the first launch (an attribute set on one device's context does not carry to another's).
+K26_EXPORT int k26_ddtree_prepare() {
+  return (int)cudaFuncSetAttribute(build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 4096);
+}
+
+K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int L, int K, int budget, int64_t* out_tok,
+                                int64_t* out_par, int64_t* out_dep, bool* out_valid, int64_t* out_words,
+                                double* out_score, void* scratch, void* stream) {
+  if (budget > MAX_BUDGET || L > 15 || L < 1) return (int)cudaErrorInvalidValue;
+  // Candidates: (i + 1)(j + 1) <= budget gives at most budget * H(budget) < 4096 for budget <= 512.
+  size_t cand = 16 * 4096, uni = (size_t)8 * L * budget;
+  const size_t smem = cand > uni ? cand : uni;
+  build_kernel<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
+      lp, tok, L, K, budget, out_tok, out_par, out_dep, out_valid, out_words, out_score, static_cast<char*>(scratch));
+  return (int)cudaGetLastError();
+}

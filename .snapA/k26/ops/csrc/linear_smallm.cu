@@ -1,0 +1,397 @@
+// Small-M dense linear for decode and verify: y[m, n] = bf16( sum_k x[m, k] * W[n, k] ) (+ residual[m, n]),
+// bf16 x / W / y, fp32 accumulation, M <= 64 tokens, W in nn.Linear's own [N, K] row-major layout (no repack).
+// One launch per projection, in one of two modes (k26/ops/linear_cuda.py plans it):
+//
+// Tile mode (S = 0, the default; linear_tile_kernel): a block per 16-row tile of W, its 8 warps splitting K and
+// reducing in shared memory in warp order, x read straight from L1 / L2. Batch-invariant (a row of y has the
+// same bits at every M), so a verify step reproduces decode's projections bit for bit.
+// Split-K (S >= 1, on request; linear_smallm_kernel): grid (N / 64 row blocks, S k-splits, G groups); 4 warps
+// per block, each warp owns one 16-row tile of W over the split's k range, x of that range staged once in
+// shared memory (cp.async; rows padded by 64 B so the 8 rows of a quarter-warp read hit distinct banks).
+// Both stream W with 16-byte ld.global.nc loads, two register batches of units (32 k each) in flight per lane
+// (software double buffer). Groups (blockIdx.z) are independent matrices at fixed strides (the per-head W_UV
+// of MLA); a plain linear is G = 1.
+//
+// "Swap AB": W rows are the mma A operand (m16) and the tokens the n8 columns, so M = 1..64 costs the same
+// weight bytes; tokens come in groups of 8 (MT = 1, 2, 4, 8 groups per block).
+// k permutation: in a 32-wide unit, lane (g = lane / 4, t = lane % 4) loads W[row g], W[row g + 8] and
+// x[token g] at k = 8t .. 8t + 7 (one 16-byte load each); mma step s in {0, 1} uses words 2s, 2s + 1 of
+// those loads as the fragments of logical k {2t, 2t + 1} and {2t + 8, 2t + 9}. A and B share the
+// permutation, so the dot products are exact reorderings: no ldmatrix, no shared memory for W.
+//
+// Split-K without a reduce kernel: with S > 1 each block writes its fp32 partial tile to a workspace and
+// bumps a per-(group, row block) counter; the last of the S blocks sums the S partials in split order
+// (deterministic, independent of arrival order), writes y and resets the counter to 0 for the next call.
+// Counters are kernel-owned: zero on allocation, zero after every completed launch.
+//
+// Programmatic dependent launch: two weight batches are issued before cudaGridDependencySynchronize
+// (weights never depend on the previous kernel; x, residual and the counters do), and the trigger for the
+// next kernel fires after the main loop.
+//
+// Legality: mma.sync.m16n8k16 bf16, cp.async, ld.global.nc and griddepcontrol only (no warpgroup MMA, tensor
+// memory or TMA); < 48 KB shared memory per block (k26/ops/linear_cuda.py plans 47 KB of staged x; tile mode
+// <= 32 KB). Built for sm_90a and sm_120a.
+// Speed (H200, profiling/results/2026-12-01-bench_linear-h200-tile.md, cold L2): tile mode 1.08-1.54x of the
+// streaming floor at M = 1 (lm_head shard 93 % of copy bandwidth; q_a+kv_a 10.7 µs vs cuBLAS 12.8), 1.2-2.1x at
+// M = 16, faster than split-K at its best split count everywhere but W_UK^T at M = 16; at M = 64 2-4x slower than
+// cuBLAS (every 16-row block reads all of x). In the compiled K2.6 step
+// (profiling/results/2026-12-01-bench_k26-session9-h200.md) the MLA projections went from 33.5 to 27.1 µs per layer
+// at one token and the decode step from 5.08 to 4.80 ms. The deep variant (one-wave grids, <= 16 rows):
+// q_a+kv_a 10.1 µs at M = 1 (1.19x its floor), 12.3 at M = 16
+// (profiling/results/2026-12-01-bench_k26-session10-h200.md; prefetching the rest of its weights to L2 before
+// the wait measured no gain there and was dropped).
+// Benchmarks: profiling/bench_linear.py (one projection), profiling/bench_k26.py --variants (the step).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "pdl.cuh"
+
+#define K26_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int kWarps = 4, kThreads = 32 * kWarps, kRows = 16 * kWarps;
+constexpr int kUnit = 32;      // k per unit: one 16-byte load per lane per operand row
+constexpr int kBatch = 4;      // units per register batch; two batches in flight
+constexpr int kPad = 32;       // bf16 elements of row padding in the staged x (64 B)
+
+struct Params {
+  const __nv_bfloat16* x;         // [M, *] rows x_ld apart, group g at + g * x_gs
+  const __nv_bfloat16* w;         // [N, K] rows w_ld apart, group g at + g * w_gs
+  const __nv_bfloat16* residual;  // like y, or null
+  __nv_bfloat16* y;               // [M, *] rows y_ld apart, group g at + g * y_gs
+  float* partial;                 // [G, S, M, N] fp32 when S > 1
+  int* counters;                  // [G, gridDim.x] zeros when S > 1
+  long long x_ld, x_gs, w_ld, w_gs, y_ld, y_gs;
+  int M, N, K, S, units_per_split;
+};
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;  // weights are read once: keep them out of L1
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Unit u's 16 bytes of rows g and g + 8 for this lane; zeros past K (K % 8 == 0: a load is all in or all out).
+template <int B>
+__device__ __forceinline__ void load_batch(uint4 (&w)[B][2], const __nv_bfloat16* w_lo, const __nv_bfloat16* w_hi,
+                                           int u, int u_end, int kt, int K) {
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    const int k = (u + i) * kUnit + kt;
+    if (u + i < u_end && k < K) {
+      w[i][0] = ld_stream(w_lo + k);
+      w[i][1] = ld_stream(w_hi + k);
+    } else {
+      w[i][0] = w[i][1] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+template <int MT>
+__device__ __forceinline__ void compute_batch(float (&acc)[MT][4], const uint4 (&w)[kBatch][2],
+                                              const __nv_bfloat16* xs_lane, int ldx, int u, int u_begin, int u_end) {
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) {
+    if (u + i >= u_end) break;
+    const __nv_bfloat16* xu = xs_lane + (u + i - u_begin) * kUnit;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const uint4 b = *reinterpret_cast<const uint4*>(xu + j * 8 * ldx);
+      mma_bf16(acc[j], w[i][0].x, w[i][1].x, w[i][0].y, w[i][1].y, b.x, b.y);
+      mma_bf16(acc[j], w[i][0].z, w[i][1].z, w[i][0].w, w[i][1].w, b.z, b.w);
+    }
+  }
+}
+
+__device__ __forceinline__ __nv_bfloat16 finish(float v, const __nv_bfloat16* residual, long long at) {
+  // The reference's rounding points: bf16(x @ W^T), then bf16(that + residual).
+  const __nv_bfloat16 r = __float2bfloat16(v);
+  return residual ? __float2bfloat16(__bfloat162float(r) + __bfloat162float(residual[at])) : r;
+}
+
+template <int MT>
+__global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p) {
+  extern __shared__ __align__(16) __nv_bfloat16 xs[];  // [8 * MT, units_per_split * 32 + kPad]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int grp = blockIdx.z, split = blockIdx.y;
+  const int n_tile = blockIdx.x * kRows + warp * 16;
+  const int units = (p.K + kUnit - 1) / kUnit;
+  const int u_begin = split * p.units_per_split, u_end = min(units, u_begin + p.units_per_split);
+  const int ldx = p.units_per_split * kUnit + kPad;
+  const bool active = n_tile < p.N;  // warp-uniform: tiles past N load and compute nothing
+
+  const __nv_bfloat16* wg = p.w + grp * p.w_gs;
+  const __nv_bfloat16* w_lo = wg + (long long)min(n_tile + g, p.N - 1) * p.w_ld;  // clamped rows are discarded
+  const __nv_bfloat16* w_hi = wg + (long long)min(n_tile + g + 8, p.N - 1) * p.w_ld;
+  const int kt = 8 * t;
+
+  uint4 wa[kBatch][2], wb[kBatch][2];
+  if (active) {  // two batches in flight across the dependency wait and the staging of x
+    load_batch(wa, w_lo, w_hi, u_begin, u_end, kt, p.K);
+    load_batch(wb, w_lo, w_hi, u_begin + kBatch, u_end, kt, p.K);
+  }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();  // x, residual and counters may come from the previous kernel
+#endif
+
+  // Stage x[:, block's k range] (rows >= M and k >= K as zeros).
+  const int chunks_per_row = (u_end - u_begin) * (kUnit / 8);
+  const __nv_bfloat16* xg = p.x + grp * p.x_gs;
+  for (int c = threadIdx.x; c < 8 * MT * chunks_per_row; c += kThreads) {
+    const int m = c / chunks_per_row, kk = (c % chunks_per_row) * 8, k = u_begin * kUnit + kk;
+    __nv_bfloat16* dst = xs + m * ldx + kk;
+    if (m < p.M && k < p.K) cp_async16(dst, xg + m * p.x_ld + k);
+    else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();
+
+  float acc[MT][4] = {};
+  if (active) {
+    const __nv_bfloat16* xs_lane = xs + g * ldx + kt;
+    for (int u = u_begin; u < u_end; u += 2 * kBatch) {  // each buffer refilled as soon as it is consumed
+      compute_batch<MT>(acc, wa, xs_lane, ldx, u, u_begin, u_end);
+      load_batch(wa, w_lo, w_hi, u + 2 * kBatch, u_end, kt, p.K);
+      compute_batch<MT>(acc, wb, xs_lane, ldx, u + kBatch, u_begin, u_end);
+      load_batch(wb, w_lo, w_hi, u + 3 * kBatch, u_end, kt, p.K);
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();  // the next kernel may start streaming its weights
+#endif
+
+  // Accumulator (j, c): row n_tile + g + 8 * (c / 2), token 8j + 2t + c % 2.
+  const __nv_bfloat16* res = p.residual ? p.residual + grp * p.y_gs : nullptr;
+  __nv_bfloat16* yg = p.y + grp * p.y_gs;
+  if (p.S == 1) {
+    if (!active) return;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = n_tile + g + 8 * (c / 2), m = 8 * j + 2 * t + c % 2;
+        if (n < p.N && m < p.M) yg[m * p.y_ld + n] = finish(acc[j][c], res, m * p.y_ld + n);
+      }
+    return;
+  }
+
+  float* part = p.partial + (long long)grp * p.S * p.M * p.N;
+  if (active) {
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int n = n_tile + g + 8 * (c / 2), m = 8 * j + 2 * t + c % 2;
+        if (n < p.N && m < p.M) __stcg(part + ((long long)split * p.M + m) * p.N + n, acc[j][c]);
+      }
+  }
+  // Cooperative groups' grid-sync pattern: the barrier orders the block's partial stores before thread 0,
+  // whose (cumulative) fence publishes them before its arrival; one fence per block, not one per thread
+  // (a fence is a MEMBAR.SC.GPU: per thread it stretched every block's tail).
+  __syncthreads();
+  __shared__ int is_last;
+  int* counter = p.counters + grp * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(counter, 1) == p.S - 1;
+    if (is_last) __threadfence();  // acquire: the other splits' partials before this block reads them
+  }
+  __syncthreads();
+  if (!is_last) return;
+  const int n0 = blockIdx.x * kRows;
+  for (int e = threadIdx.x; e < kRows * p.M; e += kThreads) {
+    const int n = n0 + e % kRows, m = e / kRows;
+    if (n >= p.N) continue;
+    float s = 0.f;
+    for (int sp = 0; sp < p.S; ++sp) s += __ldcg(part + ((long long)sp * p.M + m) * p.N + n);
+    yg[m * p.y_ld + n] = finish(s, res, m * p.y_ld + n);
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (stream order; PDL waits on completion)
+}
+
+// Tile mode (S == 0; the default for every M <= 64; see the header): x comes straight from global memory
+// (L1 / L2: every tile reads it), no staging. No workspace, no counters, no second pass: a projection is one
+// round of weight loads and one barrier, where split-K pays a partial store, a fence, an atomic and the last
+// block's reads of S partials. Batch-invariant: a warp's k range does not depend on M and it accumulates unit
+// by unit whatever its batch size, so a row of y has the same bits at every M (a verify step reproduces
+// decode's logits bit for bit); split-K's plan (and so its sums) changes with M. The modes agree to rounding.
+constexpr int kTileWarps = 8, kTileThreads = 32 * kTileWarps;
+
+// Units per register batch B (two batches in flight) and blocks per SM: two units up to 16 tokens, one beyond
+// (the x fragments grow with the token tiles); 2 blocks per SM within 128 registers up to 32 tokens, 1 at 64.
+// A grid of at most one block per SM (q_a / kv_a: 132 blocks, q_b, W_UK, W_UV) has no second block to hide
+// latency with, so up to 16 tokens it takes the deep variant: 4 units per batch, twice the weight bytes in
+// flight per warp, within one block's 255 registers. B changes only how many loads are in flight, never a
+// warp's k range or its accumulation order: every variant gives the same bits.
+template <int MT>
+__host__ __device__ constexpr int tile_batch() { return MT <= 2 ? 2 : 1; }
+template <int MT>
+__host__ __device__ constexpr int tile_blocks() { return MT <= 4 ? 2 : 1; }
+constexpr int kDeepBatch = 4;
+
+// Unit u's x fragments of the token tiles j for this lane (row 8j + g, k = 32u + 8t .. +8); zeros past M or K.
+// xr: this lane's row g at k = kt; tiles_live: the token tiles holding row 8j + g < M.
+template <int MT, int B>
+__device__ __forceinline__ void load_x(uint4 (&xb)[B][MT], const __nv_bfloat16* xr, long long x_tile, int tiles_live,
+                                       int u, int u_end, int kt, int K) {
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    const bool in = u + i < u_end && (u + i) * kUnit + kt < K;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+      xb[i][j] = in && j < tiles_live ? __ldg(reinterpret_cast<const uint4*>(xr + j * x_tile + (u + i) * kUnit))
+                                      : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int MT, int B>
+__device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const uint4 (&w)[B][2],
+                                                   const uint4 (&xb)[B][MT], int u, int u_end) {
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    if (u + i >= u_end) break;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const uint4 b = xb[i][j];
+      mma_bf16(acc[j], w[i][0].x, w[i][1].x, w[i][0].y, w[i][1].y, b.x, b.y);
+      mma_bf16(acc[j], w[i][0].z, w[i][1].z, w[i][0].w, w[i][1].w, b.z, b.w);
+    }
+  }
+}
+
+template <int MT, int B, int MINB>
+__global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const Params p) {
+  __shared__ float red[kTileWarps][MT * 4][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, kt = 8 * t;
+  const int grp = blockIdx.z, n_tile = blockIdx.x * 16;
+  const int units = (p.K + kUnit - 1) / kUnit;
+  const int u_begin = warp * units / kTileWarps, u_end = (warp + 1) * units / kTileWarps;
+  const __nv_bfloat16* wg = p.w + grp * p.w_gs;
+  const __nv_bfloat16* w_lo = wg + (long long)min(n_tile + g, p.N - 1) * p.w_ld;  // clamped rows are discarded
+  const __nv_bfloat16* w_hi = wg + (long long)min(n_tile + g + 8, p.N - 1) * p.w_ld;
+  const __nv_bfloat16* xr = p.x + grp * p.x_gs + g * p.x_ld + kt;
+  const long long x_tile = 8 * p.x_ld;
+  const int tiles_live = (p.M - g + 7) / 8;  // j with 8j + g < M
+
+  uint4 wa[B][2], wb[B][2], xa[B][MT], xb[B][MT];
+  load_batch(wa, w_lo, w_hi, u_begin, u_end, kt, p.K);  // two weight batches in flight across the wait
+  load_batch(wb, w_lo, w_hi, u_begin + B, u_end, kt, p.K);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();  // x and residual may come from the previous kernel
+#endif
+  load_x<MT, B>(xa, xr, x_tile, tiles_live, u_begin, u_end, kt, p.K);
+  load_x<MT, B>(xb, xr, x_tile, tiles_live, u_begin + B, u_end, kt, p.K);
+  float acc[MT][4] = {};
+  for (int u = u_begin; u < u_end; u += 2 * B) {  // each buffer refilled as soon as it is consumed
+    compute_tile_batch<MT, B>(acc, wa, xa, u, u_end);
+    load_batch(wa, w_lo, w_hi, u + 2 * B, u_end, kt, p.K);
+    load_x<MT, B>(xa, xr, x_tile, tiles_live, u + 2 * B, u_end, kt, p.K);
+    compute_tile_batch<MT, B>(acc, wb, xb, u + B, u_end);
+    load_batch(wb, w_lo, w_hi, u + 3 * B, u_end, kt, p.K);
+    load_x<MT, B>(xb, xr, x_tile, tiles_live, u + 3 * B, u_end, kt, p.K);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();  // the next kernel may start streaming its weights
+#endif
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[warp][j * 4 + c][lane] = acc[j][c];
+  __syncthreads();
+  if (warp != 0) return;
+  const __nv_bfloat16* res = p.residual ? p.residual + grp * p.y_gs : nullptr;
+  __nv_bfloat16* yg = p.y + grp * p.y_gs;
+#pragma unroll 1  // unrolled, the 8 x 4 x MT shared loads were hoisted at once (255 registers at MT 8)
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float v = 0.f;
+#pragma unroll
+      for (int q = 0; q < kTileWarps; ++q) v += red[q][j * 4 + c][lane];  // warp order: deterministic
+      const int n = n_tile + g + 8 * (c / 2), m = 8 * j + 2 * t + c % 2;  // accumulator (j, c)
+      if (n < p.N && m < p.M) yg[m * p.y_ld + n] = finish(v, res, m * p.y_ld + n);
+    }
+}
+
+// The tile kernel of MT token tiles at its default batch and occupancy.
+template <int MT>
+constexpr auto tile_kernel() { return linear_tile_kernel<MT, tile_batch<MT>(), tile_blocks<MT>()>; }
+
+// The current device's SM count (host side, queried once per device; threads racing on the first query
+// store the same value). Only the variant's speed depends on it, never the bits.
+int sms() {
+  static std::atomic<int> count[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int n = count[dev].load(std::memory_order_relaxed);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+    count[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+template <int MT>
+cudaError_t launch(const Params& p, int groups, bool pdl, cudaStream_t stream) {
+  const size_t smem = (size_t)8 * MT * (p.units_per_split * kUnit + kPad) * sizeof(__nv_bfloat16);
+  return launch_pdl(linear_smallm_kernel<MT>, dim3((p.N + kRows - 1) / kRows, p.S, groups), dim3(kThreads), smem,
+                    pdl, stream, p);
+}
+
+}  // namespace
+
+// Largest staged-x footprint the front door may ask for: 48 KB needs no opt-in on any arch.
+K26_EXPORT int k26_linear_smallm_max_smem() { return 48 * 1024; }
+
+K26_EXPORT int k26_linear_smallm_rows_per_block() { return kRows; }
+
+// Returns a cudaError_t (or cudaErrorInvalidValue for an M the kernel does not serve). Shapes, strides and
+// alignment are validated by the Python front door (k26/ops/linear_cuda.py).
+K26_EXPORT int k26_linear_smallm(const void* x, const void* w, const void* residual, void* y, void* partial,
+                                 void* counters, int M, int N, int K, int G, long long x_ld, long long x_gs,
+                                 long long w_ld, long long w_gs, long long y_ld, long long y_gs, int S,
+                                 int units_per_split, int pdl, void* stream) {
+  Params p;
+  p.x = static_cast<const __nv_bfloat16*>(x), p.w = static_cast<const __nv_bfloat16*>(w);
+  p.residual = static_cast<const __nv_bfloat16*>(residual), p.y = static_cast<__nv_bfloat16*>(y);
+  p.partial = static_cast<float*>(partial), p.counters = static_cast<int*>(counters);
+  p.x_ld = x_ld, p.x_gs = x_gs, p.w_ld = w_ld, p.w_gs = w_gs, p.y_ld = y_ld, p.y_gs = y_gs;
+  p.M = M, p.N = N, p.K = K, p.S = S, p.units_per_split = units_per_split;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int mt = (M + 7) / 8;
+  if (S == 0) {  // tile mode
+    const dim3 grid((N + 15) / 16, 1, G);
+    const dim3 block(kTileThreads);
+    const bool deep = (long long)grid.x * G <= sms(), on = pdl != 0;  // deep: one block per SM at most
+    if (mt == 1 && deep) return (int)launch_pdl(linear_tile_kernel<1, kDeepBatch, 1>, grid, block, 0, on, st, p);
+    if (mt == 2 && deep) return (int)launch_pdl(linear_tile_kernel<2, kDeepBatch, 1>, grid, block, 0, on, st, p);
+    if (mt == 1) return (int)launch_pdl(tile_kernel<1>(), grid, block, 0, on, st, p);
+    if (mt == 2) return (int)launch_pdl(tile_kernel<2>(), grid, block, 0, on, st, p);
+    if (mt <= 4) return (int)launch_pdl(tile_kernel<4>(), grid, block, 0, on, st, p);
+    if (mt <= 8) return (int)launch_pdl(tile_kernel<8>(), grid, block, 0, on, st, p);
+    return (int)cudaErrorInvalidValue;
+  }
+  if (mt == 1) return (int)launch<1>(p, G, pdl, st);
+  if (mt == 2) return (int)launch<2>(p, G, pdl, st);
+  if (mt <= 4) return (int)launch<4>(p, G, pdl, st);
+  if (mt <= 8) return (int)launch<8>(p, G, pdl, st);
+  return (int)cudaErrorInvalidValue;
+}

@@ -1,0 +1,140 @@
+// Shared pieces of the MLA tree-attention kernel (csrc/mla_tree_attn_kernel.cuh, csrc/mla_attn_merge.cuh): tile
+// geometry and shared-memory layout (Cfg), the launch parameters, the split geometry every block of a sequence
+// agrees on, and the -DK26_ATTN_TRACE phase stamps (the cp.async / ldmatrix / mma.sync wrappers:
+// csrc/warp_mma.cuh).
+//
+// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async (sm_80+): sm_90a and sm_120a.
+
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "globaltimer.cuh"
+#include "rope.cuh"
+#include "warp_mma.cuh"
+
+// Phase timestamps for profiling/debug/attn_trace.py (built with -DK26_ATTN_TRACE; absent otherwise).
+#ifdef K26_ATTN_TRACE
+__device__ unsigned long long g_attn_trace[1024][16];
+#define TRACE(k)                                                                       \
+  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y < 1024) \
+    g_attn_trace[blockIdx.y][k] = k26_globaltimer();
+#else
+#define TRACE(k)
+#endif
+
+namespace k26_attn {
+
+namespace cg = cooperative_groups;
+constexpr int DQK = 576, DV = 512;
+constexpr int BN = 16;            // keys per tile
+constexpr int NSTAGE = 4;         // cp.async stages of 18.7 KB: three tiles in flight during compute
+constexpr int THREADS = 256;      // 8 warps
+constexpr int LDS = DQK + 8;      // padded smem row, 1168 B: ldmatrix rows land on distinct banks
+constexpr int KQ = 4;             // dim quarters of the S = Q K^T product (144 dims = 9 k-steps each)
+constexpr int KSTEPS = DQK / 16 / KQ;
+constexpr int LDSS = BN + 4;      // fp32 partial-score row
+constexpr int LDP = BN + 8;       // bf16 P row (48 B: 16-B aligned rows for ldmatrix)
+constexpr int CHUNK_PER_ROW = DQK / 8;  // 16-byte chunks per cache row
+
+template <int MT>
+struct Cfg {
+  static constexpr int BM = 16 * MT;
+  static constexpr size_t K = (size_t)NSTAGE * BN * LDS * 2;
+  static constexpr size_t S = (size_t)KQ * BM * LDSS * 4;
+  static constexpr size_t P = (size_t)BM * LDP * 2;
+  static constexpr size_t WORDS = (size_t)BM * 4 * 8;  // each row's ancestor words (<= 4: N <= 256)
+  static constexpr size_t SMEM = K + S + P + WORDS + 3 * BM * 4;
+  static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
+  static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
+  static_assert(S >= (size_t)(32 + 1) * BM * 4, "the merge's weights reuse the score buffer");
+};
+
+struct Params {
+  const __nv_bfloat16* q;      // [B, N, H, 576], or [B, N, H, 512] with a Rotary query part
+  const __nv_bfloat16* cache;  // [cache rows, max_len, 576]
+  const int64_t* rows;         // [B]
+  const int64_t* prefix;       // [B]
+  const int64_t* words;        // [B, N, W]
+  __nv_bfloat16* out;          // [B, N, H, 512]
+  float* lse;                  // [B, N, H]
+  int* counters;               // [B, RT, CL]   per (row tile, column slice), zero at rest
+  float* lse_part;             // [B, RT, CL, S_max / CL, BM]  each cluster's lse, one copy per slice
+  float* o_part;               // [B, RT, S_max / CL, BM, 512]
+  int N, H, W, R, RT, max_len, S_max, CL, min_keys;
+  float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
+};
+
+// The query's rotary part apart from q (tree_attn_kernel<MT, true>): a second kernel argument, not fields of
+// Params, whose local copy the kernel keeps (Params grown by these 32 bytes cost the plain query's kernel
+// 4-7 %, bench_tree_attn 2026-12-01).
+struct Rotary {
+  const __nv_bfloat16* q_pe;  // row (b, n, h) at + ((b N + n) H + h) pe_ld: the rotary dims before RoPE
+  const int64_t* positions;   // [B, N]
+  const float* inv_freq;      // [32] (interleaved pairs)
+  long long pe_ld;
+};
+
+// Split geometry, identical in every block of a sequence: chunk (keys per split, a multiple of BN) and
+// the active split count for T = live keys.
+__device__ __forceinline__ void split_geometry(const Params& p, int T, int& chunk, int& active) {
+  const int want = max(1, min(p.S_max, (T + p.min_keys - 1) / p.min_keys));
+  chunk = ((T + want - 1) / want + BN - 1) / BN * BN;
+  active = (T + chunk - 1) / chunk;
+}
+
+// cosf / sinf out of line: inlined, their rarely taken large-argument path (a local array) changed the whole
+// kernel's code and cost the N = 16 / 64 rotary kernel 6 % (bench_tree_attn --rotary, 2026-12-01: 100.6 vs
+// 95.1 µs at N = 16, L = 32K; __sincosf measured like the out-of-line call, but is not the reference's value).
+static __device__ __noinline__ float2 rope_cos_sin(int64_t position, float inv_freq) {
+  return k26_rope_cos_sin(position, inv_freq);
+}
+
+// One thread's share of a block's rotary query pairs (row r, pair j; BM rows x 32 pairs over the block's
+// threads): `load` their positions and frequencies beside Q, `cos_sin` once the first key tiles are issued
+// (just before the wait, so neither the loads nor the sincos add a step to the block's path), `rotate` Q's
+// rotary dims in shared memory after it. Measured cost of the rotary query: +0.7 µs at N = 1, L = 4K; within
+// 1 % at L = 32K (2026-12-01-bench_k26-rope-h200.md). ROPE = false: empty, nothing runs.
+template <bool ROPE, int BM>
+struct RotaryPairs {
+  static constexpr int PAIRS = (DQK - DV) / 2, ITEMS = ROPE ? (BM * PAIRS + THREADS - 1) / THREADS : 1;
+  int64_t pos[ITEMS];
+  float freq[ITEMS];
+  float2 cs[ITEMS];
+
+  __device__ __forceinline__ void load(const Params& p, const Rotary& rot, int b, int row0, int tid) {
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int i = tid + k * THREADS, r = i / PAIRS;
+        const bool live = i < BM * PAIRS && row0 + r < p.R;
+        pos[k] = live ? rot.positions[(size_t)b * p.N + (row0 + r) / p.H] : 0;
+        freq[k] = live ? __ldg(rot.inv_freq + i % PAIRS) : 0.f;
+      }
+    }
+  }
+  __device__ __forceinline__ void cos_sin() {
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) cs[k] = rope_cos_sin(pos[k], freq[k]);
+    }
+  }
+  // sQ: the block's staged Q rows (LDS apart); the caller synchronises the block before and after.
+  __device__ __forceinline__ void rotate(__nv_bfloat16* sQ, const Params& p, int row0, int tid) {
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int i = tid + k * THREADS;
+        if (i >= BM * PAIRS || row0 + i / PAIRS >= p.R) continue;
+        __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(sQ + (i / PAIRS) * LDS + DV) + i % PAIRS;
+        *x = k26_rope_rotate(*x, cs[k]);
+      }
+    }
+  }
+};
+
+}  // namespace k26_attn

@@ -1,0 +1,298 @@
+// MLA tree attention v2 over the latent KV cache (absorbed MLA: one shared 576-wide key per token, values
+// its first 512 dims) for DDTree verification, decode (N = 1) and DFlash chains (causal trees).
+//
+//   out[b, n, h] = softmax_j(scale * q[b, n, h] . K[b, j]) V[b, j],   lse[b, n, h] = log sum_j exp(...)
+//   keys j: the prefix cache[rows[b], 0 .. L_b) (all visible) then the N new rows cache[rows[b], L_b + i]
+//   (visible when bit i of the ancestor mask words[b, n] is set).
+//   Rotary query (tree_attn_kernel<MT, true>, as the model calls it): q holds the 512 latent dims and q_pe the
+//   64 rotary dims before RoPE (read in place from the q_b projection's output); q_pe is rotated by
+//   positions[b, n] x inv_freq on Q in shared memory (csrc/rope.cuh, the reference's arithmetic), so the
+//   model runs no RoPE + concatenation kernel per layer.
+//
+// One launch per call. grid = (row tiles, S splits, B) in clusters of CL <= 8 splits: a block owns BM = 16
+// or 32 query rows of one sequence (the N*H rows, heads fastest) and one contiguous chunk of the
+// sequence's L_b + N keys; the tree block is simply the end of the last chunk, masked per key. The live
+// split count adapts on the device to the length (at least `min_keys` keys a split), so one graph serves
+// every context length; S and CL come from the occupancy and the SM count (k26_mla_tree_attn_plan).
+//
+// Per block: Q lives in registers (warp w holds rows x dims [144 (w/2), +144) as mma A fragments); keys
+// stream through a 4-stage cp.async pipeline of 16-key tiles; per tile S = Q K^T is split over 8 warps
+// (2 key n-tiles x 4 dim quarters, partial sums added in shared memory), the online softmax runs on all
+// 256 threads (a row's 16 keys across 16 / MT lanes, reductions by shuffles), and O += P V has each warp
+// owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
+// Software-pipelined: P V of tile i and S of tile i + 1 share one barrier interval, so two barriers a tile.
+//
+// Split-KV merge in the same launch (details in csrc/mla_attn_merge.cuh): the splits of a cluster reduce
+// their partials through distributed shared memory, each block a column slice; clusters then meet in the
+// workspace, one counter per column slice: the last block to arrive for a slice merges it over all clusters.
+//
+// Programmatic dependent launch (csrc/pdl.cuh): launched before the query's projection has finished, every
+// block issues its first prefix key tiles, waits for it, then lets W_UV's launch start (see the kernel). The
+// early tiles: 4K decode 16.8 -> 13.7 µs alone, the decode step 4.70 -> 4.635 ms
+// (2026-12-02-bench_tree_attn-early-keys-h200.md).
+//
+// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, thread-block clusters of <= 8 with
+// distributed shared memory (sm_90 and sm_120 both have them; no warpgroup MMA, TMA or tensor memory); <= 88 KB
+// shared memory per block: legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
+// Launch planning, workspace and the exports: csrc/mla_tree_attn.cu.
+// Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay; --rotary: the rotary query), results in
+// profiling/results/ (the rotary query: 2026-12-01-bench_k26-rope-h200.md).
+
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include <stdint.h>
+
+#include "mla_attn_common.cuh"
+#include "mla_attn_merge.cuh"
+#include "pdl.cuh"
+
+namespace k26_attn {
+
+// ROPE: the query comes as q (512 latent dims) and rot.q_pe (rotary dims before RoPE). A template parameter,
+// not a runtime branch: with the branch the plain query's kernel measured 4-7 % slower (its registers
+// changed), bench_tree_attn 2026-12-01.
+template <int MT, bool ROPE>
+static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Params p, Rotary rot) {
+  using C = Cfg<MT>;
+  constexpr int BM = C::BM;
+  constexpr int LPR = 16 / MT;  // softmax lanes per query row (MT keys each)
+  extern __shared__ __align__(16) uint8_t smem[];
+  __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* sS = reinterpret_cast<float*>(smem + C::K);  // [KQ][BM][LDSS]
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S);
+  int64_t* sWords = reinterpret_cast<int64_t*>(smem + C::K + C::S + C::P);  // [BM][4]
+  float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS);
+  float* sM = sAlpha + BM;
+  float* sL = sM + BM;
+
+  const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = rt * BM;
+  // PDL: the launch and the blocks' set-up overlap the kernel before (the query's projection). That kernel
+  // releases us only after its own wait (linear_smallm.cu), so every kernel before it has completed: the
+  // prefix keys (cache rows below L, never written in this step) and the lengths and rows are final, and the
+  // block's first prefix tiles go out before the wait, their DRAM round trip under the projection's tail.
+  // The query (and the tree rows, written by the glue kernel) are read after it. Dependents (W_UV) may then
+  // start streaming their weights.
+  const int L = static_cast<int>(p.prefix[b]);
+  const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
+  int chunk, active;
+  split_geometry(p, T, chunk, active);
+  if (split / p.CL >= (active + p.CL - 1) / p.CL) return;  // no live split in this block's cluster: all leave
+  // A split past `active` in a live cluster streams nothing and contributes an empty partial.
+  const int k0 = split < active ? split * chunk : 0, k1 = split < active ? min(T, k0 + chunk) : 0;
+  const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
+  const int n_tiles = (k1 - k0 + BN - 1) / BN;
+  auto issue_tile = [&](int it, __nv_bfloat16* dst) {
+    const int key0 = k0 + it * BN;
+    for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const int key = min(key0 + r, k1 - 1);
+      cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+    }
+  };
+  // Q is staged in the last MT stages, the first NSTAGE - MT tiles beside it (one commit group for all).
+  auto early = [&](int it) { return it < n_tiles && k0 + (it + 1) * BN <= L; };  // wholly prefix keys
+  for (int it = 0; it < NSTAGE - MT; ++it)
+    if (early(it)) issue_tile(it, sK + it * BN * LDS);
+  pdl_wait();
+  pdl_trigger();
+  {  // With q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
+    __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
+    for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const size_t row = (size_t)b * p.R + min(row0 + r, p.R - 1);
+      const __nv_bfloat16* src = !ROPE ? p.q + row * DQK + c
+                                 : c < DV ? p.q + row * DV + c
+                                          : rot.q_pe + row * rot.pe_ld + (c - DV);
+      cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
+    }
+  }
+  for (int it = 0; it < NSTAGE - MT; ++it)
+    if (it < n_tiles && !early(it)) issue_tile(it, sK + it * BN * LDS);
+  cp_commit();
+  RotaryPairs<ROPE, BM> rope;  // the rotary query's pairs of this thread (empty unless ROPE)
+  rope.load(p, rot, b, row0, tid);
+  TRACE(0);
+
+  auto load_tile = [&](int it) {
+    if (it < n_tiles) issue_tile(it, sK + (it % NSTAGE) * BN * LDS);
+    cp_commit();  // always commit, so the group count per iteration stays uniform
+  };
+
+  const int nt = warp & 1, kq = warp >> 1;  // S-phase role: key n-tile, dim quarter
+  uint32_t qa[MT][KSTEPS][4];
+  rope.cos_sin();
+  cp_wait<0>();
+  __syncthreads();
+  if constexpr (ROPE) {  // RoPE of the rotary dims on Q in shared memory, as the reference (reference.py: rope)
+    rope.rotate(sK + (NSTAGE - MT) * BN * LDS, p, row0, tid);
+    __syncthreads();
+  }
+  {
+    const __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int kk = 0; kk < KSTEPS; ++kk)
+        ldsm_x4(qa[m][kk], sQ + (m * 16 + (lane & 15)) * LDS + kq * 144 + kk * 16 + (lane >> 4) * 8);
+  }
+  __syncthreads();  // Q read: its stages may now take tiles
+  TRACE(1);
+  for (int it = NSTAGE - MT; it < NSTAGE - 1; ++it) load_tile(it);
+
+  // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
+  const int sr = tid / LPR, sc = (tid % LPR) * MT;
+  // Each row's ancestor words in shared memory: no global pointer stays live through the key loop.
+  for (int i = tid; i < BM * p.W; i += THREADS) {
+    const int r = i / p.W;
+    sWords[r * 4 + i % p.W] = p.words[((size_t)b * p.N + min(row0 + r, p.R - 1) / p.H) * p.W + i % p.W];
+  }
+  const int64_t* my_words = sWords + sr * 4;
+  float m_run = -CUDART_INF_F, l_run = 0.f;
+
+  float o[MT][8][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[m][n][i] = 0.f;
+
+  // S partial over this warp's dim quarter for keys nt*8 .. +8 of the tile in `stage` -> sS.
+  auto score_tile = [&](int stage) {
+    const __nv_bfloat16* tK = sK + stage * BN * LDS;
+    // Two accumulators per m-tile (MT 2) halve the dependent-MMA chain: latency, not throughput, bounds a tile.
+    float s[MT][4], s2[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[m][i] = s2[m][i] = 0.f;
+    const __nv_bfloat16* kb = tK + (nt * 8 + (lane & 7)) * LDS + kq * 144;
+#pragma unroll
+    for (int kk = 0; kk + 1 < KSTEPS; kk += 2) {
+      uint32_t bk[4];
+      ldsm_x4(bk, kb + kk * 16 + (lane >> 3) * 8);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma_bf16(s[m], qa[m][kk], bk[0], bk[1]);
+        mma_bf16(MT == 1 ? s[m] : s2[m], qa[m][kk + 1], bk[2], bk[3]);  // MT 1: registers are at the cap
+      }
+    }
+    uint32_t bl[2];
+    ldsm_x2(bl, kb + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
+    float* sSq = sS + kq * BM * LDSS;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      mma_bf16(s[m], qa[m][KSTEPS - 1], bl[0], bl[1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[m][i] += s2[m][i];
+      *reinterpret_cast<float2*>(sSq + (m * 16 + g) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
+      *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
+    }
+  };
+
+  // Online softmax of the tile starting at key0: this thread's MT scores of row sr, reductions over its
+  // LPR lanes by shuffles; P -> sP (bf16), the rescale factor -> sAlpha.
+  auto softmax_tile = [&](int key0) {
+    float sv[MT], mx = -CUDART_INF_F;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const int key = key0 + sc + j;
+      bool vis = key < k1;
+      if (vis && key >= L) {
+        const int i = key - L;
+        vis = (my_words[i >> 6] >> (i & 63)) & 1;
+      }
+      float acc = 0.f;
+#pragma unroll
+      for (int q4 = 0; q4 < KQ; ++q4) acc += sS[(q4 * BM + sr) * LDSS + sc + j];
+      sv[j] = vis ? acc * p.scale_log2 : -CUDART_INF_F;
+      mx = fmaxf(mx, sv[j]);
+    }
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_new = fmaxf(m_run, mx);
+    float alpha = 1.f, sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const float pj = m_new == -CUDART_INF_F ? 0.f : exp2f(sv[j] - m_new);
+      sP[sr * LDP + sc + j] = __float2bfloat16(pj);
+      sum += pj;  // unrounded, as FlashAttention does: keeps the log-sum-exp fp32-accurate
+    }
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (m_new != -CUDART_INF_F) alpha = exp2f(m_run - m_new);  // 0 when m_run is -inf
+    l_run = l_run * alpha + sum;
+    m_run = m_new;
+    if (tid % LPR == 0) sAlpha[sr] = alpha;
+  };
+
+  // O = alpha * O + P V over this warp's 64 output columns, V = the tile in `stage`.
+  auto pv_tile = [&](int stage) {
+    const __nv_bfloat16* tK = sK + stage * BN * LDS;
+    uint32_t pa[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const float al0 = sAlpha[m * 16 + g], al1 = sAlpha[m * 16 + g + 8];
+#pragma unroll
+      for (int n = 0; n < 8; ++n) o[m][n][0] *= al0, o[m][n][1] *= al0, o[m][n][2] *= al1, o[m][n][3] *= al1;
+      ldsm_x4(pa[m], sP + (m * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
+    }
+#pragma unroll
+    for (int n2 = 0; n2 < 4; ++n2) {
+      uint32_t vb[4];
+      ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma_bf16(o[m][2 * n2], pa[m], vb[0], vb[1]);
+        mma_bf16(o[m][2 * n2 + 1], pa[m], vb[2], vb[3]);
+      }
+    }
+  };
+
+  // Software-pipelined: P V of tile `it` and S of tile `it + 1` are independent, so they run between the
+  // same two barriers and their MMAs overlap; the softmax of `it + 1` follows. Tile 0's S and softmax
+  // run ahead of the loop (tile 0 landed with Q).
+  score_tile(0);  // an idle split (k0 = k1 = 0) scores a stale stage, and the softmax masks every key
+  __syncthreads();
+  softmax_tile(k0);
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_wait<NSTAGE - 3>();  // tile it + 1 landed
+    __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
+    load_tile(it + NSTAGE - 1);
+    pv_tile(it % NSTAGE);
+    score_tile((it + 1) % NSTAGE);  // past the last tile this scores a stale stage; the result is unused
+    __syncthreads();
+    if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN);
+  }
+  TRACE(2);
+  cp_wait<0>();  // no copy may land in shared memory after the block exits
+
+  if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
+  __syncthreads();  // also: every warp is past its last P V, so the key stages are free
+
+  // This split's normalised partial -> own shared memory (fp32 [BM][LDO]) and its lse.
+  float* sO = reinterpret_cast<float*>(smem);
+  float* sLse = sAlpha;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = m * 16 + g + hh * 8;
+      const float l = sL[r], inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+        *reinterpret_cast<float2*>(sO + r * LDO + warp * 64 + n * 8 + 2 * t) =
+            make_float2(o[m][n][2 * hh] * inv, o[m][n][2 * hh + 1] * inv);
+    }
+  }
+  if (tid < BM) sLse[tid] = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
+  merge_splits<MT>(p, smem);
+}
+
+}  // namespace k26_attn

@@ -1,0 +1,211 @@
+// The fused INT4 MoE kernel's grouped swap-AB GEMM (gate/up with silu·up, or down) over one expert group of
+// the routing table per blockIdx.y (csrc/moe_w4a16.cu launches it and describes the layouts; the one-token
+// and the one-launch down + combine paths live in csrc/moe_one_token.cuh and csrc/moe_down_combine.cuh).
+//
+// Legality: as moe_w4a16.cu (mma.sync, plain loads, prefetch, griddepcontrol; <= 32 KB static shared memory).
+
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "moe_mma.cuh"
+#include "moe_one_token.cuh"
+#include "pdl.cuh"
+
+#ifndef MOE_TRACE  // phase stamps: csrc/moe_w4a16.cu defines it (-DK26_MOE_TRACE)
+#define MOE_TRACE(table, k)
+#endif
+
+namespace k26_moe {
+
+// 2./3. Grouped swap-AB GEMM over one expert group per blockIdx.y.
+//   RT: 16-row tiles per warp (B fragments reused across them); NT: 8-token column tiles;
+//   WK: warps splitting K (reduced in shared memory); WM: warps on different row tiles.
+//   GATED: gate/up interleaved tiles -> act[slot, I] bf16; else down -> y[pair, D] bf16.
+
+// MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
+// gate/up blocks: one wave on 132 SMs); sm_120's register file would spill, so it keeps 1 there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define K26_MINB(m) 1
+#else
+#define K26_MINB(m) (m)
+#endif
+
+template <int RT, int NT, int WK, int WM, bool GATED, int MINB>
+static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
+    const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
+    int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
+    const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
+    __nv_bfloat16* __restrict__ out, int out_ld, int E, int P, int S, const __nv_bfloat16* __restrict__ sa,
+    const __nv_bfloat16* __restrict__ sb, const int64_t* __restrict__ direct) {
+  // PDL (launched by `launch` with the attribute): the shared expert's groups come first in the table
+  // (csrc/moe_route.cuh), so those blocks know their tokens without it and run the gate/up GEMM while the
+  // routing (route_kernel, or a table producer that triggers early) still runs; every other block waits for the previous grid before reading
+  // anything it wrote. gate/up blocks let the down GEMM launch once past that wait (so the down GEMM may
+  // read the table early); down GEMM blocks let the combine launch at once (it waits for them).
+  MOE_TRACE(GATED ? 0 : 1, 0);
+  const int grp = blockIdx.y, gt = 8 * NT;
+  const bool shared = grp * gt < S;
+  int e = E, start = P + grp * gt, len = min(gt, S - grp * gt);
+  if (!GATED) pdl_trigger();
+  if (!shared) {
+    if (GATED) pdl_wait();
+    if (GATED) pdl_trigger();
+    if (direct != nullptr) {  // no table: routed group j is pair j (slot j), its expert straight from the ids
+      const int j = grp - (S + gt - 1) / gt;
+      if (j >= P) return;
+      const int64_t id = __ldcg(direct + j);
+      if (id < 0 || id >= E) return;
+      e = (int)id, start = j, len = 1;
+    } else {
+      // grp < the grid's G groups, so the group's fields are in bounds: read with the count, one round trip
+      const int ng = __ldcg(num_groups), ge = __ldcg(grp_expert + grp), gs = __ldcg(grp_start + grp),
+                gl = __ldcg(grp_len + grp);
+      if (grp >= ng) return;
+      e = ge, start = gs, len = gl;
+    }
+  } else if (GATED) {
+    pdl_trigger();
+  }
+  MOE_TRACE(GATED ? 0 : 1, 1);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wk = warp % WK, wm = warp / WK;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile0 = (blockIdx.x * WM + wm) * RT;
+  const bool active = tile0 < n_tiles;  // n_tiles is a multiple of RT
+  const int KC = K >> 6;
+
+  // Activation row of the token in column g of each n-tile (nullptr: padding column, contributes 0).
+  const uint4* brow[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int n = nt * 8 + g;
+    brow[nt] = nullptr;
+    if (n < len) {
+      const int slot = start + n;
+      const int pair = shared || direct != nullptr ? slot : __ldcg(sorted + slot);
+      const size_t row = GATED ? (size_t)(shared ? slot - P : pair / topk) : (size_t)slot;
+      brow[nt] = reinterpret_cast<const uint4*>(x + row * K) + 2 * t;
+    }
+  }
+
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.f;
+
+  if (!GATED) {
+    if (active && !shared) {  // the down GEMM's weights (RT tiles) into L2 while the gate/up GEMM finishes
+      const size_t base = ((size_t)e * n_tiles + tile0) * KC;
+      for (int c = 0; c < RT * KC; ++c) {
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + (base + c) * 32 + lane));
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s + (base + c) * 16));
+      }
+    }
+    pdl_wait();  // act comes from the gate/up GEMM
+  }
+  bool one_token = false;  // block-uniform: len and (WM = 1 for the gated GEMM) active
+  if constexpr (GATED && RT == 1 && NT == 1 && WM == 1) {
+    __shared__ uint4 xs[GATED && RT == 1 && NT == 1 && WM == 1 ? kOneTokMaxK / 8 : 1];
+    one_token = active && !shared && len == 1 && K <= kOneTokMaxK;
+    if (one_token) {
+      const int pair = direct != nullptr ? start : __ldcg(sorted + start);
+      gated_one_token(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC, wk * KC / WK,
+                      (wk + 1) * KC / WK, xs, acc[0][0]);
+    }
+  }
+  if (one_token) {
+  } else if (active && shared) {
+    shared_acc<RT, NT, GATED>(sa, sb, K, tile0, wk * KC / WK, (wk + 1) * KC / WK, brow, acc);
+  } else if (active) {
+    const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
+    const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
+    constexpr int U = NT <= 1 ? 4 : 2;  // chunks in flight per warp
+    for (int c0 = c_begin; c0 < c_end; c0 += U) {
+      uint4 wv[U][RT];
+      uint32_t sv[U][RT];
+      uint4 bv[U][NT][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u;
+        if (c < c_end) {
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            const size_t chunk = tile_base + (size_t)r * KC + c;
+            wv[u][r] = __ldcs(w + chunk * 32 + lane);  // streamed once: evict-first, keep L2 for activations
+            sv[u][r] = __ldg(s + chunk * 16 + 2 * g + (t >> 1));  // rows g, g+8 of group t/2
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if (brow[nt] != nullptr) {
+              bv[u][nt][0] = __ldg(brow[nt] + c * 8);
+              bv[u][nt][1] = __ldg(brow[nt] + c * 8 + 1);
+            } else {
+              bv[u][nt][0] = make_uint4(0, 0, 0, 0);
+              bv[u][nt][1] = make_uint4(0, 0, 0, 0);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (c0 + u < c_end) mma_chunk<RT, NT>(wv[u], sv[u], bv[u], acc);
+    }
+  }
+
+  if constexpr (WK > 1) {
+    __shared__ float red[WM][WK][RT * NT * 4][32];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[wm][wk][(r * NT + nt) * 4 + i][lane] = acc[r][nt][i];
+    __syncthreads();
+    if (wk != 0) return;  // WK > 1 is only used by the gated GEMM, which has no block-wide epilogue
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float v = 0.f;
+#pragma unroll
+          for (int q = 0; q < WK; ++q) v += red[wm][q][(r * NT + nt) * 4 + i][lane];
+          acc[r][nt][i] = v;
+        }
+  }
+  MOE_TRACE(GATED ? 0 : 1, 2);
+  pdl_wait();  // shared-expert blocks computed early; they write only once the previous grid is done
+  if (active) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // token columns 2t and 2t+1
+          const int n = nt * 8 + 2 * t + h;
+          if (n >= len) continue;
+          if constexpr (GATED) {
+            // Rows g / g+8 of the tile are gate / up of feature (tile*8 + g); reference rounding points.
+            const float gate = bf16_round(acc[r][nt][h]), up = bf16_round(acc[r][nt][2 + h]);
+            const float act = bf16_round(gate / (1.f + __expf(-gate)));
+            out[(size_t)(start + n) * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
+          } else {
+            const int pair = shared || direct != nullptr ? start + n : __ldcg(sorted + start + n);
+            const size_t row = (size_t)pair * out_ld + (tile0 + r) * 16 + g;
+            out[row] = __float2bfloat16(acc[r][nt][h]);
+            out[row + 8] = __float2bfloat16(acc[r][nt][2 + h]);
+          }
+        }
+      }
+    }
+  }
+  MOE_TRACE(GATED ? 0 : 1, 3);
+}
+
+}  // namespace k26_moe

@@ -1,0 +1,163 @@
+// The one-token (decode, M = 1) paths of the fused MoE kernel (csrc/moe_w4a16.cu launches them).
+//
+// gated_one_token: the gate/up rows of one routed expert for a group of one token, x staged in shared memory.
+// down_combine_one_token: the down projection of every routed pair (and the shared expert) of one token and
+//   their weighted sum in one launch: the pairs' outputs meet in shared memory, no combine launch.
+// Both reproduce the general kernels' fragments, mma order and rounding points: bit-identical results.
+//
+// Legality: as moe_w4a16.cu (mma.sync, ld.global, prefetch, griddepcontrol; <= 15 KB static shared memory).
+
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "moe_mma.cuh"
+#include "pdl.cuh"
+
+#ifndef MOE_TRACE  // phase stamps: csrc/moe_w4a16.cu defines it (-DK26_MOE_TRACE)
+#define MOE_TRACE(table, k)
+#endif
+
+namespace k26_moe {
+
+// Gate/up rows of one routed expert for a group of ONE token (decode), x's row staged in shared memory:
+// B fragments come from there (lanes g = 0 hold the token, others zero), so a chunk in flight costs a
+// lane 5 registers instead of 13 and kOneTokU chunks stay in flight (the register path keeps 4: its
+// 14-chunk k range per warp at K2.6 took 4 round trips, this takes 2). Measured (run 7): the TP1 M = 1 block
+// 8 % faster, TP8 unchanged (its gate/up is not bound by one warp's round trips). Same fragments, same mma
+// order as the register path: bit-identical. All threads of the block call it (it stages x and synchronises).
+// (14, all of a warp's K2.6 chunks in one round trip, spills at the 80-register bound and took 14.5 µs for the
+// routed loop instead of 9.5: 2026-12-01-moe_trace-h200.md.)
+constexpr int kOneTokU = 8;
+constexpr int kOneTokMaxK = 7168;  // the staged row's capacity (bf16): K2.6's hidden size
+
+__device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, const uint32_t* __restrict__ s,
+                                                const __nv_bfloat16* __restrict__ xrow, int K, size_t tile_base,
+                                                int c_begin, int c_end, uint4* xs, float acc[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint4 wv[kOneTokU];
+  uint32_t sv[kOneTokU];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < kOneTokU; ++u) {
+      const size_t chunk = tile_base + c0 + u;
+      if (c0 + u < c_end) {
+        wv[u] = __ldcs(w + chunk * 32 + lane);  // streamed once: evict-first
+        sv[u] = __ldg(s + chunk * 16 + 2 * g + (t >> 1));
+      }
+    }
+  };
+  load(c_begin);  // the first weight batch is in flight while x is staged
+  const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
+  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldg(x4 + i);
+  __syncthreads();
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int c0 = c_begin; c0 < c_end; c0 += kOneTokU) {
+    if (c0 != c_begin) load(c0);
+#pragma unroll
+    for (int u = 0; u < kOneTokU; ++u) {
+      if (c0 + u >= c_end) break;
+      const uint4 b[2] = {g == 0 ? xs[(c0 + u) * 8 + 2 * t] : zero, g == 0 ? xs[(c0 + u) * 8 + 2 * t + 1] : zero};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t word = j == 0 ? wv[u].x : j == 1 ? wv[u].y : j == 2 ? wv[u].z : wv[u].w;
+        uint32_t a[4];
+        dequant(word, sv[u], a);
+        const uint4 bb = b[j >> 1];
+        mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
+      }
+    }
+    if (c0 == c_begin) MOE_TRACE(0, 4);  // warp 0's first weight batch arrived and multiplied
+  }
+}
+
+
+// down_combine_one_token: one block per 16-row tile of the output (D / 16 blocks) and one warp per routed pair
+// (direct routing: pair k's expert is ids[k]; warp kDownOneTokPairs: the shared expert, slot topk of act),
+// each over all of K = I with its chunks in flight at once, like the general down GEMM; the pairs' bf16
+// outputs meet in shared memory and 16 threads write out = bf16( bf16(sum_k w_k y_k) + y_shared ) in k
+// order, as combine_kernel: no y round trip through global memory and no combine launch.
+constexpr int kDownOneTokPairs = 8;  // topk <= 8
+constexpr int kDownOneTokThreads = 32 * (kDownOneTokPairs + 1);
+constexpr int kDownOneTokU = 4;  // chunks in flight per warp, as the general down GEMM
+
+static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
+    const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
+    int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
+    const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
+  __shared__ float ys[kDownOneTokPairs + 1][16];
+  __shared__ float weight[kDownOneTokPairs];  // pair k's combine weight, 0 unless live[k]
+  __shared__ int live[kDownOneTokPairs];      // pair k's id is in [0, E)
+  MOE_TRACE(1, 0);
+  pdl_trigger();  // the next kernel waits for us before reading out
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x, KC = I >> 6;
+  const bool shared = warp == kDownOneTokPairs;
+  // ids and weights come from the router, complete before the gate/up GEMM's routed blocks let this grid
+  // launch; read once here (the combine at the end reads them from shared memory).
+  int e = -1;
+  float wgt = 0.f;
+  if (!shared && warp < topk) {
+    const int64_t id = __ldcg(ids + warp);
+    if (id >= 0 && id < E) e = (int)id, wgt = __ldg(topw + warp);
+  }
+  if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
+  const bool busy = shared ? sd != nullptr : e >= 0;
+  const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
+  if (busy && !shared)  // the pair's weights into L2 while the gate/up GEMM finishes
+    for (int c = 0; c < KC; ++c) {
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w2 + (base + c) * 32 + lane));
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s2 + (base + c) * 16));
+    }
+  pdl_wait();  // act comes from the gate/up GEMM
+  MOE_TRACE(1, 1);
+  float acc[1][1][4] = {{{0.f, 0.f, 0.f, 0.f}}};
+  // Activation row of this warp's slot in column g = 0 (the token); other columns are zero padding.
+  const int slot = shared ? topk : warp;
+  const uint4* brow[1] = {g == 0 ? reinterpret_cast<const uint4*>(act + (size_t)slot * I) + 2 * t : nullptr};
+  if (busy && shared) {
+    shared_acc<1, 1, false>(sd, nullptr, I, tile, 0, KC, brow, acc);
+  } else if (busy) {
+    for (int c0 = 0; c0 < KC; c0 += kDownOneTokU) {
+      uint4 wv[kDownOneTokU], bv[kDownOneTokU][2];
+      uint32_t sv[kDownOneTokU];
+#pragma unroll
+      for (int u = 0; u < kDownOneTokU; ++u)
+        if (c0 + u < KC) {
+          wv[u] = __ldcs(w2 + (base + c0 + u) * 32 + lane);
+          sv[u] = __ldg(s2 + (base + c0 + u) * 16 + 2 * g + (t >> 1));
+#pragma unroll
+          for (int q = 0; q < 2; ++q) bv[u][q] = brow[0] ? __ldg(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < kDownOneTokU; ++u) {
+        if (c0 + u >= KC) break;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t word = j == 0 ? wv[u].x : j == 1 ? wv[u].y : j == 2 ? wv[u].z : wv[u].w;
+          uint32_t a[4];
+          dequant(word, sv[u], a);
+          const uint4 b = bv[u][j >> 1];
+          mma_bf16(acc[0][0], a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+        }
+      }
+    }
+  }
+  if (t == 0) {  // column 0 (the token): rows g (element 0) and g + 8 (element 2), rounded as y is stored
+    ys[warp][g] = bf16_round(acc[0][0][0]);
+    ys[warp][g + 8] = bf16_round(acc[0][0][2]);
+  }
+  MOE_TRACE(1, 2);
+  __syncthreads();
+  if (threadIdx.x >= 16) return;
+  const int r = threadIdx.x;
+  float sum = 0.f;
+  for (int k = 0; k < topk; ++k)
+    if (live[k]) sum += weight[k] * ys[k][r];
+  if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
+  out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
+  MOE_TRACE(1, 3);
+}
+
+}  // namespace k26_moe

@@ -1,0 +1,32 @@
+// Programmatic dependent launch, shared by the k26 kernels that use it (linear_smallm, mla_glue, moe_w4a16,
+// moe_router, allreduce_fused, add_rmsnorm; mla_tree_attn sets the attribute beside its cluster shape): a
+// kernel launched with `pdl` may start while the kernel before it on the stream still
+// runs; inside it, pdl_wait() blocks until that kernel has finished and its writes are visible, and
+// pdl_trigger() lets the kernel after it start early (which in turn waits before reading our outputs).
+// Without the launch attribute both are no-ops.
+//
+// Legality: griddepcontrol (sm_90 and sm_120 both have it) and cudaLaunchKernelEx.
+
+#pragma once
+
+#include <cuda_runtime.h>
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// `kernel<<<grid, block, smem, st>>>(args...)`, with programmatic stream serialization when `pdl`.
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t st,
+                       Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}

@@ -1,0 +1,208 @@
+"""`torch.ops.k26.mla_glue`: MLA's glue between the q_a / kv_a projection and the q_b projection in one
+kernel (csrc/mla_glue.cu): the q_a and kv_a RMSNorms, the YaRN RoPE of k_pe (interleaved pairs) and the
+latent-cache write. Its reference is the composition the model ran before (the specification):
+
+    q      = rms_norm(q_a, q_norm_weight, eps)                                     -> returned
+    latent = [rms_norm(kv_a[..., :R], kv_norm_weight, eps), rope(kv_a[..., R:], positions, inv_freq)]
+    cache[rows[b], prefix_lens[b] + n] = latent[b, n]                               (mla_write_cache)
+
+The kernel serves bf16 activations, weights and cache with 16-byte aligned rows, Q and R multiples of 8,
+Q + R <= 4096 and P even; anything else (float32 test models, odd widths) runs the reference on the same
+device, said once in the log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from . import pdl, reference
+from .log import say_once
+from .reference import rms_norm, rope
+
+
+def mla_glue_reference(
+    q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps: float, cache, rows, prefix_lens
+) -> torch.Tensor:
+    R = kv_norm_weight.shape[0]
+    c_kv = rms_norm(kv_a[..., :R], kv_norm_weight, eps)
+    k_pe = rope(kv_a[..., R:], positions, inv_freq)
+    reference.mla_write_cache(cache, torch.cat([c_kv, k_pe], dim=-1), rows, prefix_lens)
+    return rms_norm(q_a, q_norm_weight, eps)
+
+
+@torch.library.custom_op("k26::mla_glue", mutates_args=("cache",))
+def mla_glue(
+    q_a: torch.Tensor,
+    kv_a: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+) -> torch.Tensor:
+    check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens)
+    return mla_glue_reference(
+        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
+    )
+
+
+@mla_glue.register_fake
+def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens):
+    return torch.empty_like(q_a, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"k26.mla_glue: {msg}")
+
+
+def check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens) -> None:
+    """Shapes, dtypes and devices, on the host (no device sync: safe to run before a capture)."""
+    _need(q_a.dim() == 3 and q_a.is_floating_point(), f"q_a must be a float [B, N, Q], got {list(q_a.shape)}")
+    B, N, Q = q_a.shape
+    _need(
+        kv_a.dim() == 3 and tuple(kv_a.shape[:2]) == (B, N),
+        f"kv_a must be [B={B}, N={N}, R + P], got {list(kv_a.shape)}",
+    )
+    _need(tuple(q_norm_weight.shape) == (Q,), f"q_norm_weight must be [{Q}], got {list(q_norm_weight.shape)}")
+    _need(kv_norm_weight.dim() == 1, f"kv_norm_weight must be [R], got {list(kv_norm_weight.shape)}")
+    R = kv_norm_weight.shape[0]
+    P = kv_a.shape[2] - R
+    _need(P > 0 and P % 2 == 0, f"kv_a's last dim {kv_a.shape[2]} must be R={R} plus an even rope width")
+    _need(tuple(inv_freq.shape) == (P // 2,), f"inv_freq must be [{P // 2}], got {list(inv_freq.shape)}")
+    _need(inv_freq.dtype == torch.float32, f"inv_freq must be float32, got {inv_freq.dtype}")
+    _need(tuple(positions.shape) == (B, N), f"positions must be [{B}, {N}], got {list(positions.shape)}")
+    _need(
+        cache.dim() == 3 and cache.shape[2] == R + P,
+        f"cache must be [rows, len, {R + P}], got {list(cache.shape)}",
+    )
+    for name, t in (("rows", rows), ("prefix_lens", prefix_lens)):
+        _need(tuple(t.shape) == (B,), f"{name} must be [{B}], got {list(t.shape)}")
+    for name, t in (("positions", positions), ("rows", rows), ("prefix_lens", prefix_lens)):
+        _need(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
+    for name, t in (("kv_a", kv_a), ("q_norm_weight", q_norm_weight), ("kv_norm_weight", kv_norm_weight)):
+        _need(t.dtype == q_a.dtype, f"{name} dtype {t.dtype} differs from q_a's {q_a.dtype}")
+    for name, t in (
+        ("kv_a", kv_a),
+        ("q_norm_weight", q_norm_weight),
+        ("kv_norm_weight", kv_norm_weight),
+        ("positions", positions),
+        ("inv_freq", inv_freq),
+        ("cache", cache),
+        ("rows", rows),
+        ("prefix_lens", prefix_lens),
+    ):
+        _need(t.device == q_a.device, f"{name} is on {t.device}, q_a on {q_a.device}")
+
+
+# ---------------------------------------------------------------- launch
+
+
+@functools.cache  # once per process, like build.library
+def _lib() -> ctypes.CDLL:
+    from .build import library  # lazily: `python -m k26.ops.build` must not import itself first
+
+    lib = library()
+    lib.k26_mla_glue.restype = ctypes.c_int
+    lib.k26_mla_glue.argtypes = (
+        [ctypes.c_void_p] * 10
+        + [ctypes.c_longlong] * 4
+        + [ctypes.c_int] * 5
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    )
+    lib.k26_mla_glue_max_width.restype = ctypes.c_int
+    return lib
+
+
+def _rows(t: torch.Tensor) -> int | None:
+    """Element stride between consecutive tokens of a [B, N, X] tensor with a unit last stride, if uniform
+    and 16-byte aligned (B and N flatten to one token index); else None."""
+    B, N, _ = t.shape
+    if t.stride(2) != 1 or (B > 1 and N > 0 and t.stride(0) != N * t.stride(1)):
+        return None
+    ld = t.stride(1)
+    return ld if ld % 8 == 0 and t.data_ptr() % 16 == 0 else None
+
+
+def _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R: int, P: int) -> str | None:
+    from .build import available
+
+    Q = q_a.shape[2]
+    if q_a.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16:
+        return f"dtype {q_a.dtype} / cache {cache.dtype} (the kernel is bf16)"
+    if Q % 8 or R % 8:
+        return f"Q={Q} or R={R} not a multiple of 8"
+    if P // 2 > 256 or Q + R > 4096:
+        return f"widths Q={Q}, R={R}, P={P} beyond the kernel's block"
+    if cache.stride(2) != 1 or cache.stride(0) % 8 or cache.stride(1) % 8 or cache.data_ptr() % 16:
+        return "a cache with unaligned rows"
+    if any(t.data_ptr() % 16 for t in (q_norm_weight, kv_norm_weight)):
+        return "norm weights not 16-byte aligned"
+    if not available():
+        return "no kernel library"
+    return None
+
+
+@torch.library.register_kernel("k26::mla_glue", "cuda")
+def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens):
+    check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens)
+    B, N, Q = q_a.shape
+    R = kv_norm_weight.shape[0]
+    P = kv_a.shape[2] - R
+    why = _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R, P) or (
+        None if B * N else "an empty batch"
+    )
+    if why is not None:
+        say_once(__name__, logging.INFO, f"k26.mla_glue: {why} runs the reference")
+        return mla_glue_reference(
+            q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
+        )
+    q_ld = _rows(q_a)
+    if q_ld is None:
+        q_a = q_a.contiguous()  # a copy, not a fallback: the kernel reads 16-byte rows
+        q_ld = Q
+    kv_ld = _rows(kv_a)
+    if kv_ld is None:
+        kv_a = kv_a.contiguous()
+        kv_ld = R + P
+    qw, kvw = q_norm_weight.contiguous(), kv_norm_weight.contiguous()  # 1-D: a view stays aligned
+    pos, rows_, pre = positions.contiguous(), rows.contiguous(), prefix_lens.contiguous()
+    inv = inv_freq.contiguous()
+    out = torch.empty(B, N, Q, dtype=q_a.dtype, device=q_a.device)
+    err = _lib().k26_mla_glue(
+        q_a.data_ptr(),
+        kv_a.data_ptr(),
+        qw.data_ptr(),
+        kvw.data_ptr(),
+        pos.data_ptr(),
+        inv.data_ptr(),
+        rows_.data_ptr(),
+        pre.data_ptr(),
+        out.data_ptr(),
+        cache.data_ptr(),
+        q_ld,
+        kv_ld,
+        cache.stride(0),
+        cache.stride(1),
+        B * N,
+        N,
+        Q,
+        R,
+        P,
+        float(eps),
+        int(pdl.ENABLED),
+        torch.cuda.current_stream(q_a.device).cuda_stream,
+    )
+    if err:
+        raise RuntimeError(f"k26.mla_glue: CUDA launch failed with error {err}")
+    return out

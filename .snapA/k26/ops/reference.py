@@ -1,0 +1,322 @@
+"""Pure-torch reference implementations of every `torch.ops.k26.*` op: the specification.
+
+They run on any device and follow the precision of the HF reference code (per-expert outputs in the
+activation dtype, fp32 weighted sum, one cast; fp32 softmax). They may sync with the host; the
+CUDA kernels that replace them on GPU may not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .int4 import dequantize_int4
+
+WORD_BITS = 64  # ancestor bitmask: bit j of word j // 64 in row i says node i sees new token j
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF precision: normalise in fp32, round to x's dtype, then multiply by the weight (the arithmetic of
+    k26.model.layers.RMSNorm and of every kernel that fuses an RMSNorm)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def live_keys(lengths: torch.Tensor, extra: int, capacity: int, static: bool = False) -> int:
+    """How many cache slots a reference path reads: the live maximum, or the whole row when `static` (the
+    caller's sync-free mode, see `AttnBatch.static`) or inside a CUDA-graph capture."""
+    if static or capturing():
+        return capacity
+    return min(capacity, int(lengths.max()) + extra)
+
+
+def tree_mask_to_words(mask_BNN: torch.Tensor) -> torch.Tensor:
+    """Bool ancestor mask [B, N, N] -> int64 words [B, N, ceil(N / 64)]."""
+    B, N, _ = mask_BNN.shape
+    W = (N + WORD_BITS - 1) // WORD_BITS
+    padded = F.pad(mask_BNN, (0, W * WORD_BITS - N)).view(B, N, W, WORD_BITS).long()
+    shifts = torch.arange(WORD_BITS, device=mask_BNN.device, dtype=torch.long)
+    # Distinct powers of two: the sum is the OR, and bit 63 lands in the sign bit as intended.
+    return (padded << shifts).sum(-1)
+
+
+def words_to_tree_mask(words_BNW: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = torch.arange(WORD_BITS, device=words_BNW.device, dtype=torch.long)
+    bits = (words_BNW.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(-2)[..., :n].bool()
+
+
+def causal_words(b: int, n: int, device: torch.device | str) -> torch.Tensor:
+    tri = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return tree_mask_to_words(tri.expand(b, n, n))
+
+
+def visible_keys(prefix_lens_B: torch.Tensor, words_BNW: torch.Tensor, n: int, keys: int) -> torch.Tensor:
+    """[B, N, keys] bool: the whole prefix is visible, new token j only where the ancestor bit is set."""
+    tree_BNN = words_to_tree_mask(words_BNW, n)
+    j_BL = torch.arange(keys, device=prefix_lens_B.device)[None, :] - prefix_lens_B[:, None]
+    in_tree_BL = (j_BL >= 0) & (j_BL < n)
+    idx = j_BL.clamp(0, n - 1)[:, None, :].expand(-1, n, -1)
+    tree_vis = tree_BNN.gather(2, idx) & in_tree_BL[:, None, :]
+    return (j_BL < 0)[:, None, :] | tree_vis
+
+
+def mla_write_cache(cache_RLC, latent_BNC, rows_B, prefix_lens_B) -> None:
+    """cache[rows[b], prefix_lens[b] + n] = latent[b, n]."""
+    n = latent_BNC.shape[1]
+    pos_BN = prefix_lens_B[:, None] + torch.arange(n, device=latent_BNC.device)
+    cache_RLC[rows_B[:, None], pos_BN] = latent_BNC.to(cache_RLC.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair RoPE: x [..., P] with positions broadcastable to x.shape[:-1], inv_freq fp32 [P/2]."""
+    ang = positions.float().unsqueeze(-1) * inv_freq
+    cos, sin = ang.cos(), ang.sin()
+    x2 = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = x2[..., 0], x2[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def attention_query(q_BNHC, q_pe_BNHP=None, positions_BN=None, inv_freq=None) -> torch.Tensor:
+    """mla_tree_attention's query: q itself, or with q_pe (the rotary part, before RoPE) the concatenation
+    [q, rope(q_pe, positions, inv_freq)]."""
+    if q_pe_BNHP is None:
+        return q_BNHC
+    return torch.cat([q_BNHC, rope(q_pe_BNHP, positions_BN[:, :, None], inv_freq)], dim=-1)
+
+
+def mla_tree_attention(
+    q_BNHC,
+    cache_RLC,
+    rows_B,
+    prefix_lens_B,
+    words_BNW,
+    scale: float,
+    v_dim: int,
+    static: bool = False,
+    q_pe_BNHP=None,
+    positions_BN=None,
+    inv_freq=None,
+):
+    """Absorbed MLA over the latent cache: one shared 576-wide key per token, values its first v_dim.
+    `static`: whole cache rows, no host sync (`live_keys`). With q_pe, q holds the query's first dims and
+    q_pe its rotary part before RoPE (`attention_query`): the caller's rope and concatenation, fused.
+
+    Returns out [B, N, H, v_dim] in q's dtype and the fp32 log-sum-exp [B, N, H].
+    """
+    q_BNHC = attention_query(q_BNHC, q_pe_BNHP, positions_BN, inv_freq)
+    _, N, _, _ = q_BNHC.shape
+    if not (static or capturing()) and int(prefix_lens_B.max()) + N > cache_RLC.shape[1]:
+        raise ValueError(
+            f"mla_tree_attention: prefix + {N} new tokens exceeds cache length {cache_RLC.shape[1]}"
+        )
+    keys = live_keys(prefix_lens_B, N, cache_RLC.shape[1], static)
+    vis_BNL = visible_keys(prefix_lens_B, words_BNW, N, keys)
+    # Slots no query sees (past a shorter row's prefix, or the whole row when static) may hold anything,
+    # NaN included, and a zero probability times NaN is NaN: they are read as zeros.
+    kv_BLC = cache_RLC[rows_B, :keys].float().masked_fill(~vis_BNL.any(1)[..., None], 0.0)
+    s_BNHL = torch.einsum("bnhc,blc->bnhl", q_BNHC.float(), kv_BLC) * scale
+    s_BNHL = s_BNHL.masked_fill(~vis_BNL[:, :, None, :], float("-inf"))
+    lse_BNH = torch.logsumexp(s_BNHL, dim=-1)
+    p_BNHL = torch.exp(s_BNHL - lse_BNH[..., None])
+    out = torch.einsum("bnhl,blv->bnhv", p_BNHL, kv_BLC[..., :v_dim])
+    return out.to(q_BNHC.dtype), lse_BNH
+
+
+def gqa_attention(q_BSHD, k_BLKD, v_BLKD, visible_BSL: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention, fp32 scores and softmax, the probabilities rounded to v's dtype before P V:
+    query head h reads KV head h // (H / K). visible_BSL: [B, S or 1, L] keys each query sees (each query
+    must see one). Keys no query sees may hold anything, NaN included: their values are read as zeros."""
+    rep = q_BSHD.shape[2] // k_BLKD.shape[2]
+    v_BLKD = v_BLKD.masked_fill(~visible_BSL.any(1)[:, :, None, None], 0.0)
+    k, v = k_BLKD.repeat_interleave(rep, dim=2), v_BLKD.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bshd,blhd->bhsl", q_BSHD.float(), k.float()) * scale
+    s = s.masked_fill(~visible_BSL[:, None], float("-inf"))
+    return torch.einsum("bhsl,blhd->bshd", torch.softmax(s, dim=-1).to(v.dtype), v)
+
+
+def drafter_attention(q_BSHD, cache_k_RTKD, cache_v_RTKD, k_blk_BSKD, v_blk_BSKD, rows_B, ctx_lens_B, scale):
+    """The DFlash drafter at inference: the block's queries over the cached context rows cache[rows[b],
+    0 .. ctx_lens[b]) (clamped to the cache length T) and the block's own S keys, all visible."""
+    T, S = cache_k_RTKD.shape[1], q_BSHD.shape[1]
+    k = torch.cat([cache_k_RTKD[rows_B], k_blk_BSKD], dim=1)  # [B, T + S, K, D]
+    v = torch.cat([cache_v_RTKD[rows_B], v_blk_BSKD], dim=1)
+    j = torch.arange(T + S, device=q_BSHD.device)
+    visible = (j[None] < ctx_lens_B.clamp(0, T)[:, None]) | (j[None] >= T)
+    return gqa_attention(q_BSHD, k, v, visible[:, None], scale).contiguous()
+
+
+def moe_router(
+    x_TD, weight_ED, bias_E, n_group: int, topk_group: int, topk: int, renormalize: bool, scale: float
+):
+    """noaux_tc routing: the biased sigmoid scores choose (group-limited top-k), the unbiased ones weight.
+
+    Returns fp32 weights [T, topk] (renormalised if asked, times `scale`) and int64 ids [T, topk].
+    """
+    scores_TE = F.linear(x_TD.float(), weight_ED.float()).sigmoid()
+    choice_TE = scores_TE + bias_E
+    if n_group > 1:
+        grouped = choice_TE.unflatten(-1, (n_group, -1))
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(-1, group_score.topk(topk_group, dim=-1).indices, True)
+        # -inf, not 0: a masked expert must never win even when every biased score is negative.
+        choice_TE = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+    ids_TK = choice_TE.topk(topk, dim=-1).indices
+    w_TK = scores_TE.gather(-1, ids_TK)
+    if renormalize:
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+    return w_TK * scale, ids_TK
+
+
+def expert_mlp(x_TD, w_gate_ID, w_up_ID, w_down_DI):
+    return F.linear(F.silu(F.linear(x_TD, w_gate_ID)) * F.linear(x_TD, w_up_ID), w_down_DI)
+
+
+def moe_combine(x_TD, ids_TK, weights_TK, expert_weights) -> torch.Tensor:
+    """Σ_k w[t,k] · Expert_{ids[t,k]}(x[t]); `expert_weights(e)` yields (gate, up, down) in x's dtype."""
+    out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+    for e in torch.unique(ids_TK).tolist():
+        tok, k = (ids_TK == e).nonzero(as_tuple=True)
+        y = expert_mlp(x_TD[tok], *expert_weights(e))
+        out_TD.index_add_(0, tok, y.float() * weights_TK[tok, k, None].float())
+    return out_TD.to(x_TD.dtype)
+
+
+def moe_w4a16(
+    x_TD, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, ids_TK, weights_TK
+):
+    """Routed experts with int4 group-32 weights in the compressed-tensors layout, stacked over E."""
+
+    def weights(e: int):
+        return (
+            dequantize_int4(gate_packed[e], gate_scale[e], x_TD.dtype),
+            dequantize_int4(up_packed[e], up_scale[e], x_TD.dtype),
+            dequantize_int4(down_packed[e], down_scale[e], x_TD.dtype),
+        )
+
+    return moe_combine(x_TD, ids_TK, weights_TK, weights)
+
+
+# ---------------------------------------------------------------- DDTree builder (torch.ops.k26.ddtree_build)
+#
+# The `budget` most probable prefixes under the product of the drafter's per-depth marginals (Prop. 2 of
+# the DDTree paper), level by level. Nodes are ranked by (score desc, depth asc, rank tuple asc): the order
+# in which a best-first heap pops them when ties go to the shallower node, then to the smaller rank tuple
+# (`k26.spec.tree.build_ddtree_heap`, the oracle). Every child ranks after its parent, so the top `budget`
+# set is prefix-closed and listing it in this order gives parents smaller indices than their children.
+#
+#   beam_d = the top-`budget` depth-d prefixes among the children of beam_{d-1}; a child (parent of
+#   score-rank i, token rank j) can only enter if (i+1)(j+1) <= budget, since all (i', j') <= (i, j)
+#   score at least as high and rank before it. The global top `budget` then lie in the union of beams.
+
+
+def ddtree_build(lp_BLK: torch.Tensor, tok_BLK: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+    """Per-depth top-K (log-prob, token) pairs [B, L, K], sorted descending -> the tree of `budget` nodes
+    plus the root, in pop order, padded with invalid nodes: (tokens, parents, depths) [B, 1 + budget]
+    int64 (root token 0, parent -1, depth 0), valid [B, 1 + budget] bool, the ancestor-or-self words
+    [B, 1 + budget, ceil((1 + budget) / 64)] int64 and the scores [B, 1 + budget] float64 (root 0)."""
+    scores, toks, parents = _beams(lp_BLK.double(), tok_BLK.long(), budget)
+    return _tree_from_beams(scores, toks, parents, budget, lp_BLK.shape[1])
+
+
+def _admissible(budget: int, K: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(i, j) with (i+1)(j+1) <= budget, i < width, j < K, i-major: the only children that can enter the
+    next beam. Made on the device from the shape alone (no host table: graph-capturable, stateless)."""
+    n = min(budget, width)
+    P = sum(min(K, budget // (i + 1)) for i in range(n))
+    counts = (budget // torch.arange(1, n + 1, device=device)).clamp(max=K)
+    ends = counts.cumsum(0)  # candidate c belongs to the first parent whose end exceeds it
+    c = torch.arange(P, device=device)
+    pi = torch.searchsorted(ends, c, right=True)  # (not repeat_interleave: one parent reads it on the host)
+    return pi, c - (ends - counts)[pi]
+
+
+def _beams(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> tuple[list, list, list]:
+    """Per depth, the beam of the top-`budget` prefixes in lexicographic order: (scores, tokens, parent
+    positions in the previous beam, -1 at depth 1), each [B, W_d]."""
+    B, L, K = lp.shape
+    W = min(budget, K)
+    # Depth 1: the K candidates in rank order (which is also lexicographic order).
+    beam_score, beam_tok = lp[:, 0, :W].clone(), tok[:, 0, :W].clone()
+    scores, toks, parents = [beam_score], [beam_tok], [torch.full_like(beam_tok, -1)]
+    admissible = {}  # per beam width: after the first depths every beam is `budget` wide
+    for d in range(1, L):
+        # Score rank of each beam member (stable: ties keep lexicographic order).
+        order = torch.sort(beam_score, dim=-1, descending=True, stable=True).indices  # [B, W]
+        if beam_score.shape[1] not in admissible:
+            admissible[beam_score.shape[1]] = _admissible(budget, K, beam_score.shape[1], lp.device)
+        pi, pj = admissible[beam_score.shape[1]]
+        par_lex = order[:, pi]  # [B, P] lexicographic position of each candidate's parent
+        cand_score = beam_score.gather(1, par_lex) + lp[:, d, :].gather(1, pj.expand(B, -1))
+        cand_lex = par_lex * K + pj  # lexicographic key of the candidate
+        # Top-W by (score desc, lex asc): sort by lex, then a stable sort by score.
+        by_lex = torch.sort(cand_lex, dim=-1, stable=True).indices
+        cand_score, cand_lex, par_lex = (t.gather(1, by_lex) for t in (cand_score, cand_lex, par_lex))
+        W = min(budget, cand_score.shape[1])
+        top = torch.sort(cand_score, dim=-1, descending=True, stable=True).indices[:, :W]
+        top = torch.sort(top, dim=-1).values  # back to lexicographic order for the next depth
+        beam_score = cand_score.gather(1, top)
+        scores.append(beam_score)
+        toks.append(tok[:, d, :].gather(1, (cand_lex % K).gather(1, top)))
+        parents.append(par_lex.gather(1, top))
+    return scores, toks, parents
+
+
+def _tree_from_beams(
+    scores: list, toks: list, parents: list, budget: int, L: int
+) -> tuple[torch.Tensor, ...]:
+    """The union of the beams in (depth, lex) order, its global top `budget` by a stable score sort in pop
+    order, padded with invalid nodes to `budget`."""
+    B, dev = scores[0].shape[0], scores[0].device
+    sizes = [s.shape[1] for s in scores]
+    offsets = [sum(sizes[:d]) for d in range(len(sizes))]
+    all_score, all_tok = torch.cat(scores, dim=1), torch.cat(toks, dim=1)
+    all_depth = torch.cat([torch.full((B, n), d + 1, device=dev) for d, n in enumerate(sizes)], dim=1)
+    all_parent = torch.cat(
+        [torch.where(p >= 0, p + (offsets[d - 1] if d else 0), -1) for d, p in enumerate(parents)], dim=1
+    )  # index of the parent within the union, -1 for depth 1
+    n = min(budget, all_score.shape[1])
+    pick = torch.sort(all_score, dim=-1, descending=True, stable=True).indices[:, :n]  # pop order
+    # Position in pop order of every union member (or -1): parents become node indices.
+    where = torch.full_like(all_score, -1, dtype=torch.long).scatter_(
+        1, pick, torch.arange(n, device=dev).expand(B, n)
+    )
+    node_parent_union = all_parent.gather(1, pick)
+    node_parent = torch.where(node_parent_union >= 0, where.gather(1, node_parent_union.clamp_min(0)) + 1, 0)
+    node_score = all_score.gather(1, pick)
+    pad = budget - n
+    root = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    tokens = torch.cat([root, all_tok.gather(1, pick), root.expand(B, pad)], 1)
+    parents_t = torch.cat([root - 1, node_parent, root.expand(B, pad)], 1)
+    depths = torch.cat([root, all_depth.gather(1, pick), root.expand(B, pad) + 1], 1)
+    yes, no = torch.ones_like(root, dtype=torch.bool), torch.zeros(B, pad, dtype=torch.bool, device=dev)
+    valid = torch.cat([yes, torch.isfinite(node_score), no], 1)
+    parents_t = torch.where(valid | (parents_t < 0), parents_t, 0)
+    f64 = {"dtype": torch.float64, "device": dev}
+    score_t = torch.cat([torch.zeros(B, 1, **f64), node_score, torch.full((B, pad), float("-inf"), **f64)], 1)
+    words = tree_mask_to_words(ancestors_from_parents(parents_t, valid, L))
+    return tokens, parents_t, depths, valid, words, score_t
+
+
+def ancestors_from_parents(
+    parents: torch.Tensor, valid: torch.Tensor | None = None, max_depth: int | None = None
+) -> torch.Tensor:
+    """[B, N, N] ancestor-or-self mask of parents [B, N] (root -1, parents[i] < i) by walking every node up
+    `max_depth` steps at once (default N - 1: any tree); invalid (padding) nodes see only themselves."""
+    B, N = parents.shape
+    valid = torch.ones_like(parents, dtype=torch.bool) if valid is None else valid
+    max_depth = N - 1 if max_depth is None else max_depth
+    anc = torch.zeros(B, N, N, dtype=torch.bool, device=parents.device)
+    cur = torch.arange(N, device=parents.device).expand(B, N).clone()
+    for _ in range(max_depth + 1):
+        anc.scatter_(2, cur.unsqueeze(-1), True)
+        cur = parents.gather(1, cur).clamp_min(0)
+    # Padding nodes see only themselves (their row must still hold a key for attention to be defined).
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device)
+    return torch.where(valid[:, :, None], anc, eye)

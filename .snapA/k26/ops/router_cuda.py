@@ -1,0 +1,196 @@
+"""Front door of the fused MoE router (csrc/moe_router.cu): `torch.ops.k26.moe_router`, input checks
+before any launch, and the CUDA kernel (the pure-torch reference `reference.moe_router` elsewhere).
+
+The op returns what `moe_w4a16_repacked` takes: fp32 weights [M, topk] and int64 ids [M, topk];
+`torch.ops.k26.moe_router_table` also returns the expert op's routing table of those ids (csrc/moe_route.cuh,
+`moe_cuda.route_table`), built by the router kernel's last block, so the expert op runs no routing launch.
+`barrier` is the kernel's grid-barrier scratch: int32 [3], zero before and after every call; its owner
+(the model's `Router`) allocates it once with `router_barrier`. The reference ignores it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from . import pdl, reference
+from .log import say_once
+from .moe_cuda import route_table, route_table_size
+
+
+def router_barrier(device: torch.device | str) -> torch.Tensor:
+    return torch.zeros(3, dtype=torch.int32, device=device)
+
+
+@torch.library.custom_op("k26::moe_router", mutates_args=())
+def moe_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    barrier: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    topk: int,
+    renormalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+
+
+@moe_router.register_fake
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+    M = x.shape[0]
+    return x.new_empty(M, topk, dtype=torch.float32), x.new_empty(M, topk, dtype=torch.int64)
+
+
+@torch.library.custom_op("k26::moe_router_table", mutates_args=())
+def moe_router_table(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    barrier: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    topk: int,
+    renormalize: bool,
+    scale: float,
+    nt: int,
+    shared: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_router` plus the routing table `moe_w4a16_repacked(..., table=)` takes for these ids: groups of
+    8·nt tokens (nt = moe_cuda.pick_nt(M * topk, E)), the shared expert's slots when `shared`. The kernel
+    orders the pairs inside a group arbitrarily and leaves the groups past the count unwritten (the expert
+    op reads neither); the reference is `route_table`'s order."""
+    w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+    return w, ids, route_table(ids, weight.shape[0], nt, shared)
+
+
+@moe_router_table.register_fake
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, nt, shared):
+    M, E = x.shape[0], weight.shape[0]
+    n = route_table_size(M, topk, E, nt, shared)
+    return (
+        x.new_empty(M, topk, dtype=torch.float32),
+        x.new_empty(M, topk, dtype=torch.int64),
+        x.new_empty(n, dtype=torch.int32),
+    )
+
+
+MAX_EXPERTS, MAX_TOPK, MAX_GROUPS = 1024, 32, 32  # csrc/moe_router.cu: kMaxE, kMaxTopk, kMaxGroups
+
+
+def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: int) -> tuple[int, int, int]:
+    """Every shape/dtype/device problem of the CUDA path as a ValueError naming the argument."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"moe_router: {msg}")
+
+    need(
+        x.dim() == 2 and x.dtype == torch.bfloat16,
+        f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}",
+    )
+    M, D = x.shape
+    need(
+        weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[1] == D,
+        f"weight must be bf16 [E, D={D}], got {weight.dtype} {list(weight.shape)}",
+    )
+    E = weight.shape[0]
+    need(0 < E <= MAX_EXPERTS, f"E={E} experts: the kernel holds 1..{MAX_EXPERTS}")
+    need(
+        bias.shape == (E,) and bias.dtype == torch.float32,
+        f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}",
+    )
+    need(barrier.shape == (3,) and barrier.dtype == torch.int32, "barrier must be int32 [3] (router_barrier)")
+    need(0 < topk <= min(E, MAX_TOPK), f"topk={topk} must be in [1, {min(E, MAX_TOPK)}]")
+    need(
+        0 < n_group <= MAX_GROUPS and E % n_group == 0,
+        f"n_group={n_group} must divide E={E} and be <= {MAX_GROUPS}",
+    )
+    need(0 < topk_group <= n_group, f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    need(n_group == 1 or E // n_group >= 2, f"groups of {E // n_group} expert: group scores sum the best two")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("barrier", barrier)):
+        need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
+        need(t.is_contiguous(), f"{name} must be contiguous")
+    return M, D, E
+
+
+@functools.cache  # once per process, like build.library
+def _library() -> ctypes.CDLL:
+    """The kernel library with this op's ctypes signatures (csrc/moe_router.cu)."""
+    from .build import library
+
+    lib = library()
+    lib.k26_moe_router_workspace.restype = ctypes.c_size_t
+    lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
+    lib.k26_moe_router.restype = ctypes.c_int
+    # x, weight, bias, barrier, workspace, out_w, out_ids, table; M, D, E, n_group, topk_group, topk,
+    # renormalize, table_gt, table_S; scale; pdl; stream
+    ptrs, ints = [ctypes.c_void_p] * 8, [ctypes.c_int] * 9
+    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, table_of):
+    """The CUDA kernel (or the reference for an unsupported hidden size); `table_of` = (nt, shared) to build
+    the routing table too, or None. Returns (weights, ids, table or None)."""
+    M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk)
+    if D % 64:  # the kernel tiles k by 64; no K2 checkpoint has such a hidden size
+        say_once(
+            __name__,
+            logging.INFO,
+            f"k26.moe_router: hidden size {D} (not a multiple of 64) runs the reference",
+        )
+        w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
+        return w, ids, None if table_of is None else route_table(ids, E, *table_of)
+    out_w = torch.empty(M, topk, dtype=torch.float32, device=x.device)
+    out_ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)
+    table, gt, S = None, 0, 0
+    if table_of is not None:
+        nt, shared = table_of
+        table = torch.empty(route_table_size(M, topk, E, nt, shared), dtype=torch.int32, device=x.device)
+        gt, S = 8 * nt, M if shared else 0
+    if M == 0:
+        return out_w, out_ids, None if table is None else route_table(out_ids, E, *table_of)
+    lib = _library()
+    ws = torch.empty(lib.k26_moe_router_workspace(M, D, E) // 4, dtype=torch.float32, device=x.device)
+    err = lib.k26_moe_router(
+        x.data_ptr(),
+        weight.data_ptr(),
+        bias.data_ptr(),
+        barrier.data_ptr(),
+        ws.data_ptr(),
+        out_w.data_ptr(),
+        out_ids.data_ptr(),
+        None if table is None else table.data_ptr(),
+        M,
+        D,
+        E,
+        n_group,
+        topk_group,
+        topk,
+        int(renormalize),
+        gt,
+        S,
+        scale,
+        int(pdl.ENABLED),  # csrc/moe_router.cu: the first weight batch streams in under the previous kernel
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    if err:
+        raise RuntimeError(f"moe_router: CUDA launch failed with error {err}")
+    return out_w, out_ids, table
+
+
+@moe_router.register_kernel("cuda")
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, None)[:2]
+
+
+@moe_router_table.register_kernel("cuda")
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, nt, shared):
+    if nt not in (1, 2, 4):
+        raise ValueError(f"moe_router_table: nt={nt} must be 1, 2 or 4 (moe_cuda.pick_nt)")
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, (nt, bool(shared)))

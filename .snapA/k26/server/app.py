@@ -1,0 +1,214 @@
+"""The HTTP layer (FastAPI + uvicorn): OpenAI-compatible /v1/models, /v1/completions and
+/v1/chat/completions (whole or streamed as server-sent events ending with `data: [DONE]`), /health and
+/metrics (Prometheus text). Handlers validate, submit to the engine thread and await its events; a client
+that disconnects cancels its request, which frees its row at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..sampling import stop_prefix_len
+from ..tokenizer import TextStream
+from .engine import Engine, EngineDown, Event, QueueFull
+from .engine import Request as EngineRequest
+from .protocol import APIError, completion_body, parse, usage
+
+
+@dataclass
+class Served:
+    """What the handlers share: the engine (and through it the LLM) and the model id clients send."""
+
+    engine: Engine
+    model: str
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def llm(self):
+        return self.engine.llm
+
+
+def create_app(engine: Engine, model_name: str) -> FastAPI:
+    app = FastAPI(title="k26", docs_url=None, redoc_url=None)
+    s = Served(engine, model_name)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _):
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}").body(), 404)
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, _):
+        msg = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(APIError(405, msg).body(), 405)
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None or not engine.thread.is_alive():
+            return JSONResponse({"status": "error", "error": str(engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": s.started, "owned_by": "k26"}
+        return {"object": "list", "data": [{**card, "max_model_len": s.llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(s, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate(s, request, chat=True)
+
+    return app
+
+
+async def generate(s: Served, request: Request, chat: bool):
+    """Validate, queue for the engine, then answer whole or as a stream."""
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    llm = s.llm
+    p = parse(
+        body,
+        chat=chat,
+        model=s.model,
+        tok=llm.tokenizer,
+        vocab=llm.config.vocab_size,
+        max_model_len=llm.max_model_len,
+    )
+    req = EngineRequest(p.prompt_ids, p.params, asyncio.get_running_loop())
+    try:
+        s.engine.submit(req)
+    except QueueFull as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+    except EngineDown as e:
+        raise APIError(503, str(e), type="server_error", code="engine_down") from None
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    if p.stream:
+        return StreamingResponse(
+            stream(s, req, rid, chat, p.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await whole(s, request, req, rid, chat)
+
+
+async def whole(s: Served, request: Request, req: EngineRequest, rid: str, chat: bool):
+    """The whole answer once the request finishes; a client gone meanwhile cancels it."""
+    ids, ev = [], None
+    try:
+        while ev is None or ev.finish_reason is None:
+            try:
+                ev = await asyncio.wait_for(req.events.get(), timeout=1.0)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    req.cancelled = True
+                    return JSONResponse(APIError(499, "client closed the request").body(), 499)
+                continue
+            _raise_on_error(ev)
+            ids += ev.token_ids
+    except asyncio.CancelledError:
+        req.cancelled = True
+        raise
+    text = ev.text if ev.text is not None else s.llm.tokenizer.decode(ids, skip_special=True)
+    use = usage(len(req.prompt_ids), len(ids))
+    return completion_body(rid, s.model, chat, text, ev.finish_reason, use)
+
+
+async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_usage: bool):
+    """Server-sent chunks: text increments of whole UTF-8 characters, the finish reason, usage if asked,
+    then `[DONE]`. However it ends (the client gone included), the request is cancelled."""
+    sent, first = 0, True  # sent: characters streamed so far
+    ts = TextStream(s.llm.tokenizer)  # the text as it grows: each event decodes only its own tokens
+    try:
+        if chat:  # the role comes first, as OpenAI's stream does
+            yield _sse(completion_body(rid, s.model, chat, "", None, None, delta=True, first=True))
+            first = False
+        while True:
+            ev: Event = await req.events.get()
+            if ev.error is not None:
+                yield _sse(APIError(500, ev.error, type="server_error").body())
+                break
+            ts.push(ev.token_ids)
+            text = ev.text if ev.text is not None else ts.text  # a finished row's event carries its text
+            end = len(text)
+            if ev.finish_reason is None:  # what may be the start of a stop string waits for the next tokens
+                end -= stop_prefix_len(text, req.params.stop)
+            if end > sent or ev.finish_reason is not None:
+                piece, sent = text[sent:end], max(sent, end)
+                yield _sse(
+                    completion_body(
+                        rid, s.model, chat, piece, ev.finish_reason, None, delta=True, first=first
+                    )
+                )
+                first = False
+            if ev.finish_reason is not None:
+                if include_usage:
+                    body = completion_body(
+                        rid, s.model, chat, "", None, usage(len(req.prompt_ids), ts.ids), delta=True
+                    )
+                    body["choices"] = []
+                    yield _sse(body)
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # normal end, or the client went away (the response task is cancelled)
+        req.cancelled = True
+
+
+def _raise_on_error(ev: Event) -> None:
+    if ev.error is not None:
+        raise APIError(500, ev.error, type="server_error")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def prometheus(engine: Engine) -> str:
+    m = engine.metrics
+    rows = [
+        ("k26_requests_total", "counter", "requests accepted into the queue", m.requests),
+        ("k26_requests_finished_total", "counter", "requests that ran to a finish reason", m.finished),
+        ("k26_requests_cancelled_total", "counter", "requests whose client went away", m.cancelled),
+        ("k26_requests_rejected_total", "counter", "requests refused with 429 (queue full)", m.rejected),
+        ("k26_prompt_tokens_total", "counter", "prompt tokens prefilled", m.prompt_tokens),
+        ("k26_generation_tokens_total", "counter", "tokens generated", m.generated_tokens),
+        ("k26_steps_total", "counter", "decode steps (one target forward each)", m.steps),
+        ("k26_step_seconds_total", "counter", "seconds spent in decode steps", m.step_seconds),
+        (
+            "k26_generation_tokens_per_second",
+            "gauge",
+            "tokens generated per second, last 10 s",
+            m.tokens_per_second(),
+        ),
+        (
+            "k26_tau",
+            "gauge",
+            "tokens per row per step (accepted drafts + 1)",
+            m.step_tokens / max(m.row_steps, 1),
+        ),
+        ("k26_step_seconds_mean", "gauge", "mean seconds per decode step", m.step_seconds / max(m.steps, 1)),
+        ("k26_requests_running", "gauge", "requests in the batch", m.running),
+        ("k26_requests_waiting", "gauge", "requests waiting for a free row", m.waiting),
+    ]
+    out = []
+    for name, kind, help_, value in rows:
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(out) + "\n"

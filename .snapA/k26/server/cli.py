@@ -1,0 +1,73 @@
+"""`python -m k26 serve`: arguments checked before the model loads, then the engine thread and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Every argument, before minutes of loading a real checkpoint."""
+    if a.budget is not None and a.budget != "auto" and not (a.budget.isdigit() and 1 <= int(a.budget) <= 255):
+        raise ValueError(f"--budget {a.budget}: expected 'auto' or an integer in [1, 255]")
+    if a.spec in ("dflash", "ddtree") and not a.drafter and a.model:
+        raise ValueError(f"--spec {a.spec} needs --drafter DIR")
+    if a.budget is not None and (a.spec or "ddtree") != "ddtree":
+        raise ValueError(f"--budget applies to --spec ddtree, not {a.spec}")
+    if a.tp is not None and a.tp < 1:
+        raise ValueError(f"--tp {a.tp}: expected >= 1")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("serve under torchrun: run it as one process, --tp N starts the ranks itself")
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port {a.port}: expected 0..65535")
+    if a.max_batch < 1 or a.max_waiting < 1:
+        raise ValueError("--max-batch and --max-waiting must be >= 1")
+    if a.max_model_len is not None and a.max_model_len < 2:
+        raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
+
+
+def serve(a: argparse.Namespace) -> int:
+    check_args(a)
+    import torch
+
+    from .. import LLM, SpecConfig
+    from ..embedded import default_drafter_dir, default_model_dir
+    from . import Engine, run_server
+
+    model, drafter = a.model, a.drafter
+    if not model:  # the embedded pair: the default model comes with its drafter
+        model, drafter = default_model_dir(), drafter or default_drafter_dir()
+    spec_name = a.spec or ("ddtree" if drafter else "ar")
+    if spec_name != "ar" and not drafter:
+        raise ValueError(f"--spec {spec_name} needs --drafter DIR")
+    budget = "auto" if a.budget in (None, "auto") else int(a.budget)
+    spec = SpecConfig(spec_name, budget if spec_name == "ddtree" else None)
+    llm = LLM(
+        model,
+        drafter=drafter if spec_name != "ar" else None,
+        device=a.device,
+        dtype=getattr(torch, DTYPES[a.dtype]),
+        max_model_len=a.max_model_len,
+        max_batch=a.max_batch,
+        tp=a.tp or 1,
+        compile=a.compile,
+        capture=a.capture,
+        cache_dir=a.cache_dir,
+        allreduce=a.allreduce,
+    )
+    name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
+    engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting)
+    where = f"http://{a.host}:{a.port}/v1"
+    print(
+        f"[k26] serving {name!r} ({spec_name}, max_batch {a.max_batch}, max_model_len {llm.max_model_len}) "
+        f"on {where}",
+        file=sys.stderr,
+    )
+    try:
+        run_server(engine, name, a.host, a.port)
+    finally:
+        llm.close()  # CUDA graphs, then the TP ranks this LLM started
+    return 0

@@ -1,0 +1,234 @@
+"""The engine thread: the only thread that touches the model, its caches and its graphs.
+
+HTTP handlers `submit` requests into a bounded waiting queue and read their tokens from an asyncio queue
+that the engine fills through the handler's event loop (`call_soon_threadsafe`), so neither side ever
+blocks the other. At every step boundary the engine retires finished and cancelled rows, admits waiting
+requests into the free rows (their prefill runs there, between two steps), then advances every live row
+by one step (continuous batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..decode import BatchState
+from ..sampling import SamplingParams
+from ..spec.step import SpecConfig
+
+
+class QueueFull(Exception):
+    pass
+
+
+class EngineDown(Exception):
+    """The engine thread has stopped (its error is in the message): requests cannot be served."""
+
+
+@dataclass
+class Event:
+    """What the engine tells a handler: the request's new tokens, and at the end why it finished (with the
+    final text when a stop string cut it), or an error."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)  # identity: the engine looks requests up among its rows
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: bool = False  # set by the handler (client gone); the engine frees the row at the next boundary
+    sent: int = 0  # tokens already pushed
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def push(self, ev: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the handler's loop is gone (server shutting down)
+            self.cancelled = True
+
+
+@dataclass
+class Metrics:
+    """Counters and gauges for /metrics (read by the HTTP thread; plain ints and floats, no locks needed)."""
+
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    row_steps: int = 0  # live rows summed over steps
+    step_tokens: int = 0  # tokens those steps emitted: step_tokens / row_steps is tau
+    step_seconds: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # (time, tokens)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        now = time.perf_counter()
+        pts = [(t, n) for t, n in list(self.recent) if now - t <= window]
+        if len(pts) < 2:
+            return 0.0
+        return sum(n for _, n in pts[1:]) / max(pts[-1][0] - pts[0][0], 1e-9)
+
+
+class Engine:
+    """Owns the `LLM`; `start()` runs the decode loop in its own thread."""
+
+    def __init__(self, llm, spec: SpecConfig, max_batch: int | None = None, max_waiting: int = 64):
+        self.llm, self.spec = llm, spec
+        self.max_batch = min(max_batch or llm.cache.rows, llm.cache.rows)
+        self.max_waiting = max_waiting
+        self.inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.pending = 0  # submitted, not yet admitted (inbox + waiting)
+        self.lock = threading.Lock()
+        self.metrics = Metrics()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name="k26-engine", daemon=True)
+        self.rows: dict[int, Request] = {}
+
+    # -- HTTP side --------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        if self.error is not None or (self.ready.is_set() and not self.thread.is_alive()):
+            raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
+        with self.lock:
+            if self.pending >= self.max_waiting:
+                self.metrics.rejected += 1
+                raise QueueFull(
+                    f"the server is at capacity: {self.pending} requests wait for a free row "
+                    f"(max_waiting={self.max_waiting}); retry later"
+                )
+            self.pending += 1
+        self.metrics.requests += 1
+        self.inbox.put(req)
+
+    def start(self, timeout: float = 600.0) -> None:
+        self.thread.start()
+        self.ready.wait(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"the engine failed to start: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(timeout=30)
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                # captures graphs, measures the budget's costs; TP ranks mirror every batch call
+                state = self.llm.open_batch(self.spec, self.max_batch)
+                self.ready.set()
+                while self._take(block=not state.live and not self.waiting):
+                    self._boundary(state)
+        except BaseException as e:
+            self.error = e
+            self.ready.set()
+            left = []  # requests still in the inbox hear it too: nothing else would ever answer them
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    item = self.inbox.get_nowait()
+                    if item is not None:
+                        left.append(item)
+            for req in list(self.rows.values()) + list(self.waiting) + left:
+                req.push(Event([], error=f"engine failed: {e}"))
+            raise
+
+    def _take(self, block: bool) -> bool:
+        """Move submitted requests into the waiting queue; False once told to stop."""
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                if item is None:
+                    return False
+                self.waiting.append(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _boundary(self, state: BatchState) -> None:
+        """Retire cancelled rows, admit waiting requests into free rows, then one step of every live row."""
+        m, llm = self.metrics, self.llm
+        for slot, req in list(self.rows.items()):
+            if req.cancelled:
+                del self.rows[slot]
+                m.cancelled += 1
+                with contextlib.suppress(Exception):  # (TP: a dead rank) the step below reports it
+                    llm.release(slot)
+        admit = []
+        while self.waiting and len(admit) < len(state.free_slots()):
+            req = self.waiting.popleft()
+            with self.lock:
+                self.pending -= 1
+            if req.cancelled:
+                m.cancelled += 1
+                continue
+            admit.append(req)
+        try:
+            if admit:
+                slots = llm.admit([r.prompt_ids for r in admit], [r.params for r in admit])
+                self.rows.update(zip(slots, admit))
+                m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
+                self._publish(state, slots)
+            if state.live:
+                t0 = time.perf_counter()
+                n = len(state.live)
+                stepped = llm.step()
+                m.steps, m.row_steps, m.step_seconds = (
+                    m.steps + 1,
+                    m.row_steps + n,
+                    m.step_seconds + time.perf_counter() - t0,
+                )
+                before = m.generated_tokens
+                self._publish(state, stepped)
+                m.step_tokens += m.generated_tokens - before
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+            err = Event([], error=f"{type(e).__name__}: {e}")
+            for req in admit:  # taken from the queue but never given a row: they hear it too
+                if req not in self.rows.values():
+                    req.push(err)
+            for slot, req in list(self.rows.items()):
+                req.push(err)
+                with contextlib.suppress(Exception):  # the row goes whatever state the batch is in
+                    llm.release(slot)
+                del self.rows[slot]
+        m.running, m.waiting = len(state.live), self.pending
+
+    def _publish(self, state: BatchState, slots: list[int]) -> None:
+        """Push each row's new tokens to its handler; finished rows leave the batch."""
+        m, now, total = self.metrics, time.perf_counter(), 0
+        for slot in slots:
+            req, out = self.rows.get(slot), state.outs[slot]
+            if req is None or out is None:
+                continue
+            new = out.token_ids[req.sent :]
+            req.sent += len(new)
+            total += len(new)
+            if out.finish_reason is None:
+                if new:
+                    req.push(Event(new))
+                continue
+            req.push(Event(new, out.finish_reason, out.text))
+            self.llm.release(slot)
+            del self.rows[slot]
+            m.finished += 1
+        m.generated_tokens += total
+        m.recent.append((now, total))

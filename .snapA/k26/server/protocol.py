@@ -1,0 +1,292 @@
+"""OpenAI request validation and response shapes for /v1/completions and /v1/chat/completions.
+
+Every bad input becomes an `APIError` (HTTP status, message naming the item, OpenAI error type and
+param) before any work reaches the engine; unsupported parameters are refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+}
+COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+}
+# accepted when they ask for nothing beyond plain generation; anything else is refused by name
+NEUTRAL = {
+    "n": (None, 1),
+    "logprobs": (None, False, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+}
+MAX_STOP = 4
+
+
+@dataclass
+class Parsed:
+    """A validated request: the prompt as ids, its sampling, and how to answer."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_model_len: int) -> Parsed:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - (CHAT if chat else COMPLETION))
+    if unknown:
+        raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    for name, ok in NEUTRAL.items():
+        if name in body and body[name] not in ok:
+            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+    if "model" not in body:
+        raise APIError(400, "missing required parameter: 'model'", "model")
+    if body["model"] != model:
+        raise APIError(
+            404,
+            f"the model {body['model']!r} does not exist; this server serves {model!r}",
+            "model",
+            code="model_not_found",
+        )
+    ids, what = (_messages(body, tok), "messages") if chat else (_prompt(body, tok, vocab), "prompt")
+    if len(ids) >= max_model_len:
+        raise APIError(
+            400,
+            f"{what}: {len(ids)} tokens, but the context holds {max_model_len} (max_model_len), "
+            "leaving no room to generate",
+            what,
+            code="context_length_exceeded",
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, f"stream={stream!r}: expected true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):
+        raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true", "stream_options")
+    return Parsed(
+        ids,
+        _sampling(body, chat, max_model_len - len(ids)),
+        stream,
+        bool(opts and opts.get("include_usage")),
+        chat,
+    )
+
+
+def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = body.get(key)
+    if mt is None:
+        mt = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
+    if not _int(mt) or mt < 0:
+        raise APIError(400, f"{key}={mt!r}: expected an integer >= 0", key)
+    t = _number(body, "temperature", 1.0)  # OpenAI's default
+    if not 0 <= t <= 2:
+        raise APIError(400, f"temperature={t!r}: must lie in [0, 2]", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise APIError(400, f"top_p={top_p!r}: must lie in (0, 1]", "top_p")
+    top_k = body.get("top_k", 0)
+    if top_k is None or top_k == -1:
+        top_k = 0  # vLLM's "off"
+    if not _int(top_k) or top_k < 0:
+        raise APIError(400, f"top_k={top_k!r}: expected an integer >= 0 (0 or -1: off)", "top_k")
+    seed = body.get("seed")
+    if seed is not None and not _int(seed):
+        raise APIError(400, f"seed={seed!r}: expected an integer", "seed")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(
+            400, f"stop={body.get('stop')!r}: expected a non-empty string or up to {MAX_STOP} of them", "stop"
+        )
+    return SamplingParams(
+        temperature=float(t),
+        top_p=float(top_p),
+        top_k=top_k,
+        max_tokens=min(mt, room),
+        seed=seed,
+        stop=tuple(stop),
+    )
+
+
+def _prompt(body: dict, tok: Tokenizer, vocab: int) -> list[int]:
+    p = body.get("prompt")
+    if p is None:
+        raise APIError(400, "missing required parameter: 'prompt'", "prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        ids = tok.encode(p)
+    elif isinstance(p, list) and all(_int(t) for t in p):
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        ids = list(p)
+    elif isinstance(p, list):
+        raise APIError(
+            400, "prompt: a list of several prompts is not supported; send one request per prompt", "prompt"
+        )
+    else:
+        raise APIError(
+            400, f"prompt: expected a string or a list of token ids, got {type(p).__name__}", "prompt"
+        )
+    if not ids:
+        raise APIError(400, "prompt is empty", "prompt")
+    return ids
+
+
+def _messages(body: dict, tok: Tokenizer) -> list[int]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise APIError(400, "missing required parameter: 'messages'", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "messages: expected a non-empty list of {role, content} objects", "messages")
+    plain = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or "role" not in m:
+            raise APIError(400, f"{where}: expected an object with 'role' and 'content'", where)
+        if m["role"] not in ("system", "user", "assistant", "developer"):
+            raise APIError(
+                400,
+                f"{where}.role={m['role']!r}: expected 'system', 'user' or 'assistant' (tool "
+                "messages are not supported)",
+                f"{where}.role",
+            )
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise APIError(400, f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
+        plain.append(
+            {
+                "role": "system" if m["role"] == "developer" else m["role"],
+                "content": _content(m.get("content"), where),
+            }
+        )
+    return tok.chat(plain)
+
+
+def _content(c: Any, where: str) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c
+    ):
+        return "".join(p["text"] for p in c)
+    raise APIError(
+        400,
+        f"{where}.content: expected a string or a list of text parts (images and audio are not supported)",
+        f"{where}.content",
+    )
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    x = body.get(name)
+    if x is None:
+        return default
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise APIError(400, f"{name}={x!r}: expected a number", name)
+    return float(x)
+
+
+# -- responses ------------------------------------------------------------------------------------
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(
+    rid: str,
+    model: str,
+    chat: bool,
+    text: str,
+    finish: str | None,
+    use: dict | None,
+    delta: bool = False,
+    first: bool = False,
+) -> dict:
+    """A whole response (delta=False) or one streamed chunk, in the endpoint's OpenAI shape."""
+    if chat:
+        if delta:
+            msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": msg, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        obj = "chat.completion.chunk" if delta else "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    if use is not None:
+        body["usage"] = use
+    return body

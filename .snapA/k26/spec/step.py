@@ -1,0 +1,361 @@
+"""One speculative step on the device: draft (DFlash block forward), tree build, verify (target forward
+over [bonus, nodes] with the ancestor mask), acceptance walk, KV commit, drafter-context update; beside it
+the autoregressive step and the prefill (what eager decoding and the captured graphs both run)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..kv_cache import DrafterCache
+from ..model import AttnBatch, KimiK2
+from ..model.drafter import DFlashDrafter, drafter_logits
+from ..profiling import nvtx_range
+from ..sampling import RowSampling, sample_rows
+from .accept import accept_paths, accept_paths_compiled, commit_latent
+from .budget import truncate_tree
+from .tree import TreeTables, build_ddtree_from_topk, chain_from_topk, pad_tree
+
+MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: Literal["ar", "dflash", "ddtree"] = "ddtree"
+    # DDTree nodes besides the root: an integer, or "auto" (the default) to pick among `candidates` each
+    # step by expected tokens per second (spec/budget.py); None means block_size - 1 (the chain's count).
+    budget: int | Literal["auto"] | None = "auto"
+    candidates: tuple[int, ...] = (3, 7, 15, 31)
+    costs: tuple[float, ...] | None = None  # (t_draft, t_verify per candidate) in seconds; None: measured
+    # with `costs`: seconds per context token per candidate (the tree-attention term); None: 0
+    cost_per_token: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ar", "dflash", "ddtree"):
+            raise ValueError(f"SpecConfig.method={self.method!r}: expected 'ar', 'dflash' or 'ddtree'")
+        b = self.budget
+        if b is not None and b != "auto" and (not isinstance(b, int) or not 1 <= b <= MAX_BUDGET):
+            raise ValueError(f"SpecConfig.budget={b!r}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
+        c = tuple(self.candidates)
+        if not c or list(c) != sorted(set(c)) or c[0] < 1 or c[-1] > MAX_BUDGET:
+            raise ValueError(
+                f"SpecConfig.candidates={self.candidates!r}: ascending budgets in [1, {MAX_BUDGET}]"
+            )
+        object.__setattr__(self, "candidates", c)
+        if self.costs is not None and len(self.costs) != len(c) + 1:
+            raise ValueError(
+                f"SpecConfig.costs needs t_draft and one verify time per candidate ({len(c) + 1} values)"
+            )
+        s = self.cost_per_token
+        if s is not None and (self.costs is None or len(s) != len(c) or min(s) < 0):
+            raise ValueError(
+                f"SpecConfig.cost_per_token={s!r}: needs `costs` and one value >= 0 per candidate"
+            )
+
+    @property
+    def auto(self) -> bool:
+        return self.method == "ddtree" and self.budget == "auto"
+
+    def fixed(self, budget: int) -> SpecConfig:
+        return SpecConfig(self.method, budget, self.candidates, self.costs, self.cost_per_token)
+
+
+@dataclass
+class StepResult:
+    emitted: torch.Tensor  # [B, max_depth + 1] accepted drafts then the new bonus, -1 after
+    n_emitted: torch.Tensor  # [B] accepted drafts + 1
+    bonus: torch.Tensor  # [B] the next root
+    choice: torch.Tensor | None = None  # "auto": index of the best candidate for this step's tree
+    budget: int | None = None  # the budget this step verified (host-known: eager pick or graph bucket)
+
+
+def draft_hidden(
+    target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, static: bool = False
+) -> torch.Tensor:
+    """Drafter hidden states [B, block, D] of the block [bonus, MASK x (block - 1)]; `static` as
+    `AttnBatch.static`."""
+    cfg = drafter.cfg
+    B = bonus.shape[0]
+    ids = torch.cat([bonus[:, None], bonus.new_full((B, cfg.block_size - 1), cfg.mask_token_id)], dim=1)
+    pos = start[:, None] + torch.arange(cfg.block_size, device=bonus.device)
+    return drafter(target.embed_tokens(ids), pos, dcache.k, dcache.v, rows, start, static)
+
+
+def draft(
+    target: KimiK2, drafter: DFlashDrafter, dcache: DrafterCache, rows, start, bonus, static: bool = False
+) -> torch.Tensor:
+    """Per-depth drafter log-probs over the whole vocabulary [B, block - 1, V] (gathered under TP)."""
+    return drafter_logits(draft_hidden(target, drafter, dcache, rows, start, bonus, static), target.lm_head)
+
+
+def draft_topk(
+    target: KimiK2,
+    drafter: DFlashDrafter,
+    dcache: DrafterCache,
+    rows,
+    start,
+    bonus,
+    k: int,
+    static: bool = False,
+):
+    """Per-depth top-k (log-probs, token ids) [B, block - 1, k], merged from vocabulary shards under TP:
+    all the tree builder needs (Lemma 1 of the DDTree paper: K = min(budget, V) suffices)."""
+    h = draft_hidden(target, drafter, dcache, rows, start, bonus, static)
+    return target.lm_head.topk_logprobs(h[:, 1:], k)
+
+
+def tree_budget(spec: SpecConfig, block_size: int) -> int:
+    return 1 if spec.method == "dflash" else spec.budget if isinstance(spec.budget, int) else block_size - 1
+
+
+def verify_nodes(spec: SpecConfig, block_size: int) -> int:
+    """Verify tokens per sequence of one step (the largest, for "auto"): the root plus the tree's nodes."""
+    if spec.method == "ar":
+        return 1
+    if spec.method == "dflash":
+        return block_size
+    return 1 + (spec.candidates[-1] if spec.auto else spec.budget or block_size - 1)
+
+
+@dataclass(frozen=True)
+class StepModels:
+    """What a decode step runs on: the target (compiled or plain), the drafter and both caches."""
+
+    target: KimiK2
+    drafter: DFlashDrafter | None
+    cache_LRTC: torch.Tensor
+    dcache: DrafterCache | None
+    absorb: bool = True
+    static: bool = False  # whole cache rows, no host sync (graph bodies): see AttnBatch.static
+    tables: TreeTables = field(default_factory=TreeTables)  # bucket padding's constants (graphs read them)
+    compiled: bool = False  # the step's own glue (acceptance) under torch.compile: graph bodies only
+
+    def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> torch.Tensor:
+        """Next token per row from final hidden states: the shards' argmax merged when every row is greedy,
+        else a per-row sample from the gathered logits."""
+        if rs.greedy:
+            return self.target.lm_head.argmax(h_BD)
+        return sample_rows(self.target.logits(h_BD)[:, None], rs)[:, 0]
+
+
+def speculative_step(
+    m: StepModels,
+    rows,
+    start,
+    bonus,
+    alive,
+    spec: SpecConfig,
+    rs: RowSampling,
+    timer=None,
+    nodes: int | None = None,
+    policy=None,
+) -> StepResult:
+    """Advance every live sequence by its accepted drafts + 1 bonus; caches are updated in place.
+
+    With a budget policy ("auto") the tree is built at the largest candidate and cut to the chosen one:
+    eagerly the choice for this very tree (one tiny read), in a graph the budget is the bucket's
+    (`spec.budget`), and the choice is returned for the host to pick the next bucket."""
+    t = timer or (lambda name: _null())
+    target, drafter = m.target, m.drafter
+    # Finished rows still run (the batch is rectangular) but at position 0 of their own row: their frozen
+    # length could sit too close to the end of the cache for a whole tree.
+    start = torch.where(alive, start, 0)
+    pick = None
+    with t("draft"):
+        largest = policy.largest if policy is not None else tree_budget(spec, drafter.cfg.block_size)
+        lp, tok = draft_topk(
+            target, drafter, m.dcache, rows, start, bonus, min(largest, target.cfg.vocab_size), m.static
+        )
+        with t("tree"):  # inside "draft": draft_s keeps counting the tree build
+            if policy is not None:
+                full = build_ddtree_from_topk(lp, tok, policy.largest)
+                pick = policy.choose(full, alive, start)
+                budget = spec.budget if isinstance(spec.budget, int) else policy.candidates[int(pick)]
+                tree = truncate_tree(full, budget)
+            else:
+                tree = (
+                    chain_from_topk(lp, tok)
+                    if spec.method == "dflash"
+                    else build_ddtree_from_topk(lp, tok, largest)
+                )
+            tree = pad_tree(tree, nodes, m.tables) if nodes else tree
+            tree.tokens[:, 0] = bonus
+    with t("verify"):
+        batch = AttnBatch(start[:, None] + tree.depths, rows, start, tree.mask_words(), m.static)
+        h, aux = target(
+            tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb
+        )
+        # greedy merges the shards' argmax (no full-vocabulary gather); sampling gathers the logits
+        choice = target.lm_head.argmax(h) if rs.greedy else sample_rows(target.logits(h), rs)
+    with t("accept"):  # acceptance walk, KV commit, drafter-context update
+        accept = accept_paths_compiled() if m.compiled else accept_paths
+        path, n_acc, new_bonus, emitted = accept(tree, choice, alive)
+        commit_latent(m.cache_LRTC, rows, start, path.clamp_min(0))
+        J = path.shape[1]
+        feat = aux.gather(1, path.clamp_min(0)[:, :, None].expand(-1, -1, aux.shape[2]))
+        pos = start[:, None] + torch.arange(J, device=start.device)
+        drafter.append_context(m.dcache.k, m.dcache.v, feat, pos, rows, valid_BC=path >= 0)
+    if policy is not None:
+        used = policy.position[policy.candidates.index(budget)] if isinstance(spec.budget, int) else pick
+        policy.update(full, used, n_acc, alive, path, start)
+    return StepResult(
+        emitted,
+        torch.where(alive, n_acc + 1, 0),
+        new_bonus,
+        pick,
+        budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None,
+    )
+
+
+def ar_step(
+    m: StepModels, rows, start, bonus, rs: RowSampling, context: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One autoregressive step: each row's bonus token through the target at its length (its latent
+    written to the cache); the next token per row [B]. `context` [B] bool (a speculative batch stepping
+    autoregressively near the context end): those rows' features also go into the drafter's context, as a
+    speculative step's commit would write them, so that drafting later resumes on a complete context."""
+    batch = AttnBatch.causal(start, 1, rows, static=m.static)
+    aux_layers = m.drafter.cfg.target_layer_ids if context is not None else ()
+    h, feats = m.target(bonus[:, None], batch, m.cache_LRTC, aux_layers=aux_layers, absorb=m.absorb)
+    if context is not None:
+        m.drafter.append_context(
+            m.dcache.k, m.dcache.v, feats, start[:, None], rows, valid_BC=context[:, None]
+        )
+    return m.next_token(h[:, 0], rs)
+
+
+def eager_speculative_step(
+    m: StepModels, rows, lens, bonus, alive, spec: SpecConfig, rs: RowSampling, timer=None, policy=None
+) -> tuple[list[list[int]], list[int], int | None]:
+    """`speculative_step` run eagerly with its one host read: `lens` and `bonus` advanced in place; returns
+    (emitted tokens per row, their counts, the budget verified)."""
+    r = speculative_step(m, rows, lens, bonus, alive, spec, rs, timer, policy=policy)
+    counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
+    new = [e[:n] for e, n in zip(r.emitted.tolist(), counts)]
+    lens.add_(r.n_emitted), bonus.copy_(r.bonus)
+    return new, counts, r.budget
+
+
+def eager_ar_step(
+    m: StepModels, rows, lens, bonus, alive, rs: RowSampling, context: bool = False
+) -> tuple[list, list[int], None]:
+    """`ar_step` run eagerly: `lens` (live rows) and `bonus` advanced in place; returns (one token per row,
+    the counts, no budget). `context`: the live rows' drafter context is kept (a speculative batch)."""
+    bonus.copy_(ar_step(m, rows, lens, bonus, rs, alive if context else None))
+    lens.add_(alive.long())  # finished rows stay frozen, rewriting only their own slot
+    return [[t] for t in bonus.tolist()], [1] * len(rows), None
+
+
+def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (right-padded: a causal query never sees the padding) through the target into their cache
+    `rows`, and (`aux`) their features into the drafter's context; returns the hidden state of each
+    prompt's last position [B, D] and the prompt lengths [B]."""
+    dev = m.cache_LRTC.device
+    B, T = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    aux_layers = m.drafter.cfg.target_layer_ids if aux else ()
+    with nvtx_range("prefill"):
+        batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows, prefill=True)
+        h, feats = m.target(ids.to(dev), batch, m.cache_LRTC, aux_layers=aux_layers, absorb=m.absorb)
+        if aux_layers:
+            pos = torch.arange(T, device=dev).expand(B, T)
+            m.drafter.append_context(m.dcache.k, m.dcache.v, feats, pos, rows, valid_BC=pos < lens[:, None])
+    return h[torch.arange(B, device=dev), lens - 1], lens
+
+
+def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:
+    """Seconds per whole eager step of `batch` rows at context `at` (best of two; draft included), on the
+    caches as scratch: what the adaptive budget's cost fit reads when no graphs are captured."""
+    dev = m.cache_LRTC.device
+    rows, start = torch.arange(batch, device=dev), torch.full((batch,), at, device=dev)
+    bonus, alive = torch.zeros_like(rows), torch.ones(batch, dtype=torch.bool, device=dev)
+    rs = RowSampling.of([None] * batch, dev)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        speculative_step(m, rows, start, bonus, alive, spec, rs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class PhaseTimer:
+    """Phase times without a sync per step: wall clock on CPU; on GPU CUDA events, each phase's pairs
+    folded into its total once more than `HELD` wait (all but the newest: eager steps read their tokens
+    back every step, so the older pairs are long complete), so a long generation holds a bounded number."""
+
+    HELD = 32
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = {}  # seconds folded so far, per phase
+        self.pending: dict[str, list] = {}  # CUDA: (start, end) event pairs not folded yet, per phase
+
+    def __call__(self, name: str):
+        return _Span(self, name)
+
+    def add(self, name: str, span) -> None:
+        """One span of `name`: seconds (CPU) or a (start, end) pair of recorded CUDA events."""
+        if not self.cuda:
+            self.totals[name] = self.totals.get(name, 0.0) + span
+            return
+        pending = self.pending.setdefault(name, [])
+        pending.append(span)
+        if len(pending) > self.HELD:
+            self._fold(name, len(pending) - 1)
+
+    def _fold(self, name: str, n: int) -> None:
+        pending = self.pending[name]
+        done, self.pending[name] = pending[:n], pending[n:]
+        for a, b in done:
+            b.synchronize()
+        self.totals[name] = self.totals.get(name, 0.0) + sum(a.elapsed_time(b) for a, b in done) / 1e3
+
+    def held(self) -> int:
+        """Event pairs waiting to be folded (bounded by `HELD` per phase)."""
+        return sum(map(len, self.pending.values()))
+
+    def total(self, name: str) -> float:
+        if name in self.pending:
+            self._fold(name, len(self.pending[name]))
+        return self.totals.get(name, 0.0)
+
+
+class _Span:
+    def __init__(self, timer: PhaseTimer, name: str):
+        self.t, self.name = timer, name
+
+    def __enter__(self):
+        self.r = nvtx_range(self.name)
+        self.r.__enter__()
+        if self.t.cuda:
+            self.a = torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.a = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.t.cuda:
+            b = torch.cuda.Event(enable_timing=True)
+            b.record()
+            self.t.add(self.name, (self.a, b))
+        else:
+            self.t.add(self.name, time.perf_counter() - self.a)
+        self.r.__exit__(*exc)
+        return False
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,263 @@
+"""Kimi's tiktoken tokenizer: `tiktoken.model` ranks + the special tokens named in tokenizer_config.json,
+and the K2.5/K2.6 chat format built structurally.
+
+Security: user, system and tool text is always encoded as ordinary text, so a string such as
+"<|im_end|>" typed by a user becomes plain BPE pieces, never the control token. Special ids are
+inserted by `chat()` itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import codecs
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tiktoken
+
+# Verbatim from tokenization_kimi.py (one alternative per line); the `&&` class intersections need
+# tiktoken's Rust regex engine.
+KIMI_PAT_STR = (
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+NUM_RESERVED_SPECIAL = 256
+# The reference registers 256 + 2 ids past the base vocabulary; the model's embedding covers only 256.
+NUM_SPECIAL_IDS = NUM_RESERVED_SPECIAL + 2
+_MAX_CHUNK_CHARS = 400_000  # the reference encodes in chunks of this many characters ...
+_MAX_RUN_CHARS = 25_000  # ... and splits longer runs of (non-)whitespace, for parity on odd inputs
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing or inconsistent."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+class Tokenizer:
+    def __init__(self, ranks: dict[bytes, int], names: dict[int, str], name: str = "kimi"):
+        self.num_base = len(ranks)
+        specials = {}
+        for i in range(self.num_base, self.num_base + NUM_SPECIAL_IDS):
+            specials[names.get(i, f"<|reserved_token_{i}|>")] = i
+        if len(specials) != NUM_SPECIAL_IDS:
+            raise TokenizerError("tokenizer_config.json names two special ids the same")
+        self.special_ids = specials
+        self.enc = tiktoken.Encoding(
+            name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
+        )
+        self.n_words = self.enc.n_vocab
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        model_file, cfg_file = path / "tiktoken.model", path / "tokenizer_config.json"
+        for f in (model_file, cfg_file):
+            if not f.is_file():
+                raise TokenizerError(
+                    f"{f} is missing: the Kimi tokenizer needs tiktoken.model and tokenizer_config.json"
+                )
+        try:
+            ranks = read_ranks(model_file)
+        except (ValueError, binascii.Error) as e:
+            raise TokenizerError(f"{model_file} is not a tiktoken BPE file: {e}") from e
+        try:
+            added = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
+        except json.JSONDecodeError as e:
+            raise TokenizerError(f"{cfg_file} is not valid JSON: {e}") from e
+        names = {}
+        lo, hi = len(ranks), len(ranks) + NUM_SPECIAL_IDS
+        for key, tok in added.items():
+            i = int(key)
+            if not lo <= i < hi:
+                raise TokenizerError(
+                    f"{cfg_file}: added token {tok.get('content')!r} has id {i}, "
+                    f"outside the special range [{lo}, {hi})"
+                )
+            names[i] = tok["content"]
+        return cls(ranks, names)
+
+    # -- text ---------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Ordinary text to ids; special-token strings inside `text` stay plain text."""
+        ids: list[int] = []
+        for start in range(0, len(text), _MAX_CHUNK_CHARS):
+            for piece in _split_long_runs(text[start : start + _MAX_CHUNK_CHARS]):
+                ids.extend(self.enc.encode_ordinary(piece))
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        if skip_special:
+            ids = [i for i in ids if i < self.num_base]
+        return self.enc.decode(ids, errors="replace")
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return self.enc.decode_bytes(ids)
+
+    def token_id(self, name: str) -> int:
+        try:
+            return self.special_ids[name]
+        except KeyError:
+            raise TokenizerError(f"special token {name!r} is not defined by this tokenizer") from None
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """<|im_end|> ends a chat turn, [EOS] ends a document."""
+        return tuple(self.special_ids[n] for n in ("<|im_end|>", "[EOS]") if n in self.special_ids)
+
+    # -- chat ---------------------------------------------------------------------------------
+    def chat(
+        self, messages: list[Message | dict], add_generation_prompt: bool = True, thinking: bool | None = None
+    ) -> list[int]:
+        """`<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per message, then the assistant header.
+
+        thinking=True opens `<think>`, False closes an empty `<think></think>` (K2.5/K2.6), None adds neither.
+        """
+        sp = self.token_id
+        ids: list[int] = []
+        for m in messages:
+            role, content = (
+                (m.role, m.content) if isinstance(m, Message) else (m.get("role"), m.get("content"))
+            )
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"chat message role {role!r} is not one of 'system', 'user', 'assistant'")
+            if not isinstance(content, str):
+                raise ValueError(  # noqa: TRY004  (all chat-message validation errors are ValueError)
+                    f"chat message content must be a string, got {type(content).__name__}"
+                )
+            ids += [
+                sp(f"<|im_{role}|>"),
+                *self.encode(role),
+                sp("<|im_middle|>"),
+                *self.encode(content),
+                sp("<|im_end|>"),
+            ]
+        if add_generation_prompt:
+            ids += [sp("<|im_assistant|>"), *self.encode("assistant"), sp("<|im_middle|>")]
+            if thinking is True:
+                ids.append(sp("<think>"))
+            elif thinking is False:
+                ids += [sp("<think>"), sp("</think>")]
+        return ids
+
+
+_LONG_RUN = re.compile(rf"\s{{{_MAX_RUN_CHARS + 1},}}|\S{{{_MAX_RUN_CHARS + 1},}}")
+
+
+def read_ranks(path: str | Path) -> dict[bytes, int]:
+    """A tiktoken BPE file (`base64-token rank` per line). Read directly: tiktoken's loader caches files by
+    path in a temp directory, so a tokenizer rewritten at the same path would come back stale."""
+    ranks = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line.strip():
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+    return ranks
+
+
+def _split_long_runs(text: str):
+    """Cut `text` after every 25k characters of one unbroken (non-)whitespace run, as the reference does."""
+    pos = 0
+    for m in _LONG_RUN.finditer(text):
+        for cut in range(m.start() + _MAX_RUN_CHARS, m.end(), _MAX_RUN_CHARS):
+            yield text[pos:cut]
+            pos = cut
+    yield text[pos:]
+
+
+# Offsets of the named specials from the first special id (163584 in the real vocabulary).
+SPECIAL_OFFSETS = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7,
+    "[EOT]": 9,
+    "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17,
+    "<|media_begin|>": 18,
+    "<|media_content|>": 19,
+    "<|media_end|>": 20,
+    "<|media_pad|>": 21,
+    "<think>": 22,
+    "</think>": 23,
+    "[UNK]": 254,
+    "[PAD]": 255,
+}
+
+
+class TextStream:
+    """The text of a growing token sequence, decoded as it grows: each `push` decodes only the new tokens'
+    bytes (re-decoding the whole output at every step cost O(length) per step, O(length^2) per request, on
+    the thread that steps every row), special tokens left out, whole UTF-8 characters only (a token may end
+    mid-character: its bytes wait for the next token). After `finish` (the rest flushed, an incomplete
+    character as U+FFFD) `text` equals `Tokenizer.decode(ids, skip_special=True)` of every id pushed."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.ids = 0  # tokens pushed so far
+
+    def push(self, ids: list[int]) -> str:
+        """Append tokens; returns the text they completed."""
+        self.ids += len(ids)
+        new = self._utf8.decode(self.tok.decode_bytes([i for i in ids if i < self.tok.num_base]))
+        self.text += new
+        return new
+
+    def finish(self) -> str:
+        """The whole text, with what waited for a character's next bytes flushed."""
+        self.text += self._utf8.decode(b"", final=True)
+        return self.text
+
+
+def first_stop(text: str, stops: tuple[str, ...], new: int) -> int | None:
+    """Where the first stop string begins in `text`, given that none occurred before its last `new`
+    characters came (so any occurrence ends among them: only that tail is searched), or None."""
+    start = max(0, len(text) - new - max(map(len, stops), default=1) + 1)
+    hits = [h for s in stops if (h := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+def save_tokenizer(out: str | Path, ranks: dict[bytes, int]) -> int:
+    """tiktoken.model + tokenizer_config.json with the Kimi special names; returns the first special id."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+    (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    first = len(ranks)
+    added = {str(first + off): {"content": name, "special": True} for name, off in SPECIAL_OFFSETS.items()}
+    cfg = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": added,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return first

@@ -1,0 +1,298 @@
+"""Tensor parallel driven from one Python process: `LLM(tp=N)` becomes rank 0 and starts ranks 1..N-1 as
+`python -m k26.tp_driver` processes, each building the same object and mirroring every call made on it.
+
+Why fresh interpreters and not multiprocessing's spawn: spawn re-runs the parent's `__main__` in every
+child, which fails when the script came on standard input, from a REPL or a notebook. A rank here runs
+only this module; what it builds comes as a pickled reference (`k26.engine.LLM`), so this module
+imports nothing above it. Messages travel as pickles over the rank's own stdin / stdout pipes (its
+prints go to stderr, which is kept in a temporary file for error reports).
+
+Failures: rank 0 joins the process group only after every rank has said it is joining, watching the
+processes meanwhile, so a rank that dies at start-up fails the parent within seconds with its own
+error text instead of a rendezvous timeout. A rank whose call fails reports the traceback and exits,
+which breaks the collectives the parent waits in; `surface` then raises that rank's text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import dist as k26_dist
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # so a rank imports this very k26
+
+
+class RankError(RuntimeError):
+    """A tensor-parallel rank process failed; the message carries that rank's own error text."""
+
+
+class _Rank:
+    """One rank process: its pipes, its stderr file and a reader thread turning its messages into a queue."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115  (open for the rank's life; closed by RankGroup.close)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "k26.tp_driver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+        )
+        self.inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name=f"k26-rank{rank}-reader").start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
+            while True:
+                self.inbox.put(pickle.load(self.proc.stdout))
+        self.inbox.put(("exit", None))
+
+    def send(self, msg) -> None:
+        try:
+            pickle.dump(msg, self.proc.stdin)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the rank is gone: its exit is reported by `failure`
+
+    def failure(self, kind: str, text) -> str:
+        if kind == "error":
+            return text
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = "unknown (still running, its message pipe closed)"
+        how = (
+            f"killed by {signal.Signals(-code).name}"
+            if isinstance(code, int) and code < 0
+            else f"exited with status {code}"
+        )
+        self.log.seek(0)
+        tail = b"".join(self.log.readlines()[-25:]).decode(errors="replace").rstrip()
+        return f"{how}" + (f"; its stderr ends:\n{tail}" if tail else " with nothing on stderr")
+
+
+class RankGroup:
+    """Ranks 1..world-1 of a process group whose rank 0 is this process."""
+
+    def __init__(self, world: int, factory, args: tuple, kwargs: dict, device: str | None):
+        """Start the ranks, have each build `factory(*args, **kwargs)` once joined, and join as rank 0."""
+        self.world = world
+        self.ranks: list[_Rank] = []
+        self._done = False
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=k26_dist.timeout()
+        )
+        try:
+            threads = max(1, (os.cpu_count() or 1) // world)
+            for r in range(1, world):
+                rank = _Rank(r)
+                self.ranks.append(rank)
+                init = {
+                    "rank": r,
+                    "world": world,
+                    "port": store.port,
+                    "device": device,
+                    "threads": threads,
+                    "factory": factory,
+                    "args": args,
+                    "kwargs": kwargs,
+                }
+                rank.send(init)
+            for rank in self.ranks:
+                self._expect(rank, "joining", deadline=time.monotonic() + k26_dist.timeout().total_seconds())
+            k26_dist.init_group(0, world, device, store=store)
+        except BaseException:  # interrupted too: never leave ranks behind
+            self.close(kill=True)
+            raise
+        self._store = store  # the group's rendezvous lives in this process: keep it as long as the group
+
+    def _expect(self, rank: _Rank, want: str, deadline: float) -> None:
+        while True:
+            try:
+                kind, payload = rank.inbox.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise RankError(f"tensor-parallel rank {rank.rank} sent no '{want}' in time") from None
+                continue
+            if kind == want:
+                return
+            raise RankError(f"tensor-parallel rank {rank.rank} failed: {rank.failure(kind, payload)}")
+
+    def wait_ready(self) -> None:
+        """Every rank has built its object (raises the first rank's failure)."""
+        for rank in self.ranks:
+            self._expect(rank, "ready", deadline=time.monotonic() + k26_dist.timeout().total_seconds())
+
+    def mirror(self, name: str, *args, **kw) -> None:
+        """Every rank calls `name(*args, **kw)` on its object (a generator is run to its end)."""
+        for rank in self.ranks:
+            rank.send((name, args, kw))
+
+    def check(self, wait: float = 0.0) -> None:
+        """Raise the failure of any rank that reported one (waiting up to `wait` s for one to arrive)."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank in self.ranks:
+                with contextlib.suppress(queue.Empty):
+                    kind, payload = rank.inbox.get_nowait()
+                    if kind in ("joining", "ready"):
+                        continue
+                    raise RankError(f"tensor-parallel rank {rank.rank} failed: {rank.failure(kind, payload)}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def surface(self):
+        """A collective that failed because a rank died raises that rank's own error text instead."""
+        try:
+            yield
+        except Exception as e:
+            if isinstance(e, RankError):
+                raise
+            # A broken collective is a RuntimeError (gloo / NCCL): give the rank's report a moment to
+            # arrive. Anything else (a bad input, caught before any rank was asked) raises at once.
+            self.check(wait=5.0 if isinstance(e, RuntimeError) else 0.0)
+            raise
+
+    def close(self, kill: bool = False) -> None:
+        """Tell the ranks to leave (or kill them) and wait for them; idempotent."""
+        if self._done:
+            return
+        self._done = True
+        for rank in self.ranks:
+            if kill:
+                rank.proc.kill()
+            else:
+                rank.send(None)
+            with contextlib.suppress(OSError):
+                rank.proc.stdin.close()
+        for rank in self.ranks:
+            try:
+                rank.proc.wait(timeout=0 if kill else 60)
+            except subprocess.TimeoutExpired:
+                rank.proc.kill()
+                rank.proc.wait()
+            rank.log.close()
+
+
+def surfacing_rank_errors(method):
+    """A method of an object with `_surface_rank_errors()` (`LLM`) run (a generator: its iteration) so
+    that a collective failing because a TP rank died raises that rank's own error text."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def gen(self, *args, **kw):
+            with self._surface_rank_errors():
+                return (yield from method(self, *args, **kw))
+
+        return gen
+
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        with self._surface_rank_errors():
+            return method(self, *args, **kw)
+
+    return call
+
+
+def releasing_ranks_on_failure(init):
+    """An `__init__` (of `LLM`: `_ranks`, `_owns_group`) that fails after starting TP ranks kills them
+    and destroys the group it made, so the process is
+    as before (a retry starts afresh instead of finding a half-made group)."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kw):
+        try:
+            init(self, *args, **kw)
+        except BaseException:
+            if getattr(self, "_ranks", None) is not None:
+                self._ranks.close(kill=True)
+            if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            raise
+
+    return wrapper
+
+
+def _serve(init: dict, out) -> int:
+    """A rank's life: join, build, then mirror calls until told to stop."""
+
+    def send(*msg) -> None:
+        pickle.dump(msg, out)
+        out.flush()
+
+    try:
+        if not (init["device"] or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+            torch.set_num_threads(init["threads"])  # N ranks on one CPU: share its cores, not oversubscribe
+        store = dist.TCPStore(
+            "127.0.0.1", init["port"], init["world"], is_master=False, timeout=k26_dist.timeout()
+        )
+        send("joining", None)
+        k26_dist.init_group(init["rank"], init["world"], init["device"], store=store)
+        obj = init["factory"](*init["args"], **init["kwargs"])
+    except BaseException:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
+        send("error", traceback.format_exc())
+        return 1
+    send("ready", None)
+    while True:
+        try:
+            msg = pickle.load(sys.stdin.buffer)
+        except EOFError:  # the parent is gone
+            return 0
+        if msg is None:
+            break
+        name, args, kw = msg
+        try:
+            result = getattr(obj, name)(*args, **kw)
+            if name == "stream":
+                for _ in result:
+                    pass
+        except BaseException:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
+            send("error", traceback.format_exc())
+            return 1
+    if callable(close := getattr(obj, "close", None)):
+        close()  # this rank's graphs and fused-collective workspace, before its group goes
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "wb")  # the message pipe; prints from here on go to stderr, not into it
+    os.dup2(2, 1)
+    try:
+        init = pickle.load(sys.stdin.buffer)
+    except BaseException:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
+        pickle.dump(("error", traceback.format_exc()), out)
+        out.flush()
+        return 1
+    return _serve(init, out)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush(), sys.stderr.flush()
+    # Skip the interpreter's teardown (module and tensor finalisation, ~0.5 s of CPU per rank): the
+    # parent waits for every rank to exit, and there is nothing left to save. Messages are flushed.
+    os._exit(code)

@@ -1,0 +1,1 @@
+"""Training the embedded default pair (issue 8): corpus, tokenizer; model training lives in scripts/."""

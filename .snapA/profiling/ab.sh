@@ -1,0 +1,21 @@
+#!/bin/bash
+# An A/B inside one device call: the same command in two snapshots (profiling/snapshot.sh), alternating,
+# ROUNDS times each, so both sides see the same machine (machines differ by ~2 % on the step).
+#   OUT=/tmp/out bash profiling/ab.sh OLD_DIR NEW_DIR ROUNDS python3 profiling/bench_moe.py --block --quick --ms 1
+# Each run gets PYTHONPATH, K26_COMMIT and K26_OPS_LIB of its snapshot and `--out $OUT/<side><round>.md`
+# appended; its table rows (lines starting with "|") are printed under a "== side round" header.
+set -u
+OLD=$(cd "$1" && pwd) NEW=$(cd "$2" && pwd) ROUNDS=$3
+shift 3
+OUT=${OUT:-/tmp/k26_out}; mkdir -p "$OUT"
+for r in $(seq 1 "$ROUNDS"); do
+  for side in old new; do
+    d=$OLD; [ "$side" = new ] && d=$NEW
+    out="$OUT/$side$r.md"
+    (cd "$d" && PYTHONPATH=$d K26_COMMIT=$(cat COMMIT) K26_OPS_LIB=$(ls "$d"/k26/ops/_build/*.so) \
+      timeout "${AB_TIMEOUT:-300}" "$@" --out "$out" > "$OUT/$side$r.log" 2>&1)
+    rc=$?
+    echo "== $side $r ($(cat "$d/COMMIT"), rc $rc)"
+    grep "^|" "$out" 2>/dev/null || tail -3 "$OUT/$side$r.log"
+  done
+done

@@ -1,0 +1,220 @@
+"""The public API: LLM.score / LLM.generate / SamplingParams / the CLI, and every bad input."""
+
+import pytest
+import torch
+
+import k26
+from k26 import LLM, SamplingParams
+from k26.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_k25):
+    return LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_model_len=64, max_batch=2)
+
+
+def test_greedy_generate_follows_score_argmax(llm):
+    prompt = [5, 17, 300, 42, 9]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=[]))[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    seq = list(prompt)
+    for t in out.token_ids:
+        assert t == int(llm.score(seq)[-1].argmax())
+        seq.append(t)
+
+
+def test_batch_of_prompts_equals_one_by_one(llm):
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], "hello world", [40, 41]]  # 4 prompts > max_batch 2
+    sp = SamplingParams(max_tokens=5, stop_token_ids=[])
+    together = llm.generate(prompts, sp)
+    alone = [llm.generate(p, sp)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert together[2].prompt_token_ids == llm.tokenizer.encode("hello world")
+
+
+def test_stop_token_ends_generation(llm):
+    prompt = [5, 17, 300, 42, 9]
+    first = llm.generate(prompt, SamplingParams(max_tokens=3, stop_token_ids=[]))[0].token_ids
+    out = llm.generate(prompt, SamplingParams(max_tokens=10, stop_token_ids=[first[1]]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == first[:1]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=8, seed=7, stop_token_ids=[])
+    a, b = llm.generate([3, 4, 5], sp)[0], llm.generate([3, 4, 5], sp)[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_context_end_finishes_with_length(llm):
+    out = llm.generate(list(range(1, 60)), SamplingParams(max_tokens=50, stop_token_ids=[]))[0]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 64
+
+
+def test_max_tokens_zero(llm):
+    out = llm.generate([1, 2], SamplingParams(max_tokens=0))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+
+
+def test_top_k_one_is_greedy(llm):
+    g = llm.generate([9, 9, 9], SamplingParams(max_tokens=4, stop_token_ids=[]))[0].token_ids
+    s = llm.generate(
+        [9, 9, 9], SamplingParams(temperature=0.7, top_k=1, max_tokens=4, seed=1, stop_token_ids=[])
+    )[0]
+    assert s.token_ids == g
+
+
+@pytest.mark.parametrize(
+    "prompt,needle",
+    [
+        (list(range(64)), "prompt 0 has 64 tokens; the context holds 64"),
+        ([1, 2, 640], "token id 640 at position 2 is outside the vocabulary [0, 640)"),
+        ([1, -3], "token id -3 at position 1"),
+        ([], "prompts is empty"),
+        ([[]], "prompt 0 is empty"),
+    ],
+)
+def test_bad_prompts(llm, prompt, needle):
+    with pytest.raises(ValueError) as e:
+        llm.generate(prompt)
+    assert needle in str(e.value)
+
+
+def test_bad_prompt_type(llm):
+    with pytest.raises(TypeError, match="prompt 0 is a dict"):
+        llm.generate([{"text": "x"}])
+
+
+def test_score_checks_ids(llm):
+    with pytest.raises(ValueError, match="token_ids: token id 10000"):
+        llm.score([1, 10000])
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"max_tokens": -1}, "max_tokens=-1"),
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[")):
+        SamplingParams(**kwargs)
+
+
+def test_bad_constructor_args(tiny_k25):
+    with pytest.raises(ValueError, match="tp=0"):
+        LLM(tiny_k25, tp=0)
+    with pytest.raises(ValueError, match="max_model_len=5000"):
+        LLM(tiny_k25, device="cpu", max_model_len=5000, progress=False)
+
+
+def test_cli_generate_prints_text(tiny_k25, capsys):
+    assert (
+        main(["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "5", "--device", "cpu"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "5 tokens" in captured.err or "finish_reason=stop" in captured.err
+    assert captured.out.strip() != "" or "finish_reason=stop" in captured.err
+
+
+def test_cli_reports_bad_input(tiny_k25, capsys):
+    assert (
+        main(
+            ["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "-1", "--device", "cpu"]
+        )
+        == 2
+    )
+    assert "max_tokens=-1" in capsys.readouterr().err
+
+
+def test_every_name_the_readme_uses_is_exported():
+    """`k26.X(` in the README's examples names a class in k26's `__all__` (a renamed or dropped export
+    fails here, not in a user's script), and every name in `__all__` resolves."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    used = set(re.findall(r"\bk26\.([A-Z]\w+)\(", readme))
+    assert {"LLM", "SamplingParams", "SpecConfig"} <= used
+    assert used <= set(k26.__all__), used - set(k26.__all__)
+    assert all(isinstance(getattr(k26, n), type) for n in k26.__all__)
+
+
+def test_stream_yields_the_generated_text(llm):
+    sp = SamplingParams(max_tokens=12, stop_token_ids=[])
+    pieces = list(llm.stream([5, 17, 300], sp))
+    full = llm.generate([[5, 17, 300]], sp)[0]
+    assert "".join(pieces) == full.text and len(pieces) >= 1
+
+
+def test_stop_string_cuts_the_text(llm):
+    sp = SamplingParams(max_tokens=20, stop_token_ids=[])
+    full = llm.generate([[8, 9, 10]], sp)[0]
+    stop = full.text[3:5]
+    assert stop
+    out = llm.generate([[8, 9, 10]], SamplingParams(max_tokens=20, stop_token_ids=[], stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.find(stop)]
+
+
+def test_stop_string_at_the_start_leaves_empty_text(llm):
+    """A stop string matching the first generated characters: the answer is empty, whole or streamed."""
+    sp = SamplingParams(max_tokens=20, stop_token_ids=[])
+    full = llm.generate([[8, 9, 10]], sp)[0]
+    stop = full.text[:2]
+    assert stop.strip()
+    cut = SamplingParams(max_tokens=20, stop_token_ids=[], stop=[stop])
+    out = llm.generate([[8, 9, 10]], cut)[0]
+    assert out.finish_reason == "stop" and out.text == ""
+    assert "".join(llm.stream([8, 9, 10], cut)) == ""
+
+
+def test_bad_stop_strings():
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=[""])
+
+
+def test_bytes_prompt_is_a_type_error_with_the_fix(llm):
+    with pytest.raises(TypeError, match=r"prompt 0 is bytes; .*data.decode\('utf-8'\)"):
+        llm.generate(b"def f(x):")
+    with pytest.raises(TypeError, match="prompt 1 is bytearray"):
+        llm.generate(["ok", bytearray(b"x")])
+
+
+def test_score_of_text_is_a_type_error_with_the_fix(llm):
+    with pytest.raises(TypeError, match=r"token_ids is a str; .*llm.tokenizer.encode\(text\)"):
+        llm.score("hello")
+    with pytest.raises(TypeError, match="token id 1.5 at position 1 is a float"):
+        llm.score([1, 1.5])
+
+
+def test_integer_tensor_prompts_are_token_ids(llm):
+    ids = [5, 17, 300]
+    assert torch.equal(llm.score(torch.tensor(ids)), llm.score(ids))
+    sp = SamplingParams(max_tokens=3, stop_token_ids=[])
+    assert llm.generate(torch.tensor(ids), sp)[0].token_ids == llm.generate(ids, sp)[0].token_ids
+    with pytest.raises(TypeError, match="1-d integer tensor"):
+        llm.score(torch.ones(3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused_up_front(tiny_k25):
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
+        LLM(tiny_k25, device="cuda", progress=False)
+
+
+def test_info_names_the_directory_of_a_config_file(tiny_k25, capsys):
+    assert main(["info", "--model", str(tiny_k25 / "config.json")]) == 2
+    assert f"is a file; pass the checkpoint directory that holds it: {tiny_k25}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is a file; pass the directory that holds it"):
+        LLM(tiny_k25 / "config.json", device="cpu", progress=False)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"k26 {k26.__version__}"

@@ -1,0 +1,133 @@
+"""`compile_static` serves more bucket shapes than dynamo's default limit (a hard failure under fullgraph),
+and `CompiledLayers` — each decoder layer compiled on its own (CPU inductor) — equals the eager forward with
+one compiled graph per shape for all layers of a kind (profiling/bench_compile.py measures the time)."""
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+from k26.config import ModelConfig
+from k26.model import AttnBatch, CompiledLayers, KimiK2
+from k26.tiny import DEFAULT_SIZES, text_config
+
+
+def test_layers_compiled_once_per_shape_equal_the_eager_forward():
+    # Every layer dense: the reference MoE loops over the experts it routed to (not traceable on the CPU;
+    # on CUDA the fused kernels replace it).
+    layers = 6
+    sizes = DEFAULT_SIZES | {"num_hidden_layers": layers, "first_k_dense_replace": layers}
+    cfg = ModelConfig.from_dict(text_config(sizes, 384, "none"))
+    torch.manual_seed(0)
+    model = KimiK2(cfg, torch.float32).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    fwd = CompiledLayers(model)
+    # Used where the model is (spec/step.py reads target.lm_head and calls target.logits): its attributes.
+    assert fwd.lm_head is model.lm_head and fwd.cfg is model.cfg
+    cache = torch.randn(layers, 3, 32, cfg.latent_dim)
+    torch._dynamo.reset()
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for B, N in ((2, 1), (3, 4), (2, 1)):  # two shapes, the first again
+            ids = torch.randint(0, 300, (B, N))
+            batch = AttnBatch.causal(torch.tensor([5, 7, 9][:B]), N)
+            want, aux_want = model(ids, batch, cache, aux_layers=(1, 4))
+            got, aux_got = fwd(ids, batch, cache, aux_layers=(1, 4))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(aux_got, aux_want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fwd.logits(got), model.logits(want), rtol=1e-5, atol=1e-5)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - before == 2  # one per shape, not per layer
+
+
+def test_compile_static_serves_more_buckets_than_dynamo_s_default_limit():
+    """A fullgraph body compiled once per bucket shape: torch alone fails hard at the ninth shape
+    (FailOnRecompileLimitHit); compile_static serves twelve, and leaves the process default untouched."""
+    from k26.compiling import compile_static
+
+    def plain_body(x):
+        return (x * 2).sum()
+
+    def static_body(x):  # its own code object: dynamo keeps its compiled versions per code object
+        return (x * 2).sum()
+
+    plain, static = torch.compile(plain_body, fullgraph=True, dynamic=False), compile_static(static_body)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for n in range(1, 13):
+            plain(torch.ones(n))
+    assert [float(static(torch.ones(n))) for n in range(1, 13)] == [2.0 * n for n in range(1, 13)]
+    assert torch._dynamo.config.recompile_limit == 8
+
+
+def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
+    """`CompiledDrafter` (the block forward under torch.compile, CPU inductor) equals the eager forward on
+    random weights and ragged contexts, and `fuse_` (q / k / v and gate / up stacked, residual adds + norms
+    as one op) changes no value beyond fp32 summation order, in the forward and the context K/V; the
+    drafter's other attributes are its own."""
+    from k26.drafter_config import DrafterConfig
+    from k26.model.drafter import CompiledDrafter, DFlashDrafter
+
+    raw = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "rope_theta": 50000.0,
+        "block_size": 4,
+        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 299},
+    }
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw), torch.float32).eval()
+    for p in drafter.parameters():
+        p.data.normal_(0, 0.2)
+    ck, cv = torch.randn(2, 3, 40, 2, 16), torch.randn(2, 3, 40, 2, 16)
+    x, pos = torch.randn(2, 4, 64), torch.tensor([[11, 12, 13, 14], [30, 31, 32, 33]])
+    rows, lens = torch.tensor([2, 0]), torch.tensor([11, 30])
+    with torch.no_grad():
+        want = drafter(x, pos, ck, cv, rows, lens, static=True)
+        fwd = CompiledDrafter(drafter)
+        assert fwd.cfg is drafter.cfg
+        torch.testing.assert_close(fwd(x, pos, ck, cv, rows, lens, static=True), want, rtol=1e-5, atol=1e-5)
+        # the context append, compiled: the same cache writes (slot 39 is past a clamp, row 2 the trash row)
+        feat, cpos = torch.randn(2, 3, 128), torch.tensor([[5, 6, 7], [38, 39, 45]])
+        valid = torch.tensor([[True, True, False], [True, True, True]])
+        caches = [(ck.clone(), cv.clone()) for _ in range(2)]
+        drafter.append_context(*caches[0], feat, cpos, rows, valid_BC=valid)
+        fwd.append_context(*caches[1], feat, cpos, rows, valid_BC=valid)
+        for a, b in zip(caches[0], caches[1], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        feat = torch.randn(2, 5, 128)
+        kv_want = drafter.context_kv(feat, pos[:, :1] + torch.arange(5))
+        drafter.fuse_()
+        assert all(n.use_kernel for n in drafter.residual_norms())
+        assert drafter.layers[0].self_attn.qkv is not None and drafter.layers[0].mlp.gate_up is not None
+        got = drafter(x, pos, ck, cv, rows, lens, static=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        kv_got = drafter.context_kv(feat, pos[:, :1] + torch.arange(5))
+        for got_t, want_t in zip(kv_got, kv_want, strict=True):  # (k, v), every layer stacked
+            torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_acceptance_equals_eager():
+    """`accept_paths_compiled` (the captured steps' acceptance walk under torch.compile) returns exactly
+    the eager paths, counts, bonus and emitted tokens on random trees with random target choices (some
+    rows finished)."""
+    from k26.spec.accept import accept_paths, accept_paths_compiled
+    from k26.spec.tree import build_ddtree
+
+    g = torch.Generator().manual_seed(3)
+    lp = torch.log_softmax(torch.randn(4, 7, 12, generator=g) * 3, -1)
+    tree = build_ddtree(lp, 15)
+    alive = torch.tensor([True, True, False, True])
+    for _ in range(3):
+        # choices drawn from each node's children's tokens most of the time, so paths go deep
+        pick = torch.randint(0, tree.num_nodes, (4, tree.num_nodes), generator=g)
+        choice = torch.where(torch.rand(4, tree.num_nodes, generator=g) < 0.8, tree.tokens.gather(1, pick), 0)
+        want = accept_paths(tree, choice, alive)
+        got = accept_paths_compiled()(tree, choice, alive)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)

@@ -1,0 +1,83 @@
+"""Config parsing for every Kimi flavour, YaRN frequencies and softmax scale against the reference values."""
+
+import math
+
+import pytest
+import torch
+
+from k26.config import K26_TEXT_CONFIG, ConfigError, ModelConfig
+from k26.model.rope import Rope, yarn_inv_freq
+from k26.tiny import quantization_config
+
+
+def k26_config(**text_changes):
+    text = K26_TEXT_CONFIG | text_changes | {"quantization_config": quantization_config()}
+    return {"model_type": "kimi_k25", "text_config": text, "eos_token_id": 163585}
+
+
+def test_k26_nesting():
+    cfg = ModelConfig.from_dict(k26_config())
+    assert cfg.quant.int4 and cfg.num_hidden_layers == 61 and cfg.latent_dim == 576
+    assert math.isclose(cfg.softmax_scale, 0.1446796, rel_tol=1e-6)
+
+
+def test_rope_parameters_key_is_accepted():
+    text = dict(K26_TEXT_CONFIG)
+    rp = dict(text.pop("rope_scaling"), rope_type="yarn", rope_theta=text.pop("rope_theta"))
+    rp.pop("type")
+    cfg = ModelConfig.from_dict(k26_config() | {"text_config": text | {"rope_parameters": rp}})
+    assert cfg.rope.factor == 64 and cfg.rope.theta == 50000.0
+
+
+def test_k2_instruct_scale():
+    raw = K26_TEXT_CONFIG | {
+        "max_position_embeddings": 131072,
+        "rope_scaling": K26_TEXT_CONFIG["rope_scaling"] | {"factor": 32.0},
+    }
+    assert math.isclose(ModelConfig.from_dict(raw).softmax_scale, 0.1308608, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "i,k25,k2",
+    [
+        (9, 4.377666e-2, 4.768861e-2),
+        (14, 4.465849e-3, 8.794287e-3),
+        (19, 1.583750e-4, 1.621760e-3),
+        (20, 1.807023e-5, 3.614047e-5),
+        (31, 4.382206e-7, 8.764413e-7),
+    ],
+)
+def test_yarn_inv_freq_reference_values(i, k25, k2):
+    r25 = ModelConfig.from_dict(K26_TEXT_CONFIG).rope
+    raw = K26_TEXT_CONFIG | {
+        "max_position_embeddings": 131072,
+        "rope_scaling": K26_TEXT_CONFIG["rope_scaling"] | {"factor": 32.0, "beta_fast": 1.0},
+    }
+    r2 = ModelConfig.from_dict(raw).rope
+    assert math.isclose(yarn_inv_freq(r25, 64)[i].item(), k25, rel_tol=1e-5)
+    assert math.isclose(yarn_inv_freq(r2, 64)[i].item(), k2, rel_tol=1e-5)
+
+
+def test_rope_rotates_interleaved_pairs():
+    rope = Rope(ModelConfig.from_dict(K26_TEXT_CONFIG).rope, 64)
+    x = torch.randn(64)
+    y = rope(x, torch.tensor(7))
+    ang = 7 * rope.inv_freq[3]
+    x0, x1 = x[6], x[7]
+    assert torch.allclose(
+        y[6:8], torch.stack([x0 * ang.cos() - x1 * ang.sin(), x0 * ang.sin() + x1 * ang.cos()])
+    )
+
+
+def test_latent_norm_eps_switch():
+    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG)
+    assert cfg.latent_norm_eps == 1e-5
+    assert ModelConfig.from_dict(K26_TEXT_CONFIG, latent_norm_eps_mode="hf_default").latent_norm_eps == 1e-6
+    with pytest.raises(ConfigError, match="latent_norm_eps_mode='x'"):
+        ModelConfig.from_dict(K26_TEXT_CONFIG, latent_norm_eps_mode="x")
+
+
+def test_k26_tp8_shapes_are_legal():
+    ModelConfig.from_dict(k26_config()).check_tp(8)
+    with pytest.raises(ConfigError, match="tensor-parallel size 3"):
+        ModelConfig.from_dict(k26_config()).check_tp(3)

@@ -1,0 +1,176 @@
+"""The load cache: a second start reads only the rank's own bytes and gives the same weights; another
+checkpoint, another k26, a changed shard, a truncated entry or a full disk never yield stale weights."""
+
+import errno
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from k26 import load_cache
+from k26.loader import load_model
+from k26.model import TPInfo
+
+
+def params(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def ckpt(tiny_tp, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_tp[0], d)
+    return d
+
+
+def test_second_start_reads_only_its_own_bytes(ckpt, tmp_path):
+    tp = TPInfo(1, 2)
+    fresh = load_model(ckpt, tp=tp, progress=False, cache_dir=tmp_path / "c")
+    assert not fresh.load_stats.from_cache
+    again = load_model(ckpt, tp=tp, progress=False, cache_dir=tmp_path / "c")
+    assert again.load_stats.from_cache
+    own = sum(p.numel() * p.element_size() for p in again.parameters())
+    assert again.load_stats.bytes_read == own < fresh.load_stats.bytes_read
+    assert same(params(fresh), params(again))
+
+
+def test_a_changed_shard_invalidates_the_entry(ckpt, tmp_path, capsys):
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    shard = min(ckpt.glob("*.safetensors"))
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different shards; loading the checkpoint" in capsys.readouterr().err
+
+
+def test_another_k26_version_invalidates_the_entry(ckpt, tmp_path, capsys, monkeypatch):
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    monkeypatch.setattr(load_cache, "code_digest", lambda: "another k26")
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different code" in capsys.readouterr().err
+
+
+def test_an_entry_of_another_checkpoint_is_not_used(ckpt, tiny_k25, tmp_path, capsys):
+    """Two checkpoints with the same directory name get entries of their own (the path's hash is in the
+    entry's name), and the other's entry moved under this one's name is still refused by its fingerprint."""
+    other = tmp_path / "x" / "ckpt"
+    shutil.copytree(tiny_k25, other)
+    load_model(other, progress=False, cache_dir=tmp_path / "o")
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    ((theirs,), (mine,)) = (list((tmp_path / "o").iterdir()), list((tmp_path / "c").iterdir()))
+    assert theirs.name != mine.name  # same directory name, different entries
+    shutil.rmtree(mine)
+    theirs.rename(mine)
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different checkpoint" in capsys.readouterr().err
+    assert same(params(m), params(load_model(ckpt, progress=False)))
+
+
+def test_a_truncated_entry_is_not_used(ckpt, tmp_path, capsys):
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    (w,) = (tmp_path / "c").glob("*/weights.safetensors")
+    w.write_bytes(w.read_bytes()[:-100])
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "wrong size" in capsys.readouterr().err
+    assert same(params(m), params(load_model(ckpt, progress=False)))
+
+
+def test_a_full_disk_leaves_no_entry_and_only_warns(ckpt, tmp_path, monkeypatch):
+    def full(f, named):
+        f.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(load_cache, "write_safetensors", full)
+    with pytest.warns(UserWarning, match="not written .*No space left on device"):
+        m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert same(params(m), params(load_model(ckpt, progress=False)))
+    (entry,) = (tmp_path / "c").iterdir()
+    assert list(entry.iterdir()) == []  # neither weights nor meta: the next start loads fresh
+    monkeypatch.undo()
+    assert not load_model(ckpt, progress=False, cache_dir=tmp_path / "c").load_stats.from_cache
+
+
+def test_a_cache_dir_that_cannot_be_made_only_warns(ckpt, tmp_path):
+    """A file where the cache directory should be: the load succeeds and warns (the temp file's clean-up
+    raised NotADirectoryError out of the load before)."""
+    (tmp_path / "c").write_text("not a directory")
+    with pytest.warns(UserWarning, match="not written"):
+        m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache and (tmp_path / "c").read_text() == "not a directory"
+
+
+def test_entry_meta_names_what_it_was_made_from(ckpt, tmp_path):
+    load_model(ckpt, tp=TPInfo(0, 2), dtype=torch.float32, progress=False, cache_dir=tmp_path / "c")
+    (meta,) = (tmp_path / "c").glob("*/meta.json")
+    m = json.loads(meta.read_text())
+    assert re.fullmatch(r"ckpt-[0-9a-f]{12}-tp0of2-float32", meta.parent.name)
+    assert m["tp"] == [0, 2] and m["dtype"] == "torch.float32" and len(m["shards"]) == 2
+
+
+def _cached_rank(d, rank, world, port, cache, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        runs = []
+        for _ in range(2):
+            m = load_model(d, tp=TPInfo(rank, world), progress=False, group=dist.group.WORLD, cache_dir=cache)
+            runs.append((m.load_stats.from_cache, params(m)))
+        torch.save(
+            {"first": runs[0][0], "second": runs[1][0], "same": same(runs[0][1], runs[1][1])},
+            out / f"r{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_coordinated_ranks_use_the_cache_together(ckpt, tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = 29400 + os.getpid() % 300
+    args = [(ckpt, r, 2, port, tmp_path / "c", tmp_path) for r in range(2)]
+    procs = [ctx.Process(target=_cached_rank, args=a) for a in args]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for r in range(2):
+        got = torch.load(tmp_path / f"r{r}.pt")
+        assert got == {"first": False, "second": True, "same": True}, r
+
+
+def test_a_missing_or_unreadable_compile_cache_is_a_fresh_compile(tmp_path, capsys):
+    from k26.load_cache import load_compile_cache
+
+    assert load_compile_cache(tmp_path / "none.bin") is False
+    (tmp_path / "bad.bin").write_bytes(b"not torch's artifacts")
+    assert load_compile_cache(tmp_path / "bad.bin") is False
+    assert "not used" in capsys.readouterr().err
+
+
+def test_the_compile_cache_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from k26.load_cache import save_compile_cache
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    f = tmp_path / "c" / "compile.bin"
+    save_compile_cache(f)
+    assert f.read_bytes() == b"artifacts" and [p.name for p in f.parent.iterdir()] == ["compile.bin"]
+    blocked = tmp_path / "file"
+    blocked.write_text("x")  # a file where the directory should be: the write fails
+    with pytest.warns(UserWarning, match="not written"):
+        save_compile_cache(blocked / "compile.bin")
+    assert blocked.read_text() == "x"

@@ -1,0 +1,209 @@
+"""(e) Every way a checkpoint can be wrong gives one clear error naming the offending item."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k26 import LLM, CheckpointError, ConfigError
+from k26.loader import load_model
+from k26.model import TPInfo
+from k26.tokenizer import TokenizerError
+
+
+@pytest.fixture
+def ckpt(tiny_k25, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_k25, d)
+    return d
+
+
+def edit_shard(d, key, fn):
+    """Apply fn(tensors) to the shard holding `key` and rewrite the index to match."""
+    index_file = d / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    fname = index["weight_map"][key]
+    tensors = load_file(str(d / fname))
+    fn(tensors)
+    save_file(tensors, str(d / fname), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != fname} | {
+        k: fname for k in tensors
+    }
+    index_file.write_text(json.dumps(index))
+
+
+def edit_config(d, fn):
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def load_err(d) -> str:
+    with pytest.raises(CheckpointError) as e:
+        load_model(d, progress=False)
+    return str(e.value)
+
+
+Q = "language_model.model.layers.1.self_attn.q_a_proj.weight"
+PACKED = "language_model.model.layers.2.mlp.experts.5.down_proj.weight_packed"
+
+
+def test_missing_tensor_is_named(ckpt):
+    edit_shard(ckpt, Q, lambda t: t.pop(Q))
+    assert "missing tensor model.layers.1.self_attn.q_a_proj.weight" in load_err(ckpt)
+
+
+def test_missing_expert_is_named(ckpt):
+    edit_shard(ckpt, PACKED, lambda t: t.pop(PACKED))
+    assert "missing tensor model.layers.2.mlp.experts.5.down_proj.weight_packed" in load_err(ckpt)
+
+
+def test_unexpected_tensor_is_named(ckpt):
+    extra = "language_model.model.layers.1.self_attn.q_proj.weight"
+    edit_shard(ckpt, Q, lambda t: t.__setitem__(extra, torch.zeros(2, 2, dtype=torch.bfloat16)))
+    assert f"unexpected tensor {extra}" in load_err(ckpt)
+
+
+def test_wrong_shape_is_named(ckpt):
+    edit_shard(ckpt, Q, lambda t: t.__setitem__(Q, t[Q][:-1]))
+    msg = load_err(ckpt)
+    assert "model.layers.1.self_attn.q_a_proj.weight has shape [63, 128], expected [64, 128]" in msg
+
+
+def test_wrong_dtype_is_named(ckpt):
+    edit_shard(ckpt, PACKED, lambda t: t.__setitem__(PACKED, t[PACKED].to(torch.int64)))
+    assert "experts.5.down_proj.weight_packed has dtype I64" in load_err(ckpt)
+
+
+def test_float_where_int_expected(ckpt):
+    edit_shard(ckpt, Q, lambda t: t.__setitem__(Q, t[Q].to(torch.int32)))
+    assert "q_a_proj.weight has dtype I32" in load_err(ckpt)
+
+
+def test_weight_shape_disagreeing_is_named(ckpt):
+    key = PACKED.replace("packed", "shape")
+    edit_shard(ckpt, key, lambda t: t.__setitem__(key, torch.tensor([1, 2], dtype=torch.int32)))
+    assert "experts.5.down_proj.weight_shape says [1, 2]" in load_err(ckpt)
+
+
+def test_all_problems_reported_together(ckpt):
+    def both(t):
+        t.pop(Q)
+        t["language_model.model.bogus"] = torch.zeros(1)
+
+    edit_shard(ckpt, Q, both)
+    with pytest.raises(CheckpointError) as e:
+        load_model(ckpt, progress=False)
+    assert len(e.value.problems) == 2
+
+
+def test_corrupt_shard(ckpt):
+    shard = ckpt / "model-00002-of-00003.safetensors"
+    shard.write_bytes(b"\xff" * 64 + shard.read_bytes()[64:])
+    assert "shard model-00002-of-00003.safetensors is corrupt" in load_err(ckpt)
+
+
+def test_truncated_shard(ckpt):
+    shard = ckpt / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert "model-00001-of-00003.safetensors is corrupt" in load_err(ckpt)
+
+
+def test_missing_shard_file(ckpt):
+    (ckpt / "model-00003-of-00003.safetensors").unlink()
+    assert "shard model-00003-of-00003.safetensors named by the index is missing" in load_err(ckpt)
+
+
+def test_index_names_tensor_absent_from_shard(ckpt):
+    index_file = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"]["language_model.model.layers.0.ghost"] = "model-00001-of-00003.safetensors"
+    index_file.write_text(json.dumps(index))
+    assert "language_model.model.layers.0.ghost is listed in the index" in load_err(ckpt)
+
+
+def test_single_file_checkpoint_loads(tiny_bf16):
+    # tiny_bf16 has one shard; without the index the loader reads *.safetensors directly.
+    d = tiny_bf16.parent / "single"
+    shutil.copytree(tiny_bf16, d)
+    (d / "model.safetensors.index.json").unlink()
+    assert load_model(d, progress=False).cfg.quant.kind == "none"
+
+
+def test_vision_tensors_are_skipped(tiny_k25):
+    names = json.loads((tiny_k25 / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(n.startswith("vision_tower.") for n in names)
+    load_model(tiny_k25, progress=False)
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported"),
+        (lambda c: c["text_config"].pop("hidden_size"), "text_config.hidden_size is missing"),
+        (lambda c: c["text_config"].update(num_hidden_layers=-1), "text_config.num_hidden_layers=-1"),
+        (lambda c: c["text_config"].update(scoring_func="softmax"), "text_config.scoring_func='softmax'"),
+        (lambda c: c["text_config"]["rope_scaling"].update(type="linear"), "rope_scaling.type='linear'"),
+        (lambda c: c["text_config"]["rope_scaling"].update(factor=3.0), "rope_scaling.factor=3.0 disagrees"),
+        (lambda c: c["text_config"].update(num_experts_per_tok=99), "num_experts_per_tok=99"),
+        (lambda c: c["text_config"].update(n_group=3), "n_group=3"),
+        (
+            lambda c: c["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+                group_size=128
+            ),
+            "weights.group_size=128",
+        ),
+        (
+            lambda c: c["text_config"].update(quantization_config={"quant_method": "fp8"}),
+            "quant_method='fp8'",
+        ),
+        (
+            lambda c: c["text_config"].update(quantization_config={"quant_method": "awq"}),
+            "quant_method='awq'",
+        ),
+        (lambda c: c["text_config"].update(num_nextn_predict_layers=1), "num_nextn_predict_layers=1"),
+    ],
+)
+def test_bad_config_is_named(ckpt, edit, needle):
+    edit_config(ckpt, edit)
+    with pytest.raises(ConfigError) as e:
+        LLM(ckpt, device="cpu", progress=False)
+    assert needle in str(e.value)
+
+
+def test_config_not_json(ckpt):
+    (ckpt / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        LLM(ckpt, device="cpu", progress=False)
+
+
+def test_no_such_directory(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(tmp_path / "nope", device="cpu", progress=False)
+
+
+def test_missing_tokenizer(ckpt):
+    (ckpt / "tiktoken.model").unlink()
+    with pytest.raises(TokenizerError, match="tiktoken.model is missing"):
+        LLM(ckpt, device="cpu", progress=False)
+
+
+def test_config_and_checkpoint_disagree(ckpt):
+    # A config that promises more layers than the weights hold: every missing tensor of layer 3 is named.
+    edit_config(ckpt, lambda c: c["text_config"].update(num_hidden_layers=4))
+    assert "missing tensor model.layers.3.input_layernorm.weight" in load_err(ckpt)
+
+
+def test_tp_size_that_does_not_divide(tiny_k25):
+    with pytest.raises(ConfigError, match="size 3 does not divide num_attention_heads=4, .*vocab_size=640"):
+        load_model(tiny_k25, tp=TPInfo(0, 3), progress=False)
+
+
+def test_tp_size_that_splits_int4_groups(tiny_k25):
+    # moe_intermediate_size 64 / 2 = 32 keeps groups; / 4 = 16 would cut a group of 32.
+    with pytest.raises(
+        ConfigError, match="size 4 does not divide moe_intermediate_size=64 .*splits an int4 group"
+    ):
+        load_model(tiny_k25, tp=TPInfo(0, 4), progress=False)

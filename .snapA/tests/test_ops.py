@@ -1,0 +1,204 @@
+"""Every torch.ops.k26 op has a schema, a fake and a reference that agree (torch.library.opcheck)."""
+
+import pytest
+import torch
+from oracles import random_int4_experts
+
+import k26.ops  # noqa: F401  (registers the ops)
+from k26.ops import OPS, causal_words, reference
+
+
+def test_ops_lists_every_registered_op():
+    """OPS is the list the fake check below walks: every op the package registers is in it."""
+    import k26.engine  # noqa: F401  (everything the LLM imports: the model, dist, the decoder)
+
+    registered = {
+        n.removeprefix("k26::") for n in torch._C._dispatch_get_all_op_names() if n.startswith("k26::")
+    }
+    assert registered == set(OPS)
+
+
+def test_every_op_is_registered_with_a_fake():
+    for name in OPS:
+        op = getattr(torch.ops.k26, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") or torch.library.get_kernel(
+            op, "Meta"
+        ), name
+
+
+def moe_inputs(T=5, E=4, D=64, inter=64, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return (x, *random_int4_experts(E, D, inter, g, min_scale=0.0), ids, w)
+
+
+def test_moe_opcheck():
+    torch.library.opcheck(
+        torch.ops.k26.moe_w4a16.default, moe_inputs(), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_add_rmsnorm_opcheck():
+    g = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(3, 64, generator=g).bfloat16() for _ in range(2))
+    torch.library.opcheck(torch.ops.k26.add_rmsnorm.default, (x, residual, torch.rand(64).bfloat16(), 1e-6))
+
+
+def test_moe_reference_is_per_token_sum():
+    args = moe_inputs(T=3)
+    x, ids, w = args[0], args[7], args[8]
+    out = torch.ops.k26.moe_w4a16(*args)
+    from k26.ops import dequantize_int4
+
+    for t in range(3):
+        acc = torch.zeros(64)
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            wg, wu, wd = (dequantize_int4(args[i][e], args[i + 1][e], torch.float32) for i in (1, 3, 5))
+            acc += w[t, k] * (wd @ (torch.nn.functional.silu(wg @ x[t]) * (wu @ x[t])))
+        assert torch.allclose(out[t], acc, rtol=1e-4, atol=1e-4)
+
+
+def attention_inputs(B=2, N=5, H=3, C=40, v=32, L=16):
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(4, L, C, generator=g)
+    q = torch.randn(B, N, H, C, generator=g)
+    return q, cache, torch.tensor([2, 0]), torch.tensor([6, 3]), causal_words(B, N, "cpu"), 0.3, v
+
+
+def rotary_inputs():
+    """attention_inputs() with the query split: its first C - 4 dims and a 4-dim rotary part before RoPE."""
+    q, cache, rows, prefix, words, scale, v = attention_inputs()
+    g = torch.Generator().manual_seed(7)
+    positions = prefix[:, None] + torch.arange(q.shape[1])
+    inv_freq = torch.rand(2, generator=g)
+    return (q[..., :-4], cache, rows, prefix, words, scale, v, False, q[..., -4:], positions, inv_freq)
+
+
+@pytest.mark.parametrize("inputs", [attention_inputs, rotary_inputs], ids=["whole_query", "rotary_query"])
+def test_attention_opcheck(inputs):
+    torch.library.opcheck(
+        torch.ops.k26.mla_tree_attention.default, inputs(), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_rope_rotates_interleaved_pairs_by_position_times_frequency():
+    g = torch.Generator().manual_seed(3)
+    x, pos, freq = (
+        torch.randn(2, 3, 8, generator=g),
+        torch.randint(0, 5000, (2, 3), generator=g),
+        torch.rand(4),
+    )
+    # Independently: pairs (2i, 2i + 1) as complex numbers times e^{i · angle}, the angle pos · freq_i in fp32
+    # as specified (at pos ~ 5000 its rounding alone moves the result by ~1e-4).
+    angle = (pos[..., None].float() * freq).double()
+    turn = torch.polar(torch.ones(2, 3, 4, dtype=torch.float64), angle)
+    want = torch.view_as_real(torch.view_as_complex(x.double().unflatten(-1, (4, 2)).contiguous()) * turn)
+    assert torch.allclose(reference.rope(x, pos, freq).double(), want.flatten(-2), atol=1e-4)
+
+
+def test_rotary_query_attends_as_its_rotated_concatenation():
+    q, cache, rows, prefix, words, scale, v, static, q_pe, positions, inv_freq = rotary_inputs()
+    whole = torch.cat([q, reference.rope(q_pe, positions[:, :, None], inv_freq)], dim=-1)
+    got = torch.ops.k26.mla_tree_attention(
+        q, cache, rows, prefix, words, scale, v, static, q_pe, positions, inv_freq
+    )
+    want = torch.ops.k26.mla_tree_attention(whole, cache, rows, prefix, words, scale, v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(whole[..., -4:], q_pe)  # the rotation did something
+
+
+def test_attention_front_door_names_why_it_runs_the_reference():
+    from k26.ops.attention_cuda import _unsupported
+
+    bf = torch.zeros(1, 1, 8, 512, dtype=torch.bfloat16)
+    assert _unsupported(bf.float(), 576, 512, None) == "dtype torch.float32"
+    assert "key width 64" in _unsupported(bf[..., :64], 64, 32, None)
+    assert "rotary query of 448 + 128" in _unsupported(bf[..., :448], 576, 512, bf[..., :128])
+    assert _unsupported(bf, 576, 512, bf[..., :64]) is None
+
+
+def test_write_cache_opcheck():
+    cache = torch.randn(3, 12, 8)
+    args = (cache, torch.randn(2, 4, 8), torch.tensor([2, 0]), torch.tensor([3, 8]))
+    torch.library.opcheck(
+        torch.ops.k26.mla_write_cache.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+    torch.ops.k26.mla_write_cache(*args)
+    assert torch.equal(cache[2, 3:7], args[1][0]) and torch.equal(cache[0, 8:12], args[1][1])
+
+
+def test_attention_lse_and_visibility():
+    q, cache, rows, prefix, words, scale, v = attention_inputs()
+    out, lse = torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
+    # Query n of sequence 1 sees cache row 0 slots [0, 3 + n]; check one by hand.
+    keys = cache[0, : 3 + 2 + 1]
+    s = (q[1, 2] @ keys.T) * scale
+    assert torch.allclose(lse[1, 2], torch.logsumexp(s, -1), atol=1e-5)
+    assert torch.allclose(out[1, 2], torch.softmax(s, -1) @ keys[:, :v], atol=1e-5)
+
+
+def test_attention_refuses_overflowing_cache():
+    q, cache, rows, prefix, words, scale, v = attention_inputs(L=8)
+    with pytest.raises(ValueError, match="exceeds cache length"):
+        reference.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
+
+
+# -- DDTree builder ---------------------------------------------------------------------------------
+def tree_inputs(B=2, L=4, V=50, budget=12, seed=2):
+    lp = torch.log_softmax(torch.randn(B, L, V, generator=torch.Generator().manual_seed(seed)) * 2, -1)
+    return (*lp.topk(min(budget, V), dim=-1), budget)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 50, 12), (1, 1, 7, 3), (3, 6, 5, 40)])
+def test_ddtree_opcheck(shape):
+    """Schema, fake (output shapes / dtypes for compile and capture) and reference agree; (3, 6, 5, 40)
+    has fewer prefixes than the budget, so the outputs carry padding."""
+    B, L, V, budget = shape
+    torch.library.opcheck(
+        torch.ops.k26.ddtree_build.default,
+        tree_inputs(B, L, V, budget),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_ddtree_fake_has_the_reference_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lp, tok, budget = tree_inputs(B=3, L=5, V=90, budget=70)  # 71 nodes: two ancestor words per node
+    real = torch.ops.k26.ddtree_build(lp, tok, budget)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.k26.ddtree_build(mode.from_tensor(lp), mode.from_tensor(tok), budget)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    assert real[4].shape == (3, 71, 2)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (lambda lp, tok: (lp, tok, 0), "budget=0"),
+        (lambda lp, tok: (lp[0], tok[0], 4), "lp must be floating"),
+        (lambda lp, tok: (lp.long(), tok, 4), "lp must be floating"),
+        (lambda lp, tok: (lp, tok[:, :2], 4), "tok must be integer"),
+        (lambda lp, tok: (lp, tok.float(), 4), "tok must be integer"),
+        (lambda lp, tok: (lp, tok.to("meta"), 4), "tok is on meta"),
+        (lambda lp, tok: (lp[:, :0], tok[:, :0], 4), "lp needs at least one depth"),
+    ],
+)
+def test_ddtree_front_door_names_the_argument(args, needle):
+    lp, tok, _ = tree_inputs()
+    with pytest.raises(ValueError, match=f"ddtree_build: {needle}"):
+        torch.ops.k26.ddtree_build(*args(lp, tok))
+
+
+@pytest.mark.parametrize(
+    "budget, K, width", [(1, 1, 1), (12, 12, 12), (31, 8, 31), (255, 255, 200), (40, 5, 3)]
+)
+def test_ddtree_admissible_children_made_on_the_device_match_the_rule(budget, K, width):
+    """The reference's candidate children, made from tensors (graph-safe), are exactly the (i, j) with
+    (i+1)(j+1) <= budget, i < width, j < K, parent-major."""
+    pi, pj = reference._admissible(budget, K, width, "cpu")
+    want = [(i, j) for i in range(min(budget, width)) for j in range(K) if (i + 1) * (j + 1) <= budget]
+    assert list(zip(pi.tolist(), pj.tolist())) == want

@@ -1,0 +1,295 @@
+"""`python -m k26 serve`: the official `openai` client against a server on a free loopback port, CPU, the
+embedded pair with DDTree. Greedy output equals `LLM.generate`; concurrent streams equal their solo runs;
+a dropped client frees its row; every bad input gets its 4xx with an OpenAI-style error; a load run loses
+and duplicates nothing."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from k26 import LLM, SamplingParams, SpecConfig
+from k26.server import Engine, create_app
+
+MODEL = "k26-test"
+SPEC = SpecConfig("ddtree", 8)
+PROMPTS = [
+    "def main(",
+    "import os\n",
+    "class Foo(object):\n",
+    "    return ",
+    "for i in range(",
+    "if __name__ ==",
+    "# Copyright",
+    "self.",
+]
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=8, max_model_len=96)
+    # references first: once the engine runs, its thread alone may touch the model
+    refs = {p: llm.generate(p, SamplingParams(max_tokens=12), SPEC)[0] for p in PROMPTS}
+    short = {p: llm.generate(p, SamplingParams(max_tokens=2), SPEC)[0].text for p in PROMPTS}
+    engine = Engine(llm, SPEC, max_waiting=64)
+    engine.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    yield {"url": url, "client": client, "engine": engine, "refs": refs, "short": short, "llm": llm}
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.stop()
+
+
+def greedy(**kw):
+    return dict(temperature=0, max_tokens=12, **kw)
+
+
+def raw(url: str, path: str, data: bytes | None = None, method: str | None = None) -> tuple[int, dict | str]:
+    req = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            body = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        body, status = e.read().decode(), e.code
+    try:
+        return status, json.loads(body)
+    except json.JSONDecodeError:
+        return status, body
+
+
+def metric(url: str, name: str) -> float:
+    text = raw(url, "/metrics")[1]
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_models_health_and_metrics(served):
+    assert [m.id for m in served["client"].models.list().data] == [MODEL]
+    assert raw(served["url"], "/health") == (200, {"status": "ok"})
+    text = raw(served["url"], "/metrics")[1]
+    for name in (
+        "k26_generation_tokens_per_second",
+        "k26_tau",
+        "k26_step_seconds_mean",
+        "k26_requests_running",
+        "k26_requests_waiting",
+    ):
+        assert f"# TYPE {name} gauge" in text
+
+
+def test_greedy_completion_equals_generate(served):
+    c = served["client"]
+    for p in PROMPTS[:3]:
+        ref = served["refs"][p]
+        r = c.completions.create(model=MODEL, prompt=p, **greedy())
+        assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_completion_equals_whole(served):
+    c = served["client"]
+    whole = c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy())
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy()))
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+
+
+def test_chat_whole_and_streamed(served):
+    c, llm = served["client"], served["llm"]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def main("}]
+    ref = llm.tokenizer.chat(msgs)
+    whole = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
+    assert whole.usage.prompt_tokens == len(ref) and whole.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        temperature=0,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # the usage chunk comes last
+
+
+def test_stop_string_and_seeded_sampling(served):
+    c = served["client"]
+    full = c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy()).choices[0].text
+    stop = full[3:9]  # long enough to straddle tokens and steps
+    cut = c.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], **greedy()).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+    chunks = c.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], stream=True, **greedy())
+    assert "".join(ch.choices[0].text for ch in chunks) == cut.text  # no piece of the stop string leaks
+    kw = {
+        "model": MODEL,
+        "prompt": PROMPTS[1],
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "max_tokens": 10,
+        "seed": 7,
+        "extra_body": {"top_k": 50},
+    }
+    a = c.completions.create(**kw).choices[0].text
+    with ThreadPoolExecutor(
+        4
+    ) as ex:  # the seed is the request's own: its neighbours in the batch do not matter
+        together = list(ex.map(lambda _: c.completions.create(**kw).choices[0].text, range(4)))
+    assert together == [a] * 4
+
+
+def test_eight_concurrent_streams_each_equal_alone(served):
+    c = served["client"]
+
+    def one(p):
+        return "".join(
+            ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=p, stream=True, **greedy())
+        )
+
+    alone = [c.completions.create(model=MODEL, prompt=p, **greedy()).choices[0].text for p in PROMPTS]
+    with ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(one, PROMPTS))
+    assert together == alone
+
+
+def test_dropped_client_frees_its_row(served):
+    url, c = served["url"], served["client"]
+    before = metric(url, "k26_requests_cancelled_total")
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps(
+            {"model": MODEL, "prompt": "def f(", "max_tokens": 80, "temperature": 0, "stream": True}
+        ).encode(),
+    )
+    r = urllib.request.urlopen(req, timeout=60)
+    assert r.readline().startswith(b"data: {")  # the stream is running
+    r.close()  # the client goes away mid-stream
+    deadline = time.time() + 20
+    while time.time() < deadline and (
+        metric(url, "k26_requests_cancelled_total") <= before or metric(url, "k26_requests_running") > 0
+    ):
+        time.sleep(0.1)
+    assert metric(url, "k26_requests_cancelled_total") == before + 1
+    assert metric(url, "k26_requests_running") == 0
+    later = c.completions.create(model=MODEL, prompt=PROMPTS[2], **greedy())
+    assert later.usage.completion_tokens > 0
+
+
+BAD = [
+    ("/v1/completions", b'{"model": "k26-test", "prompt": ', 400, None),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 200}, 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x " * 200}]},
+        400,
+        "messages",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        400,
+        "tools",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of_the_rest": 1}, 400, "best_of_the_rest"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{b[2]}-{b[3]}" for b in BAD])
+def test_bad_input_gets_its_4xx(served, path, body, status, param):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, err = raw(served["url"], path, data)
+    assert got == status, err
+    assert set(err["error"]) >= {"message", "type", "param"} and err["error"]["message"]
+    assert err["error"]["param"] == param
+    assert raw(served["url"], "/health")[0] == 200  # the server stays up
+
+
+def test_full_queue_answers_429(served):
+    engine, c = served["engine"], served["client"]
+    engine.max_waiting = 0
+    try:
+        with pytest.raises(openai.RateLimitError, match="capacity"):
+            c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    finally:
+        engine.max_waiting = 64
+    assert c.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_failed_step_answers_500_and_the_server_goes_on(served, monkeypatch):
+    c, llm = served["client"], served["llm"]
+
+    def broken():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(llm, "step", broken)
+    with pytest.raises(openai.InternalServerError, match="injected step failure"):
+        c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy())
+    monkeypatch.undo()
+    ref = served["refs"][PROMPTS[0]]
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy()).choices[0].text == ref.text
+
+
+def test_load_run_loses_and_duplicates_nothing(served):
+    """200 greedy requests, 16 at a time, over 8 rows: each answer is its own prompt's, none lost or twice."""
+    c, url, short = served["client"], served["url"], served["short"]
+    done_before = metric(url, "k26_requests_finished_total")
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(200)]
+
+    def one(p):
+        r = c.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=2)
+        return r.id, r.choices[0].text, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(one, jobs))
+    assert len({g[0] for g in got}) == 200
+    for p, (_, text, n) in zip(jobs, got):
+        assert text == short[p] and n <= 2
+    assert metric(url, "k26_requests_finished_total") == done_before + 200
+    assert metric(url, "k26_requests_waiting") == 0

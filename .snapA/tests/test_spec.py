@@ -1,0 +1,425 @@
+"""DDTree / DFlash: tree builder == heap, lossless greedy and sampling, KV commit, drafter exactness."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracles import random_prompts
+
+import k26.spec.step as step_mod
+from k26 import LLM, SamplingParams, SpecConfig
+from k26.config import ConfigError
+from k26.sampling import RowSampling, sample_rows
+from k26.spec.accept import accept_walk, commit_latent
+from k26.spec.tree import build_ddtree, build_ddtree_heap, chain_tree
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_k25, drafter_dir):
+    return LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=8,
+        max_model_len=256,
+    )
+
+
+# -- tree ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [1, 2, 5, 16, 63, 128, 512])
+@pytest.mark.parametrize("depth", [1, 3, 7, 15])
+def test_tree_is_the_heap_tree(budget, depth):
+    lp = torch.log_softmax(
+        torch.randn(3, depth, 700, generator=torch.Generator().manual_seed(budget + depth)) * 3, -1
+    )
+    tree = build_ddtree(lp, budget)
+    for b, (tok, par, dep) in enumerate(build_ddtree_heap(lp, budget)):
+        n = len(tok)
+        assert tree.tokens[b, 1:n].tolist() == tok[1:]
+        assert tree.parents[b, :n].tolist() == par and tree.depths[b, :n].tolist() == dep
+        assert tree.valid[b, :n].all() and not tree.valid[b, n:].any()
+
+
+def test_tree_pads_when_fewer_prefixes_than_budget():
+    lp = torch.log_softmax(torch.randn(1, 2, 3), -1)  # 3 + 9 = 12 prefixes
+    tree = build_ddtree(lp, 20)
+    assert tree.num_nodes == 21 and int(tree.valid.sum()) == 13
+    assert not tree.ancestors[0, 13:, 0].any()  # padding never sees the root
+
+
+def test_tree_scores_and_visibility():
+    lp = torch.log_softmax(torch.randn(2, 4, 50), -1)
+    tree = build_ddtree(lp, 24)
+    for b in range(2):
+        for i in range(1, 25):
+            p = int(tree.parents[b, i])
+            assert p < i and tree.depths[b, i] == tree.depths[b, p] + 1
+            want = tree.ancestors[b, p].clone()
+            want[i] = True
+            assert torch.equal(tree.ancestors[b, i], want)
+        assert (tree.scores[b, 1:].diff() <= 0).all()  # pop order is score order
+
+
+def test_chain_is_top1_tree():
+    lp = torch.log_softmax(torch.randn(2, 7, 30), -1)
+    chain, tree = chain_tree(lp), build_ddtree(lp, 7)
+    top1 = lp.argmax(-1)
+    assert torch.equal(chain.tokens[:, 1:], top1) and chain.parents[0].tolist() == list(range(-1, 7))
+    assert set(tree.tokens[0, 1:].tolist()) >= {int(top1[0, 0])}
+
+
+# -- acceptance ---------------------------------------------------------------------------------
+def test_sampling_walk_matches_autoregressive_distribution():
+    """V = 4, depth 2: the first two tokens of (walk + next step) vs direct AR sampling, chi-square."""
+    g = torch.Generator().manual_seed(0)
+    V, n = 4, 40000
+    p1 = torch.softmax(torch.randn(V, generator=g), -1)
+    p2 = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)  # p2[x1] = p(x2 | x1)
+    lp = torch.log_softmax(torch.randn(1, 2, V, generator=g), -1).expand(n, -1, -1)
+    tree = build_ddtree(lp, 5)
+    # node logits: root -> p1, node u (depth 1, token x) -> p2[x], depth-2 nodes arbitrary
+    logits = torch.randn(n, tree.num_nodes, V, generator=g)
+    logits[:, 0] = p1.log()
+    for i in range(1, tree.num_nodes):
+        if tree.depths[0, i] == 1:
+            logits[:, i] = p2[tree.tokens[0, i]].log()
+    noise = torch.empty(n, tree.num_nodes, V).exponential_(1.0, generator=g)
+    choice = sample_rows(logits, RowSampling.of([SamplingParams(temperature=1.0)] * n, "cpu", noise))
+    path, n_acc, bonus = accept_walk(tree, choice)
+    first = torch.where(n_acc >= 1, tree.tokens.gather(1, path[:, 1:2].clamp_min(0))[:, 0], bonus)
+    second_in_step = torch.where(n_acc >= 2, tree.tokens.gather(1, path[:, 2:3].clamp_min(0))[:, 0], bonus)
+    nxt = torch.multinomial(p2[first], 1, generator=g)[:, 0]  # what the next step would sample
+    second = torch.where(n_acc >= 1, second_in_step, nxt)
+    got = torch.bincount(first * V + second, minlength=V * V).float()
+    want = (p1[:, None] * p2).flatten() * n
+    chi2 = ((got - want) ** 2 / want).sum().item()
+    assert chi2 < 37.7, chi2  # df = 15, p = 0.001
+
+
+def test_greedy_walk_follows_argmax():
+    lp = torch.log_softmax(torch.randn(1, 3, 10, generator=torch.Generator().manual_seed(4)), -1)
+    tree = build_ddtree(lp, 6)
+    logits = torch.full((1, 7, 10), -5.0)
+    # the target agrees with node 1's token at the root, then picks a token none of node 1's children carry
+    logits[0, 0, tree.tokens[0, 1]] = 5.0
+    children = set(tree.tokens[0][tree.parents[0] == 1].tolist())
+    logits[0, 1, next(t for t in range(10) if t not in children)] = 5.0
+    path, n_acc, bonus = accept_walk(tree, sample_rows(logits, RowSampling.of([SamplingParams()], "cpu")))
+    assert path[0, :2].tolist() == [0, 1] and int(n_acc) == 1
+    assert int(bonus) == int(logits[0, 1].argmax())
+
+
+def test_commit_moves_accepted_rows():
+    cache = torch.randn(2, 3, 20, 5)
+    before = cache.clone()
+    start, rows = torch.tensor([4, 7]), torch.tensor([2, 0])
+    path = torch.tensor([[0, 2, 5, -1], [0, 1, 2, 3]])
+    commit_latent(cache, rows, start, path.clamp_min(0))
+    assert torch.equal(cache[:, 2, 4:7], before[:, 2, [4, 6, 9]])
+    assert torch.equal(cache[:, 0, 7:11], before[:, 0, 7:11])
+    assert torch.equal(cache[:, 1], before[:, 1])
+
+
+# -- end to end: lossless greedy -----------------------------------------------------------------
+def oracle_draft(reference: dict, noise: float, seed: int):
+    """A drafter stand-in that knows the AR continuation (keyed by prompt) but sometimes ranks the true
+    token 2nd/3rd or misses it: exercises deep acceptance, sibling walks and KV compaction."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draft(target, drafter, dcache, rows, start, bonus):
+        B, L, V = bonus.shape[0], drafter.cfg.block_size - 1, target.cfg.vocab_size
+        lp = torch.randn(B, L, V, generator=g)
+        for b in range(B):
+            seq = reference.get(int(rows[b]), [])
+            for d in range(L):
+                pos = int(start[b]) + 1 + d
+                if pos < len(seq):
+                    r = torch.rand(1, generator=g).item()
+                    lp[b, d, seq[pos]] = (
+                        20.0 if r > noise else (lp[b, d].max() - 0.1 if r > noise / 3 else -20.0)
+                    )
+        return torch.log_softmax(lp, -1)
+
+    return draft
+
+
+def as_topk(draft):
+    """Adapt a full-vocabulary drafter stand-in to the step's `draft_topk` hook."""
+
+    def draft_topk(target, drafter, dcache, rows, start, bonus, k, static=False):
+        return draft(target, drafter, dcache, rows, start, bonus).topk(k, dim=-1)
+
+    return draft_topk
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecConfig("dflash"),
+        SpecConfig("ddtree"),
+        SpecConfig("ddtree", 4),
+        SpecConfig("ddtree", 16),
+        SpecConfig("ddtree", 40),
+    ],
+)
+def test_greedy_lossless_with_oracle_drafts(llm, spec, monkeypatch):
+    prompts = random_prompts(24, 1, 30, seed=len(str(spec)))
+    sp = SamplingParams(max_tokens=24, stop_token_ids=[])
+    ar = llm.generate(prompts, sp, SpecConfig("ar"))
+    taus = []
+    for start in range(0, 24, 8):
+        chunk = prompts[start : start + 8]
+        ref = {b: p + a.token_ids for b, (p, a) in enumerate(zip(chunk, ar[start : start + 8]))}
+        monkeypatch.setattr(step_mod, "draft_topk", as_topk(oracle_draft(ref, noise=0.3, seed=start)))
+        out = llm.generate(chunk, sp, spec)
+        for o, a in zip(out, ar[start : start + 8]):
+            assert o.token_ids == a.token_ids
+            taus.append(o.stats.tau)
+    assert sum(taus) / len(taus) > 1.5  # the oracle is right often enough that real acceptance happened
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 10)])
+def test_greedy_lossless_with_real_drafter(llm, spec):
+    prompts = random_prompts(40, 1, 40, seed=3)
+    sp = SamplingParams(max_tokens=16, stop_token_ids=[])
+    ar = llm.generate(prompts, sp, SpecConfig("ar"))
+    out = llm.generate(prompts, sp, spec)
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    assert all(len(o.stats.accepted_per_step) >= 1 for o in out)
+
+
+def test_spec_sampling_is_seeded(llm):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=11, stop_token_ids=[])
+    a = llm.generate([[1, 2, 3]], sp, SpecConfig("ddtree", 8))[0].token_ids
+    b = llm.generate([[1, 2, 3]], sp, SpecConfig("ddtree", 8))[0].token_ids
+    assert a == b and len(a) == 12
+
+
+def test_stop_token_inside_accepted_block(llm, monkeypatch):
+    sp = SamplingParams(max_tokens=30, stop_token_ids=[])
+    ar = llm.generate([[4, 5, 6]], sp, SpecConfig("ar"))[0].token_ids
+    monkeypatch.setattr(step_mod, "draft_topk", as_topk(oracle_draft({0: [4, 5, 6] + ar}, noise=0.0, seed=1)))
+    stop = ar[5]
+    out = llm.generate(
+        [[4, 5, 6]], SamplingParams(max_tokens=30, stop_token_ids=[stop]), SpecConfig("ddtree", 8)
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == ar[: ar.index(stop)]
+
+
+# -- drafter --------------------------------------------------------------------------------------
+def test_drafter_matches_plain_attention(llm):
+    """Cached, chunked context + block forward == one plain attention over [context ; block] from scratch."""
+    d = llm.drafter
+    cfg = d.cfg
+    g = torch.Generator().manual_seed(9)
+    C, S = 11, cfg.block_size
+    feat = torch.randn(1, C, len(cfg.target_layer_ids) * cfg.hidden_size, generator=g)
+    x = torch.randn(1, S, cfg.hidden_size, generator=g)
+    k_cache, v_cache = torch.zeros_like(llm.dcache.k), torch.zeros_like(llm.dcache.v)
+    rows = torch.tensor([3])
+    d.append_context(k_cache, v_cache, feat[:, :6], torch.arange(6)[None], rows)
+    d.append_context(k_cache, v_cache, feat[:, 6:], torch.arange(6, C)[None], rows)
+    pos_blk = torch.arange(C, C + S)[None]
+    got = d(x, pos_blk, k_cache, v_cache, rows, torch.tensor([C]))
+
+    def rms(t, w, eps=cfg.rms_norm_eps):
+        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(t, pos):  # NeoX half-split, YaRN frequencies, legacy attention factor on cos and sin
+        ang = pos[..., None, None].float() * d.rope.inv_freq
+        cos, sin = ang.cos() * cfg.attention_factor, ang.sin() * cfg.attention_factor
+        a, b = t.chunk(2, -1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+    ctx = rms(F.linear(feat, d.fc.weight), d.hidden_norm.weight)
+    h = x
+    allpos = torch.arange(C + S)[None]
+    for layer in d.layers:
+        at = layer.self_attn
+        hn = rms(h, layer.input_layernorm.weight)
+        kv_in = torch.cat([ctx, hn], 1)
+        q = rope(rms(F.linear(hn, at.q_proj.weight).view(1, S, -1, cfg.head_dim), at.q_norm.weight), pos_blk)
+        k = rope(
+            rms(F.linear(kv_in, at.k_proj.weight).view(1, C + S, -1, cfg.head_dim), at.k_norm.weight), allpos
+        )
+        v = F.linear(kv_in, at.v_proj.weight).view(1, C + S, -1, cfg.head_dim)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.repeat_interleave(rep, 2).transpose(1, 2),
+            v.repeat_interleave(rep, 2).transpose(1, 2),
+            scale=cfg.head_dim**-0.5,
+        )
+        h = h + F.linear(o.transpose(1, 2).reshape(1, S, -1), at.o_proj.weight)
+        m = layer.mlp
+        hn2 = rms(h, layer.post_attention_layernorm.weight)
+        h = h + F.linear(
+            F.silu(F.linear(hn2, m.gate_proj.weight)) * F.linear(hn2, m.up_proj.weight), m.down_proj.weight
+        )
+    want = rms(h, d.norm.weight)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_drafter_rope_factor_switch(drafter_dir):
+    from k26.drafter_config import DrafterConfig
+
+    legacy = DrafterConfig.from_dir(drafter_dir)
+    plain = DrafterConfig.from_dir(drafter_dir, rope_attention_factor="config")
+    assert legacy.attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+    assert plain.attention_factor == 1.0
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda c: c.update(hidden_size=64), "hidden_size 64 != target hidden_size 128"),
+        (lambda c: c.update(vocab_size=100), "vocab_size 100 != target"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), "target_layer_ids [9] beyond"),
+        (lambda c: c["dflash_config"].update(mask_token_id=5000), "mask_token_id 5000 outside"),
+        (lambda c: c.update(block_size=1), "block_size=1"),
+        (lambda c: c.pop("dflash_config"), "no 'dflash_config'"),
+    ],
+)
+def test_bad_drafter_is_refused(tiny_k25, drafter_dir, tmp_path, edit, needle):
+    d = tmp_path / "d"
+    shutil.copytree(drafter_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        LLM(tiny_k25, drafter=d, device="cpu", progress=False)
+
+
+def test_bad_spec_config(llm, tiny_k25):
+    with pytest.raises(ValueError, match="budget=0"):
+        SpecConfig("ddtree", 0)
+    with pytest.raises(ValueError, match="budget=300"):
+        SpecConfig("ddtree", 300)
+    with pytest.raises(ValueError, match="method='beam'"):
+        SpecConfig("beam")
+    plain = LLM(tiny_k25, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        plain.generate([1, 2], spec=SpecConfig("dflash"))
+
+
+def test_head_topk_and_argmax_match_full_vocab(llm):
+    h = torch.randn(2, 3, llm.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    head = llm.model.lm_head
+    full = torch.log_softmax(head(h), -1)
+    lp, ids = head.topk_logprobs(h, 9)
+    want_lp, want_ids = full.topk(9, dim=-1)
+    assert torch.allclose(lp, want_lp, atol=1e-5) and torch.equal(ids, want_ids)
+    assert torch.equal(head.argmax(h), full.argmax(-1))
+
+
+def test_spec_runs_to_the_context_end_like_ar(tiny_k25, drafter_dir):
+    llm = LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=2,
+        max_model_len=64,
+    )
+    prompts = [list(range(3, 43)), list(range(50, 60))]
+    sp = SamplingParams(max_tokens=60, stop_token_ids=[])
+    ar = llm.generate(prompts, sp, SpecConfig("ar"))
+    for spec in (SpecConfig("dflash"), SpecConfig("ddtree", 12)):
+        out = llm.generate(prompts, sp, spec)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+        assert [o.finish_reason for o in out] == [o.finish_reason for o in ar]
+
+
+def test_ar_fallback_near_the_context_end_keeps_the_drafter_context(tiny_k25, drafter_dir):
+    """Row 0 runs out of room for a verify tree first, so the whole batch steps autoregressively for a
+    while; row 1's drafter context must still hold every committed position, exactly what a prefill of
+    its whole sequence writes (else its later drafts read stale features)."""
+    from k26.spec.step import prefill
+
+    llm = LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=3,
+        max_model_len=64,
+    )
+    prompts = [list(range(3, 43)), list(range(50, 60))]
+    out = llm.generate(prompts, SamplingParams(max_tokens=40, stop_token_ids=[]), SpecConfig("ddtree", 12))
+    seq = prompts[1] + out[1].token_ids
+    n = len(seq) - 1  # the last token is the pending bonus: not in any cache yet
+    m = llm.decoder.ctx.models()
+    prefill(m, [seq[:n]], torch.tensor([2]), aux=True)  # row 2: the batch used rows 0 and 1
+    k = llm.dcache.k
+    stale = ((k[:, 1, :n] - k[:, 2, :n]).abs().amax((0, 2, 3)) > 1e-4).nonzero()[:, 0].tolist()
+    assert not stale, f"drafter context differs at positions {stale} of {n}"
+
+
+def test_phase_timer_holds_a_bounded_number_of_spans():
+    """A long eager generation times every phase of every step: the timer keeps totals, not the spans."""
+    from k26.spec.step import PhaseTimer
+
+    timer, n = PhaseTimer(torch.device("cpu")), 5 * PhaseTimer.HELD
+    for _ in range(n):
+        with timer("draft"):
+            pass
+    assert timer.held() <= PhaseTimer.HELD and len(timer.totals) == 1
+    assert 0 < timer.total("draft") < 1.0  # n empty spans
+
+
+# -- sampling modes of the captured step ---------------------------------------------------------------
+def test_sampling_mode_is_the_cheapest_that_serves_every_row():
+    from k26.graphs.stepper import serving_mode
+    from k26.sampling import sampling_mode
+
+    g, t, p = SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(0.7, top_p=0.9)
+    assert [sampling_mode(x) for x in ([g, None], [g, t], [t, p], [SamplingParams(0.0, top_k=5), t])] == [
+        "greedy",
+        "sample",
+        "filter",
+        "sample",  # top-k on a greedy row needs no sort
+    ]
+    assert serving_mode("greedy", {"sample", "filter"}) == "sample" and serving_mode("sample", {"filter"})
+    with pytest.raises(ValueError, match="no step graph serves sampling mode 'filter'"):
+        serving_mode("filter", {"greedy", "sample"})
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("ar"), SpecConfig("ddtree", 5)], ids=str)
+def test_only_the_filtered_step_body_sorts_the_vocabulary(llm, spec):
+    """The captured body's sampler is fixed at capture: a sampled body without top-p / top-k draws the
+    exponential race over the softmax, with no sort of the vocabulary per node (the filtered one sorts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k26.graphs import Bucket
+    from k26.graphs.runner import StepState
+    from k26.graphs.stepper import graph_step
+
+    V = llm.config.vocab_size
+
+    class Sorts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.sort and args[0].shape[-1] == V:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    bucket = Bucket(2, 1 if spec.method == "ar" else 6)
+    counts = {}
+    for mode in ("sample", "filter"):
+        state = StepState.allocate(bucket, 1 if spec.method == "ar" else llm.drafter.cfg.block_size, "cpu")
+        state.noise = torch.ones(2, bucket.nodes, V)
+        state.start.fill_(5), state.alive.fill_(True), state.temperature.fill_(1.0)
+        state.top_p.fill_(0.9 if mode == "filter" else 1.0)
+        with torch.inference_mode(), Sorts() as sorts:
+            graph_step(llm.decoder.ctx.models(), spec, mode, lambda b: None)(state, bucket)
+        counts[mode] = sorts.n
+    assert counts == {"sample": 0, "filter": 1}

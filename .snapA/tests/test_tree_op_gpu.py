@@ -1,0 +1,65 @@
+"""torch.ops.k26.ddtree_build on the device: the CUDA kernel equals the pure-torch reference (fresh random
+inputs, outputs over poisoned memory), the reference path the front door takes for trees deeper than the
+kernel holds is graph-capturable, and the kernel's scratch is planned once per shape."""
+
+import pytest
+import torch
+
+from k26.ops import reference, tree_cuda
+
+pytestmark = pytest.mark.gpu
+
+
+def topk_inputs(B, L, V, budget, seed):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(torch.randn(B, L, V, generator=g) * 3, -1)
+    top = lp.topk(min(budget, V), dim=-1)
+    return top.values.cuda(), top.indices.cuda()
+
+
+def poison_allocator() -> None:
+    """Fill the caching allocator's free blocks with garbage, so outputs the op leaves unwritten show."""
+    junk = torch.full((64 << 20,), -1, dtype=torch.int8, device="cuda")
+    del junk
+
+
+@pytest.mark.parametrize(
+    "B, L, V, budget", [(3, 7, 3000, 31), (2, 15, 500, 255), (4, 3, 6, 40), (1, 1, 9, 1)]
+)
+def test_kernel_equals_reference(B, L, V, budget):
+    lp, tok = topk_inputs(B, L, V, budget, seed=budget + L)
+    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
+    poison_allocator()
+    got = torch.ops.k26.ddtree_build(lp, tok, budget)
+    torch.cuda.synchronize()
+    for name, g, w in zip(("tokens", "parents", "depths", "valid", "words", "scores"), got, want):
+        assert torch.equal(g.cpu(), w), name
+
+
+@pytest.mark.parametrize("budget", [1, 24])  # budget 1: one parent, one candidate per depth
+def test_deep_tree_runs_the_reference_inside_a_graph(budget):
+    L = tree_cuda.MAX_DEPTH + 2  # deeper than the kernel's beams: the front door runs the reference
+    lp, tok = topk_inputs(2, L, 400, budget, seed=7)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.k26.ddtree_build(lp, tok, budget)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.k26.ddtree_build(lp, tok, budget)
+    fresh = topk_inputs(2, L, 400, budget, seed=8)
+    lp.copy_(fresh[0]), tok.copy_(fresh[1])
+    g.replay()
+    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
+    assert all(torch.equal(o.cpu(), w) for o, w in zip(out, want))
+
+
+def test_scratch_is_planned_once_per_shape():
+    lp, tok = topk_inputs(2, 7, 1000, 63, seed=3)
+    torch.ops.k26.ddtree_build(lp, tok, 63)
+    key = (lp.device, 2, 7, 63)
+    first = tree_cuda.PLANS._scratch[key].data_ptr()
+    for _ in range(3):
+        torch.ops.k26.ddtree_build(lp, tok, 63)
+    assert tree_cuda.PLANS._scratch[key].data_ptr() == first
