@@ -61,12 +61,13 @@ __device__ void bitonic(double* s, int* lx, int* pl, int n2) {
 // Admissible children of the parent of score-rank i: j < min(K, budget / (i + 1)).
 __device__ __forceinline__ int children(int i, int K, int budget) { return min(K, budget / (i + 1)); }
 
-// scratch_smem: byte offset of the beams in dynamic shared memory, or -1 for the global scratch (large trees).
+// scratch_smem: byte offset of the beams in dynamic shared memory, or -1 for the global scratch (large trees);
+// lp_smem: of the tree's usable log-probabilities (L x min(K, budget) floats, copied in first), or -1.
 __global__ void __launch_bounds__(THREADS) build_kernel(
     const float* __restrict__ lp, const int64_t* __restrict__ tok, int L, int K, int budget, int64_t* __restrict__ out_tok,
     int64_t* __restrict__ out_par, int64_t* __restrict__ out_dep, bool* __restrict__ out_valid,
     int64_t* __restrict__ out_words, double* __restrict__ out_score, char* __restrict__ scratch_base,
-    int scratch_smem) {
+    int scratch_smem, int lp_smem) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const int N = 1 + budget, NW = (N + 63) / 64;
@@ -81,6 +82,16 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   __shared__ int width[16];  // beam size per depth (L <= 15)
   __shared__ int cstart[MAX_BUDGET + 1];
   __shared__ int spar[MAX_BUDGET + 1];  // each node's parent, for the ancestor words
+  // The log-probabilities a candidate can read (j < min(K, budget)) in one round trip for every depth, not one
+  // dependent global read per depth.
+  const int KU = min(K, budget);
+  int lds = K;
+  if (lp_smem >= 0) {
+    float* dst = reinterpret_cast<float*>(smem + lp_smem);
+    for (int i = tid; i < L * KU; i += blockDim.x) dst[i] = lpb[(size_t)(i / KU) * K + i % KU];
+    lpb = dst, lds = KU;
+    __syncthreads();
+  }
 
   // Depth 1: the top-K tokens in rank order are already score order and lexicographic order.
   const int W0 = min(budget, K);
@@ -126,7 +137,7 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
           if (cstart[mid] <= c) lo = mid; else hi = mid;
         }
         const int jj = c - cstart[lo];
-        cs[c] = ps[lo] + (double)lpb[(size_t)d * K + jj];
+        cs[c] = ps[lo] + (double)lpb[(size_t)d * lds + jj];
         clex[c] = plex[lo] * K + jj;
         cpl[c] = c;
       } else {
@@ -273,10 +284,11 @@ K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int 
   while (n2 < most) n2 <<= 1;
   const size_t cand = 16 * n2, uni = (size_t)8 * L * budget, beams = (size_t)24 * L * budget;
   const size_t region = ((cand > uni ? cand : uni) + 15) / 16 * 16;
-  const bool in_smem = region + beams <= kMaxSmem;
-  const size_t smem = in_smem ? region + beams : region;
+  const size_t lps = ((size_t)4 * L * (K < budget ? K : budget) + 15) / 16 * 16;
+  const bool in_smem = region + beams <= kMaxSmem, lp_in_smem = in_smem && region + beams + lps <= kMaxSmem;
+  const size_t smem = region + (in_smem ? beams : 0) + (lp_in_smem ? lps : 0);
   build_kernel<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
       lp, tok, L, K, budget, out_tok, out_par, out_dep, out_valid, out_words, out_score, static_cast<char*>(scratch),
-      in_smem ? (int)region : -1);
+      in_smem ? (int)region : -1, lp_in_smem ? (int)(region + beams) : -1);
   return (int)cudaGetLastError();
 }
