@@ -11,8 +11,12 @@
 // Small trees (beams + candidates <= 64 KB: budget <= 128 at depth 15) keep the beams in shared memory, large
 // ones in the caller's global scratch; the ancestor words walk the parents in shared memory.
 //
+// Candidates of one depth up to two per thread are rank-sorted (two barriers), more by the bitonic network.
+//
 // Legality: plain CUDA, no tensor cores; at most 64 KB + a few KB of dynamic shared memory (budget 512):
-// legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. Benchmark: profiling/bench_tree.py.
+// legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. Benchmark: profiling/bench_tree.py; H200,
+// depth 7 (2026-12-02-bench_tree-h200.md): budget 16 46.7 -> 23.5 µs a graph-replayed op, 64 103 -> 54, 512
+// 860 -> 750; in the DDTree budget-15 step the kernel 46 -> 20 µs.
 
 #include <cuda_runtime.h>
 #include <math_constants.h>
