@@ -113,11 +113,6 @@ def main() -> None:
         "projections in the small-M kernel, residual adds + norms as one op); default: the module path",
     )
     ap.add_argument(
-        "--wide-gate-up",
-        action="store_true",
-        help="the MoE gate/up GEMM above 64 pairs with four row tiles per warp (moe_cuda.WIDE_GATE_UP)",
-    )
-    ap.add_argument(
         "--split-down",
         action="store_true",
         help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
@@ -140,7 +135,6 @@ def main() -> None:
     if a.seeded_tree:
         seed_draft_topk(K26_TEXT["vocab_size"], torch.device("cuda"))
     moe_cuda.SPLIT_DOWN = a.split_down
-    moe_cuda.WIDE_GATE_UP = a.wide_gate_up
     ctxs, nodes = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.nodes.split(",")]
     a.breakdown_nodes = [int(x) for x in a.breakdown_nodes.split(",") if x]
     cfg = ModelConfig.from_dict(K26_TEXT | {"num_hidden_layers": a.layers})
@@ -190,7 +184,6 @@ def main() -> None:
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
             f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
-            f"{' --wide-gate-up' if a.wide_gate_up else ''}"
             f"{' --seeded-tree' if a.seeded_tree else ''}`"
         ),
         (

@@ -182,11 +182,6 @@ def kernel_breakdown(shp: dict, M: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--wide-gate-up",
-        action="store_true",
-        help="the MoE gate/up GEMM above 64 pairs with four row tiles per warp (moe_cuda.WIDE_GATE_UP)",
-    )
-    ap.add_argument(
         "--split-down",
         action="store_true",
         help="the MoE down GEMM + combine as two launches where one serves (moe_cuda.split_down)",
@@ -201,8 +196,7 @@ def main() -> None:
         "--quick", action="store_true", help="--block without the two baselines (shared separate, before)"
     )
     a = ap.parse_args()
-    moe_cuda.SPLIT_DOWN = a.split_down
-    moe_cuda.WIDE_GATE_UP = a.wide_gate_up  # read at each launch and capture below
+    moe_cuda.SPLIT_DOWN = a.split_down  # read at each launch and capture below
     ms = [int(v) for v in a.ms.split(",")]
     copy_bw, flops = copy_bandwidth(), gemm_rate()
     commit = source_commit()
@@ -217,8 +211,7 @@ def main() -> None:
         f"- commit: {commit or 'unknown'}",
         (
             f"- command: `python profiling/bench_moe.py{' --block' if a.block else ''}"
-            f"{' --quick' if a.quick else ''}{' --split-down' if a.split_down else ''}"
-            f"{' --wide-gate-up' if a.wide_gate_up else ''} --shapes {a.shapes} "
+            f"{' --quick' if a.quick else ''}{' --split-down' if a.split_down else ''} --shapes {a.shapes} "
             f"--ms {a.ms}`"
         ),
         (

@@ -336,21 +336,3 @@ def test_router_written_table_in_the_model_changes_no_bit(tiny_k25):
         moe.gate.writes_table = False
         own_route = moe(x, partial=True)
     assert torch.isfinite(with_table.float()).all() and torch.equal(with_table, own_route)
-
-
-@pytest.mark.parametrize("M", [9, 16, 33, 64])
-@pytest.mark.parametrize("kind", ["uniform", "hot10"])
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_wide_gate_up_tiles_change_no_bit(M, kind, with_shared, monkeypatch):
-    """Four 16-row gate/up tiles per warp above 64 pairs (moe_cuda.WIDE_GATE_UP: half the blocks) give the
-    same bits as two: a tile's k ranges and accumulation order do not depend on how many a warp holds."""
-    from k26.ops import moe_cuda
-
-    E, K, D, inter = 384, 8, 7168, 256
-    _, w, sh, x, ids, tw = block_inputs(700 + M, M, E, K, D, inter, kind, with_shared=with_shared)
-    poison_allocator()
-    two = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
-    monkeypatch.setattr(moe_cuda, "WIDE_GATE_UP", True)
-    poison_allocator()
-    four = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
-    assert torch.isfinite(four.float()).all() and torch.equal(two, four)

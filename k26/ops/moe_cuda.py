@@ -16,9 +16,6 @@ from .moe_layout import unrepack, w13_row_order
 from .reference import expert_mlp, moe_combine
 
 SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see split_down()
-# Read at launch too: the gate/up GEMM above 64 pairs with four 16-row tiles per warp (half the blocks: one
-# wave where two tiles took ~1.8 at M = 16) instead of two; the same bits. For the A/B in the benchmarks.
-WIDE_GATE_UP = False
 
 
 @contextlib.contextmanager
@@ -297,7 +294,7 @@ def _moe_cuda(
         *sp,
         None if table is None else table.data_ptr(),
         # flags (csrc/moe_w4a16.cu): PDL (the shared expert's gate/up blocks overlap the routing), split down
-        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0) | (4 if WIDE_GATE_UP else 0),
+        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

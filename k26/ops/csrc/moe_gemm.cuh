@@ -124,7 +124,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   } else if (active) {
     const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
     const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
-    constexpr int U = NT <= 1 ? (RT <= 2 ? 4 : 2) : 2;  // chunks in flight per warp (RT x U tiles of 512 B)
+    constexpr int U = NT <= 1 ? 4 : 2;  // chunks in flight per warp
     for (int c0 = c_begin; c0 < c_end; c0 += U) {
       uint4 wv[U][RT];
       uint32_t sv[U][RT];

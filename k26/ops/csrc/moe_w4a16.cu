@@ -163,7 +163,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : RT1 == 4 ? 2 : 1)>,
+  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : 1)>,
                               dim3(tiles13 / RT1, G), 32 * WK1, pdl, st, (const __nv_bfloat16*)x, (const uint4*)w13,
                               (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
                               rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up, direct);
@@ -223,7 +223,7 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
                              int E, int topk, int nt, const void* shared_gate, const void* shared_up,
                              const void* shared_down, void* table, int flags, void* stream) {
-  const bool pdl = flags & 1, split = flags & 2, wide = flags & 4;
+  const bool pdl = flags & 1, split = flags & 2;
   int* tab = static_cast<int*>(table);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
@@ -236,9 +236,8 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      if (few) return launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
-      return wide ? launch<1, 4, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st)
-                  : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
+      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st)
+                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
     case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
     case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
     default: return (int)cudaErrorInvalidValue;
