@@ -57,7 +57,10 @@
 // (2026-12-02-bench_moe-staged-gate-up-h200.md): a gate/up GEMM for > 64 pairs streaming weights, scales and
 // activations through a lane-private cp.async ring (4 slots a warp, 72 KB a block) in a one-wave grid whose
 // blocks loop over the groups — block M = 16 100.9 -> 105.5 µs uniform, 41.0 -> 51.5 skewed, slower at every M
-// and shape (2 blocks per SM at 128 registers: the shared expert's register-held tiles; 3 blocks spill).
+// and shape (2 blocks per SM at 128 registers: the shared expert's register-held tiles; 3 blocks spill). And
+// (2026-12-02-bench_moe-wide-gate-up-h200.md): four gate/up row tiles per warp above 64 pairs (half the blocks,
+// one wave at M = 16, 120 registers, two chunks in flight) — block M = 16 101.3 -> 108.2 µs uniform, 41.4 -> 43.5
+// skewed, verify N = 16 step 7.14 -> 7.32 ms.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
