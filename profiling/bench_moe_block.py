@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from timing import capture, graph_time_cold, mma_sync_peak
 
-from k26.ops import moe_cuda, pdl, reference
+from k26.ops import pdl, reference
 from k26.ops.router_cuda import router_barrier
 
 SHAPES = {
@@ -66,11 +66,10 @@ def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     "route": the same but the expert op routes in its own launch (before the router wrote the table);
     "router": router kernel, shared expert as its own three GEMMs; "unfused": the reference router (fp32
     weight copy, GEMV, topk), separate shared expert."""
-    M, E = x.shape[0], lw["router"].shape[0]
+    M = x.shape[0]
     sh = (lw["gate"], lw["up"], lw["down"])
     if mode == "fused" and M > 1:
-        nt = moe_cuda.pick_nt(M * ROUTE[2], E)
-        route = (x, lw["router"], lw["bias"], lw["barrier"], *ROUTE, nt, True)
+        route = (x, lw["router"], lw["bias"], lw["barrier"], *ROUTE, True)
         tw, ids, table = torch.ops.k26.moe_router_table(*route)
         return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh, table)
     if mode == "unfused":

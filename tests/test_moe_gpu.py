@@ -321,7 +321,8 @@ def test_model_uses_kernel_after_gpu_load(tiny_k25):
 
 def test_router_written_table_in_the_model_changes_no_bit(tiny_k25):
     """MoE.forward on more than one token takes the routing table from the router kernel (no routing launch
-    in the expert op): the same bits as the expert op routing itself, with and without the shared expert."""
+    in the expert op): the same bits as the expert op routing itself (the tiny K2.5 pair's MoE layer, its
+    shared expert inside the expert op)."""
     from k26 import LLM
 
     llm = LLM(tiny_k25, device="cuda", progress=False)

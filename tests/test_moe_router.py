@@ -45,17 +45,20 @@ def test_router_opcheck():
     )
 
 
-def test_router_table_opcheck_and_reference_table():
-    """moe_router_table: the schema and fake agree with the reference, whose table is route_table's."""
-    x, w, bias = router_inputs(6, 16, 64)
-    args = (x, w, bias, router_barrier("cpu"), 4, 2, 3, True, 1.5, 1, True)
-    torch.library.opcheck(
-        torch.ops.k26.moe_router_table.default, args, test_utils=("test_schema", "test_faketensor")
-    )
-    tw, ids, table = torch.ops.k26.moe_router_table(*args)
-    ref_w, ref_ids = reference.moe_router(*args[:3], *args[4:9])
-    assert torch.equal(tw, ref_w) and torch.equal(ids, ref_ids)
-    assert torch.equal(table, route_table(ids, 16, 1, True))
+def test_router_table_opcheck_and_table_size_follows_pick_nt():
+    """moe_router_table: schema and fake agree with the reference; the table is sized for the expert op's
+    own group width (pick_nt of the pair count), which the op derives rather than takes."""
+    from k26.ops.moe_cuda import route_table_size
+
+    for M, E in ((6, 16), (50, 16), (300, 40)):  # nt = 1, 2, 4 at top-3
+        x, w, bias = router_inputs(M, E, 64, seed=M)
+        groups = (4, 2) if E == 16 else (1, 1)
+        args = (x, w, bias, router_barrier("cpu"), *groups, 3, True, 1.5, True)
+        torch.library.opcheck(
+            torch.ops.k26.moe_router_table.default, args, test_utils=("test_schema", "test_faketensor")
+        )
+        table = torch.ops.k26.moe_router_table(*args)[2]
+        assert table.numel() == route_table_size(M, 3, E, pick_nt(M * 3, E), True)
 
 
 def canonical_table(table, M, K, E, nt, shared):
@@ -179,7 +182,7 @@ def test_graph_replay_is_bit_identical_and_matches_eager():
 
 
 @gpu
-@pytest.mark.parametrize("M", [1, 2, 5, 16, 33, 64, 65, 300])
+@pytest.mark.parametrize("M", [1, 2, 5, 16, 33, 64, 65, 300, 400])  # 400 x 8 pairs over 384: nt = 2
 @pytest.mark.parametrize(
     "E,D,topk,hot,shared",
     [(384, 7168, 8, 0, True), (384, 7168, 8, 10, True), (384, 7168, 8, 0, False), (40, 256, 3, 0, True)],
@@ -192,7 +195,7 @@ def test_router_table_equals_route_table_of_its_ids(M, E, D, topk, hot, shared):
     barrier = router_barrier("cuda")
     plain_w, plain_ids = torch.ops.k26.moe_router(x, w, bias, barrier, 1, 1, topk, True, 2.827)
     poison_allocator()
-    args = (x, w, bias, barrier, 1, 1, topk, True, 2.827, nt, shared)
+    args = (x, w, bias, barrier, 1, 1, topk, True, 2.827, shared)
     got_w, got_ids, table = torch.ops.k26.moe_router_table(*args)
     assert torch.equal(got_w, plain_w) and torch.equal(got_ids, plain_ids)
     want = canonical_table(route_table(got_ids, E, nt, shared), M, topk, E, nt, shared)
@@ -211,7 +214,7 @@ def test_router_table_graph_replays_follow_new_inputs():
     _, ew, sh, x, _, _ = block_inputs(77, M, E, K, D, inter, with_shared=True)
     _, w, bias = router_inputs(M, E, D, device="cuda", seed=5, hot=10)
     barrier, nt = router_barrier("cuda"), pick_nt(M * K, E)
-    args = (1, 1, K, True, 2.827, nt, True)
+    args = (1, 1, K, True, 2.827, True)
 
     def block():
         tw, ids, table = torch.ops.k26.moe_router_table(x, w, bias, barrier, *args)

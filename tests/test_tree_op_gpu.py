@@ -10,10 +10,10 @@ from k26.ops import reference, tree_cuda
 pytestmark = pytest.mark.gpu
 
 
-def topk_inputs(B, L, V, budget, seed):
+def topk_inputs(B, L, V, budget, seed, k=None):
     g = torch.Generator().manual_seed(seed)
     lp = torch.log_softmax(torch.randn(B, L, V, generator=g) * 3, -1)
-    top = lp.topk(min(budget, V), dim=-1)
+    top = lp.topk(k or min(budget, V), dim=-1)
     return top.values.cuda(), top.indices.cuda()
 
 
@@ -42,6 +42,19 @@ def test_kernel_equals_reference(B, L, V, budget):
     poison_allocator()
     got = torch.ops.k26.ddtree_build(lp, tok, budget)
     torch.cuda.synchronize()
+    for name, g, w in zip(("tokens", "parents", "depths", "valid", "words", "scores"), got, want):
+        assert torch.equal(g.cpu(), w), name
+
+
+@pytest.mark.parametrize(
+    "B, L, V, budget, k", [(2, 7, 3000, 16, 40), (1, 15, 2000, 64, 100), (2, 3, 500, 5, 9)]
+)
+def test_kernel_equals_reference_with_more_tokens_than_budget(B, L, V, budget, k):
+    """A top-k wider than the budget (K > budget): only j < budget can be admissible, the rest unread."""
+    lp, tok = topk_inputs(B, L, V, budget, seed=k + L, k=k)
+    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
+    poison_allocator()
+    got = torch.ops.k26.ddtree_build(lp, tok, budget)
     for name, g, w in zip(("tokens", "parents", "depths", "valid", "words", "scores"), got, want):
         assert torch.equal(g.cpu(), w), name
 

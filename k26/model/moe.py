@@ -8,7 +8,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference
-from ..ops.moe_cuda import pick_nt
 from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
@@ -61,9 +60,8 @@ class Router(nn.Module):
         M = x_TD.shape[0]
         if not (self.writes_table and M > 1 and self.barrier is not None and x_TD.dtype == torch.bfloat16):
             return (*self(x_TD), None)
-        nt = pick_nt(M * self.cfg.num_experts_per_tok, self.cfg.n_routed_experts)
         args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args())
-        return torch.ops.k26.moe_router_table(*args, nt, shared)
+        return torch.ops.k26.moe_router_table(*args, shared)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

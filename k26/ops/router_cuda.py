@@ -18,7 +18,7 @@ import torch
 
 from . import pdl, reference
 from .log import say_once
-from .moe_cuda import route_table, route_table_size
+from .moe_cuda import pick_nt, route_table, route_table_size
 
 
 def router_barrier(device: torch.device | str) -> torch.Tensor:
@@ -57,21 +57,22 @@ def moe_router_table(
     topk: int,
     renormalize: bool,
     scale: float,
-    nt: int,
     shared: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`moe_router` plus the routing table `moe_w4a16_repacked(..., table=)` takes for these ids: groups of
-    8·nt tokens (nt = moe_cuda.pick_nt(M * topk, E)), the shared expert's slots when `shared`. The kernel
-    orders the pairs inside a group arbitrarily and leaves the groups past the count unwritten (the expert
-    op reads neither); the reference is `route_table`'s order."""
+    the expert op's 8·nt tokens (nt = moe_cuda.pick_nt(M * topk, E), derived here so the two always
+    agree), the shared expert's slots when `shared`. The kernel orders the pairs inside a group arbitrarily
+    and leaves the groups past the count unwritten (the expert op reads neither); the reference is
+    `route_table`'s order."""
     w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
-    return w, ids, route_table(ids, weight.shape[0], nt, shared)
+    E = weight.shape[0]
+    return w, ids, route_table(ids, E, pick_nt(ids.numel(), E), shared)
 
 
 @moe_router_table.register_fake
-def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, nt, shared):
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
     M, E = x.shape[0], weight.shape[0]
-    n = route_table_size(M, topk, E, nt, shared)
+    n = route_table_size(M, topk, E, pick_nt(M * topk, E), shared)
     return (
         x.new_empty(M, topk, dtype=torch.float32),
         x.new_empty(M, topk, dtype=torch.int64),
@@ -190,7 +191,6 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
 
 
 @moe_router_table.register_kernel("cuda")
-def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, nt, shared):
-    if nt not in (1, 2, 4):
-        raise ValueError(f"moe_router_table: nt={nt} must be 1, 2 or 4 (moe_cuda.pick_nt)")
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
+    nt = pick_nt(x.shape[0] * topk, weight.shape[0])
     return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, (nt, bool(shared)))

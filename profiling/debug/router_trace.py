@@ -44,4 +44,5 @@ print(f"top-k sets equal to the reference on {same:.3f} of rows; sorted weights 
 names = {0: "start", 1: "dot done", 2: "partial written", 3: "barrier passed", 4: "scores"}
 names |= {6: "keys loaded", 7: "warp picks", 8: "candidates in", 9: "final picks", 10: "written"}
 names[5] = "top-k done"
+names[11] = "routing table built"  # moe_router_table only (this script runs moe_router: absent)
 print_phases(lib.k26_moe_router_trace, names, f"M={a.m} blocks")

@@ -2,16 +2,15 @@
 // the same total order as k26/spec/tree.py (score desc, depth asc, rank tuple asc), in fp64 scores.
 //
 //   beam_1 = the top-W depth-1 prefixes (the top-K tokens, already sorted by the caller's topk)
-//   beam_d = top-W of the admissible children (i, j), (i+1)(j+1) <= budget, of beam_{d-1}: a bitonic
-//            sort in shared memory on (score desc, lexicographic key asc)
+//   beam_d = top-W of the admissible children (i, j), (i+1)(j+1) <= budget, of beam_{d-1}: sorted in
+//            shared memory on (score desc, lexicographic key asc), a rank sort when there are at most two
+//            candidates per thread, else a bitonic network
 //   nodes  = the top `budget` of the union of beams: each element's global rank is found by binary
 //            search in every depth's score-sorted beam; parents, tokens, depths and the ancestor
 //            bitmask words (what the tree attention reads) are written in pop order.
 //
 // Small trees (beams + candidates <= 64 KB: budget <= 128 at depth 15) keep the beams in shared memory, large
 // ones in the caller's global scratch; the ancestor words walk the parents in shared memory.
-//
-// Candidates of one depth up to two per thread are rank-sorted (two barriers), more by the bitonic network.
 //
 // Legality: plain CUDA, no tensor cores; at most 64 KB + a few KB of dynamic shared memory (budget 512):
 // legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. Benchmark: profiling/bench_tree.py; H200,
@@ -29,7 +28,7 @@ namespace {
 constexpr int THREADS = 512;
 constexpr int MAX_BUDGET = 512;
 
-struct Scratch {  // per tree, [L][budget] each, in global memory (L2-resident)
+struct Scratch {  // per tree, [L][budget] each: in shared memory for small trees, else global (L2-resident)
   double* score;   // beam in score order
   int* lexpos;     // lexicographic position of the element within its beam
   int* parent;     // score-rank of the parent in the previous beam (-1 at depth 1)
@@ -227,7 +226,7 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   bool* oval = out_valid + (size_t)b * N;
   double* osc = out_score + (size_t)b * N;
   for (int i = tid; i < N; i += blockDim.x) {  // defaults: padding nodes (the root's parent -1)
-    if (i == 0 || i > n) otok[i] = 0, odep[i] = i == 0 ? 0 : 1, osc[i] = i == 0 ? 0.0 : -CUDART_INF;
+    otok[i] = 0, odep[i] = i == 0 ? 0 : 1, osc[i] = i == 0 ? 0.0 : -CUDART_INF;
     oval[i] = i <= n;
     spar[i] = i == 0 ? -1 : 0;
   }
@@ -244,10 +243,9 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   }
   __syncthreads();
   // Ancestor words by walking the parents in shared memory (from global memory each step of the walk was a
-  // dependent L2 round trip: up to L of them).
-  // Each node's words are gathered in a register and stored once, highest first (read-modify-writes of global
-  // memory along the walk were a dependent round trip per ancestor). A parent precedes its child in pop order,
-  // so the walk visits falling word indices.
+  // dependent L2 round trip: up to L of them), gathered in a register and stored once, highest word first. A
+  // parent precedes its child in pop order, so the walk visits falling word indices; a parent that does not
+  // (log-probs > 0 or NaN: outside the op's contract) ends the walk instead of reading past `spar`.
   int64_t* ow = out_words + (size_t)b * N * NW;
   for (int i = tid; i < N; i += blockDim.x) {
     opar[i] = spar[i];
@@ -258,7 +256,8 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
     for (int step = 0; step <= L && u >= 0; ++step) {
       for (; u / 64 < cw; --cw) row[cw] = (int64_t)cur, cur = 0;
       cur |= 1ull << (u % 64);
-      u = i > n ? -1 : spar[u];  // a padding node is its own only ancestor
+      const int up = spar[u];
+      u = i > n || up >= u ? -1 : up;  // a padding node is its own only ancestor
     }
     for (; cw >= 0; --cw) row[cw] = (int64_t)cur, cur = 0;
   }

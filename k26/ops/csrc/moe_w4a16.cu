@@ -98,7 +98,7 @@ namespace {
 
 using namespace k26_moe;
 
-constexpr int kRouteThreads = 512;  // >= 384 experts and the 512 pairs of M = 64 at top-8: one each
+constexpr int kRouteThreads = 512;  // the table builder takes any E and P (ids cached up to two per thread)
 
 // ---------------------------------------------------------------------------------------------
 // 1. Routing (when the caller passes no table): one block groups the pairs by
