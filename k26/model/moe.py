@@ -12,6 +12,10 @@ from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
 
+# Above this many (token, expert) pairs the expert op routes in its own launch: the router kernel's last block
+# (256 threads) holds two ids a thread up to here, and a prefill's table is a small part of its MoE layer.
+TABLE_MAX_PAIRS = 512
+
 
 class Router(nn.Module):
     """noaux_tc gate: the bias chooses experts, the unbiased sigmoid scores weight them
@@ -55,10 +59,11 @@ class Router(nn.Module):
         self, x_TD: torch.Tensor, shared: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weights, ids, routing table or None): the table of `moe_w4a16_repacked` (with the shared expert's
-        slots when `shared`) from the fused kernel when it writes one and there is more than one token (one
-        token routes straight from its ids in the expert op, no table needed)."""
-        M = x_TD.shape[0]
-        if not (self.writes_table and M > 1 and self.barrier is not None and x_TD.dtype == torch.bfloat16):
+        slots when `shared`) from the fused kernel when it writes one, for more than one token (one token
+        routes straight from its ids in the expert op) and at most TABLE_MAX_PAIRS pairs."""
+        M, fused = x_TD.shape[0], self.barrier is not None and x_TD.dtype == torch.bfloat16
+        pairs = M * self.cfg.num_experts_per_tok
+        if not (self.writes_table and fused and M > 1 and pairs <= TABLE_MAX_PAIRS):
             return (*self(x_TD), None)
         args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args())
         return torch.ops.k26.moe_router_table(*args, shared)
