@@ -135,10 +135,15 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, table_of):
-    """The CUDA kernel (or the reference for an unsupported hidden size); `table_of` = (nt, shared) to build
-    the routing table too, or None. Returns (weights, ids, table or None)."""
+def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
+    """The CUDA kernel (or the reference for an unsupported hidden size); `shared` (bool) to build the routing
+    table too (groups of the expert op's pick_nt), None for none. Returns (weights, ids, table or None)."""
     M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk)
+    nt = pick_nt(M * topk, E)
+
+    def torch_table(ids):  # the reference's table where the kernel does not run
+        return None if shared is None else route_table(ids, E, nt, shared)
+
     if D % 64:  # the kernel tiles k by 64; no K2 checkpoint has such a hidden size
         say_once(
             __name__,
@@ -146,16 +151,15 @@ def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale
             f"k26.moe_router: hidden size {D} (not a multiple of 64) runs the reference",
         )
         w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
-        return w, ids, None if table_of is None else route_table(ids, E, *table_of)
+        return w, ids, torch_table(ids)
     out_w = torch.empty(M, topk, dtype=torch.float32, device=x.device)
     out_ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)
     table, gt, S = None, 0, 0
-    if table_of is not None:
-        nt, shared = table_of
+    if shared is not None:
         table = torch.empty(route_table_size(M, topk, E, nt, shared), dtype=torch.int32, device=x.device)
         gt, S = 8 * nt, M if shared else 0
     if M == 0:
-        return out_w, out_ids, None if table is None else route_table(out_ids, E, *table_of)
+        return out_w, out_ids, torch_table(out_ids)
     lib = _library()
     ws = torch.empty(lib.k26_moe_router_workspace(M, D, E) // 4, dtype=torch.float32, device=x.device)
     err = lib.k26_moe_router(
@@ -192,5 +196,4 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
 
 @moe_router_table.register_kernel("cuda")
 def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
-    nt = pick_nt(x.shape[0] * topk, weight.shape[0])
-    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, (nt, bool(shared)))
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, bool(shared))

@@ -62,7 +62,9 @@ __device__ void bitonic(double* s, int* lx, int* pl, int n2) {
 }
 
 // Admissible children of the parent of score-rank i: j < min(K, budget / (i + 1)).
-__device__ __forceinline__ int children(int i, int K, int budget) { return min(K, budget / (i + 1)); }
+__host__ __device__ __forceinline__ int children(int i, int K, int budget) {
+  return K < budget / (i + 1) ? K : budget / (i + 1);
+}
 
 // scratch_smem: byte offset of the beams in dynamic shared memory, or -1 for the global scratch (large trees);
 // lp_smem: of the tree's usable log-probabilities (L x min(K, budget) floats, copied in first), or -1.
@@ -87,7 +89,7 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   __shared__ int spar[MAX_BUDGET + 1];  // each node's parent, for the ancestor words
   // The log-probabilities a candidate can read (j < min(K, budget)) in one round trip for every depth, not one
   // dependent global read per depth.
-  const int KU = min(K, budget);
+  const int KU = children(0, K, budget);  // min(K, budget)
   int lds = K;
   if (lp_smem >= 0) {
     float* dst = reinterpret_cast<float*>(smem + lp_smem);
@@ -282,12 +284,12 @@ K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int 
   // Candidates of one depth: at most sum_i min(K, budget / (i + 1)) (< budget * H(budget) < 4096 for budget
   // <= 512), sorted in a power of two; 16 bytes each. The union of the beams' scores reuses that region.
   size_t most = 0;
-  for (int i = 0; i < budget; ++i) most += (size_t)(K < budget / (i + 1) ? K : budget / (i + 1));
+  for (int i = 0; i < budget; ++i) most += (size_t)children(i, K, budget);
   size_t n2 = 1;
   while (n2 < most) n2 <<= 1;
   const size_t cand = 16 * n2, uni = (size_t)8 * L * budget, beams = (size_t)24 * L * budget;
   const size_t region = ((cand > uni ? cand : uni) + 15) / 16 * 16;
-  const size_t lps = ((size_t)4 * L * (K < budget ? K : budget) + 15) / 16 * 16;
+  const size_t lps = ((size_t)4 * L * children(0, K, budget) + 15) / 16 * 16;  // j < min(K, budget)
   const bool in_smem = region + beams <= kMaxSmem, lp_in_smem = in_smem && region + beams + lps <= kMaxSmem;
   const size_t smem = region + (in_smem ? beams : 0) + (lp_in_smem ? lps : 0);
   build_kernel<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
