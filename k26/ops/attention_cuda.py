@@ -24,31 +24,32 @@ MIN_SPLIT_KEYS = 64
 
 
 class _Plans:
-    """Per (device, B, N, H) launch plan, computed once: splits and cluster size from the kernel's
-    occupancy and the SM count, and the workspace whose counters the kernel keeps zero between calls."""
+    """Per (device, B, N, H) launch plan, computed once: the splits per row tile from the kernel's
+    occupancy and the SM count (one wave), and the workspace whose barrier counts the kernel keeps zero
+    between calls."""
 
     def __init__(self) -> None:
-        self._plans: dict[tuple, tuple[int, int]] = {}
+        self._plans: dict[tuple, int] = {}
         self._workspaces: dict[tuple, torch.Tensor] = {}
 
-    def plan(self, lib, device: torch.device, B: int, N: int, H: int) -> tuple[int, int]:
+    def plan(self, lib, device: torch.device, B: int, N: int, H: int) -> int:
         key = (device, B, N, H)
         if key not in self._plans:
-            splits, cluster = ctypes.c_int(), ctypes.c_int()
+            splits = ctypes.c_int()
             with torch.cuda.device(device):
-                err = lib.k26_mla_tree_attn_plan(B, N, H, ctypes.byref(splits), ctypes.byref(cluster))
+                err = lib.k26_mla_tree_attn_plan(B, N, H, ctypes.byref(splits))
             if err:
                 raise RuntimeError(f"mla_tree_attention: launch planning failed with CUDA error {err}")
-            self._plans[key] = splits.value, cluster.value
+            self._plans[key] = splits.value
         return self._plans[key]
 
-    def workspace(self, lib, device: torch.device, B: int, N: int, H: int, S: int, CL: int) -> torch.Tensor:
-        key = (device, B, N, H, S, CL)
+    def workspace(self, lib, device: torch.device, B: int, N: int, H: int, S: int) -> torch.Tensor:
+        key = (device, B, N, H, S)
         ws = self._workspaces.get(key)
         if ws is None:
-            size = lib.k26_mla_tree_attn_workspace(B, N, H, S, CL)
+            size = lib.k26_mla_tree_attn_workspace(B, N, H, S)
             ws = torch.empty(size, dtype=torch.uint8, device=device)
-            ws[: lib.k26_mla_tree_attn_counter_bytes(B, N, H, S, CL)].zero_()
+            ws[: lib.k26_mla_tree_attn_counter_bytes(B, N, H, S)].zero_()
             if torch.cuda.is_current_stream_capturing():
                 return ws  # owned by the graph's pool (its zeroing is captured too): never cached
             self._workspaces[key] = ws
@@ -64,13 +65,13 @@ def _bind(lib) -> None:
         return
     for name in ("k26_mla_tree_attn_workspace", "k26_mla_tree_attn_counter_bytes"):
         getattr(lib, name).restype = ctypes.c_size_t
-        getattr(lib, name).argtypes = [ctypes.c_int] * 5
+        getattr(lib, name).argtypes = [ctypes.c_int] * 4
     lib.k26_mla_tree_attn_tile_rows.restype = ctypes.c_int
     lib.k26_mla_tree_attn_tile_rows.argtypes = [ctypes.c_int] * 2
     lib.k26_mla_tree_attn_plan.restype = ctypes.c_int
-    lib.k26_mla_tree_attn_plan.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+    lib.k26_mla_tree_attn_plan.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p]
     lib.k26_mla_tree_attn.restype = ctypes.c_int
-    ints = [ctypes.c_int] * 8  # B, N, H, W, max_len, S, CL, min_keys
+    ints = [ctypes.c_int] * 7  # B, N, H, W, max_len, S, min_keys
     # q_pe, pe_ld, positions, inv_freq
     rotary = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p]
     lib.k26_mla_tree_attn.argtypes = (
@@ -204,8 +205,8 @@ def _(
     early_ok = pdl.enabled_as_given((rows64, rows), (prefix64, prefix_lens), (cc, cache))
     lib = library()
     _bind(lib)
-    S, CL = PLANS.plan(lib, q.device, B, N, H)
-    ws = PLANS.workspace(lib, q.device, B, N, H, S, CL)
+    S = PLANS.plan(lib, q.device, B, N, H)
+    ws = PLANS.workspace(lib, q.device, B, N, H, S)
     # A split's merge cost grows with its rows, its streaming work with its keys: scale the minimum.
     min_keys = MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(N, H) // 16
     err = lib.k26_mla_tree_attn(
@@ -223,7 +224,6 @@ def _(
         words.shape[2],
         cache.shape[1],
         S,
-        CL,
         min_keys,
         ctypes.c_float(scale),
         pe_ptr,

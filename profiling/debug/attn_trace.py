@@ -31,8 +31,8 @@ words = tree_mask_to_words(torch.ones(1, a.n, a.n, dtype=torch.bool).tril()).cud
 rows, prefix = torch.zeros(1, dtype=torch.long, device="cuda"), torch.full((1,), a.l, device="cuda")
 out = torch.empty(1, a.n, a.h, 512, dtype=torch.bfloat16, device="cuda")
 lse = torch.empty(1, a.n, a.h, dtype=torch.float32, device="cuda")
-S, CL = attention_cuda.PLANS.plan(lib, q.device, 1, a.n, a.h)
-ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S, CL)
+S = attention_cuda.PLANS.plan(lib, q.device, 1, a.n, a.h)
+ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S)
 mk = attention_cuda.MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(a.n, a.h) // 16
 flush = torch.ones(64 << 20, device="cuda")  # 256 MB, read between launches: cold L2 without dirty lines
 for _ in range(4):
@@ -54,7 +54,6 @@ for _ in range(4):
         words.shape[2],
         cache.shape[1],
         S,
-        CL,
         mk,
         ctypes.c_float(0.1),
         None,  # q_pe, pe_ld, positions, inv_freq: the plain query
@@ -70,9 +69,7 @@ names = {
     0: "start",
     1: "Q in regs",
     2: "key loop done",
-    3: "cluster barrier",
-    4: "cluster merged",
-    6: "last of slice",
-    7: "final merged",
+    3: "barrier passed",
+    7: "share merged",
 }
-print_phases(lib.k26_mla_tree_attn_trace, names, f"S={S} cluster={CL} min_keys={mk} splits")
+print_phases(lib.k26_mla_tree_attn_trace, names, f"S={S} min_keys={mk} splits")

@@ -7,7 +7,6 @@
 
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
@@ -29,7 +28,6 @@ __device__ unsigned long long g_attn_trace[1024][16];
 
 namespace k26_attn {
 
-namespace cg = cooperative_groups;
 constexpr int DQK = 576, DV = 512;
 constexpr int BN = 16;            // keys per tile
 constexpr int NSTAGE = 4;         // cp.async stages of 18.7 KB: three tiles in flight during compute
@@ -51,7 +49,6 @@ struct Cfg {
   static constexpr size_t SMEM = K + S + P + WORDS + 3 * BM * 4;
   static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
   static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
-  static_assert(S >= (size_t)(32 + 1) * BM * 4, "the merge's weights reuse the score buffer");
 };
 
 struct Params {
@@ -62,10 +59,10 @@ struct Params {
   const int64_t* words;        // [B, N, W]
   __nv_bfloat16* out;          // [B, N, H, 512]
   float* lse;                  // [B, N, H]
-  int* counters;               // [B, RT, CL]   per (row tile, column slice), zero at rest
-  float* lse_part;             // [B, RT, CL, S_max / CL, BM]  each cluster's lse, one copy per slice
-  float* o_part;               // [B, RT, S_max / CL, BM, 512]
-  int N, H, W, R, RT, max_len, S_max, CL, min_keys;
+  int* counters;               // [B, RT, 2]  each row tile's merge barrier (arrivals zero at rest, generation)
+  float* lse_part;             // [B, RT, S_max, BM]  each split's lse
+  float* o_part;               // [B, RT, S_max, BM, 512]  each split's normalised partial
+  int N, H, W, R, RT, max_len, S_max, min_keys;
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
 };
 

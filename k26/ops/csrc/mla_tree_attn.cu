@@ -1,6 +1,6 @@
 // MLA tree attention over the latent KV cache: the host side of the kernel in csrc/mla_tree_attn_kernel.cuh
 // (what it computes, its layout and its legality are described there) — the workspace layout, the launch plan
-// (splits and cluster size from the occupancy and the SM count), the launch, and the C exports the front door
+// (splits from the occupancy and the SM count), the launch, and the C exports the front door
 // (k26/ops/attention_cuda.py) binds.
 
 #include <cuda_runtime.h>
@@ -17,21 +17,21 @@ using namespace k26_attn;
 
 int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
 
-// Workspace layout, 256-B aligned: counters (int32 [tiles][CL column slices], zero at rest) | cluster lse
-// partials ([tiles][CL][S_max / CL][BM]: a copy per slice) | cluster o partials ([tiles][S_max / CL][BM][512]).
+// Workspace layout, 256-B aligned: barriers (int32 [tiles][2]: arrivals zero at rest, generation) | split lse
+// ([tiles][S_max][BM]) | split o partials ([tiles][S_max][BM][512]).
 struct Layout {
   int BM, RT;
   size_t lse, o, total;
 };
 
-Layout layout(int B, int N, int H, int S_max, int CL) {
+Layout layout(int B, int N, int H, int S_max) {
   Layout w;
   w.BM = tile_rows(N, H);
   w.RT = (N * H + w.BM - 1) / w.BM;
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-  const size_t tiles = (size_t)B * w.RT, parts = tiles * (S_max / CL) * w.BM;
-  w.lse = up(tiles * CL * 4);
-  w.o = w.lse + up(parts * CL * 4);
+  const size_t tiles = (size_t)B * w.RT, parts = tiles * S_max * w.BM;
+  w.lse = up(tiles * 2 * 4);
+  w.o = w.lse + up(parts * 4);
   w.total = w.o + parts * DV * 4;
   return w;
 }
@@ -41,79 +41,54 @@ cudaError_t allow_smem() {
   return smem_opt_in<tree_attn_kernel<MT, false>, tree_attn_kernel<MT, true>>((int)Cfg<MT>::SMEM);
 }
 
-// attr: room for two (the cluster shape; programmatic stream serialization when `pdl`, csrc/pdl.cuh).
+// Splits per row tile for (B, N, H): every block of the grid resident at once (one wave), which the merge's
+// barrier needs (csrc/mla_attn_merge.cuh); the occupancy of the plain and the rotary kernel, the smaller.
 template <int MT>
-cudaLaunchConfig_t config(dim3 grid, int CL, cudaStream_t st, cudaLaunchAttribute* attr, bool pdl = false) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = grid, c.blockDim = dim3(THREADS), c.dynamicSmemBytes = Cfg<MT>::SMEM, c.stream = st;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1, attr[0].val.clusterDim.y = CL, attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  c.attrs = attr, c.numAttrs = pdl ? 2 : 1;
-  return c;
-}
-
-// Splits and cluster size for (B, N, H): one full wave of clusters of up to 8 splits (the plain query's
-// kernel; the rotary one has the same block shape, shared memory and register bound).
-template <int MT>
-int plan(int B, int N, int H, int* splits, int* cluster) {
+int plan(int B, int N, int H, int* splits) {
   if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
-  int dev = 0, sms = 0, per_sm = 0;
+  int dev = 0, sms = 0, plain = 0, rotary = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tree_attn_kernel<MT, false>, THREADS,
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, tree_attn_kernel<MT, false>, THREADS,
                                                                Cfg<MT>::SMEM);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&rotary, tree_attn_kernel<MT, true>, THREADS, Cfg<MT>::SMEM);
   if (e != cudaSuccess) return (int)e;
   const int tiles = B * ((N * H + 16 * MT - 1) / (16 * MT));
-  const int blocks = per_sm * sms / tiles;  // splits per row tile in one wave
-  // Clusters live within a GPC, so large clusters may fit fewer blocks than the SM count suggests (a
-  // partial second wave of clusters doubles the time): take the largest cluster that still fills >= 80 %
-  // of the wave (the merge gets cheaper with the cluster size), else no clusters.
-  const int want = max(1, min(1024, blocks));
-  int best_S = want, best_CL = 1;
-  for (int CL = 8; CL >= 2; CL /= 2) {
-    cudaLaunchAttribute attr[2];
-    cudaLaunchConfig_t c = config<MT>(dim3(1, CL, 1), CL, nullptr, attr);
-    int max_clusters = 0;
-    e = cudaOccupancyMaxActiveClusters(&max_clusters, tree_attn_kernel<MT, false>, &c);
-    if (e != cudaSuccess) return (int)e;
-    const int S = min(want / CL, max_clusters / tiles) * CL;
-    if (S >= CL && 5 * S >= 4 * want) {
-      best_S = S, best_CL = CL;
-      break;
-    }
-  }
-  *splits = best_S, *cluster = best_CL;
+  *splits = max(1, min(1024, min(plain, rotary) * sms / tiles));
   return 0;
 }
 
 template <int MT>
 int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st) {
   if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
-  cudaLaunchAttribute attr[2];
-  const cudaLaunchConfig_t c = config<MT>(dim3(p.RT, p.S_max, B), p.CL, st, attr, pdl);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t c = {};
+  c.gridDim = dim3(p.RT, p.S_max, B), c.blockDim = dim3(THREADS), c.dynamicSmemBytes = Cfg<MT>::SMEM;
+  c.stream = st, c.attrs = attr, c.numAttrs = pdl ? 1 : 0;
   return rot.q_pe ? (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, true>, p, rot)
                   : (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, false>, p, rot);
 }
 
 }  // namespace
 
-// Bytes of workspace for a (B, N, H, S_max, CL) call; its first `k26_mla_tree_attn_counter_bytes` bytes
-// must be zeroed once when it is allocated (the kernel leaves them zero).
-K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S_max, int CL) {
-  return layout(B, N, H, S_max, CL).total;
+// Bytes of workspace for a (B, N, H, S_max) call; its first `k26_mla_tree_attn_counter_bytes` bytes must be
+// zeroed once when it is allocated (the kernel leaves the arrival counts zero).
+K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S_max) {
+  return layout(B, N, H, S_max).total;
 }
-K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max, int CL) {
-  return layout(B, N, H, S_max, CL).lse;
+K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max) {
+  return layout(B, N, H, S_max).lse;
 }
 #ifdef K26_ATTN_TRACE
 K26_TRACE_EXPORTS(k26_mla_tree_attn_trace, k26_mla_tree_attn_trace_reset, g_attn_trace)
 #endif
 K26_EXPORT int k26_mla_tree_attn_tile_rows(int N, int H) { return tile_rows(N, H); }
-// The launch plan for (B, N, H) on the current device: splits per row tile and the cluster size.
-K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits, int* cluster) {
-  return tile_rows(N, H) == 16 ? plan<1>(B, N, H, splits, cluster) : plan<2>(B, N, H, splits, cluster);
+// The launch plan for (B, N, H) on the current device: splits per row tile.
+K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits) {
+  return tile_rows(N, H) == 16 ? plan<1>(B, N, H, splits) : plan<2>(B, N, H, splits);
 }
 
 // Returns a cudaError_t. Shapes are validated by the Python front door (k26/ops/attention_cuda.py).
@@ -121,18 +96,18 @@ K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits, int* clu
 // and inv_freq [32] in the kernel; q then holds the 512 latent dims per row.
 K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t* rows, const int64_t* prefix,
                                  const int64_t* words, void* out, float* lse, void* workspace, int B, int N, int H,
-                                 int W, int max_len, int S_max, int CL, int min_keys, float scale, const void* q_pe,
+                                 int W, int max_len, int S_max, int min_keys, float scale, const void* q_pe,
                                  long long pe_ld, const int64_t* positions, const float* inv_freq, int pdl,
                                  void* stream) {
-  if (CL < 1 || CL > 8 || S_max % CL) return (int)cudaErrorInvalidValue;
-  const Layout w = layout(B, N, H, S_max, CL);
+  if (S_max < 1) return (int)cudaErrorInvalidValue;
+  const Layout w = layout(B, N, H, S_max);
   char* ws = static_cast<char*>(workspace);
   Params p;
   p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
   p.words = words, p.out = (__nv_bfloat16*)out, p.lse = lse;
   p.counters = reinterpret_cast<int*>(ws), p.lse_part = reinterpret_cast<float*>(ws + w.lse),
   p.o_part = reinterpret_cast<float*>(ws + w.o);
-  p.N = N, p.H = H, p.W = W, p.R = N * H, p.RT = w.RT, p.max_len = max_len, p.S_max = S_max, p.CL = CL,
+  p.N = N, p.H = H, p.W = W, p.R = N * H, p.RT = w.RT, p.max_len = max_len, p.S_max = S_max,
   p.min_keys = min_keys < BN ? BN : min_keys;
   p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);

@@ -9,11 +9,11 @@
 //   positions[b, n] x inv_freq on Q in shared memory (csrc/rope.cuh, the reference's arithmetic), so the
 //   model runs no RoPE + concatenation kernel per layer.
 //
-// One launch per call. grid = (row tiles, S splits, B) in clusters of CL <= 8 splits: a block owns BM = 16
-// or 32 query rows of one sequence (the N*H rows, heads fastest) and one contiguous chunk of the
-// sequence's L_b + N keys; the tree block is simply the end of the last chunk, masked per key. The live
-// split count adapts on the device to the length (at least `min_keys` keys a split), so one graph serves
-// every context length; S and CL come from the occupancy and the SM count (k26_mla_tree_attn_plan).
+// One launch per call. grid = (row tiles, S splits, B): a block owns BM = 16 or 32 query rows of one sequence
+// (the N*H rows, heads fastest) and one contiguous chunk of the sequence's L_b + N keys; the tree block is
+// simply the end of the last chunk, masked per key. The live split count adapts on the device to the length
+// (at least `min_keys` keys a split; the blocks past it leave at once), so one graph serves every context
+// length; S comes from the occupancy and the SM count (k26_mla_tree_attn_plan): one wave.
 //
 // Per block: Q lives in registers (warp w holds rows x dims [144 (w/2), +144) as mma A fragments); keys
 // stream through a 4-stage cp.async pipeline of 16-key tiles; per tile S = Q K^T is split over 8 warps
@@ -22,25 +22,24 @@
 // owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
 // Software-pipelined: P V of tile i and S of tile i + 1 share one barrier interval, so two barriers a tile.
 //
-// Split-KV merge in the same launch (details in csrc/mla_attn_merge.cuh): the splits of a cluster reduce
-// their partials through distributed shared memory, each block a column slice; clusters then meet in the
-// workspace, one counter per column slice: the last block to arrive for a slice merges it over all clusters.
+// Split-KV merge in the same launch, one level (details in csrc/mla_attn_merge.cuh): each live split writes its
+// partial to the workspace, the tile's splits meet at a kernel-owned barrier, and each merges an equal share
+// of the output over every split.
 //
 // Programmatic dependent launch (csrc/pdl.cuh): launched before the query's projection has finished, every
 // block issues its first prefix key tiles, waits for it, then lets W_UV's launch start (see the kernel). The
 // early tiles: 4K decode 16.8 -> 13.7 µs alone, the decode step 4.70 -> 4.635 ms
 // (2026-12-02-bench_tree_attn-early-keys-h200.md).
 //
-// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, thread-block clusters of <= 8 with
-// distributed shared memory (sm_90 and sm_120 both have them; no warpgroup MMA, TMA or tensor memory); <= 88 KB
-// shared memory per block: legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
+// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, ld.acquire and atomics (no warpgroup
+// MMA, TMA, tensor memory or clusters); <= 88 KB shared memory per block: legal on sm_120 (99 KB) and sm_90;
+// built for sm_90a and sm_120a.
 // Launch planning, workspace and the exports: csrc/mla_tree_attn.cu.
 // Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay; --rotary: the rotary query), results in
 // profiling/results/ (the rotary query: 2026-12-01-bench_k26-rope-h200.md).
 
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
@@ -82,9 +81,8 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
   int chunk, active;
   split_geometry(p, T, chunk, active);
-  if (split / p.CL >= (active + p.CL - 1) / p.CL) return;  // no live split in this block's cluster: all leave
-  // A split past `active` in a live cluster streams nothing and contributes an empty partial.
-  const int k0 = split < active ? split * chunk : 0, k1 = split < active ? min(T, k0 + chunk) : 0;
+  if (split >= active) return;  // no keys for this split at this length: it takes no part in the merge
+  const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
   auto issue_tile = [&](int it, __nv_bfloat16* dst) {
@@ -258,7 +256,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   // Software-pipelined: P V of tile `it` and S of tile `it + 1` are independent, so they run between the
   // same two barriers and their MMAs overlap; the softmax of `it + 1` follows. Tile 0's S and softmax
   // run ahead of the loop (tile 0 landed with Q).
-  score_tile(0);  // an idle split (k0 = k1 = 0) scores a stale stage, and the softmax masks every key
+  score_tile(0);
   __syncthreads();
   softmax_tile(k0);
   for (int it = 0; it < n_tiles; ++it) {
@@ -274,25 +272,45 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
   if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
-  __syncthreads();  // also: every warp is past its last P V, so the key stages are free
+  __syncthreads();
 
-  // This split's normalised partial -> own shared memory (fp32 [BM][LDO]) and its lse.
-  float* sO = reinterpret_cast<float*>(smem);
-  float* sLse = sAlpha;
+  // This split's normalised partial, straight from the registers: the final bf16 output when the split is
+  // the sequence's only one, else fp32 into the workspace for the merge (csrc/mla_attn_merge.cuh).
+  const int rows_real = min(BM, p.R - row0);
+  const size_t tile = (size_t)b * p.RT + rt;
+  __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
+  float* lse = p.lse + (size_t)b * p.R + row0;
+  float* lp = p.lse_part + tile * p.S_max * BM;
+  float* op = p.o_part + tile * p.S_max * BM * DV;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = m * 16 + g + hh * 8;
+      if (r >= rows_real) continue;
       const float l = sL[r], inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
-        *reinterpret_cast<float2*>(sO + r * LDO + warp * 64 + n * 8 + 2 * t) =
-            make_float2(o[m][n][2 * hh] * inv, o[m][n][2 * hh + 1] * inv);
+      for (int n = 0; n < 8; ++n) {
+        const int c = warp * 64 + n * 8 + 2 * t;
+        const float2 v = make_float2(o[m][n][2 * hh] * inv, o[m][n][2 * hh + 1] * inv);
+        if (active == 1)
+          *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
+        else
+          __stcg(reinterpret_cast<float2*>(op + ((size_t)split * BM + r) * DV + c), v);
+      }
     }
   }
-  if (tid < BM) sLse[tid] = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
-  merge_splits<MT>(p, smem);
+  if (tid < rows_real) {
+    const float l = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
+    if (active == 1)
+      lse[tid] = l;
+    else
+      __stcg(lp + split * BM + tid, l);
+  }
+  if (active == 1) return;
+  tile_barrier(p.counters + 2 * tile, active);
+  TRACE(3);
+  merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
 }
 
 }  // namespace k26_attn
