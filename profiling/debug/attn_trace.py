@@ -19,6 +19,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--n", type=int, default=1)
 ap.add_argument("--h", type=int, default=8)
 ap.add_argument("--l", type=int, default=4096)
+ap.add_argument(
+    "--min-keys", type=int, default=None, help="keys per split at least (default: the front door's)"
+)
 ap.add_argument("--cflags", default="", help="extra nvcc flags, e.g. -DMERGE_INLINE=__forceinline__")
 a = ap.parse_args()
 so = build_traced(["mla_tree_attn.cu"], ["-DK26_ATTN_TRACE", *a.cflags.split()])
@@ -33,7 +36,7 @@ out = torch.empty(1, a.n, a.h, 512, dtype=torch.bfloat16, device="cuda")
 lse = torch.empty(1, a.n, a.h, dtype=torch.float32, device="cuda")
 S = attention_cuda.PLANS.plan(lib, q.device, 1, a.n, a.h)
 ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S)
-mk = attention_cuda.MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(a.n, a.h) // 16
+mk = a.min_keys or attention_cuda.MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(a.n, a.h) // 16
 flush = torch.ones(64 << 20, device="cuda")  # 256 MB, read between launches: cold L2 without dirty lines
 for _ in range(4):
     flush.sum()
@@ -70,6 +73,8 @@ names = {
     1: "Q in regs",
     2: "key loop done",
     3: "barrier passed",
+    4: "first loads used",
+    5: "first combined",
     7: "share merged",
 }
 print_phases(lib.k26_mla_tree_attn_trace, names, f"S={S} min_keys={mk} splits")

@@ -59,7 +59,7 @@ struct Params {
   const int64_t* words;        // [B, N, W]
   __nv_bfloat16* out;          // [B, N, H, 512]
   float* lse;                  // [B, N, H]
-  int* counters;               // [B, RT, 2]  each row tile's merge barrier (arrivals zero at rest, generation)
+  int* counters;               // [B, RT, 4]  each row tile's merge barrier (csrc/mla_attn_merge.cuh)
   float* lse_part;             // [B, RT, S_max, BM]  each split's lse
   float* o_part;               // [B, RT, S_max, BM, 512]  each split's normalised partial
   int N, H, W, R, RT, max_len, S_max, min_keys;

@@ -31,26 +31,34 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ int ld_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
-// Barrier of `arrivals` blocks on bar[0] (arrivals, zero at rest) and bar[1] (generation, any value): the last
-// to arrive zeroes the count and advances the generation the others wait on. Kernel-owned, so graph replays
+// A row tile's merge barrier, bar[0 .. 3): the generation g, then two arrival counts used by g's parity.
+// Invariant at a call's start: count[g & 1] == 0. The splits arrive on count[g & 1] (a reduction, no round
+// trip back) and wait until it reaches the live split count; split 0 then zeroes the other count (last used
+// by the call before, which has completed) and advances g. Every split reads g before arriving, and g moves
+// only after every split has arrived, so all of a call's splits use one count. Kernel-owned: graph replays
 // need no reset, and a later call may have another arrival count (the live splits follow the length).
-__device__ __forceinline__ void tile_barrier(int* bar, int arrivals) {
-  __threadfence();  // this thread's partial is visible device-wide before its block counts
-  __syncthreads();
+// `gen`: bar[0], read by thread 0 before the block's partial stores (a relaxed load: the stores need not
+// wait for it; the fence below orders it before the arrival).
+__device__ __forceinline__ void tile_barrier(int* bar, int gen, int arrivals, bool first) {
+  __syncthreads();  // the block's partial stores are issued
   if (threadIdx.x == 0) {
-    const int gen = ld_acquire(bar + 1);  // read before arriving: the generation cannot move until we do
-    if (atomicAdd(bar, 1) == arrivals - 1) {
-      atomicExch(bar, 0);
-      __threadfence();
-      atomicAdd(bar + 1, 1);
-    } else {
-      while (ld_acquire(bar + 1) == gen) {
-      }
+    int* count = bar + 1 + (gen & 1);
+    __threadfence();  // release, cumulative over the block barrier: every thread's partial before the arrival
+    asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(count) : "memory");
+    while (ld_acquire(count) < arrivals) {
     }
-    __threadfence();
+    if (first) {
+      bar[1 + ((gen + 1) & 1)] = 0;
+      bar[0] = gen + 1;  // the next call starts after this one has completed: plain stores suffice
+    }
   }
-  __syncthreads();
+  __syncthreads();  // the acquire extends to the block
 }
 
 // Online log-sum-exp state: sum_k e^lse_k o_k = e^m acc and sum_k e^lse_k = e^m s.
@@ -90,7 +98,7 @@ __device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_
                                          int parts, int rows_real, int share, int shares) {
   constexpr int C4 = DV / 4;
   const int items = rows_real * C4;
-  const int i0 = (int)((long long)share * items / shares), i1 = (int)((long long)(share + 1) * items / shares);
+  const int i0 = share * items / shares, i1 = (share + 1) * items / shares;  // < 2^31: items <= 4096, shares <= 1024
   const int G = merge_group(i1 - i0, parts), per_pass = THREADS / G, kg = threadIdx.x % G;
   const int passes = (i1 - i0 + per_pass - 1) / per_pass;
   for (int pass = 0; pass < passes; ++pass) {  // uniform across the block: the shuffles below need whole warps
@@ -111,6 +119,7 @@ __device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_
       for (int j = 0; j < MERGE_LOADS; ++j)
         if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);  // an empty partial (no visible key) adds nothing
     }
+    if (pass == 0) TRACE(4);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       if (off >= G) continue;
@@ -120,6 +129,7 @@ __device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_
       a2.z = __shfl_xor_sync(0xffffffffu, st.acc.z, off), a2.w = __shfl_xor_sync(0xffffffffu, st.acc.w, off);
       st.add(m2, s2, a2);
     }
+    if (pass == 0) TRACE(5);
     if (live && kg == 0) {
       const float inv = st.s > 0.f ? 1.f / st.s : 0.f;
       __nv_bfloat16* o = out + (size_t)r * DV + c;

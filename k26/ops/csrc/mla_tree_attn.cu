@@ -17,7 +17,7 @@ using namespace k26_attn;
 
 int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
 
-// Workspace layout, 256-B aligned: barriers (int32 [tiles][2]: arrivals zero at rest, generation) | split lse
+// Workspace layout, 256-B aligned: barriers (int32 [tiles][4]: generation, two arrival counts) | split lse
 // ([tiles][S_max][BM]) | split o partials ([tiles][S_max][BM][512]).
 struct Layout {
   int BM, RT;
@@ -30,7 +30,7 @@ Layout layout(int B, int N, int H, int S_max) {
   w.RT = (N * H + w.BM - 1) / w.BM;
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   const size_t tiles = (size_t)B * w.RT, parts = tiles * S_max * w.BM;
-  w.lse = up(tiles * 2 * 4);
+  w.lse = up(tiles * 4 * 4);
   w.o = w.lse + up(parts * 4);
   w.total = w.o + parts * DV * 4;
   return w;

@@ -278,6 +278,8 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   // the sequence's only one, else fp32 into the workspace for the merge (csrc/mla_attn_merge.cuh).
   const int rows_real = min(BM, p.R - row0);
   const size_t tile = (size_t)b * p.RT + rt;
+  int* bar = p.counters + 4 * tile;
+  const int gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
   __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
   float* lse = p.lse + (size_t)b * p.R + row0;
   float* lp = p.lse_part + tile * p.S_max * BM;
@@ -308,7 +310,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
       __stcg(lp + split * BM + tid, l);
   }
   if (active == 1) return;
-  tile_barrier(p.counters + 2 * tile, active);
+  tile_barrier(bar, gen, active, split == 0);
   TRACE(3);
   merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
 }
