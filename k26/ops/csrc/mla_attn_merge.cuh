@@ -6,9 +6,9 @@
 // Why one level: the two-level merge before it (clusters of 8 through distributed shared memory, then the
 // last block of each column slice over the clusters) was a chain of five latency steps after the key loop —
 // cluster barrier, remote reads, global hand-off, counter, final merge — ~8 µs of the 14 µs 4K decode call
-// (2026-12-01-bench_tree_attn-merge-h200.md). Here a split's share is one L2 round trip at decode shapes (its
-// items' partials and lse values all issued together, combined online), so the merge is barrier + one round
-// trip, and its L2 reads are spread over as many blocks as there are partials at any length.
+// (2026-12-01-bench_tree_attn-merge-h200.md). Here a split's share is one L2 round trip (its items' partials
+// and lse values all issued together, combined online), so the merge is barrier + one round trip, and its L2
+// reads are spread over as many blocks as there are partials at any length.
 //
 // The barrier needs every live split of the tile resident: the launch plan keeps the grid within one wave
 // (k26_mla_tree_attn_plan), and a programmatic dependent's blocks start only once every block of this grid
@@ -22,7 +22,9 @@
 
 namespace k26_attn {
 
-constexpr int LDO = DV + 4;  // fp32 partial row staged in shared memory (padded against bank conflicts)
+#ifndef MERGE_LOADS
+#define MERGE_LOADS 8  // partials (float4 + lse) in flight per thread in the merge
+#endif
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -75,79 +77,66 @@ struct Lse4 {
   }
 };
 
-// Threads over items (Q, a power of two in [4, 256]; the other THREADS / Q groups take every (THREADS / Q)-th
-// partial) for n items over `parts` partials: the fewest dependent rounds — passes over the items x batches
-// of ML loads a thread — and on a tie the most items side by side (the longest contiguous runs a warp reads).
-template <int ML>
-__device__ __forceinline__ int merge_columns(int n, int parts) {
-  int best = THREADS, best_cost = 1 << 30;
-  for (int Q = THREADS; Q >= 4; Q /= 2) {
-    const int P = THREADS / Q, passes = (n + Q - 1) / Q, batches = ((parts + P - 1) / P + ML - 1) / ML;
-    if (passes * batches < best_cost) best = Q, best_cost = passes * batches;
+// Threads per output item (a power of two <= 32, a group of lanes of one warp) for n items over `parts`
+// partials: the fewest dependent rounds, passes over the items x batches of MERGE_LOADS loads a thread.
+__device__ __forceinline__ int merge_group(int n, int parts) {
+  int best = 1, best_cost = 1 << 30;
+  for (int G = 1; G <= 32; G *= 2) {
+    const int passes = (n * G + THREADS - 1) / THREADS;
+    const int batches = ((parts + G - 1) / G + MERGE_LOADS - 1) / MERGE_LOADS;
+    if (passes * batches < best_cost) best = G, best_cost = passes * batches;
   }
   return best;
 }
 
 // After the barrier: this split's share of the tile's output — float4 items [i0, i1) of its rows_real x 512
-// values, row-major — merged over the `parts` partials (lp: [parts][rows_real] lse, op: [parts][rows_real][512])
-// into out (bf16, the tile's first row) and each row's lse. Thread (p, q) = (tid / Q, tid % Q) folds item
-// i0 + q (+ Q per pass) over partials p, p + P, ..., with ML loads in flight (one L2 round trip when
-// parts <= P * ML); the P states of an item then meet, across lanes by shuffles and across warps in shared
-// memory (sm, 6 KB), in a fixed order: deterministic for a given (parts, rows). Not inlined: the key loop keeps
-// MT 1's 128-register budget to itself.
-template <int ML>
+// values in row-major order — merged over the `parts` partials (lp: [S][BM] lse, op: [S][BM][512]), the
+// final bf16 values into out (the tile's first row) and each row's lse into lse. A fixed order for a given
+// (parts, rows): deterministic. Not inlined: the key loop keeps MT 1's 128-register budget to itself.
+template <int BM>
 __device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_bfloat16* out, float* lse,
-                                         int parts, int rows_real, int share, int shares, float* sm) {
+                                         int parts, int rows_real, int share, int shares) {
   constexpr int C4 = DV / 4;
   const int items = rows_real * C4;
   const int i0 = share * items / shares, i1 = (share + 1) * items / shares;  // < 2^31: items <= 4096, shares <= 1024
-  const int Q = merge_columns<ML>(i1 - i0, parts), P = THREADS / Q, q = threadIdx.x % Q, p = threadIdx.x / Q;
-  const int lane = threadIdx.x & 31, slots = Q >= 32 ? P : THREADS / 32;  // states per item left for shared memory
-  float* sm_m = sm;
-  float* sm_s = sm + THREADS;
-  float4* sm_a = reinterpret_cast<float4*>(sm + 2 * THREADS);
-  for (int base = i0; base < i1; base += Q) {  // uniform across the block: shuffles and barriers below
-    const int item = base + q;
+  const int G = merge_group(i1 - i0, parts), per_pass = THREADS / G, kg = threadIdx.x % G;
+  const int passes = (i1 - i0 + per_pass - 1) / per_pass;
+  for (int pass = 0; pass < passes; ++pass) {  // uniform across the block: the shuffles below need whole warps
+    const int item = i0 + pass * per_pass + threadIdx.x / G;
     const bool live = item < i1;
     const int r = live ? item / C4 : 0, c = live ? (item % C4) * 4 : 0;
     Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-    for (int k0 = p; live && k0 < parts; k0 += P * ML) {
-      float l[ML];
-      float4 v[ML];
+    for (int k0 = kg; live && k0 < parts; k0 += G * MERGE_LOADS) {
+      float l[MERGE_LOADS];
+      float4 v[MERGE_LOADS];
 #pragma unroll
-      for (int j = 0; j < ML; ++j) {
-        const int k = k0 + j * P;
-        l[j] = k < parts ? __ldcg(lp + k * rows_real + r) : -CUDART_INF_F;
-        if (k < parts) v[j] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)k * rows_real + r) * DV + c));
+      for (int j = 0; j < MERGE_LOADS; ++j) {
+        const int k = k0 + j * G;
+        l[j] = k < parts ? __ldcg(lp + k * BM + r) : -CUDART_INF_F;
+        if (k < parts) v[j] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)k * BM + r) * DV + c));
       }
 #pragma unroll
-      for (int j = 0; j < ML; ++j)
+      for (int j = 0; j < MERGE_LOADS; ++j)
         if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);  // an empty partial (no visible key) adds nothing
     }
-    if (base == i0) TRACE(4);
-    for (int off = Q; off < 32; off *= 2) {  // lanes q + Q j of a warp hold the same item
+    if (pass == 0) TRACE(4);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      if (off >= G) continue;
       const float m2 = __shfl_xor_sync(0xffffffffu, st.m, off), s2 = __shfl_xor_sync(0xffffffffu, st.s, off);
       float4 a2;
       a2.x = __shfl_xor_sync(0xffffffffu, st.acc.x, off), a2.y = __shfl_xor_sync(0xffffffffu, st.acc.y, off);
       a2.z = __shfl_xor_sync(0xffffffffu, st.acc.z, off), a2.w = __shfl_xor_sync(0xffffffffu, st.acc.w, off);
       st.add(m2, s2, a2);
     }
-    if (Q >= 32 || lane < Q) {
-      const int slot = (Q >= 32 ? p : threadIdx.x / 32) * Q + q;
-      sm_m[slot] = st.m, sm_s[slot] = st.s, sm_a[slot] = st.acc;
-    }
-    __syncthreads();
-    if (threadIdx.x < Q && live) {
-      Lse4 all{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-      for (int k = 0; k < slots; ++k) all.add(sm_m[k * Q + q], sm_s[k * Q + q], sm_a[k * Q + q]);
-      const float inv = all.s > 0.f ? 1.f / all.s : 0.f;
+    if (pass == 0) TRACE(5);
+    if (live && kg == 0) {
+      const float inv = st.s > 0.f ? 1.f / st.s : 0.f;
       __nv_bfloat16* o = out + (size_t)r * DV + c;
-      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(all.acc.x * inv, all.acc.y * inv);
-      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(all.acc.z * inv, all.acc.w * inv);
-      if (c == 0) lse[r] = all.s > 0.f ? all.m + __logf(all.s) : -CUDART_INF_F;
+      *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(st.acc.x * inv, st.acc.y * inv);
+      *reinterpret_cast<__nv_bfloat162*>(o + 2) = __floats2bfloat162_rn(st.acc.z * inv, st.acc.w * inv);
+      if (c == 0) lse[r] = st.s > 0.f ? st.m + __logf(st.s) : -CUDART_INF_F;
     }
-    if (base == i0) TRACE(5);
-    __syncthreads();  // the slots are free for the next pass
   }
   TRACE(7);
 }

@@ -274,20 +274,16 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
   __syncthreads();
 
-  // This split's normalised partial: the final bf16 output straight from the registers when the split is the
-  // sequence's only one; else fp32 into the workspace for the merge (csrc/mla_attn_merge.cuh), staged through
-  // shared memory so that a warp stores whole 512-B row runs (from the fragments, a store instruction touched
-  // eight rows' 32-B pieces: four times the requests, 2026-12-04-bench_tree_attn-flat-merge-h200.md).
+  // This split's normalised partial, straight from the registers: the final bf16 output when the split is
+  // the sequence's only one, else fp32 into the workspace for the merge (csrc/mla_attn_merge.cuh).
   const int rows_real = min(BM, p.R - row0);
   const size_t tile = (size_t)b * p.RT + rt;
   int* bar = p.counters + 4 * tile;
   const int gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
   __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
   float* lse = p.lse + (size_t)b * p.R + row0;
-  // The tile's partials, [S_max][rows_real][512] and [S_max][rows_real]: compact, whatever the rows.
   float* lp = p.lse_part + tile * p.S_max * BM;
   float* op = p.o_part + tile * p.S_max * BM * DV;
-  float* sO = reinterpret_cast<float*>(smem);  // [BM][LDO]: the key stages are free
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
@@ -302,7 +298,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
         if (active == 1)
           *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
         else
-          *reinterpret_cast<float2*>(sO + r * LDO + c) = v;
+          __stcg(reinterpret_cast<float2*>(op + ((size_t)split * BM + r) * DV + c), v);
       }
     }
   }
@@ -311,18 +307,12 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     if (active == 1)
       lse[tid] = l;
     else
-      __stcg(lp + split * rows_real + tid, l);
+      __stcg(lp + split * BM + tid, l);
   }
   if (active == 1) return;
-  __syncthreads();
-  for (int i = tid; i < rows_real * (DV / 4); i += THREADS) {
-    const int r = i / (DV / 4), c = (i % (DV / 4)) * 4;
-    __stcg(reinterpret_cast<float4*>(op + ((size_t)split * rows_real + r) * DV + c),
-           *reinterpret_cast<const float4*>(sO + r * LDO + c));
-  }
   tile_barrier(bar, gen, active, split == 0);
   TRACE(3);
-  merge_share<MT == 1 ? 8 : 16>(lp, op, out, lse, active, rows_real, split, active, sO);
+  merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
 }
 
 }  // namespace k26_attn
