@@ -22,6 +22,7 @@ ap.add_argument("--l", type=int, default=4096)
 ap.add_argument(
     "--min-keys", type=int, default=None, help="keys per split at least (default: the front door's)"
 )
+ap.add_argument("--warm", action="store_true", help="no 256 MB read before each launch (warm L2 and TLB)")
 ap.add_argument("--cflags", default="", help="extra nvcc flags, e.g. -DMERGE_INLINE=__forceinline__")
 a = ap.parse_args()
 so = build_traced(["mla_tree_attn.cu"], ["-DK26_ATTN_TRACE", *a.cflags.split()])
@@ -39,7 +40,8 @@ ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S)
 mk = a.min_keys or attention_cuda.MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(a.n, a.h) // 16
 flush = torch.ones(64 << 20, device="cuda")  # 256 MB, read between launches: cold L2 without dirty lines
 for _ in range(4):
-    flush.sum()
+    if not a.warm:
+        flush.sum()
     assert lib.k26_mla_tree_attn_trace_reset() == 0
     torch.cuda.synchronize()
     err = lib.k26_mla_tree_attn(
