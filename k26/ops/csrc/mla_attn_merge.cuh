@@ -49,8 +49,12 @@ __device__ __forceinline__ void tile_barrier(int* bar, int gen, int arrivals, bo
   __syncthreads();  // the block's partial stores are issued
   if (threadIdx.x == 0) {
     int* count = bar + 1 + (gen & 1);
+#ifdef K26_ATTN_ACQREL  // the A/B of a release reduction instead of a full fence (attn_trace --cflags)
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(count) : "memory");
+#else
     __threadfence();  // release, cumulative over the block barrier: every thread's partial before the arrival
     asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(count) : "memory");
+#endif
     while (ld_acquire(count) < arrivals) {
     }
     if (first) {
