@@ -6,9 +6,14 @@
 // Why one level: the two-level merge before it (clusters of 8 through distributed shared memory, then the
 // last block of each column slice over the clusters) was a chain of five latency steps after the key loop —
 // cluster barrier, remote reads, global hand-off, counter, final merge — ~8 µs of the 14 µs 4K decode call
-// (2026-12-01-bench_tree_attn-merge-h200.md). Here a split's share is one L2 round trip (its items' partials
-// and lse values all issued together, combined online), so the merge is barrier + one round trip, and its L2
-// reads are spread over as many blocks as there are partials at any length.
+// (2026-12-01-bench_tree_attn-merge-h200.md). Here the merge is barrier + one round of loads at decode
+// shapes (a split's items' partials and lse values all issued together, combined online), and its L2 reads
+// are spread over as many blocks as there are partials at any length. Measured (H200, cold L2, graph replay,
+// 2026-12-04-bench_tree_attn-flat-merge-h200.md): 4K decode 13.8 -> 10.1 µs, 128K 65 -> 54 µs, N = 16 at 4K
+// 23.9 -> 20.6 µs; in the compiled 61-layer decode step 15.7 -> 12.2 µs a layer. Phases at 4K decode: key
+// loop done 4.6 µs, barrier passed 6.1, loads in 7.9, merged 8.5. Tried and dropped: partials staged
+// through shared memory and stored in whole row runs, with an item-major merge (coalesced reads): 0.2-0.6 µs
+// slower; a release reduction for the arrival instead of fence + relaxed reduction: the same.
 //
 // The barrier needs every live split of the tile resident: the launch plan keeps the grid within one wave
 // (k26_mla_tree_attn_plan), and a programmatic dependent's blocks start only once every block of this grid
@@ -49,12 +54,9 @@ __device__ __forceinline__ void tile_barrier(int* bar, int gen, int arrivals, bo
   __syncthreads();  // the block's partial stores are issued
   if (threadIdx.x == 0) {
     int* count = bar + 1 + (gen & 1);
-#ifdef K26_ATTN_ACQREL  // the A/B of a release reduction instead of a full fence (attn_trace --cflags)
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(count) : "memory");
-#else
+    // (red.release.gpu in place of fence + relaxed reduction measured the same, 2026-12-04)
     __threadfence();  // release, cumulative over the block barrier: every thread's partial before the arrival
     asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(count) : "memory");
-#endif
     while (ld_acquire(count) < arrivals) {
     }
     if (first) {
