@@ -83,15 +83,14 @@ struct Lse4 {
   }
 };
 
-// log2 of the threads per output item (G = 1 << lg, a power of two <= 32, a group of lanes of one warp) for n
-// items over `parts` partials: the fewest dependent rounds, passes over the items x batches of MERGE_LOADS
-// loads a thread. Shifts, not divisions: the merge's prologue is on the call's critical path.
+// Threads per output item (a power of two <= 32, a group of lanes of one warp) for n items over `parts`
+// partials: the fewest dependent rounds, passes over the items x batches of MERGE_LOADS loads a thread.
 __device__ __forceinline__ int merge_group(int n, int parts) {
-  int best = 0, best_cost = 1 << 30;
-  for (int lg = 0; lg <= 5; ++lg) {
-    const int passes = ((n << lg) + THREADS - 1) / THREADS;
-    const int batches = (((parts + (1 << lg) - 1) >> lg) + MERGE_LOADS - 1) / MERGE_LOADS;
-    if (passes * batches < best_cost) best = lg, best_cost = passes * batches;
+  int best = 1, best_cost = 1 << 30;
+  for (int G = 1; G <= 32; G *= 2) {
+    const int passes = (n * G + THREADS - 1) / THREADS;
+    const int batches = ((parts + G - 1) / G + MERGE_LOADS - 1) / MERGE_LOADS;
+    if (passes * batches < best_cost) best = G, best_cost = passes * batches;
   }
   return best;
 }
@@ -99,19 +98,17 @@ __device__ __forceinline__ int merge_group(int n, int parts) {
 // After the barrier: this split's share of the tile's output — float4 items [i0, i1) of its rows_real x 512
 // values in row-major order — merged over the `parts` partials (lp: [S][BM] lse, op: [S][BM][512]), the
 // final bf16 values into out (the tile's first row) and each row's lse into lse. A fixed order for a given
-// (parts, rows): deterministic. Plain (weak) loads: the barrier's acquire and the block barrier after it order
-// them after every split's partial, and the acquire's L1 invalidation leaves no stale line. Not inlined: the
-// key loop keeps MT 1's 128-register budget to itself.
+// (parts, rows): deterministic. Not inlined: the key loop keeps MT 1's 128-register budget to itself.
 template <int BM>
 __device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_bfloat16* out, float* lse,
                                          int parts, int rows_real, int share, int shares) {
   constexpr int C4 = DV / 4;
   const int items = rows_real * C4;
   const int i0 = share * items / shares, i1 = (share + 1) * items / shares;  // < 2^31: items <= 4096, shares <= 1024
-  const int lg = merge_group(i1 - i0, parts), G = 1 << lg, per_pass = THREADS >> lg, kg = threadIdx.x & (G - 1);
-  const int passes = (i1 - i0 + per_pass - 1) >> (8 - lg);  // THREADS = 256
+  const int G = merge_group(i1 - i0, parts), per_pass = THREADS / G, kg = threadIdx.x % G;
+  const int passes = (i1 - i0 + per_pass - 1) / per_pass;
   for (int pass = 0; pass < passes; ++pass) {  // uniform across the block: the shuffles below need whole warps
-    const int item = i0 + pass * per_pass + (threadIdx.x >> lg);
+    const int item = i0 + pass * per_pass + threadIdx.x / G;
     const bool live = item < i1;
     const int r = live ? item / C4 : 0, c = live ? (item % C4) * 4 : 0;
     Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
@@ -121,8 +118,8 @@ __device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_
 #pragma unroll
       for (int j = 0; j < MERGE_LOADS; ++j) {
         const int k = k0 + j * G;
-        l[j] = k < parts ? __ldca(lp + k * BM + r) : -CUDART_INF_F;
-        if (k < parts) v[j] = __ldca(reinterpret_cast<const float4*>(op + ((size_t)k * BM + r) * DV + c));
+        l[j] = k < parts ? __ldcg(lp + k * BM + r) : -CUDART_INF_F;
+        if (k < parts) v[j] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)k * BM + r) * DV + c));
       }
 #pragma unroll
       for (int j = 0; j < MERGE_LOADS; ++j)

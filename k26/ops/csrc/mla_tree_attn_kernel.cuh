@@ -298,7 +298,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
         if (active == 1)
           *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
         else
-          *reinterpret_cast<float2*>(op + ((size_t)split * BM + r) * DV + c) = v;  // weak: the barrier orders it
+          __stcg(reinterpret_cast<float2*>(op + ((size_t)split * BM + r) * DV + c), v);
       }
     }
   }
@@ -307,7 +307,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     if (active == 1)
       lse[tid] = l;
     else
-      lp[split * BM + tid] = l;
+      __stcg(lp + split * BM + tid, l);
   }
   if (active == 1) return;
   tile_barrier(bar, gen, active, split == 0);
