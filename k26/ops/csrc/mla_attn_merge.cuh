@@ -13,7 +13,9 @@
 // 23.9 -> 20.6 µs; in the compiled 61-layer decode step 15.7 -> 12.2 µs a layer. Phases at 4K decode: key
 // loop done 4.6 µs, barrier passed 6.1, loads in 7.9, merged 8.5. Tried and dropped: partials staged
 // through shared memory and stored in whole row runs, with an item-major merge (coalesced reads): 0.2-0.6 µs
-// slower; a release reduction for the arrival instead of fence + relaxed reduction: the same.
+// slower; a release reduction for the arrival instead of fence + relaxed reduction: the same; weak partial
+// stores and L1-allocating merge loads (not .cg) with the group choice by shifts: 0.4-1.1 µs slower (the
+// barrier's fence waits longer for weak stores).
 //
 // The barrier needs every live split of the tile resident: the launch plan keeps the grid within one wave
 // (k26_mla_tree_attn_plan), and a programmatic dependent's blocks start only once every block of this grid
