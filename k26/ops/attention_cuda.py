@@ -25,8 +25,8 @@ MIN_SPLIT_KEYS = 64
 
 class _Plans:
     """Per (device, B, N, H) launch plan, computed once: the splits per row tile from the kernel's
-    occupancy and the SM count (one wave), and the workspace whose barrier counts the kernel keeps zero
-    between calls."""
+    occupancy and the SM count (one wave), and the workspace holding the merge barriers' state (zeroed once
+    at allocation; the kernel keeps it consistent across calls and graph replays)."""
 
     def __init__(self) -> None:
         self._plans: dict[tuple, int] = {}

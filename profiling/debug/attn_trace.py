@@ -23,7 +23,7 @@ ap.add_argument(
     "--min-keys", type=int, default=None, help="keys per split at least (default: the front door's)"
 )
 ap.add_argument("--warm", action="store_true", help="no 256 MB read before each launch (warm L2 and TLB)")
-ap.add_argument("--cflags", default="", help="extra nvcc flags, e.g. -DMERGE_INLINE=__forceinline__")
+ap.add_argument("--cflags", default="", help="extra nvcc flags, e.g. --cflags=-DMERGE_LOADS=4")
 a = ap.parse_args()
 so = build_traced(["mla_tree_attn.cu"], ["-DK26_ATTN_TRACE", *a.cflags.split()])
 lib = ctypes.CDLL(so)

@@ -52,7 +52,7 @@ __device__ __forceinline__ int ld_relaxed(const int* p) {
 // need no reset, and a later call may have another arrival count (the live splits follow the length).
 // `gen`: bar[0], read by thread 0 before the block's partial stores (a relaxed load: the stores need not
 // wait for it; the fence below orders it before the arrival).
-__device__ __forceinline__ void tile_barrier(int* bar, int gen, int arrivals, bool first) {
+__device__ __forceinline__ void tile_barrier(int* bar, unsigned gen, int arrivals, bool first) {
   __syncthreads();  // the block's partial stores are issued
   if (threadIdx.x == 0) {
     int* count = bar + 1 + (gen & 1);
@@ -63,7 +63,8 @@ __device__ __forceinline__ void tile_barrier(int* bar, int gen, int arrivals, bo
     }
     if (first) {
       bar[1 + ((gen + 1) & 1)] = 0;
-      bar[0] = gen + 1;  // the next call starts after this one has completed: plain stores suffice
+      bar[0] = (int)(gen + 1u);  // wraps (only its parity is used); the next call starts after this one has
+                                 // completed: plain stores suffice
     }
   }
   __syncthreads();  // the acquire extends to the block

@@ -41,27 +41,48 @@ cudaError_t allow_smem() {
   return smem_opt_in<tree_attn_kernel<MT, false>, tree_attn_kernel<MT, true>>((int)Cfg<MT>::SMEM);
 }
 
-// Splits per row tile for (B, N, H): every block of the grid resident at once (one wave), which the merge's
-// barrier needs (csrc/mla_attn_merge.cuh); the occupancy of the plain and the rotary kernel, the smaller.
+// Blocks of one wave on the current device (the merge's barrier needs every live split of a row tile resident):
+// SMs x the occupancy of the plain and the rotary kernel, the smaller; queried once per device.
 template <int MT>
-int plan(int B, int N, int H, int* splits) {
-  if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
-  int dev = 0, sms = 0, plain = 0, rotary = 0;
+int wave_blocks(int* blocks) {
+  static int cached[64];  // per device; 0: not yet queried (a benign race: every writer writes the same value)
+  int dev = 0;
   cudaGetDevice(&dev);
+  if (dev < 64 && cached[dev] > 0) {
+    *blocks = cached[dev];
+    return 0;
+  }
+  if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
+  int sms = 0, plain = 0, rotary = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, tree_attn_kernel<MT, false>, THREADS,
                                                                Cfg<MT>::SMEM);
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&rotary, tree_attn_kernel<MT, true>, THREADS, Cfg<MT>::SMEM);
   if (e != cudaSuccess) return (int)e;
-  const int tiles = B * ((N * H + 16 * MT - 1) / (16 * MT));
-  *splits = max(1, min(1024, min(plain, rotary) * sms / tiles));
+  *blocks = sms * min(plain, rotary);
+  if (dev < 64) cached[dev] = *blocks;
   return 0;
 }
 
+// Splits per row tile for (B, N, H): the whole grid in one wave.
+template <int MT>
+int plan(int B, int N, int H, int* splits) {
+  int blocks = 0;
+  if (const int e = wave_blocks<MT>(&blocks)) return e;
+  const int tiles = B * ((N * H + 16 * MT - 1) / (16 * MT));
+  *splits = max(1, min(1024, blocks / tiles));
+  return 0;
+}
+
+// More splits than one wave holds would leave the merge's barrier waiting for splits that cannot start:
+// refused (the front door always launches the plan's count).
 template <int MT>
 int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st) {
   if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
+  int blocks = 0;
+  if (const int e = wave_blocks<MT>(&blocks)) return e;
+  if (p.S_max > 1 && (long long)B * p.RT * p.S_max > blocks) return (int)cudaErrorInvalidConfiguration;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -75,7 +96,7 @@ int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st)
 }  // namespace
 
 // Bytes of workspace for a (B, N, H, S_max) call; its first `k26_mla_tree_attn_counter_bytes` bytes must be
-// zeroed once when it is allocated (the kernel leaves the arrival counts zero).
+// zeroed once when it is allocated (the barriers' state; csrc/mla_attn_merge.cuh says what the kernel keeps).
 K26_EXPORT size_t k26_mla_tree_attn_workspace(int B, int N, int H, int S_max) {
   return layout(B, N, H, S_max).total;
 }

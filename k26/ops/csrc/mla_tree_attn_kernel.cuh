@@ -279,7 +279,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   const int rows_real = min(BM, p.R - row0);
   const size_t tile = (size_t)b * p.RT + rt;
   int* bar = p.counters + 4 * tile;
-  const int gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
+  const unsigned gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
   __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
   float* lse = p.lse + (size_t)b * p.R + row0;
   float* lp = p.lse_part + tile * p.S_max * BM;

@@ -1,5 +1,5 @@
 // Programmatic dependent launch, shared by the k26 kernels that use it (linear_smallm, mla_glue, moe_w4a16,
-// moe_router, allreduce_fused, add_rmsnorm; mla_tree_attn sets the attribute beside its cluster shape): a
+// moe_router, allreduce_fused, add_rmsnorm; mla_tree_attn sets the attribute in its own launch config): a
 // kernel launched with `pdl` may start while the kernel before it on the stream still
 // runs; inside it, pdl_wait() blocks until that kernel has finished and its writes are visible, and
 // pdl_trigger() lets the kernel after it start early (which in turn waits before reading our outputs).
