@@ -202,3 +202,18 @@ def test_ddtree_admissible_children_made_on_the_device_match_the_rule(budget, K,
     pi, pj = reference._admissible(budget, K, width, "cpu")
     want = [(i, j) for i in range(min(budget, width)) for j in range(K) if (i + 1) * (j + 1) <= budget]
     assert list(zip(pi.tolist(), pj.tolist())) == want
+
+
+def test_kernel_variant_defines_key_the_library_and_refuse_other_flags(monkeypatch):
+    from k26.ops import build
+
+    monkeypatch.delenv("K26_OPS_DEFINES", raising=False)
+    base = build.library_path()
+    monkeypatch.setenv("K26_OPS_DEFINES", "-DK26_ATTN_BF16_PARTIALS -DK26_ATTN_WIDE_ROWS=256")
+    assert build.defines() == ["-DK26_ATTN_BF16_PARTIALS", "-DK26_ATTN_WIDE_ROWS=256"]
+    assert build.library_path() != base  # a variant never loads where the default library is expected
+    monkeypatch.setenv("K26_OPS_DEFINES", "-DK26_X -O0")
+    with pytest.raises(build.BuildError, match="-O0"):
+        build.defines()
+    monkeypatch.setenv("K26_OPS_DEFINES", "")
+    assert build.library_path() == base

@@ -6,6 +6,10 @@ also on machines without a GPU), report registers / shared memory / spills per k
 Fails on any register spill and on more than 99 KB (101,376 B) of static shared memory for sm_120a,
 sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source.
 The library is cached under k26/ops/_build/ keyed by the sources' hash.
+
+K26_OPS_DEFINES (environment, e.g. "-DK26_ATTN_BF16_PARTIALS"): preprocessor defines for a kernel variant's
+A/B — part of the library's hash, so a variant builds to its own file and loads only where the variable is
+set the same way (profiling/snapshot.sh passes it through).
 """
 
 from __future__ import annotations
@@ -47,11 +51,22 @@ def sources() -> list[Path]:
     return sorted(CSRC.glob("*.cu"))
 
 
+def defines() -> list[str]:
+    """K26_OPS_DEFINES as nvcc flags: -DNAME or -DNAME=VALUE only (a variant switch, not arbitrary flags)."""
+    flags = os.environ.get("K26_OPS_DEFINES", "").split()
+    bad = [f for f in flags if not re.fullmatch(r"-D[A-Za-z_]\w*(=[\w.+-]*)?", f)]
+    if bad:
+        raise BuildError(f"K26_OPS_DEFINES: {bad} are not -DNAME or -DNAME=VALUE defines")
+    return flags
+
+
 def library_path(archs: tuple[str, ...] = ARCHS) -> Path:
     h = hashlib.sha256()
     for src in sources() + sorted(CSRC.glob("*.cuh")):
         h.update(src.name.encode() + src.read_bytes())
     h.update(",".join(archs).encode())
+    if extra := defines():  # (no defines: the same hash as before the variable existed)
+        h.update(" ".join(extra).encode())
     return BUILD_DIR / f"libk26_ops-{h.hexdigest()[:16]}.so"
 
 
@@ -102,6 +117,7 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
         "-Xptxas",
         "-v",
         "-lineinfo",
+        *defines(),
         *gencode,
         "-o",
         tmp,

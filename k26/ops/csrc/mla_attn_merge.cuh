@@ -103,7 +103,7 @@ __device__ __forceinline__ int merge_group(int n, int parts) {
 // final bf16 values into out (the tile's first row) and each row's lse into lse. A fixed order for a given
 // (parts, rows): deterministic. Not inlined: the key loop keeps MT 1's 128-register budget to itself.
 template <int BM>
-__device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_bfloat16* out, float* lse,
+__device__ __noinline__ void merge_share(const float* lp, const PartT* op, __nv_bfloat16* out, float* lse,
                                          int parts, int rows_real, int share, int shares) {
   constexpr int C4 = DV / 4;
   const int items = rows_real * C4;
@@ -122,7 +122,7 @@ __device__ __noinline__ void merge_share(const float* lp, const float* op, __nv_
       for (int j = 0; j < MERGE_LOADS; ++j) {
         const int k = k0 + j * G;
         l[j] = k < parts ? __ldcg(lp + k * BM + r) : -CUDART_INF_F;
-        if (k < parts) v[j] = __ldcg(reinterpret_cast<const float4*>(op + ((size_t)k * BM + r) * DV + c));
+        if (k < parts) v[j] = load_part4(op + ((size_t)k * BM + r) * DV + c);
       }
 #pragma unroll
       for (int j = 0; j < MERGE_LOADS; ++j)

@@ -39,7 +39,7 @@ Layout layout(int B, int N, int H, int S_max) {
   const size_t tiles = (size_t)B * w.RT, parts = tiles * S_max * w.BM;
   w.lse = up(tiles * 4 * 4);
   w.o = w.lse + up(parts * 4);
-  w.total = w.o + parts * DV * 4;
+  w.total = w.o + parts * DV * sizeof(PartT);
   return w;
 }
 
@@ -134,7 +134,7 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
   p.words = words, p.out = (__nv_bfloat16*)out, p.lse = lse;
   p.counters = reinterpret_cast<int*>(ws), p.lse_part = reinterpret_cast<float*>(ws + w.lse),
-  p.o_part = reinterpret_cast<float*>(ws + w.o);
+  p.o_part = reinterpret_cast<PartT*>(ws + w.o);
   p.N = N, p.H = H, p.W = W, p.R = N * H, p.RT = w.RT, p.max_len = max_len, p.S_max = S_max,
   p.min_keys = min_keys < BN ? BN : min_keys;
   p.scale_log2 = scale * 1.4426950408889634f;

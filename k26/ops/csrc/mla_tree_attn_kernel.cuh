@@ -283,7 +283,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
   float* lse = p.lse + (size_t)b * p.R + row0;
   float* lp = p.lse_part + tile * p.S_max * BM;
-  float* op = p.o_part + tile * p.S_max * BM * DV;
+  PartT* op = p.o_part + tile * p.S_max * BM * DV;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
@@ -298,7 +298,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
         if (active == 1)
           *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
         else
-          __stcg(reinterpret_cast<float2*>(op + ((size_t)split * BM + r) * DV + c), v);
+          store_part2(op + ((size_t)split * BM + r) * DV + c, v);
       }
     }
   }
