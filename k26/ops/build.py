@@ -1,7 +1,7 @@
 """Build every CUDA source of k26 into one shared library with plain nvcc (no torch headers: seconds,
 also on machines without a GPU), report registers / shared memory / spills per kernel, and load it.
 
-    python -m k26.ops.build [--arch sm_90a,sm_120a] [--out DIR]
+    python -m k26.ops.build [--arch sm_90a,sm_120a] [--out DIR] [--variants]
 
 Fails on any register spill and on more than 99 KB (101,376 B) of static shared memory for sm_120a,
 sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source.
@@ -99,10 +99,57 @@ def parse_ptxas(log: str) -> list[KernelReport]:
     return reports
 
 
-def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool = True) -> Path:
+def resource_problems(reports: list[KernelReport]) -> list[str]:
+    """Spills anywhere, and more static shared memory than sm_120 launches."""
+    problems = [
+        f"{r.arch} {r.name}: {r.spill_stores} B spill stores / {r.spill_loads} B spill loads"
+        for r in reports
+        if r.spill_stores or r.spill_loads
+    ]
+    return problems + [
+        f"{r.arch} {r.name}: {r.smem} B static shared memory > {SM120_SMEM_LIMIT}"
+        for r in reports
+        if r.arch.startswith("sm_120") and r.smem > SM120_SMEM_LIMIT
+    ]
+
+
+def _nvcc() -> str:
     nvcc = shutil.which("nvcc") or (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc")
     if not Path(nvcc).exists():
         raise BuildError("nvcc not found: install the CUDA toolkit or set CUDA_HOME to build k26's kernels")
+    return str(nvcc)
+
+
+# The kernel variants kept in the sources behind a define for A/Bs (K26_OPS_DEFINES), each with the sources
+# it changes: `--variants` compiles them for every arch under the same resource checks, so an off-by-default
+# variant cannot rot unnoticed (CI runs it).
+VARIANTS = {
+    "-DK26_ATTN_BF16_PARTIALS": ["mla_tree_attn.cu"],
+    "-DK26_ATTN_WIDE_ROWS=256": ["mla_tree_attn.cu"],
+}
+
+
+def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:
+    """Compile each variant's sources (objects in a temporary directory, no library); the problems found."""
+    import tempfile
+
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for define, names in VARIANTS.items():
+            for name in names:
+                cmd = [_nvcc(), "-O3", "-std=c++17", "-c", "-Xcompiler", "-fPIC", "-Xptxas", "-v", define]
+                cmd += [*gencode, "-o", str(Path(tmp) / "v.o"), str(CSRC / name)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if proc.returncode:
+                    problems.append(f"{define} {name}: nvcc failed:\n{proc.stderr}")
+                    continue
+                problems += [f"{define} {p}" for p in resource_problems(parse_ptxas(proc.stderr))]
+    return problems
+
+
+def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool = True) -> Path:
+    nvcc = _nvcc()
     out = out or library_path(archs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{out}.{os.getpid()}.tmp"  # per process: ranks building at once never share a half-written file
@@ -127,16 +174,7 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
     if proc.returncode:
         raise BuildError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr}")
     reports = parse_ptxas(proc.stderr)
-    problems = [
-        f"{r.arch} {r.name}: {r.spill_stores} B spill stores / {r.spill_loads} B spill loads"
-        for r in reports
-        if r.spill_stores or r.spill_loads
-    ]
-    problems += [
-        f"{r.arch} {r.name}: {r.smem} B static shared memory > {SM120_SMEM_LIMIT}"
-        for r in reports
-        if r.arch.startswith("sm_120") and r.smem > SM120_SMEM_LIMIT
-    ]
+    problems = resource_problems(reports)
     if verbose:
         print(f"{'arch':8s} {'regs':>5s} {'smem B':>7s} {'spill':>6s}  kernel")
         for r in reports:
@@ -182,14 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k26.ops.build", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default=",".join(ARCHS), help="comma-separated SASS targets")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--variants", action="store_true", help="also compile the kept kernel variants")
     a = ap.parse_args(argv)
     archs = tuple(x.strip() for x in a.arch.split(",") if x.strip())
     try:
         path = build(archs, a.out or library_path(archs))
+        problems = check_variants(archs) if a.variants else []
     except BuildError as e:
         print(f"k26.ops.build: {e}", file=sys.stderr)
         return 1
     print(f"built {path}")
+    if problems:
+        print("k26.ops.build: kernel variants failed:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    if a.variants:
+        print(f"variants compiled: {', '.join(VARIANTS)}")
     return 0
 
 
