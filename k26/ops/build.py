@@ -113,11 +113,13 @@ def resource_problems(reports: list[KernelReport]) -> list[str]:
     ]
 
 
-def _nvcc() -> str:
+def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
+    """nvcc and the flags every k26 compile shares (the library's and the variants' checks)."""
     nvcc = shutil.which("nvcc") or (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc")
     if not Path(nvcc).exists():
         raise BuildError("nvcc not found: install the CUDA toolkit or set CUDA_HOME to build k26's kernels")
-    return str(nvcc)
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    return [str(nvcc), "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xptxas", "-v", *gencode]
 
 
 # The kernel variants kept in the sources behind a define for A/Bs (K26_OPS_DEFINES), each with the sources
@@ -133,13 +135,11 @@ def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:
     """Compile each variant's sources (objects in a temporary directory, no library); the problems found."""
     import tempfile
 
-    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
     problems: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for define, names in VARIANTS.items():
             for name in names:
-                cmd = [_nvcc(), "-O3", "-std=c++17", "-c", "-Xcompiler", "-fPIC", "-Xptxas", "-v", define]
-                cmd += [*gencode, "-o", str(Path(tmp) / "v.o"), str(CSRC / name)]
+                cmd = [*_nvcc_cmd(archs), "-c", define, "-o", str(Path(tmp) / "v.o"), str(CSRC / name)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if proc.returncode:
                     problems.append(f"{define} {name}: nvcc failed:\n{proc.stderr}")
@@ -149,27 +149,10 @@ def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:
 
 
 def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool = True) -> Path:
-    nvcc = _nvcc()
     out = out or library_path(archs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{out}.{os.getpid()}.tmp"  # per process: ranks building at once never share a half-written file
-    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
-    cmd = [
-        str(nvcc),
-        "-O3",
-        "-std=c++17",
-        "-shared",
-        "-Xcompiler",
-        "-fPIC",
-        "-Xptxas",
-        "-v",
-        "-lineinfo",
-        *defines(),
-        *gencode,
-        "-o",
-        tmp,
-        *map(str, sources()),
-    ]
+    cmd = [*_nvcc_cmd(archs), "-shared", "-lineinfo", *defines(), "-o", tmp, *map(str, sources())]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # stderr goes into BuildError
     if proc.returncode:
         raise BuildError(f"nvcc failed:\n{' '.join(cmd)}\n{proc.stderr}")

@@ -77,8 +77,7 @@ template <int MT>
 int plan(int B, int N, int H, int* splits) {
   int blocks = 0;
   if (const int e = wave_blocks<MT>(&blocks)) return e;
-  const int tiles = B * ((N * H + 16 * MT - 1) / (16 * MT));
-  *splits = max(1, min(1024, blocks / tiles));
+  *splits = max(1, min(1024, blocks / (B * layout(B, N, H, 1).RT)));
   return 0;
 }
 
