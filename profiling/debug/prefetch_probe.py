@@ -32,38 +32,11 @@ def pf(ws):
     return lambda: torch.ops.k26.l2_prefetch(ticket, ws)
 
 
-big = torch.empty(33 << 20, dtype=torch.uint8, device="cuda")
 for lines in (False, True):
     prefetch_cuda.LINES = lines
     print(
         f"prefetch kernel alone ({'per line' if lines else 'bulk'}): empty {us(pf([])):.1f} µs, "
-        f"1 MB {us(pf([kv_b])):.1f}, 16.7 MB {us(pf(weights)):.1f}, 33 MB {us(pf([big])):.1f}"
-    )
-prefetch_cuda.LINES = False
-
-
-def warm_us(fn) -> float:
-    """Median µs of replays back to back: the bytes stay in L2."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ev, times = [torch.cuda.Event(enable_timing=True) for _ in range(2)], []
-    for i in range(23):
-        ev[0].record()
-        g.replay()
-        ev[1].record()
-        ev[1].synchronize()
-        if i >= 3:
-            times.append(ev[0].elapsed_time(ev[1]) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-for N in (1, 16):
-    xo = torch.randn(N, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
-    lin = lambda xo=xo: torch.ops.k26.linear(xo, o_proj)  # noqa: E731
-    print(
-        f"o_proj linear N={N}: cold {us(lin):.1f} µs, warm L2 {warm_us(lin):.1f}, after a prefetch "
-        f"{us(lambda lin=lin: (pf(weights)(), lin())):.1f} (prefetch alone above)"
+        f"1 MB {us(pf([kv_b])):.1f}, 16.7 MB {us(pf(weights)):.1f}"
     )
 for N in (1, 16):
     args, rot, _ = inputs(1, N, 8, 4096, gen, rotary=True)
