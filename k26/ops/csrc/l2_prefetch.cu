@@ -39,9 +39,7 @@ struct Ranges {
 __global__ void __launch_bounds__(kThreads) l2_prefetch_kernel(const Ranges r) {
   pdl_trigger();
   const unsigned stride = gridDim.x * kThreads;
-  // This thread's next chunk, counted over all ranges; consecutive chunks go to different blocks (SMs): one
-  // SM's bulk-copy unit issues ~125-200 GB/s, so a block-major deal left a few SMs doing all the work.
-  unsigned i = threadIdx.x * gridDim.x + blockIdx.x;
+  unsigned i = blockIdx.x * kThreads + threadIdx.x;  // this thread's next chunk, counted over all ranges
   for (int k = 0; k < r.n; ++k) {
     const unsigned chunks = unsigned((r.bytes[k] + kChunk - 1) / kChunk);
     for (; i < chunks; i += stride) {
