@@ -22,7 +22,6 @@ from . import pdl
 
 MAX_RANGES = 16  # csrc/l2_prefetch.cu: kMaxRanges
 CHUNK = 64 << 10  # csrc/l2_prefetch.cu: kChunk, bytes per prefetch instruction
-LINES = False  # True: one prefetch.global.L2 per 128-byte line instead of bulk prefetches (the A/B)
 
 
 @torch.library.custom_op("k26::l2_prefetch", mutates_args=("ticket",))
@@ -67,7 +66,7 @@ def _lib() -> ctypes.CDLL:
     lib = library()
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.k26_l2_prefetch.restype = I
-    lib.k26_l2_prefetch.argtypes = [P, P, I, P, I, I, I, P]
+    lib.k26_l2_prefetch.argtypes = [P, P, I, P, I, I, P]
     return lib
 
 
@@ -93,7 +92,7 @@ def _(ticket, tensors):
     index = torch.cuda.current_device() if ticket.device.index is None else ticket.device.index
     blocks = max(1, min(_sms(index), chunks))
     stream = torch.cuda.current_stream(ticket.device).cuda_stream
-    e = _lib().k26_l2_prefetch(begin, nbytes, n, ticket.data_ptr(), blocks, int(LINES), int(pdl.ENABLED), stream)
+    e = _lib().k26_l2_prefetch(begin, nbytes, n, ticket.data_ptr(), blocks, int(pdl.ENABLED), stream)
     if e != 0:
         from .allreduce_cuda import cuda_error
 

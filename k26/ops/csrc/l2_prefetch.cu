@@ -32,7 +32,6 @@ struct Ranges {
   uint64_t begin[kMaxRanges];  // 16-byte aligned
   uint64_t bytes[kMaxRanges];  // multiples of 16
   int n;
-  int lines;  // 1: one prefetch.global.L2 per 128-byte line instead of bulk prefetches (the A/B)
   int* ticket;
 };
 
@@ -45,12 +44,7 @@ __global__ void __launch_bounds__(kThreads) l2_prefetch_kernel(const Ranges r) {
     for (; i < chunks; i += stride) {
       const uint64_t off = uint64_t(i) * kChunk;
       const unsigned size = unsigned(min(uint64_t(kChunk), r.bytes[k] - off));
-      if (r.lines) {
-        for (unsigned b = 0; b < size; b += 128)
-          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(r.begin[k] + off + b));
-      } else {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(r.begin[k] + off), "r"(size) : "memory");
-      }
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(r.begin[k] + off), "r"(size) : "memory");
     }
     i -= chunks;  // >= 0: the loop left i at or past `chunks`
   }
@@ -64,15 +58,15 @@ K26_EXPORT int k26_l2_prefetch_max_ranges() { return kMaxRanges; }
 
 // Returns a cudaError_t. begin / bytes: n ranges (the front door rounds them out to 16 bytes); blocks: the
 // grid (the front door takes one block per SM, at most one per 64 KB chunk).
-K26_EXPORT int k26_l2_prefetch(const uint64_t* begin, const uint64_t* bytes, int n, void* ticket, int blocks, int lines,
-                               int pdl, void* stream) {
+K26_EXPORT int k26_l2_prefetch(const uint64_t* begin, const uint64_t* bytes, int n, void* ticket, int blocks, int pdl,
+                               void* stream) {
   if (n < 0 || n > kMaxRanges || blocks < 1 || ticket == nullptr) return int(cudaErrorInvalidValue);
   Ranges r = {};
   for (int k = 0; k < n; ++k) {
     if (begin[k] % 16 || bytes[k] % 16) return int(cudaErrorInvalidValue);
     r.begin[k] = begin[k], r.bytes[k] = bytes[k];
   }
-  r.n = n, r.lines = lines, r.ticket = static_cast<int*>(ticket);
+  r.n = n, r.ticket = static_cast<int*>(ticket);
   return int(launch_pdl(l2_prefetch_kernel, dim3(blocks), dim3(kThreads), 0, pdl != 0,
                         static_cast<cudaStream_t>(stream), r));
 }
