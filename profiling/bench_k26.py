@@ -127,11 +127,6 @@ def main() -> None:
         action="store_true",
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
     )
-    ap.add_argument(
-        "--l2-prefetch",
-        default="off",
-        help="KimiK2.plan_l2_prefetch_ plan (off, attn, moe, moe+next; needs --fused): weights into L2 ahead",
-    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fused and a.variants:
@@ -158,9 +153,6 @@ def main() -> None:
             m.writes_table = not a.route_launch
     if a.fused:
         model.fuse_dense_()
-        model.plan_l2_prefetch_(a.l2_prefetch)
-    elif a.l2_prefetch != "off":
-        ap.error("--l2-prefetch needs --fused (the next layer's q_a / kv_a stack)")
     if a.compile:
         torch._dynamo.config.cache_size_limit = 64  # a body per (variant, N, dense / MoE layer)
         torch._dynamo.config.accumulated_cache_size_limit = (
@@ -192,8 +184,7 @@ def main() -> None:
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
             f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
-            f"{' --seeded-tree' if a.seeded_tree else ''}"
-            f"{f' --l2-prefetch {a.l2_prefetch}' if a.l2_prefetch != 'off' else ''}`"
+            f"{' --seeded-tree' if a.seeded_tree else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -13,20 +12,6 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.k26.linear)
 from ..ops.reference import rms_norm
-
-
-class L2Prefetch(NamedTuple):
-    """Weights to move into L2 at one point of a layer's forward and the launch counter the op bumps
-    (`torch.ops.k26.l2_prefetch`; a named tuple: torch.compile traces it as plain values)."""
-
-    ticket: torch.Tensor
-    tensors: list[torch.Tensor]
-
-
-def l2_prefetch(p: L2Prefetch | None) -> None:
-    """Issue `p` (nothing when None)."""
-    if p is not None and p.tensors:
-        torch.ops.k26.l2_prefetch(p.ticket, p.tensors)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from ..ops import glue_cuda, reference  # noqa: F401  (glue_cuda registers torch.ops.k26.mla_glue)
 from ..ops.linear_cuda import MAX_ROWS
 from .batch import AttnBatch
-from .layers import L2Prefetch, RMSNorm, TPInfo, l2_prefetch, linear, stack_
+from .layers import RMSNorm, TPInfo, linear, stack_
 from .rope import Rope
 
 # Token rows up to which `fuse_` routes MLA's projections through torch.ops.k26.linear instead of cuBLAS,
@@ -77,19 +77,11 @@ class MLA(nn.Module):
         return a.split([self.cfg.q_lora_rank, a.shape[-1] - self.cfg.q_lora_rank], dim=-1)
 
     def forward(
-        self,
-        x_BND,
-        batch: AttnBatch,
-        cache_RLC: torch.Tensor | None,
-        rope: Rope,
-        absorb=True,
-        partial=False,
-        prefetch: L2Prefetch | None = None,
+        self, x_BND, batch: AttnBatch, cache_RLC: torch.Tensor | None, rope: Rope, absorb=True, partial=False
     ):
         """Attention of the new tokens over the cache (written first); with no cache (training) over the new
         tokens alone, in the naive form, with prefix lengths 0. `partial`: this rank's share, unreduced (the
-        caller reduces it with the residual add and the next norm, `TPInfo.reduce_add_norm`). `prefetch`:
-        issued just before the attention kernel (which leaves HBM mostly idle at short context)."""
+        caller reduces it with the residual add and the next norm, `TPInfo.reduce_add_norm`)."""
         reduce = (lambda y: y) if partial else self.tp.reduce
         cfg = self.cfg
         B, N, _ = x_BND.shape
@@ -134,7 +126,6 @@ class MLA(nn.Module):
                 q_lat = torch.ops.k26.linear_grouped(q_nope, self.w_uk_t)
             else:
                 q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
-            l2_prefetch(prefetch)
             # q_pe's RoPE and the concatenation [q̃, rope(q_pe)] run inside the attention kernel.
             o_lat, _ = torch.ops.k26.mla_tree_attention(
                 q_lat,

@@ -14,14 +14,10 @@ from torch import nn
 from ..compiling import compile_static
 from ..config import ModelConfig
 from .batch import AttnBatch
-from .layers import MLP, L2Prefetch, RMSNorm, TPInfo, VocabEmbedding, VocabHead
+from .layers import MLP, RMSNorm, TPInfo, VocabEmbedding, VocabHead
 from .mla import MLA
 from .moe import MoE
 from .rope import Rope
-
-# L2 prefetch plans (`KimiK2.plan_l2_prefetch_`): "off"; "attn": o_proj + kv_b before the attention; "moe":
-# also the router and the shared expert there; "moe+next": also the next layer's q_a / kv_a before experts.
-L2_PLANS = ("off", "attn", "moe", "moe+next")
 
 
 class DecoderLayer(nn.Module):
@@ -37,34 +33,15 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, tp.split(cfg.intermediate_size, "intermediate_size"), dtype)
             self.dense = True
-        # L2 prefetch (`KimiK2.plan_l2_prefetch_`): the launch counter the prefetch op bumps (None: off), the
-        # plan's name, the next layer's q_a / kv_a stack (a buffer: one compiled body serves all layers).
-        self.register_buffer("l2_ticket", None, persistent=False)
-        self.register_buffer("next_qkv_a", None, persistent=False)
-        self.l2_plan = "off"
 
     def forward(self, x, normed, batch: AttnBatch, cache_RLC, rope: Rope, absorb: bool, next_norm: RMSNorm):
         """The residual stream `x` and its input norm `normed` (from the layer before) -> (next_norm(x'), x').
         Each all-reduce runs with the residual add and the norm after it (`TPInfo.reduce_add_norm`:
         one fused kernel over peer memory when the TP group has it, else all-reduce, add, norm)."""
-        before_attention, before_experts = self._l2_prefetch()
-        a = self.self_attn(normed, batch, cache_RLC, rope, absorb, partial=True, prefetch=before_attention)
+        a = self.self_attn(normed, batch, cache_RLC, rope, absorb, partial=True)
         normed, x = self.tp.reduce_add_norm(a, x, self.post_attention_layernorm)
-        h = self.mlp(normed) if self.dense else self.mlp(normed, partial=True, prefetch=before_experts)
+        h = self.mlp(normed) if self.dense else self.mlp(normed, partial=True)
         return self.tp.reduce_add_norm(h, x, next_norm)
-
-    def _l2_prefetch(self) -> tuple[L2Prefetch | None, L2Prefetch | None]:
-        """What to move into L2 before this layer's attention and before its routed experts (`L2_PLANS`).
-        Before the attention (latency-bound at short context): o_proj and kv_b (W_UV) next, and with "moe" the
-        router and the shared expert too. Before the experts: the next layer's q_a / kv_a stack ("next")."""
-        if self.l2_ticket is None or self.l2_plan == "off":
-            return None, None
-        attn = self.self_attn
-        first = [attn.o_proj.weight, attn.kv_b_proj.weight]
-        if "moe" in self.l2_plan and not self.dense:
-            first += self.mlp.l2_weights()
-        later = [self.next_qkv_a] if "next" in self.l2_plan and self.next_qkv_a is not None else []
-        return L2Prefetch(self.l2_ticket, first), (L2Prefetch(self.l2_ticket, later) if later else None)
 
 
 class KimiK2(nn.Module):
@@ -114,21 +91,6 @@ class KimiK2(nn.Module):
             layer.self_attn.fuse_()
         for norm in self.residual_norms():
             norm.use_kernel = True
-
-    def plan_l2_prefetch_(self, plan: str) -> None:
-        """Prefetch weights into L2 ahead of the kernels that stream them (`DecoderLayer._l2_prefetch`), on
-        CUDA after `fuse_dense_`; `plan` one of `L2_PLANS`."""
-        if plan not in L2_PLANS:
-            raise ValueError(f"l2 prefetch plan must be one of {', '.join(L2_PLANS)}, got {plan!r}")
-        for i, layer in enumerate(self.layers):
-            layer.l2_plan = plan
-            if layer.l2_ticket is None:
-                device = layer.self_attn.o_proj.weight.device
-                layer.l2_ticket = torch.zeros(1, dtype=torch.int32, device=device)
-            # The last layer's "next" is layer 1's stack: same shape (no second compiled body); its bytes are
-            # wasted once a step (the head's stream evicts them).
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else self.layers[min(1, i)]
-            layer.next_qkv_a = nxt.self_attn.qkv_a
 
     def residual_norms(self) -> list[RMSNorm]:
         """The norms that follow a residual add (`TPInfo.reduce_add_norm`): each layer's post-attention

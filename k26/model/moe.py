@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..ops import reference
 from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
-from .layers import MLP, L2Prefetch, TPInfo, l2_prefetch
+from .layers import MLP, TPInfo
 
 # Above this many (token, expert) pairs the expert op routes in its own launch: the router kernel's last block
 # (256 threads) holds two ids a thread up to here, and a prefill's table is a small part of its MoE layer.
@@ -156,22 +156,13 @@ class MoE(nn.Module):
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = MLP(D, tp.split(shared, "shared expert width"), dtype) if shared else None
 
-    def l2_weights(self) -> list[torch.Tensor]:
-        """The weights every token reads, in the order the block reads them: router, shared expert."""
-        shared = self.shared_experts
-        mlps = [] if shared is None else [shared.gate_proj, shared.up_proj, shared.down_proj]
-        return [self.gate.weight] + [m.weight for m in mlps]
-
-    def forward(
-        self, x_BND: torch.Tensor, partial: bool = False, prefetch: L2Prefetch | None = None
-    ) -> torch.Tensor:
+    def forward(self, x_BND: torch.Tensor, partial: bool = False) -> torch.Tensor:
         """`partial`: this rank's share, unreduced (the caller reduces it with the residual add and the next
-        norm, `TPInfo.reduce_add_norm`). `prefetch`: issued between the router and the experts."""
+        norm, `TPInfo.reduce_add_norm`)."""
         x_TD = x_BND.flatten(0, -2)
         if isinstance(self.experts, Int4Experts) and self.experts.repacked:
             fused = self.experts.fuses(self.shared_experts, x_TD)
             w_TK, ids_TK, table = self.gate.route(x_TD, shared=fused)
-            l2_prefetch(prefetch)
             y_TD = self.experts(x_TD, ids_TK, w_TK, self.shared_experts if fused else None, table)
             if self.shared_experts is not None and not fused:
                 y_TD = y_TD + self.shared_experts(x_TD)

@@ -101,7 +101,6 @@ from . import (
     drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
     glue_cuda,  # noqa: F401  (registers mla_glue with its CUDA kernel)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
-    prefetch_cuda,  # noqa: F401  (registers l2_prefetch with its CUDA kernel)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
 
@@ -119,5 +118,4 @@ OPS = (
     "allreduce_add_rmsnorm",
     "add_rmsnorm",
     "drafter_attention",
-    "l2_prefetch",
 )
