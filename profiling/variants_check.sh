@@ -3,10 +3,10 @@
 # snapshot runs the named GPU tests with its own library, then each is benchmarked against the first
 # (default) snapshot with profiling/ab.sh. Snapshots are made on the CPU machine first, e.g.
 #   bash profiling/snapshot.sh HEAD .snap
-#   K26_OPS_DEFINES=-DK26_ATTN_BF16_PARTIALS bash profiling/snapshot.sh HEAD .snapB
-#   K26_OPS_DEFINES=-DK26_ATTN_WIDE_ROWS=256 bash profiling/snapshot.sh HEAD .snapW
-# then on the device (carry the snapshot folders; ~3-4 min for these three):
-#   OUT=$OUT bash .snap/profiling/variants_check.sh .snap .snapB .snapW
+#   K26_OPS_DEFINES=-DK26_MY_VARIANT bash profiling/snapshot.sh HEAD .snapV
+# then on the device (carry the snapshot folders; ~80 s for three with the tree-attention tests, measured
+# 2026-12-04 with the two variants then kept: profiling/results/2026-12-04-variants-session17-h200.md):
+#   OUT=$OUT bash .snap/profiling/variants_check.sh .snap .snapV
 # Environment: TESTS (pytest paths, default the tree-attention GPU tests), BENCH (the benchmark command,
 # default `python3 profiling/bench_tree_attn.py --quick`), ROUNDS (A/B rounds, default 1).
 set -u

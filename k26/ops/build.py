@@ -7,7 +7,7 @@ Fails on any register spill and on more than 99 KB (101,376 B) of static shared 
 sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source.
 The library is cached under k26/ops/_build/ keyed by the sources' hash.
 
-K26_OPS_DEFINES (environment, e.g. "-DK26_ATTN_BF16_PARTIALS"): preprocessor defines for a kernel variant's
+K26_OPS_DEFINES (environment, e.g. "-DK26_MY_VARIANT"): preprocessor defines for a kernel variant's
 A/B — part of the library's hash, so a variant builds to its own file and loads only where the variable is
 set the same way (profiling/snapshot.sh passes it through).
 """
@@ -125,10 +125,9 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # The kernel variants kept in the sources behind a define for A/Bs (K26_OPS_DEFINES), each with the sources
 # it changes: `--variants` compiles them for every arch under the same resource checks, so an off-by-default
 # variant cannot rot unnoticed (CI runs it).
-VARIANTS = {
-    "-DK26_ATTN_BF16_PARTIALS": ["mla_tree_attn.cu"],
-    "-DK26_ATTN_WIDE_ROWS=256": ["mla_tree_attn.cu"],
-}
+# (None now: bf16 attention partials and 16-row attention tiles were measured and dropped,
+# profiling/results/2026-12-04-variants-session17-h200.md.)
+VARIANTS: dict[str, list[str]] = {}
 
 
 def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:

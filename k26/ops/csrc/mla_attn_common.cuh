@@ -51,30 +51,13 @@ struct Cfg {
   static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
 };
 
-// The element type of the splits' o partials in the workspace. K26_ATTN_BF16_PARTIALS (a build define, off by
-// default) stores them as bf16 — half the bytes every split writes before the merge's barrier and the merge
-// reads after it — for an A/B: the merge's phases scale with those bytes at verify shapes (N = 16 at 4K: 7.6 MB
-// each way, ~4 µs per phase, 2026-12-04-bench_tree_attn-flat-merge-h200.md). The lse partials stay fp32.
-// Precision: a normalised partial rounded to bf16 adds <= 2^-9 relative per value before the weighted sum
-// (the final output is bf16 anyway); to be checked against the tests' 3e-3 bound before it becomes the default.
-#ifdef K26_ATTN_BF16_PARTIALS
-using PartT = __nv_bfloat16;
-#else
+// The splits' o partials in the workspace are fp32. (bf16 partials — half the bytes written before the merge's
+// barrier and read after it — measured slower on every shape and missed the 3e-3 bound on one test:
+// profiling/results/2026-12-04-variants-session17-h200.md. The merge is latency-, not byte-bound.)
 using PartT = float;
-#endif
 
 __device__ __forceinline__ void store_part2(float* p, float2 v) { __stcg(reinterpret_cast<float2*>(p), v); }
-__device__ __forceinline__ void store_part2(__nv_bfloat16* p, float2 v) {
-  const __nv_bfloat162 h = __float22bfloat162_rn(v);
-  __stcg(reinterpret_cast<unsigned*>(p), *reinterpret_cast<const unsigned*>(&h));
-}
 __device__ __forceinline__ float4 load_part4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
-__device__ __forceinline__ float4 load_part4(const __nv_bfloat16* p) {
-  const uint2 u = __ldcg(reinterpret_cast<const uint2*>(p));
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
 
 struct Params {
   const __nv_bfloat16* q;      // [B, N, H, 576], or [B, N, H, 512] with a Rotary query part

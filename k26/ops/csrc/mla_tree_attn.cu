@@ -15,14 +15,10 @@ namespace {
 
 using namespace k26_attn;
 
-// Query rows a block owns: 32 from 32 rows up. K26_ATTN_WIDE_ROWS (a build define) moves that threshold for an
-// A/B: with the one-level merge, 16-row tiles at 2 blocks per SM (twice the row tiles, half the partial bytes a
-// block writes and merges) may beat 32-row tiles at 1 block per SM for the verify's N x H = 128 — not yet
-// measured (the 32-row choice was made against the two-level merge).
-#ifndef K26_ATTN_WIDE_ROWS
-#define K26_ATTN_WIDE_ROWS 32
-#endif
-int tile_rows(int N, int H) { return N * H >= K26_ATTN_WIDE_ROWS ? 32 : 16; }
+// Query rows a block owns: 32 from 32 rows up. (16-row tiles up to N x H = 256, two blocks per SM, measured
+// slower at the verify's N x H = 128: 20.6 -> 21.7 µs at 4K, 78.4 -> 85.6 at 32K;
+// profiling/results/2026-12-04-variants-session17-h200.md.)
+int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
 
 // Workspace layout, 256-B aligned: barriers (int32 [tiles][4]: generation, two arrival counts) | split lse
 // ([tiles][S_max][BM]) | split o partials ([tiles][S_max][BM][512]).
