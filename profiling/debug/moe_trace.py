@@ -97,7 +97,7 @@ print_table(moe[0], names, t0, shared_rows)
 print("gate/up GEMM, routed blocks")
 print_table(moe[0], names, t0, ~shared_rows)
 print("down (+ combine at M = 1)")
-print_table(moe[1], names, t0)
+print_table(moe[1], names | {5: "waited (warp 0)", 6: "shared expert done (warp 0)"}, t0)
 
 # Blocks per SM (stamp 15 = smid + 1): does a routed block's loop take longer where more gate/up blocks share
 # its SM (a per-SM bandwidth limit) or is the spread independent of it (the memory system's service order)?
