@@ -109,14 +109,6 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   };
 
   int gi = warp;
-  // The shared expert's rows of this block (ROWS x I bf16, contiguous) into L2 before the wait: its groups'
-  // warps then take them from L2 instead of two DRAM round trips after it, which made them the block's last
-  // warps (M = 16, 25 experts: the shared down took warp 0 4.1 µs of its 9.7 after the wait, moe_trace.py).
-  if (warp == 0 && SG > 0) {
-    const char* rows = reinterpret_cast<const char*>(sd + (size_t)tile0 * 16 * I);
-    for (int off = lane * 128; off < ROWS * I * 2; off += 32 * 128)
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rows + off));
-  }
   if (gi < SG) pdl_wait();  // act comes from the gate/up GEMM
   MOE_TRACE(1, 5);
   for (; gi < ng && gi < SG; gi += kDownCombineWarps) {
@@ -126,7 +118,18 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   }
   MOE_TRACE(1, 6);
   // Routed groups: all of a group's K in one batch, the next group's batch in flight while this one's outputs
-  // are stored.
+  // are stored. Dealt so the shared expert's warps take theirs last: its bf16 group costs them ~kSharedCost
+  // routed groups after the wait, so the other warps first take kSharedCost rounds of routed groups each,
+  // then all warps deal the rest round-robin (plain round-robin left warps 0 / 1 the block's last by ~2 routed
+  // groups at M = 16, 25 experts: moe_trace.py). Which warp computes a group changes no bit.
+  constexpr int kSharedCost = 2;
+  const int R = max(ng - SG, 0), W2 = kDownCombineWarps - min(SG, kDownCombineWarps);
+  const int n1 = W2 > 0 ? min(R, kSharedCost * W2) : 0;  // the first rounds, shared-expert warps left out
+  const int c1 = warp >= SG && W2 > 0 ? max(0, (n1 - (warp - SG) + W2 - 1) / W2) : 0;  // of them, this warp's
+  auto routed_at = [&](int k) {  // this warp's k-th routed group (0-based among the routed), or -1
+    const int j = k < c1 ? warp - SG + W2 * k : n1 + warp + kDownCombineWarps * (k - c1);
+    return j < R ? j : -1;
+  };
   uint4 wv[kDownCombineMaxChunks][RT];
   uint32_t sv[kDownCombineMaxChunks][RT];
   auto load_w = [&](int e) {  // expert e's RT tiles over all of K (constants: any time)
@@ -140,10 +143,12 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
           sv[c][r] = __ldg(s2 + chunk * 16 + 2 * g + (t >> 1));
         }
   };
-  if (gi < ng) load_w(s_expert[gi]);
+  int j = routed_at(0);
+  if (j >= 0) load_w(s_expert[SG + j]);
   if (warp >= SG) pdl_wait();  // (after the first batch: weights are constants, in flight across the wait)
   MOE_TRACE(1, 1);
-  for (; gi < ng; gi += kDownCombineWarps) {
+  for (int k = 1; j >= 0; ++k) {
+    gi = SG + j;
     begin_group(gi);
     uint4 bv[kDownCombineMaxChunks][1][2];
 #pragma unroll
@@ -156,7 +161,8 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
       if (c >= KC) break;
       mma_chunk<RT, 1>(wv[c], sv[c], bv[c], acc);
     }
-    if (gi + kDownCombineWarps < ng) load_w(s_expert[gi + kDownCombineWarps]);
+    j = routed_at(k);
+    if (j >= 0) load_w(s_expert[SG + j]);
     store_group(gi, false);
   }
   MOE_TRACE(1, 2);
