@@ -7,9 +7,10 @@
 // table's bound on groups, mostly empty blocks when tokens share experts, in several waves) and the combine.
 //
 // One block per RT 16-row output tiles (D / (16 RT) blocks: one wave on an H200 or an RTX PRO 6000), over the
-// nt = 1 table (groups of <= 8 tokens); its 8 warps take the table's groups in turn (warp w: groups w, w + 8,
-// ...), each with all of K = I of its RT tiles in flight, the shared expert's groups (first in the table) from
-// their bf16 rows. Every pair's bf16 output (the reference's per-expert rounding point) meets in shared memory,
+// nt = 1 table (groups of <= 8 tokens); its 8 warps share the table's groups, each with all of K = I of its RT
+// tiles in flight: the shared expert's groups (first in the table, from their bf16 rows) by warps 0, 1, ..., the
+// routed ones dealt so those warps take theirs last (routed_at below: the verify N = 16 step 6.90 -> 6.87 ms,
+// 2026-12-04-moe-down-deal-session17-h200.md). Every pair's bf16 output (the reference's per-expert rounding point) meets in shared memory,
 // then the block writes out[t] = bf16( bf16(sum_k w[t,k] y[t,k]) + y_shared[t] ) for its rows in k order, as
 // combine_kernel does.
 // Same fragments, the same mma order per output element and the same rounding points as the down GEMM +
