@@ -124,7 +124,11 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   } else if (active) {
     const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
     const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
+#ifdef K26_MOE_GU_U
+    constexpr int U = GATED && RT == 2 && NT == 1 ? K26_MOE_GU_U : NT <= 1 ? 4 : 2;
+#else
     constexpr int U = NT <= 1 ? 4 : 2;  // chunks in flight per warp
+#endif
     for (int c0 = c_begin; c0 < c_end; c0 += U) {
       uint4 wv[U][RT];
       uint32_t sv[U][RT];

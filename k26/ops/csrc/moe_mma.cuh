@@ -80,7 +80,11 @@ __device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa,
   }
   // Two chunks in flight per warp: a bf16 chunk is 4x an int4 one, and one at a time left the shared
   // expert's blocks (4x the bytes of a routed tile) a round trip per chunk behind the routed ones.
+#ifdef K26_MOE_SHARED_U
+  constexpr int U = GATED && RT == 2 && NT == 1 ? K26_MOE_SHARED_U : 2;
+#else
   constexpr int U = 2;
+#endif
   for (int c0 = c_begin; c0 < c_end; c0 += U) {
     uint4 wa[U][RT][2], wb[U][RT][2], bv[U][NT][2];
 #pragma unroll
