@@ -25,7 +25,8 @@ namespace k26_moe {
 //   GATED: gate/up interleaved tiles -> act[slot, I] bf16; else down -> y[pair, D] bf16.
 
 // MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
-// gate/up blocks: one wave on 132 SMs); sm_120's register file would spill, so it keeps 1 there.
+// gate/up blocks: one wave on 132 SMs), and the two-tile gate/up GEMM (kGateUpThreePerSM); sm_120's register
+// file would spill, so it keeps 1 there.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define K26_MINB(m) 1
 #else
@@ -124,11 +125,8 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   } else if (active) {
     const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
     const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
-#ifdef K26_MOE_GU_U
-    constexpr int U = GATED && RT == 2 && NT == 1 ? K26_MOE_GU_U : NT <= 1 ? 4 : 2;
-#else
-    constexpr int U = NT <= 1 ? 4 : 2;  // chunks in flight per warp
-#endif
+    // chunks in flight per warp (3 in the two-tile gate/up GEMM on sm_90: kGateUpThreePerSM)
+    constexpr int U = GATED && RT == 2 && NT == 1 && kGateUpThreePerSM ? 3 : NT <= 1 ? 4 : 2;
     for (int c0 = c_begin; c0 < c_end; c0 += U) {
       uint4 wv[U][RT];
       uint32_t sv[U][RT];

@@ -11,6 +11,17 @@
 
 namespace k26_moe {
 
+// The two-tile gate/up GEMM (csrc/moe_gemm.cuh: more than 64 pairs, nt = 1) runs three blocks per SM on sm_90:
+// 80 registers with 3 routed chunks in flight per warp (4 otherwise) and the shared expert's bf16 chunks one at
+// a time (shared_acc; 2 otherwise), no spills, so the verify N = 16 step's ~430 gate/up blocks take one wave
+// instead of ~1.6 (6.86 / 6.91 -> 6.80 / 6.79 ms, 2026-12-04-moe-gate-up-3per-sm-session17-h200.md). sm_120
+// keeps one block per SM (K26_MINB) and so the wider batches.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr bool kGateUpThreePerSM = false;
+#else
+constexpr bool kGateUpThreePerSM = true;
+#endif
+
 __device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t mask, uint32_t ex) {
   uint32_t r;  // (a & mask) | ex in one instruction
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(ex));
@@ -80,11 +91,8 @@ __device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa,
   }
   // Two chunks in flight per warp: a bf16 chunk is 4x an int4 one, and one at a time left the shared
   // expert's blocks (4x the bytes of a routed tile) a round trip per chunk behind the routed ones.
-#ifdef K26_MOE_SHARED_U
-  constexpr int U = GATED && RT == 2 && NT == 1 ? K26_MOE_SHARED_U : 2;
-#else
-  constexpr int U = 2;
-#endif
+  // (One at a time in the two-tile gate/up GEMM on sm_90, kGateUpThreePerSM: its registers.)
+  constexpr int U = GATED && RT == 2 && NT == 1 && kGateUpThreePerSM ? 1 : 2;
   for (int c0 = c_begin; c0 < c_end; c0 += U) {
     uint4 wa[U][RT][2], wb[U][RT][2], bv[U][NT][2];
 #pragma unroll

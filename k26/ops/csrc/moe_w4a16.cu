@@ -98,14 +98,6 @@ namespace {
 
 using namespace k26_moe;
 
-// A/B switches (K26_OPS_DEFINES; defaults = the kernel as measured): K26_MOE_GU_MINB blocks per SM for the
-// two-tile gate/up GEMM (more than 64 pairs), with K26_MOE_GU_U routed chunks in flight per warp
-// (csrc/moe_gemm.cuh) and K26_MOE_SHARED_U shared-expert chunks (csrc/moe_mma.cuh): 3 / 3 / 1 fits 80
-// registers without spills, so the verify N = 16 step's ~430 gate/up blocks take one wave instead of ~1.6.
-#ifndef K26_MOE_GU_MINB
-#define K26_MOE_GU_MINB 1
-#endif
-
 constexpr int kRouteThreads = 512;  // the table builder takes any E and P (ids cached up to two per thread)
 
 // ---------------------------------------------------------------------------------------------
@@ -174,7 +166,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (RT1 == 1 && NT == 1 ? 3 : RT1 == 2 && NT == 1 ? K26_MOE_GU_MINB : 1)>,
+  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>,
                               dim3(tiles13 / RT1, G), 32 * WK1, pdl, st, (const __nv_bfloat16*)x, (const uint4*)w13,
                               (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
                               rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up, direct);
