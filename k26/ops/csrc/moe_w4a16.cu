@@ -50,6 +50,9 @@
 // (67 % of copy). PDL 3.4 µs less at M = 1, 10.6 at M = 64 (run 3). The down GEMM with two tiles per warp above
 // 64 pairs and the routing launch under PDL: M = 16 122.9 -> 118 µs (58 % of copy), skewed M = 64 137.9 -> 128
 // (2026-12-01-bench_k26-session10-h200.md; four tiles per warp measured slower).
+// Above 64 pairs the two-tile gate/up GEMM runs three blocks per SM on sm_90 (kGateUpThreePerSM, csrc/moe_mma.cuh:
+// one wave for the verify N = 16 step's ~430 blocks; 6.86 / 6.91 -> 6.80 / 6.79 ms,
+// 2026-12-04-moe-gate-up-3per-sm-session17-h200.md).
 // Tried and dropped (2026-12-01-bench_moe-session11-h200.md): blocks looping over expert groups with a one-wave
 // grid (no empty blocks; the loop took the M = 16 gate/up kernel from 128 to 201 registers, or ~280 B of spills
 // at 128); NT = 2 / 4 at M = 16 (slower uniform, no gain skewed, verify N = 16 7.69 -> 8.31 ms); the gate/up
