@@ -21,116 +21,16 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "mla_glue_row.cuh"
 #include "pdl.cuh"
-#include "rope.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kMaxChunks = 2;  // chunks of 8 values per thread: Q + R <= 4096
+using namespace k26_glue;
 
-struct GlueParams {
-  const __nv_bfloat16* q;     // [T, Q] rows q_ld apart
-  const __nv_bfloat16* kv;    // [T, R + P] rows kv_ld apart
-  const __nv_bfloat16* q_w;   // [Q]
-  const __nv_bfloat16* kv_w;  // [R]
-  const long long* pos;       // [T]
-  const float* inv_freq;      // [P / 2]
-  const long long* rows;      // [B]
-  const long long* prefix;    // [B]
-  __nv_bfloat16* q_out;       // [T, Q] contiguous
-  __nv_bfloat16* cache;       // [rows, len, R + P]: row stride c_row, token stride c_tok, contiguous last dim
-  long long q_ld, kv_ld, c_row, c_tok;
-  int N, Q, R, P;
-  float eps;
-};
-
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x, f[2 * i + 1] = p.y;
-  }
-}
-
-// bf16(w * bf16(x * rs)): RMSNorm's two rounding points.
-__device__ __forceinline__ uint4 normed(const float (&f)[8], const uint4& w, float rs) {
-  float wf[8];
-  unpack(w, wf);
-  uint4 out;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float a = __bfloat162float(__float2bfloat16(__fmul_rn(f[2 * i], rs)));
-    const float b = __bfloat162float(__float2bfloat16(__fmul_rn(f[2 * i + 1], rs)));
-    h[i] = __floats2bfloat162_rn(__fmul_rn(wf[2 * i], a), __fmul_rn(wf[2 * i + 1], b));
-  }
-  return out;
-}
-
-__global__ void __launch_bounds__(kThreads) mla_glue_kernel(const GlueParams p) {
-  const int t = blockIdx.x, b = t / p.N, n = t % p.N;
-  const int qc = p.Q / 8, chunks = qc + p.R / 8;
-
-  // Weights first: they do not depend on the previous kernel.
-  uint4 w[kMaxChunks];
-#pragma unroll
-  for (int i = 0; i < kMaxChunks; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    if (c < qc) w[i] = reinterpret_cast<const uint4*>(p.q_w)[c];
-    else if (c < chunks) w[i] = reinterpret_cast<const uint4*>(p.kv_w)[c - qc];
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cudaGridDependencySynchronize();  // q_a / kv_a come from the projection just before
-  cudaTriggerProgrammaticLaunchCompletion();
-#endif
-
-  float x[kMaxChunks][8];
-  float ss_q = 0.f, ss_kv = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMaxChunks; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    if (c >= chunks) continue;
-    const __nv_bfloat16* src = c < qc ? p.q + t * p.q_ld + 8 * c : p.kv + t * p.kv_ld + 8 * (c - qc);
-    unpack(*reinterpret_cast<const uint4*>(src), x[i]);
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) s = __fmaf_rn(x[i][j], x[i][j], s);
-    (c < qc ? ss_q : ss_kv) += s;
-  }
-  __shared__ float2 part[kWarps];
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    ss_q += __shfl_xor_sync(0xffffffffu, ss_q, o);
-    ss_kv += __shfl_xor_sync(0xffffffffu, ss_kv, o);
-  }
-  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = make_float2(ss_q, ss_kv);
-  __syncthreads();
-  float2 tot = make_float2(0.f, 0.f);
-#pragma unroll
-  for (int i = 0; i < kWarps; ++i) tot.x += part[i].x, tot.y += part[i].y;
-  // torch's mean is the sum times fp32(1 / width)
-  const float rs_q = rsqrtf(__fadd_rn(__fmul_rn(tot.x, 1.f / (float)p.Q), p.eps));
-  const float rs_kv = rsqrtf(__fadd_rn(__fmul_rn(tot.y, 1.f / (float)p.R), p.eps));
-
-  __nv_bfloat16* dst = p.cache + p.rows[b] * p.c_row + (p.prefix[b] + n) * p.c_tok;
-#pragma unroll
-  for (int i = 0; i < kMaxChunks; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    if (c >= chunks) continue;
-    if (c < qc) reinterpret_cast<uint4*>(p.q_out + (long long)t * p.Q)[c] = normed(x[i], w[i], rs_q);
-    else reinterpret_cast<uint4*>(dst)[c - qc] = normed(x[i], w[i], rs_kv);
-  }
-  // Interleaved rotary pairs (2i, 2i + 1) of k_pe, angle = fp32(position) * inv_freq[i] in fp32.
-  const int i = threadIdx.x;
-  if (i < p.P / 2) {
-    const __nv_bfloat162 v = reinterpret_cast<const __nv_bfloat162*>(p.kv + t * p.kv_ld + p.R)[i];
-    reinterpret_cast<__nv_bfloat162*>(dst + p.R)[i] = k26_rope_pair(v, p.pos[t], p.inv_freq[i]);
-  }
-}
+__global__ void __launch_bounds__(kThreads) mla_glue_kernel(const GlueParams p) { glue_token<true>(p, blockIdx.x); }
 
 }  // namespace
 
