@@ -200,7 +200,8 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         R,
         P,
         float(eps),
-        int(pdl.ENABLED),
+        # the norm weights are read before the kernel's wait: a copy made here is the kernel just before
+        int(pdl.enabled_as_given((qw, q_norm_weight), (kvw, kv_norm_weight))),
         torch.cuda.current_stream(q_a.device).cuda_stream,
     )
     if err:

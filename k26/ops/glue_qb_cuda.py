@@ -5,20 +5,24 @@ specification is the composition the model runs without it:
                           prefix_lens), q_b_weight)                      (mla_glue writes the latent cache)
 
 and the kernel gives the same bits as `torch.ops.k26.mla_glue` followed by `torch.ops.k26.linear`
-(tests/test_glue_gpu.py). Served: what both of those kernels serve, up to 16 tokens, a row-contiguous
-16-byte-aligned q_b weight; anything else runs that composition (each op with its own kernel or reference).
+(tests/test_glue_qb_gpu.py). Served: what both of those kernels serve, up to 16 tokens, a row-contiguous
+16-byte-aligned q_b weight, a grid of one wave (the projection's 16-row blocks plus one per token, at most
+one per SM: its deep tile variant); anything else runs that composition (each op with its own kernel or
+reference), said once in the log.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 
 from . import pdl
 from .glue_cuda import _rows, _unsupported, check, mla_glue_reference
 from .linear_cuda import linear_reference
+from .log import say_once
 
 MAX_TOKENS = 16  # csrc/mla_glue_qb.cu: two token tiles
 
@@ -70,7 +74,14 @@ def _lib() -> ctypes.CDLL:
     P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.k26_mla_glue_qb.restype = I
     lib.k26_mla_glue_qb.argtypes = [P] * 11 + [LL] * 4 + [I] * 6 + [ctypes.c_float, I, P]
+    lib.k26_mla_glue_qb_max_tokens.restype = I
+    assert lib.k26_mla_glue_qb_max_tokens() == MAX_TOKENS, "glue_qb_cuda.MAX_TOKENS differs from the kernel's"
     return lib
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _why_not(q_a, kv_a, cache, q_norm_weight, kv_norm_weight, q_b_weight) -> str | None:
@@ -86,6 +97,10 @@ def _why_not(q_a, kv_a, cache, q_norm_weight, kv_norm_weight, q_b_weight) -> str
         return "a q_b weight that is not row-contiguous and 16-byte aligned"
     if _rows(q_a) is None:
         return "q_a rows not 16-byte aligned at a uniform stride"
+    index = torch.cuda.current_device() if q_a.device.index is None else q_a.device.index
+    blocks = -(-q_b_weight.shape[0] // 16) + B * N
+    if blocks > _sms(index):
+        return f"{blocks} blocks, more than one wave (the deep tile variant: one block per SM)"
     return None
 
 
@@ -93,7 +108,9 @@ def _why_not(q_a, kv_a, cache, q_norm_weight, kv_norm_weight, q_b_weight) -> str
 def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, q_b):
     glue = (q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens)
     check_qb(glue, q_b)
-    if _why_not(q_a, kv_a, cache, q_norm_weight, kv_norm_weight, q_b) is not None:
+    why = _why_not(q_a, kv_a, cache, q_norm_weight, kv_norm_weight, q_b)
+    if why is not None:
+        say_once(__name__, logging.INFO, f"k26.mla_glue_qb: {why} runs mla_glue + linear")
         return torch.ops.k26.linear(torch.ops.k26.mla_glue(*glue), q_b)  # the two ops, as specified
     B, N, Q = q_a.shape
     R = kv_norm_weight.shape[0]
@@ -121,7 +138,8 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         P,
         NQ,
         float(eps),
-        int(pdl.ENABLED),
+        # the norm weights are read before the kernel's wait: a copy made here is the kernel just before
+        int(pdl.enabled_as_given((qw, q_norm_weight), (kvw, kv_norm_weight))),
         torch.cuda.current_stream(q_a.device).cuda_stream,
     )
     if err:

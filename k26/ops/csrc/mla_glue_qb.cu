@@ -1,4 +1,4 @@
-// MLA's glue and the q_b projection in one launch: torch.ops.k26.mla_glue_qb (k26/ops/glue_cuda.py), the same
+// MLA's glue and the q_b projection in one launch: torch.ops.k26.mla_glue_qb (k26/ops/glue_qb_cuda.py), the same
 // bits as mla_glue (csrc/mla_glue.cu) followed by the small-M linear's tile mode (csrc/linear_smallm.cu):
 //
 //   q_b = q_a_layernorm(q_a) @ W_qb^T                               (bf16 rounding points as the two ops)
@@ -11,7 +11,8 @@
 // per-row scale itself, with mla_glue's thread mapping, fma order, shuffle tree and warp order (so the same
 // bits), and normalises x's fragments as they reach the mma (NormedX: bf16(w * bf16(x * rs)), mla_glue's
 // rounding points), so the projection sees exactly the q mla_glue would have written.
-// Served up to 16 tokens (two token tiles; the deep tile variant: four units a batch, one block per SM).
+// Served up to 16 tokens (two token tiles) in one wave (the front door checks): the deep tile variant, four
+// units a batch, one block per SM.
 //
 // Legality: as linear_smallm.cu and mla_glue.cu (mma.sync, plain loads, shuffles, griddepcontrol; < 48 KB
 // static shared memory). Built for sm_90a and sm_120a. Speed: profiling/bench_k26.py --glue-qb (the step A/B).
@@ -73,26 +74,40 @@ struct NormedX {
 };
 
 // Per token row m < M of q_a: rs[m] = rsqrt(mean(q_a[m]^2) + eps) exactly as mla_glue forms it (thread c holds
-// chunk c, c + 256, ... below Q / 8; fma chain, xor-shuffle tree, warps summed in order), into rs_out[m].
+// chunk c, c + 256, ... below Q / 8; fma chain, xor-shuffle tree, warps summed in order), into rs_out[m]. Rows
+// go kRowBatch at a time with all their chunk loads issued first (one L2 round trip a batch, not a row).
+constexpr int kRowBatch = 4;
 __device__ __forceinline__ void q_row_scales(const k26_glue::GlueParams& g, int M, float (*part)[8 * kMaxTiles],
                                              float* rs_out) {
+  constexpr int C = k26_glue::kMaxChunks;
   const int qc = g.Q / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int m = 0; m < M; ++m) {
-    float ss = 0.f;
+  for (int m0 = 0; m0 < M; m0 += kRowBatch) {
+    uint4 v[kRowBatch][C];
 #pragma unroll
-    for (int i = 0; i < k26_glue::kMaxChunks; ++i) {
-      const int c = threadIdx.x + i * k26_glue::kThreads;
-      if (c >= qc) continue;
-      float x[8];
-      k26_glue::unpack(*reinterpret_cast<const uint4*>(g.q + m * g.q_ld + 8 * c), x);
-      float s = 0.f;
+    for (int r = 0; r < kRowBatch; ++r)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s = __fmaf_rn(x[j], x[j], s);
-      ss += s;
+      for (int i = 0; i < C; ++i) {
+        const int c = threadIdx.x + i * k26_glue::kThreads;
+        v[r][i] = m0 + r < M && c < qc ? *reinterpret_cast<const uint4*>(g.q + (m0 + r) * g.q_ld + 8 * c)
+                                       : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int r = 0; r < kRowBatch; ++r) {
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < C; ++i) {
+        if (threadIdx.x + i * k26_glue::kThreads >= qc) continue;
+        float x[8];
+        k26_glue::unpack(v[r][i], x);
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = __fmaf_rn(x[j], x[j], s);
+        ss += s;
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0 && m0 + r < M) part[warp][m0 + r] = ss;
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) part[warp][m] = ss;
   }
   __syncthreads();
   if (threadIdx.x < M) {
@@ -144,14 +159,15 @@ __global__ void __launch_bounds__(kTileThreads, 1) mla_glue_qb_kernel(const Glue
 
 K26_EXPORT int k26_mla_glue_qb_max_tokens() { return 8 * kMaxTiles; }
 
-// Returns a cudaError_t. The Python front door (k26/ops/glue_cuda.py) validates shapes, strides, dtypes and
+// Returns a cudaError_t. The Python front door (k26/ops/glue_qb_cuda.py) validates shapes, strides, dtypes and
 // alignment (as for mla_glue and linear) and serves T <= 16 tokens, q_a rows contiguous (q_ld = Q) or not.
 K26_EXPORT int k26_mla_glue_qb(const void* q, const void* kv, const void* q_w, const void* kv_w, const void* pos,
                                const void* inv_freq, const void* rows, const void* prefix, void* cache,
                                const void* w_qb, void* q_b, long long q_ld, long long kv_ld, long long c_row,
                                long long c_tok, int T, int N, int Q, int R, int P, int NQ, float eps, int pdl,
                                void* stream) {
-  if (T < 1 || T > 8 * kMaxTiles || Q % 8 || R % 8 || Q + R > 8 * k26_glue::kMaxChunks * k26_glue::kThreads)
+  if (T < 1 || T > 8 * kMaxTiles || Q % 8 || R % 8 || Q + R > 8 * k26_glue::kMaxChunks * k26_glue::kThreads ||
+      P % 2 || P / 2 > k26_glue::kThreads || NQ < 1)
     return (int)cudaErrorInvalidValue;
   GlueQb a = {};
   k26_glue::GlueParams& g = a.g;
