@@ -125,9 +125,13 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # The kernel variants kept in the sources behind a define for A/Bs (K26_OPS_DEFINES), each with the sources
 # it changes: `--variants` compiles them for every arch under the same resource checks, so an off-by-default
 # variant cannot rot unnoticed (CI runs it).
-# (None now: bf16 attention partials and 16-row attention tiles were measured and dropped,
+# (bf16 attention partials and 16-row attention tiles were measured and dropped,
 # profiling/results/2026-12-04-variants-session17-h200.md.)
-VARIANTS: dict[str, list[str]] = {}
+VARIANTS: dict[str, list[str]] = {
+    # the MoE down + combine's deal: the shared expert's warps skip 1 / 3 rounds of routed groups (default 2)
+    "-DK26_MOE_SHARED_COST=1": ["moe_w4a16.cu"],
+    "-DK26_MOE_SHARED_COST=3": ["moe_w4a16.cu"],
+}
 
 
 def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:
