@@ -4,18 +4,22 @@
 #   OUT=/tmp/out bash profiling/ab.sh OLD_DIR NEW_DIR ROUNDS python3 profiling/bench_moe.py --block --quick --ms 1
 # Each run gets PYTHONPATH, K26_COMMIT and K26_OPS_LIB of its snapshot and `--out $OUT/<side><round>.md`
 # appended; its table rows (lines starting with "|") are printed under a "== side round" header.
+# A flag A/B in one snapshot: the same directory twice and NEW_ARGS (and / or OLD_ARGS), appended to that
+# side's command, e.g. NEW_ARGS=--glue-qb bash profiling/ab.sh .snap .snap 2 python3 profiling/bench_k26.py ...
 set -u
 OLD=$(cd "$1" && pwd) NEW=$(cd "$2" && pwd) ROUNDS=$3
 shift 3
 OUT=${OUT:-/tmp/k26_out}; mkdir -p "$OUT"
 for r in $(seq 1 "$ROUNDS"); do
   for side in old new; do
-    d=$OLD; [ "$side" = new ] && d=$NEW
+    d=$OLD extra=${OLD_ARGS:-}
+    [ "$side" = new ] && d=$NEW extra=${NEW_ARGS:-}
     out="$OUT/$side$r.md"
+    # shellcheck disable=SC2086  # the extra arguments split on spaces on purpose
     (cd "$d" && PYTHONPATH=$d K26_COMMIT=$(cat COMMIT) K26_OPS_LIB=$(ls "$d"/k26/ops/_build/*.so) \
-      timeout "${AB_TIMEOUT:-300}" "$@" --out "$out" > "$OUT/$side$r.log" 2>&1)
+      timeout "${AB_TIMEOUT:-300}" "$@" $extra --out "$out" > "$OUT/$side$r.log" 2>&1)
     rc=$?
-    echo "== $side $r ($(cat "$d/COMMIT"), rc $rc)"
+    echo "== $side $r ($(cat "$d/COMMIT")${extra:+ $extra}, rc $rc)"
     grep "^|" "$out" 2>/dev/null || tail -3 "$OUT/$side$r.log"
   done
 done
