@@ -153,6 +153,22 @@ def _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R: int, P: int) -> s
     return None
 
 
+def kernel_inputs(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens):
+    """The glue kernels' first eight pointer arguments as tensors (q_a, kv_a, both norm weights, positions,
+    inv_freq, rows, prefix_lens; 16-byte rows, a copy where not: a copy, not a fallback), q_a's and kv_a's row
+    strides, and whether PDL may be used: the norm weights are read before the kernel's wait, so a copy made
+    here (the kernel just before) rules it out. Shared by mla_glue and mla_glue_qb (glue_qb_cuda.py)."""
+    q_ld, kv_ld = _rows(q_a), _rows(kv_a)
+    if q_ld is None:
+        q_a, q_ld = q_a.contiguous(), q_a.shape[-1]
+    if kv_ld is None:
+        kv_a, kv_ld = kv_a.contiguous(), kv_a.shape[-1]
+    qw, kvw = q_norm_weight.contiguous(), kv_norm_weight.contiguous()  # 1-D: a view stays aligned
+    rest = (positions, inv_freq, rows, prefix_lens)
+    ins = [q_a, kv_a, qw, kvw, *(t.contiguous() for t in rest)]
+    return ins, q_ld, kv_ld, pdl.enabled_as_given((qw, q_norm_weight), (kvw, kv_norm_weight))
+
+
 @torch.library.register_kernel("k26::mla_glue", "cuda")
 def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens):
     check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens)
@@ -167,29 +183,12 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         return mla_glue_reference(
             q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
         )
-    q_ld = _rows(q_a)
-    if q_ld is None:
-        q_a = q_a.contiguous()  # a copy, not a fallback: the kernel reads 16-byte rows
-        q_ld = Q
-    kv_ld = _rows(kv_a)
-    if kv_ld is None:
-        kv_a = kv_a.contiguous()
-        kv_ld = R + P
-    qw, kvw = q_norm_weight.contiguous(), kv_norm_weight.contiguous()  # 1-D: a view stays aligned
-    pos, rows_, pre = positions.contiguous(), rows.contiguous(), prefix_lens.contiguous()
-    inv = inv_freq.contiguous()
+    ins, q_ld, kv_ld, early_ok = kernel_inputs(
+        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
+    )
     out = torch.empty(B, N, Q, dtype=q_a.dtype, device=q_a.device)
     err = _lib().k26_mla_glue(
-        q_a.data_ptr(),
-        kv_a.data_ptr(),
-        qw.data_ptr(),
-        kvw.data_ptr(),
-        pos.data_ptr(),
-        inv.data_ptr(),
-        rows_.data_ptr(),
-        pre.data_ptr(),
-        out.data_ptr(),
-        cache.data_ptr(),
+        *(t.data_ptr() for t in (*ins, out, cache)),
         q_ld,
         kv_ld,
         cache.stride(0),
@@ -200,8 +199,7 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         R,
         P,
         float(eps),
-        # the norm weights are read before the kernel's wait: a copy made here is the kernel just before
-        int(pdl.enabled_as_given((qw, q_norm_weight), (kvw, kv_norm_weight))),
+        int(early_ok),
         torch.cuda.current_stream(q_a.device).cuda_stream,
     )
     if err:

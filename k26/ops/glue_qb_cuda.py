@@ -19,8 +19,7 @@ import logging
 
 import torch
 
-from . import pdl
-from .glue_cuda import _rows, _unsupported, check, mla_glue_reference
+from .glue_cuda import _rows, _unsupported, check, kernel_inputs, mla_glue_reference
 from .linear_cuda import linear_reference
 from .log import say_once
 
@@ -114,20 +113,14 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         return torch.ops.k26.linear(torch.ops.k26.mla_glue(*glue), q_b)  # the two ops, as specified
     B, N, Q = q_a.shape
     R = kv_norm_weight.shape[0]
-    P = kv_a.shape[2] - R
-    kv_ld = _rows(kv_a)
-    if kv_ld is None:
-        kv_a = kv_a.contiguous()  # a copy, not a fallback: the kernel reads 16-byte rows
-        kv_ld = R + P
-    qw, kvw = q_norm_weight.contiguous(), kv_norm_weight.contiguous()
-    pos, rows_, pre = positions.contiguous(), rows.contiguous(), prefix_lens.contiguous()
-    inv = inv_freq.contiguous()
+    ins, q_ld, kv_ld, early_ok = kernel_inputs(
+        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
+    )
     NQ = q_b.shape[0]
     out = torch.empty(B, N, NQ, dtype=q_a.dtype, device=q_a.device)
-    ptrs = (q_a, kv_a, qw, kvw, pos, inv, rows_, pre, cache, q_b, out)
     err = _lib().k26_mla_glue_qb(
-        *(t.data_ptr() for t in ptrs),
-        _rows(q_a),
+        *(t.data_ptr() for t in (*ins, cache, q_b, out)),
+        q_ld,
         kv_ld,
         cache.stride(0),
         cache.stride(1),
@@ -135,11 +128,10 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         N,
         Q,
         R,
-        P,
+        kv_a.shape[2] - R,
         NQ,
         float(eps),
-        # the norm weights are read before the kernel's wait: a copy made here is the kernel just before
-        int(pdl.enabled_as_given((qw, q_norm_weight), (kvw, kv_norm_weight))),
+        int(early_ok),
         torch.cuda.current_stream(q_a.device).cuda_stream,
     )
     if err:
