@@ -5,7 +5,7 @@
 # Each run gets PYTHONPATH, K26_COMMIT and K26_OPS_LIB of its snapshot and `--out $OUT/<side><round>.md`
 # appended; its table rows (lines starting with "|") are printed under a "== side round" header.
 # A flag A/B in one snapshot: the same directory twice and NEW_ARGS (and / or OLD_ARGS), appended to that
-# side's command, e.g. NEW_ARGS=--glue-qb bash profiling/ab.sh .snap .snap 2 python3 profiling/bench_k26.py ...
+# side's command, e.g. NEW_ARGS=--no-pdl bash profiling/ab.sh .snap .snap 2 python3 profiling/bench_k26.py ...
 set -u
 OLD=$(cd "$1" && pwd) NEW=$(cd "$2" && pwd) ROUNDS=$3
 shift 3

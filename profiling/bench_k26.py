@@ -127,11 +127,6 @@ def main() -> None:
         action="store_true",
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
     )
-    ap.add_argument(
-        "--glue-qb",
-        action="store_true",
-        help="MLA's glue and the q_b projection as one launch (torch.ops.k26.mla_glue_qb; needs --fused)",
-    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fused and a.variants:
@@ -158,10 +153,6 @@ def main() -> None:
             m.writes_table = not a.route_launch
     if a.fused:
         model.fuse_dense_()
-    elif a.glue_qb:
-        ap.error("--glue-qb needs --fused (q_b in the small-M kernel)")
-    for layer in model.layers:
-        layer.self_attn.glue_qb = a.glue_qb
     if a.compile:
         torch._dynamo.config.cache_size_limit = 64  # a body per (variant, N, dense / MoE layer)
         torch._dynamo.config.accumulated_cache_size_limit = (
@@ -193,7 +184,7 @@ def main() -> None:
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
             f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
-            f"{' --seeded-tree' if a.seeded_tree else ''}{' --glue-qb' if a.glue_qb else ''}`"
+            f"{' --seeded-tree' if a.seeded_tree else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "

@@ -33,9 +33,6 @@ PREFILL_KERNEL_MAX_M = 64
 
 class MLA(nn.Module):
     glue: bool = True  # torch.ops.k26.mla_glue with a cache; False: the module composition (benchmarks)
-    # The glue and the q_b projection as one op (torch.ops.k26.mla_glue_qb) where q_b runs in the small-M
-    # kernel; off until measured on the GPU (bench_k26 --glue-qb).
-    glue_qb: bool = False
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo):
         super().__init__()
@@ -93,9 +90,9 @@ class MLA(nn.Module):
         kernel = not batch.prefill or rows <= PREFILL_KERNEL_MAX_M  # see the top
         small, short = kernel and rows <= self.kernel_max_m, kernel and rows <= self.short_k_max_m
         q_a, kv_a = self._project_a(x_BND, small)
-        latent_BNC = q_b = None
+        latent_BNC = None
         if cache_RLC is not None and self.glue:  # one kernel: both norms, k_pe's RoPE, the cache write
-            glue = (
+            q_a = torch.ops.k26.mla_glue(
                 q_a,
                 kv_a,
                 self.q_a_layernorm.weight,
@@ -107,16 +104,11 @@ class MLA(nn.Module):
                 batch.rows_B,
                 batch.prefix_lens_B,
             )
-            if self.glue_qb and short:  # and q_b in the same launch
-                q_b = torch.ops.k26.mla_glue_qb(*glue, self.q_b_proj.weight)
-            else:
-                q_a = torch.ops.k26.mla_glue(*glue)
         else:  # the same composition in modules (differentiable: the training forward takes this path)
             q_a = self.q_a_layernorm(q_a)
             c_kv = self.kv_a_layernorm(kv_a[..., :r])
             latent_BNC = torch.cat([c_kv, rope(kv_a[..., r:], batch.positions_BN)], dim=-1)
-        if q_b is None:
-            q_b = torch.ops.k26.linear(q_a, self.q_b_proj.weight) if short else self.q_b_proj(q_a)
+        q_b = torch.ops.k26.linear(q_a, self.q_b_proj.weight) if short else self.q_b_proj(q_a)
         q_BNHQ = q_b.view(B, N, H, cfg.qk_head_dim)
         q_nope, q_pe_raw = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
         q_pe = rope(q_pe_raw, batch.positions_BN[:, :, None]) if cache_RLC is None or not absorb else None

@@ -100,7 +100,6 @@ from . import (
     attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
     drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
     glue_cuda,  # noqa: F401  (registers mla_glue with its CUDA kernel)
-    glue_qb_cuda,  # noqa: F401  (registers mla_glue_qb with its CUDA kernel)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
@@ -119,5 +118,4 @@ OPS = (
     "allreduce_add_rmsnorm",
     "add_rmsnorm",
     "drafter_attention",
-    "mla_glue_qb",
 )

@@ -131,6 +131,9 @@ VARIANTS: dict[str, list[str]] = {
     # the MoE down + combine's deal: the shared expert's warps skip 1 / 3 rounds of routed groups (default 2)
     "-DK26_MOE_SHARED_COST=1": ["moe_w4a16.cu"],
     "-DK26_MOE_SHARED_COST=3": ["moe_w4a16.cu"],
+    # the two-tile gate/up GEMM in blocks of 6 / 4 warps, 4 / 6 per SM on sm_90 (default 8 warps, three per SM)
+    "-DK26_MOE_GU_WARPS=6": ["moe_w4a16.cu"],
+    "-DK26_MOE_GU_WARPS=4": ["moe_w4a16.cu"],
 }
 
 

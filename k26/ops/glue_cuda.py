@@ -153,11 +153,11 @@ def _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R: int, P: int) -> s
     return None
 
 
-def kernel_inputs(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens):
+def _kernel_inputs(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens):
     """The glue kernels' first eight pointer arguments as tensors (q_a, kv_a, both norm weights, positions,
     inv_freq, rows, prefix_lens; 16-byte rows, a copy where not: a copy, not a fallback), q_a's and kv_a's row
     strides, and whether PDL may be used: the norm weights are read before the kernel's wait, so a copy made
-    here (the kernel just before) rules it out. Shared by mla_glue and mla_glue_qb (glue_qb_cuda.py)."""
+    here (the kernel just before) rules it out."""
     q_ld, kv_ld = _rows(q_a), _rows(kv_a)
     if q_ld is None:
         q_a, q_ld = q_a.contiguous(), q_a.shape[-1]
@@ -183,7 +183,7 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         return mla_glue_reference(
             q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
         )
-    ins, q_ld, kv_ld, early_ok = kernel_inputs(
+    ins, q_ld, kv_ld, early_ok = _kernel_inputs(
         q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
     )
     out = torch.empty(B, N, Q, dtype=q_a.dtype, device=q_a.device)

@@ -1,6 +1,5 @@
-// The small-M linear kernel's tile mode, shared by csrc/linear_smallm.cu (torch.ops.k26.linear) and
-// csrc/mla_glue_qb.cu (the q_b projection with MLA's glue in its prologue): the launch parameters, the streamed
-// weight loads, the swap-AB mma on a lane's 16-byte fragments, the rounding point, and tile mode's loop (two
+// The small-M linear kernel's tile mode (csrc/linear_smallm.cu, torch.ops.k26.linear): the launch parameters,
+// the streamed weight loads, the swap-AB mma on a lane's 16-byte fragments, the rounding point, and tile mode's loop (two
 // register batches of weights and x in flight) and its warp-order reduction + store. The layout, the k
 // permutation and why tile mode is batch-invariant: csrc/linear_smallm.cu's header.
 //
@@ -115,7 +114,8 @@ __device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const ui
 
 
 // x as tile mode reads it: a batch of B units' fragments of the MT token tiles, loaded with load_x and fed to the
-// mma as they are. (csrc/mla_glue_qb.cu's NormedX normalises them on the way: the same interface.)
+// mma as they are. (A prologue that transforms x on its way to the mma — the q_b projection normalising q_a
+// did, measured slower than its own glue launch: 2026-12-04-glue-qb-session18-h200.md — is another XS.)
 template <int MT, int B>
 struct PlainX {
   struct Batch {

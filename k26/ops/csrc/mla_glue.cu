@@ -30,7 +30,7 @@ namespace {
 
 using namespace k26_glue;
 
-__global__ void __launch_bounds__(kThreads) mla_glue_kernel(const GlueParams p) { glue_token<true>(p, blockIdx.x); }
+__global__ void __launch_bounds__(kThreads) mla_glue_kernel(const GlueParams p) { glue_token(p, blockIdx.x); }
 
 }  // namespace
 

@@ -1,8 +1,6 @@
-// One token's MLA glue on a block of 256 threads (csrc/mla_glue.cu's kernel; csrc/mla_glue_qb.cu runs its kv
-// half beside the q_b projection and its q norm in that projection's prologue): the launch parameters, the
-// RMSNorm rounding points and `glue_token<DO_Q>`: the whole glue of a token, or only its kv half (kv_a's norm,
-// k_pe's RoPE, the latent-cache write). The halves' sums of squares are independent, so the kv half alone
-// writes the same bits as the whole. The arithmetic and its reasons: csrc/mla_glue.cu's header.
+// One token's MLA glue on a block of 256 threads (csrc/mla_glue.cu's kernel): the launch parameters, the RMSNorm
+// rounding points and `glue_token` (both norms, k_pe's RoPE, the latent-cache write). The arithmetic and its
+// reasons: csrc/mla_glue.cu's header.
 //
 // Legality: plain loads / stores, shuffles and griddepcontrol only: sm_90a and sm_120a.
 
@@ -59,8 +57,7 @@ __device__ __forceinline__ uint4 normed(const float (&f)[8], const uint4& w, flo
   return out;
 }
 
-// The glue of token t (DO_Q) or its kv half only (the q output untouched), by all 256 threads of the block.
-template <bool DO_Q>
+// The glue of token t, by all 256 threads of the block.
 __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
   const int b = t / p.N, n = t % p.N;
   const int qc = p.Q / 8, chunks = qc + p.R / 8;
@@ -71,7 +68,7 @@ __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
   for (int i = 0; i < kMaxChunks; ++i) {
     const int c = threadIdx.x + i * kThreads;
     if (c < qc) {
-      if (DO_Q) w[i] = reinterpret_cast<const uint4*>(p.q_w)[c];
+      w[i] = reinterpret_cast<const uint4*>(p.q_w)[c];
     } else if (c < chunks) {
       w[i] = reinterpret_cast<const uint4*>(p.kv_w)[c - qc];
     }
@@ -86,7 +83,7 @@ __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
 #pragma unroll
   for (int i = 0; i < kMaxChunks; ++i) {
     const int c = threadIdx.x + i * kThreads;
-    if (c >= chunks || (!DO_Q && c < qc)) continue;
+    if (c >= chunks) continue;
     const __nv_bfloat16* src = c < qc ? p.q + t * p.q_ld + 8 * c : p.kv + t * p.kv_ld + 8 * (c - qc);
     unpack(*reinterpret_cast<const uint4*>(src), x[i]);
     float s = 0.f;
@@ -115,7 +112,7 @@ __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
     const int c = threadIdx.x + i * kThreads;
     if (c >= chunks) continue;
     if (c < qc) {
-      if (DO_Q) reinterpret_cast<uint4*>(p.q_out + (long long)t * p.Q)[c] = normed(x[i], w[i], rs_q);
+      reinterpret_cast<uint4*>(p.q_out + (long long)t * p.Q)[c] = normed(x[i], w[i], rs_q);
     } else {
       reinterpret_cast<uint4*>(dst)[c - qc] = normed(x[i], w[i], rs_kv);
     }
@@ -127,6 +124,5 @@ __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
     reinterpret_cast<__nv_bfloat162*>(dst + p.R)[i] = k26_rope_pair(v, p.pos[t], p.inv_freq[i]);
   }
 }
-
 
 }  // namespace k26_glue
