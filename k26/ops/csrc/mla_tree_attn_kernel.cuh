@@ -194,8 +194,10 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     }
   };
 
-  // Online softmax of the tile starting at key0: this thread's MT scores of row sr, reductions over its
-  // LPR lanes by shuffles; P -> sP (bf16), the rescale factor -> sAlpha.
+  // Online softmax of the tile starting at key0: this thread's MT scores of row sr, the max over its LPR lanes
+  // by shuffles; P -> sP (bf16), the rescale factor -> sAlpha. The row sum stays per lane (l_run: this lane's
+  // keys, rescaled by the row's common alpha) and is reduced over the lanes once, after the key loop: the
+  // per-tile shuffles of a sum the loop never reads are off the tile's critical path.
   auto softmax_tile = [&](int key0) {
     float sv[MT], mx = -CUDART_INF_F;
 #pragma unroll
@@ -222,8 +224,6 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
       sP[sr * LDP + sc + j] = __float2bfloat16(pj);
       sum += pj;  // unrounded, as FlashAttention does: keeps the log-sum-exp fp32-accurate
     }
-#pragma unroll
-    for (int off = LPR / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (m_new != -CUDART_INF_F) alpha = exp2f(m_run - m_new);  // 0 when m_run is -inf
     l_run = l_run * alpha + sum;
     m_run = m_new;
@@ -271,6 +271,8 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   TRACE(2);
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off >>= 1) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);
   if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
   __syncthreads();
 
