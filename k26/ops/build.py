@@ -125,16 +125,10 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # The kernel variants kept in the sources behind a define for A/Bs (K26_OPS_DEFINES), each with the sources
 # it changes: `--variants` compiles them for every arch under the same resource checks, so an off-by-default
 # variant cannot rot unnoticed (CI runs it).
-# (bf16 attention partials and 16-row attention tiles were measured and dropped,
-# profiling/results/2026-12-04-variants-session17-h200.md.)
-VARIANTS: dict[str, list[str]] = {
-    # the MoE down + combine's deal: the shared expert's warps skip 1 / 3 rounds of routed groups (default 2)
-    "-DK26_MOE_SHARED_COST=1": ["moe_w4a16.cu"],
-    "-DK26_MOE_SHARED_COST=3": ["moe_w4a16.cu"],
-    # the two-tile gate/up GEMM in blocks of 6 / 4 warps, 4 / 6 per SM on sm_90 (default 8 warps, three per SM)
-    "-DK26_MOE_GU_WARPS=6": ["moe_w4a16.cu"],
-    "-DK26_MOE_GU_WARPS=4": ["moe_w4a16.cu"],
-}
+# (Measured and dropped: bf16 attention partials and 16-row attention tiles,
+# profiling/results/2026-12-04-variants-session17-h200.md; the MoE down + combine's deal cost and the
+# gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md. None is kept now.)
+VARIANTS: dict[str, list[str]] = {}
 
 
 def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:
@@ -223,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print("k26.ops.build: kernel variants failed:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
     if a.variants:
-        print(f"variants compiled: {', '.join(VARIANTS)}")
+        print(f"variants compiled: {', '.join(VARIANTS) or 'none kept'}")
     return 0
 
 

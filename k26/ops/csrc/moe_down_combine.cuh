@@ -122,12 +122,9 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   // are stored. Dealt so the shared expert's warps take theirs last: its bf16 group costs them ~kSharedCost
   // routed groups after the wait, so the other warps first take kSharedCost rounds of routed groups each,
   // then all warps deal the rest round-robin (plain round-robin left warps 0 / 1 the block's last by ~2 routed
-  // groups at M = 16, 25 experts: moe_trace.py). Which warp computes a group changes no bit.
-#ifdef K26_MOE_SHARED_COST  // an A/B of the deal (build define, k26/ops/build.py VARIANTS)
-  constexpr int kSharedCost = K26_MOE_SHARED_COST;
-#else
+  // groups at M = 16, 25 experts: moe_trace.py). Which warp computes a group changes no bit. kSharedCost 1 and 3
+  // measured no better (verify N = 16 6.85 / 6.84 vs 6.82 ms, 2026-12-04-moe-gate-up-session18-h200.md).
   constexpr int kSharedCost = 2;
-#endif
   const int R = max(ng - SG, 0), W2 = kDownCombineWarps - min(SG, kDownCombineWarps);
   const int n1 = W2 > 0 ? min(R, kSharedCost * W2) : 0;  // the first rounds, shared-expert warps left out
   const int c1 = warp >= SG && W2 > 0 ? max(0, (n1 - (warp - SG) + W2 - 1) / W2) : 0;  // of them, this warp's

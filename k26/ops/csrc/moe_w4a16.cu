@@ -167,16 +167,12 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   }
   const RouteTable rt = route_table_at(table ? table : ws.table, P, S, E, 8 * NT);  // unread when direct
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
-  // -DK26_MOE_GU_WARPS=6 or 4 (variants for an A/B, k26/ops/build.py VARIANTS): the two-tile gate/up GEMM in
-  // blocks of 6 (4) warps, 4 (6) per SM on sm_90 at its 80 registers, so the verify step's ~430 blocks fit one
-  // wave of 528 (792) slots (3 x 132 = 396: ~36 blocks start when the first wave ends, moe_trace.py --m 16 --hot 25).
-#ifndef K26_MOE_GU_WARPS
-#define K26_MOE_GU_WARPS 8
-#endif
-  constexpr int WK1 = RT1 == 2 && NT == 1 ? K26_MOE_GU_WARPS : 8;
-  constexpr int MINB1 = NT == 1 ? (WK1 < 8 ? 24 / WK1 : 3) : 1;  // 24 warps an SM
+  // (Blocks of 6 / 4 warps, 4 / 6 per SM, so the verify step's ~430 two-tile blocks fit one wave: all groups
+  // start at once, but the grid shares the same bandwidth — verify N = 16 6.77 -> 6.79 / 7.03 ms, dropped:
+  // 2026-12-04-moe-gate-up-session18-h200.md.)
+  constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, MINB1>,
+  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>,
                               dim3(tiles13 / RT1, G), 32 * WK1, pdl, st, (const __nv_bfloat16*)x, (const uint4*)w13,
                               (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
                               rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up, direct);
