@@ -127,8 +127,13 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # variant cannot rot unnoticed (CI runs it).
 # (Measured and dropped: bf16 attention partials and 16-row attention tiles,
 # profiling/results/2026-12-04-variants-session17-h200.md; the MoE down + combine's deal cost and the
-# gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md. None is kept now.)
-VARIANTS: dict[str, list[str]] = {}
+# gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md.)
+VARIANTS: dict[str, list[str]] = {
+    # tree attention: each warp copies two whole keys of a tile (no division by 72 per copy), and the running
+    # max moved only when a tile's max exceeds it by > 8 (O's rescale skipped); not yet measured
+    "-DK26_ATTN_ROW_COPIES": ["mla_tree_attn.cu"],
+    "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],
+}
 
 
 def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:

@@ -87,11 +87,30 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
   auto issue_tile = [&](int it, __nv_bfloat16* dst) {
     const int key0 = k0 + it * BN;
+#ifdef K26_ATTN_ROW_COPIES
+    // Warp w copies keys 2w and 2w + 1 (2 x 72 16-byte chunks: lane l takes chunks l, l + 32, l + 64 of the
+    // pair), so each copy's row and column follow from the lane without the division by 72 of the strided
+    // loop below: that loop's address arithmetic is ~40 % of the key loop's instructions at MT 1 (PTX count).
+    static_assert(BN == 2 * (THREADS / 32) && CHUNK_PER_ROW == 72, "two keys of 72 chunks a warp");
+    const int r0 = 2 * warp;
+    const bool v0 = key0 + r0 < k1, v1 = key0 + r0 + 1 < k1;
+    const __nv_bfloat16* s0 = kv + (size_t)min(key0 + r0, k1 - 1) * DQK;
+    const __nv_bfloat16* s1 = kv + (size_t)min(key0 + r0 + 1, k1 - 1) * DQK;
+    __nv_bfloat16 *d0 = dst + r0 * LDS, *d1 = d0 + LDS;
+    const int c = lane * 8;
+    cp_async16(d0 + c, s0 + c, v0);              // key 2w, chunks 0-31
+    cp_async16(d0 + c + 256, s0 + c + 256, v0);  // chunks 32-63
+    const bool a = lane < 8;                     // chunks 64-71 of key 2w, or 0-23 of key 2w + 1
+    cp_async16(a ? d0 + c + 512 : d1 + c - 64, a ? s0 + c + 512 : s1 + c - 64, a ? v0 : v1);
+    cp_async16(d1 + c + 192, s1 + c + 192, v1);  // key 2w + 1, chunks 24-55
+    if (lane < 16) cp_async16(d1 + c + 448, s1 + c + 448, v1);  // chunks 56-71
+#else
     for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
       const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
       const int key = min(key0 + r, k1 - 1);
       cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
     }
+#endif
   };
   // Q is staged in the last MT stages, the first NSTAGE - MT tiles beside it (one commit group for all).
   auto early = [&](int it) { return it < n_tiles && k0 + (it + 1) * BN <= L; };  // wholly prefix keys
@@ -217,7 +236,14 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     }
 #pragma unroll
     for (int off = LPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+#ifdef K26_ATTN_LAZY_RESCALE
+    // The running max moves only when the tile's max exceeds it by more than 8 (log2 units): P <= 2^8 then (fp32
+    // sums and bf16 P are fine with that), alpha stays exactly 1 for most tiles, and pv_tile skips O's rescale.
+    // The decision is the row's own (mx and m_run agree across its lanes). Not bit-identical to the eager max.
+    const float m_new = mx - m_run > 8.f ? mx : m_run;  // m_run = -inf: the tile's max (or -inf, all masked)
+#else
     const float m_new = fmaxf(m_run, mx);
+#endif
     float alpha = 1.f, sum = 0.f;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
@@ -238,8 +264,15 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       const float al0 = sAlpha[m * 16 + g], al1 = sAlpha[m * 16 + g + 8];
+#ifdef K26_ATTN_LAZY_RESCALE
+      const bool rescale = al0 != 1.f || al1 != 1.f;
+#else
+      constexpr bool rescale = true;
+#endif
+      if (rescale) {
 #pragma unroll
-      for (int n = 0; n < 8; ++n) o[m][n][0] *= al0, o[m][n][1] *= al0, o[m][n][2] *= al1, o[m][n][3] *= al1;
+        for (int n = 0; n < 8; ++n) o[m][n][0] *= al0, o[m][n][1] *= al0, o[m][n][2] *= al1, o[m][n][3] *= al1;
+      }
       ldsm_x4(pa[m], sP + (m * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
     }
 #pragma unroll
