@@ -133,6 +133,8 @@ VARIANTS: dict[str, list[str]] = {
     # max moved only when a tile's max exceeds it by > 8 (O's rescale skipped); not yet measured
     "-DK26_ATTN_ROW_COPIES": ["mla_tree_attn.cu"],
     "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],
+    # tree attention, 32-row tiles: 24 merge loads in flight a thread (default 8), one round at N = 16
+    "-DK26_ATTN_MERGE_LOADS_32=24": ["mla_tree_attn.cu"],
 }
 
 

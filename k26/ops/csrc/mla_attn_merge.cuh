@@ -32,6 +32,15 @@ namespace k26_attn {
 #ifndef MERGE_LOADS
 #define MERGE_LOADS 8  // partials (float4 + lse) in flight per thread in the merge
 #endif
+// -DK26_ATTN_MERGE_LOADS_32=24 (a variant for an A/B, k26/ops/build.py VARIANTS): 32-row tiles (MT 2: verify and
+// trees) merge with that many loads in flight a thread. At N = 16 and 4K a split merges 124 items over 33
+// partials: with 8 loads a thread that is 3 dependent rounds of L2 loads (~1.2 µs each, attn_trace.py: barrier
+// passed -> loads used 3.6 µs); with 17 or more, one. MT 2's kernel has the registers (MT 1's 128 do not).
+#ifndef K26_ATTN_MERGE_LOADS_32
+#define K26_ATTN_MERGE_LOADS_32 MERGE_LOADS
+#endif
+template <int BM>
+constexpr int kMergeLoads = BM == 32 ? K26_ATTN_MERGE_LOADS_32 : MERGE_LOADS;
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -87,12 +96,13 @@ struct Lse4 {
 };
 
 // Threads per output item (a power of two <= 32, a group of lanes of one warp) for n items over `parts`
-// partials: the fewest dependent rounds, passes over the items x batches of MERGE_LOADS loads a thread.
+// partials: the fewest dependent rounds, passes over the items x batches of LOADS loads a thread.
+template <int LOADS>
 __device__ __forceinline__ int merge_group(int n, int parts) {
   int best = 1, best_cost = 1 << 30;
   for (int G = 1; G <= 32; G *= 2) {
     const int passes = (n * G + THREADS - 1) / THREADS;
-    const int batches = ((parts + G - 1) / G + MERGE_LOADS - 1) / MERGE_LOADS;
+    const int batches = ((parts + G - 1) / G + LOADS - 1) / LOADS;
     if (passes * batches < best_cost) best = G, best_cost = passes * batches;
   }
   return best;
@@ -105,27 +115,27 @@ __device__ __forceinline__ int merge_group(int n, int parts) {
 template <int BM>
 __device__ __noinline__ void merge_share(const float* lp, const PartT* op, __nv_bfloat16* out, float* lse,
                                          int parts, int rows_real, int share, int shares) {
-  constexpr int C4 = DV / 4;
+  constexpr int C4 = DV / 4, LOADS = kMergeLoads<BM>;
   const int items = rows_real * C4;
   const int i0 = share * items / shares, i1 = (share + 1) * items / shares;  // < 2^31: items <= 4096, shares <= 1024
-  const int G = merge_group(i1 - i0, parts), per_pass = THREADS / G, kg = threadIdx.x % G;
+  const int G = merge_group<LOADS>(i1 - i0, parts), per_pass = THREADS / G, kg = threadIdx.x % G;
   const int passes = (i1 - i0 + per_pass - 1) / per_pass;
   for (int pass = 0; pass < passes; ++pass) {  // uniform across the block: the shuffles below need whole warps
     const int item = i0 + pass * per_pass + threadIdx.x / G;
     const bool live = item < i1;
     const int r = live ? item / C4 : 0, c = live ? (item % C4) * 4 : 0;
     Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-    for (int k0 = kg; live && k0 < parts; k0 += G * MERGE_LOADS) {
-      float l[MERGE_LOADS];
-      float4 v[MERGE_LOADS];
+    for (int k0 = kg; live && k0 < parts; k0 += G * LOADS) {
+      float l[LOADS];
+      float4 v[LOADS];
 #pragma unroll
-      for (int j = 0; j < MERGE_LOADS; ++j) {
+      for (int j = 0; j < LOADS; ++j) {
         const int k = k0 + j * G;
         l[j] = k < parts ? __ldcg(lp + k * BM + r) : -CUDART_INF_F;
         if (k < parts) v[j] = load_part4(op + ((size_t)k * BM + r) * DV + c);
       }
 #pragma unroll
-      for (int j = 0; j < MERGE_LOADS; ++j)
+      for (int j = 0; j < LOADS; ++j)
         if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);  // an empty partial (no visible key) adds nothing
     }
     if (pass == 0) TRACE(4);
