@@ -2,7 +2,7 @@
 # A clean tree of one commit with its kernel library built here (the CPU machine), ready to carry to a device
 # call: the device then builds nothing. Two snapshots side by side make an A/B inside one call (profiling/ab.sh).
 #   bash profiling/snapshot.sh [REV=HEAD] [DIR=.snap]     (k26/default, 23 MB of the embedded pair, left out)
-# DIR must be ignored by git (.git/info/exclude: /.snap/) so it travels only in `carry`.
+# DIR must be ignored by git (.gitignore: /.snap*/) so it travels only in `carry` and is never committed.
 # A kernel variant of the same commit: K26_OPS_DEFINES="-DNAME" bash profiling/snapshot.sh HEAD .snapV (its
 # library is built with the defines; k26/ops/build.py).
 set -eu
