@@ -154,7 +154,7 @@ def _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R: int, P: int) -> s
 
 
 def _kernel_inputs(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens):
-    """The glue kernels' first eight pointer arguments as tensors (q_a, kv_a, both norm weights, positions,
+    """The glue kernel's first eight pointer arguments as tensors (q_a, kv_a, both norm weights, positions,
     inv_freq, rows, prefix_lens; 16-byte rows, a copy where not: a copy, not a fallback), q_a's and kv_a's row
     strides, and whether PDL may be used: the norm weights are read before the kernel's wait, so a copy made
     here (the kernel just before) rules it out."""

@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (stream order; PDL waits on completion)
 }
 
-// Tile mode (S == 0): csrc/linear_tile.cuh (shared with the q_b projection that runs MLA's glue in its prologue).
+// Tile mode (S == 0): csrc/linear_tile.cuh.
 template <int MT, int B, int MINB>
 __global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const Params p) {
   __shared__ float red[kTileWarps][MT * 4][32];

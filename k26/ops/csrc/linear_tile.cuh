@@ -1,6 +1,6 @@
 // The small-M linear kernel's tile mode (csrc/linear_smallm.cu, torch.ops.k26.linear): the launch parameters,
-// the streamed weight loads, the swap-AB mma on a lane's 16-byte fragments, the rounding point, and tile mode's loop (two
-// register batches of weights and x in flight) and its warp-order reduction + store. The layout, the k
+// the streamed weight loads, the swap-AB mma on a lane's 16-byte fragments, the rounding point, and tile mode's
+// loop (two register batches of weights and x in flight) and its warp-order reduction + store. The layout, the k
 // permutation and why tile mode is batch-invariant: csrc/linear_smallm.cu's header.
 //
 // Legality: mma.sync.m16n8k16 bf16, ld.global.nc, shared memory for the warps' sums: sm_90a and sm_120a.

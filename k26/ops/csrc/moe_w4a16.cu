@@ -168,8 +168,8 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   const RouteTable rt = route_table_at(table ? table : ws.table, P, S, E, 8 * NT);  // unread when direct
   // gate/up: I/8 interleaved tiles, RT1 per warp, K = D split over the 8 warps of a block.
   // (Blocks of 6 / 4 warps, 4 / 6 per SM, so the verify step's ~430 two-tile blocks fit one wave: all groups
-  // start at once, but the grid shares the same bandwidth — verify N = 16 6.77 -> 6.79 / 7.03 ms, dropped:
-  // 2026-12-04-moe-gate-up-session18-h200.md.)
+  // start at once, but the grid shares the same bandwidth — verify N = 16 6.77 -> 6.79 ms (6 warps) and
+  // 6.79 -> 7.03 ms (4 warps), dropped: 2026-12-04-moe-gate-up-session18-h200.md.)
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
   cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>,
