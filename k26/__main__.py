@@ -280,7 +280,9 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together")
-    sv.add_argument("--max-waiting", type=_positive, default=64, help="queued requests; beyond: 429")
+    sv.add_argument(
+        "--max-waiting", type=_positive, default=64, help="queued requests (a row per choice); beyond: 429"
+    )
     sv.add_argument("--max-model-len", type=_positive, default=None)
     sv.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
     sv.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (CUDA graphs)")

@@ -179,14 +179,15 @@ def test_eight_concurrent_streams_each_equal_alone(served):
     assert together == alone
 
 
-def test_dropped_client_frees_its_row(served):
+@pytest.mark.parametrize("n", [1, 2])
+def test_dropped_client_frees_its_rows(served, n):
     url, c = served["url"], served["client"]
     before = metric(url, "k26_requests_cancelled_total")
     req = urllib.request.Request(
         url + "/v1/completions",
         headers={"Content-Type": "application/json"},
         data=json.dumps(
-            {"model": MODEL, "prompt": "def f(", "max_tokens": 80, "temperature": 0, "stream": True}
+            {"model": MODEL, "prompt": "def f(", "max_tokens": 80, "temperature": 0, "stream": True, "n": n}
         ).encode(),
     )
     r = urllib.request.urlopen(req, timeout=60)
@@ -194,13 +195,90 @@ def test_dropped_client_frees_its_row(served):
     r.close()  # the client goes away mid-stream
     deadline = time.time() + 20
     while time.time() < deadline and (
-        metric(url, "k26_requests_cancelled_total") <= before or metric(url, "k26_requests_running") > 0
+        metric(url, "k26_requests_cancelled_total") < before + n or metric(url, "k26_requests_running") > 0
     ):
         time.sleep(0.1)
-    assert metric(url, "k26_requests_cancelled_total") == before + 1
+    assert metric(url, "k26_requests_cancelled_total") == before + n
     assert metric(url, "k26_requests_running") == 0
     later = c.completions.create(model=MODEL, prompt=PROMPTS[2], **greedy())
     assert later.usage.completion_tokens > 0
+
+
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 10, "extra_body": {"top_k": 50}}
+
+
+def test_n_greedy_choices_each_equal_generate(served):
+    c, ref = served["client"], served["refs"][PROMPTS[0]]
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[0], n=3, **greedy())
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert all(ch.text == ref.text and ch.finish_reason == ref.finish_reason for ch in r.choices)
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)  # the prompt counted once
+    assert r.usage.completion_tokens == 3 * len(ref.token_ids)
+
+
+def test_n_seeded_choice_i_is_the_request_with_seed_plus_i(served):
+    c = served["client"]
+    for chat in (False, True):
+        if chat:
+            ask = dict(messages=[{"role": "user", "content": PROMPTS[1]}], **SEEDED)
+            make, text = c.chat.completions.create, lambda ch: ch.message.content
+        else:
+            ask = dict(prompt=PROMPTS[1], **SEEDED)
+            make, text = c.completions.create, lambda ch: ch.text
+        many = make(model=MODEL, n=3, seed=11, **ask).choices
+        alone = [text(make(model=MODEL, seed=11 + i, **ask).choices[0]) for i in range(3)]
+        assert [text(ch) for ch in many] == alone
+
+
+def test_n_streamed_choices_equal_whole(served):
+    c = served["client"]
+    for chat in (False, True):
+        if chat:
+            ask = dict(messages=[{"role": "user", "content": PROMPTS[2]}], **SEEDED)
+            make, text = c.chat.completions.create, lambda ch: ch.message.content
+            piece = lambda ch: ch.delta.content or ""
+        else:
+            ask = dict(prompt=PROMPTS[2], **SEEDED)
+            make, text = c.completions.create, lambda ch: ch.text
+            piece = lambda ch: ch.text
+        whole = make(model=MODEL, n=3, seed=5, **ask)
+        chunks = list(
+            make(model=MODEL, n=3, seed=5, stream=True, stream_options={"include_usage": True}, **ask)
+        )
+        got, finishes = ["", "", ""], [[], [], []]
+        for ch in chunks[:-1]:
+            (part,) = ch.choices  # one choice a chunk
+            got[part.index] += piece(part)
+            finishes[part.index].append(part.finish_reason)
+        assert got == [text(ch) for ch in whole.choices]
+        for i, f in enumerate(finishes):  # each choice's finish reason once, on its last chunk
+            assert f[-1] == whole.choices[i].finish_reason and all(x is None for x in f[:-1])
+        assert (
+            chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        )
+
+
+def test_n_choices_are_queued_together_or_not_at_all(served):
+    engine, c = served["engine"], served["client"]
+    import asyncio
+
+    from k26.server.engine import QueueFull
+    from k26.server.engine import Request as EngineRequest
+
+    loop = asyncio.new_event_loop()
+    requests = engine.metrics.requests
+    engine.max_waiting = 4
+    try:
+        reqs = [EngineRequest([1, 2], SamplingParams(max_tokens=1), loop, choice=i) for i in range(5)]
+        with pytest.raises(QueueFull, match="needs 5"):
+            engine.submit(reqs)
+        assert engine.pending == 0 and engine.metrics.requests == requests  # none of the five went in
+        with pytest.raises(openai.BadRequestError, match="max-waiting 4"):  # never servable: 400, not 429
+            c.completions.create(model=MODEL, prompt="x", max_tokens=1, n=5)
+    finally:
+        engine.max_waiting = 64
+        loop.close()
+    assert len(c.completions.create(model=MODEL, prompt="x", max_tokens=1, n=4).choices) == 4
 
 
 BAD = [
@@ -218,7 +296,10 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 2.5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": "2"}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
     (
         "/v1/chat/completions",

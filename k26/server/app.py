@@ -19,7 +19,7 @@ from ..sampling import stop_prefix_len
 from ..tokenizer import TextStream
 from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
-from .protocol import APIError, completion_body, parse, usage
+from .protocol import APIError, choice, completion_body, parse, usage
 
 
 @dataclass
@@ -79,7 +79,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
 
 async def generate(s: Served, request: Request, chat: bool):
-    """Validate, queue for the engine, then answer whole or as a stream."""
+    """Validate, queue for the engine (a row per choice), then answer whole or as a stream."""
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -93,9 +93,13 @@ async def generate(s: Served, request: Request, chat: bool):
         vocab=llm.config.vocab_size,
         max_model_len=llm.max_model_len,
     )
-    req = EngineRequest(p.prompt_ids, p.params, asyncio.get_running_loop())
+    if p.n > max(s.engine.max_waiting, 1):  # never all queued at once: 429's "retry later" would not help
+        msg = f"n={p.n}: more choices than this server queues at once (--max-waiting {s.engine.max_waiting})"
+        raise APIError(400, msg, "n")
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    reqs = [EngineRequest(p.prompt_ids, p.choice_params(i), loop, events, choice=i) for i in range(p.n)]
     try:
-        s.engine.submit(req)
+        s.engine.submit(reqs)
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
     except EngineDown as e:
@@ -103,78 +107,90 @@ async def generate(s: Served, request: Request, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if p.stream:
         return StreamingResponse(
-            stream(s, req, rid, chat, p.include_usage),
+            stream(s, reqs, events, rid, chat, p.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await whole(s, request, req, rid, chat)
+    return await whole(s, request, reqs, events, rid, chat)
 
 
-async def whole(s: Served, request: Request, req: EngineRequest, rid: str, chat: bool):
-    """The whole answer once the request finishes; a client gone meanwhile cancels it."""
-    ids, ev = [], None
+def _cancel(reqs: list[EngineRequest]) -> None:
+    for r in reqs:
+        r.cancelled = True
+
+
+async def whole(
+    s: Served, request: Request, reqs: list[EngineRequest], events: asyncio.Queue, rid: str, chat: bool
+):
+    """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
+    ids: list[list[int]] = [[] for _ in reqs]
+    last: list[Event | None] = [None] * len(reqs)
     try:
-        while ev is None or ev.finish_reason is None:
+        while any(ev is None or ev.finish_reason is None for ev in last):
             try:
-                ev = await asyncio.wait_for(req.events.get(), timeout=1.0)
+                i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
             except TimeoutError:
                 if await request.is_disconnected():
-                    req.cancelled = True
+                    _cancel(reqs)
                     return JSONResponse(APIError(499, "client closed the request").body(), 499)
                 continue
-            _raise_on_error(ev)
-            ids += ev.token_ids
+            if ev.error is not None:
+                _cancel(reqs)
+                raise APIError(500, ev.error, type="server_error")
+            ids[i] += ev.token_ids
+            last[i] = ev
     except asyncio.CancelledError:
-        req.cancelled = True
+        _cancel(reqs)
         raise
-    text = ev.text if ev.text is not None else s.llm.tokenizer.decode(ids, skip_special=True)
-    use = usage(len(req.prompt_ids), len(ids))
-    return completion_body(rid, s.model, chat, text, ev.finish_reason, use)
+    choices = []
+    for i, (toks, ev) in enumerate(zip(ids, last)):
+        text = ev.text if ev.text is not None else s.llm.tokenizer.decode(toks, skip_special=True)
+        choices.append(choice(chat, text, ev.finish_reason, i))
+    use = usage(len(reqs[0].prompt_ids), sum(map(len, ids)))  # the prompt counted once, as OpenAI does
+    return completion_body(rid, s.model, chat, choices, use)
 
 
-async def stream(s: Served, req: EngineRequest, rid: str, chat: bool, include_usage: bool):
-    """Server-sent chunks: text increments of whole UTF-8 characters, the finish reason, usage if asked,
-    then `[DONE]`. However it ends (the client gone included), the request is cancelled."""
-    sent, first = 0, True  # sent: characters streamed so far
-    ts = TextStream(s.llm.tokenizer)  # the text as it grows: each event decodes only its own tokens
+async def stream(
+    s: Served, reqs: list[EngineRequest], events: asyncio.Queue, rid: str, chat: bool, include_usage: bool
+):
+    """Server-sent chunks, one choice each: text increments of whole UTF-8 characters, its finish reason;
+    usage if asked once every choice has finished, then `[DONE]`. However it ends (the client gone
+    included), every choice is cancelled."""
+    n = len(reqs)
+    sent = [0] * n  # characters streamed so far, per choice
+    texts = [TextStream(s.llm.tokenizer) for _ in reqs]  # each event decodes only its own tokens
+    first, open_ = [True] * n, n
     try:
-        if chat:  # the role comes first, as OpenAI's stream does
-            yield _sse(completion_body(rid, s.model, chat, "", None, None, delta=True, first=True))
-            first = False
-        while True:
-            ev: Event = await req.events.get()
+        if chat:  # each choice's role comes first, as OpenAI's stream does
+            for i in range(n):
+                role = choice(chat, "", None, i, delta=True, first=True)
+                yield _sse(completion_body(rid, s.model, chat, [role], None, delta=True))
+            first = [False] * n
+        while open_:
+            i, ev = await events.get()
             if ev.error is not None:
                 yield _sse(APIError(500, ev.error, type="server_error").body())
                 break
+            ts = texts[i]
             ts.push(ev.token_ids)
             text = ev.text if ev.text is not None else ts.text  # a finished row's event carries its text
             end = len(text)
             if ev.finish_reason is None:  # what may be the start of a stop string waits for the next tokens
-                end -= stop_prefix_len(text, req.params.stop)
-            if end > sent or ev.finish_reason is not None:
-                piece, sent = text[sent:end], max(sent, end)
-                yield _sse(
-                    completion_body(
-                        rid, s.model, chat, piece, ev.finish_reason, None, delta=True, first=first
-                    )
-                )
-                first = False
+                end -= stop_prefix_len(text, reqs[i].params.stop)
+            if end > sent[i] or ev.finish_reason is not None:
+                piece, sent[i] = text[sent[i] : end], max(sent[i], end)
+                part = choice(chat, piece, ev.finish_reason, i, delta=True, first=first[i])
+                yield _sse(completion_body(rid, s.model, chat, [part], None, delta=True))
+                first[i] = False
             if ev.finish_reason is not None:
-                if include_usage:
-                    body = completion_body(
-                        rid, s.model, chat, "", None, usage(len(req.prompt_ids), ts.ids), delta=True
-                    )
-                    body["choices"] = []
-                    yield _sse(body)
-                break
+                open_ -= 1
+        else:
+            if include_usage:
+                use = usage(len(reqs[0].prompt_ids), sum(ts.ids for ts in texts))
+                yield _sse(completion_body(rid, s.model, chat, [], use, delta=True))
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away (the response task is cancelled)
-        req.cancelled = True
-
-
-def _raise_on_error(ev: Event) -> None:
-    if ev.error is not None:
-        raise APIError(500, ev.error, type="server_error")
+        _cancel(reqs)
 
 
 def _sse(obj: dict) -> str:
@@ -184,7 +200,7 @@ def _sse(obj: dict) -> str:
 def prometheus(engine: Engine) -> str:
     m = engine.metrics
     rows = [
-        ("k26_requests_total", "counter", "requests accepted into the queue", m.requests),
+        ("k26_requests_total", "counter", "requests accepted into the queue (a row per choice)", m.requests),
         ("k26_requests_finished_total", "counter", "requests that ran to a finish reason", m.finished),
         ("k26_requests_cancelled_total", "counter", "requests whose client went away", m.cancelled),
         ("k26_requests_rejected_total", "counter", "requests refused with 429 (queue full)", m.rejected),

@@ -2,9 +2,10 @@
 
 HTTP handlers `submit` requests into a bounded waiting queue and read their tokens from an asyncio queue
 that the engine fills through the handler's event loop (`call_soon_threadsafe`), so neither side ever
-blocks the other. At every step boundary the engine retires finished and cancelled rows, admits waiting
-requests into the free rows (their prefill runs there, between two steps), then advances every live row
-by one step (continuous batching).
+blocks the other. The `n` choices of one HTTP request are `n` requests (a row each) sharing one queue,
+their events tagged with the choice. At every step boundary the engine retires finished and cancelled
+rows, admits waiting requests into the free rows (their prefill runs there, between two steps), then
+advances every live row by one step (continuous batching).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (choice, Event) items
+    choice: int = 0  # which of the HTTP request's choices this row answers
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: bool = False  # set by the handler (client gone); the engine frees the row at the next boundary
     sent: int = 0  # tokens already pushed
@@ -57,7 +59,7 @@ class Request:
 
     def push(self, ev: Event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.choice, ev))
         except RuntimeError:  # the handler's loop is gone (server shutting down)
             self.cancelled = True
 
@@ -106,19 +108,21 @@ class Engine:
         self.rows: dict[int, Request] = {}
 
     # -- HTTP side --------------------------------------------------------------------------------
-    def submit(self, req: Request) -> None:
+    def submit(self, reqs: list[Request]) -> None:
+        """Queue an HTTP request's rows (its `n` choices) all together, or none of them."""
         if self.error is not None or (self.ready.is_set() and not self.thread.is_alive()):
             raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
         with self.lock:
-            if self.pending >= self.max_waiting:
+            if self.pending + len(reqs) > self.max_waiting:
                 self.metrics.rejected += 1
                 raise QueueFull(
-                    f"the server is at capacity: {self.pending} requests wait for a free row "
-                    f"(max_waiting={self.max_waiting}); retry later"
+                    f"the server is at capacity: {self.pending} requests wait for a free row and this one "
+                    f"needs {len(reqs)} (max_waiting={self.max_waiting}); retry later"
                 )
-            self.pending += 1
-        self.metrics.requests += 1
-        self.inbox.put(req)
+            self.pending += len(reqs)
+        self.metrics.requests += len(reqs)  # rows: the counters below count rows too
+        for req in reqs:
+            self.inbox.put(req)
 
     def start(self, timeout: float = 600.0) -> None:
         self.thread.start()

@@ -6,6 +6,7 @@ param) before any work reaches the engine; unsupported parameters are refused by
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,6 @@ CHAT = COMMON | {
 }
 # accepted when they ask for nothing beyond plain generation; anything else is refused by name
 NEUTRAL = {
-    "n": (None, 1),
     "logprobs": (None, False, 0),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -77,17 +77,26 @@ NEUTRAL = {
     "parallel_tool_calls": (None, False, True),
 }
 MAX_STOP = 4
+MAX_N = 16  # choices a request may ask for (`n`): each takes a row of the batch like a request of its own
 
 
 @dataclass
 class Parsed:
-    """A validated request: the prompt as ids, its sampling, and how to answer."""
+    """A validated request: the prompt as ids, its sampling, how many choices, and how to answer."""
 
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
     include_usage: bool
     chat: bool
+    n: int = 1
+
+    def choice_params(self, i: int) -> SamplingParams:
+        """Choice i's sampling: with a seed, seed + i (so the choices differ, and choice 0 is what the same
+        request with n = 1 answers); without one, each row draws its own noise anyway."""
+        if self.params.seed is None or i == 0:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + i)
 
 
 def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_model_len: int) -> Parsed:
@@ -126,12 +135,17 @@ def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):
         raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true", "stream_options")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _int(n) or not 1 <= n <= MAX_N:
+        raise APIError(400, f"n={body.get('n')!r}: expected an integer in [1, {MAX_N}]", "n")
     return Parsed(
         ids,
         _sampling(body, chat, max_model_len - len(ids)),
         stream,
         bool(opts and opts.get("include_usage")),
         chat,
+        n,
     )
 
 
@@ -260,33 +274,28 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(
-    rid: str,
-    model: str,
-    chat: bool,
-    text: str,
-    finish: str | None,
-    use: dict | None,
-    delta: bool = False,
-    first: bool = False,
+def choice(
+    chat: bool, text: str, finish: str | None, index: int = 0, delta: bool = False, first: bool = False
 ) -> dict:
-    """A whole response (delta=False) or one streamed chunk, in the endpoint's OpenAI shape."""
+    """One choice of a whole response (delta=False) or of a streamed chunk, in the endpoint's OpenAI shape."""
+    if not chat:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    if delta:
+        msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": msg, "logprobs": None, "finish_reason": finish}
+    msg = {"role": "assistant", "content": text}
+    return {"index": index, "message": msg, "logprobs": None, "finish_reason": finish}
+
+
+def completion_body(
+    rid: str, model: str, chat: bool, choices: list[dict], use: dict | None, delta: bool = False
+) -> dict:
+    """A whole response (delta=False) or one streamed chunk around `choices` (see `choice`)."""
     if chat:
-        if delta:
-            msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": msg, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
         obj = "chat.completion.chunk" if delta else "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use
     return body
