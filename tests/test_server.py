@@ -258,6 +258,15 @@ def test_n_streamed_choices_equal_whole(served):
         )
 
 
+def test_prompt_list_answers_each_prompt_in_prompt_major_order(served):
+    c, refs = served["client"], served["refs"]
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[:3], n=2, **greedy())
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert [ch.text for ch in r.choices] == [refs[p].text for p in PROMPTS[:3] for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(refs[p].prompt_token_ids) for p in PROMPTS[:3])  # each once
+    assert r.usage.completion_tokens == 2 * sum(len(refs[p].token_ids) for p in PROMPTS[:3])
+
+
 def test_n_choices_are_queued_together_or_not_at_all(served):
     engine, c = served["engine"], served["client"]
     import asyncio
@@ -313,6 +322,11 @@ BAD = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of_the_rest": 1}, 400, "best_of_the_rest"),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", [5, 10**9]]}, 400, "prompt[1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "x " * 200]}, 400, "prompt[1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt[1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     (
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},

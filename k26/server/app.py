@@ -93,81 +93,99 @@ async def generate(s: Served, request: Request, chat: bool):
         vocab=llm.config.vocab_size,
         max_model_len=llm.max_model_len,
     )
-    if p.n > max(s.engine.max_waiting, 1):  # never all queued at once: 429's "retry later" would not help
-        msg = f"n={p.n}: more choices than this server queues at once (--max-waiting {s.engine.max_waiting})"
+    rows = p.rows()
+    if len(rows) > max(s.engine.max_waiting, 1):  # never all queued at once: 429's "retry later" won't help
+        msg = (
+            f"n={p.n} for {len(p.prompts)} prompt(s) is {len(rows)} rows, more than this server queues at "
+            f"once (--max-waiting {s.engine.max_waiting})"
+        )
         raise APIError(400, msg, "n")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    reqs = [EngineRequest(p.prompt_ids, p.choice_params(i), loop, events, choice=i) for i in range(p.n)]
+    a = Answer(
+        [EngineRequest(ids, sp, loop, events, choice=i) for i, (ids, sp) in enumerate(rows)],
+        events,
+        f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        chat,
+        sum(map(len, p.prompts)),  # each prompt counted once, however many choices it has (as OpenAI)
+        p.include_usage,
+    )
     try:
-        s.engine.submit(reqs)
+        s.engine.submit(a.reqs)
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
     except EngineDown as e:
         raise APIError(503, str(e), type="server_error", code="engine_down") from None
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if p.stream:
         return StreamingResponse(
-            stream(s, reqs, events, rid, chat, p.include_usage),
+            stream(s, a),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await whole(s, request, reqs, events, rid, chat)
+    return await whole(s, request, a)
 
 
-def _cancel(reqs: list[EngineRequest]) -> None:
-    for r in reqs:
-        r.cancelled = True
+@dataclass
+class Answer:
+    """One HTTP request's rows (a choice each: index = prompt * n + i) and how to answer them."""
+
+    reqs: list[EngineRequest]
+    events: asyncio.Queue  # every row's (choice, Event)
+    rid: str
+    chat: bool
+    prompt_tokens: int
+    include_usage: bool
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            r.cancelled = True
+
+    def body(self, s: Served, choices: list[dict], use: dict | None, delta: bool = False) -> dict:
+        return completion_body(self.rid, s.model, self.chat, choices, use, delta)
 
 
-async def whole(
-    s: Served, request: Request, reqs: list[EngineRequest], events: asyncio.Queue, rid: str, chat: bool
-):
+async def whole(s: Served, request: Request, a: Answer):
     """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
-    ids: list[list[int]] = [[] for _ in reqs]
-    last: list[Event | None] = [None] * len(reqs)
+    ids: list[list[int]] = [[] for _ in a.reqs]
+    last: list[Event | None] = [None] * len(a.reqs)
     try:
         while any(ev is None or ev.finish_reason is None for ev in last):
             try:
-                i, ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                i, ev = await asyncio.wait_for(a.events.get(), timeout=1.0)
             except TimeoutError:
                 if await request.is_disconnected():
-                    _cancel(reqs)
+                    a.cancel()
                     return JSONResponse(APIError(499, "client closed the request").body(), 499)
                 continue
             if ev.error is not None:
-                _cancel(reqs)
+                a.cancel()
                 raise APIError(500, ev.error, type="server_error")
             ids[i] += ev.token_ids
             last[i] = ev
     except asyncio.CancelledError:
-        _cancel(reqs)
+        a.cancel()
         raise
     choices = []
     for i, (toks, ev) in enumerate(zip(ids, last)):
         text = ev.text if ev.text is not None else s.llm.tokenizer.decode(toks, skip_special=True)
-        choices.append(choice(chat, text, ev.finish_reason, i))
-    use = usage(len(reqs[0].prompt_ids), sum(map(len, ids)))  # the prompt counted once, as OpenAI does
-    return completion_body(rid, s.model, chat, choices, use)
+        choices.append(choice(a.chat, text, ev.finish_reason, i))
+    return a.body(s, choices, usage(a.prompt_tokens, sum(map(len, ids))))
 
 
-async def stream(
-    s: Served, reqs: list[EngineRequest], events: asyncio.Queue, rid: str, chat: bool, include_usage: bool
-):
+async def stream(s: Served, a: Answer):
     """Server-sent chunks, one choice each: text increments of whole UTF-8 characters, its finish reason;
     usage if asked once every choice has finished, then `[DONE]`. However it ends (the client gone
     included), every choice is cancelled."""
-    n = len(reqs)
+    n = len(a.reqs)
     sent = [0] * n  # characters streamed so far, per choice
-    texts = [TextStream(s.llm.tokenizer) for _ in reqs]  # each event decodes only its own tokens
+    texts = [TextStream(s.llm.tokenizer) for _ in a.reqs]  # each event decodes only its own tokens
     first, open_ = [True] * n, n
     try:
-        if chat:  # each choice's role comes first, as OpenAI's stream does
+        if a.chat:  # each choice's role comes first, as OpenAI's stream does
             for i in range(n):
-                role = choice(chat, "", None, i, delta=True, first=True)
-                yield _sse(completion_body(rid, s.model, chat, [role], None, delta=True))
+                yield _sse(a.body(s, [choice(True, "", None, i, delta=True, first=True)], None, delta=True))
             first = [False] * n
         while open_:
-            i, ev = await events.get()
+            i, ev = await a.events.get()
             if ev.error is not None:
                 yield _sse(APIError(500, ev.error, type="server_error").body())
                 break
@@ -176,21 +194,20 @@ async def stream(
             text = ev.text if ev.text is not None else ts.text  # a finished row's event carries its text
             end = len(text)
             if ev.finish_reason is None:  # what may be the start of a stop string waits for the next tokens
-                end -= stop_prefix_len(text, reqs[i].params.stop)
+                end -= stop_prefix_len(text, a.reqs[i].params.stop)
             if end > sent[i] or ev.finish_reason is not None:
                 piece, sent[i] = text[sent[i] : end], max(sent[i], end)
-                part = choice(chat, piece, ev.finish_reason, i, delta=True, first=first[i])
-                yield _sse(completion_body(rid, s.model, chat, [part], None, delta=True))
+                part = choice(a.chat, piece, ev.finish_reason, i, delta=True, first=first[i])
+                yield _sse(a.body(s, [part], None, delta=True))
                 first[i] = False
             if ev.finish_reason is not None:
                 open_ -= 1
         else:
-            if include_usage:
-                use = usage(len(reqs[0].prompt_ids), sum(ts.ids for ts in texts))
-                yield _sse(completion_body(rid, s.model, chat, [], use, delta=True))
+            if a.include_usage:
+                yield _sse(a.body(s, [], usage(a.prompt_tokens, sum(ts.ids for ts in texts)), delta=True))
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away (the response task is cancelled)
-        _cancel(reqs)
+        a.cancel()
 
 
 def _sse(obj: dict) -> str:

@@ -78,25 +78,31 @@ NEUTRAL = {
 }
 MAX_STOP = 4
 MAX_N = 16  # choices a request may ask for (`n`): each takes a row of the batch like a request of its own
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (a list); prompts x n rows in all
 
 
 @dataclass
 class Parsed:
-    """A validated request: the prompt as ids, its sampling, how many choices, and how to answer."""
+    """A validated request: its prompts as ids (one, or a /v1/completions list) with their sampling (each
+    prompt's max_tokens fits its own room), how many choices a prompt, and how to answer."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
+    prompts: list[list[int]]
+    params: list[SamplingParams]
     stream: bool
     include_usage: bool
     chat: bool
     n: int = 1
 
-    def choice_params(self, i: int) -> SamplingParams:
-        """Choice i's sampling: with a seed, seed + i (so the choices differ, and choice 0 is what the same
-        request with n = 1 answers); without one, each row draws its own noise anyway."""
-        if self.params.seed is None or i == 0:
-            return self.params
-        return dataclasses.replace(self.params, seed=self.params.seed + i)
+    def rows(self) -> list[tuple[list[int], SamplingParams]]:
+        """Every choice's (prompt ids, sampling), in OpenAI's choice order: index = prompt * n + i. Choice i
+        of a prompt samples with seed + i when a seed is given (so the choices differ, and choice 0 is what
+        the same prompt with n = 1 answers); without one each row draws its own noise anyway."""
+        out = []
+        for ids, sp in zip(self.prompts, self.params):
+            for i in range(self.n):
+                seeded = sp.seed is not None and i > 0
+                out.append((ids, dataclasses.replace(sp, seed=sp.seed + i) if seeded else sp))
+        return out
 
 
 def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_model_len: int) -> Parsed:
@@ -120,15 +126,17 @@ def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_
             "model",
             code="model_not_found",
         )
-    ids, what = (_messages(body, tok), "messages") if chat else (_prompt(body, tok, vocab), "prompt")
-    if len(ids) >= max_model_len:
-        raise APIError(
-            400,
-            f"{what}: {len(ids)} tokens, but the context holds {max_model_len} (max_model_len), "
-            "leaving no room to generate",
-            what,
-            code="context_length_exceeded",
-        )
+    prompts = [_messages(body, tok)] if chat else _prompts(body, tok, vocab)
+    for k, ids in enumerate(prompts):
+        if len(ids) >= max_model_len:
+            what = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            raise APIError(
+                400,
+                f"{what}: {len(ids)} tokens, but the context holds {max_model_len} (max_model_len), "
+                "leaving no room to generate",
+                what,
+                code="context_length_exceeded",
+            )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream={stream!r}: expected true or false", "stream")
@@ -140,8 +148,8 @@ def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_
     if not _int(n) or not 1 <= n <= MAX_N:
         raise APIError(400, f"n={body.get('n')!r}: expected an integer in [1, {MAX_N}]", "n")
     return Parsed(
-        ids,
-        _sampling(body, chat, max_model_len - len(ids)),
+        prompts,
+        [_sampling(body, chat, max_model_len - len(ids)) for ids in prompts],
         stream,
         bool(opts and opts.get("include_usage")),
         chat,
@@ -186,29 +194,34 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
     )
 
 
-def _prompt(body: dict, tok: Tokenizer, vocab: int) -> list[int]:
+def _prompts(body: dict, tok: Tokenizer, vocab: int) -> list[list[int]]:
+    """`prompt` as OpenAI takes it: a string, a list of token ids, or a list of either (several prompts)."""
     p = body.get("prompt")
     if p is None:
         raise APIError(400, "missing required parameter: 'prompt'", "prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
+    several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
+    items = p if several else [p]
+    if len(items) > MAX_PROMPTS:
+        raise APIError(400, f"prompt: {len(items)} prompts, at most {MAX_PROMPTS} a request", "prompt")
+    return [
+        _prompt(x, tok, vocab, f"prompt[{k}]" if len(items) > 1 else "prompt") for k, x in enumerate(items)
+    ]
+
+
+def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str) -> list[int]:
     if isinstance(p, str):
         ids = tok.encode(p)
     elif isinstance(p, list) and all(_int(t) for t in p):
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+            raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})", where)
         ids = list(p)
-    elif isinstance(p, list):
-        raise APIError(
-            400, "prompt: a list of several prompts is not supported; send one request per prompt", "prompt"
-        )
     else:
         raise APIError(
-            400, f"prompt: expected a string or a list of token ids, got {type(p).__name__}", "prompt"
+            400, f"{where}: expected a string or a list of token ids, got {type(p).__name__}", where
         )
     if not ids:
-        raise APIError(400, "prompt is empty", "prompt")
+        raise APIError(400, f"{where} is empty", where)
     return ids
 
 
