@@ -90,7 +90,8 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
 #ifdef K26_ATTN_ROW_COPIES
     // Warp w copies keys 2w and 2w + 1 (144 16-byte chunks: lane l takes chunks l + 32 k of the pair, k = 0..4,
     // the last only for l < 16), so each copy's row and column follow from the lane without the division by 72
-    // of the strided loop below: that loop's address arithmetic is about a third of the key loop's instructions at MT 1 (PTX).
+    // of the strided loop below, whose address arithmetic is about a third of the MT 1 key loop's instructions
+    // (PTX count).
     static_assert(BN == 2 * (THREADS / 32) && CHUNK_PER_ROW == 72, "two keys of 72 chunks a warp");
     const int r0 = 2 * warp;
     const bool v0 = key0 + r0 < k1, v1 = key0 + r0 + 1 < k1;
