@@ -337,10 +337,10 @@ class Decoder:
         """Put prompts into free slots, prefill them together and emit their first token; returns the
         slots (the caller checked there are enough)."""
         slots = state.free_slots()[: len(prompts)]
-        go = state.add(slots, prompts, params)
-        if not go:
-            return slots
         try:
+            go = state.add(slots, prompts, params)
+            if not go:
+                return slots
             m, rows = self.ctx.models(), torch.tensor(go, device=self.ctx.device)
             rs = state.sampling(go)
             prompts_go = [state.outs[b].prompt_token_ids for b in go]

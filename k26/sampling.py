@@ -29,8 +29,10 @@ class SamplingParams:
             raise bad("top_k", "must be an integer >= 0")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise bad("max_tokens", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**63
+        ):
+            raise bad("seed", "must be None or an integer in [-2**63, 2**63)")
         if self.stop_token_ids is not None:
             ids = tuple(self.stop_token_ids)
             if not all(isinstance(i, int) and i >= 0 for i in ids):

@@ -98,6 +98,8 @@ def test_score_checks_ids(llm):
         ({"top_p": 1.5}, "top_p=1.5"),
         ({"top_k": -2}, "top_k=-2"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"seed": 2**64}, "seed="),  # torch.Generator refuses it: named here, not inside the engine
+        ({"seed": True}, "seed=True"),
     ],
 )
 def test_bad_sampling_params(kwargs, needle):

@@ -282,6 +282,15 @@ def test_n_choices_are_queued_together_or_not_at_all(served):
         with pytest.raises(QueueFull, match="needs 5"):
             engine.submit(reqs)
         assert engine.pending == 0 and engine.metrics.requests == requests  # none of the five went in
+        with engine.lock:  # two rows already waiting (the engine only lowers it when it admits real rows)
+            engine.pending = 2
+        try:
+            with pytest.raises(QueueFull, match="2 rows wait"):  # 3 would fit alone, not beside the 2
+                engine.submit(reqs[:3])
+            assert engine.pending == 2 and engine.metrics.requests == requests
+        finally:
+            with engine.lock:
+                engine.pending = 0
         with pytest.raises(openai.BadRequestError, match="max-waiting 4"):  # never servable: 400, not 429
             c.completions.create(model=MODEL, prompt="x", max_tokens=1, n=5)
     finally:
@@ -309,6 +318,11 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": "2"}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": True}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**63 - 2, "n": 3}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
     (
         "/v1/chat/completions",
@@ -367,6 +381,31 @@ def test_failed_step_answers_500_and_the_server_goes_on(served, monkeypatch):
     with pytest.raises(openai.InternalServerError, match="injected step failure"):
         c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy())
     monkeypatch.undo()
+    ref = served["refs"][PROMPTS[0]]
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy()).choices[0].text == ref.text
+
+
+def test_failed_step_with_n_choices_answers_500_and_ends_the_stream(served, monkeypatch):
+    c, llm, url = served["client"], served["llm"], served["url"]
+
+    def broken():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(llm, "step", broken)
+    with pytest.raises(openai.InternalServerError, match="injected step failure"):
+        c.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, **greedy())
+    body = {"model": MODEL, "prompt": PROMPTS[0], "n": 2, "stream": True, "max_tokens": 12, "temperature": 0}
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+    assert "injected step failure" in lines[-2] and lines[-1] == "data: [DONE]"  # the error, then the end
+    monkeypatch.undo()
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(url, "k26_requests_running") > 0:
+        time.sleep(0.1)
+    assert metric(url, "k26_requests_running") == 0  # no row left behind
     ref = served["refs"][PROMPTS[0]]
     assert c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy()).choices[0].text == ref.text
 

@@ -99,7 +99,7 @@ async def generate(s: Served, request: Request, chat: bool):
             f"n={p.n} for {len(p.prompts)} prompt(s) is {len(rows)} rows, more than this server queues at "
             f"once (--max-waiting {s.engine.max_waiting})"
         )
-        raise APIError(400, msg, "n")
+        raise APIError(400, msg, "n" if p.n > 1 else "prompt")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     a = Answer(
         [EngineRequest(ids, sp, loop, events, choice=i) for i, (ids, sp) in enumerate(rows)],
@@ -134,27 +134,34 @@ class Answer:
     chat: bool
     prompt_tokens: int
     include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def cancel(self) -> None:
         for r in self.reqs:
             r.cancelled = True
 
     def body(self, s: Served, choices: list[dict], use: dict | None, delta: bool = False) -> dict:
-        return completion_body(self.rid, s.model, self.chat, choices, use, delta)
+        return completion_body(self.rid, s.model, self.chat, choices, use, delta, self.created)
 
 
 async def whole(s: Served, request: Request, a: Answer):
     """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
     ids: list[list[int]] = [[] for _ in a.reqs]
     last: list[Event | None] = [None] * len(a.reqs)
+    clock = asyncio.get_running_loop().time
+    check = clock() + 1.0  # a gone client is looked for once a second, events flowing or not
     try:
         while any(ev is None or ev.finish_reason is None for ev in last):
             try:
                 i, ev = await asyncio.wait_for(a.events.get(), timeout=1.0)
             except TimeoutError:
+                ev = None
+            if clock() >= check:
+                check = clock() + 1.0
                 if await request.is_disconnected():
                     a.cancel()
                     return JSONResponse(APIError(499, "client closed the request").body(), 499)
+            if ev is None:
                 continue
             if ev.error is not None:
                 a.cancel()
@@ -219,8 +226,13 @@ def prometheus(engine: Engine) -> str:
     rows = [
         ("k26_requests_total", "counter", "requests accepted into the queue (a row per choice)", m.requests),
         ("k26_requests_finished_total", "counter", "requests that ran to a finish reason", m.finished),
-        ("k26_requests_cancelled_total", "counter", "requests whose client went away", m.cancelled),
-        ("k26_requests_rejected_total", "counter", "requests refused with 429 (queue full)", m.rejected),
+        (
+            "k26_requests_cancelled_total",
+            "counter",
+            "rows cancelled: their client went away, or a sibling choice failed",
+            m.cancelled,
+        ),
+        ("k26_requests_rejected_total", "counter", "rows refused with 429 (queue full)", m.rejected),
         ("k26_prompt_tokens_total", "counter", "prompt tokens prefilled", m.prompt_tokens),
         ("k26_generation_tokens_total", "counter", "tokens generated", m.generated_tokens),
         ("k26_steps_total", "counter", "decode steps (one target forward each)", m.steps),

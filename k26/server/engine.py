@@ -114,9 +114,9 @@ class Engine:
             raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
         with self.lock:
             if self.pending + len(reqs) > self.max_waiting:
-                self.metrics.rejected += 1
+                self.metrics.rejected += len(reqs)
                 raise QueueFull(
-                    f"the server is at capacity: {self.pending} requests wait for a free row and this one "
+                    f"the server is at capacity: {self.pending} rows wait for a free slot and this request "
                     f"needs {len(reqs)} (max_waiting={self.max_waiting}); retry later"
                 )
             self.pending += len(reqs)

@@ -64,7 +64,6 @@ CHAT = COMMON | {
 NEUTRAL = {
     "logprobs": (None, False, 0),
     "echo": (None, False),
-    "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -147,9 +146,17 @@ def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_
     n = 1 if n is None else n
     if not _int(n) or not 1 <= n <= MAX_N:
         raise APIError(400, f"n={body.get('n')!r}: expected an integer in [1, {MAX_N}]", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:  # more candidates than choices (ranked by logprobs): not served
+        raise APIError(
+            400, f"best_of={best_of!r} is not supported by this server (only best_of = n)", "best_of"
+        )
+    params = [_sampling(body, chat, max_model_len - len(ids)) for ids in prompts]
+    if params[0].seed is not None and params[0].seed + n - 1 >= 2**63:  # choice i samples with seed + i
+        raise APIError(400, f"seed={params[0].seed}: with n={n}, seed + n - 1 must stay below 2**63", "seed")
     return Parsed(
         prompts,
-        [_sampling(body, chat, max_model_len - len(ids)) for ids in prompts],
+        params,
         stream,
         bool(opts and opts.get("include_usage")),
         chat,
@@ -176,8 +183,8 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
     if not _int(top_k) or top_k < 0:
         raise APIError(400, f"top_k={top_k!r}: expected an integer >= 0 (0 or -1: off)", "top_k")
     seed = body.get("seed")
-    if seed is not None and not _int(seed):
-        raise APIError(400, f"seed={seed!r}: expected an integer", "seed")
+    if seed is not None and (not _int(seed) or not -(2**63) <= seed < 2**63):
+        raise APIError(400, f"seed={seed!r}: expected an integer in [-2**63, 2**63)", "seed")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
@@ -200,6 +207,10 @@ def _prompts(body: dict, tok: Tokenizer, vocab: int) -> list[list[int]]:
     if p is None:
         raise APIError(400, "missing required parameter: 'prompt'", "prompt")
     several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
+    if isinstance(p, list) and not several and any(isinstance(x, (str, list)) for x in p):
+        raise APIError(
+            400, "prompt: a list holds token ids, or prompts (strings or token-id lists), not both", "prompt"
+        )
     items = p if several else [p]
     if len(items) > MAX_PROMPTS:
         raise APIError(400, f"prompt: {len(items)} prompts, at most {MAX_PROMPTS} a request", "prompt")
@@ -301,14 +312,22 @@ def choice(
 
 
 def completion_body(
-    rid: str, model: str, chat: bool, choices: list[dict], use: dict | None, delta: bool = False
+    rid: str,
+    model: str,
+    chat: bool,
+    choices: list[dict],
+    use: dict | None,
+    delta: bool = False,
+    created: int | None = None,
 ) -> dict:
-    """A whole response (delta=False) or one streamed chunk around `choices` (see `choice`)."""
+    """A whole response (delta=False) or one streamed chunk around `choices` (see `choice`); a stream's chunks
+    share their response's `created`."""
     if chat:
         obj = "chat.completion.chunk" if delta else "chat.completion"
     else:
         obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    when = int(time.time()) if created is None else created
+    body = {"id": rid, "object": obj, "created": when, "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use
     return body
