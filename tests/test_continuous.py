@@ -145,3 +145,26 @@ def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch):
     while state.live:
         llm.step()
     assert llm.release(slots[0]).token_ids == llm.generate([8, 9, 10], sp, SpecConfig("ar"))[0].token_ids
+
+
+def test_a_failure_while_taking_rows_in_frees_them(tiny_k25, monkeypatch):
+    """The rows' bookkeeping failing partway (the first row taken, the second not; it was a seed that
+    torch.Generator refused) leaves both rows free: taking rows in runs inside admit's release-on-failure."""
+    import k26.decode
+
+    llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    sp = SamplingParams(max_tokens=4, stop_token_ids=[])
+    state = llm.open_batch(SpecConfig("ar"))
+
+    def failing_text_stream(*args, **kw):
+        raise RuntimeError("bookkeeping failed (simulated)")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(k26.decode, "TextStream", failing_text_stream)  # built only for a row with stop strings
+        with pytest.raises(RuntimeError, match="simulated"):
+            llm.admit([[5, 17, 300], [8, 9, 10]], [sp, SamplingParams(max_tokens=4, stop=("x",))])
+    assert len(state.free_slots()) == 2 and not state.live
+    slots = llm.admit([[8, 9, 10]], [sp])
+    while state.live:
+        llm.step()
+    assert llm.release(slots[0]).token_ids == llm.generate([8, 9, 10], sp, SpecConfig("ar"))[0].token_ids
