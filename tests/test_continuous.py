@@ -124,45 +124,28 @@ def test_a_sampled_row_done_at_admission_does_not_break_the_batch(tiny_k25, draf
     assert got[0] == [] and got[1] == llm.generate([8, 9, 10], greedy, spec)[0].token_ids
 
 
-def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch):
-    """A prefill that fails (out of memory, say) raises to the caller and leaves its rows free, so later
-    requests still get rows (they leaked, and a server ran out of rows and hung)."""
+@pytest.mark.parametrize("where", ["prefill", "taking rows in"])
+def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch, where):
+    """A prefill that fails (out of memory, say), or the rows' bookkeeping failing partway (the first row
+    taken, the second not: it was a seed torch.Generator refused), raises to the caller and leaves its rows
+    free, so later requests still get rows (they leaked, and a server ran out of rows and hung)."""
     import k26.decode
 
     llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
     sp = SamplingParams(max_tokens=4, stop_token_ids=[])
     state = llm.open_batch(SpecConfig("ar"))
 
-    def failing_prefill(*args, **kw):
-        raise RuntimeError("out of memory (simulated)")
+    def failing(*args, **kw):
+        raise RuntimeError(f"{where} failed (simulated)")
 
+    # TextStream is built only for a row with stop strings: the second row's
+    name, second = (
+        ("prefill", sp) if where == "prefill" else ("TextStream", SamplingParams(max_tokens=4, stop="x"))
+    )
     with monkeypatch.context() as mp:
-        mp.setattr(k26.decode, "prefill", failing_prefill)
+        mp.setattr(k26.decode, name, failing)
         with pytest.raises(RuntimeError, match="simulated"):
-            llm.admit([[5, 17, 300], [8, 9, 10]], [sp, sp])
-    assert len(state.free_slots()) == 2 and not state.live
-    slots = llm.admit([[8, 9, 10]], [sp])
-    while state.live:
-        llm.step()
-    assert llm.release(slots[0]).token_ids == llm.generate([8, 9, 10], sp, SpecConfig("ar"))[0].token_ids
-
-
-def test_a_failure_while_taking_rows_in_frees_them(tiny_k25, monkeypatch):
-    """The rows' bookkeeping failing partway (the first row taken, the second not; it was a seed that
-    torch.Generator refused) leaves both rows free: taking rows in runs inside admit's release-on-failure."""
-    import k26.decode
-
-    llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
-    sp = SamplingParams(max_tokens=4, stop_token_ids=[])
-    state = llm.open_batch(SpecConfig("ar"))
-
-    def failing_text_stream(*args, **kw):
-        raise RuntimeError("bookkeeping failed (simulated)")
-
-    with monkeypatch.context() as mp:
-        mp.setattr(k26.decode, "TextStream", failing_text_stream)  # built only for a row with stop strings
-        with pytest.raises(RuntimeError, match="simulated"):
-            llm.admit([[5, 17, 300], [8, 9, 10]], [sp, SamplingParams(max_tokens=4, stop=("x",))])
+            llm.admit([[5, 17, 300], [8, 9, 10]], [sp, second])
     assert len(state.free_slots()) == 2 and not state.live
     slots = llm.admit([[8, 9, 10]], [sp])
     while state.live:

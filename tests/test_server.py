@@ -216,15 +216,23 @@ def test_n_greedy_choices_each_equal_generate(served):
     assert r.usage.completion_tokens == 3 * len(ref.token_ids)
 
 
+def endpoint(c, chat: bool, prompt: str):
+    """One endpoint's (create, seeded-sampling kwargs, a whole choice's text, a streamed choice's piece)."""
+    if chat:
+        ask = dict(messages=[{"role": "user", "content": prompt}], **SEEDED)
+        return (
+            c.chat.completions.create,
+            ask,
+            lambda ch: ch.message.content,
+            lambda ch: ch.delta.content or "",
+        )
+    return c.completions.create, dict(prompt=prompt, **SEEDED), lambda ch: ch.text, lambda ch: ch.text
+
+
 def test_n_seeded_choice_i_is_the_request_with_seed_plus_i(served):
     c = served["client"]
     for chat in (False, True):
-        if chat:
-            ask = dict(messages=[{"role": "user", "content": PROMPTS[1]}], **SEEDED)
-            make, text = c.chat.completions.create, lambda ch: ch.message.content
-        else:
-            ask = dict(prompt=PROMPTS[1], **SEEDED)
-            make, text = c.completions.create, lambda ch: ch.text
+        make, ask, text, _ = endpoint(c, chat, PROMPTS[1])
         many = make(model=MODEL, n=3, seed=11, **ask).choices
         alone = [text(make(model=MODEL, seed=11 + i, **ask).choices[0]) for i in range(3)]
         assert [text(ch) for ch in many] == alone
@@ -233,14 +241,7 @@ def test_n_seeded_choice_i_is_the_request_with_seed_plus_i(served):
 def test_n_streamed_choices_equal_whole(served):
     c = served["client"]
     for chat in (False, True):
-        if chat:
-            ask = dict(messages=[{"role": "user", "content": PROMPTS[2]}], **SEEDED)
-            make, text = c.chat.completions.create, lambda ch: ch.message.content
-            piece = lambda ch: ch.delta.content or ""
-        else:
-            ask = dict(prompt=PROMPTS[2], **SEEDED)
-            make, text = c.completions.create, lambda ch: ch.text
-            piece = lambda ch: ch.text
+        make, ask, text, piece = endpoint(c, chat, PROMPTS[2])
         whole = make(model=MODEL, n=3, seed=5, **ask)
         chunks = list(
             make(model=MODEL, n=3, seed=5, stream=True, stream_options={"include_usage": True}, **ask)

@@ -205,9 +205,8 @@ __global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const P
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();  // x and residual may come from the previous kernel
 #endif
-  const PlainX<MT, B> xs{xr, x_tile, tiles_live, u_end, kt, p.K};
   float acc[MT][4] = {};
-  tile_loop<MT, B>(acc, wa, wb, xs, w_lo, w_hi, u_begin, u_end, kt, p.K);
+  tile_loop<MT, B>(acc, wa, wb, w_lo, w_hi, xr, x_tile, tiles_live, u_begin, u_end, kt, p.K);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaTriggerProgrammaticLaunchCompletion();  // the next kernel may start streaming its weights
 #endif

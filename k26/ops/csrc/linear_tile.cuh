@@ -112,43 +112,24 @@ __device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const ui
   }
 }
 
-
-// x as tile mode reads it: a batch of B units' fragments of the MT token tiles, loaded with load_x and fed to the
-// mma as they are. (A prologue that transforms x on its way to the mma — the q_b projection normalising q_a
-// did, measured slower than its own glue launch: 2026-12-04-glue-qb-session18-h200.md — is another XS.)
-template <int MT, int B>
-struct PlainX {
-  struct Batch {
-    uint4 x[B][MT];
-  };
-  const __nv_bfloat16* xr;
-  long long x_tile;
-  int tiles_live, u_end, kt, K;
-  __device__ __forceinline__ void load(Batch& b, int u) const {
-    load_x<MT, B>(b.x, xr, x_tile, tiles_live, u, u_end, kt, K);
-  }
-  __device__ __forceinline__ void compute(float (&acc)[MT][4], const uint4 (&w)[B][2], Batch& b, int u) const {
-    compute_tile_batch<MT, B>(acc, w, b.x, u, u_end);
-  }
-};
-
 // Tile mode's main loop for one warp over units [u_begin, u_end): weight batches wa / wb (the first two already
-// in flight) and x batches from XS (PlainX or a transformed read), each buffer refilled as soon as it is
+// in flight) and x batches xa / xb (the MT token tiles' fragments, load_x), each buffer refilled as soon as it is
 // consumed. Called after the grid-dependency wait (x may come from the previous kernel).
-template <int MT, int B, class XS>
-__device__ __forceinline__ void tile_loop(float (&acc)[MT][4], uint4 (&wa)[B][2], uint4 (&wb)[B][2], const XS& xs,
-                                          const __nv_bfloat16* w_lo, const __nv_bfloat16* w_hi, int u_begin,
+template <int MT, int B>
+__device__ __forceinline__ void tile_loop(float (&acc)[MT][4], uint4 (&wa)[B][2], uint4 (&wb)[B][2],
+                                          const __nv_bfloat16* w_lo, const __nv_bfloat16* w_hi,
+                                          const __nv_bfloat16* xr, long long x_tile, int tiles_live, int u_begin,
                                           int u_end, int kt, int K) {
-  typename XS::Batch xa, xb;
-  xs.load(xa, u_begin);
-  xs.load(xb, u_begin + B);
+  uint4 xa[B][MT], xb[B][MT];
+  load_x<MT, B>(xa, xr, x_tile, tiles_live, u_begin, u_end, kt, K);
+  load_x<MT, B>(xb, xr, x_tile, tiles_live, u_begin + B, u_end, kt, K);
   for (int u = u_begin; u < u_end; u += 2 * B) {
-    xs.compute(acc, wa, xa, u);
+    compute_tile_batch<MT, B>(acc, wa, xa, u, u_end);
     load_batch(wa, w_lo, w_hi, u + 2 * B, u_end, kt, K);
-    xs.load(xa, u + 2 * B);
-    xs.compute(acc, wb, xb, u + B);
+    load_x<MT, B>(xa, xr, x_tile, tiles_live, u + 2 * B, u_end, kt, K);
+    compute_tile_batch<MT, B>(acc, wb, xb, u + B, u_end);
     load_batch(wb, w_lo, w_hi, u + 3 * B, u_end, kt, K);
-    xs.load(xb, u + 3 * B);
+    load_x<MT, B>(xb, xr, x_tile, tiles_live, u + 3 * B, u_end, kt, K);
   }
 }
 
