@@ -1,15 +1,17 @@
 """k26: Kimi K2.6 inference with DDTree speculative decoding."""
 
+from .chat import ChatFormat, Message, ToolCall
 from .config import ConfigError, ModelConfig
 from .decode import RequestOutput, SpecStats
 from .engine import LLM
 from .loader import CheckpointError
 from .sampling import SamplingParams
 from .spec.step import SpecConfig
-from .tokenizer import Message, Tokenizer
+from .tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
+    "ChatFormat",
     "CheckpointError",
     "ConfigError",
     "Message",
@@ -19,5 +21,6 @@ __all__ = [
     "SpecConfig",
     "SpecStats",
     "Tokenizer",
+    "ToolCall",
 ]
 __version__ = "0.1.0"

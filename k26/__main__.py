@@ -87,6 +87,7 @@ def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
 def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     """Check every `generate` argument against the config files only: no weights are read."""
     from . import SamplingParams, SpecConfig
+    from .chat import ChatFormat, Message, render
     from .checks import check_device, default_max_model_len, fit_spec
     from .config import ModelConfig
     from .drafter_config import DrafterConfig
@@ -114,7 +115,18 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
             "(the model's max_position_embeddings)"
         )
     tok = Tokenizer.from_dir(model)
-    ids = tok.chat([{"role": "user", "content": a.prompt}]) if a.chat else tok.encode(a.prompt)
+    if a.no_thinking and not a.chat:
+        raise ValueError("--no-thinking applies to --chat (the chat format's think block)")
+    if a.chat:
+        fmt = ChatFormat.for_model(cfg.model_type)
+        if a.no_thinking and fmt.thinking is None:
+            raise ValueError(
+                f"--no-thinking: model_type {cfg.model_type!r} has no think block (K2.5 / K2.6 do)"
+            )
+        fmt = fmt.with_thinking(False if a.no_thinking else None)
+        ids = render(tok, [Message("user", a.prompt)], fmt)
+    else:
+        ids = tok.encode(a.prompt)
     if not ids:
         raise ValueError("--prompt is empty")
     if len(ids) >= max_len:
@@ -309,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="checkpoint directory (default: the embedded tiny model and its drafter)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the Kimi chat format")
+    g.add_argument(
+        "--no-thinking", action="store_true", help="with --chat on K2.5 / K2.6: answer without a think block"
+    )
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .chat import ChatFormat, Message, render
 from .checks import (
     check_buckets,
     check_device,
@@ -264,6 +265,14 @@ class LLM:
         if isinstance(prompt, (Sequence, torch.Tensor)):
             return self._check_ids(prompt, f"prompt {i}")
         raise TypeError(f"prompt {i} is a {type(prompt).__name__}; expected a string or a list of token ids")
+
+    def chat_ids(
+        self, messages: list[Message | dict], tools: list[dict] | None = None, thinking: bool | None = None
+    ) -> list[int]:
+        """Prompt ids of a conversation in this model's chat format (`chat.render`); `thinking` switches
+        K2.5 / K2.6's think block (None: the template's default, on). Output: `chat.ChatParser`."""
+        fmt = ChatFormat.for_model(self.config.model_type).with_thinking(thinking)
+        return render(self.tokenizer, messages, fmt, tools)
 
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()

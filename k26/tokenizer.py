@@ -1,9 +1,8 @@
-"""Kimi's tiktoken tokenizer: `tiktoken.model` ranks + the special tokens named in tokenizer_config.json,
-and the K2.5/K2.6 chat format built structurally.
+"""Kimi's tiktoken tokenizer: `tiktoken.model` ranks + the special tokens named in tokenizer_config.json
+(the chat format built on it: `chat.py`).
 
-Security: user, system and tool text is always encoded as ordinary text, so a string such as
-"<|im_end|>" typed by a user becomes plain BPE pieces, never the control token. Special ids are
-inserted by `chat()` itself.
+Security: `encode` keeps special-token strings inside text as plain text, so a string such as
+"<|im_end|>" typed by a user becomes plain BPE pieces, never the control token.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import binascii
 import codecs
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
@@ -42,12 +40,6 @@ _MAX_RUN_CHARS = 25_000  # ... and splits longer runs of (non-)whitespace, for p
 
 class TokenizerError(ValueError):
     """A tokenizer file is missing or inconsistent."""
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str  # "system" | "user" | "assistant"
-    content: str
 
 
 class Tokenizer:
@@ -120,41 +112,6 @@ class Tokenizer:
     def stop_ids(self) -> tuple[int, ...]:
         """<|im_end|> ends a chat turn, [EOS] ends a document."""
         return tuple(self.special_ids[n] for n in ("<|im_end|>", "[EOS]") if n in self.special_ids)
-
-    # -- chat ---------------------------------------------------------------------------------
-    def chat(
-        self, messages: list[Message | dict], add_generation_prompt: bool = True, thinking: bool | None = None
-    ) -> list[int]:
-        """`<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` per message, then the assistant header.
-
-        thinking=True opens `<think>`, False closes an empty `<think></think>` (K2.5/K2.6), None adds neither.
-        """
-        sp = self.token_id
-        ids: list[int] = []
-        for m in messages:
-            role, content = (
-                (m.role, m.content) if isinstance(m, Message) else (m.get("role"), m.get("content"))
-            )
-            if role not in ("system", "user", "assistant"):
-                raise ValueError(f"chat message role {role!r} is not one of 'system', 'user', 'assistant'")
-            if not isinstance(content, str):
-                raise ValueError(  # noqa: TRY004  (all chat-message validation errors are ValueError)
-                    f"chat message content must be a string, got {type(content).__name__}"
-                )
-            ids += [
-                sp(f"<|im_{role}|>"),
-                *self.encode(role),
-                sp("<|im_middle|>"),
-                *self.encode(content),
-                sp("<|im_end|>"),
-            ]
-        if add_generation_prompt:
-            ids += [sp("<|im_assistant|>"), *self.encode("assistant"), sp("<|im_middle|>")]
-            if thinking is True:
-                ids.append(sp("<think>"))
-            elif thinking is False:
-                ids += [sp("<think>"), sp("</think>")]
-        return ids
 
 
 _LONG_RUN = re.compile(rf"\s{{{_MAX_RUN_CHARS + 1},}}|\S{{{_MAX_RUN_CHARS + 1},}}")

@@ -124,6 +124,7 @@ def test_fit_spec_keeps_the_candidates_that_fit():
         (["--max-model-len", "999999"], "--max-model-len 999999: must lie in (1, "),
         (["--tp", "3"], "tensor-parallel size 3 does not divide"),
         (["--prompt", ""], "--prompt is empty"),
+        (["--no-thinking"], "--no-thinking applies to --chat"),
         (["--prompt", "x " * 40, "--max-model-len", "32"], "leaving no room to generate"),
         (
             ["--cache-dir", TARGET + "/config.json"],
@@ -136,6 +137,16 @@ def test_bad_arguments_refused_before_loading(no_loading, capsys, argv, needle):
     rc, out, err = run(capsys, "generate", *argv)
     assert rc == 2 and needle in err and out == ""
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("extra,thinking", [([], True), (["--no-thinking"], False)])
+def test_chat_prompt_is_the_models_chat_format(no_loading, extra, thinking):
+    from k26.__main__ import build_parser, plan_generate
+    from k26.chat import ChatFormat, Message, render
+
+    plan = plan_generate(build_parser().parse_args(["generate", "--prompt", "hi", "--chat", *extra]))
+    fmt = ChatFormat.for_model("kimi_k25").with_thinking(thinking)  # the embedded target is K2.6-format
+    assert plan.prompt_ids == render(k26.Tokenizer.from_dir(TARGET), [Message("user", "hi")], fmt)
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,6 @@ a dropped client frees its row; every bad input gets its 4xx with an OpenAI-styl
 and duplicates nothing."""
 
 import json
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +15,10 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from http_app import serving
+
 from k26 import LLM, SamplingParams, SpecConfig
+from k26.chat import ChatFormat, Message, ToolCall, render
 from k26.server import Engine, create_app
 
 MODEL = "k26-test"
@@ -32,6 +33,7 @@ PROMPTS = [
     "# Copyright",
     "self.",
 ]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def main("}]
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +42,26 @@ def served():
     # references first: once the engine runs, its thread alone may touch the model
     refs = {p: llm.generate(p, SamplingParams(max_tokens=12), SPEC)[0] for p in PROMPTS}
     short = {p: llm.generate(p, SamplingParams(max_tokens=2), SPEC)[0].text for p in PROMPTS}
+    fmt = ChatFormat.for_model(llm.config.model_type)
+    chats = {
+        on: llm.generate(
+            render(llm.tokenizer, CHAT, fmt.with_thinking(on)), SamplingParams(max_tokens=8), SPEC
+        )[0]
+        for on in (True, False)
+    }
     engine = Engine(llm, SPEC, max_waiting=64)
     engine.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    yield {"url": url, "client": client, "engine": engine, "refs": refs, "short": short, "llm": llm}
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(engine, MODEL)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        yield {
+            "url": url,
+            "client": client,
+            "engine": engine,
+            "refs": refs,
+            "short": short,
+            "llm": llm,
+            "chats": chats,
+        }
     engine.stop()
 
 
@@ -119,25 +124,56 @@ def test_streamed_completion_equals_whole(served):
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
 
 
-def test_chat_whole_and_streamed(served):
-    c, llm = served["client"], served["llm"]
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def main("}]
-    ref = llm.tokenizer.chat(msgs)
-    whole = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
-    assert whole.usage.prompt_tokens == len(ref) and whole.choices[0].message.role == "assistant"
-    stream = c.chat.completions.create(
-        model=MODEL,
-        messages=msgs,
-        temperature=0,
-        max_tokens=8,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_whole_and_streamed(served, thinking):
+    """The embedded target is K2.6-format: thinking (the default) answers in reasoning_content."""
+    c, llm, ref = served["client"], served["llm"], served["chats"][thinking]
+    ids = render(llm.tokenizer, CHAT, ChatFormat.for_model(llm.config.model_type).with_thinking(thinking))
+    assert llm.chat_ids(CHAT, thinking=thinking) == ids  # the Python API's way to the same prompt
+    kw = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 8}
+    kw["extra_body"] = {} if thinking else {"chat_template_kwargs": {"thinking": False}}
+    whole = c.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    assert whole.usage.prompt_tokens == len(ids) and msg.role == "assistant"
+    reasoning = (msg.model_extra or {}).get("reasoning_content")
+    assert (reasoning is not None) == thinking
+    assert (reasoning or "") + msg.content == ref.text and whole.usage.completion_tokens == len(ref.token_ids)
+    chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert text == whole.choices[0].message.content
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == (reasoning or "")
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # the usage chunk comes last
+
+
+def test_chat_renders_tools_tool_calls_and_tool_results(served):
+    c, llm = served["client"], served["llm"]
+    tools = [{"type": "function", "function": {"name": "f"}}]  # (the context holds 96 tokens)
+    call = {
+        "id": "functions.f:0",
+        "type": "function",
+        "function": {"name": "f", "arguments": "{}"},
+    }
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "w?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "t"},
+        {"role": "tool", "tool_call_id": call["id"], "content": "s"},
+    ]
+    fmt = ChatFormat.for_model(llm.config.model_type)
+    got = c.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=1, temperature=0)
+    want = [
+        Message("system", "s"),
+        Message("user", "w?"),
+        Message("assistant", "", reasoning="t", tool_calls=(ToolCall(call["id"], "f", "{}"),)),
+        Message("tool", "s", tool_call_id=call["id"]),
+    ]
+    assert got.usage.prompt_tokens == len(render(llm.tokenizer, want, fmt, tools))
+    none = c.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools, tool_choice="none", max_tokens=1
+    )
+    assert none.usage.prompt_tokens == len(render(llm.tokenizer, want, fmt))  # "none": no tools declared
 
 
 def test_stop_string_and_seeded_sampling(served):
@@ -325,15 +361,44 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**63 - 2, "n": 3}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    *[
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra},
+            400,
+            p,
+        )
+        for extra, p in [
+            ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0]"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1]"),
+            ({"tools": {"name": "f"}}, "tools"),
+            (
+                {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+                "tool_choice",
+            ),
+            ({"tool_choice": "auto"}, "tool_choice"),
+            ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+            ({"chat_template_kwargs": {"thinking": "off"}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"preserve_thinking": True}}, "chat_template_kwargs"),
+        ]
+    ],
     (
         "/v1/chat/completions",
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "x"}],
-            "tools": [{"type": "function", "function": {"name": "f"}}],
-        },
+        {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
         400,
-        "tools",
+        "messages[0]",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"id": "a"}]}]},
+        400,
+        "messages[0].tool_calls[0]",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": None}]},
+        400,
+        "messages[0].content",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of_the_rest": 1}, 400, "best_of_the_rest"),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, "prompt"),
@@ -344,7 +409,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+        {"model": MODEL, "messages": [{"role": "function", "content": "x"}]},
         400,
         "messages[0].role",
     ),

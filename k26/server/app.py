@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from ..chat import ChatFormat
 from ..sampling import stop_prefix_len
 from ..tokenizer import TextStream
+from .chat_api import ChatStream, ChatTurn, message, read_whole
 from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
-from .protocol import APIError, choice, completion_body, parse, usage
+from .errors import APIError
+from .protocol import choice, completion_body, parse, usage
 
 
 @dataclass
@@ -29,6 +32,10 @@ class Served:
     engine: Engine
     model: str
     started: int = field(default_factory=lambda: int(time.time()))
+    fmt: ChatFormat = field(init=False)  # the model's chat template (model_type)
+
+    def __post_init__(self) -> None:
+        self.fmt = ChatFormat.for_model(self.engine.llm.config.model_type)
 
     @property
     def llm(self):
@@ -92,6 +99,7 @@ async def generate(s: Served, request: Request, chat: bool):
         tok=llm.tokenizer,
         vocab=llm.config.vocab_size,
         max_model_len=llm.max_model_len,
+        fmt=s.fmt,
     )
     rows = p.rows()
     if len(rows) > max(s.engine.max_waiting, 1):  # never all queued at once: 429's "retry later" won't help
@@ -108,6 +116,7 @@ async def generate(s: Served, request: Request, chat: bool):
         chat,
         sum(map(len, p.prompts)),  # each prompt counted once, however many choices it has (as OpenAI)
         p.include_usage,
+        p.turn,
     )
     try:
         s.engine.submit(a.reqs)
@@ -134,6 +143,7 @@ class Answer:
     chat: bool
     prompt_tokens: int
     include_usage: bool
+    turn: ChatTurn | None  # chat: how to read each choice's output
     created: int = field(default_factory=lambda: int(time.time()))
 
     def cancel(self) -> None:
@@ -171,50 +181,71 @@ async def whole(s: Served, request: Request, a: Answer):
     except asyncio.CancelledError:
         a.cancel()
         raise
-    choices = []
+    choices, tok = [], s.llm.tokenizer
     for i, (toks, ev) in enumerate(zip(ids, last)):
-        text = ev.text if ev.text is not None else s.llm.tokenizer.decode(toks, skip_special=True)
-        choices.append(choice(a.chat, text, ev.finish_reason, i))
+        if a.turn is not None:
+            out = read_whole(tok, a.turn, toks, ev.text)
+            finish = out.finish_reason(ev.finish_reason, a.turn.limit)
+            choices.append(choice(True, message(out, a.turn), finish, i))
+            continue
+        text = ev.text if ev.text is not None else tok.decode(toks, skip_special=True)
+        choices.append(choice(False, text, ev.finish_reason, i))
     return a.body(s, choices, usage(a.prompt_tokens, sum(map(len, ids))))
 
 
 async def stream(s: Served, a: Answer):
-    """Server-sent chunks, one choice each: text increments of whole UTF-8 characters, its finish reason;
-    usage if asked once every choice has finished, then `[DONE]`. However it ends (the client gone
-    included), every choice is cancelled."""
-    n = len(a.reqs)
-    sent = [0] * n  # characters streamed so far, per choice
-    texts = [TextStream(s.llm.tokenizer) for _ in a.reqs]  # each event decodes only its own tokens
-    first, open_ = [True] * n, n
+    """Server-sent chunks, one choice each: its increments (a completion's text in whole UTF-8 characters;
+    a chat's reasoning, content and tool-call deltas), then its finish reason; usage if asked once every
+    choice has finished, then `[DONE]`. However it ends (the client gone included), every choice is
+    cancelled."""
+    tok, n = s.llm.tokenizer, len(a.reqs)
+    readers = [
+        ChatStream(tok, a.turn, r.params.stop) if a.turn is not None else _TextStream(tok, r.params.stop)
+        for r in a.reqs
+    ]
+    tokens, open_ = 0, n
     try:
         if a.chat:  # each choice's role comes first, as OpenAI's stream does
             for i in range(n):
-                yield _sse(a.body(s, [choice(True, "", None, i, delta=True, first=True)], None, delta=True))
-            first = [False] * n
+                role = choice(True, {"role": "assistant", "content": ""}, None, i, delta=True)
+                yield _sse(a.body(s, [role], None, delta=True))
         while open_:
             i, ev = await a.events.get()
             if ev.error is not None:
                 yield _sse(APIError(500, ev.error, type="server_error").body())
                 break
-            ts = texts[i]
-            ts.push(ev.token_ids)
-            text = ev.text if ev.text is not None else ts.text  # a finished row's event carries its text
-            end = len(text)
-            if ev.finish_reason is None:  # what may be the start of a stop string waits for the next tokens
-                end -= stop_prefix_len(text, a.reqs[i].params.stop)
-            if end > sent[i] or ev.finish_reason is not None:
-                piece, sent[i] = text[sent[i] : end], max(sent[i], end)
-                part = choice(a.chat, piece, ev.finish_reason, i, delta=True, first=first[i])
-                yield _sse(a.body(s, [part], None, delta=True))
-                first[i] = False
+            tokens += len(ev.token_ids)
+            r = readers[i]
+            for part in r.push(ev.token_ids, ev.finish_reason, ev.text):
+                yield _sse(a.body(s, [choice(a.chat, part, None, i, delta=True)], None, delta=True))
             if ev.finish_reason is not None:
+                end = choice(a.chat, {} if a.chat else "", r.finish_reason(ev.finish_reason), i, delta=True)
+                yield _sse(a.body(s, [end], None, delta=True))
                 open_ -= 1
         else:
             if a.include_usage:
-                yield _sse(a.body(s, [], usage(a.prompt_tokens, sum(ts.ids for ts in texts)), delta=True))
+                yield _sse(a.body(s, [], usage(a.prompt_tokens, tokens), delta=True))
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away (the response task is cancelled)
         a.cancel()
+
+
+class _TextStream:
+    """One choice of a streamed completion: its text as it grows, in whole UTF-8 characters; what may
+    begin a stop string waits for the next tokens."""
+
+    def __init__(self, tok, stops: tuple[str, ...]):
+        self.ts, self.stops, self.sent = TextStream(tok), stops, 0
+
+    def push(self, ids: list[int], finish: str | None, text: str | None) -> list[str]:
+        self.ts.push(ids)
+        text = text if text is not None else self.ts.text  # a finished row's event carries its text
+        end = len(text) if finish is not None else len(text) - stop_prefix_len(text, self.stops)
+        piece, self.sent = text[self.sent : end], max(self.sent, end)
+        return [piece] if piece else []
+
+    def finish_reason(self, reason: str) -> str:
+        return reason
 
 
 def _sse(obj: dict) -> str:

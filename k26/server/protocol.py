@@ -11,25 +11,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat import ChatFormat
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
+from .chat_api import ChatTurn, parse_chat
+from .errors import APIError
 
 COMMON = {
     "model",
@@ -59,6 +45,7 @@ CHAT = COMMON | {
     "function_call",
     "parallel_tool_calls",
     "response_format",
+    "chat_template_kwargs",  # vLLM's / SGLang's way to switch K2.5 / K2.6 thinking: {"thinking": bool}
 }
 # accepted when they ask for nothing beyond plain generation; anything else is refused by name
 NEUTRAL = {
@@ -69,11 +56,8 @@ NEUTRAL = {
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
+    "functions": (None, []),  # the deprecated form of tools
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
 }
 MAX_STOP = 4
 MAX_N = 16  # choices a request may ask for (`n`): each takes a row of the batch like a request of its own
@@ -91,6 +75,7 @@ class Parsed:
     include_usage: bool
     chat: bool
     n: int = 1
+    turn: ChatTurn | None = None  # chat: how to read the output (thinking, tool calls)
 
     def rows(self) -> list[tuple[list[int], SamplingParams]]:
         """Every choice's (prompt ids, sampling), in OpenAI's choice order: index = prompt * n + i. Choice i
@@ -104,7 +89,16 @@ class Parsed:
         return out
 
 
-def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_model_len: int) -> Parsed:
+def parse(
+    body: Any,
+    *,
+    chat: bool,
+    model: str,
+    tok: Tokenizer,
+    vocab: int,
+    max_model_len: int,
+    fmt: ChatFormat = ChatFormat(),  # noqa: B008  (frozen)
+) -> Parsed:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - (CHAT if chat else COMPLETION))
@@ -125,7 +119,12 @@ def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_
             "model",
             code="model_not_found",
         )
-    prompts = [_messages(body, tok)] if chat else _prompts(body, tok, vocab)
+    turn = None
+    if chat:
+        ids, turn = parse_chat(body, tok, fmt)
+        prompts = [ids]
+    else:
+        prompts = _prompts(body, tok, vocab)
     for k, ids in enumerate(prompts):
         if len(ids) >= max_model_len:
             what = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{k}]"
@@ -161,6 +160,7 @@ def parse(body: Any, *, chat: bool, model: str, tok: Tokenizer, vocab: int, max_
         bool(opts and opts.get("include_usage")),
         chat,
         n,
+        turn,
     )
 
 
@@ -236,50 +236,6 @@ def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str) -> list[int]:
     return ids
 
 
-def _messages(body: dict, tok: Tokenizer) -> list[int]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise APIError(400, "missing required parameter: 'messages'", "messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "messages: expected a non-empty list of {role, content} objects", "messages")
-    plain = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or "role" not in m:
-            raise APIError(400, f"{where}: expected an object with 'role' and 'content'", where)
-        if m["role"] not in ("system", "user", "assistant", "developer"):
-            raise APIError(
-                400,
-                f"{where}.role={m['role']!r}: expected 'system', 'user' or 'assistant' (tool "
-                "messages are not supported)",
-                f"{where}.role",
-            )
-        extra = sorted(set(m) - {"role", "content", "name"})
-        if extra:
-            raise APIError(400, f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
-        plain.append(
-            {
-                "role": "system" if m["role"] == "developer" else m["role"],
-                "content": _content(m.get("content"), where),
-            }
-        )
-    return tok.chat(plain)
-
-
-def _content(c: Any, where: str) -> str:
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c
-    ):
-        return "".join(p["text"] for p in c)
-    raise APIError(
-        400,
-        f"{where}.content: expected a string or a list of text parts (images and audio are not supported)",
-        f"{where}.content",
-    )
-
-
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -298,17 +254,12 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def choice(
-    chat: bool, text: str, finish: str | None, index: int = 0, delta: bool = False, first: bool = False
-) -> dict:
-    """One choice of a whole response (delta=False) or of a streamed chunk, in the endpoint's OpenAI shape."""
+def choice(chat: bool, body: str | dict, finish: str | None, index: int = 0, delta: bool = False) -> dict:
+    """One choice of a whole response or of a streamed chunk (`delta`), in the endpoint's OpenAI shape;
+    `body`: a completion's text, or a chat message / delta object."""
     if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-    if delta:
-        msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": msg, "logprobs": None, "finish_reason": finish}
-    msg = {"role": "assistant", "content": text}
-    return {"index": index, "message": msg, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": body, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "delta" if delta else "message": body, "logprobs": None, "finish_reason": finish}
 
 
 def completion_body(

@@ -1,0 +1,337 @@
+"""The Kimi chat format, both ways: messages (tool declarations, tool calls, tool results, thinking) to
+prompt ids, built structurally; and an assistant turn's output ids back to reasoning, content and tool
+calls (`ChatParser`, incremental, for streams).
+
+The layout follows the K2 / K2.5 / K2.6 chat template as published (checked against public renderings of
+it; no checkpoint's Jinja file is executed): `<|im_{user,assistant,system}|>{name or role}<|im_middle|>
+{body}<|im_end|>` per turn; tools declared first, as `<|im_system|>tool_declare<|im_middle|>{JSON}
+<|im_end|>` (the template's JSON branch, compact and key-sorted; the checkpoint's TypeScript-style
+declaration comes from its remote code and is not reproduced); a tool call as `<|tool_call_begin|>
+functions.{name}:{i}<|tool_call_argument_begin|>{JSON}<|tool_call_end|>` inside one
+`<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` per turn; a tool result as a system-class
+turn `## Return of {id}\\n{content}`. K2.5 / K2.6 think: the generation prompt opens `<think>` (or closes
+an empty one when thinking is off) and an assistant turn before the last plain answer keeps only an empty
+`<think></think>`.
+
+Security: every string from a message is encoded as ordinary text, so "<|im_end|>" typed by a user
+becomes plain BPE pieces, never the control token; only this module inserts special ids.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass, field
+
+from .tokenizer import Tokenizer
+
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str  # as the model writes it: "functions.{name}:{index in the turn}"
+    name: str
+    arguments: str  # JSON text as generated (a client checks it before running anything)
+
+    @classmethod
+    def of(cls, c: ToolCall | dict) -> ToolCall:
+        """From a ToolCall or OpenAI's {id, type, function: {name, arguments}} (arguments as a JSON string,
+        or an object, rendered as JSON the way the template renders a non-string)."""
+        if isinstance(c, ToolCall):
+            return c
+        f = c.get("function") or {}
+        args = f.get("arguments", "")
+        return cls(
+            c.get("id"),
+            f.get("name"),
+            args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+        )
+
+    @staticmethod
+    def name_of(call_id: str) -> str:
+        """The function name inside a Kimi call id ("functions.get_weather:0" -> "get_weather")."""
+        return call_id.split(":")[0].split(".")[-1].strip()
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # one of ROLES
+    content: str = ""
+    name: str | None = None  # the turn's label instead of its role (a tool result: the function's name)
+    reasoning: str | None = None  # assistant: its thinking (rendered only in K2.5 / K2.6's last turns)
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant
+    tool_call_id: str | None = None  # tool: the call this result answers
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"chat message role {self.role!r} is not one of {', '.join(map(repr, ROLES))}")
+        for f in ("content", "name", "reasoning", "tool_call_id"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"chat message {f} must be a string, got {type(v).__name__}")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"chat message role {self.role!r} cannot carry tool_calls (only 'assistant')")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' chat message needs the tool_call_id it answers")
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+
+    @classmethod
+    def of(cls, m: Message | dict) -> Message:
+        """From a Message or a dict in OpenAI's shape (reasoning as `reasoning_content`, tool calls as
+        {id, type, function: {name, arguments}})."""
+        if isinstance(m, Message):
+            return m
+        return cls(
+            m.get("role"),
+            m.get("content") or "",
+            m.get("name"),
+            m.get("reasoning_content", m.get("reasoning")),
+            tuple(ToolCall.of(c) for c in m.get("tool_calls") or ()),
+            m.get("tool_call_id"),
+        )
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a model's chat template renders a conversation."""
+
+    # K2.5 / K2.6: True opens `<think>` for the answer, False closes an empty one; None (K2): no think tags
+    thinking: bool | None = None
+    default_system: str | None = None  # the system turn put first when the conversation has none
+
+    @classmethod
+    def for_model(cls, model_type: str) -> ChatFormat:
+        """The template of a checkpoint's model_type: kimi_k25 (K2.5 / K2.6) thinks by default; K2 and
+        K2-Thinking (kimi_k2, deepseek_v3) add no think tags (K2-Thinking writes its own `<think>`)."""
+        return cls(True if model_type == "kimi_k25" else None, DEFAULT_SYSTEM)
+
+    def with_thinking(self, on: bool | None) -> ChatFormat:
+        """Thinking switched per request (chat_template_kwargs.thinking); None keeps the default."""
+        if on is None:
+            return self
+        if self.thinking is None:
+            raise ValueError("this model's chat format has no thinking switch (K2.5 / K2.6 only)")
+        return ChatFormat(on, self.default_system)
+
+
+def render(
+    tok: Tokenizer,
+    messages: list[Message | dict],
+    fmt: ChatFormat = ChatFormat(),
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Prompt ids of a conversation (see the module doc); `tools`: OpenAI function declarations."""
+    sp = tok.token_id
+    msgs = [Message.of(m) for m in messages]
+    if fmt.default_system is not None and (not msgs or msgs[0].role != "system"):
+        msgs.insert(0, Message("system", fmt.default_system))
+    ids: list[int] = []
+    if tools:
+        declared = json.dumps(_sorted(tools), separators=(",", ":"), ensure_ascii=False)
+        ids += _turn(tok, "<|im_system|>", "tool_declare", tok.encode(declared))
+    # K2.5 / K2.6: assistant turns up to the last plain answer (no tool calls) keep an empty think block;
+    # the turns after it (the tool-call rounds of the answer being built) keep their reasoning
+    answers = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
+    last_answer = answers[-1] if answers else -1
+    for i, m in enumerate(msgs):
+        marker = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(m.role, "<|im_system|>")
+        label = m.name or m.role
+        if m.role == "tool":
+            body = tok.encode(f"## Return of {m.tool_call_id}\n{m.content}")
+        elif m.role == "assistant":
+            body = []
+            if fmt.thinking is not None:
+                kept = (m.reasoning or "") if fmt.thinking and i > last_answer else ""
+                body += [sp("<think>"), *tok.encode(kept), sp("</think>")]
+            body += tok.encode(m.content)
+            if m.tool_calls:
+                body.append(sp("<|tool_calls_section_begin|>"))
+                for c in m.tool_calls:
+                    body += [sp("<|tool_call_begin|>"), *tok.encode(c.id), sp("<|tool_call_argument_begin|>")]
+                    body += [*tok.encode(c.arguments), sp("<|tool_call_end|>")]
+                body.append(sp("<|tool_calls_section_end|>"))
+        else:
+            body = tok.encode(m.content)
+        ids += _turn(tok, marker, label, body)
+    if add_generation_prompt:
+        ids += [sp("<|im_assistant|>"), *tok.encode("assistant"), sp("<|im_middle|>")]
+        if fmt.thinking is True:
+            ids.append(sp("<think>"))
+        elif fmt.thinking is False:
+            ids += [sp("<think>"), sp("</think>")]
+    return ids
+
+
+def _turn(tok: Tokenizer, marker: str, label: str, body: list[int]) -> list[int]:
+    sp = tok.token_id
+    return [sp(marker), *tok.encode(label), sp("<|im_middle|>"), *body, sp("<|im_end|>")]
+
+
+def _sorted(x):
+    """Keys sorted at every depth (the reference sorts tool declarations before rendering them)."""
+    if isinstance(x, dict):
+        return {k: _sorted(x[k]) for k in sorted(x)}
+    if isinstance(x, list):
+        return [_sorted(v) for v in x]
+    return x
+
+
+# -- output -----------------------------------------------------------------------------------------
+@dataclass
+class Part:
+    """A run of an assistant output's text in one channel: "reasoning", "content", a tool call's "id" or
+    "args" (`call`: its index in the turn), or "skip" (whitespace between calls). `start`: where it begins
+    in the output's plain text (every ordinary token's text, special tokens left out, as `TextStream`)."""
+
+    kind: str
+    call: int
+    start: int
+    text: str = ""
+
+
+@dataclass
+class Piece:
+    """What a stream sends next for one choice: reasoning and content text, and tool-call deltas
+    (index, id and name on a call's first delta, else None, and an arguments fragment)."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[tuple[int, str | None, str | None, str]] = field(default_factory=list)
+
+
+class ChatParser:
+    """An assistant turn's output ids, as they come, split into reasoning, content and tool calls by the
+    format's special tokens (`thinking`: the prompt opened `<think>`, so the output starts in reasoning).
+    Structure comes only from special ids; any stray one is left out, as plain decoding leaves it out."""
+
+    def __init__(self, tok: Tokenizer, thinking: bool):
+        self.tok = tok
+        self.sp = {tok.special_ids[n]: n for n in _MARKERS if n in tok.special_ids}
+        self.parts: list[Part] = [Part("reasoning" if thinking else "content", -1, 0)]
+        self.reasoned = thinking  # a reasoning channel exists (opened by the prompt or the model)
+        self.plain = ""  # the plain text so far (stop strings are searched in it)
+        self.calls = 0  # calls begun
+        self.closed: dict[int, int] = {}  # calls whose <|tool_call_end|> came: where in the plain text
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._sent = 0  # plain characters handed out by `take`
+        self._headed: set[int] = set()  # calls whose id / name `take` has handed out
+
+    # -- input -------------------------------------------------------------------------------
+    def push(self, ids: list[int]) -> None:
+        run: list[int] = []
+        for t in ids:
+            if t < self.tok.num_base:
+                run.append(t)
+                continue
+            self._text(self._utf8.decode(self.tok.decode_bytes(run)))
+            run = []
+            if t in self.sp:
+                self._text(self._utf8.decode(b"", final=True))  # (a character split by a marker: U+FFFD)
+                self._utf8.reset()
+                self._marker(self.sp[t])
+        self._text(self._utf8.decode(self.tok.decode_bytes(run)))
+
+    def finish(self, cut: int | None = None) -> None:
+        """The output is complete; `cut`: its plain text ends there (a stop string began there)."""
+        self._text(self._utf8.decode(b"", final=True))
+        if cut is not None and cut < len(self.plain):
+            self.plain = self.plain[:cut]
+            self.parts = [self.parts[0]] + [p for p in self.parts[1:] if p.start < cut]
+            for p in self.parts:
+                p.text = p.text[: max(cut - p.start, 0)]
+            # a marker at the cut came before the stop string's first character
+            self.closed = {c: at for c, at in self.closed.items() if at <= cut}
+
+    def _text(self, s: str) -> None:
+        if s:
+            self.parts[-1].text += s
+            self.plain += s
+
+    def _marker(self, name: str) -> None:
+        kind, call = self.parts[-1].kind, self.parts[-1].call
+        new = None
+        if name == "<think>" and kind == "content" and not self.plain:  # K2-Thinking opens its own
+            new, self.reasoned = ("reasoning", -1), True
+        elif name == "</think>" and kind == "reasoning":
+            new = ("content", -1)
+        elif name == "<|tool_calls_section_begin|>" and kind in ("reasoning", "content"):
+            new = ("skip", -1)
+        elif name == "<|tool_call_begin|>" and kind in ("reasoning", "content", "skip"):
+            new, self.calls = ("id", self.calls), self.calls + 1
+        elif name == "<|tool_call_argument_begin|>" and kind == "id":
+            new = ("args", call)
+        elif name == "<|tool_call_end|>" and kind in ("id", "args"):
+            new = ("skip", -1)
+            self.closed[call] = len(self.plain)
+        elif name == "<|tool_calls_section_end|>" and kind == "skip":
+            new = ("content", -1)
+        if new is not None:
+            self.parts.append(Part(new[0], new[1], len(self.plain)))
+
+    # -- views ----------------------------------------------------------------------------------
+    def reasoning(self) -> str | None:
+        """The thinking text (None when the turn has no reasoning channel)."""
+        return "".join(p.text for p in self.parts if p.kind == "reasoning") if self.reasoned else None
+
+    def content(self) -> str:
+        return "".join(p.text for p in self.parts if p.kind == "content")
+
+    def tool_calls(self, limit: int | None = None) -> list[ToolCall]:
+        """The turn's calls in order (a call cut short by max_tokens included: the finish reason says so);
+        `limit`: at most that many (parallel_tool_calls = false: the first)."""
+        calls = []
+        for c in sorted({p.call for p in self.parts if p.kind == "id"})[:limit]:
+            i = "".join(p.text for p in self.parts if p.kind == "id" and p.call == c).strip()
+            a = "".join(p.text for p in self.parts if p.kind == "args" and p.call == c)
+            if i:  # (a call cut before its id is no call)
+                calls.append(ToolCall(i, ToolCall.name_of(i), a))
+        return calls
+
+    def finish_reason(self, reason: str, limit: int | None = None) -> str:
+        """ "tool_calls" when a turn that stopped by itself holds a complete call."""
+        done = {c for c in self.closed if limit is None or c < limit}
+        return "tool_calls" if reason == "stop" and done else reason
+
+    def take(self, upto: int, final: bool = False, limit: int | None = None) -> Piece:
+        """What the stream has not sent of the plain text before `upto` (held back beyond it: what may
+        begin a stop string). A call's id and name go out once its arguments begin (or at the end);
+        its arguments then stream as fragments. `limit` as in `tool_calls`."""
+        piece, lo = Piece(), self._sent
+        for k, p in enumerate(self.parts):
+            end = p.start + len(p.text)
+            a, b = max(lo, p.start), min(upto, end)
+            if limit is not None and p.call >= limit:
+                continue
+            if p.kind in ("id", "args") and p.call not in self._headed:
+                closed = k + 1 < len(self.parts) and self.parts[k + 1].start <= upto
+                if p.kind == "id" and (closed or final):
+                    full = "".join(q.text for q in self.parts if q.kind == "id" and q.call == p.call).strip()
+                    if full:  # as `tool_calls`: a call cut before its id is no call
+                        piece.calls.append((p.call, full, ToolCall.name_of(full), ""))
+                    self._headed.add(p.call)
+                continue
+            if b <= a:
+                continue
+            s = p.text[a - p.start : b - p.start]
+            if p.kind == "reasoning":
+                piece.reasoning += s
+            elif p.kind == "content":
+                piece.content += s
+            elif p.kind == "args":
+                piece.calls.append((p.call, None, None, s))
+        self._sent = max(self._sent, upto)
+        return piece
+
+
+_MARKERS = (
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+)

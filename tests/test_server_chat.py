@@ -1,0 +1,94 @@
+"""The chat endpoint's answers in the Kimi format over HTTP, read with the official `openai` client: a
+scripted engine (it answers every row with fixed output ids, in random-sized events, as the engine
+thread would) stands in for the model, whose tiny embedded target never writes tool calls. Reasoning,
+content and tool calls come out the same whole and streamed; parallel_tool_calls = false keeps one call."""
+
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from http_app import serving
+from test_chat import two_calls  # the output script: reasoning, content, two calls
+
+from k26.server import create_app
+from k26.server.engine import Event, Metrics
+from k26.tokenizer import Tokenizer
+
+MODEL = "k26-scripted"
+ASK = {"model": MODEL, "messages": [{"role": "user", "content": "weather in Zürich and the time?"}]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+
+
+class ScriptedEngine:
+    """What `create_app` needs of an engine; `submit` pushes the script's tokens to every row at once."""
+
+    def __init__(self, tok: Tokenizer, script: list[int], seed: int = 0):
+        config = SimpleNamespace(model_type="kimi_k25", vocab_size=tok.n_words)
+        self.llm = SimpleNamespace(tokenizer=tok, config=config, max_model_len=4096)
+        self.script, self.rng = script, random.Random(seed)
+        self.max_waiting, self.error, self.metrics = 64, None, Metrics()
+        self.thread = threading.main_thread()  # alive: /health answers ok
+
+    def submit(self, reqs) -> None:
+        for r in reqs:
+            i = 0
+            while i < len(self.script):
+                n = self.rng.randint(1, 3)
+                r.push(Event(self.script[i : i + n]))
+                i += n
+            r.push(Event([], "stop", self.llm.tokenizer.decode(self.script, skip_special=True)))
+
+
+@pytest.fixture(scope="module")
+def client(tiny_k25):
+    tok = Tokenizer.from_dir(tiny_k25)
+    with serving(create_app(ScriptedEngine(tok, two_calls(tok)), MODEL)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+WANT = [
+    ("functions.get_weather:0", "get_weather", '{"city": "Zürich"}'),
+    ("functions.get_time:1", "get_time", "{}"),
+]
+REASONING, CONTENT = "let me think: é😀", "Sure."
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_whole_answer_has_reasoning_content_and_tool_calls(client, parallel):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = client.chat.completions.create(**ASK, tools=TOOLS, **extra)
+    (ch,) = r.choices
+    assert ch.finish_reason == "tool_calls"
+    assert ch.message.content == CONTENT and ch.message.model_extra["reasoning_content"] == REASONING
+    got = [(c.id, c.function.name, c.function.arguments) for c in ch.message.tool_calls]
+    assert got == WANT[: 1 if parallel is False else 2] and all(
+        c.type == "function" for c in ch.message.tool_calls
+    )
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_streamed_deltas_assemble_to_the_whole_answer(client, parallel):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    chunks = list(client.chat.completions.create(**ASK, tools=TOOLS, stream=True, **extra))
+    reasoning, content, calls = "", "", {}
+    for ch in chunks:
+        d = ch.choices[0].delta
+        reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        content += d.content or ""
+        for c in d.tool_calls or []:
+            if c.id is not None:  # a call's first delta: id, type and name, once
+                assert c.index not in calls and c.type == "function"
+                calls[c.index] = [c.id, c.function.name, ""]
+            calls[c.index][2] += c.function.arguments or ""
+    assert (reasoning, content) == (REASONING, CONTENT)
+    assert [tuple(calls[k]) for k in sorted(calls)] == WANT[: 1 if parallel is False else 2]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
