@@ -2,9 +2,9 @@
 
 from .chat import ChatFormat, Message, ToolCall
 from .config import ConfigError, ModelConfig
-from .decode import RequestOutput, SpecStats
 from .engine import LLM
 from .loader import CheckpointError
+from .outputs import RequestOutput, SpecStats
 from .sampling import SamplingParams
 from .spec.step import SpecConfig
 from .tokenizer import Tokenizer

@@ -216,7 +216,7 @@ class ChatParser:
         self.calls = 0  # calls begun
         self.closed: dict[int, int] = {}  # calls whose <|tool_call_end|> came: where in the plain text
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._sent = 0  # plain characters handed out by `take`
+        self.sent = 0  # plain characters handed out by `take`
         self._headed: set[int] = set()  # calls whose id / name `take` has handed out
 
     # -- input -------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ class ChatParser:
         """What the stream has not sent of the plain text before `upto` (held back beyond it: what may
         begin a stop string). A call's id and name go out once its arguments begin (or at the end);
         its arguments then stream as fragments. `limit` as in `tool_calls`."""
-        piece, lo = Piece(), self._sent
+        piece, lo = Piece(), self.sent
         for k, p in enumerate(self.parts):
             end = p.start + len(p.text)
             a, b = max(lo, p.start), min(upto, end)
@@ -322,7 +322,7 @@ class ChatParser:
                 piece.content += s
             elif p.kind == "args":
                 piece.calls.append((p.call, None, None, s))
-        self._sent = max(self._sent, upto)
+        self.sent = max(self.sent, upto)
         return piece
 
 

@@ -28,12 +28,14 @@ from .graphs.stepper import DecodeGraphs, GraphStepper
 from .kv_cache import DrafterCache, LatentCache
 from .model import KimiK2
 from .model.drafter import DFlashDrafter
-from .sampling import MODES, RowSampling, SamplingParams, sampling_mode
+from .outputs import RequestOutput
+from .sampling import MODES, RowSampling, SamplingParams, TokenLogprob, sampling_mode
 from .spec.budget import BudgetPolicy, Budgets, timing_contexts
 from .spec.step import (
     PhaseTimer,
     SpecConfig,
     StepModels,
+    Stepped,
     eager_ar_step,
     eager_speculative_step,
     prefill,
@@ -42,30 +44,6 @@ from .spec.step import (
 )
 from .spec.tree import TreeTables
 from .tokenizer import TextStream, Tokenizer, first_stop
-
-
-@dataclass
-class SpecStats:
-    accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per target forward
-    budgets: list[int] = field(default_factory=list)  # DDTree budget verified at each step
-    draft_s: float = 0.0  # eager only: graph steps are one replay with no phase boundaries
-    verify_s: float = 0.0
-    host_s: float = 0.0  # CPU time between steps, waits excluded (graph mode)
-    steps: int = 0
-
-    @property
-    def tau(self) -> float:
-        """Tokens per target forward (accepted drafts + the bonus), prefill excluded."""
-        return sum(self.accepted_per_step) / len(self.accepted_per_step) if self.accepted_per_step else 1.0
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)  # generated, without the stop token
-    text: str = ""  # decoded token_ids, special tokens left out, cut before a stop string
-    finish_reason: str | None = None  # "stop" | "length"
-    stats: SpecStats = field(default_factory=SpecStats)
 
 
 @dataclass
@@ -166,7 +144,7 @@ class BatchState:
         prefill is the caller's). Returns the live ones."""
         dev = self.lens.device
         for b, p, sp in zip(slots, prompts, params):
-            self.outs[b], self.params[b] = RequestOutput(prompt_token_ids=p), sp
+            self.outs[b], self.params[b] = RequestOutput(p, logprobs=None if sp.logprobs is None else []), sp
             self.stops[b] = frozenset(
                 sp.stop_token_ids if sp.stop_token_ids is not None else self.tokenizer.stop_ids
             )
@@ -208,6 +186,8 @@ class BatchState:
             rs = self.rs
             if sampled and self.noise is None:
                 self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
+            if not rs.greedy and self.noise is None:  # (a "logprobs" batch of greedy rows samples too)
+                self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
             rs.noise = self.noise if not rs.greedy else None
         if sampled:
             n = nodes or self.nodes
@@ -215,25 +195,29 @@ class BatchState:
                 self.noise[b, :n].exponential_(1.0, generator=self.gens[b] or self.shared)
         return rs
 
-    def record(self, rows: list[int], new: list[list[int]], counts: list[int], budget: int | None) -> None:
+    def record(self, rows: list[int], s: Stepped) -> None:
         """One step of `rows`: its stats, then its tokens (`emit`)."""
         for b in rows:
             st = self.outs[b].stats
-            st.accepted_per_step.append(counts[b])
+            st.accepted_per_step.append(s.counts[b])
             st.steps += 1
-            if budget is not None:
-                st.budgets.append(budget)
-        self.emit(rows, {b: new[b] for b in rows})
+            if s.budget is not None:
+                st.budgets.append(s.budget)
+        self.emit(rows, {b: s.tokens[b] for b in rows}, s.logprobs)
 
-    def emit(self, rows: list[int], new: dict[int, list[int]]) -> None:
-        """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context."""
+    def emit(self, rows: list[int], new: dict[int, list[int]], logprobs: list | None = None) -> None:
+        """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context;
+        `logprobs[b]`: their `TokenLogprob`s (the "logprobs" mode), kept for rows that asked."""
         for b in rows:
             o, sp = self.outs[b], self.params[b]
-            for t in new[b]:
+            for j, t in enumerate(new[b]):
                 if t in self.stops[b]:
                     self.finish(b, "stop")
                     break
                 o.token_ids.append(t)
+                if o.logprobs is not None:
+                    lp = logprobs[b][j]
+                    o.logprobs.append(TokenLogprob(lp.logprob, lp.top[: sp.logprobs]))
                 if (ts := self.texts[b]) is not None:
                     new_chars = len(ts.push([t]))  # only they can complete a stop string
                     if (at := first_stop(ts.text, sp.stop, new_chars)) is not None:
@@ -345,9 +329,10 @@ class Decoder:
             rs = state.sampling(go)
             prompts_go = [state.outs[b].prompt_token_ids for b in go]
             h, lens = prefill(m, prompts_go, rows, state.spec.method != "ar")
-            state.lens[rows], state.bonus[rows] = lens, m.next_token(h, rs.rows(rows))
-            state.alive[rows] = True
-            state.emit(go, {b: [t] for b, t in zip(go, state.bonus[rows].tolist())})
+            tok, lp = m.next_token(h, rs.rows(rows))
+            state.lens[rows], state.bonus[rows], state.alive[rows] = lens, tok, True
+            lps = None if lp is None else dict(zip(go, lp.to_host([1] * len(go))))
+            state.emit(go, {b: [t] for b, t in zip(go, tok.tolist())}, lps)
         except BaseException:  # a failed prefill (out of memory, say) must not keep its rows forever
             for b in slots:
                 state.release(b)
@@ -364,17 +349,17 @@ class Decoder:
         room = state.spec.method == "ar" or state.has_room()
         rs = state.sampling(was, nodes=1 if not room else None)
         if state.graph is not None and room:
-            new, counts, budget = state.graph(state.mode)
+            stepped = state.graph(state.mode)
         else:
             s, m, rows = state, self.ctx.models(), torch.arange(state.capacity, device=self.ctx.device)
             if room and s.spec.method != "ar":
                 args = (s.lens, s.bonus, s.alive, s.spec, rs, s.timer, s.policy)
-                new, counts, budget = eager_speculative_step(m, rows, *args)
+                stepped = eager_speculative_step(m, rows, *args)
             else:  # AR, or no room for another verify tree: this step decodes one token like AR
                 spec = s.spec.method != "ar"  # (then the drafter's context still follows)
-                new, counts, budget = eager_ar_step(m, rows, s.lens, s.bonus, s.alive, rs, context=spec)
+                stepped = eager_ar_step(m, rows, s.lens, s.bonus, s.alive, rs, context=spec)
         self.ctx.model.tp.check()  # a peer that died mid-step: its error, not the garbage tokens it left
-        state.record(was, new, counts, budget)
+        state.record(was, stepped)
         return was
 
     def run(

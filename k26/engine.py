@@ -27,7 +27,7 @@ from .checks import (
     prompt_list,
 )
 from .config import ModelConfig
-from .decode import BatchState, DecodeContext, Decoder, RequestOutput
+from .decode import BatchState, DecodeContext, Decoder
 from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
@@ -35,6 +35,7 @@ from .load_cache import compile_cache_file, load_compile_cache, save_compile_cac
 from .loader import load_drafter, load_model
 from .model import AttnBatch, CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
+from .outputs import RequestOutput
 from .sampling import MODES, SamplingParams, stop_prefix_len
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar

@@ -16,6 +16,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None  # None = the tokenizer's end-of-turn ids
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+    # None: off; k: each generated token's log-probability and the k most probable tokens at its position
+    # (the target's raw distribution: log-softmax of its logits, before temperature, top-p and top-k)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -38,21 +41,33 @@ class SamplingParams:
             if not all(isinstance(i, int) and i >= 0 for i in ids):
                 raise bad("stop_token_ids", "must be non-negative integers")
             object.__setattr__(self, "stop_token_ids", ids)
+        lp = self.logprobs
+        if lp is not None and (
+            not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(x, str) and x for x in stop):
             raise bad("stop", "must be non-empty strings")
         object.__setattr__(self, "stop", stop)
 
 
+MAX_LOGPROBS = 20  # most probable tokens a position's logprobs may list (OpenAI's top_logprobs limit)
+
 # The graph samplers, cheapest first; each one also serves the rows of those before it: "greedy" (every row
 # temperature 0: the shards' argmax, no noise), "sample" (the exponential race over the full softmax),
-# "filter" (some sampled row uses top-p or top-k: a sort of the whole vocabulary per node).
-MODES = ("greedy", "sample", "filter")
+# "filter" (some sampled row uses top-p or top-k: a sort of the whole vocabulary per node), "logprobs"
+# (some row asks for logprobs: "filter" plus every node's chosen and MAX_LOGPROBS most probable tokens'
+# log-probabilities).
+MODES = ("greedy", "sample", "filter", "logprobs")
 
 
 def sampling_mode(params) -> str:
     """The cheapest mode of `MODES` that serves every row of `params` (SamplingParams, None: a free row)."""
-    ps = [p for p in params if p is not None and p.temperature > 0]
+    params = [p for p in params if p is not None]
+    if any(p.logprobs is not None for p in params):
+        return "logprobs"
+    ps = [p for p in params if p.temperature > 0]
     if not ps:
         return "greedy"
     return "filter" if any(p.top_p < 1 or p.top_k > 0 for p in ps) else "sample"
@@ -73,6 +88,7 @@ class RowSampling:
     greedy: bool  # host-known: every row greedy, so the shards' argmax serves and no noise is needed
     filtered: bool  # host-known: some row uses top_p < 1 or top_k > 0 (needs the sort)
     noise: torch.Tensor | None = None  # [B, >= N, V] exponential draws; None when greedy
+    logprobs: bool = False  # host-known: the step also returns log-probabilities (`token_logprobs`)
 
     @classmethod
     def of(
@@ -93,14 +109,20 @@ class RowSampling:
     def in_mode(cls, mode: str, temperature, top_p, top_k, noise: torch.Tensor | None) -> RowSampling:
         """Per-row tensors sampled in `mode` (one of `MODES`): what a captured step reads, its mode fixed
         when it was captured."""
-        greedy = mode == "greedy"
-        return cls(temperature, top_p, top_k, greedy, mode == "filter", None if greedy else noise)
+        greedy, lp = mode == "greedy", mode == "logprobs"
+        return cls(temperature, top_p, top_k, greedy, mode == "filter" or lp, None if greedy else noise, lp)
 
     def rows(self, index: torch.Tensor) -> RowSampling:
         """The sub-batch of rows `index` (prefill of newly admitted rows)."""
         noise = None if self.noise is None else self.noise[index]
         return RowSampling(
-            self.temperature[index], self.top_p[index], self.top_k[index], self.greedy, self.filtered, noise
+            self.temperature[index],
+            self.top_p[index],
+            self.top_k[index],
+            self.greedy,
+            self.filtered,
+            noise,
+            self.logprobs,
         )
 
 
@@ -128,6 +150,68 @@ def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     # the race runs in sorted order: the draws are i.i.d., so which one meets which token does not matter
     pick = order.gather(-1, (p / q).argmax(-1, keepdim=True))[..., 0]
     return torch.where(t[..., 0] > 0, pick, best)
+
+
+@dataclass
+class StepLogprobs:
+    """Log-probabilities of a step's positions under the target's raw distribution (log-softmax of its
+    logits): the chosen token's [B, N] and the MAX_LOGPROBS most probable tokens' (ids and values,
+    descending) [B, N, K]. Device tensors (a graph's static buffers, or a step's results)."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, width: int, vocab: int, device) -> StepLogprobs:
+        """Static buffers for a graph's step: `width` positions a row, top min(MAX_LOGPROBS, vocab)."""
+        k = min(MAX_LOGPROBS, vocab)
+        f = {"dtype": torch.float32, "device": device}
+        return cls(
+            torch.zeros(batch, width, **f),
+            torch.zeros(batch, width, k, dtype=torch.long, device=device),
+            torch.zeros(batch, width, k, **f),
+        )
+
+    def along(self, index_BJ: torch.Tensor) -> StepLogprobs:
+        """The positions `index_BJ` of each row (an accepted path's nodes)."""
+        k = index_BJ[..., None].expand(-1, -1, self.top.shape[-1])
+        return StepLogprobs(self.chosen.gather(1, index_BJ), self.top_ids.gather(1, k), self.top.gather(1, k))
+
+    def copy_(self, other: StepLogprobs, non_blocking: bool = False) -> None:
+        for a, b in ((self.chosen, other.chosen), (self.top_ids, other.top_ids), (self.top, other.top)):
+            a.copy_(b, non_blocking=non_blocking)
+
+    def pinned_like(self) -> StepLogprobs:
+        """Host buffers to copy these into without a sync (pinned memory)."""
+        t = (self.chosen, self.top_ids, self.top)
+        return StepLogprobs(*(torch.empty_like(x, device="cpu").pin_memory() for x in t))
+
+    def to_host(self, counts: list[int]) -> list[list[TokenLogprob]]:
+        """Each row's first counts[b] positions as `TokenLogprob`s (one read of each tensor)."""
+        chosen, ids, top = self.chosen.tolist(), self.top_ids.tolist(), self.top.tolist()
+        return [
+            [TokenLogprob(chosen[b][j], tuple(zip(ids[b][j], top[b][j]))) for j in range(n)]
+            for b, n in enumerate(counts)
+        ]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its position's most probable tokens (id, log-prob),
+    descending (as many as the request's `logprobs`)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits_BNV: torch.Tensor, choice_BN: torch.Tensor) -> StepLogprobs:
+    """`StepLogprobs` of `choice_BN` from fp32 logits (no [B, N, V] log-softmax kept: the top values and
+    the chosen logit minus the log-sum-exp). Graph-safe."""
+    logits = logits_BNV.float()
+    lse = logits.logsumexp(-1, keepdim=True)
+    top, ids = logits.topk(min(MAX_LOGPROBS, logits.shape[-1]), dim=-1)
+    return StepLogprobs((logits.gather(-1, choice_BN[..., None]) - lse)[..., 0], ids, top - lse)
 
 
 def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:

@@ -137,3 +137,25 @@ def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, d
     want = llm.generate(ps, long, SpecConfig("ar"))
     assert_diverges_only_at_near_ties(llm, ps, want, got)
     assert sum(o.stats.steps for o in got) < sum(o.stats.steps for o in want)  # drafts were accepted
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_replayed_logprobs_equal_eager(pair, spec):
+    """The "logprobs" graphs: same tokens as eager, and each token's logprobs (the accepted path's nodes,
+    gathered inside the replay) equal the eager step's."""
+    graphed, eager = pair
+    ps = prompts(2, seed=5)
+    sp = SamplingParams(max_tokens=24, stop_token_ids=[], logprobs=5)
+    a = graphed.generate(ps, sp, spec)
+    eager.decoder.ctx.static = True
+    try:
+        b = eager.generate(ps, sp, spec)
+    finally:
+        eager.decoder.ctx.static = False
+    assert (spec, "logprobs") in graphed.decoder.runners  # the replays were the logprobs graphs'
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and len(x.logprobs) == len(x.token_ids)
+        for p, q in zip(x.logprobs, y.logprobs):
+            assert p.logprob == pytest.approx(q.logprob, abs=1e-3)
+            assert [i for i, _ in p.top[:1]] == [i for i, _ in q.top[:1]]
+            assert [v for _, v in p.top] == pytest.approx([v for _, v in q.top], abs=1e-3)

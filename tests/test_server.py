@@ -42,6 +42,7 @@ def served():
     # references first: once the engine runs, its thread alone may touch the model
     refs = {p: llm.generate(p, SamplingParams(max_tokens=12), SPEC)[0] for p in PROMPTS}
     short = {p: llm.generate(p, SamplingParams(max_tokens=2), SPEC)[0].text for p in PROMPTS}
+    lp_ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, logprobs=3), SPEC)[0]
     fmt = ChatFormat.for_model(llm.config.model_type)
     chats = {
         on: llm.generate(
@@ -61,6 +62,7 @@ def served():
             "short": short,
             "llm": llm,
             "chats": chats,
+            "lp_ref": lp_ref,
         }
     engine.stop()
 
@@ -145,6 +147,55 @@ def test_chat_whole_and_streamed(served, thinking):
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == (reasoning or "")
     assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # the usage chunk comes last
+
+
+def test_completion_logprobs_whole_and_streamed(served):
+    c, ref = served["client"], served["lp_ref"]
+    whole = c.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, **greedy())
+    lp = whole.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    assert len(lp.tokens) == whole.usage.completion_tokens and "".join(lp.tokens) == whole.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(t) == 3 for t in lp.top_logprobs)
+    assert [max(t.values()) for t in lp.top_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)  # greedy
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, stream=True, **greedy()))
+    got = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(lp.token_logprobs, abs=1e-5)  # (another batch row: float rounding may differ)
+
+
+def test_logprobs_stop_with_the_text_a_stop_string_cuts(served):
+    """Tokens of the cut stop string get no logprobs, whole or streamed."""
+    c, ref = served["client"], served["refs"][PROMPTS[0]]
+    stop = ref.text[len(ref.text) // 2 :][:3]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], logprobs=1, stop=[stop], **greedy())
+    whole = c.completions.create(**kw)
+    text, lp = whole.choices[0].text, whole.choices[0].logprobs
+    assert stop not in text and lp.text_offset and all(off < len(text) for off in lp.text_offset)
+    assert len(lp.tokens) < whole.usage.completion_tokens
+    chunks = list(c.completions.create(**kw, stream=True))
+    got = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.tokens]
+    assert got == lp.tokens
+
+
+def test_chat_logprobs_whole_and_streamed(served):
+    c = served["client"]
+    kw = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 8}
+    kw |= {"logprobs": True, "top_logprobs": 2}
+    whole = c.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens  # every generated token (reasoning included)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob for e in content)  # greedy
+    assert all(
+        bytes(e.bytes).decode("utf-8", "replace") == e.token or e.token.startswith("bytes:") for e in content
+    )
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    got = [
+        e.token
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content
+    ]
+    assert got == [e.token for e in content]
 
 
 def test_chat_renders_tools_tool_calls_and_tool_results(served):
@@ -360,7 +411,9 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**63 - 2, "n": 3}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
     *[
         (
             "/v1/chat/completions",
@@ -378,6 +431,9 @@ BAD = [
             ),
             ({"tool_choice": "auto"}, "tool_choice"),
             ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+            ({"logprobs": 3}, "logprobs"),
+            ({"top_logprobs": 2}, "top_logprobs"),
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
             ({"chat_template_kwargs": {"thinking": "off"}}, "chat_template_kwargs"),
             ({"chat_template_kwargs": {"preserve_thinking": True}}, "chat_template_kwargs"),
         ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..profiling import nvtx_range
+from ..sampling import StepLogprobs
 from ..startup import CaptureRecord, phase_bar
 from .buckets import Bucket
 
@@ -34,6 +35,7 @@ class StepState:
     top_p: torch.Tensor  # [Bb] float32
     top_k: torch.Tensor  # [Bb] int64
     noise: torch.Tensor | None = None  # [Bb, nodes of the largest bucket, V] Exp(1) draws (sampled graphs)
+    logprobs: StepLogprobs | None = None  # [Bb, J] the emitted tokens' ("logprobs" graphs)
 
     @classmethod
     def allocate(cls, bucket: Bucket, width: int, device) -> StepState:
@@ -74,12 +76,14 @@ class StepGraphs:
         device: torch.device,
         states: dict[Bucket, StepState] | None = None,
         vocab: int = 0,
+        logprobs: bool = False,
     ):
         self.step, self.width, self.device = step, width, device
         # shared with the other runners of the same method (greedy / sampled graphs of one batch state), so
         # a batch can switch between them from one step to the next
         self.states: dict[Bucket, StepState] = {} if states is None else states
         self.vocab = vocab  # > 0: the step samples, and reads noise [Bb, nodes, vocab]
+        self.logprobs = logprobs  # the step writes the emitted tokens' logprobs (state.logprobs)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.report: list[CaptureRecord] = []  # per bucket: capture seconds (warm-ups included), pool bytes
         self.pool = None
@@ -102,6 +106,8 @@ class StepGraphs:
             state = state or StepState.allocate(bucket, self.width, self.device)
             if self.vocab and state.noise is None:  # largest bucket first: this is the batch's widest
                 state.noise = torch.ones(bucket.batch, bucket.nodes, self.vocab, device=self.device)
+            if self.logprobs and state.logprobs is None:
+                state.logprobs = StepLogprobs.empty(bucket.batch, self.width, self.vocab, self.device)
             # reserved bytes with the allocator's free cache dropped before and after: what the graph pool
             # keeps (a load's freed temporaries, e.g. the int4 layout before the repack, would otherwise
             # leave this bucket with a negative figure when warm-up frees them)

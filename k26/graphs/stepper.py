@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..sampling import MODES, RowSampling
+from ..sampling import MODES, RowSampling, StepLogprobs
 from ..spec.budget import BudgetPolicy
-from ..spec.step import SpecConfig, StepModels, ar_step, speculative_step
+from ..spec.step import SpecConfig, StepModels, Stepped, ar_step, speculative_step
 from .buckets import Bucket
 from .runner import StepGraphs, StepState
 
@@ -33,7 +33,7 @@ def graph_step(
     def step(state: StepState, bucket: Bucket) -> None:
         rs = RowSampling.in_mode(mode, state.temperature, state.top_p, state.top_k, state.noise)
         if spec.method == "ar":
-            tok = ar_step(m, state.rows, state.start, state.bonus, rs)
+            tok, lp = ar_step(m, state.rows, state.start, state.bonus, rs)
             state.emitted[:, 0].copy_(tok)
             state.n_emitted.copy_(state.alive.long())
         else:
@@ -54,7 +54,9 @@ def graph_step(
             state.n_emitted.copy_(r.n_emitted)
             if r.choice is not None:
                 state.choice.copy_(r.choice.view(1))
-            tok = r.bonus
+            tok, lp = r.bonus, r.logprobs
+        if lp is not None:  # the "logprobs" mode's body: the emitted tokens' (as wide as `emitted`)
+            state.logprobs.copy_(lp)
         state.start.add_(state.n_emitted)
         state.bonus.copy_(torch.where(state.alive, tok, state.bonus))
 
@@ -83,6 +85,7 @@ class GraphStepper:
         self.host_em = torch.empty_like(self.state.emitted, device="cpu").pin_memory()
         self.host_n = torch.empty_like(self.state.n_emitted, device="cpu").pin_memory()
         self.host_c = torch.empty_like(self.state.choice, device="cpu").pin_memory()
+        self.host_lp: StepLogprobs | None = None  # pinned copies of the "logprobs" mode's results
         self.done = torch.cuda.Event()
         self.host_s = 0.0  # CPU time of the steps, waits excluded
 
@@ -91,15 +94,20 @@ class GraphStepper:
         """Verify tokens a step may write past a row's length (the padded buckets write this far)."""
         return max(b.nodes for b in self.buckets)
 
-    def __call__(self, mode: str) -> tuple[list[list[int]], list[int], int | None]:
-        """One replay for rows sampled in `mode`: (emitted tokens per row, their counts, the budget verified
-        or None)."""
-        st, bucket = self.state, self.bucket
+    def __call__(self, mode: str) -> Stepped:
+        """One replay for rows sampled in `mode`: the emitted tokens per row, their counts, the budget
+        verified (or None) and, in the "logprobs" mode, their logprobs."""
+        st, bucket, serving = self.state, self.bucket, serving_mode(mode, self.runners)
         t0 = time.perf_counter()
-        self.runners[serving_mode(mode, self.runners)].replay(bucket)
+        self.runners[serving].replay(bucket)
         self.host_em.copy_(st.emitted, non_blocking=True)  # the step's one small device-to-host copy
         self.host_n.copy_(st.n_emitted, non_blocking=True)
         self.host_c.copy_(st.choice, non_blocking=True)
+        lp = None
+        if serving == "logprobs":
+            self.host_lp = self.host_lp or st.logprobs.pinned_like()
+            self.host_lp.copy_(st.logprobs, non_blocking=True)
+            lp = self.host_lp
         self.done.record()
         t1 = time.perf_counter()
         self.done.synchronize()
@@ -108,10 +116,11 @@ class GraphStepper:
         if len(self.buckets) > 1:
             self.bucket = self.buckets[int(self.host_c[0])]
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
-        return (
+        return Stepped(
             [e[:n] for e, n in zip(emitted, counts)],
             counts,
             bucket.nodes - 1 if bucket.nodes > 1 else None,
+            None if lp is None else lp.to_host(counts),
         )
 
     def time_buckets(self, at: int, rounds: int = 7) -> list[float]:
@@ -169,6 +178,7 @@ class DecodeGraphs:
                 self.device,
                 states=self.states.setdefault(spec, {}),
                 vocab=0 if mode == "greedy" else self.vocab,
+                logprobs=mode == "logprobs",
             )
         return self.runners[key]
 

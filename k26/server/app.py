@@ -22,6 +22,7 @@ from .chat_api import ChatStream, ChatTurn, message, read_whole
 from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
 from .errors import APIError
+from .logprobs import Logprobs, cut_at
 from .protocol import choice, completion_body, parse, usage
 
 
@@ -157,6 +158,7 @@ class Answer:
 async def whole(s: Served, request: Request, a: Answer):
     """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
     ids: list[list[int]] = [[] for _ in a.reqs]
+    lps = [Logprobs(s.llm.tokenizer, a.chat) if r.params.logprobs is not None else None for r in a.reqs]
     last: list[Event | None] = [None] * len(a.reqs)
     clock = asyncio.get_running_loop().time
     check = clock() + 1.0  # a gone client is looked for once a second, events flowing or not
@@ -177,19 +179,22 @@ async def whole(s: Served, request: Request, a: Answer):
                 a.cancel()
                 raise APIError(500, ev.error, type="server_error")
             ids[i] += ev.token_ids
+            if lps[i] is not None:
+                lps[i].push(ev.token_ids, ev.logprobs)
             last[i] = ev
     except asyncio.CancelledError:
         a.cancel()
         raise
     choices, tok = [], s.llm.tokenizer
-    for i, (toks, ev) in enumerate(zip(ids, last)):
+    for i, (toks, ev, lp) in enumerate(zip(ids, last, lps)):
+        logprobs = None if lp is None else lp.take(cut_at(lp.ts.text, ev.text)) or _NONE[a.chat]
         if a.turn is not None:
             out = read_whole(tok, a.turn, toks, ev.text)
             finish = out.finish_reason(ev.finish_reason, a.turn.limit)
-            choices.append(choice(True, message(out, a.turn), finish, i))
+            choices.append(choice(True, message(out, a.turn), finish, i, logprobs=logprobs))
             continue
         text = ev.text if ev.text is not None else tok.decode(toks, skip_special=True)
-        choices.append(choice(False, text, ev.finish_reason, i))
+        choices.append(choice(False, text, ev.finish_reason, i, logprobs=logprobs))
     return a.body(s, choices, usage(a.prompt_tokens, sum(map(len, ids))))
 
 
@@ -203,6 +208,7 @@ async def stream(s: Served, a: Answer):
         ChatStream(tok, a.turn, r.params.stop) if a.turn is not None else _TextStream(tok, r.params.stop)
         for r in a.reqs
     ]
+    lps = [Logprobs(tok, a.chat) if r.params.logprobs is not None else None for r in a.reqs]
     tokens, open_ = 0, n
     try:
         if a.chat:  # each choice's role comes first, as OpenAI's stream does
@@ -215,11 +221,20 @@ async def stream(s: Served, a: Answer):
                 yield _sse(APIError(500, ev.error, type="server_error").body())
                 break
             tokens += len(ev.token_ids)
-            r = readers[i]
-            for part in r.push(ev.token_ids, ev.finish_reason, ev.text):
-                yield _sse(a.body(s, [choice(a.chat, part, None, i, delta=True)], None, delta=True))
-            if ev.finish_reason is not None:
-                end = choice(a.chat, {} if a.chat else "", r.finish_reason(ev.finish_reason), i, delta=True)
+            r, lp, done = readers[i], lps[i], ev.finish_reason is not None
+            parts, taken, empty = r.push(ev.token_ids, ev.finish_reason, ev.text), None, {} if a.chat else ""
+            if lp is not None:  # a token's logprobs go out with the text it begins in
+                lp.push(ev.token_ids, ev.logprobs)
+                taken = lp.take(cut_at(lp.ts.text, ev.text) if done else r.sent)
+            if taken is not None and not parts and not done:
+                parts = [empty]  # (tokens whose text is not whole characters yet, say)
+            for k, part in enumerate(parts):
+                chunk = choice(a.chat, part, None, i, True, taken if k == 0 else None)
+                yield _sse(a.body(s, [chunk], None, delta=True))
+            if done:
+                end = choice(
+                    a.chat, empty, r.finish_reason(ev.finish_reason), i, True, None if parts else taken
+                )
                 yield _sse(a.body(s, [end], None, delta=True))
                 open_ -= 1
         else:
@@ -238,6 +253,7 @@ class _TextStream:
         self.ts, self.stops, self.sent = TextStream(tok), stops, 0
 
     def push(self, ids: list[int], finish: str | None, text: str | None) -> list[str]:
+        """The text that is safe to send now (`sent`: where it ends)."""
         self.ts.push(ids)
         text = text if text is not None else self.ts.text  # a finished row's event carries its text
         end = len(text) if finish is not None else len(text) - stop_prefix_len(text, self.stops)
@@ -246,6 +262,12 @@ class _TextStream:
 
     def finish_reason(self, reason: str) -> str:
         return reason
+
+
+_NONE = {
+    False: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []},
+    True: {"content": []},
+}
 
 
 def _sse(obj: dict) -> str:

@@ -217,6 +217,11 @@ class ChatStream:
     def finish_reason(self, reason: str) -> str:
         return self.p.finish_reason(reason, self.turn.limit)
 
+    @property
+    def sent(self) -> int:
+        """Where the text sent so far ends, in the plain text."""
+        return self.p.sent
+
 
 def deltas(piece: Piece) -> list[dict]:
     """OpenAI chunk deltas of a piece: reasoning, content, then each tool-call fragment (a call's first

@@ -43,6 +43,7 @@ class Event:
     finish_reason: str | None = None
     text: str | None = None
     error: str | None = None
+    logprobs: list | None = None  # the new tokens' `TokenLogprob`s (the request asked for logprobs)
 
 
 @dataclass(eq=False)  # identity: the engine looks requests up among its rows
@@ -224,13 +225,14 @@ class Engine:
             if req is None or out is None:
                 continue
             new = out.token_ids[req.sent :]
+            lps = None if out.logprobs is None else out.logprobs[req.sent : req.sent + len(new)]
             req.sent += len(new)
             total += len(new)
             if out.finish_reason is None:
                 if new:
-                    req.push(Event(new))
+                    req.push(Event(new, logprobs=lps))
                 continue
-            req.push(Event(new, out.finish_reason, out.text))
+            req.push(Event(new, out.finish_reason, out.text, logprobs=lps))
             self.llm.release(slot)
             del self.rows[slot]
             m.finished += 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat import ChatFormat
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..tokenizer import Tokenizer
 from .chat_api import ChatTurn, parse_chat
 from .errors import APIError
@@ -49,13 +49,11 @@ CHAT = COMMON | {
 }
 # accepted when they ask for nothing beyond plain generation; anything else is refused by name
 NEUTRAL = {
-    "logprobs": (None, False, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),
     "functions": (None, []),  # the deprecated form of tools
     "function_call": (None, "none"),
 }
@@ -198,7 +196,27 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
         max_tokens=min(mt, room),
         seed=seed,
         stop=tuple(stop),
+        logprobs=_logprobs(body, chat),
     )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """SamplingParams.logprobs: /v1/completions' `logprobs` (how many top tokens), /v1/chat/completions'
+    `logprobs` (bool) with `top_logprobs`."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if lp is not None and (not _int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise APIError(400, f"logprobs={lp!r}: expected an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+        return lp
+    if lp is not None and not isinstance(lp, bool):
+        raise APIError(400, f"logprobs={lp!r}: expected true or false", "logprobs")
+    if top is not None and (not _int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise APIError(
+            400, f"top_logprobs={top!r}: expected an integer in [0, {MAX_LOGPROBS}]", "top_logprobs"
+        )
+    if top is not None and not lp:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if lp else None
 
 
 def _prompts(body: dict, tok: Tokenizer, vocab: int) -> list[list[int]]:
@@ -254,12 +272,19 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def choice(chat: bool, body: str | dict, finish: str | None, index: int = 0, delta: bool = False) -> dict:
+def choice(
+    chat: bool,
+    body: str | dict,
+    finish: str | None,
+    index: int = 0,
+    delta: bool = False,
+    logprobs: dict | None = None,
+) -> dict:
     """One choice of a whole response or of a streamed chunk (`delta`), in the endpoint's OpenAI shape;
-    `body`: a completion's text, or a chat message / delta object."""
-    if not chat:
-        return {"index": index, "text": body, "logprobs": None, "finish_reason": finish}
-    return {"index": index, "delta" if delta else "message": body, "logprobs": None, "finish_reason": finish}
+    `body`: a completion's text, or a chat message / delta object; `logprobs`: its tokens'
+    (server/logprobs.py)."""
+    key = "text" if not chat else "delta" if delta else "message"
+    return {"index": index, key: body, "logprobs": logprobs, "finish_reason": finish}
 
 
 def completion_body(

@@ -14,7 +14,7 @@ from ..kv_cache import DrafterCache
 from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
 from ..profiling import nvtx_range
-from ..sampling import RowSampling, sample_rows
+from ..sampling import RowSampling, StepLogprobs, sample_rows, token_logprobs
 from .accept import accept_paths, accept_paths_compiled, commit_latent
 from .budget import truncate_tree
 from .tree import TreeTables, build_ddtree_from_topk, chain_from_topk, pad_tree
@@ -70,6 +70,7 @@ class StepResult:
     bonus: torch.Tensor  # [B] the next root
     choice: torch.Tensor | None = None  # "auto": index of the best candidate for this step's tree
     budget: int | None = None  # the budget this step verified (host-known: eager pick or graph bucket)
+    logprobs: StepLogprobs | None = None  # rs.logprobs: of the emitted tokens [B, max_depth + 1]
 
 
 def draft_hidden(
@@ -133,12 +134,20 @@ class StepModels:
     tables: TreeTables = field(default_factory=TreeTables)  # bucket padding's constants (graphs read them)
     compiled: bool = False  # the step's own glue (acceptance) under torch.compile: graph bodies only
 
-    def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> torch.Tensor:
-        """Next token per row from final hidden states: the shards' argmax merged when every row is greedy,
-        else a per-row sample from the gathered logits."""
+    def choose(self, h: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """The target's token at every position of h [B, N, D]: the shards' argmax merged when every row
+        is greedy (no full-vocabulary gather), else per-row samples from the gathered logits; with
+        rs.logprobs also their `StepLogprobs`."""
         if rs.greedy:
-            return self.target.lm_head.argmax(h_BD)
-        return sample_rows(self.target.logits(h_BD)[:, None], rs)[:, 0]
+            return self.target.lm_head.argmax(h), None
+        logits = self.target.logits(h)
+        choice = sample_rows(logits, rs)
+        return choice, token_logprobs(logits, choice) if rs.logprobs else None
+
+    def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """Next token per row [B] from final hidden states (`choose` at one position; logprobs [B, 1])."""
+        tok, lp = self.choose(h_BD[:, None], rs)
+        return tok[:, 0], lp
 
 
 def speculative_step(
@@ -188,8 +197,7 @@ def speculative_step(
         h, aux = target(
             tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb
         )
-        # greedy merges the shards' argmax (no full-vocabulary gather); sampling gathers the logits
-        choice = target.lm_head.argmax(h) if rs.greedy else sample_rows(target.logits(h), rs)
+        choice, lp = m.choose(h, rs)
     with t("accept"):  # acceptance walk, KV commit, drafter-context update
         accept = accept_paths_compiled() if m.compiled else accept_paths
         path, n_acc, new_bonus, emitted = accept(tree, choice, alive)
@@ -207,14 +215,17 @@ def speculative_step(
         new_bonus,
         pick,
         budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None,
+        # emitted token j is the target's choice at path node j (the drafts it accepted, then the bonus)
+        None if lp is None else lp.along(path.clamp_min(0)),
     )
 
 
 def ar_step(
     m: StepModels, rows, start, bonus, rs: RowSampling, context: torch.Tensor | None = None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, StepLogprobs | None]:
     """One autoregressive step: each row's bonus token through the target at its length (its latent
-    written to the cache); the next token per row [B]. `context` [B] bool (a speculative batch stepping
+    written to the cache); the next token per row [B] (and its logprobs [B, 1] with rs.logprobs).
+    `context` [B] bool (a speculative batch stepping
     autoregressively near the context end): those rows' features also go into the drafter's context, as a
     speculative step's commit would write them, so that drafting later resumes on a complete context."""
     batch = AttnBatch.causal(start, 1, rows, static=m.static)
@@ -227,26 +238,36 @@ def ar_step(
     return m.next_token(h[:, 0], rs)
 
 
+@dataclass
+class Stepped:
+    """What one step gave the host: the emitted tokens per row, their counts, the budget verified (DDTree;
+    else None) and, in the "logprobs" sampling mode, each emitted token's `TokenLogprob`s per row."""
+
+    tokens: list[list[int]]
+    counts: list[int]
+    budget: int | None = None
+    logprobs: list[list] | None = None
+
+
 def eager_speculative_step(
     m: StepModels, rows, lens, bonus, alive, spec: SpecConfig, rs: RowSampling, timer=None, policy=None
-) -> tuple[list[list[int]], list[int], int | None]:
-    """`speculative_step` run eagerly with its one host read: `lens` and `bonus` advanced in place; returns
-    (emitted tokens per row, their counts, the budget verified)."""
+) -> Stepped:
+    """`speculative_step` run eagerly with its one host read: `lens` and `bonus` advanced in place."""
     r = speculative_step(m, rows, lens, bonus, alive, spec, rs, timer, policy=policy)
     counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
     new = [e[:n] for e, n in zip(r.emitted.tolist(), counts)]
     lens.add_(r.n_emitted), bonus.copy_(r.bonus)
-    return new, counts, r.budget
+    return Stepped(new, counts, r.budget, None if r.logprobs is None else r.logprobs.to_host(counts))
 
 
-def eager_ar_step(
-    m: StepModels, rows, lens, bonus, alive, rs: RowSampling, context: bool = False
-) -> tuple[list, list[int], None]:
-    """`ar_step` run eagerly: `lens` (live rows) and `bonus` advanced in place; returns (one token per row,
-    the counts, no budget). `context`: the live rows' drafter context is kept (a speculative batch)."""
-    bonus.copy_(ar_step(m, rows, lens, bonus, rs, alive if context else None))
+def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling, context: bool = False) -> Stepped:
+    """`ar_step` run eagerly: `lens` (live rows) and `bonus` advanced in place; one token per row.
+    `context`: the live rows' drafter context is kept (a speculative batch)."""
+    tok, lp = ar_step(m, rows, lens, bonus, rs, alive if context else None)
+    bonus.copy_(tok)
     lens.add_(alive.long())  # finished rows stay frozen, rewriting only their own slot
-    return [[t] for t in bonus.tolist()], [1] * len(rows), None
+    counts = [1] * len(rows)
+    return Stepped([[t] for t in bonus.tolist()], counts, None, None if lp is None else lp.to_host(counts))
 
 
 def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[torch.Tensor, torch.Tensor]:

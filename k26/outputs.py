@@ -1,0 +1,33 @@
+"""What a request gets back: its tokens, text, finish reason, logprobs and speculative-decoding stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import TokenLogprob
+
+
+@dataclass
+class SpecStats:
+    accepted_per_step: list[int] = field(default_factory=list)  # tokens emitted per target forward
+    budgets: list[int] = field(default_factory=list)  # DDTree budget verified at each step
+    draft_s: float = 0.0  # eager only: graph steps are one replay with no phase boundaries
+    verify_s: float = 0.0
+    host_s: float = 0.0  # CPU time between steps, waits excluded (graph mode)
+    steps: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward (accepted drafts + the bonus), prefill excluded."""
+        return sum(self.accepted_per_step) / len(self.accepted_per_step) if self.accepted_per_step else 1.0
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated, without the stop token
+    text: str = ""  # decoded token_ids, special tokens left out, cut before a stop string
+    finish_reason: str | None = None  # "stop" | "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+    # SamplingParams.logprobs: one per token_ids entry (its log-probability, its position's top tokens)
+    logprobs: list[TokenLogprob] | None = None
