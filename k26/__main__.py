@@ -115,18 +115,10 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
             "(the model's max_position_embeddings)"
         )
     tok = Tokenizer.from_dir(model)
-    if a.no_thinking and not a.chat:
-        raise ValueError("--no-thinking applies to --chat (the chat format's think block)")
-    if a.chat:
-        fmt = ChatFormat.for_model(cfg.model_type)
-        if a.no_thinking and fmt.thinking is None:
-            raise ValueError(
-                f"--no-thinking: model_type {cfg.model_type!r} has no think block (K2.5 / K2.6 do)"
-            )
-        fmt = fmt.with_thinking(False if a.no_thinking else None)
-        ids = render(tok, [Message("user", a.prompt)], fmt)
-    else:
-        ids = tok.encode(a.prompt)
+    if a.no_thinking and (not a.chat or ChatFormat.for_model(cfg.model_type).thinking is None):
+        raise ValueError("--no-thinking applies to --chat on a K2.5 / K2.6 model (its think block)")
+    fmt = ChatFormat.for_model(cfg.model_type).with_thinking(False if a.no_thinking else None)
+    ids = render(tok, [Message("user", a.prompt)], fmt) if a.chat else tok.encode(a.prompt)
     if not ids:
         raise ValueError("--prompt is empty")
     if len(ids) >= max_len:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .tokenizer import Tokenizer
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # (developer: a system-class turn of its own)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,13 @@ class ToolCall:
     id: str  # as the model writes it: "functions.{name}:{index in the turn}"
     name: str
     arguments: str  # JSON text as generated (a client checks it before running anything)
+
+    def __post_init__(self) -> None:
+        for f in ("id", "name", "arguments"):
+            if not isinstance(getattr(self, f), str):
+                raise ValueError(  # noqa: TRY004  (all chat-message validation errors are ValueError)
+                    f"tool call {f} must be a string, got {type(getattr(self, f)).__name__}"
+                )
 
     @classmethod
     def of(cls, c: ToolCall | dict) -> ToolCall:
@@ -100,6 +107,7 @@ class ChatFormat:
     # K2.5 / K2.6: True opens `<think>` for the answer, False closes an empty one; None (K2): no think tags
     thinking: bool | None = None
     default_system: str | None = None  # the system turn put first when the conversation has none
+    preserve_thinking: bool = False  # K2.6: every earlier assistant turn keeps its reasoning (agents)
 
     @classmethod
     def for_model(cls, model_type: str) -> ChatFormat:
@@ -107,13 +115,15 @@ class ChatFormat:
         K2-Thinking (kimi_k2, deepseek_v3) add no think tags (K2-Thinking writes its own `<think>`)."""
         return cls(True if model_type == "kimi_k25" else None, DEFAULT_SYSTEM)
 
-    def with_thinking(self, on: bool | None) -> ChatFormat:
-        """Thinking switched per request (chat_template_kwargs.thinking); None keeps the default."""
-        if on is None:
+    def with_thinking(self, on: bool | None, preserve: bool | None = None) -> ChatFormat:
+        """Thinking switched per request (chat_template_kwargs `thinking`, K2.6's `preserve_thinking`);
+        None keeps the default."""
+        if on is None and preserve is None:
             return self
         if self.thinking is None:
             raise ValueError("this model's chat format has no thinking switch (K2.5 / K2.6 only)")
-        return ChatFormat(on, self.default_system)
+        keep = self.preserve_thinking if preserve is None else preserve
+        return ChatFormat(self.thinking if on is None else on, self.default_system, keep)
 
 
 def render(
@@ -135,7 +145,7 @@ def render(
     # K2.5 / K2.6: assistant turns up to the last plain answer (no tool calls) keep an empty think block;
     # the turns after it (the tool-call rounds of the answer being built) keep their reasoning
     answers = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
-    last_answer = answers[-1] if answers else -1
+    last_answer = answers[-1] if answers and not fmt.preserve_thinking else -1
     for i, m in enumerate(msgs):
         marker = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(m.role, "<|im_system|>")
         label = m.name or m.role
@@ -182,9 +192,9 @@ def _sorted(x):
 # -- output -----------------------------------------------------------------------------------------
 @dataclass
 class Part:
-    """A run of an assistant output's text in one channel: "reasoning", "content", a tool call's "id" or
-    "args" (`call`: its index in the turn), or "skip" (whitespace between calls). `start`: where it begins
-    in the output's plain text (every ordinary token's text, special tokens left out, as `TextStream`)."""
+    """A run of an assistant output's text in one channel: "reasoning", "content", or a tool call's "id"
+    or "args" (`call`: which call of the turn, counting from 0). `start`: where it begins in the output's
+    plain text (every ordinary token's text, special tokens left out, as `TextStream` decodes it)."""
 
     kind: str
     call: int
@@ -195,7 +205,8 @@ class Part:
 @dataclass
 class Piece:
     """What a stream sends next for one choice: reasoning and content text, and tool-call deltas
-    (index, id and name on a call's first delta, else None, and an arguments fragment)."""
+    (index among the calls returned, id and name on a call's first delta, else None, and an arguments
+    fragment)."""
 
     reasoning: str = ""
     content: str = ""
@@ -204,20 +215,30 @@ class Piece:
 
 class ChatParser:
     """An assistant turn's output ids, as they come, split into reasoning, content and tool calls by the
-    format's special tokens (`thinking`: the prompt opened `<think>`, so the output starts in reasoning).
-    Structure comes only from special ids; any stray one is left out, as plain decoding leaves it out."""
+    format's special tokens (`thinking`: the prompt opened `<think>`, so the output starts in reasoning;
+    `tools`: tool calls are read, else their markers are left out like any other special token and the
+    calls' text stays where it is). Structure comes only from special ids in an order the format allows;
+    any other special id is left out, as plain decoding leaves it out, and no text is ever dropped.
 
-    def __init__(self, tok: Tokenizer, thinking: bool):
+    Grammar: `<think>` first opens reasoning (K2-Thinking opens its own), `</think>` ends it; a call is
+    `<|tool_call_begin|>` id `<|tool_call_argument_begin|>` arguments `<|tool_call_end|>`, inside a
+    `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` section (which also ends reasoning) or
+    not; text between calls is content. A call is returned only once its id has text."""
+
+    def __init__(self, tok: Tokenizer, thinking: bool, tools: bool = True):
         self.tok = tok
-        self.sp = {tok.special_ids[n]: n for n in _MARKERS if n in tok.special_ids}
+        names = _MARKERS if tools else _MARKERS[:2]
+        self.sp = {tok.special_ids[n]: n for n in names if n in tok.special_ids}
         self.parts: list[Part] = [Part("reasoning" if thinking else "content", -1, 0)]
         self.reasoned = thinking  # a reasoning channel exists (opened by the prompt or the model)
         self.plain = ""  # the plain text so far (stop strings are searched in it)
         self.calls = 0  # calls begun
         self.closed: dict[int, int] = {}  # calls whose <|tool_call_end|> came: where in the plain text
+        self._resume = "content"  # the channel a call's end returns to
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.sent = 0  # plain characters handed out by `take`
-        self._headed: set[int] = set()  # calls whose id / name `take` has handed out
+        self._index: dict[int, int] = {}  # calls `take` has headed: their index among the calls returned
+        self._dropped: set[int] = set()  # calls `take` will not return (no id; past `limit`)
 
     # -- input -------------------------------------------------------------------------------
     def push(self, ids: list[int]) -> None:
@@ -226,11 +247,10 @@ class ChatParser:
             if t < self.tok.num_base:
                 run.append(t)
                 continue
+            # (the decoder keeps a character's first bytes across a marker, as plain decoding joins them)
             self._text(self._utf8.decode(self.tok.decode_bytes(run)))
             run = []
             if t in self.sp:
-                self._text(self._utf8.decode(b"", final=True))  # (a character split by a marker: U+FFFD)
-                self._utf8.reset()
                 self._marker(self.sp[t])
         self._text(self._utf8.decode(self.tok.decode_bytes(run)))
 
@@ -253,22 +273,25 @@ class ChatParser:
     def _marker(self, name: str) -> None:
         kind, call = self.parts[-1].kind, self.parts[-1].call
         new = None
-        if name == "<think>" and kind == "content" and not self.plain:  # K2-Thinking opens its own
+        if name == "<think>" and kind == "content" and not self.plain and len(self.parts) == 1:
             new, self.reasoned = ("reasoning", -1), True
         elif name == "</think>" and kind == "reasoning":
             new = ("content", -1)
-        elif name == "<|tool_calls_section_begin|>" and kind in ("reasoning", "content"):
-            new = ("skip", -1)
-        elif name == "<|tool_call_begin|>" and kind in ("reasoning", "content", "skip"):
+        elif (
+            name == "<|tool_calls_section_begin|>"
+            and kind in ("reasoning", "content")
+            or name == "<|tool_calls_section_end|>"
+        ):
+            new, self._resume = ("content", -1), "content"
+        elif name == "<|tool_call_begin|>":  # (inside an unfinished call: that one stays unclosed)
+            if kind in ("reasoning", "content"):
+                self._resume = kind
             new, self.calls = ("id", self.calls), self.calls + 1
         elif name == "<|tool_call_argument_begin|>" and kind == "id":
             new = ("args", call)
         elif name == "<|tool_call_end|>" and kind in ("id", "args"):
-            new = ("skip", -1)
-            self.closed[call] = len(self.plain)
-        elif name == "<|tool_calls_section_end|>" and kind == "skip":
-            new = ("content", -1)
-        if new is not None:
+            new, self.closed[call] = (self._resume, -1), len(self.plain)
+        if new is not None and new != (kind, call):
             self.parts.append(Part(new[0], new[1], len(self.plain)))
 
     # -- views ----------------------------------------------------------------------------------
@@ -279,40 +302,52 @@ class ChatParser:
     def content(self) -> str:
         return "".join(p.text for p in self.parts if p.kind == "content")
 
+    def _ids(self) -> dict[int, str]:
+        ids: dict[int, str] = {}
+        for p in self.parts:
+            if p.kind == "id":
+                ids[p.call] = ids.get(p.call, "") + p.text
+        return {c: i.strip() for c, i in ids.items()}
+
     def tool_calls(self, limit: int | None = None) -> list[ToolCall]:
-        """The turn's calls in order (a call cut short by max_tokens included: the finish reason says so);
-        `limit`: at most that many (parallel_tool_calls = false: the first)."""
-        calls = []
-        for c in sorted({p.call for p in self.parts if p.kind == "id"})[:limit]:
-            i = "".join(p.text for p in self.parts if p.kind == "id" and p.call == c).strip()
-            a = "".join(p.text for p in self.parts if p.kind == "args" and p.call == c)
-            if i:  # (a call cut before its id is no call)
-                calls.append(ToolCall(i, ToolCall.name_of(i), a))
-        return calls
+        """The turn's calls in order (a call cut short by max_tokens included: the finish reason says so),
+        those without an id left out; `limit`: at most that many (parallel_tool_calls = false: one)."""
+        ids = [(c, i) for c, i in self._ids().items() if i][:limit]
+        return [
+            ToolCall(
+                i,
+                ToolCall.name_of(i),
+                "".join(p.text for p in self.parts if p.kind == "args" and p.call == c),
+            )
+            for c, i in ids
+        ]
 
     def finish_reason(self, reason: str, limit: int | None = None) -> str:
-        """ "tool_calls" when a turn that stopped by itself holds a complete call."""
-        done = {c for c in self.closed if limit is None or c < limit}
-        return "tool_calls" if reason == "stop" and done else reason
+        """ "tool_calls" when a turn that stopped by itself returns a complete call."""
+        returned = [c for c, i in self._ids().items() if i][:limit]
+        return "tool_calls" if reason == "stop" and any(c in self.closed for c in returned) else reason
 
     def take(self, upto: int, final: bool = False, limit: int | None = None) -> Piece:
         """What the stream has not sent of the plain text before `upto` (held back beyond it: what may
-        begin a stop string). A call's id and name go out once its arguments begin (or at the end);
-        its arguments then stream as fragments. `limit` as in `tool_calls`."""
-        piece, lo = Piece(), self.sent
+        begin a stop string). A call's id and name go out once its id is complete (its arguments began,
+        or the end); its arguments then stream as fragments. `limit` as in `tool_calls`."""
+        piece, lo, ids = Piece(), self.sent, None
         for k, p in enumerate(self.parts):
-            end = p.start + len(p.text)
-            a, b = max(lo, p.start), min(upto, end)
-            if limit is not None and p.call >= limit:
-                continue
-            if p.kind in ("id", "args") and p.call not in self._headed:
-                closed = k + 1 < len(self.parts) and self.parts[k + 1].start <= upto
-                if p.kind == "id" and (closed or final):
-                    full = "".join(q.text for q in self.parts if q.kind == "id" and q.call == p.call).strip()
-                    if full:  # as `tool_calls`: a call cut before its id is no call
-                        piece.calls.append((p.call, full, ToolCall.name_of(full), ""))
-                    self._headed.add(p.call)
-                continue
+            if p.kind in ("id", "args"):
+                c = p.call
+                if c not in self._index and c not in self._dropped:
+                    complete = final or (k + 1 < len(self.parts) and self.parts[k + 1].start <= upto)
+                    if p.kind != "id" or not complete:
+                        continue
+                    ids = ids or self._ids()
+                    if not ids[c] or (limit is not None and len(self._index) >= limit):
+                        self._dropped.add(c)
+                        continue
+                    self._index[c] = len(self._index)
+                    piece.calls.append((self._index[c], ids[c], ToolCall.name_of(ids[c]), ""))
+                if c in self._dropped or p.kind == "id":
+                    continue
+            a, b = max(lo, p.start), min(upto, p.start + len(p.text))
             if b <= a:
                 continue
             s = p.text[a - p.start : b - p.start]
@@ -320,8 +355,8 @@ class ChatParser:
                 piece.reasoning += s
             elif p.kind == "content":
                 piece.content += s
-            elif p.kind == "args":
-                piece.calls.append((p.call, None, None, s))
+            else:
+                piece.calls.append((self._index[p.call], None, None, s))
         self.sent = max(self.sent, upto)
         return piece
 

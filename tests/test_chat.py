@@ -47,6 +47,11 @@ def test_render_puts_the_default_system_turn_first_only_when_none_is_given(tok):
     )
     own = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
     assert DEFAULT_SYSTEM not in tok.decode(render(tok, own, K25))
+    dev = tok.decode(render(tok, [{"role": "developer", "content": "D"}], K25, add_generation_prompt=False))
+    default = f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>"
+    assert (
+        dev == default + "<|im_system|>developer<|im_middle|>D<|im_end|>"
+    )  # a turn of its own, as the template
 
 
 def test_render_tool_round_exactly_as_the_template_lays_it_out(tok):
@@ -75,6 +80,8 @@ def test_render_tool_round_exactly_as_the_template_lays_it_out(tok):
         '<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n{"temp": 21}<|im_end|>'
         "<|im_assistant|>assistant<|im_middle|><think>"
     )
+    kept = tok.decode(render(tok, msgs, K25.with_thinking(None, preserve=True), tools=[WEATHER]))
+    assert "<think>old thought</think>Hi!" in kept  # K2.6's preserve_thinking: every turn keeps its own
     no_think = tok.decode(render(tok, msgs, K25.with_thinking(False), tools=[WEATHER]))
     assert "need the tool" not in no_think and no_think.endswith("<think></think>")
     k2 = tok.decode(render(tok, msgs, ChatFormat.for_model("kimi_k2")))  # K2: no think tags at all
@@ -250,3 +257,115 @@ def test_openai_shaped_dicts_render_as_messages(tok):
         Message("tool", "x", tool_call_id="functions.f:0"),
     ]
     assert render(tok, dicts, K25) == render(tok, msgs, K25)
+
+
+def test_parser_drops_a_call_without_an_id_everywhere(tok):
+    ids = output(
+        tok,
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        '{"a": 1}',
+        "<|tool_call_end|>",
+        "<|tool_call_begin|>",
+        "functions.f:1",
+        "<|tool_call_argument_begin|>",
+        "{}",
+        "<|tool_call_end|>",
+    )
+    for limit in (None, 1):
+        p = ChatParser(tok, thinking=False)
+        p.push(ids)
+        p.finish()
+        assert p.tool_calls(limit) == [ToolCall("functions.f:1", "f", "{}")]
+        assert p.finish_reason("stop", limit) == "tool_calls"
+        got = streamed(ChatParser(tok, thinking=False), ids, random.Random(limit or 0), limit)
+        assert {k: (c[0], c[2]) for k, c in got["calls"].items()} == {0: ("functions.f:1", "{}")}
+    q = ChatParser(tok, thinking=False)
+    q.push(ids[:4])  # only the call without an id: no call, and it did not finish by calling
+    q.finish()
+    assert q.tool_calls() == [] and q.finish_reason("stop") == "stop"
+
+
+def test_parser_keeps_every_character_in_odd_marker_orders(tok):
+    ids = output(
+        tok,
+        "plan ",
+        "<|tool_call_begin|>",  # a call inside reasoning: reasoning resumes after it
+        "functions.a:0",
+        "<|tool_call_argument_begin|>",
+        "{}",
+        "<|tool_call_end|>",
+        " more",
+        "</think>",
+        "The answer",
+        "<|tool_call_begin|>",
+        "functions.b:1",
+        "<|tool_call_begin|>",  # a call begun inside an unfinished one: the first stays unclosed
+        "functions.c:2",
+        "<|tool_call_argument_begin|>",
+        "{}",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",  # stray
+        " end",
+    )
+    p = ChatParser(tok, thinking=True)
+    p.push(ids)
+    p.finish()
+    assert (p.reasoning(), p.content()) == ("plan  more", "The answer end")
+    assert [c.id for c in p.tool_calls()] == ["functions.a:0", "functions.b:1", "functions.c:2"]
+    assert sorted(p.closed) == [0, 2]
+
+
+def test_parser_without_tools_leaves_call_text_in_the_content(tok):
+    p = ChatParser(tok, thinking=True, tools=False)
+    p.push(two_calls(tok))
+    p.finish()
+    assert p.tool_calls() == [] and p.finish_reason("stop") == "stop"
+    assert p.content() == 'Sure.functions.get_weather:0{"city": "Zürich"} functions.get_time:1 {}'
+
+
+def test_parser_joins_a_character_split_by_a_marker_as_plain_decoding_does(tok):
+    pieces = [tok.enc.encode_single_token(bytes([b])) for b in "你".encode()]  # (byte-level BPE)
+    ids = [*tok.encode("ok "), *pieces[:-1], tok.token_id("</think>"), pieces[-1], *tok.encode("xy")]
+    p = ChatParser(tok, thinking=True)
+    p.push(ids)
+    p.finish(cut=len(tok.decode(ids, skip_special=True)))
+    assert p.plain == tok.decode(ids, skip_special=True) == "ok 你xy"
+    assert (p.reasoning(), p.content()) == ("ok ", "你xy")
+
+
+SCRAPS = [
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+    "<|im_middle|>",
+]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_parser_stream_equals_whole_on_random_marker_soup(tok, seed):
+    """Random ordinary text (multi-byte characters cut into single bytes) and markers in any order."""
+    rng = random.Random(seed)
+    ids = []
+    for _ in range(rng.randint(1, 30)):
+        r = rng.random()
+        if r < 0.35:
+            ids.append(tok.token_id(rng.choice(SCRAPS)))
+        elif r < 0.5:
+            ids += [tok.enc.encode_single_token(bytes([b])) for b in rng.choice(["é", "😀", "你"]).encode()]
+        else:
+            ids += tok.encode(rng.choice(["functions.f:0", " ", "{}", "x", "ab c", "\n"]))
+    for limit in (None, 1):
+        whole = ChatParser(tok, thinking=seed % 2 == 0)
+        whole.push(ids)
+        whole.finish()
+        assert sum(len(p.text) for p in whole.parts) == len(whole.plain)  # no character dropped
+        assert whole.plain == tok.decode(ids, skip_special=True)
+        got = streamed(ChatParser(tok, thinking=seed % 2 == 0), ids, random.Random(seed + 99), limit)
+        assert got["reasoning"] == (whole.reasoning() or "") and got["content"] == whole.content()
+        calls = [ToolCall(c[0], c[1], c[2]) for _, c in sorted(got["calls"].items())]
+        assert calls == whole.tool_calls(limit)

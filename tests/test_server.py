@@ -435,7 +435,8 @@ BAD = [
             ({"top_logprobs": 2}, "top_logprobs"),
             ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
             ({"chat_template_kwargs": {"thinking": "off"}}, "chat_template_kwargs"),
-            ({"chat_template_kwargs": {"preserve_thinking": True}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"preserve_thinking": 1}}, "chat_template_kwargs"),
         ]
     ],
     (

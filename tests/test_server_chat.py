@@ -92,3 +92,41 @@ def test_streamed_deltas_assemble_to_the_whole_answer(client, parallel):
     assert [tuple(calls[k]) for k in sorted(calls)] == WANT[: 1 if parallel is False else 2]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+
+
+@pytest.mark.parametrize("extra", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_no_tools_declared_means_no_tool_calls(client, extra):
+    """Without tools (or with tool_choice none) the markers are not read: the calls' text stays content."""
+    (ch,) = client.chat.completions.create(**ASK, **extra).choices
+    assert ch.finish_reason == "stop" and not ch.message.tool_calls
+    assert ch.message.content.startswith(CONTENT + "functions.get_weather:0")
+
+
+def test_an_sdk_assistant_message_replays_as_it_came(client):
+    """A client appends the assistant message the SDK parsed (its empty fields included) and answers."""
+    (ch,) = client.chat.completions.create(**ASK, tools=TOOLS).choices
+    history = [*ASK["messages"], ch.message.model_dump()]
+    history += [{"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in ch.message.tool_calls]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert again.choices[0].finish_reason == "tool_calls"
+
+
+def nested(depth: int) -> dict:
+    x: dict = {}
+    for _ in range(depth):
+        x = {"a": x}
+    return x
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(200)}}]}, "tools[0]"),
+    ],
+)
+def test_odd_inputs_are_named_4xx_not_500(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{**ASK, **extra})
+    assert e.value.body["param"] == param

@@ -21,12 +21,16 @@ from .errors import APIError
 
 MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; also keeps "." and ":" out of Kimi call ids
+MAX_DEPTH = 64  # nesting of a tool's JSON schema
 ROLE_KEYS = {
     "system": {"role", "content", "name"},
+    "developer": {"role", "content", "name"},
     "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "tool_calls", "reasoning_content", "refusal"},
+    "assistant": {"role", "content", "name", "tool_calls", "reasoning_content"},
     "tool": {"role", "content", "tool_call_id", "name"},
 }
+# what an SDK's own assistant message carries back (`message.model_dump()`): fine while it says nothing
+EMPTY_OK = {"refusal", "annotations", "audio", "function_call"}
 
 
 @dataclass(frozen=True)
@@ -36,20 +40,22 @@ class ChatTurn:
 
     thinking: bool
     limit: int | None
+    tools: bool = True  # tools were declared (tool_choice not "none"): the output's tool calls are read
 
 
 def parse_chat(body: dict, tok: Tokenizer, fmt: ChatFormat) -> tuple[list[int], ChatTurn]:
     """The prompt ids of a chat request and how to read its output; every bad item named."""
     kw, KW = body.get("chat_template_kwargs"), "chat_template_kwargs"
-    if kw is not None and (not isinstance(kw, dict) or set(kw) - {"thinking"}):
-        raise APIError(400, f"{KW}: only {{'thinking': bool}} is supported", KW)
-    on = (kw or {}).get("thinking")
-    if on is not None and not isinstance(on, bool):
-        raise APIError(400, f"{KW}.thinking={on!r}: expected true or false", KW)
+    if kw is not None and (not isinstance(kw, dict) or set(kw) - {"thinking", "preserve_thinking"}):
+        raise APIError(400, f"{KW}: only 'thinking' and 'preserve_thinking' (booleans) are supported", KW)
+    on, keep = (kw or {}).get("thinking"), (kw or {}).get("preserve_thinking")
+    for name, v in (("thinking", on), ("preserve_thinking", keep)):
+        if v is not None and not isinstance(v, bool):
+            raise APIError(400, f"{KW}.{name}={v!r}: expected true or false", KW)
     try:
-        fmt = fmt.with_thinking(on)
+        fmt = fmt.with_thinking(on, keep)
     except ValueError as e:
-        raise APIError(400, f"{KW}.thinking: {e}", KW) from None
+        raise APIError(400, f"{KW}: {e}", KW) from None
     tools = _tools(body)
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
@@ -66,8 +72,9 @@ def parse_chat(body: dict, tok: Tokenizer, fmt: ChatFormat) -> tuple[list[int], 
     if parallel is not None and not isinstance(parallel, bool):
         msg = f"parallel_tool_calls={parallel!r}: expected true or false"
         raise APIError(400, msg, "parallel_tool_calls")
-    ids = render(tok, _messages(body), fmt, tools if choice != "none" else None)
-    return ids, ChatTurn(fmt.thinking is True, 1 if parallel is False else None)
+    declared = tools if choice != "none" else []
+    ids = render(tok, _messages(body), fmt, declared)
+    return ids, ChatTurn(fmt.thinking is True, 1 if parallel is False else None, bool(declared))
 
 
 def _tools(body: dict) -> list[dict]:
@@ -92,11 +99,24 @@ def _tools(body: dict) -> list[dict]:
         if name in names:
             raise APIError(400, f"{where}.function.name={name!r}: declared twice", where)
         names.add(name)
+        if _depth(f.get("parameters")) > MAX_DEPTH:
+            raise APIError(400, f"{where}.function.parameters: nested deeper than {MAX_DEPTH}", where)
         checks = (("description", str), ("parameters", dict), ("strict", bool))
         for key, kind in checks:
             if f.get(key) is not None and not isinstance(f[key], kind):
                 raise APIError(400, f"{where}.function.{key}: expected a {kind.__name__}", where)
     return tools
+
+
+def _depth(x: Any) -> int:
+    """How deep JSON nests (walked without recursion: a hostile schema must not exhaust the stack)."""
+    deepest, todo = 0, [(x, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo += [(w, d + 1) for w in (v.values() if isinstance(v, dict) else v)]
+    return deepest
 
 
 def _messages(body: dict) -> list[Message]:
@@ -110,17 +130,18 @@ def _messages(body: dict) -> list[Message]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or "role" not in m:
             raise APIError(400, f"{where}: expected an object with 'role' and 'content'", where)
-        role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ROLE_KEYS:
+        role = m["role"]
+        if not isinstance(role, str) or role not in ROLE_KEYS:
             raise APIError(
                 400,
-                f"{where}.role={m['role']!r}: expected 'system', 'developer', 'user', 'assistant' or 'tool'",
+                f"{where}.role={role!r}: expected 'system', 'developer', 'user', 'assistant' or 'tool'",
                 f"{where}.role",
             )
-        extra = sorted(set(m) - ROLE_KEYS[role])
-        if extra or m.get("refusal") is not None:
-            key = extra[0] if extra else "refusal"
-            raise APIError(400, f"{where}.{key} is not supported by this server", f"{where}.{key}")
+        extra = sorted(
+            k for k in set(m) - ROLE_KEYS[role] if k not in EMPTY_OK or m[k] not in (None, [], {}, "")
+        )
+        if extra:
+            raise APIError(400, f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
         calls = _calls(m.get("tool_calls"), where) if role == "assistant" else ()
         content = m.get("content")
         if content is None and not (role == "assistant" and calls):
@@ -179,7 +200,7 @@ def _content(c: Any, where: str) -> str:
 def read_whole(tok: Tokenizer, turn: ChatTurn, ids: list[int], text: str | None) -> ChatParser:
     """A finished choice's output parsed; `text`: its plain text as the engine ended it (cut before a stop
     string)."""
-    p = ChatParser(tok, turn.thinking)
+    p = ChatParser(tok, turn.thinking, turn.tools)
     p.push(ids)
     p.finish(None if text is None else len(text))
     return p
@@ -204,7 +225,7 @@ class ChatStream:
     send (what may begin a stop string waits for the next tokens)."""
 
     def __init__(self, tok: Tokenizer, turn: ChatTurn, stops: tuple[str, ...]):
-        self.p, self.turn, self.stops = ChatParser(tok, turn.thinking), turn, stops
+        self.p, self.turn, self.stops = ChatParser(tok, turn.thinking, turn.tools), turn, stops
 
     def push(self, ids: list[int], finish: str | None, text: str | None) -> list[dict]:
         p = self.p
