@@ -135,6 +135,10 @@ VARIANTS: dict[str, list[str]] = {
     "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],
     # tree attention, 32-row tiles: 24 merge loads in flight a thread (default 8), one round at N = 16
     "-DK26_ATTN_MERGE_LOADS_32=24": ["mla_tree_attn.cu"],
+    # tree attention: one barrier a tile (softmax k, S k + 1 and P V k - 1 interleaved in one basic block,
+    # two score / P buffers; the next tile has one interval to land); bit-identical by construction,
+    # not yet measured
+    "-DK26_ATTN_ONE_BARRIER": ["mla_tree_attn.cu"],
 }
 
 

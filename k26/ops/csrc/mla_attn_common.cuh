@@ -39,14 +39,21 @@ constexpr int LDSS = BN + 4;      // fp32 partial-score row
 constexpr int LDP = BN + 8;       // bf16 P row (48 B: 16-B aligned rows for ldmatrix)
 constexpr int CHUNK_PER_ROW = DQK / 8;  // 16-byte chunks per cache row
 
+// -DK26_ATTN_ONE_BARRIER (mla_tree_attn_kernel.cuh): two buffers each of the partial scores, P and alpha.
+#ifdef K26_ATTN_ONE_BARRIER
+constexpr int SBUF = 2;
+#else
+constexpr int SBUF = 1;
+#endif
+
 template <int MT>
 struct Cfg {
   static constexpr int BM = 16 * MT;
   static constexpr size_t K = (size_t)NSTAGE * BN * LDS * 2;
-  static constexpr size_t S = (size_t)KQ * BM * LDSS * 4;
-  static constexpr size_t P = (size_t)BM * LDP * 2;
+  static constexpr size_t S1 = (size_t)KQ * BM * LDSS * 4, S = SBUF * S1;  // one buffer, all buffers
+  static constexpr size_t P1 = (size_t)BM * LDP * 2, P = SBUF * P1;
   static constexpr size_t WORDS = (size_t)BM * 4 * 8;  // each row's ancestor words (<= 4: N <= 256)
-  static constexpr size_t SMEM = K + S + P + WORDS + 3 * BM * 4;
+  static constexpr size_t SMEM = K + S + P + WORDS + (SBUF + 2) * BM * 4;
   static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
   static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
 };

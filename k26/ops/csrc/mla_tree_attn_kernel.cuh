@@ -65,7 +65,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S);
   int64_t* sWords = reinterpret_cast<int64_t*>(smem + C::K + C::S + C::P);  // [BM][4]
   float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS);
-  float* sM = sAlpha + BM;
+  float* sM = sAlpha + SBUF * BM;
   float* sL = sM + BM;
 
   const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -105,6 +105,16 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     cp_async16(a ? d0 + c + 512 : d1 + c - 64, a ? s0 + c + 512 : s1 + c - 64, a ? v0 : v1);
     cp_async16(d1 + c + 192, s1 + c + 192, v1);  // key 2w + 1, chunks 24-55
     if (lane < 16) cp_async16(d1 + c + 448, s1 + c + 448, v1);  // chunks 56-71
+#elif defined(K26_ATTN_ONE_BARRIER)
+    // The same copies unrolled (the last one predicated): no loop, so the key loop's body stays one basic
+    // block that the compiler can interleave.
+#pragma unroll
+    for (int j = 0; j < (BN * CHUNK_PER_ROW + THREADS - 1) / THREADS; ++j) {
+      const int i = tid + j * THREADS;
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const int key = min(key0 + r, k1 - 1);
+      if (i < BN * CHUNK_PER_ROW) cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+    }
 #else
     for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
       const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
@@ -181,11 +191,12 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[m][n][i] = 0.f;
 
-  // S partial over this warp's dim quarter for keys nt*8 .. +8 of the tile in `stage` -> sS.
-  auto score_tile = [&](int stage) {
+  // S partial over this warp's dim quarter for keys nt*8 .. +8 of the tile in `stage` -> s, and -> sS buffer
+  // `buf` when `store` (else score_store does it later).
+  auto score_mma = [&](int stage, int buf, float (&s)[MT][4], bool store) {
     const __nv_bfloat16* tK = sK + stage * BN * LDS;
     // Two accumulators per m-tile (MT 2) halve the dependent-MMA chain: latency, not throughput, bounds a tile.
-    float s[MT][4], s2[MT][4];
+    float s2[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -203,35 +214,58 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     }
     uint32_t bl[2];
     ldsm_x2(bl, kb + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
-    float* sSq = sS + kq * BM * LDSS;
+    float* sSq = sS + buf * (KQ * BM * LDSS) + kq * BM * LDSS;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       mma_bf16(s[m], qa[m][KSTEPS - 1], bl[0], bl[1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[m][i] += s2[m][i];
+      if (store) {
+        *reinterpret_cast<float2*>(sSq + (m * 16 + g) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
+        *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
+      }
+    }
+  };
+  auto score_tile = [&](int stage, int buf) {
+    float s[MT][4];
+    score_mma(stage, buf, s, true);
+  };
+#ifdef K26_ATTN_ONE_BARRIER
+  auto score_store = [&](const float (&s)[MT][4], int buf) {
+    float* sSq = sS + buf * (KQ * BM * LDSS) + kq * BM * LDSS;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
       *reinterpret_cast<float2*>(sSq + (m * 16 + g) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
       *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
     }
   };
+#endif
 
   // Online softmax of the tile starting at key0: this thread's MT scores of row sr, the max over its LPR lanes
   // by shuffles; P -> sP (bf16), the rescale factor -> sAlpha. The row sum stays per lane (l_run: this lane's
   // keys, rescaled by the row's common alpha) and is reduced over the lanes once, after the key loop: the
   // per-tile shuffles of a sum the loop never reads are off the tile's critical path (4K decode 10.0 -> 9.8 µs,
   // N = 64 at 32K 272.7 -> 265.2: 2026-12-04-attn-row-sum-session18-h200.md).
-  auto softmax_tile = [&](int key0) {
+  auto softmax_tile = [&](int key0, int buf) {
     float sv[MT], mx = -CUDART_INF_F;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
       const int key = key0 + sc + j;
+#ifdef K26_ATTN_ONE_BARRIER
+      // The same bit without a branch (the loop body stays one basic block); i clamped to the row's N bits.
+      const int i = min(max(key - L, 0), p.N - 1);
+      const int64_t w = my_words[i >> 6];
+      const bool vis = (key < k1) & ((key < L) | static_cast<bool>((w >> (i & 63)) & 1));
+#else
       bool vis = key < k1;
       if (vis && key >= L) {
         const int i = key - L;
         vis = (my_words[i >> 6] >> (i & 63)) & 1;
       }
+#endif
       float acc = 0.f;
 #pragma unroll
-      for (int q4 = 0; q4 < KQ; ++q4) acc += sS[(q4 * BM + sr) * LDSS + sc + j];
+      for (int q4 = 0; q4 < KQ; ++q4) acc += sS[buf * (KQ * BM * LDSS) + (q4 * BM + sr) * LDSS + sc + j];
       sv[j] = vis ? acc * p.scale_log2 : -CUDART_INF_F;
       mx = fmaxf(mx, sv[j]);
     }
@@ -249,22 +283,22 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
       const float pj = m_new == -CUDART_INF_F ? 0.f : exp2f(sv[j] - m_new);
-      sP[sr * LDP + sc + j] = __float2bfloat16(pj);
+      sP[buf * (BM * LDP) + sr * LDP + sc + j] = __float2bfloat16(pj);
       sum += pj;  // unrounded, as FlashAttention does: keeps the log-sum-exp fp32-accurate
     }
     if (m_new != -CUDART_INF_F) alpha = exp2f(m_run - m_new);  // 0 when m_run is -inf
     l_run = l_run * alpha + sum;
     m_run = m_new;
-    if (tid % LPR == 0) sAlpha[sr] = alpha;
+    if (tid % LPR == 0) sAlpha[buf * BM + sr] = alpha;
   };
 
   // O = alpha * O + P V over this warp's 64 output columns, V = the tile in `stage`.
-  auto pv_tile = [&](int stage) {
+  auto pv_tile = [&](int stage, int buf) {
     const __nv_bfloat16* tK = sK + stage * BN * LDS;
     uint32_t pa[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      const float al0 = sAlpha[m * 16 + g], al1 = sAlpha[m * 16 + g + 8];
+      const float al0 = sAlpha[buf * BM + m * 16 + g], al1 = sAlpha[buf * BM + m * 16 + g + 8];
 #ifdef K26_ATTN_LAZY_RESCALE
       const bool rescale = al0 != 1.f || al1 != 1.f;
 #else
@@ -274,7 +308,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
 #pragma unroll
         for (int n = 0; n < 8; ++n) o[m][n][0] *= al0, o[m][n][1] *= al0, o[m][n][2] *= al1, o[m][n][3] *= al1;
       }
-      ldsm_x4(pa[m], sP + (m * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
+      ldsm_x4(pa[m], sP + buf * (BM * LDP) + (m * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
     }
 #pragma unroll
     for (int n2 = 0; n2 < 4; ++n2) {
@@ -291,18 +325,46 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   // Software-pipelined: P V of tile `it` and S of tile `it + 1` are independent, so they run between the
   // same two barriers and their MMAs overlap; the softmax of `it + 1` follows. Tile 0's S and softmax
   // run ahead of the loop (tile 0 landed with Q).
-  score_tile(0);
+#ifdef K26_ATTN_ONE_BARRIER
+  // One barrier a tile: interval k runs the softmax of tile k (scores from sS buffer k & 1 -> P, alpha buffer
+  // k & 1), S of tile k + 1 (-> sS buffer (k + 1) & 1) and P V of tile k - 1 (P, alpha buffer (k - 1) & 1), all
+  // independent, in one basic block the compiler interleaves (the softmax's shuffle / exp2 latency under the
+  // MMA chains). Tile k is read in intervals k - 1 (S) and k + 1 (P V), so the 4 stages hold tiles k - 1 .. k + 2:
+  // tile k + 2 goes out in interval k into the stage of tile k - 2 and has one interval to land.
+  // Same arithmetic in the same order as the default: bit-identical.
+  static_assert(NSTAGE == 4, "stages of tiles k - 1 .. k + 2");
+  score_tile(0, 0);
+  cp_wait<1>();  // tile 1 landed (tile 2 may still be in flight)
   __syncthreads();
-  softmax_tile(k0);
+  softmax_tile(k0, 0);
+  score_tile(1, 1);  // n_tiles 1: a stale stage; unused
+  for (int k = 1; k < n_tiles; ++k) {
+    cp_wait<0>();     // tile k + 1 landed
+    __syncthreads();  // S(k), P(k - 1) visible; interval k - 1 done everywhere: tile k - 2's stage is free
+    issue_tile(k + 2, sK + ((k + 2) % NSTAGE) * BN * LDS);  // past the last tile: zero-fills, no reads
+    cp_commit();
+    pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
+    float s[MT][4];
+    score_mma((k + 1) % NSTAGE, (k + 1) & 1, s, false);  // past the last tile a stale stage; the result is unused
+    softmax_tile(k0 + k * BN, k & 1);
+    score_store(s, (k + 1) & 1);  // after the softmax's loads of the other buffer: the compiler keeps the order
+  }
+  __syncthreads();
+  pv_tile((n_tiles - 1) % NSTAGE, (n_tiles - 1) & 1);
+#else
+  score_tile(0, 0);
+  __syncthreads();
+  softmax_tile(k0, 0);
   for (int it = 0; it < n_tiles; ++it) {
     cp_wait<NSTAGE - 3>();  // tile it + 1 landed
     __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
     load_tile(it + NSTAGE - 1);
-    pv_tile(it % NSTAGE);
-    score_tile((it + 1) % NSTAGE);  // past the last tile this scores a stale stage; the result is unused
+    pv_tile(it % NSTAGE, 0);
+    score_tile((it + 1) % NSTAGE, 0);  // past the last tile this scores a stale stage; the result is unused
     __syncthreads();
-    if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN);
+    if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN, 0);
   }
+#endif
   TRACE(2);
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
