@@ -4,9 +4,10 @@ calls (`ChatParser`, incremental, for streams).
 
 The layout follows the K2 / K2.5 / K2.6 chat template as published (checked against public renderings of
 it; no checkpoint's Jinja file is executed): `<|im_{user,assistant,system}|>{name or role}<|im_middle|>
-{body}<|im_end|>` per turn; tools declared first, as `<|im_system|>tool_declare<|im_middle|>{JSON}
-<|im_end|>` (the template's JSON branch, compact and key-sorted; the checkpoint's TypeScript-style
-declaration comes from its remote code and is not reproduced); a tool call as `<|tool_call_begin|>
+{body}<|im_end|>` per turn; tools declared first, as `<|im_system|>tool_declare<|im_middle|>{tools}
+<|im_end|>` (K2.5 / K2.6: the TypeScript-style declaration their tokenizer code writes, `chat_tools.py`;
+K2, or a schema that form does not cover: the template's JSON branch, compact, key-sorted); a tool call
+as `<|tool_call_begin|>
 functions.{name}:{i}<|tool_call_argument_begin|>{JSON}<|tool_call_end|>` inside one
 `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` per turn; a tool result as a system-class
 turn `## Return of {id}\\n{content}`. K2.5 / K2.6 think: the generation prompt opens `<think>` (or closes
@@ -20,9 +21,11 @@ becomes plain BPE pieces, never the control token; only this module inserts spec
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .chat_tools import typescript_tools
 from .tokenizer import Tokenizer
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -108,12 +111,14 @@ class ChatFormat:
     thinking: bool | None = None
     default_system: str | None = None  # the system turn put first when the conversation has none
     preserve_thinking: bool = False  # K2.6: every earlier assistant turn keeps its reasoning (agents)
+    typescript_tools: bool = False  # K2.5 / K2.6: tools declared TypeScript-style (else JSON)
 
     @classmethod
     def for_model(cls, model_type: str) -> ChatFormat:
         """The template of a checkpoint's model_type: kimi_k25 (K2.5 / K2.6) thinks by default; K2 and
         K2-Thinking (kimi_k2, deepseek_v3) add no think tags (K2-Thinking writes its own `<think>`)."""
-        return cls(True if model_type == "kimi_k25" else None, DEFAULT_SYSTEM)
+        k25 = model_type == "kimi_k25"
+        return cls(True if k25 else None, DEFAULT_SYSTEM, typescript_tools=k25)
 
     def with_thinking(self, on: bool | None, preserve: bool | None = None) -> ChatFormat:
         """Thinking switched per request (chat_template_kwargs `thinking`, K2.6's `preserve_thinking`);
@@ -123,7 +128,7 @@ class ChatFormat:
         if self.thinking is None:
             raise ValueError("this model's chat format has no thinking switch (K2.5 / K2.6 only)")
         keep = self.preserve_thinking if preserve is None else preserve
-        return ChatFormat(self.thinking if on is None else on, self.default_system, keep)
+        return dataclasses.replace(self, thinking=self.thinking if on is None else on, preserve_thinking=keep)
 
 
 def render(
@@ -140,8 +145,7 @@ def render(
         msgs.insert(0, Message("system", fmt.default_system))
     ids: list[int] = []
     if tools:
-        declared = json.dumps(_sorted(tools), separators=(",", ":"), ensure_ascii=False)
-        ids += _turn(tok, "<|im_system|>", "tool_declare", tok.encode(declared))
+        ids += _turn(tok, "<|im_system|>", "tool_declare", tok.encode(declare_tools(tools, fmt)))
     # K2.5 / K2.6: assistant turns up to the last plain answer (no tool calls) keep an empty think block;
     # the turns after it (the tool-call rounds of the answer being built) keep their reasoning
     answers = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
@@ -180,13 +184,15 @@ def _turn(tok: Tokenizer, marker: str, label: str, body: list[int]) -> list[int]
     return [sp(marker), *tok.encode(label), sp("<|im_middle|>"), *body, sp("<|im_end|>")]
 
 
-def _sorted(x):
-    """Keys sorted at every depth (the reference sorts tool declarations before rendering them)."""
-    if isinstance(x, dict):
-        return {k: _sorted(x[k]) for k in sorted(x)}
-    if isinstance(x, list):
-        return [_sorted(v) for v in x]
-    return x
+def declare_tools(tools: list[dict], fmt: ChatFormat) -> str:
+    """The text of the tool_declare turn: TypeScript-style where the format uses it and the schemas allow,
+    else compact, key-sorted JSON (what the reference falls back to)."""
+    if fmt.typescript_tools:
+        try:
+            return typescript_tools(tools)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            pass  # (the reference's tokenizer falls back to the JSON on any failure of the conversion)
+    return json.dumps(tools, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
 
 
 # -- output -----------------------------------------------------------------------------------------

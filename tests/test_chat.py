@@ -66,10 +66,8 @@ def test_render_tool_round_exactly_as_the_template_lays_it_out(tok):
     ]
     text = tok.decode(render(tok, msgs, K25, tools=[WEATHER]))
     assert text == (
-        "<|im_system|>tool_declare<|im_middle|>"
-        '[{"function":{"description":"Weather of a city","name":"get_weather","parameters":'
-        '{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}},"type":"function"}]'
-        "<|im_end|>"
+        "<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace functions {\n"
+        "// Weather of a city\ntype get_weather = (_: {\n  city: string\n}) => any;\n}\n<|im_end|>"
         "<|im_system|>system<|im_middle|>S<|im_end|>"
         "<|im_user|>user<|im_middle|>hello<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>Hi!<|im_end|>"
@@ -84,8 +82,22 @@ def test_render_tool_round_exactly_as_the_template_lays_it_out(tok):
     assert "<think>old thought</think>Hi!" in kept  # K2.6's preserve_thinking: every turn keeps its own
     no_think = tok.decode(render(tok, msgs, K25.with_thinking(False), tools=[WEATHER]))
     assert "need the tool" not in no_think and no_think.endswith("<think></think>")
-    k2 = tok.decode(render(tok, msgs, ChatFormat.for_model("kimi_k2")))  # K2: no think tags at all
+    k2 = tok.decode(render(tok, msgs, ChatFormat.for_model("kimi_k2"), tools=[WEATHER]))  # K2: no think tags
     assert "<think>" not in k2 and "need the tool" not in k2 and "Hi!<|im_end|>" in k2
+    assert k2.startswith(  # and its tools as the template's compact, key-sorted JSON
+        "<|im_system|>tool_declare<|im_middle|>"
+        '[{"function":{"description":"Weather of a city","name":"get_weather","parameters":'
+        '{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}},"type":"function"}]'
+        "<|im_end|>"
+    )
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}},
+        },
+    }
+    assert '"$ref":"#/$defs/Missing"' in tok.decode(render(tok, msgs, K25, tools=[bad]))  # falls back to JSON
 
 
 def test_render_keeps_every_message_string_plain_text(tok):

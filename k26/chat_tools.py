@@ -1,0 +1,215 @@
+"""Tool declarations as K2.5 / K2.6 see them: OpenAI function tools (JSON Schema parameters) written as a
+TypeScript-style namespace, the form the checkpoints' own tokenizer code hands their chat template
+(`tools_ts_str`); the template falls back to the tools' JSON when that conversion fails, and so do we.
+
+    # Tools
+
+    ## functions
+    namespace functions {
+    // Weather of a city
+    type get_weather = (_: {
+      // The city
+      city: string,
+      days?: number
+    }) => any;
+    }
+
+Per function: its `$defs` as `interface Name {...}` (a schema that refers to itself, `$ref: "#"`, as
+`interface parameters`), its description as `//` lines, then `type name = (_: {...}) => any;`. Fields:
+required ones first, each group by name; a field's description, constraints (maxLength, minimum, ...,
+sorted) and default as `//` lines above it; integer reads number; enums, anyOf and type lists as unions;
+arrays as Array<...>; additionalProperties as `[k: string]: T`. Written from the format's published
+description and its observed output; the rules above are the specification this module follows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+IND = "  "
+CONSTRAINTS = {
+    "string": ("maxLength", "minLength", "pattern"),
+    "number": ("maximum", "minimum"),
+    "integer": ("maximum", "minimum"),
+    "array": ("maxItems", "minItems"),
+}
+UNION_NAMES = {
+    "string": "string",
+    "number": "number",
+    "integer": "number",
+    "boolean": "boolean",
+    "null": "null",
+    "object": "{}",
+    "array": "Array<any>",
+}
+
+
+class Unsupported(ValueError):
+    """A schema the TypeScript form does not cover (the caller then declares the tools as JSON)."""
+
+
+def typescript_tools(tools: list[dict]) -> str:
+    """The `# Tools` declaration of `tools` (OpenAI {"type": "function", "function": {...}}; other tool
+    types are left out); raises `Unsupported` for a schema the form does not cover."""
+    tools = json.loads(json.dumps(tools, sort_keys=True))  # keys sorted at every depth, as the reference
+    funcs = [_function(t["function"]) for t in tools if t.get("type") == "function" and t.get("function")]
+    if not funcs:
+        return ""
+    return "# Tools\n\n## functions\nnamespace functions {\n" + "\n".join(funcs) + "\n}\n"
+
+
+def _comment(text: str, indent: str = "") -> str:
+    return "\n".join(f"{indent}// {line}" if line else "" for line in text.split("\n"))
+
+
+class _Defs(dict):
+    """A function's `$defs` by name, as its schemas register them; `own`: its parameters refer to
+    themselves (`$ref: "#"`)."""
+
+    own = False
+
+
+class _Schema:
+    """One JSON Schema node on its way to TypeScript: `ts(indent)` its type, `doc(indent)` the `//` lines
+    that go above a field of that type."""
+
+    def __init__(self, node: Any, defs: _Defs, kind: str = ""):
+        self.node, self.defs = node, defs
+        self.kind = kind or self._kind()
+
+    def _kind(self) -> str:
+        n = self.node
+        if isinstance(n, bool):
+            return "any" if n else "null"
+        if not isinstance(n, dict):
+            raise Unsupported(f"schema {n!r} is not an object")
+        if "$ref" in n:
+            return "ref"
+        for key in ("anyOf", "enum"):
+            if key in n:
+                return key
+        t = n.get("type")
+        if isinstance(t, list):
+            return "union"
+        if t is not None:
+            return t
+        if n == {}:
+            return "any"
+        raise Unsupported(f"schema {n!r} has no type")
+
+    def doc(self, indent: str) -> str:
+        n = self.node if isinstance(self.node, dict) else {}
+        lines = []
+        if n.get("description"):
+            lines.append(_comment(n["description"], indent))
+        cons = sorted((k, n[k]) for k in CONSTRAINTS.get(self.kind, ()) if k in n)
+        if cons:
+            lines.append(f"{indent}// " + ", ".join(f"{k}: {v}" for k, v in cons))
+        return "".join(line + "\n" for line in lines)
+
+    def ts(self, indent: str = "") -> str:
+        n, k = self.node, self.kind
+        if k == "ref":
+            return self._ref(n["$ref"])
+        if k == "anyOf":
+            return " | ".join(_Schema(x, self.defs).ts(indent) for x in n["anyOf"])
+        if k == "enum":
+            _check_enum(n)
+            return " | ".join(f'"{e}"' if isinstance(e, str) else str(e) for e in n["enum"])
+        if k == "union":
+            try:
+                return " | ".join(UNION_NAMES[t] for t in n["type"])
+            except (KeyError, TypeError):
+                raise Unsupported(f"type list {n['type']!r}") from None
+        if k == "object":
+            return _object(n, self.defs, indent)
+        if k == "array":
+            item = _Schema(n["items"], self.defs) if n.get("items") else _Schema({}, self.defs, "any")
+            doc = item.doc(indent + IND)
+            if doc:
+                return f"Array<\n{doc}{indent}{IND}{item.ts(indent + IND)}\n{indent}>"
+            return f"Array<{item.ts(indent)}>"
+        return "number" if k == "integer" else k
+
+    def _ref(self, ref: str) -> str:
+        if ref == "#":
+            self.defs.own = True
+            return "parameters"
+        if ref.startswith("#/$defs/") and ref.split("/")[-1] in self.defs:
+            return ref.split("/")[-1]
+        raise Unsupported(f"$ref {ref!r}")
+
+
+def _check_enum(n: dict) -> None:
+    t = n.get("type")
+    if isinstance(t, list):
+        if len(t) == 2 and "null" in t:
+            t = t[0] if t[0] != "null" else t[1]
+        elif len(t) == 1:
+            t = t[0]
+        else:
+            raise Unsupported(f"enum of type {t!r}")
+    kinds = {"string": str, "number": (int, float), "integer": int, "boolean": bool}
+    if t in kinds and any(v is not None and not isinstance(v, kinds[t]) for v in n["enum"]):
+        raise Unsupported(f"enum {n['enum']!r} is not all {t}")
+
+
+def _fields(n: dict, defs: _Defs, indent: str) -> list[tuple[bool, str, str]]:
+    """(optional, name, text) of an object schema's properties, each written at `indent`."""
+    if n.get("$defs"):
+        defs.update(n["$defs"])
+    out = []
+    required = set(n.get("required", []))
+    for name, prop in (n.get("properties") or {}).items():
+        s = _Schema(prop, defs)
+        text = s.doc(indent)
+        default = prop.get("default") if isinstance(prop, dict) else None
+        if default is not None:
+            shown = (
+                repr(default)
+                if isinstance(default, (int, float, bool))
+                else json.dumps(default, ensure_ascii=False)
+            )
+            text += f"{indent}// Default: {shown}\n"
+        optional = name not in required
+        out.append((optional, name, f"{text}{indent}{name}{'?' if optional else ''}: {s.ts(indent)}"))
+    return out
+
+
+def _object(n: dict, defs: _Defs, indent: str) -> str:
+    if not n:
+        return "{}"
+    fields = [text for _, _, text in sorted(_fields(n, defs, indent + IND), key=lambda f: (f[0], f[1]))]
+    extra = n.get("additionalProperties")
+    if extra is not None:
+        if extra is True or extra is False:
+            kind = "any" if extra else "never"
+        elif isinstance(extra, dict):
+            kind = _Schema(extra, defs).ts(indent + IND)
+        else:
+            raise Unsupported(f"additionalProperties {extra!r}")
+        fields.append(f"{indent}{IND}[k: string]: {kind}")
+    return "{\n" + ",\n".join(fields) + f"\n{indent}}}" if fields else "{}"
+
+
+def _function(f: dict) -> str:
+    defs = _Defs()
+    params = f.get("parameters") or {}
+    body = _object(params, defs, "")  # registers $defs and notes a self reference
+    parts = []
+    if defs.own:
+        own = ",\n".join(text for _, _, text in _fields(params, defs, IND))  # (in schema order)
+        parts.append("interface parameters {" + (f"\n{own}\n" if own else "") + "}")
+        body = "parameters"
+    for name, schema in list(defs.items()):
+        about = (
+            _comment(schema["description"]) + "\n"
+            if isinstance(schema, dict) and schema.get("description")
+            else ""
+        )
+        parts.append(f"{about}interface {name} {_Schema(schema, defs).ts()}")
+    if f.get("description"):
+        parts.append(_comment(f["description"]))
+    parts.append(f"type {f.get('name', 'function')} = (_: {body}) => any;")
+    return "\n".join(parts)
