@@ -89,11 +89,9 @@ class _Schema:
         for key in ("anyOf", "enum"):
             if key in n:
                 return key
-        t = n.get("type")
-        if isinstance(t, list):
-            return "union"
-        if t is not None:
-            return t
+        if "type" in n:
+            t = n["type"]
+            return "union" if isinstance(t, list) else t if isinstance(t, str) else str(t)  # (None: "None")
         if n == {}:
             return "any"
         raise Unsupported(f"schema {n!r} has no type")
@@ -136,7 +134,7 @@ class _Schema:
         if ref == "#":
             self.defs.own = True
             return "parameters"
-        if ref.startswith("#/$defs/") and ref.split("/")[-1] in self.defs:
+        if ref.startswith("#/$defs/") and isinstance(self.defs.get(ref.split("/")[-1]), dict):
             return ref.split("/")[-1]
         raise Unsupported(f"$ref {ref!r}")
 
@@ -151,17 +149,24 @@ def _check_enum(n: dict) -> None:
         else:
             raise Unsupported(f"enum of type {t!r}")
     kinds = {"string": str, "number": (int, float), "integer": int, "boolean": bool}
-    if t in kinds and any(v is not None and not isinstance(v, kinds[t]) for v in n["enum"]):
+    if (
+        isinstance(t, str)
+        and t in kinds
+        and any(v is not None and not isinstance(v, kinds[t]) for v in n["enum"])
+    ):
         raise Unsupported(f"enum {n['enum']!r} is not all {t}")
 
 
 def _fields(n: dict, defs: _Defs, indent: str) -> list[tuple[bool, str, str]]:
     """(optional, name, text) of an object schema's properties, each written at `indent`."""
-    if n.get("$defs"):
-        defs.update(n["$defs"])
+    if "properties" not in n:
+        return []
+    props = n["properties"]
+    if not isinstance(props, dict):
+        raise Unsupported(f"properties {props!r}")
     out = []
     required = set(n.get("required", []))
-    for name, prop in (n.get("properties") or {}).items():
+    for name, prop in props.items():
         s = _Schema(prop, defs)
         text = s.doc(indent)
         default = prop.get("default") if isinstance(prop, dict) else None
@@ -180,8 +185,11 @@ def _fields(n: dict, defs: _Defs, indent: str) -> list[tuple[bool, str, str]]:
 def _object(n: dict, defs: _Defs, indent: str) -> str:
     if not n:
         return "{}"
-    fields = [text for _, _, text in sorted(_fields(n, defs, indent + IND), key=lambda f: (f[0], f[1]))]
-    extra = n.get("additionalProperties")
+    if "$defs" in n:  # registered first, then additionalProperties, then the fields: the reference's order
+        if not isinstance(n["$defs"], dict):
+            raise Unsupported(f"$defs {n['$defs']!r}")
+        defs.update(n["$defs"])
+    extra, kind = n.get("additionalProperties"), None
     if extra is not None:
         if extra is True or extra is False:
             kind = "any" if extra else "never"
@@ -189,6 +197,8 @@ def _object(n: dict, defs: _Defs, indent: str) -> str:
             kind = _Schema(extra, defs).ts(indent + IND)
         else:
             raise Unsupported(f"additionalProperties {extra!r}")
+    fields = [text for _, _, text in sorted(_fields(n, defs, indent + IND), key=lambda f: (f[0], f[1]))]
+    if kind is not None:
         fields.append(f"{indent}{IND}[k: string]: {kind}")
     return "{\n" + ",\n".join(fields) + f"\n{indent}}}" if fields else "{}"
 
@@ -202,12 +212,10 @@ def _function(f: dict) -> str:
         own = ",\n".join(text for _, _, text in _fields(params, defs, IND))  # (in schema order)
         parts.append("interface parameters {" + (f"\n{own}\n" if own else "") + "}")
         body = "parameters"
-    for name, schema in list(defs.items()):
-        about = (
-            _comment(schema["description"]) + "\n"
-            if isinstance(schema, dict) and schema.get("description")
-            else ""
-        )
+    for name, schema in list(defs.items()):  # (those registered while these render are not rendered)
+        if not isinstance(schema, dict):
+            raise Unsupported(f"$defs entry {name!r}: {schema!r}")
+        about = _comment(schema["description"]) + "\n" if schema.get("description") else ""
         parts.append(f"{about}interface {name} {_Schema(schema, defs).ts()}")
     if f.get("description"):
         parts.append(_comment(f["description"]))
