@@ -39,6 +39,7 @@ from .spec.step import (
     eager_ar_step,
     eager_speculative_step,
     prefill,
+    prompt_logprobs,
     time_step,
     verify_nodes,
 )
@@ -323,12 +324,26 @@ class Decoder:
         slots = state.free_slots()[: len(prompts)]
         try:
             go = state.add(slots, prompts, params)
+            # prompt logprobs: the prefill's every position (also for a row that generates nothing)
+            scored = {b: sp.prompt_logprobs for b, sp in zip(slots, params) if sp.prompt_logprobs is not None}
+            pre = [b for b in slots if b in go or b in scored]
+            if not pre:
+                return slots
+            m, dev = self.ctx.models(), self.ctx.device
+            ids = [state.outs[b].prompt_token_ids for b in pre]
+            h, lens = prefill(m, ids, torch.tensor(pre, device=dev), state.spec.method != "ar")
+            for i, b in enumerate(pre):
+                if b in scored:
+                    lps = prompt_logprobs(m.target, h[i, : len(ids[i])], ids[i])
+                    state.outs[b].prompt_logprobs = [
+                        None,
+                        *(TokenLogprob(x.logprob, x.top[: scored[b]]) for x in lps),
+                    ]
             if not go:
                 return slots
-            m, rows = self.ctx.models(), torch.tensor(go, device=self.ctx.device)
+            rows, at = torch.tensor(go, device=dev), torch.tensor([pre.index(b) for b in go], device=dev)
             rs = state.sampling(go)
-            prompts_go = [state.outs[b].prompt_token_ids for b in go]
-            h, lens = prefill(m, prompts_go, rows, state.spec.method != "ar")
+            h, lens = h[at, lens[at] - 1], lens[at]
             tok, lp = m.next_token(h, rs.rows(rows))
             state.lens[rows], state.bonus[rows], state.alive[rows] = lens, tok, True
             lps = None if lp is None else dict(zip(go, lp.to_host([1] * len(go))))

@@ -31,3 +31,5 @@ class RequestOutput:
     stats: SpecStats = field(default_factory=SpecStats)
     # SamplingParams.logprobs: one per token_ids entry (its log-probability, its position's top tokens)
     logprobs: list[TokenLogprob] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None

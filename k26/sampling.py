@@ -19,6 +19,7 @@ class SamplingParams:
     # None: off; k: each generated token's log-probability and the k most probable tokens at its position
     # (the target's raw distribution: log-softmax of its logits, before temperature, top-p and top-k)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (given those before)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -41,11 +42,12 @@ class SamplingParams:
             if not all(isinstance(i, int) and i >= 0 for i in ids):
                 raise bad("stop_token_ids", "must be non-negative integers")
             object.__setattr__(self, "stop_token_ids", ids)
-        lp = self.logprobs
-        if lp is not None and (
-            not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (
+                not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS
+            ):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(x, str) and x for x in stop):
             raise bad("stop", "must be non-empty strings")

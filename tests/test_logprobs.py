@@ -70,3 +70,17 @@ def test_bad_logprobs_is_named():
     for bad in (-1, 21, 2.0, True):
         with pytest.raises(ValueError, match="SamplingParams.logprobs"):
             SamplingParams(logprobs=bad)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_prompt_logprobs_equal_a_plain_forwards_log_softmax(llm, max_tokens):
+    sp = SamplingParams(max_tokens=max_tokens, prompt_logprobs=3, stop_token_ids=[])
+    out = llm.generate(PROMPT, sp, SpecConfig("ddtree", 6))[0]
+    ids = out.prompt_token_ids
+    ref = llm.score(ids).log_softmax(-1)
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for j in range(1, len(ids)):
+        lp = out.prompt_logprobs[j]
+        assert lp.logprob == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-4)
+        assert [v for _, v in lp.top] == pytest.approx(ref[j - 1].topk(3).values.tolist(), abs=2e-4)
+    assert len(out.token_ids) == max_tokens and out.logprobs is None

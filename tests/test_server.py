@@ -43,6 +43,7 @@ def served():
     refs = {p: llm.generate(p, SamplingParams(max_tokens=12), SPEC)[0] for p in PROMPTS}
     short = {p: llm.generate(p, SamplingParams(max_tokens=2), SPEC)[0].text for p in PROMPTS}
     lp_ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, logprobs=3), SPEC)[0]
+    scored = llm.generate(PROMPTS[2], SamplingParams(max_tokens=0, prompt_logprobs=1), SPEC)[0]
     fmt = ChatFormat.for_model(llm.config.model_type)
     chats = {
         on: llm.generate(
@@ -63,6 +64,7 @@ def served():
             "llm": llm,
             "chats": chats,
             "lp_ref": lp_ref,
+            "scored": scored,
         }
     engine.stop()
 
@@ -161,6 +163,29 @@ def test_completion_logprobs_whole_and_streamed(served):
     chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, stream=True, **greedy()))
     got = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
     assert got == pytest.approx(lp.token_logprobs, abs=1e-5)  # (another batch row: float rounding may differ)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_scores_the_prompt(served, max_tokens):
+    """What evaluation harnesses send for a log-likelihood (echo, logprobs, max_tokens 0 or 1)."""
+    c, ref = served["client"], served["scored"]
+    kw = {"model": MODEL, "prompt": PROMPTS[2], "echo": True, "logprobs": 1, "temperature": 0}
+    kw["max_tokens"] = max_tokens
+    r = c.completions.create(**kw)
+    lp, n = r.choices[0].logprobs, len(ref.prompt_token_ids)
+    assert r.choices[0].text.startswith(PROMPTS[2]) and len(lp.tokens) == n + max_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    want = [x.logprob for x in ref.prompt_logprobs[1:]]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-5)
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(c.completions.create(**kw, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+    got = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.tokens]
+    assert got == lp.tokens
+    plain = c.completions.create(
+        model=MODEL, prompt=PROMPTS[2], echo=True, max_tokens=max_tokens, temperature=0
+    )
+    assert plain.choices[0].text == r.choices[0].text and plain.choices[0].logprobs is None
 
 
 def test_logprobs_stop_with_the_text_a_stop_string_cuts(served):
@@ -413,7 +438,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 1}, 400, "echo"),
     *[
         (
             "/v1/chat/completions",

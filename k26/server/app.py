@@ -118,6 +118,7 @@ async def generate(s: Served, request: Request, chat: bool):
         sum(map(len, p.prompts)),  # each prompt counted once, however many choices it has (as OpenAI)
         p.include_usage,
         p.turn,
+        p.echo,
     )
     try:
         s.engine.submit(a.reqs)
@@ -145,6 +146,7 @@ class Answer:
     prompt_tokens: int
     include_usage: bool
     turn: ChatTurn | None  # chat: how to read each choice's output
+    echo: bool = False  # completions: each choice's text begins with its prompt's
     created: int = field(default_factory=lambda: int(time.time()))
 
     def cancel(self) -> None:
@@ -160,6 +162,7 @@ async def whole(s: Served, request: Request, a: Answer):
     ids: list[list[int]] = [[] for _ in a.reqs]
     lps = [Logprobs(s.llm.tokenizer, a.chat) if r.params.logprobs is not None else None for r in a.reqs]
     last: list[Event | None] = [None] * len(a.reqs)
+    echoed: list[tuple[str, dict | None]] = [("", None)] * len(a.reqs)
     clock = asyncio.get_running_loop().time
     check = clock() + 1.0  # a gone client is looked for once a second, events flowing or not
     try:
@@ -178,6 +181,8 @@ async def whole(s: Served, request: Request, a: Answer):
             if ev.error is not None:
                 a.cancel()
                 raise APIError(500, ev.error, type="server_error")
+            if a.echo and last[i] is None:
+                echoed[i] = _echo(s, a, i, ev, lps[i])
             ids[i] += ev.token_ids
             if lps[i] is not None:
                 lps[i].push(ev.token_ids, ev.logprobs)
@@ -187,14 +192,17 @@ async def whole(s: Served, request: Request, a: Answer):
         raise
     choices, tok = [], s.llm.tokenizer
     for i, (toks, ev, lp) in enumerate(zip(ids, last, lps)):
-        logprobs = None if lp is None else lp.take(cut_at(lp.ts.text, ev.text)) or _NONE[a.chat]
+        logprobs = None if lp is None else lp.take(cut_at(lp.completion, ev.text)) or _NONE[a.chat]
         if a.turn is not None:
             out = read_whole(tok, a.turn, toks, ev.text)
             finish = out.finish_reason(ev.finish_reason, a.turn.limit)
             choices.append(choice(True, message(out, a.turn), finish, i, logprobs=logprobs))
             continue
         text = ev.text if ev.text is not None else tok.decode(toks, skip_special=True)
-        choices.append(choice(False, text, ev.finish_reason, i, logprobs=logprobs))
+        prompt, plp = echoed[i]
+        if plp is not None:
+            logprobs = {k: plp[k] + logprobs[k] for k in logprobs}
+        choices.append(choice(False, prompt + text, ev.finish_reason, i, logprobs=logprobs))
     return a.body(s, choices, usage(a.prompt_tokens, sum(map(len, ids))))
 
 
@@ -209,7 +217,7 @@ async def stream(s: Served, a: Answer):
         for r in a.reqs
     ]
     lps = [Logprobs(tok, a.chat) if r.params.logprobs is not None else None for r in a.reqs]
-    tokens, open_ = 0, n
+    tokens, open_, seen = 0, n, [False] * n
     try:
         if a.chat:  # each choice's role comes first, as OpenAI's stream does
             for i in range(n):
@@ -222,10 +230,14 @@ async def stream(s: Served, a: Answer):
                 break
             tokens += len(ev.token_ids)
             r, lp, done = readers[i], lps[i], ev.finish_reason is not None
+            if a.echo and not seen[i]:  # the prompt first, with its tokens' logprobs
+                text, obj = _echo(s, a, i, ev, lp)
+                yield _sse(a.body(s, [choice(False, text, None, i, True, obj)], None, delta=True))
+            seen[i] = True
             parts, taken, empty = r.push(ev.token_ids, ev.finish_reason, ev.text), None, {} if a.chat else ""
             if lp is not None:  # a token's logprobs go out with the text it begins in
                 lp.push(ev.token_ids, ev.logprobs)
-                taken = lp.take(cut_at(lp.ts.text, ev.text) if done else r.sent)
+                taken = lp.take(cut_at(lp.completion, ev.text) if done else r.sent)
             if taken is not None and not parts and not done:
                 parts = [empty]  # (tokens whose text is not whole characters yet, say)
             for k, part in enumerate(parts):
@@ -243,6 +255,15 @@ async def stream(s: Served, a: Answer):
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away (the response task is cancelled)
         a.cancel()
+
+
+def _echo(s: Served, a: Answer, i: int, first: Event, lp: Logprobs | None) -> tuple[str, dict | None]:
+    """Choice i's echoed prompt (completions' `echo`): its text and, with logprobs, its tokens' (the
+    first event of the choice carries them)."""
+    ids = a.reqs[i].prompt_ids
+    if lp is None:
+        return s.llm.tokenizer.decode(ids, skip_special=True), None
+    return lp.echo(ids, first.prompt_logprobs), lp.take(0)
 
 
 class _TextStream:

@@ -44,6 +44,7 @@ class Event:
     text: str | None = None
     error: str | None = None
     logprobs: list | None = None  # the new tokens' `TokenLogprob`s (the request asked for logprobs)
+    prompt_logprobs: list | None = None  # the first event of a request that asked: its prompt tokens
 
 
 @dataclass(eq=False)  # identity: the engine looks requests up among its rows
@@ -226,13 +227,14 @@ class Engine:
                 continue
             new = out.token_ids[req.sent :]
             lps = None if out.logprobs is None else out.logprobs[req.sent : req.sent + len(new)]
+            pl = out.prompt_logprobs if req.sent == 0 else None  # (the first publish always pushes)
             req.sent += len(new)
             total += len(new)
             if out.finish_reason is None:
                 if new:
-                    req.push(Event(new, logprobs=lps))
+                    req.push(Event(new, logprobs=lps, prompt_logprobs=pl))
                 continue
-            req.push(Event(new, out.finish_reason, out.text, logprobs=lps))
+            req.push(Event(new, out.finish_reason, out.text, logprobs=lps, prompt_logprobs=pl))
             self.llm.release(slot)
             del self.rows[slot]
             m.finished += 1

@@ -19,17 +19,30 @@ class Logprobs:
     def __init__(self, tok: Tokenizer, chat: bool):
         self.tok, self.chat = tok, chat
         self.ts = TextStream(tok)  # where each token's text begins
-        self.pending: list[tuple[int, int, TokenLogprob]] = []  # (offset, token id, its logprobs)
+        self.pending: list[tuple[int, int, TokenLogprob | None]] = []  # (offset, token id, its logprobs)
+        self.base = 0  # where the completion's text begins (after an echoed prompt's)
 
-    def push(self, ids: list[int], lps: list[TokenLogprob]) -> None:
+    def echo(self, ids: list[int], lps: list[TokenLogprob | None]) -> str:
+        """The prompt first (`echo`: its text and, first token None, its tokens' logprobs); returns its
+        text. The completion's offsets then count from the prompt's start, as OpenAI's do."""
+        self.push(ids, lps)
+        self.base = len(self.ts.finish())  # (a prompt ends with whole characters)
+        return self.ts.text
+
+    @property
+    def completion(self) -> str:
+        return self.ts.text[self.base :]
+
+    def push(self, ids: list[int], lps: list[TokenLogprob | None]) -> None:
         for i, lp in zip(ids, lps, strict=True):
             self.pending.append((len(self.ts.text), i, lp))
             self.ts.push([i])
 
     def take(self, upto: int | None = None) -> dict | None:
-        """The tokens not handed out yet whose text begins before `upto` (None: all), as the endpoint's
-        logprobs object; None when there are none."""
-        n = len(self.pending) if upto is None else sum(1 for off, _, _ in self.pending if off < upto)
+        """The tokens not handed out yet whose text begins before `upto` of the completion's text (None:
+        all), as the endpoint's logprobs object; None when there are none."""
+        end = None if upto is None else self.base + upto
+        n = len(self.pending) if end is None else sum(1 for off, _, _ in self.pending if off < end)
         out, self.pending = self.pending[:n], self.pending[n:]
         if not out:
             return None
@@ -39,8 +52,8 @@ class Logprobs:
             }
         return {
             "tokens": [self._text(i)[0] for _, i, _ in out],
-            "token_logprobs": [lp.logprob for _, _, lp in out],
-            "top_logprobs": [{self._text(j)[0]: v for j, v in lp.top} for _, _, lp in out],
+            "token_logprobs": [lp and lp.logprob for _, _, lp in out],
+            "top_logprobs": [lp and {self._text(j)[0]: v for j, v in lp.top} for _, _, lp in out],
             "text_offset": [off for off, _, _ in out],
         }
 

@@ -49,7 +49,6 @@ CHAT = COMMON | {
 }
 # accepted when they ask for nothing beyond plain generation; anything else is refused by name
 NEUTRAL = {
-    "echo": (None, False),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -74,6 +73,7 @@ class Parsed:
     chat: bool
     n: int = 1
     turn: ChatTurn | None = None  # chat: how to read the output (thinking, tool calls)
+    echo: bool = False  # completions: the prompt's text (and with logprobs its tokens') comes first
 
     def rows(self) -> list[tuple[list[int], SamplingParams]]:
         """Every choice's (prompt ids, sampling), in OpenAI's choice order: index = prompt * n + i. Choice i
@@ -148,7 +148,12 @@ def parse(
         raise APIError(
             400, f"best_of={best_of!r} is not supported by this server (only best_of = n)", "best_of"
         )
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
     params = [_sampling(body, chat, max_model_len - len(ids)) for ids in prompts]
+    if echo and params[0].logprobs is not None:  # the prompt's tokens get theirs too
+        params = [dataclasses.replace(sp, prompt_logprobs=sp.logprobs) for sp in params]
     if params[0].seed is not None and params[0].seed + n - 1 >= 2**63:  # choice i samples with seed + i
         raise APIError(400, f"seed={params[0].seed}: with n={n}, seed + n - 1 must stay below 2**63", "seed")
     return Parsed(
@@ -159,6 +164,7 @@ def parse(
         chat,
         n,
         turn,
+        echo,
     )
 
 

@@ -272,8 +272,8 @@ def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling, cont
 
 def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts (right-padded: a causal query never sees the padding) through the target into their cache
-    `rows`, and (`aux`) their features into the drafter's context; returns the hidden state of each
-    prompt's last position [B, D] and the prompt lengths [B]."""
+    `rows`, and (`aux`) their features into the drafter's context; returns the final hidden states
+    [B, T, D] (a row's last position: lens - 1) and the prompt lengths [B]."""
     dev = m.cache_LRTC.device
     B, T = len(prompts), max(map(len, prompts))
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -287,7 +287,19 @@ def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[t
         if aux_layers:
             pos = torch.arange(T, device=dev).expand(B, T)
             m.drafter.append_context(m.dcache.k, m.dcache.v, feats, pos, rows, valid_BC=pos < lens[:, None])
-    return h[torch.arange(B, device=dev), lens - 1], lens
+    return h, lens
+
+
+def prompt_logprobs(target: KimiK2, h_TD: torch.Tensor, ids: list[int], chunk: int = 256) -> list:
+    """`TokenLogprob`s of ids[1:], each given the tokens before it, from a prompt's prefill hidden states
+    h_TD [len(ids), D]: the logits a chunk of positions at a time (a whole prompt's [T, vocabulary] at
+    once would be gigabytes at K2.6 scale)."""
+    out = []
+    for a in range(0, len(ids) - 1, chunk):
+        b = min(len(ids) - 1, a + chunk)
+        nxt = torch.tensor(ids[a + 1 : b + 1], device=h_TD.device)
+        out += token_logprobs(target.logits(h_TD[a:b])[None], nxt[None]).to_host([b - a])[0]
+    return out
 
 
 def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:
