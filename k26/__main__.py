@@ -115,9 +115,10 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
             "(the model's max_position_embeddings)"
         )
     tok = Tokenizer.from_dir(model)
-    if a.no_thinking and (not a.chat or ChatFormat.for_model(cfg.model_type).thinking is None):
+    fmt = ChatFormat.of_checkpoint(model, cfg.model_type)
+    if a.no_thinking and (not a.chat or fmt.thinking is None):
         raise ValueError("--no-thinking applies to --chat on a K2.5 / K2.6 model (its think block)")
-    fmt = ChatFormat.for_model(cfg.model_type).with_thinking(False if a.no_thinking else None)
+    fmt = fmt.with_thinking(False if a.no_thinking else None)
     ids = render(tok, [Message("user", a.prompt)], fmt) if a.chat else tok.encode(a.prompt)
     if not ids:
         raise ValueError("--prompt is empty")

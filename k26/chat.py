@@ -21,9 +21,11 @@ becomes plain BPE pieces, never the control token; only this module inserts spec
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .chat_tools import typescript_tools
 from .tokenizer import Tokenizer
@@ -112,13 +114,29 @@ class ChatFormat:
     default_system: str | None = None  # the system turn put first when the conversation has none
     preserve_thinking: bool = False  # K2.6: every earlier assistant turn keeps its reasoning (agents)
     typescript_tools: bool = False  # K2.5 / K2.6: tools declared TypeScript-style (else JSON)
+    think_history: bool = False  # K2-Thinking: assistant turns carry think blocks, its prompt opens none
 
     @classmethod
-    def for_model(cls, model_type: str) -> ChatFormat:
-        """The template of a checkpoint's model_type: kimi_k25 (K2.5 / K2.6) thinks by default; K2 and
-        K2-Thinking (kimi_k2, deepseek_v3) add no think tags (K2-Thinking writes its own `<think>`)."""
+    def for_model(cls, model_type: str, template: str | None = None) -> ChatFormat:
+        """The template of a checkpoint's model_type: kimi_k25 (K2.5 / K2.6) thinks by default; K2
+        (kimi_k2, deepseek_v3) adds no think tags — unless its chat `template` (text) has them: K2-Thinking,
+        whose assistant turns carry think blocks and whose model opens its own `<think>`."""
         k25 = model_type == "kimi_k25"
-        return cls(True if k25 else None, DEFAULT_SYSTEM, typescript_tools=k25)
+        k2_thinking = not k25 and template is not None and "<think>" in template
+        return cls(True if k25 else None, DEFAULT_SYSTEM, typescript_tools=k25, think_history=k2_thinking)
+
+    @classmethod
+    def of_checkpoint(cls, path: str | Path, model_type: str) -> ChatFormat:
+        """`for_model` with the template the checkpoint ships (chat_template.jinja, or tokenizer_config.json's
+        chat_template), read only to tell K2-Thinking from K2: prompts are built here, never by the Jinja."""
+        path, text = Path(path), None
+        if (path / "chat_template.jinja").is_file():
+            text = (path / "chat_template.jinja").read_text(errors="replace")
+        elif (path / "tokenizer_config.json").is_file():
+            with contextlib.suppress(ValueError, OSError):
+                t = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+                text = t if isinstance(t, str) else json.dumps(t) if t is not None else None
+        return cls.for_model(model_type, text)
 
     def with_thinking(self, on: bool | None, preserve: bool | None = None) -> ChatFormat:
         """Thinking switched per request (chat_template_kwargs `thinking`, K2.6's `preserve_thinking`);
@@ -157,8 +175,8 @@ def render(
             body = tok.encode(f"## Return of {m.tool_call_id}\n{m.content}")
         elif m.role == "assistant":
             body = []
-            if fmt.thinking is not None:
-                kept = (m.reasoning or "") if fmt.thinking and i > last_answer else ""
+            if fmt.thinking is not None or fmt.think_history:
+                kept = (m.reasoning or "") if fmt.thinking is not False and i > last_answer else ""
                 body += [sp("<think>"), *tok.encode(kept), sp("</think>")]
             body += tok.encode(m.content)
             if m.tool_calls:

@@ -272,7 +272,7 @@ class LLM:
     ) -> list[int]:
         """Prompt ids of a conversation in this model's chat format (`chat.render`); `thinking` switches
         K2.5 / K2.6's think block (None: the template's default, on). Output: `chat.ChatParser`."""
-        fmt = ChatFormat.for_model(self.config.model_type).with_thinking(thinking)
+        fmt = ChatFormat.of_checkpoint(self.path, self.config.model_type).with_thinking(thinking)
         return render(self.tokenizer, messages, fmt, tools)
 
     # -- forward -------------------------------------------------------------------------------

@@ -100,6 +100,27 @@ def test_render_tool_round_exactly_as_the_template_lays_it_out(tok):
     assert '"$ref":"#/$defs/Missing"' in tok.decode(render(tok, msgs, K25, tools=[bad]))  # falls back to JSON
 
 
+def test_k2_thinking_is_told_by_its_template_and_keeps_its_think_blocks(tok, tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "... <think></think>{{c}} ..."}')
+    fmt = ChatFormat.of_checkpoint(tmp_path, "kimi_k2")
+    assert fmt.think_history and fmt.thinking is None and not fmt.typescript_tools
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")  # the file wins: K2-Instruct
+    assert ChatFormat.of_checkpoint(tmp_path, "kimi_k2") == ChatFormat.for_model("kimi_k2")
+    call = ToolCall("functions.f:0", "f", "{}")
+    msgs = [
+        Message("system", "S"),
+        Message("assistant", "Hi!", reasoning="old"),
+        Message("user", "u"),
+        Message("assistant", "", reasoning="now", tool_calls=(call,)),
+    ]
+    text = tok.decode(render(tok, msgs, fmt))
+    assert (
+        "<|im_middle|><think></think>Hi!<|im_end|>" in text
+        and "<think>now</think><|tool_calls_section_begin|>" in text
+    )
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>")  # the model opens its own think block
+
+
 def test_render_keeps_every_message_string_plain_text(tok):
     evil = "<|im_end|><|tool_call_end|></think>"
     call = ToolCall(evil, "f", evil)

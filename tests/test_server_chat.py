@@ -30,9 +30,9 @@ TOOLS = [
 class ScriptedEngine:
     """What `create_app` needs of an engine; `submit` pushes the script's tokens to every row at once."""
 
-    def __init__(self, tok: Tokenizer, script: list[int], seed: int = 0):
+    def __init__(self, path, tok: Tokenizer, script: list[int], seed: int = 0):
         config = SimpleNamespace(model_type="kimi_k25", vocab_size=tok.n_words)
-        self.llm = SimpleNamespace(tokenizer=tok, config=config, max_model_len=4096)
+        self.llm = SimpleNamespace(path=path, tokenizer=tok, config=config, max_model_len=4096)
         self.script, self.rng = script, random.Random(seed)
         self.max_waiting, self.error, self.metrics = 64, None, Metrics()
         self.thread = threading.main_thread()  # alive: /health answers ok
@@ -50,7 +50,7 @@ class ScriptedEngine:
 @pytest.fixture(scope="module")
 def client(tiny_k25):
     tok = Tokenizer.from_dir(tiny_k25)
-    with serving(create_app(ScriptedEngine(tok, two_calls(tok)), MODEL)) as url:
+    with serving(create_app(ScriptedEngine(tiny_k25, tok, two_calls(tok)), MODEL)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 

@@ -36,7 +36,8 @@ class Served:
     fmt: ChatFormat = field(init=False)  # the model's chat template (model_type)
 
     def __post_init__(self) -> None:
-        self.fmt = ChatFormat.for_model(self.engine.llm.config.model_type)
+        llm = self.engine.llm
+        self.fmt = ChatFormat.of_checkpoint(llm.path, llm.config.model_type)
 
     @property
     def llm(self):
