@@ -8,11 +8,11 @@ each row accepted, and retires rows that finish or are released. `run` drives on
 (`LLM.generate` / `stream`); the server's engine thread calls `admit` / `step` / `release` itself
 (continuous batching).
 
-Graph mode: per method and sampling mode (greedy; sampled; sampled with top-p / top-k, the only one that
-sorts the vocabulary) a `StepGraphs` (per-row sampling tensors, so any mix of requests shares one graph)
-captures the whole step per bucket before the first prefill (the caches are scratch then); each step
-replays the cheapest mode that serves the live rows (host-known); the host loop is replay, one small copy
-of the emitted tokens back, bookkeeping.
+Graph mode: per method and sampling mode (`sampling.MODES`: greedy; sampled; sampled with top-p / top-k,
+which sorts the vocabulary; that plus logprobs) a `StepGraphs` (per-row sampling tensors, so any mix of
+requests shares one graph) captures the whole step per bucket before the first prefill (the caches are
+scratch then); each step replays the cheapest mode that serves the live rows (host-known); the host loop
+is replay, one small copy of the emitted tokens back, bookkeeping.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .kv_cache import DrafterCache, LatentCache
 from .model import KimiK2
 from .model.drafter import DFlashDrafter
 from .outputs import RequestOutput
-from .sampling import MODES, RowSampling, SamplingParams, TokenLogprob, sampling_mode
+from .sampling import MODES, RowSampling, SamplingParams, StepLogprobs, sampling_mode
 from .spec.budget import BudgetPolicy, Budgets, timing_contexts
 from .spec.step import (
     PhaseTimer,
@@ -187,8 +187,6 @@ class BatchState:
             rs = self.rs
             if sampled and self.noise is None:
                 self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
-            if not rs.greedy and self.noise is None:  # (a "logprobs" batch of greedy rows samples too)
-                self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
             rs.noise = self.noise if not rs.greedy else None
         if sampled:
             n = nodes or self.nodes
@@ -206,19 +204,26 @@ class BatchState:
                 st.budgets.append(s.budget)
         self.emit(rows, {b: s.tokens[b] for b in rows}, s.logprobs)
 
-    def emit(self, rows: list[int], new: dict[int, list[int]], logprobs: list | None = None) -> None:
-        """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context;
-        `logprobs[b]`: their `TokenLogprob`s (the "logprobs" mode), kept for rows that asked."""
+    def emit(
+        self,
+        rows: list[int],
+        new: dict[int, list[int]],
+        lp: StepLogprobs | None = None,
+        at: dict | None = None,
+    ) -> None:
+        """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context; `lp`
+        (host; row `at[b]` is slot b's, default b): their logprobs (the "logprobs" mode), kept for rows that
+        asked."""
         for b in rows:
             o, sp = self.outs[b], self.params[b]
+            lps = None if o.logprobs is None else lp.row(at[b] if at else b, len(new[b]), sp.logprobs)
             for j, t in enumerate(new[b]):
                 if t in self.stops[b]:
                     self.finish(b, "stop")
                     break
                 o.token_ids.append(t)
-                if o.logprobs is not None:
-                    lp = logprobs[b][j]
-                    o.logprobs.append(TokenLogprob(lp.logprob, lp.top[: sp.logprobs]))
+                if lps is not None:
+                    o.logprobs.append(lps[j])
                 if (ts := self.texts[b]) is not None:
                     new_chars = len(ts.push([t]))  # only they can complete a stop string
                     if (at := first_stop(ts.text, sp.stop, new_chars)) is not None:
@@ -334,11 +339,8 @@ class Decoder:
             h, lens = prefill(m, ids, torch.tensor(pre, device=dev), state.spec.method != "ar")
             for i, b in enumerate(pre):
                 if b in scored:
-                    lps = prompt_logprobs(m.target, h[i, : len(ids[i])], ids[i])
-                    state.outs[b].prompt_logprobs = [
-                        None,
-                        *(TokenLogprob(x.logprob, x.top[: scored[b]]) for x in lps),
-                    ]
+                    lps = prompt_logprobs(m.target, h[i, : len(ids[i])], ids[i], scored[b])
+                    state.outs[b].prompt_logprobs = [None, *lps]
             if not go:
                 return slots
             rows, at = torch.tensor(go, device=dev), torch.tensor([pre.index(b) for b in go], device=dev)
@@ -346,8 +348,9 @@ class Decoder:
             h, lens = h[at, lens[at] - 1], lens[at]
             tok, lp = m.next_token(h, rs.rows(rows))
             state.lens[rows], state.bonus[rows], state.alive[rows] = lens, tok, True
-            lps = None if lp is None else dict(zip(go, lp.to_host([1] * len(go))))
-            state.emit(go, {b: [t] for b, t in zip(go, tok.tolist())}, lps)
+            state.emit(
+                go, {b: [t] for b, t in zip(go, tok.tolist())}, lp and lp.cpu(), dict(zip(go, range(len(go))))
+            )
         except BaseException:  # a failed prefill (out of memory, say) must not keep its rows forever
             for b in slots:
                 state.release(b)

@@ -365,15 +365,18 @@ class LLM:
     # Every call is mirrored to the TP ranks in order, so their batches admit, step and retire alike.
     @torch.inference_mode()
     @surfacing_rank_errors
-    def open_batch(self, spec: SpecConfig | None = None, capacity: int | None = None) -> BatchState:
-        """An empty batch of `capacity` rows (default: every cache row), its graphs captured and its
-        budget costs measured; then `admit`, `step` and `release` move requests through it."""
+    def open_batch(
+        self, spec: SpecConfig | None = None, capacity: int | None = None, logprobs: bool = True
+    ) -> BatchState:
+        """An empty batch of `capacity` rows (default: every cache row), its graphs captured (the
+        "logprobs" mode's too unless `logprobs` is False: then no row may ask for logprobs) and its budget
+        costs measured; then `admit`, `step` and `release` move requests through it."""
         spec = self._prepare([[0]], None, spec)[2]
         capacity = capacity or self.cache.rows
         if not 1 <= capacity <= self.cache.rows:
             raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
-        self._mirror("open_batch", spec, capacity)
-        self.batch = self.decoder.open(spec, capacity)
+        self._mirror("open_batch", spec, capacity, logprobs)
+        self.batch = self.decoder.open(spec, capacity, MODES if logprobs else MODES[:-1])
         return self.batch
 
     @torch.inference_mode()

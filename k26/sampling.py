@@ -134,7 +134,7 @@ def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     B, N, V = logits_BNV.shape
     logits = logits_BNV.float()
     best = logits.argmax(-1)
-    if rs.greedy:
+    if rs.greedy or rs.noise is None:  # (no noise: no row samples, say a "logprobs" batch of greedy rows)
         return best
     t = rs.temperature[:, None, None]
     logits = logits / torch.where(t > 0, t, 1.0)
@@ -149,8 +149,9 @@ def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     # (top_p = 1 keeps every token: the fp32 cumulative sum reaches 1.0 before the tail ends)
     cut = ((p.cumsum(-1) - p) >= rs.top_p[:, None, None]) & (rs.top_p < 1)[:, None, None]
     p = p.masked_fill(cut, 0.0)
-    # the race runs in sorted order: the draws are i.i.d., so which one meets which token does not matter
-    pick = order.gather(-1, (p / q).argmax(-1, keepdim=True))[..., 0]
+    # each token meets its own draw (q at its id), as in the full-softmax race: the same noise picks the same
+    # token whichever of the modes serves the row (a batch's mode follows its other rows)
+    pick = order.gather(-1, (p / q.gather(-1, order)).argmax(-1, keepdim=True))[..., 0]
     return torch.where(t[..., 0] > 0, pick, best)
 
 
@@ -175,11 +176,6 @@ class StepLogprobs:
             torch.zeros(batch, width, k, **f),
         )
 
-    def along(self, index_BJ: torch.Tensor) -> StepLogprobs:
-        """The positions `index_BJ` of each row (an accepted path's nodes)."""
-        k = index_BJ[..., None].expand(-1, -1, self.top.shape[-1])
-        return StepLogprobs(self.chosen.gather(1, index_BJ), self.top_ids.gather(1, k), self.top.gather(1, k))
-
     def copy_(self, other: StepLogprobs, non_blocking: bool = False) -> None:
         for a, b in ((self.chosen, other.chosen), (self.top_ids, other.top_ids), (self.top, other.top)):
             a.copy_(b, non_blocking=non_blocking)
@@ -189,13 +185,18 @@ class StepLogprobs:
         t = (self.chosen, self.top_ids, self.top)
         return StepLogprobs(*(torch.empty_like(x, device="cpu").pin_memory() for x in t))
 
-    def to_host(self, counts: list[int]) -> list[list[TokenLogprob]]:
-        """Each row's first counts[b] positions as `TokenLogprob`s (one read of each tensor)."""
-        chosen, ids, top = self.chosen.tolist(), self.top_ids.tolist(), self.top.tolist()
-        return [
-            [TokenLogprob(chosen[b][j], tuple(zip(ids[b][j], top[b][j]))) for j in range(n)]
-            for b, n in enumerate(counts)
-        ]
+    def cpu(self) -> StepLogprobs:
+        return StepLogprobs(self.chosen.cpu(), self.top_ids.cpu(), self.top.cpu())
+
+    def row(self, b: int, n: int, k: int) -> list[TokenLogprob]:
+        """Row b's first n positions with their top k, from host tensors: only rows that asked are read,
+        only as far as they asked (a whole [B, J, MAX_LOGPROBS] into Python objects cost ~2 ms at B = 64)."""
+        chosen, ids, top = (
+            self.chosen[b, :n].tolist(),
+            self.top_ids[b, :n, :k].tolist(),
+            self.top[b, :n, :k].tolist(),
+        )
+        return [TokenLogprob(c, tuple(zip(i, t))) for c, i, t in zip(chosen, ids, top)]
 
 
 @dataclass(frozen=True)
@@ -207,12 +208,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-def token_logprobs(logits_BNV: torch.Tensor, choice_BN: torch.Tensor) -> StepLogprobs:
-    """`StepLogprobs` of `choice_BN` from fp32 logits (no [B, N, V] log-softmax kept: the top values and
-    the chosen logit minus the log-sum-exp). Graph-safe."""
+def token_logprobs(logits_BNV: torch.Tensor, choice_BN: torch.Tensor, k: int = MAX_LOGPROBS) -> StepLogprobs:
+    """`StepLogprobs` of `choice_BN` (top k) from fp32 logits (no [B, N, V] log-softmax kept: the top values
+    and the chosen logit minus the log-sum-exp). Graph-safe."""
     logits = logits_BNV.float()
     lse = logits.logsumexp(-1, keepdim=True)
-    top, ids = logits.topk(min(MAX_LOGPROBS, logits.shape[-1]), dim=-1)
+    top, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
     return StepLogprobs((logits.gather(-1, choice_BN[..., None]) - lse)[..., 0], ids, top - lse)
 
 

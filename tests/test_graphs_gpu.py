@@ -159,3 +159,34 @@ def test_replayed_logprobs_equal_eager(pair, spec):
             assert p.logprob == pytest.approx(q.logprob, abs=1e-3)
             assert [i for i, _ in p.top[:1]] == [i for i, _ in q.top[:1]]
             assert [v for _, v in p.top] == pytest.approx([v for _, v in q.top], abs=1e-3)
+
+
+def test_a_batch_moves_in_and_out_of_the_logprobs_graphs_as_rows_come_and_go(pair):
+    """The server's shape: one open batch with every mode's graphs sharing its state; a logprobs row joins,
+    later leaves; every row's tokens (and the logprobs) equal the eager batch's doing the same."""
+    spec = SpecConfig("ddtree", 5)
+    ps = prompts(3, seed=9)
+    plain, asks = SamplingParams(max_tokens=30, stop_token_ids=[]), SamplingParams(max_tokens=6, logprobs=3)
+    outs = []
+    for llm in pair:
+        llm.decoder.ctx.static = llm is pair[1]
+        state = llm.open_batch(spec, 3)
+        try:
+            slots = llm.admit([ps[0]], [plain])
+            for _ in range(2):
+                llm.step()  # greedy graphs
+            slots += llm.admit([ps[1]], [asks])  # now the logprobs graphs, until that row finishes
+            while state.outs[slots[1]].finish_reason is None:
+                llm.step()
+            out1 = llm.release(slots[1])
+            slots[1:2] = llm.admit([ps[2]], [plain])  # back to the greedy graphs
+            while state.live:
+                llm.step()
+            outs.append([state.outs[s].token_ids for s in (slots[0], slots[1])] + [out1])
+        finally:
+            for s in slots:
+                llm.release(s)
+            llm.decoder.ctx.static = False
+    (a0, a2, a1), (b0, b2, b1) = outs
+    assert (a0, a2, a1.token_ids) == (b0, b2, b1.token_ids)
+    assert [x.logprob for x in a1.logprobs] == pytest.approx([x.logprob for x in b1.logprobs], abs=1e-3)

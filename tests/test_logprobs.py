@@ -41,9 +41,11 @@ def test_logprobs_equal_a_plain_forwards_log_softmax(llm, method, temperature):
         assert all(lp.top[0][0] == t for t, lp in zip(out.token_ids, out.logprobs))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_asking_for_logprobs_changes_no_token(llm, temperature):
-    sp = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=12, seed=11, stop_token_ids=[])
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.9)])
+def test_asking_for_logprobs_changes_no_token(llm, temperature, top_p):
+    """The "logprobs" mode samples with the filter sampler, whose race gives each token its own draw: a
+    seeded row picks the same tokens whichever mode its batch runs in."""
+    sp = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=12, seed=11, stop_token_ids=[])
     spec = SpecConfig("ddtree", 6)
     plain = llm.generate(PROMPT, sp, spec)[0]
     asked = llm.generate(PROMPT, SamplingParams(**{**vars(sp), "logprobs": 0}), spec)[0]
@@ -52,14 +54,16 @@ def test_asking_for_logprobs_changes_no_token(llm, temperature):
 
 
 def test_only_rows_that_ask_get_logprobs_in_a_shared_batch(llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=6, seed=5, stop_token_ids=[])
+    alone = llm.generate("import os\n", seeded, SpecConfig("ddtree", 6))[0].token_ids
     state = llm.open_batch(SpecConfig("ddtree", 6), 3)
     try:
         prompts = [llm.tokenizer.encode(p) for p in (PROMPT, "import os\n")]
-        slots = llm.admit(prompts, [SamplingParams(max_tokens=6, logprobs=2), SamplingParams(max_tokens=6)])
+        slots = llm.admit(prompts, [SamplingParams(max_tokens=6, logprobs=2), seeded])
         while state.live:
             llm.step()
         with_lp, without = (state.outs[s] for s in slots)
-        assert without.logprobs is None
+        assert without.logprobs is None and without.token_ids == alone  # its neighbour's mode changed nothing
         check_against_score(llm, with_lp, 2)
     finally:
         for s in list(slots):

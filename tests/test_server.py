@@ -160,6 +160,8 @@ def test_completion_logprobs_whole_and_streamed(served):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert all(len(t) == 3 for t in lp.top_logprobs)
     assert [max(t.values()) for t in lp.top_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)  # greedy
+    zero = c.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=0, **greedy()).choices[0].logprobs
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs)]  # the sampled one
     chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, stream=True, **greedy()))
     got = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
     assert got == pytest.approx(lp.token_logprobs, abs=1e-5)  # (another batch row: float rounding may differ)
@@ -439,6 +441,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 1}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 0}, 400, "echo"),
     *[
         (
             "/v1/chat/completions",

@@ -35,6 +35,7 @@ class ScriptedEngine:
         self.llm = SimpleNamespace(path=path, tokenizer=tok, config=config, max_model_len=4096)
         self.script, self.rng = script, random.Random(seed)
         self.max_waiting, self.error, self.metrics = 64, None, Metrics()
+        self.logprobs = True  # (serve --no-logprobs: False)
         self.thread = threading.main_thread()  # alive: /health answers ok
 
     def submit(self, reqs) -> None:
@@ -130,3 +131,15 @@ def test_odd_inputs_are_named_4xx_not_500(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{**ASK, **extra})
     assert e.value.body["param"] == param
+
+
+def test_a_server_without_logprobs_graphs_refuses_logprobs_by_name(tiny_k25):
+    tok = Tokenizer.from_dir(tiny_k25)
+    engine = ScriptedEngine(tiny_k25, tok, two_calls(tok))
+    engine.logprobs = False
+    with serving(create_app(engine, MODEL)) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="--no-logprobs") as e:
+            c.chat.completions.create(**ASK, logprobs=True)
+        assert e.value.body["param"] == "logprobs"
+        assert c.chat.completions.create(**ASK).choices[0].finish_reason == "stop"  # no tools: plain text

@@ -79,8 +79,8 @@ class StepGraphs:
         logprobs: bool = False,
     ):
         self.step, self.width, self.device = step, width, device
-        # shared with the other runners of the same method (greedy / sampled graphs of one batch state), so
-        # a batch can switch between them from one step to the next
+        # shared with the other runners of the same method (each sampling mode's graphs of one batch state),
+        # so a batch can switch between them from one step to the next
         self.states: dict[Bucket, StepState] = {} if states is None else states
         self.vocab = vocab  # > 0: the step samples, and reads noise [Bb, nodes, vocab]
         self.logprobs = logprobs  # the step writes the emitted tokens' logprobs (state.logprobs)

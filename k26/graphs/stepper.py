@@ -27,7 +27,8 @@ def graph_step(
 ) -> Callable[[StepState, Bucket], None]:
     """The body captured per bucket: one decode step of every row of the bucket's static state, with static
     shapes (whole cache rows, no host sync) so that warm-ups, capture and an eager call run the same code.
-    `mode` (`sampling.MODES`) is fixed at capture: only a "filter" body sorts the vocabulary."""
+    `mode` (`sampling.MODES`) is fixed at capture: only the "filter" and "logprobs" bodies sort the
+    vocabulary; only a "logprobs" body writes `state.logprobs`."""
     m = dataclasses.replace(m, static=True)
 
     def step(state: StepState, bucket: Bucket) -> None:
@@ -105,7 +106,8 @@ class GraphStepper:
         self.host_c.copy_(st.choice, non_blocking=True)
         lp = None
         if serving == "logprobs":
-            self.host_lp = self.host_lp or st.logprobs.pinned_like()
+            if self.host_lp is None:
+                self.host_lp = st.logprobs.pinned_like()
             self.host_lp.copy_(st.logprobs, non_blocking=True)
             lp = self.host_lp
         self.done.record()
@@ -120,7 +122,7 @@ class GraphStepper:
             [e[:n] for e, n in zip(emitted, counts)],
             counts,
             bucket.nodes - 1 if bucket.nodes > 1 else None,
-            None if lp is None else lp.to_host(counts),
+            lp,
         )
 
     def time_buckets(self, at: int, rounds: int = 7) -> list[float]:

@@ -102,6 +102,7 @@ async def generate(s: Served, request: Request, chat: bool):
         vocab=llm.config.vocab_size,
         max_model_len=llm.max_model_len,
         fmt=s.fmt,
+        logprobs=s.engine.logprobs,
     )
     rows = p.rows()
     if len(rows) > max(s.engine.max_waiting, 1):  # never all queued at once: 429's "retry later" won't help
@@ -264,7 +265,7 @@ def _echo(s: Served, a: Answer, i: int, first: Event, lp: Logprobs | None) -> tu
     ids = a.reqs[i].prompt_ids
     if lp is None:
         return s.llm.tokenizer.decode(ids, skip_special=True), None
-    return lp.echo(ids, first.prompt_logprobs), lp.take(0)
+    return lp.echo(ids, first.prompt_logprobs), lp.take()  # (every prompt token: nothing else is pushed yet)
 
 
 class _TextStream:

@@ -59,7 +59,7 @@ def serve(a: argparse.Namespace) -> int:
         allreduce=a.allreduce,
     )
     name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
-    engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting)
+    engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting, logprobs=not a.no_logprobs)
     where = f"http://{a.host}:{a.port}/v1"
     print(
         f"[k26] serving {name!r} ({spec_name}, max_batch {a.max_batch}, max_model_len {llm.max_model_len}) "

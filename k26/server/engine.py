@@ -95,8 +95,16 @@ class Metrics:
 class Engine:
     """Owns the `LLM`; `start()` runs the decode loop in its own thread."""
 
-    def __init__(self, llm, spec: SpecConfig, max_batch: int | None = None, max_waiting: int = 64):
+    def __init__(
+        self,
+        llm,
+        spec: SpecConfig,
+        max_batch: int | None = None,
+        max_waiting: int = 64,
+        logprobs: bool = True,
+    ):
         self.llm, self.spec = llm, spec
+        self.logprobs = logprobs  # the "logprobs" graphs are captured: requests may ask for logprobs
         self.max_batch = min(max_batch or llm.cache.rows, llm.cache.rows)
         self.max_waiting = max_waiting
         self.inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -141,7 +149,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 # captures graphs, measures the budget's costs; TP ranks mirror every batch call
-                state = self.llm.open_batch(self.spec, self.max_batch)
+                state = self.llm.open_batch(self.spec, self.max_batch, self.logprobs)
                 self.ready.set()
                 while self._take(block=not state.live and not self.waiting):
                     self._boundary(state)

@@ -26,7 +26,7 @@ class Logprobs:
         """The prompt first (`echo`: its text and, first token None, its tokens' logprobs); returns its
         text. The completion's offsets then count from the prompt's start, as OpenAI's do."""
         self.push(ids, lps)
-        self.base = len(self.ts.finish())  # (a prompt ends with whole characters)
+        self.base = len(self.ts.finish())  # (a prompt cut mid-character: U+FFFD, as the completion's text)
         return self.ts.text
 
     @property
@@ -53,7 +53,11 @@ class Logprobs:
         return {
             "tokens": [self._text(i)[0] for _, i, _ in out],
             "token_logprobs": [lp and lp.logprob for _, _, lp in out],
-            "top_logprobs": [lp and {self._text(j)[0]: v for j, v in lp.top} for _, _, lp in out],
+            # OpenAI: the sampled token's entry is always there (up to logprobs + 1 entries)
+            "top_logprobs": [
+                lp and {self._text(i)[0]: lp.logprob} | {self._text(j)[0]: v for j, v in lp.top}
+                for _, i, lp in out
+            ],
             "text_offset": [off for off, _, _ in out],
         }
 

@@ -96,18 +96,15 @@ def parse(
     vocab: int,
     max_model_len: int,
     fmt: ChatFormat = ChatFormat(),  # noqa: B008  (frozen)
+    logprobs: bool = True,
 ) -> Parsed:
+    """A validated request (`logprobs`: the server serves them; else asking for them is a 400)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - (CHAT if chat else COMPLETION))
     if unknown:
         raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
-    for name, ok in NEUTRAL.items():
-        if name in body and body[name] not in ok:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+    _refuse_unserved(body)
     if "model" not in body:
         raise APIError(400, "missing required parameter: 'model'", "model")
     if body["model"] != model:
@@ -148,10 +145,12 @@ def parse(
         raise APIError(
             400, f"best_of={best_of!r} is not supported by this server (only best_of = n)", "best_of"
         )
-    echo = body.get("echo") or False
+    echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
         raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
     params = [_sampling(body, chat, max_model_len - len(ids)) for ids in prompts]
+    if params[0].logprobs is not None and not logprobs:
+        raise APIError(400, "logprobs: this server was started with --no-logprobs", "logprobs")
     if echo and params[0].logprobs is not None:  # the prompt's tokens get theirs too
         params = [dataclasses.replace(sp, prompt_logprobs=sp.logprobs) for sp in params]
     if params[0].seed is not None and params[0].seed + n - 1 >= 2**63:  # choice i samples with seed + i
@@ -166,6 +165,16 @@ def parse(
         turn,
         echo,
     )
+
+
+def _refuse_unserved(body: dict) -> None:
+    """Parameters that ask for what this server does not do, refused by name."""
+    for name, ok in NEUTRAL.items():
+        if name in body and body[name] not in ok:
+            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
 
 
 def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:

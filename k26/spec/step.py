@@ -134,20 +134,19 @@ class StepModels:
     tables: TreeTables = field(default_factory=TreeTables)  # bucket padding's constants (graphs read them)
     compiled: bool = False  # the step's own glue (acceptance) under torch.compile: graph bodies only
 
-    def choose(self, h: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, StepLogprobs | None]:
+    def choose(self, h: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's token at every position of h [B, N, D]: the shards' argmax merged when every row
         is greedy (no full-vocabulary gather), else per-row samples from the gathered logits; with
-        rs.logprobs also their `StepLogprobs`."""
+        rs.logprobs also those logits [B, N, V] (whose positions the caller keeps: `along`)."""
         if rs.greedy:
             return self.target.lm_head.argmax(h), None
         logits = self.target.logits(h)
-        choice = sample_rows(logits, rs)
-        return choice, token_logprobs(logits, choice) if rs.logprobs else None
+        return sample_rows(logits, rs), logits if rs.logprobs else None
 
     def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Next token per row [B] from final hidden states (`choose` at one position; logprobs [B, 1])."""
-        tok, lp = self.choose(h_BD[:, None], rs)
-        return tok[:, 0], lp
+        tok, logits = self.choose(h_BD[:, None], rs)
+        return tok[:, 0], None if logits is None else token_logprobs(logits, tok)
 
 
 def speculative_step(
@@ -197,7 +196,7 @@ def speculative_step(
         h, aux = target(
             tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb
         )
-        choice, lp = m.choose(h, rs)
+        choice, logits = m.choose(h, rs)
     with t("accept"):  # acceptance walk, KV commit, drafter-context update
         accept = accept_paths_compiled() if m.compiled else accept_paths
         path, n_acc, new_bonus, emitted = accept(tree, choice, alive)
@@ -215,8 +214,11 @@ def speculative_step(
         new_bonus,
         pick,
         budget if policy is not None else spec.budget if isinstance(spec.budget, int) else None,
-        # emitted token j is the target's choice at path node j (the drafts it accepted, then the bonus)
-        None if lp is None else lp.along(path.clamp_min(0)),
+        # emitted token j is the target's choice at path node j (the drafts it accepted, then the bonus): the
+        # log-softmax runs on those nodes only
+        None
+        if logits is None
+        else token_logprobs(along(logits, path.clamp_min(0)), along(choice, path.clamp_min(0))),
     )
 
 
@@ -246,7 +248,7 @@ class Stepped:
     tokens: list[list[int]]
     counts: list[int]
     budget: int | None = None
-    logprobs: list[list] | None = None
+    logprobs: StepLogprobs | None = None  # on the host, row b = slot b (read per asking row: `row`)
 
 
 def eager_speculative_step(
@@ -257,7 +259,7 @@ def eager_speculative_step(
     counts = r.n_emitted.tolist()  # the step's one host read, with the tokens
     new = [e[:n] for e, n in zip(r.emitted.tolist(), counts)]
     lens.add_(r.n_emitted), bonus.copy_(r.bonus)
-    return Stepped(new, counts, r.budget, None if r.logprobs is None else r.logprobs.to_host(counts))
+    return Stepped(new, counts, r.budget, None if r.logprobs is None else r.logprobs.cpu())
 
 
 def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling, context: bool = False) -> Stepped:
@@ -267,7 +269,7 @@ def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling, cont
     bonus.copy_(tok)
     lens.add_(alive.long())  # finished rows stay frozen, rewriting only their own slot
     counts = [1] * len(rows)
-    return Stepped([[t] for t in bonus.tolist()], counts, None, None if lp is None else lp.to_host(counts))
+    return Stepped([[t] for t in bonus.tolist()], counts, None, None if lp is None else lp.cpu())
 
 
 def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,15 +292,20 @@ def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[t
     return h, lens
 
 
-def prompt_logprobs(target: KimiK2, h_TD: torch.Tensor, ids: list[int], chunk: int = 256) -> list:
-    """`TokenLogprob`s of ids[1:], each given the tokens before it, from a prompt's prefill hidden states
-    h_TD [len(ids), D]: the logits a chunk of positions at a time (a whole prompt's [T, vocabulary] at
-    once would be gigabytes at K2.6 scale)."""
+def along(x: torch.Tensor, index_BJ: torch.Tensor) -> torch.Tensor:
+    """x [B, N, ...] at positions index_BJ of each row: [B, J, ...]."""
+    return x.gather(1, index_BJ.view(*index_BJ.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
+
+
+def prompt_logprobs(target: KimiK2, h_TD: torch.Tensor, ids: list[int], k: int, chunk: int = 256) -> list:
+    """`TokenLogprob`s of ids[1:] (each given the tokens before it; top k) from a prompt's prefill hidden
+    states h_TD [len(ids), D]: the logits a chunk of positions at a time (a whole prompt's [T, vocabulary]
+    at once would be gigabytes at K2.6 scale)."""
     out = []
     for a in range(0, len(ids) - 1, chunk):
         b = min(len(ids) - 1, a + chunk)
         nxt = torch.tensor(ids[a + 1 : b + 1], device=h_TD.device)
-        out += token_logprobs(target.logits(h_TD[a:b])[None], nxt[None]).to_host([b - a])[0]
+        out += token_logprobs(target.logits(h_TD[a:b])[None], nxt[None], k).cpu().row(0, b - a, k)
     return out
 
 
