@@ -32,7 +32,6 @@ from .outputs import RequestOutput
 from .sampling import MODES, RowSampling, SamplingParams, StepLogprobs, sampling_mode
 from .spec.budget import BudgetPolicy, Budgets, timing_contexts
 from .spec.step import (
-    PhaseTimer,
     SpecConfig,
     StepModels,
     Stepped,
@@ -43,6 +42,7 @@ from .spec.step import (
     time_step,
     verify_nodes,
 )
+from .spec.timer import PhaseTimer
 from .spec.tree import TreeTables
 from .tokenizer import TextStream, Tokenizer, first_stop
 

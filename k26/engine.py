@@ -27,7 +27,7 @@ from .checks import (
     prompt_list,
 )
 from .config import ModelConfig
-from .decode import BatchState, DecodeContext, Decoder
+from .decode import DecodeContext, Decoder
 from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
@@ -267,11 +267,9 @@ class LLM:
             return self._check_ids(prompt, f"prompt {i}")
         raise TypeError(f"prompt {i} is a {type(prompt).__name__}; expected a string or a list of token ids")
 
-    def chat_ids(
-        self, messages: list[Message | dict], tools: list[dict] | None = None, thinking: bool | None = None
-    ) -> list[int]:
-        """Prompt ids of a conversation in this model's chat format (`chat.render`); `thinking` switches
-        K2.5 / K2.6's think block (None: the template's default, on). Output: `chat.ChatParser`."""
+    def chat_ids(self, messages: list[Message | dict], tools: list | None = None, thinking=None) -> list[int]:
+        """A conversation's prompt ids in this model's chat format (`chat.render`; `thinking`: K2.5 / K2.6's
+        think block, None its default). The answer's ids read back: `chat.ChatParser`."""
         fmt = ChatFormat.of_checkpoint(self.path, self.config.model_type).with_thinking(thinking)
         return render(self.tokenizer, messages, fmt, tools)
 
@@ -365,12 +363,10 @@ class LLM:
     # Every call is mirrored to the TP ranks in order, so their batches admit, step and retire alike.
     @torch.inference_mode()
     @surfacing_rank_errors
-    def open_batch(
-        self, spec: SpecConfig | None = None, capacity: int | None = None, logprobs: bool = True
-    ) -> BatchState:
-        """An empty batch of `capacity` rows (default: every cache row), its graphs captured (the
-        "logprobs" mode's too unless `logprobs` is False: then no row may ask for logprobs) and its budget
-        costs measured; then `admit`, `step` and `release` move requests through it."""
+    def open_batch(self, spec: SpecConfig | None = None, capacity: int | None = None, logprobs=True):
+        """An empty `BatchState` of `capacity` rows (default: every cache row), its graphs captured (the
+        "logprobs" mode's unless `logprobs` is False: then no row may ask for logprobs) and its budget costs
+        measured; then `admit`, `step` and `release` move requests through it."""
         spec = self._prepare([[0]], None, spec)[2]
         capacity = capacity or self.cache.rows
         if not 1 <= capacity <= self.cache.rows:

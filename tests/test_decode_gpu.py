@@ -6,7 +6,7 @@ import torch
 from oracles import random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
-from k26.spec.step import PhaseTimer
+from k26.spec.timer import PhaseTimer
 
 pytestmark = pytest.mark.gpu
 

@@ -363,7 +363,7 @@ def test_ar_fallback_near_the_context_end_keeps_the_drafter_context(tiny_k25, dr
 
 def test_phase_timer_holds_a_bounded_number_of_spans():
     """A long eager generation times every phase of every step: the timer keeps totals, not the spans."""
-    from k26.spec.step import PhaseTimer
+    from k26.spec.timer import PhaseTimer
 
     timer, n = PhaseTimer(torch.device("cpu")), 5 * PhaseTimer.HELD
     for _ in range(n):

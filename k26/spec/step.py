@@ -17,6 +17,7 @@ from ..profiling import nvtx_range
 from ..sampling import RowSampling, StepLogprobs, sample_rows, token_logprobs
 from .accept import accept_paths, accept_paths_compiled, commit_latent
 from .budget import truncate_tree
+from .timer import null_span
 from .tree import TreeTables, build_ddtree_from_topk, chain_from_topk, pad_tree
 
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
@@ -166,7 +167,7 @@ def speculative_step(
     With a budget policy ("auto") the tree is built at the largest candidate and cut to the chosen one:
     eagerly the choice for this very tree (one tiny read), in a graph the budget is the bucket's
     (`spec.budget`), and the choice is returned for the host to pick the next bucket."""
-    t = timer or (lambda name: _null())
+    t = timer or (lambda name: null_span())
     target, drafter = m.target, m.drafter
     # Finished rows still run (the batch is rectangular) but at position 0 of their own row: their frozen
     # length could sit too close to the end of the cache for a whole tree.
@@ -324,78 +325,3 @@ def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-class PhaseTimer:
-    """Phase times without a sync per step: wall clock on CPU; on GPU CUDA events, each phase's pairs
-    folded into its total once more than `HELD` wait (all but the newest: eager steps read their tokens
-    back every step, so the older pairs are long complete), so a long generation holds a bounded number."""
-
-    HELD = 32
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.totals: dict[str, float] = {}  # seconds folded so far, per phase
-        self.pending: dict[str, list] = {}  # CUDA: (start, end) event pairs not folded yet, per phase
-
-    def __call__(self, name: str):
-        return _Span(self, name)
-
-    def add(self, name: str, span) -> None:
-        """One span of `name`: seconds (CPU) or a (start, end) pair of recorded CUDA events."""
-        if not self.cuda:
-            self.totals[name] = self.totals.get(name, 0.0) + span
-            return
-        pending = self.pending.setdefault(name, [])
-        pending.append(span)
-        if len(pending) > self.HELD:
-            self._fold(name, len(pending) - 1)
-
-    def _fold(self, name: str, n: int) -> None:
-        pending = self.pending[name]
-        done, self.pending[name] = pending[:n], pending[n:]
-        for a, b in done:
-            b.synchronize()
-        self.totals[name] = self.totals.get(name, 0.0) + sum(a.elapsed_time(b) for a, b in done) / 1e3
-
-    def held(self) -> int:
-        """Event pairs waiting to be folded (bounded by `HELD` per phase)."""
-        return sum(map(len, self.pending.values()))
-
-    def total(self, name: str) -> float:
-        if name in self.pending:
-            self._fold(name, len(self.pending[name]))
-        return self.totals.get(name, 0.0)
-
-
-class _Span:
-    def __init__(self, timer: PhaseTimer, name: str):
-        self.t, self.name = timer, name
-
-    def __enter__(self):
-        self.r = nvtx_range(self.name)
-        self.r.__enter__()
-        if self.t.cuda:
-            self.a = torch.cuda.Event(enable_timing=True)
-            self.a.record()
-        else:
-            self.a = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.t.cuda:
-            b = torch.cuda.Event(enable_timing=True)
-            b.record()
-            self.t.add(self.name, (self.a, b))
-        else:
-            self.t.add(self.name, time.perf_counter() - self.a)
-        self.r.__exit__(*exc)
-        return False
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
