@@ -292,11 +292,8 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
     sv.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (CUDA graphs)")
     sv.add_argument("--capture", action="store_true", help="capture every CUDA graph before serving")
-    sv.add_argument(
-        "--no-logprobs",
-        action="store_true",
-        help="capture no logprobs graphs (start-up); logprobs requests: 400",
-    )
+    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env K26_API_KEY)")
+    sv.add_argument("--no-logprobs", action="store_true", help="no logprobs graphs; logprobs requests: 400")
     sv.add_argument("--cache-dir", default=None, help="load cache: sliced, repacked weights, compile cache")
     sv.add_argument(
         "--allreduce",

@@ -3,8 +3,11 @@ scripted engine (it answers every row with fixed output ids, in random-sized eve
 thread would) stands in for the model, whose tiny embedded target never writes tool calls. Reasoning,
 content and tool calls come out the same whole and streamed; parallel_tool_calls = false keeps one call."""
 
+import json
 import random
 import threading
+import urllib.error
+import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -143,3 +146,52 @@ def test_a_server_without_logprobs_graphs_refuses_logprobs_by_name(tiny_k25):
             c.chat.completions.create(**ASK, logprobs=True)
         assert e.value.body["param"] == "logprobs"
         assert c.chat.completions.create(**ASK).choices[0].finish_reason == "stop"  # no tools: plain text
+
+
+def test_tokenize_builds_the_prompt_the_endpoints_build_and_detokenize_reads_it(tiny_k25):
+    from k26.chat import ChatFormat, render
+
+    tok = Tokenizer.from_dir(tiny_k25)
+    with serving(create_app(ScriptedEngine(tiny_k25, tok, two_calls(tok)), MODEL)) as url:
+        status, r = post(url, "/tokenize", {"model": MODEL, "prompt": "def main():"})
+        assert status == 200 and r["tokens"] == tok.encode("def main():") and r["count"] == len(r["tokens"])
+        chat = {"model": MODEL, "messages": ASK["messages"], "tools": TOOLS}
+        status, r = post(url, "/tokenize", chat)
+        assert r["tokens"] == render(tok, ASK["messages"], ChatFormat.for_model("kimi_k25"), TOOLS)
+        status, r = post(url, "/detokenize", {"model": MODEL, "tokens": tok.encode("def main():")})
+        assert (status, r["prompt"]) == (200, "def main():")
+        for path, body, param in [
+            ("/tokenize", {"model": MODEL}, "prompt"),
+            ("/tokenize", {"model": MODEL, "prompt": "x", "messages": []}, "prompt"),
+            ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens"),
+            ("/detokenize", {"model": "other", "tokens": [1]}, "model"),
+        ]:
+            status, r = post(url, path, body)
+            assert status in (400, 404) and r["error"]["param"] == param
+
+
+def test_an_api_key_guards_every_route_but_health_and_metrics(tiny_k25):
+    tok = Tokenizer.from_dir(tiny_k25)
+    with serving(create_app(ScriptedEngine(tiny_k25, tok, two_calls(tok)), MODEL, api_key="s3cret")) as url:
+        for key, ok in [("wrong", False), ("s3cret", True)]:
+            c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+            if ok:
+                assert c.chat.completions.create(**ASK).choices[0].finish_reason == "stop"
+                assert [m.id for m in c.models.list()] == [MODEL]
+            else:
+                with pytest.raises(openai.AuthenticationError):
+                    c.chat.completions.create(**ASK)
+        status, r = post(url, "/tokenize", {"model": MODEL, "prompt": "x"})  # no key at all
+        assert status == 401 and r["error"]["code"] == "invalid_api_key"
+        for path in ("/health", "/metrics"):
+            with urllib.request.urlopen(url + path, timeout=10) as r:
+                assert r.status == 200
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -10,7 +10,7 @@ import socket
 
 from .app import create_app
 from .engine import Engine
-from .protocol import APIError
+from .errors import APIError
 
 __all__ = ["APIError", "Engine", "create_app", "run_server"]
 
@@ -22,14 +22,15 @@ def run_server(
     port: int = 8000,
     sock: socket.socket | None = None,
     log_level: str = "info",
+    api_key: str | None = None,
 ) -> None:
-    """Start the engine thread, then serve HTTP until interrupted (blocking)."""
+    """Start the engine thread, then serve HTTP until interrupted (blocking); `api_key`: see `create_app`."""
     import uvicorn
 
     engine.start()
     try:
         config = uvicorn.Config(
-            create_app(engine, model_name),
+            create_app(engine, model_name, api_key),
             host=host,
             port=port,
             log_level=log_level,

@@ -7,6 +7,7 @@ that disconnects cancels its request, which frees its row at the next step bound
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -23,7 +24,7 @@ from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
 from .errors import APIError
 from .logprobs import Logprobs, cut_at
-from .protocol import choice, completion_body, parse, usage
+from .protocol import choice, completion_body, parse, prompt_ids, token_ids, usage
 
 
 @dataclass
@@ -44,9 +45,23 @@ class Served:
         return self.engine.llm
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
+def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app; with `api_key` every route but /health and /metrics wants `Authorization: Bearer <key>`."""
     app = FastAPI(title="k26", docs_url=None, redoc_url=None)
     s = Served(engine, model_name)
+
+    if api_key:
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            given = request.headers.get("authorization", "")
+            open_route = request.url.path in ("/health", "/metrics")
+            if not open_route and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                err = APIError(
+                    401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key"
+                )
+                return JSONResponse(err.body(), 401)
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -84,15 +99,33 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def chat(request: Request):
         return await generate(s, request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """A prompt's ids as /v1/completions (`prompt`) or /v1/chat/completions (`messages`, `tools`,
+        `chat_template_kwargs`) would build them, with their count and the context they go into."""
+        body = await _json(request)
+        ids = prompt_ids(body, s.llm.tokenizer, s.llm.config.vocab_size, s.fmt, model=s.model)
+        return {"count": len(ids), "max_model_len": s.llm.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json(request)
+        ids = token_ids(body, s.llm.config.vocab_size, model=s.model)
+        return {"prompt": s.llm.tokenizer.decode(ids)}
+
     return app
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
 async def generate(s: Served, request: Request, chat: bool):
     """Validate, queue for the engine (a row per choice), then answer whole or as a stream."""
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    body = await _json(request)
     llm = s.llm
     p = parse(
         body,

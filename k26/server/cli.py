@@ -66,8 +66,9 @@ def serve(a: argparse.Namespace) -> int:
         f"on {where}",
         file=sys.stderr,
     )
+    key = a.api_key or os.environ.get("K26_API_KEY") or None  # (the environment keeps it off `ps`)
     try:
-        run_server(engine, name, a.host, a.port)
+        run_server(engine, name, a.host, a.port, api_key=key)
     finally:
         llm.close()  # CUDA graphs, then the TP ranks this LLM started
     return 0

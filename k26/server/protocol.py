@@ -99,21 +99,8 @@ def parse(
     logprobs: bool = True,
 ) -> Parsed:
     """A validated request (`logprobs`: the server serves them; else asking for them is a 400)."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - (CHAT if chat else COMPLETION))
-    if unknown:
-        raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    _known(body, CHAT if chat else COMPLETION, model)
     _refuse_unserved(body)
-    if "model" not in body:
-        raise APIError(400, "missing required parameter: 'model'", "model")
-    if body["model"] != model:
-        raise APIError(
-            404,
-            f"the model {body['model']!r} does not exist; this server serves {model!r}",
-            "model",
-            code="model_not_found",
-        )
     turn = None
     if chat:
         ids, turn = parse_chat(body, tok, fmt)
@@ -165,6 +152,43 @@ def parse(
         turn,
         echo,
     )
+
+
+def _known(body: Any, keys: set[str], model: str) -> None:
+    """A JSON object of known keys, naming the model this server serves."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - keys)
+    if unknown:
+        raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    if "model" not in body:
+        raise APIError(400, "missing required parameter: 'model'", "model")
+    if body["model"] != model:
+        raise APIError(
+            404,
+            f"the model {body['model']!r} does not exist; this server serves {model!r}",
+            "model",
+            code="model_not_found",
+        )
+
+
+def prompt_ids(body: Any, tok: Tokenizer, vocab: int, fmt: ChatFormat, *, model: str) -> list[int]:
+    """/tokenize: a `prompt` (string or ids) or chat `messages` (with `tools`, `chat_template_kwargs`)."""
+    _known(body, {"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs"}, model)
+    if ("prompt" in body) == ("messages" in body):
+        raise APIError(400, "tokenize: give one of 'prompt' or 'messages'", "prompt")
+    if "messages" in body:
+        return parse_chat(body, tok, fmt)[0]
+    return _prompt(body["prompt"], tok, vocab, "prompt")
+
+
+def token_ids(body: Any, vocab: int, *, model: str) -> list[int]:
+    """/detokenize: `tokens`, ids of this vocabulary."""
+    _known(body, {"model", "tokens"}, model)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(_int(t) and 0 <= t < vocab for t in ids):
+        raise APIError(400, f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
+    return ids
 
 
 def _refuse_unserved(body: dict) -> None:
