@@ -7,12 +7,12 @@ it; no checkpoint's Jinja file is executed): `<|im_{user,assistant,system}|>{nam
 {body}<|im_end|>` per turn; tools declared first, as `<|im_system|>tool_declare<|im_middle|>{tools}
 <|im_end|>` (K2.5 / K2.6: the TypeScript-style declaration their tokenizer code writes, `chat_tools.py`;
 K2, or a schema that form does not cover: the template's JSON branch, compact, key-sorted); a tool call
-as `<|tool_call_begin|>
-functions.{name}:{i}<|tool_call_argument_begin|>{JSON}<|tool_call_end|>` inside one
-`<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` per turn; a tool result as a system-class
-turn `## Return of {id}\\n{content}`. K2.5 / K2.6 think: the generation prompt opens `<think>` (or closes
-an empty one when thinking is off) and an assistant turn before the last plain answer keeps only an empty
-`<think></think>`.
+as `<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{JSON}<|tool_call_end|>` inside
+one `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>` per turn; a tool result as a
+system-class turn `## Return of {id}\\n{content}`. K2.5 / K2.6 think: the generation prompt opens `<think>`
+(or closes an empty one when thinking is off), and an assistant turn up to the last plain answer keeps
+only an empty `<think></think>` (K2.6's preserve_thinking: every turn its reasoning); K2-Thinking's turns
+carry think blocks the same way, its generation prompt opens none.
 
 Security: every string from a message is encoded as ordinary text, so "<|im_end|>" typed by a user
 becomes plain BPE pieces, never the control token; only this module inserts special ids.
@@ -164,8 +164,8 @@ def render(
     ids: list[int] = []
     if tools:
         ids += _turn(tok, "<|im_system|>", "tool_declare", tok.encode(declare_tools(tools, fmt)))
-    # K2.5 / K2.6: assistant turns up to the last plain answer (no tool calls) keep an empty think block;
-    # the turns after it (the tool-call rounds of the answer being built) keep their reasoning
+    # K2.5 / K2.6 / K2-Thinking: assistant turns up to the last plain answer (no tool calls) keep an empty
+    # think block; the turns after it (the tool-call rounds of the answer being built) keep their reasoning
     answers = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
     last_answer = answers[-1] if answers and not fmt.preserve_thinking else -1
     for i, m in enumerate(msgs):
