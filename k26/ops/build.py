@@ -139,6 +139,17 @@ VARIANTS: dict[str, list[str]] = {
     # two score / P buffers; the next tile has one interval to land); bit-identical by construction,
     # not yet measured
     "-DK26_ATTN_ONE_BARRIER": ["mla_tree_attn.cu"],
+    # MoE one token: down + combine with the block's weights (int4 pairs + the shared expert's bf16 rows)
+    # staged in shared memory by cp.async before the PDL wait, 48 registers (4 blocks per SM: one wave);
+    # bit-identical, not yet measured
+    "-DK26_MOE_DOWN_STAGE": ["moe_w4a16.cu"],
+    # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
+    # (the second batch hits L2); bit-identical, not yet measured
+    "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
+    # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
+    # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
+    # bit-identical outputs (same sums, keys, tie order), not yet measured
+    "-DK26_ROUTER_POLL": ["moe_router.cu"],
 }
 
 

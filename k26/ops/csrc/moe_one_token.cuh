@@ -49,6 +49,15 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
     }
   };
   load(c_begin);  // the first weight batch is in flight while x is staged
+#ifdef K26_MOE_GU_L2AHEAD
+  // The rest of the warp's k range (K2.6 TP8: chunks 8-13, 3.4 KB) requested into L2 now, behind the first
+  // batch: the whole tile is in the DRAM queue at once and the second batch's loads (issued after the first
+  // is multiplied) hit L2 instead of a second loaded DRAM round trip. No registers, same loads, same bits.
+  for (int c = c_begin + kOneTokU; c < c_end; ++c) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + (tile_base + c) * 32 + lane));
+    if (lane == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s + (tile_base + c) * 16));
+  }
+#endif
   const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
   for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldg(x4 + i);
   __syncthreads();
@@ -159,5 +168,119 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
   out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
   MOE_TRACE(1, 3);
 }
+
+#ifdef K26_MOE_DOWN_STAGE
+// down_combine_one_token_staged (I <= 256: K2.6 at TP8; csrc/moe_w4a16.cu launches it in place of the kernel
+// above): the block's weights, every routed pair's int4 chunks and scales and the shared expert's bf16 rows
+// (31 KB), are copied into shared memory with cp.async BEFORE the grid-dependency wait: they are constants,
+// known once the ids are. After the wait a warp copies its act row (one 16-byte cp.async a lane, L2) and
+// multiplies from shared memory: no DRAM round trip after the wait (the kernel above: its routed weights one
+// L2 round trip, the shared expert's bf16 rows two DRAM ones). Nothing held in registers across the wait,
+// so <= 56 registers: 4 blocks per SM on sm_90 (all 448 blocks in one wave; above: 3, 396 slots), 3 on
+// sm_120 (shared memory; 188 SMs). Same fragments and mma order as the kernel above: bit-identical.
+// Legality: cp.async (sm_80+), mma.sync, griddepcontrol; 31.1 KB static shared memory.
+constexpr int kDownStageChunks = 4;  // I <= 64 * 4
+
+__device__ __forceinline__ void moe_cp_async16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void moe_cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+static __global__ void __launch_bounds__(kDownOneTokThreads, 4) down_combine_one_token_staged(
+    const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
+    int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
+    const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
+  constexpr int C = kDownStageChunks;
+  __shared__ uint4 ws[kDownOneTokPairs][C][32];  // routed pair k's chunks, lane-major as in global memory
+  __shared__ uint4 ss[kDownOneTokPairs][C][4];   // their scales: 16 words a chunk
+  __shared__ uint4 sh[C][4][32];                 // shared expert: [chunk][row g q0, q1, row g + 8 q0, q1][lane]
+  __shared__ uint4 xa[kDownOneTokPairs + 1][C * 8];  // warp w's act row (the shared warp's: slot topk)
+  __shared__ float ys[kDownOneTokPairs + 1][16];
+  __shared__ float weight[kDownOneTokPairs];
+  __shared__ int live[kDownOneTokPairs];
+  MOE_TRACE(1, 0);
+  pdl_trigger();  // the next kernel waits for us before reading out
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x, KC = I >> 6;
+  const bool shared = warp == kDownOneTokPairs;
+  int e = -1;  // ids and weights: complete at launch (see the kernel above)
+  float wgt = 0.f;
+  if (!shared && warp < topk) {
+    const int64_t id = __ldcg(ids + warp);
+    if (id >= 0 && id < E) e = (int)id, wgt = __ldg(topw + warp);
+  }
+  if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
+  const bool busy = shared ? sd != nullptr : e >= 0;
+  const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
+  if (busy && !shared) {  // the pair's weights into shared memory while the gate/up GEMM finishes
+    for (int c = 0; c < KC; ++c) moe_cp_async16(&ws[warp][c][lane], w2 + (base + c) * 32 + lane);
+    if (lane < 4 * KC) moe_cp_async16(&ss[warp][lane >> 2][lane & 3], s2 + (base + (lane >> 2)) * 16 + 4 * (lane & 3));
+  } else if (busy) {  // rows tile * 16 + g and + 8 of the shared expert's bf16 down [D, I] (shared_acc's)
+    const size_t row = (size_t)tile * 16 + g;
+    const uint4* ra = reinterpret_cast<const uint4*>(sd + row * I) + 2 * t;
+    const uint4* rb = reinterpret_cast<const uint4*>(sd + (row + 8) * I) + 2 * t;
+    for (int c = 0; c < KC; ++c)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        moe_cp_async16(&sh[c][q][lane], ra + c * 8 + q);
+        moe_cp_async16(&sh[c][2 + q][lane], rb + c * 8 + q);
+      }
+  }
+  pdl_wait();  // act comes from the gate/up GEMM
+  MOE_TRACE(1, 1);
+  const int slot = shared ? topk : warp;
+  if (busy && lane < KC * 8) moe_cp_async16(&xa[warp][lane], reinterpret_cast<const uint4*>(act + (size_t)slot * I) + lane);
+  moe_cp_async_wait_all();
+  __syncwarp();  // a warp reads only what its own lanes copied
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  if (busy) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      if (c >= KC) break;
+      // B: act of column g = 0 (the token), as the kernel above's brow loads; other columns zero
+      const uint4 bq[2] = {g == 0 ? xa[warp][c * 8 + 2 * t] : zero, g == 0 ? xa[warp][c * 8 + 2 * t + 1] : zero};
+      if (shared) {  // shared_acc<1, 1, false>'s fragments and order
+        const uint4 A[2] = {sh[c][0][lane], sh[c][1][lane]}, B[2] = {sh[c][2][lane], sh[c][3][lane]};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint4 &a4 = A[j >> 1], &b4 = B[j >> 1], &b = bq[j >> 1];
+          const uint32_t a[4] = {(j & 1) ? a4.z : a4.x, (j & 1) ? b4.z : b4.x, (j & 1) ? a4.w : a4.y,
+                                 (j & 1) ? b4.w : b4.y};
+          mma_bf16(acc, a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+        }
+      } else {
+        const uint4 wv = ws[warp][c][lane];
+        const uint32_t sv = reinterpret_cast<const uint32_t*>(&ss[warp][c][0])[2 * g + (t >> 1)];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t word = j == 0 ? wv.x : j == 1 ? wv.y : j == 2 ? wv.z : wv.w;
+          uint32_t a[4];
+          dequant(word, sv, a);
+          const uint4& b = bq[j >> 1];
+          mma_bf16(acc, a, (j & 1) ? b.z : b.x, (j & 1) ? b.w : b.y);
+        }
+      }
+    }
+  }
+  if (t == 0) {  // column 0 (the token): rows g and g + 8, rounded as y is stored
+    ys[warp][g] = bf16_round(acc[0]);
+    ys[warp][g + 8] = bf16_round(acc[2]);
+  }
+  MOE_TRACE(1, 2);
+  __syncthreads();
+  if (threadIdx.x >= 16) return;
+  const int r = threadIdx.x;
+  float sum = 0.f;
+  for (int k = 0; k < topk; ++k)
+    if (live[k]) sum += weight[k] * ys[k][r];
+  if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
+  out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
+  MOE_TRACE(1, 3);
+}
+#endif  // K26_MOE_DOWN_STAGE
 
 }  // namespace k26_moe
