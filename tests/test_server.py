@@ -108,6 +108,21 @@ def test_models_health_and_metrics(served):
         assert f"# TYPE {name} gauge" in text
 
 
+def test_latency_histograms_count_each_finished_request(served):
+    c, url = served["client"], served["url"]
+    names = ("k26_time_to_first_token_seconds", "k26_time_per_output_token_seconds", "k26_request_seconds")
+    before = {n: metric(url, n + "_count") for n in names}
+    c.completions.create(model=MODEL, prompt=PROMPTS[3], **greedy())  # 12 tokens: one of each
+    text = raw(url, "/metrics")[1]
+    for n in names:
+        assert f"# TYPE {n} histogram" in text and metric(url, n + "_count") == before[n] + 1
+        buckets = [float(line.split()[1]) for line in text.splitlines() if line.startswith(n + "_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == metric(
+            url, n + "_count"
+        )  # cumulative, +Inf last
+    assert 0 < metric(url, "k26_time_per_output_token_seconds_sum") <= metric(url, "k26_request_seconds_sum")
+
+
 def test_greedy_completion_equals_generate(served):
     c = served["client"]
     for p in PROMPTS[:3]:

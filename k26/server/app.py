@@ -24,6 +24,7 @@ from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
 from .errors import APIError
 from .logprobs import Logprobs, cut_at
+from .metrics import prometheus
 from .protocol import choice, completion_body, parse, prompt_ids, token_ids, usage
 
 
@@ -89,7 +90,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus(engine.metrics), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -328,41 +329,3 @@ _NONE = {
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def prometheus(engine: Engine) -> str:
-    m = engine.metrics
-    rows = [
-        ("k26_requests_total", "counter", "requests accepted into the queue (a row per choice)", m.requests),
-        ("k26_requests_finished_total", "counter", "requests that ran to a finish reason", m.finished),
-        (
-            "k26_requests_cancelled_total",
-            "counter",
-            "rows cancelled: their client went away, or a sibling choice failed",
-            m.cancelled,
-        ),
-        ("k26_requests_rejected_total", "counter", "rows refused with 429 (queue full)", m.rejected),
-        ("k26_prompt_tokens_total", "counter", "prompt tokens prefilled", m.prompt_tokens),
-        ("k26_generation_tokens_total", "counter", "tokens generated", m.generated_tokens),
-        ("k26_steps_total", "counter", "decode steps (one target forward each)", m.steps),
-        ("k26_step_seconds_total", "counter", "seconds spent in decode steps", m.step_seconds),
-        (
-            "k26_generation_tokens_per_second",
-            "gauge",
-            "tokens generated per second, last 10 s",
-            m.tokens_per_second(),
-        ),
-        (
-            "k26_tau",
-            "gauge",
-            "tokens per row per step (accepted drafts + 1)",
-            m.step_tokens / max(m.row_steps, 1),
-        ),
-        ("k26_step_seconds_mean", "gauge", "mean seconds per decode step", m.step_seconds / max(m.steps, 1)),
-        ("k26_requests_running", "gauge", "requests in the batch", m.running),
-        ("k26_requests_waiting", "gauge", "requests waiting for a free row", m.waiting),
-    ]
-    out = []
-    for name, kind, help_, value in rows:
-        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return "\n".join(out) + "\n"

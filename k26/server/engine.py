@@ -24,6 +24,7 @@ import torch
 from ..decode import BatchState
 from ..sampling import SamplingParams
 from ..spec.step import SpecConfig
+from .metrics import Metrics
 
 
 class QueueFull(Exception):
@@ -58,38 +59,13 @@ class Request:
     cancelled: bool = False  # set by the handler (client gone); the engine frees the row at the next boundary
     sent: int = 0  # tokens already pushed
     arrived: float = field(default_factory=time.perf_counter)
+    first: float | None = None  # when its first token was pushed
 
     def push(self, ev: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (self.choice, ev))
         except RuntimeError:  # the handler's loop is gone (server shutting down)
             self.cancelled = True
-
-
-@dataclass
-class Metrics:
-    """Counters and gauges for /metrics (read by the HTTP thread; plain ints and floats, no locks needed)."""
-
-    requests: int = 0
-    finished: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    row_steps: int = 0  # live rows summed over steps
-    step_tokens: int = 0  # tokens those steps emitted: step_tokens / row_steps is tau
-    step_seconds: float = 0.0
-    running: int = 0
-    waiting: int = 0
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # (time, tokens)
-
-    def tokens_per_second(self, window: float = 10.0) -> float:
-        now = time.perf_counter()
-        pts = [(t, n) for t, n in list(self.recent) if now - t <= window]
-        if len(pts) < 2:
-            return 0.0
-        return sum(n for _, n in pts[1:]) / max(pts[-1][0] - pts[0][0], 1e-9)
 
 
 class Engine:
@@ -238,11 +214,17 @@ class Engine:
             pl = out.prompt_logprobs if req.sent == 0 else None  # (the first publish always pushes)
             req.sent += len(new)
             total += len(new)
+            if new and req.first is None:
+                req.first = now
+                m.ttft.observe(now - req.arrived)
             if out.finish_reason is None:
                 if new:
                     req.push(Event(new, logprobs=lps, prompt_logprobs=pl))
                 continue
             req.push(Event(new, out.finish_reason, out.text, logprobs=lps, prompt_logprobs=pl))
+            m.e2e.observe(now - req.arrived)
+            if req.first is not None and req.sent > 1:
+                m.tpot.observe((now - req.first) / (req.sent - 1))
             self.llm.release(slot)
             del self.rows[slot]
             m.finished += 1
