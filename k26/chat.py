@@ -134,7 +134,8 @@ class ChatFormat:
             text = (path / "chat_template.jinja").read_text(errors="replace")
         elif (path / "tokenizer_config.json").is_file():
             with contextlib.suppress(ValueError, OSError):
-                t = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+                cfg = json.loads((path / "tokenizer_config.json").read_text())
+                t = cfg.get("chat_template") if isinstance(cfg, dict) else None
                 text = t if isinstance(t, str) else json.dumps(t) if t is not None else None
         return cls.for_model(model_type, text)
 

@@ -143,6 +143,11 @@ class BatchState:
     def add(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
         """Take requests into `slots`; rows with max_tokens 0 finish at once, the others become live (their
         prefill is the caller's). Returns the live ones."""
+        no_lp = self.graph is not None and "logprobs" not in self.graph.runners
+        if no_lp and any(p.logprobs is not None for p in params):
+            raise ValueError(
+                "SamplingParams.logprobs: this batch has no logprobs graphs (open_batch(logprobs=False))"
+            )
         dev = self.lens.device
         for b, p, sp in zip(slots, prompts, params):
             self.outs[b], self.params[b] = RequestOutput(p, logprobs=None if sp.logprobs is None else []), sp
@@ -205,11 +210,7 @@ class BatchState:
         self.emit(rows, {b: s.tokens[b] for b in rows}, s.logprobs)
 
     def emit(
-        self,
-        rows: list[int],
-        new: dict[int, list[int]],
-        lp: StepLogprobs | None = None,
-        at: dict | None = None,
+        self, rows: list[int], new: dict[int, list[int]], lp: StepLogprobs | None = None, at=None
     ) -> None:
         """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context; `lp`
         (host; row `at[b]` is slot b's, default b): their logprobs (the "logprobs" mode), kept for rows that
@@ -226,8 +227,8 @@ class BatchState:
                     o.logprobs.append(lps[j])
                 if (ts := self.texts[b]) is not None:
                     new_chars = len(ts.push([t]))  # only they can complete a stop string
-                    if (at := first_stop(ts.text, sp.stop, new_chars)) is not None:
-                        self.finish(b, "stop", text=ts.text[:at])
+                    if (cut := first_stop(ts.text, sp.stop, new_chars)) is not None:
+                        self.finish(b, "stop", text=ts.text[:cut])
                         break
                 if (
                     len(o.token_ids) >= sp.max_tokens

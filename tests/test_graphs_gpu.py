@@ -190,3 +190,11 @@ def test_a_batch_moves_in_and_out_of_the_logprobs_graphs_as_rows_come_and_go(pai
     (a0, a2, a1), (b0, b2, b1) = outs
     assert (a0, a2, a1.token_ids) == (b0, b2, b1.token_ids)
     assert [x.logprob for x in a1.logprobs] == pytest.approx([x.logprob for x in b1.logprobs], abs=1e-3)
+
+
+def test_a_batch_opened_without_logprobs_graphs_refuses_a_logprobs_row(pair):
+    graphed, _ = pair
+    graphed.open_batch(SpecConfig("ddtree", 5), 2, logprobs=False)
+    with pytest.raises(ValueError, match="SamplingParams.logprobs"):
+        graphed.admit([prompts(1, seed=3)[0]], [SamplingParams(max_tokens=4, logprobs=1)])
+    assert len(graphed.batch.free_slots()) == graphed.batch.capacity  # nothing taken

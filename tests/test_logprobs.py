@@ -88,3 +88,12 @@ def test_prompt_logprobs_equal_a_plain_forwards_log_softmax(llm, max_tokens):
         assert lp.logprob == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-4)
         assert [v for _, v in lp.top] == pytest.approx(ref[j - 1].topk(3).values.tolist(), abs=2e-4)
     assert len(out.token_ids) == max_tokens and out.logprobs is None
+
+
+def test_logprobs_rows_with_stop_strings_keep_their_own(llm):
+    """Several logprobs rows with stop strings in one batch: each row's logprobs are its own tokens'."""
+    sp = SamplingParams(max_tokens=12, logprobs=1, stop=["\n"], stop_token_ids=[])
+    outs = llm.generate(["def f(", "import os\n", "class A:"], sp, SpecConfig("ddtree", 8))
+    for out in outs:
+        if out.token_ids:
+            check_against_score(llm, out, 1)

@@ -4,6 +4,7 @@ a dropped client frees its row; every bad input gets its 4xx with an OpenAI-styl
 and duplicates nothing."""
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -308,6 +309,31 @@ def test_eight_concurrent_streams_each_equal_alone(served):
     assert together == alone
 
 
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_whole_answer_whose_client_left_frees_its_row(served, monkeypatch, keyed):
+    """Non-streamed: the handler looks for its client once a second — also behind the API key's middleware."""
+    llm, engine = served["llm"], served["engine"]
+    step = llm.step
+    monkeypatch.setattr(llm, "step", lambda: (time.sleep(0.1), step())[1])  # a request outlives its client
+    key = "k" if keyed else None
+    with serving(create_app(engine, MODEL, api_key=key)) as url:
+        before = metric(url, "k26_requests_cancelled_total")
+        body = json.dumps({"model": MODEL, "prompt": "def f(", "max_tokens": 80, "temperature": 0}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        head += (
+            f"Content-Length: {len(body)}\r\n" + (f"Authorization: Bearer {key}\r\n" if key else "") + "\r\n"
+        )
+        sock.sendall(head.encode() + body)
+        time.sleep(1.0)
+        sock.close()  # gone before its answer
+        deadline = time.time() + 15
+        while time.time() < deadline and metric(url, "k26_requests_cancelled_total") < before + 1:
+            time.sleep(0.1)
+        assert metric(url, "k26_requests_cancelled_total") == before + 1
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_dropped_client_frees_its_rows(served, n):
     url, c = served["url"], served["client"]
@@ -457,6 +483,12 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 0}, 400, "echo"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}},
+        400,
+        "stream_options",
+    ),
     *[
         (
             "/v1/chat/completions",

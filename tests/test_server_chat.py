@@ -163,6 +163,7 @@ def test_tokenize_builds_the_prompt_the_endpoints_build_and_detokenize_reads_it(
         for path, body, param in [
             ("/tokenize", {"model": MODEL}, "prompt"),
             ("/tokenize", {"model": MODEL, "prompt": "x", "messages": []}, "prompt"),
+            ("/tokenize", {"model": MODEL, "prompt": "x", "tools": TOOLS}, "tools"),
             ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens"),
             ("/detokenize", {"model": "other", "tokens": [1]}, "model"),
         ]:

@@ -148,7 +148,8 @@ VARIANTS: dict[str, list[str]] = {
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
-    # bit-identical outputs (same sums, keys, tie order), not yet measured
+    # bit-identical outputs (same sums, keys, tie order), not yet measured. One slot set per device: one
+    # router launch at a time (no bounded spin), emptied before the next by the PDL chain's waits
     "-DK26_ROUTER_POLL": ["moe_router.cu"],
 }
 

@@ -1,7 +1,8 @@
 """The HTTP layer (FastAPI + uvicorn): OpenAI-compatible /v1/models, /v1/completions and
-/v1/chat/completions (whole or streamed as server-sent events ending with `data: [DONE]`), /health and
-/metrics (Prometheus text). Handlers validate, submit to the engine thread and await its events; a client
-that disconnects cancels its request, which frees its row at the next step boundary.
+/v1/chat/completions (whole or streamed as server-sent events ending with `data: [DONE]`), /tokenize and
+/detokenize, /health and /metrics (Prometheus text); with an API key (`RequireKey`) every route but the
+last two wants it. Handlers validate, submit to the engine thread and await its events; a client that
+disconnects cancels its request, which frees its row at the next step boundary.
 """
 
 from __future__ import annotations
@@ -50,19 +51,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     """The app; with `api_key` every route but /health and /metrics wants `Authorization: Bearer <key>`."""
     app = FastAPI(title="k26", docs_url=None, redoc_url=None)
     s = Served(engine, model_name)
-
     if api_key:
-
-        @app.middleware("http")
-        async def authorize(request: Request, call_next):
-            given = request.headers.get("authorization", "")
-            open_route = request.url.path in ("/health", "/metrics")
-            if not open_route and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = APIError(
-                    401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key"
-                )
-                return JSONResponse(err.body(), 401)
-            return await call_next(request)
+        app.add_middleware(RequireKey, key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -115,6 +105,31 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return {"prompt": s.llm.tokenizer.decode(ids)}
 
     return app
+
+
+class RequireKey:
+    """Pure ASGI middleware: `Authorization: Bearer <key>` on every route but /health and /metrics (401
+    otherwise). Not Starlette's BaseHTTPMiddleware, under which a whole answer's handler no longer sees its
+    client leave (`request.is_disconnected`), so a dropped request would keep its row to the end."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = APIError(
+                    401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key"
+                )
+                await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send
+                )
+                return
+        await self.app(scope, receive, send)
 
 
 async def _json(request: Request):

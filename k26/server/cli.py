@@ -25,6 +25,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--port {a.port}: expected 0..65535")
     if a.max_batch < 1 or a.max_waiting < 1:
         raise ValueError("--max-batch and --max-waiting must be >= 1")
+    if a.api_key is not None and not a.api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
 

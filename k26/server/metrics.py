@@ -28,7 +28,7 @@ class Histogram:
         for le, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
             total += n
             out.append(f'{name}_bucket{{le="{le}"}} {total}')
-        return [*out, f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return [*out, f"{name}_sum {self.sum}", f"{name}_count {total}"]  # (+Inf's: one scrape, one count)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""OpenAI request validation and response shapes for /v1/completions and /v1/chat/completions.
+"""OpenAI request validation and response shapes for /v1/completions and /v1/chat/completions (the chat
+messages, tools and thinking switch: chat_api.py), and the bodies of /tokenize and /detokenize.
 
 Every bad input becomes an `APIError` (HTTP status, message naming the item, OpenAI error type and
 param) before any work reaches the engine; unsupported parameters are refused by name, never ignored.
@@ -121,7 +122,12 @@ def parse(
     if not isinstance(stream, bool):
         raise APIError(400, f"stream={stream!r}: expected true or false", "stream")
     opts = body.get("stream_options")
-    if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):
+    bad = (
+        not isinstance(opts, dict)
+        or set(opts) - {"include_usage"}
+        or opts.get("include_usage", False) not in (True, False)
+    )
+    if opts is not None and (not stream or bad):
         raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true", "stream_options")
     n = body.get("n")
     n = 1 if n is None else n
@@ -179,6 +185,9 @@ def prompt_ids(body: Any, tok: Tokenizer, vocab: int, fmt: ChatFormat, *, model:
         raise APIError(400, "tokenize: give one of 'prompt' or 'messages'", "prompt")
     if "messages" in body:
         return parse_chat(body, tok, fmt)[0]
+    chat_only = sorted({"tools", "tool_choice", "chat_template_kwargs"} & set(body))
+    if chat_only:
+        raise APIError(400, f"tokenize: {chat_only[0]} goes with 'messages', not 'prompt'", chat_only[0])
     return _prompt(body["prompt"], tok, vocab, "prompt")
 
 

@@ -244,7 +244,8 @@ def ar_step(
 @dataclass
 class Stepped:
     """What one step gave the host: the emitted tokens per row, their counts, the budget verified (DDTree;
-    else None) and, in the "logprobs" sampling mode, each emitted token's `TokenLogprob`s per row."""
+    else None) and, in the "logprobs" sampling mode, the emitted tokens' `StepLogprobs` on the host (row b
+    is slot b's; `StepLogprobs.row` reads one row)."""
 
     tokens: list[list[int]]
     counts: list[int]

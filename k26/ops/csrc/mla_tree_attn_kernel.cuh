@@ -32,7 +32,8 @@
 // (2026-12-02-bench_tree_attn-early-keys-h200.md).
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, ld.acquire and atomics (no warpgroup
-// MMA, TMA, tensor memory or clusters); <= 88 KB shared memory per block: legal on sm_120 (99 KB) and sm_90;
+// MMA, TMA, tensor memory or clusters); <= 88 KB shared memory per block (the -DK26_ATTN_ONE_BARRIER variant
+// 99,840 B, under sm_120's 101,376): legal on sm_120 (99 KB) and sm_90;
 // built for sm_90a and sm_120a.
 // Launch planning, workspace and the exports: csrc/mla_tree_attn.cu.
 // Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay; --rotary: the rotary query), results in
