@@ -57,3 +57,47 @@ def tiny_tp(tmp_path_factory):
 def drafter_dir(tiny_k25, tmp_path_factory):
     """A 2-layer DFlash drafter for tiny_k25 (the spec and graph tests' pair)."""
     return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_k25, layers=2, seed=5)
+
+
+@pytest.fixture(scope="session")
+def served():
+    """The embedded pair behind a real server on a free loopback port (DDTree, CPU, float32), with the
+    references the server tests compare to, computed before the engine thread owns the model."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from http_app import serving
+    from served import CHAT, MODEL, PROMPTS, SPEC
+
+    from k26 import LLM, SamplingParams
+    from k26.chat import ChatFormat, render
+    from k26.server import Engine, create_app
+
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=8, max_model_len=96)
+    # references first: once the engine runs, its thread alone may touch the model
+    refs = {p: llm.generate(p, SamplingParams(max_tokens=12), SPEC)[0] for p in PROMPTS}
+    short = {p: llm.generate(p, SamplingParams(max_tokens=2), SPEC)[0].text for p in PROMPTS}
+    lp_ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, logprobs=3), SPEC)[0]
+    scored = llm.generate(PROMPTS[2], SamplingParams(max_tokens=0, prompt_logprobs=1), SPEC)[0]
+    fmt = ChatFormat.for_model(llm.config.model_type)
+    chats = {
+        on: llm.generate(
+            render(llm.tokenizer, CHAT, fmt.with_thinking(on)), SamplingParams(max_tokens=8), SPEC
+        )[0]
+        for on in (True, False)
+    }
+    engine = Engine(llm, SPEC, max_waiting=64)
+    engine.start()
+    with serving(create_app(engine, MODEL)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        yield {
+            "url": url,
+            "client": client,
+            "engine": engine,
+            "refs": refs,
+            "short": short,
+            "llm": llm,
+            "chats": chats,
+            "lp_ref": lp_ref,
+            "scored": scored,
+        }
+    engine.stop()
