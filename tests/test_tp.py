@@ -10,6 +10,10 @@ import torch
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.tiny import write_tiny_checkpoint, write_tiny_drafter
 
+# logprobs of the generated and the prompt tokens: the logprobs sampling mode and the prefill's chunks, whose
+# collectives every rank must make alike
+LOGPROBS = SamplingParams(max_tokens=6, stop_token_ids=[], logprobs=2, prompt_logprobs=2)
+
 
 @pytest.fixture(scope="module")
 def reference(tiny_tp):
@@ -26,12 +30,21 @@ def reference(tiny_tp):
         [o.token_ids for o in llm.generate(prompts, sp, SpecConfig("ar"))],
         prompts,
         sp,
+        llm.generate(prompts, LOGPROBS, SpecConfig("ddtree", 6)),
+    )
+
+
+def same_logprobs(a, b) -> bool:
+    flat = [(x.logprob, *(v for _, v in x.top)) for o in a for x in [*o.prompt_logprobs[1:], *o.logprobs]]
+    want = [(x.logprob, *(v for _, v in x.top)) for o in b for x in [*o.prompt_logprobs[1:], *o.logprobs]]
+    return [o.token_ids for o in a] == [o.token_ids for o in b] and torch.allclose(
+        torch.tensor(flat), torch.tensor(want), atol=1e-4
     )
 
 
 def test_tp4_matches_tp1(tiny_tp, reference):
     d, dr = tiny_tp
-    ids, logits1, ar1, prompts, sp = reference
+    ids, logits1, ar1, prompts, sp, lp1 = reference
     llm = LLM(
         d, drafter=dr, device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128, tp=4
     )
@@ -40,6 +53,7 @@ def test_tp4_matches_tp1(tiny_tp, reference):
         assert ((logits - logits1).norm() / logits1.norm()).item() < 1e-5
         assert [o.token_ids for o in llm.generate(prompts, sp, SpecConfig("ar"))] == ar1
         assert [o.token_ids for o in llm.generate(prompts, sp, SpecConfig("ddtree", 6))] == ar1
+        assert same_logprobs(llm.generate(prompts, LOGPROBS, SpecConfig("ddtree", 6)), lp1)
         llm._check_workers()
     finally:
         llm.close()
@@ -49,7 +63,7 @@ def test_tp_stream_stopped_early_keeps_ranks_in_step(tiny_tp, reference):
     """A caller that leaves `stream()` after the first piece: the ranks ran the whole stream, so the next
     calls must still pair their collectives with the ranks' (before the fix, gloo reported a mismatch)."""
     d, dr = tiny_tp
-    ids, logits1, ar1, prompts, sp = reference
+    ids, logits1, ar1, prompts, sp, _ = reference
     llm = LLM(
         d, drafter=dr, device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128, tp=2
     )
@@ -69,7 +83,7 @@ def test_tp2_from_a_script_on_stdin_matches_tp1(tiny_tp, reference, tmp_path):
     """TP 2 driven from `python -` (multiprocessing's spawn would re-run a `__main__` that is no file): the
     same checks as TP 4, in that script against this process's TP 1 results."""
     d, dr = tiny_tp
-    ids, logits1, ar1, prompts, sp = reference
+    ids, logits1, ar1, prompts, sp, _ = reference
     torch.save({"ids": ids, "logits": logits1, "ar": ar1, "prompts": prompts}, tmp_path / "ref.pt")
     script = textwrap.dedent(f"""
         import torch
