@@ -314,6 +314,10 @@ def test_head_topk_and_argmax_match_full_vocab(llm):
     want_lp, want_ids = full.topk(9, dim=-1)
     assert torch.allclose(lp, want_lp, atol=1e-5) and torch.equal(ids, want_ids)
     assert torch.equal(head.argmax(h), full.argmax(-1))
+    ids = torch.randint(0, full.shape[-1], (2, 3), generator=torch.Generator().manual_seed(3))
+    tl = head.token_logprobs(h, ids, 4)  # (TP > 1: test_tp's prompt logprobs)
+    assert torch.allclose(tl.chosen, full.gather(-1, ids[..., None])[..., 0], atol=1e-5)
+    assert torch.allclose(tl.top, want_lp[..., :4], atol=1e-5) and torch.equal(tl.top_ids, want_ids[..., :4])
 
 
 def test_spec_runs_to_the_context_end_like_ar(tiny_k25, drafter_dir):

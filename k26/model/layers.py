@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.k26.linear)
 from ..ops.reference import rms_norm
+from ..sampling import StepLogprobs, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,23 @@ class VocabHead(nn.Module):
             v, j = v.topk(min(k, v.shape[-1]), dim=-1)
             i = i.gather(-1, j)
         return v - lse[..., None], i
+
+    def token_logprobs(self, x: torch.Tensor, ids: torch.Tensor, k: int) -> StepLogprobs:
+        """`sampling.token_logprobs` of `ids` (top k) without gathering the vocabulary: each rank's
+        log-sum-exp, top k and (on the rank that holds it) the chosen token's logit, merged as `topk_logprobs`
+        does — a few values per rank instead of [..., vocab] fp32 on every rank."""
+        local = self.local_logits(x)
+        if self.tp.size == 1:
+            return token_logprobs(local, ids, k)
+        lse = self.tp.gather(local.logsumexp(-1, keepdim=True)).logsumexp(-1, keepdim=True)
+        v, i = local.topk(min(k, self.part), dim=-1)
+        v, i = self.tp.gather(v), self.tp.gather(i + self.tp.rank * self.part)
+        v, j = v.topk(min(k, v.shape[-1]), dim=-1)
+        at = ids - self.tp.rank * self.part
+        mine = local.gather(-1, at.clamp(0, self.part - 1)[..., None])[..., 0]
+        mine = torch.where((at >= 0) & (at < self.part), mine, float("-inf"))
+        chosen = self.tp.gather(mine[..., None]).max(-1).values  # (one rank holds each id)
+        return StepLogprobs(chosen - lse[..., 0], i.gather(-1, j), v - lse)
 
 
 def use_linear_kernel(model: nn.Module, on: bool = True) -> int:

@@ -301,13 +301,13 @@ def along(x: torch.Tensor, index_BJ: torch.Tensor) -> torch.Tensor:
 
 def prompt_logprobs(target: KimiK2, h_TD: torch.Tensor, ids: list[int], k: int, chunk: int = 256) -> list:
     """`TokenLogprob`s of ids[1:] (each given the tokens before it; top k) from a prompt's prefill hidden
-    states h_TD [len(ids), D]: the logits a chunk of positions at a time (a whole prompt's [T, vocabulary]
-    at once would be gigabytes at K2.6 scale)."""
+    states h_TD [len(ids), D]: a chunk of positions at a time, each rank's vocabulary shard merged without a
+    gather (`VocabHead.token_logprobs`; a whole prompt's [T, vocabulary] would be gigabytes at K2.6 scale)."""
     out = []
     for a in range(0, len(ids) - 1, chunk):
         b = min(len(ids) - 1, a + chunk)
         nxt = torch.tensor(ids[a + 1 : b + 1], device=h_TD.device)
-        out += token_logprobs(target.logits(h_TD[a:b])[None], nxt[None], k).cpu().row(0, b - a, k)
+        out += target.lm_head.token_logprobs(h_TD[a:b][None], nxt[None], k).cpu().row(0, b - a, k)
     return out
 
 
