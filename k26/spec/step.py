@@ -302,13 +302,17 @@ def along(x: torch.Tensor, index_BJ: torch.Tensor) -> torch.Tensor:
 def prompt_logprobs(target: KimiK2, h_TD: torch.Tensor, ids: list[int], k: int, chunk: int = 256) -> list:
     """`TokenLogprob`s of ids[1:] (each given the tokens before it; top k) from a prompt's prefill hidden
     states h_TD [len(ids), D]: a chunk of positions at a time, each rank's vocabulary shard merged without a
-    gather (`VocabHead.token_logprobs`; a whole prompt's [T, vocabulary] would be gigabytes at K2.6 scale)."""
-    out = []
-    for a in range(0, len(ids) - 1, chunk):
-        b = min(len(ids) - 1, a + chunk)
-        nxt = torch.tensor(ids[a + 1 : b + 1], device=h_TD.device)
-        out += target.lm_head.token_logprobs(h_TD[a:b][None], nxt[None], k).cpu().row(0, b - a, k)
-    return out
+    gather (`VocabHead.token_logprobs`; a whole prompt's [T, vocabulary] would be gigabytes at K2.6 scale);
+    the chunks' few values kept on the device and read back once."""
+    h, nxt = h_TD[: len(ids) - 1], torch.tensor(ids[1:], device=h_TD.device)  # position j predicts ids[j + 1]
+    parts = [
+        target.lm_head.token_logprobs(h[a : a + chunk][None], nxt[a : a + chunk][None], k)
+        for a in range(0, len(ids) - 1, chunk)
+    ]
+    if not parts:
+        return []
+    lp = StepLogprobs(*(torch.cat([getattr(p, f) for p in parts], 1) for f in ("chosen", "top_ids", "top")))
+    return lp.cpu().row(0, len(ids) - 1, k)
 
 
 def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:
