@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,15 +130,9 @@ class ChatFormat:
     def of_checkpoint(cls, path: str | Path, model_type: str) -> ChatFormat:
         """`for_model` with the template the checkpoint ships (chat_template.jinja, or tokenizer_config.json's
         chat_template), read only to tell K2-Thinking from K2: prompts are built here, never by the Jinja."""
-        path, text = Path(path), None
-        if (path / "chat_template.jinja").is_file():
-            text = (path / "chat_template.jinja").read_text(errors="replace")
-        elif (path / "tokenizer_config.json").is_file():
-            with contextlib.suppress(ValueError, OSError):
-                cfg = json.loads((path / "tokenizer_config.json").read_text())
-                t = cfg.get("chat_template") if isinstance(cfg, dict) else None
-                text = t if isinstance(t, str) else json.dumps(t) if t is not None else None
-        return cls.for_model(model_type, text)
+        files = [Path(path) / n for n in ("chat_template.jinja", "tokenizer_config.json")]
+        stamp = tuple((f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else None for f in files)
+        return cls.for_model(model_type, _shipped_template(str(path), stamp))
 
     def with_thinking(self, on: bool | None, preserve: bool | None = None) -> ChatFormat:
         """Thinking switched per request (chat_template_kwargs `thinking`, K2.6's `preserve_thinking`);
@@ -148,6 +143,21 @@ class ChatFormat:
             raise ValueError("this model's chat format has no thinking switch (K2.5 / K2.6 only)")
         keep = self.preserve_thinking if preserve is None else preserve
         return dataclasses.replace(self, thinking=self.thinking if on is None else on, preserve_thinking=keep)
+
+
+@functools.lru_cache(maxsize=8)  # (LLM.chat_ids builds every prompt through it: read once per file version)
+def _shipped_template(path: str, stamp: tuple) -> str | None:
+    """The chat template a checkpoint ships (chat_template.jinja, else tokenizer_config.json's), or None;
+    `stamp`: the two files' (mtime, size), so an edited file is read again."""
+    d, text = Path(path), None
+    if (d / "chat_template.jinja").is_file():
+        text = (d / "chat_template.jinja").read_text(errors="replace")
+    elif (d / "tokenizer_config.json").is_file():
+        with contextlib.suppress(ValueError, OSError):
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+            t = cfg.get("chat_template") if isinstance(cfg, dict) else None
+            text = t if isinstance(t, str) else json.dumps(t) if t is not None else None
+    return text
 
 
 def render(
@@ -252,7 +262,7 @@ class ChatParser:
 
     def __init__(self, tok: Tokenizer, thinking: bool, tools: bool = True):
         self.tok = tok
-        names = _MARKERS if tools else _MARKERS[:2]
+        names = MARKERS if tools else MARKERS[:2]
         self.sp = {tok.special_ids[n]: n for n in names if n in tok.special_ids}
         self.parts: list[Part] = [Part("reasoning" if thinking else "content", -1, 0)]
         self.reasoned = thinking  # a reasoning channel exists (opened by the prompt or the model)
@@ -386,7 +396,7 @@ class ChatParser:
         return piece
 
 
-_MARKERS = (
+MARKERS = (
     "<think>",
     "</think>",
     "<|tool_calls_section_begin|>",

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from k26.chat import DEFAULT_SYSTEM, ChatFormat, ChatParser, Message, ToolCall, render
+from k26.chat import DEFAULT_SYSTEM, MARKERS, ChatFormat, ChatParser, Message, ToolCall, render
 from k26.tokenizer import Tokenizer
 
 K25 = ChatFormat.for_model("kimi_k25")
@@ -367,16 +367,7 @@ def test_parser_joins_a_character_split_by_a_marker_as_plain_decoding_does(tok):
     assert (p.reasoning(), p.content()) == ("ok ", "你xy")
 
 
-SCRAPS = [
-    "<think>",
-    "</think>",
-    "<|tool_calls_section_begin|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-    "<|tool_calls_section_end|>",
-    "<|im_middle|>",
-]
+SCRAPS = [*MARKERS, "<|im_middle|>"]  # the parser's markers and a special it leaves out
 
 
 @pytest.mark.parametrize("seed", range(40))

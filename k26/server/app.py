@@ -204,6 +204,10 @@ class Answer:
         for r in self.reqs:
             r.cancelled = True
 
+    def logprobs(self, tok) -> list[Logprobs | None]:
+        """Each choice's logprobs reader (None for a choice that did not ask)."""
+        return [Logprobs(tok, self.chat) if r.params.logprobs is not None else None for r in self.reqs]
+
     def body(self, s: Served, choices: list[dict], use: dict | None, delta: bool = False) -> dict:
         return completion_body(self.rid, s.model, self.chat, choices, use, delta, self.created)
 
@@ -211,7 +215,7 @@ class Answer:
 async def whole(s: Served, request: Request, a: Answer):
     """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
     ids: list[list[int]] = [[] for _ in a.reqs]
-    lps = [Logprobs(s.llm.tokenizer, a.chat) if r.params.logprobs is not None else None for r in a.reqs]
+    lps = a.logprobs(s.llm.tokenizer)
     last: list[Event | None] = [None] * len(a.reqs)
     echoed: list[tuple[str, dict | None]] = [("", None)] * len(a.reqs)
     clock = asyncio.get_running_loop().time
@@ -267,7 +271,7 @@ async def stream(s: Served, a: Answer):
         ChatStream(tok, a.turn, r.params.stop) if a.turn is not None else _TextStream(tok, r.params.stop)
         for r in a.reqs
     ]
-    lps = [Logprobs(tok, a.chat) if r.params.logprobs is not None else None for r in a.reqs]
+    lps = a.logprobs(tok)
     tokens, open_, seen = 0, n, [False] * n
     try:
         if a.chat:  # each choice's role comes first, as OpenAI's stream does

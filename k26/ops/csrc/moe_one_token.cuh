@@ -91,6 +91,29 @@ constexpr int kDownOneTokPairs = 8;  // topk <= 8
 constexpr int kDownOneTokThreads = 32 * (kDownOneTokPairs + 1);
 constexpr int kDownOneTokU = 4;  // chunks in flight per warp, as the general down GEMM
 
+// The one-token down kernels' tail: each warp's column 0 (the token: rows g and g + 8 of the tile, y0 and y8)
+// rounded as y is stored, then the first 16 threads' weighted sum over the live pairs (plus the shared
+// expert's row, after the routed sum's rounding) written once: deterministic, no atomics.
+__device__ __forceinline__ void one_token_combine(float (*ys)[16], const float* weight, const int* live, int topk,
+                                                  bool shared, float y0, float y8, int tile,
+                                                  __nv_bfloat16* __restrict__ out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  if (t == 0) {
+    ys[warp][g] = bf16_round(y0);
+    ys[warp][g + 8] = bf16_round(y8);
+  }
+  MOE_TRACE(1, 2);
+  __syncthreads();
+  if (threadIdx.x >= 16) return;
+  const int r = threadIdx.x;
+  float sum = 0.f;
+  for (int k = 0; k < topk; ++k)
+    if (live[k]) sum += weight[k] * ys[k][r];
+  if (shared) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
+  out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
+  MOE_TRACE(1, 3);
+}
+
 static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
     int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
@@ -153,20 +176,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
       }
     }
   }
-  if (t == 0) {  // column 0 (the token): rows g (element 0) and g + 8 (element 2), rounded as y is stored
-    ys[warp][g] = bf16_round(acc[0][0][0]);
-    ys[warp][g + 8] = bf16_round(acc[0][0][2]);
-  }
-  MOE_TRACE(1, 2);
-  __syncthreads();
-  if (threadIdx.x >= 16) return;
-  const int r = threadIdx.x;
-  float sum = 0.f;
-  for (int k = 0; k < topk; ++k)
-    if (live[k]) sum += weight[k] * ys[k][r];
-  if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
-  out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
-  MOE_TRACE(1, 3);
+  one_token_combine(ys, weight, live, topk, sd != nullptr, acc[0][0][0], acc[0][0][2], tile, out);
 }
 
 #ifdef K26_MOE_DOWN_STAGE
@@ -266,20 +276,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads, 4) down_combine_one
       }
     }
   }
-  if (t == 0) {  // column 0 (the token): rows g and g + 8, rounded as y is stored
-    ys[warp][g] = bf16_round(acc[0]);
-    ys[warp][g + 8] = bf16_round(acc[2]);
-  }
-  MOE_TRACE(1, 2);
-  __syncthreads();
-  if (threadIdx.x >= 16) return;
-  const int r = threadIdx.x;
-  float sum = 0.f;
-  for (int k = 0; k < topk; ++k)
-    if (live[k]) sum += weight[k] * ys[k][r];
-  if (sd) sum = bf16_round(sum) + ys[kDownOneTokPairs][r];
-  out[(size_t)tile * 16 + r] = __float2bfloat16(sum);
-  MOE_TRACE(1, 3);
+  one_token_combine(ys, weight, live, topk, sd != nullptr, acc[0], acc[2], tile, out);
 }
 #endif  // K26_MOE_DOWN_STAGE
 

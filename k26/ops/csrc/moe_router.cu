@@ -309,6 +309,25 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
   TRACE(11);
 }
 
+// The grid that is all resident at once for `Kernel` (its barrier, or a block that polls, needs every block
+// running): SMs x occupancy, queried once per device (a host call per launch before; graph capture launches
+// once, but eager steps launch every time).
+template <auto Kernel>
+int resident_grid() {
+  static int cached[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 64 || cached[dev] == 0) {
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0);
+    const int grid = sms * (per_sm > 0 ? per_sm : 1);
+    if (dev >= 64) return grid;
+    cached[dev] = grid;
+  }
+  return cached[dev];
+}
+
 #ifdef K26_ROUTER_POLL
 #include "moe_router_poll.cuh"  // the one-token variant without the arrival count
 #endif
@@ -317,20 +336,13 @@ struct Plan {
   int nt, ks, chunks_per_ks, grid;
 };
 
-template <int NT>
-int max_grid() {
-  int dev = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, router_kernel<NT>, kThreads, 0);
-  return sms * (per_sm > 0 ? per_sm : 1);
-}
-
 // Token tile from M; enough k ranges that ~2 blocks per SM stream W, never more than the resident grid.
 Plan plan(int M, int D, int E) {
   Plan p;
   p.nt = M <= 8 ? 1 : M <= 16 ? 2 : 4;  // more tokens: more token tiles (NT 8 would hold 1 block per SM)
-  const int limit = p.nt == 1 ? max_grid<1>() : p.nt == 2 ? max_grid<2>() : max_grid<4>();
+  const int limit = p.nt == 1   ? resident_grid<router_kernel<1>>()
+                    : p.nt == 2 ? resident_grid<router_kernel<2>>()
+                                : resident_grid<router_kernel<4>>();
   const int kc = D / 64, row_tiles = (E + 15) / 16, m_tiles = (M + 8 * p.nt - 1) / (8 * p.nt);
   // k ranges: as many as fit one resident wave, at most one per two chunks per warp (fewer partials to sum).
   const int cap = kc / (2 * kWarps) > 0 ? kc / (2 * kWarps) : 1;
@@ -370,7 +382,7 @@ K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, i
          M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, table_gt, table_S, scale};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
 #ifdef K26_ROUTER_POLL
-  if (M == 1 && n_group == 1 && topk <= kFastTopk && E <= kPollE && p.ks <= kPollKs && p.grid <= poll_grid())
+  if (M == 1 && n_group == 1 && topk <= kFastTopk && E <= kPollE && p.ks <= kPollKs && p.grid <= resident_grid<router_poll_kernel>())
     return (int)launch_pdl(router_poll_kernel, dim3(p.grid), dim3(kThreads), 0, pdl != 0, st, a);
 #endif
   void (*kernel)(Args) = p.nt == 1 ? router_kernel<1> : p.nt == 2 ? router_kernel<2> : router_kernel<4>;

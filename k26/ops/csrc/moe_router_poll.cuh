@@ -177,10 +177,3 @@ __global__ void __launch_bounds__(kThreads, 2) router_poll_kernel(Args a) {
   TRACE(11);
 }
 
-int poll_grid() {
-  int dev = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, router_poll_kernel, kThreads, 0);
-  return sms * per_sm;
-}
