@@ -296,6 +296,12 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--no-logprobs", action="store_true", help="no logprobs graphs; logprobs requests: 400")
     sv.add_argument("--cache-dir", default=None, help="load cache: sliced, repacked weights, compile cache")
     sv.add_argument(
+        "--no-prefix-cache", action="store_true", help="prefill every prompt whole (no reuse of cached rows)"
+    )
+    sv.add_argument(
+        "--prefill-chunk", type=_positive, default=256, help="prompt positions per row and prefill forward"
+    )
+    sv.add_argument(
         "--allreduce",
         choices=["fused", "calibrate", "nccl"],
         default="fused",

@@ -11,6 +11,8 @@ import torch
 
 from .config import ModelConfig
 from .graphs.buckets import Bucket
+from .sampling import SamplingParams
+from .spec.prefill import MAX_CHUNK
 from .spec.step import SpecConfig, verify_nodes
 from .tokenizer import Tokenizer
 
@@ -82,6 +84,12 @@ def check_lengths(config: ModelConfig, max_model_len: int | None, max_batch: int
     return max_model_len
 
 
+def check_chunk(chunk: int) -> None:
+    """The prefill's positions per row and forward: 1 up to the attention kernel's largest query."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"prefill_chunk={chunk!r}: expected an integer in [1, {MAX_CHUNK}]")
+
+
 def check_buckets(buckets: Sequence[tuple[int, int]] | None, max_batch: int) -> list[Bucket] | None:
     """The user's graph buckets (batch, verify tokens), each within max_batch; None: the default ones."""
     user = [Bucket(*b) for b in buckets] if buckets else None
@@ -138,6 +146,22 @@ def prompt_list(prompts) -> list:
     if not prompts:
         raise ValueError("prompts is empty")
     return prompts
+
+
+def check_request(
+    sampling: SamplingParams | None, spec: SpecConfig | None, block: int | None, max_model_len: int
+) -> tuple[SamplingParams, SpecConfig]:
+    """A call's sampling and speculative method (defaults: SamplingParams(); DDTree with a drafter of
+    `block` tokens per block, else autoregressive), checked and fitted to the context."""
+    sp = sampling or SamplingParams()
+    spec = spec or SpecConfig(method="ddtree" if block is not None else "ar")
+    if not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be a k26.SpecConfig, got {type(spec).__name__}")
+    if spec.method != "ar" and block is None:
+        raise ValueError(f"spec method {spec.method!r} needs a drafter: LLM(..., drafter=DIR)")
+    if not isinstance(sp, SamplingParams):
+        raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
+    return sp, spec if spec.method == "ar" else fit_spec(spec, max_model_len, block)
 
 
 def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfig:

@@ -1,7 +1,8 @@
 """`LLM`: load a checkpoint directory, score token sequences, and generate autoregressively.
 
-Prompts of one call are prefilled together (right-padded: a causal query never sees the padding) and
-then decoded one token per step for the whole batch, each sequence in its own cache row.
+Prompts of one call are prefilled together (a chunk of positions per forward, from where a cache row
+already holds their prefix: `prefix_cache.py`) and then decoded a step at a time for the whole batch, each
+sequence in its own cache row.
 """
 
 from __future__ import annotations
@@ -18,28 +19,31 @@ import torch
 from .chat import ChatFormat, Message, render
 from .checks import (
     check_buckets,
+    check_chunk,
     check_device,
     check_ids,
     check_lengths,
     check_precision,
+    check_request,
     check_tokenizer,
-    fit_spec,
     prompt_list,
 )
 from .config import ModelConfig
-from .decode import DecodeContext, Decoder
+from .decode import Decoder
+from .decode_context import DecodeContext
 from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
-from .model import AttnBatch, CompiledLayers, KimiK2
+from .model import CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
-from .outputs import RequestOutput
-from .sampling import MODES, SamplingParams, stop_prefix_len
+from .outputs import RequestOutput, StreamedText
+from .sampling import MODES, SamplingParams
+from .spec.prefill import MAX_CHUNK, prefill
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
-from .tokenizer import TextStream, Tokenizer
+from .tokenizer import Tokenizer
 from .tp_driver import RankGroup, releasing_ranks_on_failure, surfacing_rank_errors
 
 Prompt = str | Sequence[int]
@@ -66,12 +70,16 @@ class LLM:
         cache_dir: str | Path | None = None,
         capture: bool = False,
         allreduce: str = "fused",
+        prefix_cache: bool = True,
+        prefill_chunk: int = MAX_CHUNK,
     ):
         # Ranks 1..tp-1 build this same LLM: every keyword argument travels (a new one too), see below.
         rank_kw = {k: v for k, v in locals().items() if k not in ("self", "model_path")}
         check_world(tp)
         check_allreduce(allreduce)
         check_device(device)
+        check_chunk(prefill_chunk)
+        self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
 
@@ -215,6 +223,8 @@ class LLM:
             self.progress,
             drafter_fwd=self.drafter_fwd,
             compiled=self.compiled,
+            prefix_cache=self.prefix_cache,
+            chunk=self.prefill_chunk,
         )
 
     # -- tensor parallel driven from one Python process -------------------------------------------
@@ -277,27 +287,30 @@ class LLM:
     @torch.inference_mode()
     @surfacing_rank_errors
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """float32 logits [T, vocab] of every position of one sequence, computed in a single forward."""
+        """float32 logits [T, vocab] of every position of one sequence (its prefill in cache row 0, a chunk
+        of positions per forward)."""
         ids = self._check_ids(token_ids, "token_ids")
         self._mirror("score", ids)
-        rows = torch.zeros(1, dtype=torch.long, device=self.device)
-        batch = AttnBatch.causal(torch.zeros(1, dtype=torch.long, device=self.device), len(ids), rows)
-        h, _ = self.model(
-            torch.tensor([ids], device=self.device), batch, self.cache.kv_LRTC, absorb=self.absorb
+        self._overwriting_rows()
+        hs: list[torch.Tensor] = []
+        prefill(
+            self.decoder.ctx.models(),
+            [ids],
+            [0],
+            False,
+            chunk=self.prefill_chunk,
+            each=lambda i, h, at: hs.append(h),
         )
-        return self.model.logits(h[0])
+        return self.model.logits(torch.cat(hs))
+
+    def _overwriting_rows(self) -> None:
+        """score / generate write cache rows that an open batch's prefix cache may count on: it forgets."""
+        if getattr(self, "batch", None) is not None:
+            self.batch.prefix.clear()
 
     def _prepare(self, prompts, sampling, spec):
-        sp = sampling or SamplingParams()
-        spec = spec or SpecConfig(method="ddtree" if self.drafter is not None else "ar")
-        if not isinstance(spec, SpecConfig):
-            raise TypeError(f"spec must be a k26.SpecConfig, got {type(spec).__name__}")
-        if spec.method != "ar" and self.drafter is None:
-            raise ValueError(f"spec method {spec.method!r} needs a drafter: LLM(..., drafter=DIR)")
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
-        if spec.method != "ar":
-            spec = fit_spec(spec, self.max_model_len, self.drafter.cfg.block_size)
+        block = None if self.drafter is None else self.drafter.cfg.block_size
+        sp, spec = check_request(sampling, spec, block, self.max_model_len)
         return [self._encode(p, i) for i, p in enumerate(prompt_list(prompts))], sp, spec
 
     @torch.inference_mode()
@@ -311,24 +324,13 @@ class LLM:
         if len(encoded) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
         self._mirror("stream", encoded[0], sp, spec)
-        ts, sent, o = TextStream(self.tokenizer), 0, None  # sent: characters yielded so far
+        text, o = StreamedText(self.tokenizer, sp.stop), None
         steps = self.decoder.run(encoded, sp, spec)
         try:
             for outs in steps:
                 o = outs[0]
-                ts.push(o.token_ids[ts.ids :])
-                if o.finish_reason == "stop":
-                    text = o.text  # cut before the stop string (empty when it came first)
-                    end = len(text)
-                elif o.finish_reason is not None:
-                    text = ts.finish()
-                    end = len(text)
-                else:  # what may begin a stop string waits for the next tokens
-                    text = ts.text
-                    end = len(text) - stop_prefix_len(text, sp.stop)
-                if end > sent:
-                    yield text[sent:end]
-                    sent = end
+                if new := text.push(o):
+                    yield new
         except GeneratorExit:
             if self._ranks is not None:
                 # The caller stopped iterating early: the ranks run the mirrored stream to its end, so this
@@ -350,6 +352,7 @@ class LLM:
         method (default: DDTree with a drafter loaded, else autoregressive)."""
         encoded, sp, spec = self._prepare(prompts, sampling, spec)
         self._mirror("generate", encoded, sp, spec)
+        self._overwriting_rows()
         outs: list[RequestOutput] = []
         for start in range(0, len(encoded), self.cache.rows):
             last = None

@@ -32,6 +32,10 @@ class LatentCache:
     def max_len(self) -> int:
         return self.kv_LRTC.shape[2]
 
+    def copy(self, src: int, dst: int, start: int, end: int) -> None:
+        """Positions [start, end) of row `src` into row `dst` (a cached prefix reused, prefix_cache.py)."""
+        self.kv_LRTC[:, dst, start:end].copy_(self.kv_LRTC[:, src, start:end])
+
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> int:
         return cfg.num_hidden_layers * cfg.latent_dim * torch.finfo(dtype).bits // 8
@@ -54,3 +58,8 @@ class DrafterCache:
         return cls(
             torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         )
+
+    def copy(self, src: int, dst: int, start: int, end: int) -> None:
+        """Context positions [start, end) of row `src` into row `dst` (prefix_cache.py)."""
+        for t in (self.k, self.v):
+            t[:, dst, start:end].copy_(t[:, src, start:end])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sampling import TokenLogprob
+from .sampling import TokenLogprob, stop_prefix_len
+from .tokenizer import TextStream, Tokenizer
 
 
 @dataclass
@@ -33,3 +34,27 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0  # prompt tokens whose prefill a cache row already held (prefix_cache.py)
+
+
+class StreamedText:
+    """One output's text as it grows, handed out in increments (`LLM.stream`): whole UTF-8 characters
+    only, and what may still begin a stop string held back until the next tokens tell."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+        self.ts, self.stop, self.sent = TextStream(tokenizer), stop, 0  # sent: characters handed out
+
+    def push(self, o: RequestOutput) -> str:
+        """The text `o` adds since the last call ("" if none yet)."""
+        self.ts.push(o.token_ids[self.ts.ids :])
+        if o.finish_reason == "stop":
+            text = o.text  # cut before the stop string (empty when it came first)
+            end = len(text)
+        elif o.finish_reason is not None:
+            text = self.ts.finish()
+            end = len(text)
+        else:  # what may begin a stop string waits for the next tokens
+            text = self.ts.text
+            end = len(text) - stop_prefix_len(text, self.stop)
+        new, self.sent = text[self.sent : end], max(self.sent, end)
+        return new

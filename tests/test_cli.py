@@ -16,8 +16,8 @@ import torch
 
 import k26
 from k26.__main__ import main
+from k26.checks import fit_spec
 from k26.embedded import default_drafter_dir, default_model_dir
-from k26.engine import fit_spec
 from k26.profiling import nvtx_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,6 +325,20 @@ def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, c
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
     assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2
     assert "--cache-dir" in capsys.readouterr().err
+
+
+def test_serve_prefix_cache_flags_reach_the_llm_and_a_bad_chunk_is_refused_before_loading(
+    llm_kwargs, monkeypatch, capsys
+):
+    with pytest.raises(_Built):
+        main(["serve", "--no-prefix-cache", "--prefill-chunk", "64"])
+    assert (llm_kwargs["prefix_cache"], llm_kwargs["prefill_chunk"]) == (False, 64)
+    with pytest.raises(_Built):
+        main(["serve"])
+    assert (llm_kwargs["prefix_cache"], llm_kwargs["prefill_chunk"]) == (True, 256)
+    monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --prefill-chunk was checked"))
+    assert main(["serve", "--prefill-chunk", "300"]) == 2
+    assert "--prefill-chunk 300" in capsys.readouterr().err
 
 
 def test_generate_start_up_flags_reach_the_llm(llm_kwargs, tmp_path):

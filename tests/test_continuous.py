@@ -129,7 +129,8 @@ def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch, where):
     """A prefill that fails (out of memory, say), or the rows' bookkeeping failing partway (the first row
     taken, the second not: it was a seed torch.Generator refused), raises to the caller and leaves its rows
     free, so later requests still get rows (they leaked, and a server ran out of rows and hung)."""
-    import k26.decode
+    import k26.admission
+    import k26.batch_state
 
     llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
     sp = SamplingParams(max_tokens=4, stop_token_ids=[])
@@ -143,7 +144,7 @@ def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch, where):
         ("prefill", sp) if where == "prefill" else ("TextStream", SamplingParams(max_tokens=4, stop="x"))
     )
     with monkeypatch.context() as mp:
-        mp.setattr(k26.decode, name, failing)
+        mp.setattr(k26.admission if name == "prefill" else k26.batch_state, name, failing)
         with pytest.raises(RuntimeError, match="simulated"):
             llm.admit([[5, 17, 300], [8, 9, 10]], [sp, second])
     assert len(state.free_slots()) == 2 and not state.live

@@ -7,7 +7,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from served import CHAT, MODEL, PROMPTS, greedy
+from served import CHAT, MODEL, PROMPTS, greedy, metric
 
 from k26 import SamplingParams
 from k26.chat import ChatFormat, Message, ToolCall, render
@@ -233,3 +233,28 @@ def test_n_choices_are_queued_together_or_not_at_all(served):
         engine.max_waiting = 64
         loop.close()
     assert len(c.completions.create(model=MODEL, prompt="x", max_tokens=1, n=4).choices) == 4
+
+
+def test_a_follow_up_prompt_reports_the_tokens_its_row_held(served):
+    """A prompt that extends an earlier request's prompt and answer starts where that row's cache holds it:
+    usage says how many prompt tokens were not prefilled (whole and streamed), /metrics counts them."""
+    c, url = served["client"], served["url"]
+    first = c.completions.create(model=MODEL, prompt=PROMPTS[6], **greedy())
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    follow = PROMPTS[6] + first.choices[0].text + "\n"
+    before = metric(url, "k26_prefix_cache_hit_tokens_total")
+    r = c.completions.create(model=MODEL, prompt=follow, temperature=0, max_tokens=2)
+    hit = r.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= hit < r.usage.prompt_tokens
+    assert metric(url, "k26_prefix_cache_hit_tokens_total") == before + hit
+    chunks = list(
+        c.completions.create(
+            model=MODEL,
+            prompt=follow,
+            temperature=0,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1

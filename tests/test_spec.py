@@ -343,7 +343,7 @@ def test_ar_fallback_near_the_context_end_keeps_the_drafter_context(tiny_k25, dr
     """Row 0 runs out of room for a verify tree first, so the whole batch steps autoregressively for a
     while; row 1's drafter context must still hold every committed position, exactly what a prefill of
     its whole sequence writes (else its later drafts read stale features)."""
-    from k26.spec.step import prefill
+    from k26.spec.prefill import prefill
 
     llm = LLM(
         tiny_k25,
@@ -359,7 +359,7 @@ def test_ar_fallback_near_the_context_end_keeps_the_drafter_context(tiny_k25, dr
     seq = prompts[1] + out[1].token_ids
     n = len(seq) - 1  # the last token is the pending bonus: not in any cache yet
     m = llm.decoder.ctx.models()
-    prefill(m, [seq[:n]], torch.tensor([2]), aux=True)  # row 2: the batch used rows 0 and 1
+    prefill(m, [seq[:n]], [2], aux=True)  # row 2: the batch used rows 0 and 1
     k = llm.dcache.k
     stale = ((k[:, 1, :n] - k[:, 2, :n]).abs().amax((0, 2, 3)) > 1e-4).nonzero()[:, 0].tolist()
     assert not stale, f"drafter context differs at positions {stale} of {n}"

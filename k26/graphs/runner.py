@@ -56,6 +56,7 @@ class StepState:
 
     def reset(self) -> None:
         (
+            self.rows.copy_(torch.arange(self.rows.shape[0])),
             self.start.zero_(),
             self.bonus.zero_(),
             self.alive.zero_(),

@@ -170,6 +170,7 @@ async def generate(s: Served, request: Request, chat: bool):
         p.include_usage,
         p.turn,
         p.echo,
+        p.n,
     )
     try:
         s.engine.submit(a.reqs)
@@ -198,6 +199,7 @@ class Answer:
     include_usage: bool
     turn: ChatTurn | None  # chat: how to read each choice's output
     echo: bool = False  # completions: each choice's text begins with its prompt's
+    n: int = 1  # choices per prompt
     created: int = field(default_factory=lambda: int(time.time()))
 
     def cancel(self) -> None:
@@ -208,6 +210,12 @@ class Answer:
         """Each choice's logprobs reader (None for a choice that did not ask)."""
         return [Logprobs(tok, self.chat) if r.params.logprobs is not None else None for r in self.reqs]
 
+    def usage(self, completion: int, hits: list[int]) -> dict:
+        """Usage; cached_tokens per prompt: what none of its choices prefilled (the first one prefills
+        what the others copy), so that it never exceeds prompt_tokens."""
+        cached = sum(min(hits[k : k + self.n]) for k in range(0, len(hits), self.n))
+        return usage(self.prompt_tokens, completion, cached)
+
     def body(self, s: Served, choices: list[dict], use: dict | None, delta: bool = False) -> dict:
         return completion_body(self.rid, s.model, self.chat, choices, use, delta, self.created)
 
@@ -215,6 +223,7 @@ class Answer:
 async def whole(s: Served, request: Request, a: Answer):
     """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
     ids: list[list[int]] = [[] for _ in a.reqs]
+    hits = [0] * len(a.reqs)
     lps = a.logprobs(s.llm.tokenizer)
     last: list[Event | None] = [None] * len(a.reqs)
     echoed: list[tuple[str, dict | None]] = [("", None)] * len(a.reqs)
@@ -239,6 +248,7 @@ async def whole(s: Served, request: Request, a: Answer):
             if a.echo and last[i] is None:
                 echoed[i] = _echo(s, a, i, ev, lps[i])
             ids[i] += ev.token_ids
+            hits[i] += ev.cached_tokens
             if lps[i] is not None:
                 lps[i].push(ev.token_ids, ev.logprobs)
             last[i] = ev
@@ -258,7 +268,7 @@ async def whole(s: Served, request: Request, a: Answer):
         if plp is not None:
             logprobs = {k: plp[k] + logprobs[k] for k in logprobs}
         choices.append(choice(False, prompt + text, ev.finish_reason, i, logprobs=logprobs))
-    return a.body(s, choices, usage(a.prompt_tokens, sum(map(len, ids))))
+    return a.body(s, choices, a.usage(sum(map(len, ids)), hits))
 
 
 async def stream(s: Served, a: Answer):
@@ -272,7 +282,7 @@ async def stream(s: Served, a: Answer):
         for r in a.reqs
     ]
     lps = a.logprobs(tok)
-    tokens, open_, seen = 0, n, [False] * n
+    tokens, hits, open_, seen = 0, [0] * n, n, [False] * n
     try:
         if a.chat:  # each choice's role comes first, as OpenAI's stream does
             for i in range(n):
@@ -284,6 +294,7 @@ async def stream(s: Served, a: Answer):
                 yield _sse(APIError(500, ev.error, type="server_error").body())
                 break
             tokens += len(ev.token_ids)
+            hits[i] += ev.cached_tokens
             r, lp, done = readers[i], lps[i], ev.finish_reason is not None
             if a.echo and not seen[i]:  # the prompt first, with its tokens' logprobs
                 text, obj = _echo(s, a, i, ev, lp)
@@ -306,7 +317,7 @@ async def stream(s: Served, a: Answer):
                 open_ -= 1
         else:
             if a.include_usage:
-                yield _sse(a.body(s, [], usage(a.prompt_tokens, tokens), delta=True))
+                yield _sse(a.body(s, [], a.usage(tokens, hits), delta=True))
         yield "data: [DONE]\n\n"
     finally:  # normal end, or the client went away (the response task is cancelled)
         a.cancel()

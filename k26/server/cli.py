@@ -27,6 +27,10 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("--max-batch and --max-waiting must be >= 1")
     if a.api_key is not None and not a.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
+    if not 1 <= a.prefill_chunk <= 256:
+        raise ValueError(
+            f"--prefill-chunk {a.prefill_chunk}: expected 1..256 (the attention kernel's largest query)"
+        )
     if a.max_model_len is not None and a.max_model_len < 2:
         raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
 
@@ -59,6 +63,8 @@ def serve(a: argparse.Namespace) -> int:
         capture=a.capture,
         cache_dir=a.cache_dir,
         allreduce=a.allreduce,
+        prefix_cache=not a.no_prefix_cache,
+        prefill_chunk=a.prefill_chunk,
     )
     name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
     engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting, logprobs=not a.no_logprobs)

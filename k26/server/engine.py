@@ -46,6 +46,7 @@ class Event:
     error: str | None = None
     logprobs: list | None = None  # the new tokens' `TokenLogprob`s (the request asked for logprobs)
     prompt_logprobs: list | None = None  # the first event of a request that asked: its prompt tokens
+    cached_tokens: int = 0  # the first event: prompt tokens its row already held (usage's cached_tokens)
 
 
 @dataclass(eq=False)  # identity: the engine looks requests up among its rows
@@ -177,6 +178,7 @@ class Engine:
                 slots = llm.admit([r.prompt_ids for r in admit], [r.params for r in admit])
                 self.rows.update(zip(slots, admit))
                 m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
+                m.cached_tokens += sum(state.outs[s].cached_tokens for s in slots)
                 self._publish(state, slots)
             if state.live:
                 t0 = time.perf_counter()
@@ -212,6 +214,7 @@ class Engine:
             new = out.token_ids[req.sent :]
             lps = None if out.logprobs is None else out.logprobs[req.sent : req.sent + len(new)]
             pl = out.prompt_logprobs if req.sent == 0 else None  # (the first publish always pushes)
+            hit = out.cached_tokens if req.sent == 0 else 0
             req.sent += len(new)
             total += len(new)
             if new and req.first is None:
@@ -219,9 +222,11 @@ class Engine:
                 m.ttft.observe(now - req.arrived)
             if out.finish_reason is None:
                 if new:
-                    req.push(Event(new, logprobs=lps, prompt_logprobs=pl))
+                    req.push(Event(new, logprobs=lps, prompt_logprobs=pl, cached_tokens=hit))
                 continue
-            req.push(Event(new, out.finish_reason, out.text, logprobs=lps, prompt_logprobs=pl))
+            req.push(
+                Event(new, out.finish_reason, out.text, logprobs=lps, prompt_logprobs=pl, cached_tokens=hit)
+            )
             m.e2e.observe(now - req.arrived)
             if req.first is not None and req.sent > 1:
                 m.tpot.observe((now - req.first) / (req.sent - 1))

@@ -40,6 +40,7 @@ class Metrics:
     cancelled: int = 0
     rejected: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a cache row already held (no prefill)
     generated_tokens: int = 0
     steps: int = 0
     row_steps: int = 0  # live rows summed over steps
@@ -72,7 +73,13 @@ def prometheus(m: Metrics) -> str:
             m.cancelled,
         ),
         ("k26_requests_rejected_total", "counter", "rows refused with 429 (queue full)", m.rejected),
-        ("k26_prompt_tokens_total", "counter", "prompt tokens prefilled", m.prompt_tokens),
+        ("k26_prompt_tokens_total", "counter", "prompt tokens admitted", m.prompt_tokens),
+        (
+            "k26_prefix_cache_hit_tokens_total",
+            "counter",
+            "prompt tokens a cache row already held (reused, not prefilled)",
+            m.cached_tokens,
+        ),
         ("k26_generation_tokens_total", "counter", "tokens generated", m.generated_tokens),
         ("k26_steps_total", "counter", "decode steps (one target forward each)", m.steps),
         ("k26_step_seconds_total", "counter", "seconds spent in decode steps", m.step_seconds),

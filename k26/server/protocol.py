@@ -316,8 +316,14 @@ def _number(body: dict, name: str, default: float) -> float:
 
 
 # -- responses ------------------------------------------------------------------------------------
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; `cached`: prompt tokens served from the prefix cache."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def choice(

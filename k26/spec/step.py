@@ -13,7 +13,6 @@ import torch
 from ..kv_cache import DrafterCache
 from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
-from ..profiling import nvtx_range
 from ..sampling import RowSampling, StepLogprobs, sample_rows, token_logprobs
 from .accept import accept_paths, accept_paths_compiled, commit_latent
 from .budget import truncate_tree
@@ -274,45 +273,9 @@ def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling, cont
     return Stepped([[t] for t in bonus.tolist()], counts, None, None if lp is None else lp.cpu())
 
 
-def prefill(m: StepModels, prompts: list[list[int]], rows, aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts (right-padded: a causal query never sees the padding) through the target into their cache
-    `rows`, and (`aux`) their features into the drafter's context; returns the final hidden states
-    [B, T, D] (a row's last position: lens - 1) and the prompt lengths [B]."""
-    dev = m.cache_LRTC.device
-    B, T = len(prompts), max(map(len, prompts))
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in prompts], device=dev)
-    aux_layers = m.drafter.cfg.target_layer_ids if aux else ()
-    with nvtx_range("prefill"):
-        batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long, device=dev), T, rows, prefill=True)
-        h, feats = m.target(ids.to(dev), batch, m.cache_LRTC, aux_layers=aux_layers, absorb=m.absorb)
-        if aux_layers:
-            pos = torch.arange(T, device=dev).expand(B, T)
-            m.drafter.append_context(m.dcache.k, m.dcache.v, feats, pos, rows, valid_BC=pos < lens[:, None])
-    return h, lens
-
-
 def along(x: torch.Tensor, index_BJ: torch.Tensor) -> torch.Tensor:
     """x [B, N, ...] at positions index_BJ of each row: [B, J, ...]."""
     return x.gather(1, index_BJ.view(*index_BJ.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
-
-
-def prompt_logprobs(target: KimiK2, h_TD: torch.Tensor, ids: list[int], k: int, chunk: int = 256) -> list:
-    """`TokenLogprob`s of ids[1:] (each given the tokens before it; top k) from a prompt's prefill hidden
-    states h_TD [len(ids), D]: a chunk of positions at a time, each rank's vocabulary shard merged without a
-    gather (`VocabHead.token_logprobs`; a whole prompt's [T, vocabulary] would be gigabytes at K2.6 scale);
-    the chunks' few values kept on the device and read back once."""
-    h, nxt = h_TD[: len(ids) - 1], torch.tensor(ids[1:], device=h_TD.device)  # position j predicts ids[j + 1]
-    parts = [
-        target.lm_head.token_logprobs(h[a : a + chunk][None], nxt[a : a + chunk][None], k)
-        for a in range(0, len(ids) - 1, chunk)
-    ]
-    if not parts:
-        return []
-    lp = StepLogprobs(*(torch.cat([getattr(p, f) for p in parts], 1) for f in ("chosen", "top_ids", "top")))
-    return lp.cpu().row(0, len(ids) - 1, k)
 
 
 def time_step(m: StepModels, spec: SpecConfig, batch: int, at: int) -> float:

@@ -1,0 +1,213 @@
+"""The rows of one decoding batch and their bookkeeping: admission, emitted tokens, stops, stats, release,
+and what each cache row holds for the next prompt (`prefix_cache.PrefixCache`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .graphs.stepper import GraphStepper
+from .outputs import RequestOutput
+from .prefix_cache import PrefixCache, cached_tokens
+from .sampling import RowSampling, SamplingParams, StepLogprobs, sampling_mode
+from .spec.budget import BudgetPolicy
+from .spec.step import SpecConfig, Stepped
+from .spec.timer import PhaseTimer
+from .tokenizer import TextStream, Tokenizer, first_stop
+
+
+@dataclass
+class BatchState:
+    """The rows of one batch and their bookkeeping: admission, emitted tokens, stops, stats, release. The
+    device tensors are the graphs' static buffers in graph mode, so the host writes admitted and retired
+    rows straight into what the next replay reads. `rows[b]`: the cache row slot b runs in (its own while
+    it holds a live request; idle slots of a speculative batch all run in the parking row)."""
+
+    spec: SpecConfig
+    rows: torch.Tensor  # [cap] cache row per slot
+    lens: torch.Tensor  # [cap] committed length per row
+    bonus: torch.Tensor  # [cap] next root token
+    alive: torch.Tensor  # [cap] bool
+    shared: torch.Generator  # draws of sampled rows without a seed of their own
+    noise: torch.Tensor | None  # [cap, nodes, V] Exp(1) draws (sampled rows), allocated when first needed
+    nodes: int  # verify tokens a step may write past a row's length
+    room: int  # the longest sequence that still has cache room for a speculative step (DecodeContext.room)
+    tokenizer: Tokenizer  # decodes the outputs' text
+    max_model_len: int
+    vocab: int
+    graph: GraphStepper | None = None
+    policy: BudgetPolicy | None = None
+    outs: list[RequestOutput | None] = field(init=False)  # per slot, sized by __post_init__
+    params: list[SamplingParams | None] = field(init=False)
+    stops: list[frozenset[int]] = field(init=False)
+    texts: list[TextStream | None] = field(init=False)  # rows with stop strings: their text as it grows
+    gens: list[torch.Generator | None] = field(init=False)
+    live: list[int] = field(default_factory=list)
+    timer: PhaseTimer | None = None
+    rs: RowSampling | None = None  # eager: rebuilt when rows come or go
+    prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
+    filled: list[bool] = field(init=False)  # the slot's prompt was prefilled into its row
+    row_of: list[int] = field(init=False)  # `rows` as the host last wrote it
+
+    def __post_init__(self) -> None:
+        cap = self.capacity
+        self.outs, self.params, self.gens = [None] * cap, [None] * cap, [None] * cap
+        self.stops = [frozenset()] * cap
+        self.texts = [None] * cap
+        self.prefix = PrefixCache(cap)
+        self.filled = [False] * cap
+        self.row_of = list(range(cap))
+
+    @property
+    def capacity(self) -> int:
+        return self.lens.shape[0]
+
+    def free_slots(self) -> list[int]:
+        return [b for b in range(self.capacity) if self.outs[b] is None]
+
+    @property
+    def mode(self) -> str:
+        """The cheapest sampling mode (`sampling.MODES`) that serves every live row."""
+        return sampling_mode(self.params[b] for b in self.live)
+
+    def has_room(self) -> bool:
+        """Whether every live row still has cache room for a speculative step."""
+        lengths = (len(self.outs[b].prompt_token_ids) + len(self.outs[b].token_ids) for b in self.live)
+        return max(lengths, default=0) <= self.room
+
+    def add(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+        """Take requests into `slots`; rows with max_tokens 0 finish at once, the others become live (their
+        prefill is the caller's). Returns the live ones."""
+        no_lp = self.graph is not None and "logprobs" not in self.graph.runners
+        if no_lp and any(p.logprobs is not None for p in params):
+            raise ValueError(
+                "SamplingParams.logprobs: this batch has no logprobs graphs (open_batch(logprobs=False))"
+            )
+        dev = self.lens.device
+        for b, p, sp in zip(slots, prompts, params):
+            self.outs[b], self.params[b] = RequestOutput(p, logprobs=None if sp.logprobs is None else []), sp
+            self.stops[b] = frozenset(
+                sp.stop_token_ids if sp.stop_token_ids is not None else self.tokenizer.stop_ids
+            )
+            self.gens[b] = None if sp.seed is None else torch.Generator(device=dev).manual_seed(sp.seed)
+            self.texts[b] = TextStream(self.tokenizer) if sp.stop else None
+            self.prefix.admitted(b)
+            if self.graph is not None:  # the per-row sampling the captured step reads
+                st = self.graph.state
+                st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
+        self.rs = None
+        go = [b for b, sp in zip(slots, params) if sp.max_tokens > 0]
+        if self.policy is not None:
+            self.policy.admit(go)
+        for b, sp in zip(slots, params):
+            if sp.max_tokens == 0:
+                self.finish(b, "length")
+        self.live += go
+        return go
+
+    def release(self, slot: int) -> RequestOutput | None:
+        """Free a slot (a finished row, or a cancelled request: its row stops at the next step)."""
+        out = self.outs[slot]
+        if slot in self.live:
+            self.live.remove(slot)
+        self.alive[slot] = False
+        if out is not None:
+            held = cached_tokens(out.prompt_token_ids, out.token_ids) if self.filled[slot] else []
+            self.prefix.released(slot, held)
+        self.filled[slot] = False
+        self.outs[slot] = self.params[slot] = self.gens[slot] = self.texts[slot] = None
+        self.rs = None
+        return out
+
+    def held(self) -> dict[int, list[int]]:
+        """The tokens each occupied slot's cache row holds (for `PrefixCache.plan`)."""
+        return {
+            b: cached_tokens(o.prompt_token_ids, o.token_ids)
+            for b, o in enumerate(self.outs)
+            if o is not None and self.filled[b] and b not in self.prefix.spoiled
+        }
+
+    def park(self) -> None:
+        """Point idle slots at the parking row (`PrefixCache.park`) before a speculative step, so they
+        overwrite no row that holds a prefix worth keeping."""
+        idle = [b for b in range(self.capacity) if b not in self.live]
+        p = self.prefix.park(idle, self.free_slots())
+        want = [b if b in self.live or p is None else p for b in range(self.capacity)]
+        if want != self.row_of:
+            self.rows.copy_(torch.tensor(want))
+            self.row_of = want
+
+    def sampling(self, rows: list[int], nodes: int | None = None) -> RowSampling:
+        """The batch's per-row sampling, with fresh noise for `rows` when any live row samples."""
+        sampled = [b for b in rows if self.params[b].temperature > 0]
+        if self.graph is not None:
+            st = self.graph.state
+            rs = RowSampling.in_mode(self.mode, st.temperature, st.top_p, st.top_k, st.noise)
+        else:
+            if self.rs is None:  # live rows only: a finished, unreleased row must not turn sampling on
+                live = [self.params[b] if b in self.live else None for b in range(self.capacity)]
+                self.rs = RowSampling.of(live, self.lens.device)
+            rs = self.rs
+            if sampled and self.noise is None:
+                self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
+            rs.noise = self.noise if not rs.greedy else None
+        if sampled:
+            n = nodes or self.nodes
+            for b in sampled:
+                self.noise[b, :n].exponential_(1.0, generator=self.gens[b] or self.shared)
+        return rs
+
+    def record(self, rows: list[int], s: Stepped) -> None:
+        """One step of `rows`: its stats, then its tokens (`emit`)."""
+        for b in rows:
+            st = self.outs[b].stats
+            st.accepted_per_step.append(s.counts[b])
+            st.steps += 1
+            if s.budget is not None:
+                st.budgets.append(s.budget)
+        self.emit(rows, {b: s.tokens[b] for b in rows}, s.logprobs)
+
+    def emit(
+        self, rows: list[int], new: dict[int, list[int]], lp: StepLogprobs | None = None, at=None
+    ) -> None:
+        """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context; `lp`
+        (host; row `at[b]` is slot b's, default b): their logprobs (the "logprobs" mode), kept for rows that
+        asked."""
+        for b in rows:
+            o, sp = self.outs[b], self.params[b]
+            lps = None if o.logprobs is None else lp.row(at[b] if at else b, len(new[b]), sp.logprobs)
+            for j, t in enumerate(new[b]):
+                if t in self.stops[b]:
+                    self.finish(b, "stop")
+                    break
+                o.token_ids.append(t)
+                if lps is not None:
+                    o.logprobs.append(lps[j])
+                if (ts := self.texts[b]) is not None:
+                    new_chars = len(ts.push([t]))  # only they can complete a stop string
+                    if (cut := first_stop(ts.text, sp.stop, new_chars)) is not None:
+                        self.finish(b, "stop", text=ts.text[:cut])
+                        break
+                if (
+                    len(o.token_ids) >= sp.max_tokens
+                    or len(o.prompt_token_ids) + len(o.token_ids) >= self.max_model_len
+                ):
+                    self.finish(b, "length")
+                    break
+
+    def finish(self, b: int, reason: str, text: str | None = None) -> None:
+        """End row b; `text` is the output cut before a stop string (possibly empty), else the decode."""
+        o = self.outs[b]
+        o.finish_reason = reason
+        if self.graph is not None:
+            o.stats.host_s = self.graph.host_s
+        elif self.timer is not None:  # batch-wide phase totals so far (one sync, at the end of a row)
+            o.stats.draft_s, o.stats.verify_s = self.timer.total("draft"), self.timer.total("verify")
+        if text is None:
+            ts = self.texts[b]
+            text = ts.finish() if ts is not None else self.tokenizer.decode(o.token_ids, skip_special=True)
+        o.text = text
+        if b in self.live:
+            self.live.remove(b)
+            self.alive[b] = False
