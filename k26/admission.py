@@ -19,6 +19,7 @@ def admit(
     holds a prefix, or a copy from one), prefill the rest of them together (one forward per chunk and
     wave) and emit their first token; returns the slots (the caller checked there are enough)."""
     dev = ctx.device
+    state.unpark()  # every row holds what the prefix cache says it holds
     # prefilled: rows that generate, and rows asking for prompt logprobs
     pre = [i for i, sp in enumerate(params) if sp.max_tokens > 0 or sp.prompt_logprobs is not None]
     asked = [None if i not in pre else p for i, p in enumerate(prompts)]

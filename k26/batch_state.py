@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .graphs.stepper import GraphStepper
+from .kv_cache import HeadStash
 from .outputs import RequestOutput
 from .prefix_cache import PrefixCache, cached_tokens
 from .sampling import RowSampling, SamplingParams, StepLogprobs, sampling_mode
@@ -46,6 +47,7 @@ class BatchState:
     live: list[int] = field(default_factory=list)
     timer: PhaseTimer | None = None
     rs: RowSampling | None = None  # eager: rebuilt when rows come or go
+    stash: HeadStash | None = None  # speculative batches: the parking row's first `nodes` positions
     prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
     filled: list[bool] = field(init=False)  # the slot's prompt was prefilled into its row
     row_of: list[int] = field(init=False)  # `rows` as the host last wrote it
@@ -125,18 +127,27 @@ class BatchState:
         return {
             b: cached_tokens(o.prompt_token_ids, o.token_ids)
             for b, o in enumerate(self.outs)
-            if o is not None and self.filled[b] and b not in self.prefix.spoiled
+            if o is not None and self.filled[b]
         }
 
     def park(self) -> None:
-        """Point idle slots at the parking row (`PrefixCache.park`) before a speculative step, so they
-        overwrite no row that holds a prefix worth keeping."""
+        """Before a speculative step: idle slots run in the parking row (`PrefixCache.park`), whose first
+        positions, all they write, are kept aside (`stash`), so no row loses what it holds."""
         idle = [b for b in range(self.capacity) if b not in self.live]
         p = self.prefix.park(idle, self.free_slots())
+        if p is not None and self.stash is not None and self.stash.row != p:
+            self.stash.save(p)
         want = [b if b in self.live or p is None else p for b in range(self.capacity)]
         if want != self.row_of:
             self.rows.copy_(torch.tensor(want))
             self.row_of = want
+
+    def unpark(self) -> None:
+        """Before an admission reads or writes rows: the parking row's first positions put back (the next
+        step parks again)."""
+        if self.stash is not None:
+            self.stash.restore()
+        self.prefix.parked = None
 
     def sampling(self, rows: list[int], nodes: int | None = None) -> RowSampling:
         """The batch's per-row sampling, with fresh noise for `rows` when any live row samples."""

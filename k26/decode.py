@@ -27,6 +27,7 @@ from .decode_context import DecodeContext
 from .dist import shared_seed
 from .graphs import StepGraphs, pick_bucket
 from .graphs.stepper import DecodeGraphs, GraphStepper
+from .kv_cache import HeadStash
 from .outputs import RequestOutput
 from .sampling import MODES, SamplingParams, sampling_mode
 from .spec.budget import BudgetPolicy, Budgets, timing_contexts
@@ -103,8 +104,24 @@ class Decoder:
         timer = PhaseTimer(dev) if spec.method != "ar" and graph is None else None
         shared = torch.Generator(device=dev).manual_seed(seed)
         limits = (ctx.room(nodes), ctx.tokenizer, ctx.max_model_len, ctx.model.cfg.vocab_size)
+        stash = None
+        if spec.method != "ar":  # idle slots write the parking row from position 0: the verify's nodes and
+            # the commit's path (one longer than the deepest draft)
+            stash = HeadStash([ctx.cache.kv_LRTC, ctx.dcache.k, ctx.dcache.v], max(nodes, ctx.block))
         state = BatchState(
-            spec, rows, lens, bonus, alive, shared, noise, nodes, *limits, graph, policy, timer=timer
+            spec,
+            rows,
+            lens,
+            bonus,
+            alive,
+            shared,
+            noise,
+            nodes,
+            *limits,
+            graph,
+            policy,
+            timer=timer,
+            stash=stash,
         )
         state.prefix.enabled = ctx.prefix_cache
         return state

@@ -63,3 +63,26 @@ class DrafterCache:
         """Context positions [start, end) of row `src` into row `dst` (prefix_cache.py)."""
         for t in (self.k, self.v):
             t[:, dst, start:end].copy_(t[:, src, start:end])
+
+
+class HeadStash:
+    """One cache row's first `n` positions, kept aside while idle slots of a speculative batch run in that
+    row (prefix_cache.py's parking row: they write only positions below n), put back before anything reads
+    the row again. `tensors`: the caches, each [layers, rows, positions, ...]."""
+
+    def __init__(self, tensors: list[torch.Tensor], n: int):
+        self.tensors, self.n = tensors, n
+        self.saved = [torch.empty_like(t[:, 0, :n]) for t in tensors]
+        self.row: int | None = None  # whose head is saved
+
+    def save(self, row: int) -> None:
+        self.restore()
+        for s, t in zip(self.saved, self.tensors):
+            s.copy_(t[:, row, : self.n])
+        self.row = row
+
+    def restore(self) -> None:
+        if self.row is not None:
+            for s, t in zip(self.saved, self.tensors):
+                t[:, self.row, : self.n].copy_(s)
+            self.row = None

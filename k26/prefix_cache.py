@@ -11,10 +11,11 @@ prefill their shared part once.
 Rows of one admission may feed each other: a prompt whose best source is another prompt of the same call
 waits for a second prefill "wave" after it (only when that saves at least `MIN_WAVE_TOKENS`).
 
-Idle rows of a speculative batch still run every step (the batch is rectangular) at position 0 of their
-row, which would overwrite the cached prefix of every finished row: they all run in one sacrificed
-"parking" row instead (`park`). Autoregressive steps write an idle row at its own frozen length, past
-anything it holds, and need no parking.
+Idle slots of a speculative batch still run every step (the batch is rectangular) at position 0 of their
+row, which would overwrite the cached prefix of every finished row: they all run in one "parking" row
+instead (`park`), whose first positions (all they write) the batch keeps aside meanwhile and puts back
+before an admission reads any row (`kv_cache.HeadStash`). Autoregressive steps write an idle row at its
+own frozen length, past anything it holds, and need no parking.
 
 All of this is host bookkeeping, deterministic in the calls it sees, so every TP rank (each sees the same
 mirrored calls) decides alike.
@@ -66,14 +67,11 @@ class PrefixCache:
         self.known: list[list[int]] = [[] for _ in range(rows)]
         self.freed_at = [0] * rows  # a clock: when the row last became free (oldest are given up first)
         self.clock = 0
-        self.parked: int | None = None  # the row idle rows of a speculative batch write into
-        self.spoiled: set[int] = set()  # occupied rows parked into: what they hold is gone at release
+        self.parked: int | None = None  # the row idle slots of a speculative batch run in
 
     def clear(self) -> None:
         """Forget every row (something else wrote into the caches)."""
         self.known = [[] for _ in self.known]
-        self.spoiled.clear()
-        self.parked = None
 
     def plan(
         self,
@@ -124,14 +122,10 @@ class PrefixCache:
     def admitted(self, slot: int) -> None:
         """`slot` now holds a request (its tokens are its caller's `held` from now on)."""
         self.known[slot] = []
-        self.spoiled.discard(slot)
-        if self.parked == slot:
-            self.parked = None
 
     def released(self, slot: int, tokens: list[int]) -> None:
         """`slot` holds no request any more; `tokens` are the ones whose latents it holds."""
-        self.known[slot] = [] if slot in self.spoiled or slot == self.parked else tokens
-        self.spoiled.discard(slot)
+        self.known[slot] = tokens
         self.clock += 1
         self.freed_at[slot] = self.clock
 
@@ -140,22 +134,13 @@ class PrefixCache:
         self.known[slot] = []
 
     def park(self, idle: Sequence[int], free: Sequence[int]) -> int | None:
-        """The row the `idle` rows (free, or finished and not yet released) of a speculative batch run in:
-        the current one while it is idle, else the free row holding least (freed longest ago), else an
-        idle occupied one (spoiled: it holds nothing once released). None: no row is idle."""
-        if self.parked in idle:
-            return self.parked
-        if not idle:
-            self.parked = None
-            return None
-        pool = [s for s in idle if s in set(free)] or list(idle)
-        p = min(pool, key=lambda s: (len(self.known[s]), self.freed_at[s]))
-        if p in free:
-            self.known[p] = []
-        else:
-            self.spoiled.add(p)
-        self.parked = p
-        return p
+        """The row the `idle` slots (free, or finished and not yet released) of a speculative batch run in:
+        the current one while it is idle, else a free one holding least (freed longest ago), else any idle
+        one. Its first positions are the caller's to keep aside (`kv_cache.HeadStash`). None: none idle."""
+        if self.parked not in idle:
+            pool = [s for s in idle if s in set(free)] or list(idle)
+            self.parked = min(pool, key=lambda s: (len(self.known[s]), self.freed_at[s]), default=None)
+        return self.parked
 
 
 def cached_tokens(prompt: list[int], output: list[int]) -> list[int]:

@@ -113,23 +113,15 @@ def test_a_disabled_cache_plans_whole_prefills():
     assert [r.keep for r in pc.plan([a + [1], a + [2]], [0, 1], {0: a})] == [0, 0]
 
 
-def test_idle_slots_park_in_the_free_row_holding_least_and_it_forgets():
+def test_idle_slots_park_in_a_free_row_holding_least_and_stay_there():
     pc = cache_holding(4, {1: list(range(50)), 2: [1, 2], 3: list(range(9))})
-    assert pc.park(idle=[1, 2, 3], free=[1, 2, 3]) == 2
-    assert pc.known[2] == [] and pc.known[1] == list(range(50))
+    assert pc.park(idle=[0, 1, 2, 3], free=[1, 2, 3]) == 2
+    assert pc.known[2] == [1, 2]  # kept: the batch saves the row's head meanwhile (kv_cache.HeadStash)
     assert pc.park(idle=[1, 2, 3], free=[1, 2, 3]) == 2  # it stays while idle
     pc.admitted(2)
     assert pc.park(idle=[1, 3], free=[1, 3]) == 3
+    assert pc.park(idle=[0], free=[]) == 0  # finished, not yet released: still a place to park
     assert pc.park(idle=[], free=[]) is None
-
-
-def test_a_parked_occupied_row_holds_nothing_once_released():
-    pc = PrefixCache(2)
-    pc.admitted(0)
-    pc.admitted(1)
-    assert pc.park(idle=[1], free=[]) == 1  # finished, not yet released
-    pc.released(1, [1, 2, 3])
-    assert pc.known[1] == []
 
 
 def test_a_row_holds_its_prompt_and_every_output_token_but_the_last():

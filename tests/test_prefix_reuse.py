@@ -100,6 +100,32 @@ def test_idle_rows_leave_the_rows_they_do_not_own_alone(llm):
     finish(llm, [sb])
 
 
+def test_a_row_idle_slots_park_in_keeps_what_it_holds(tiny_k25, drafter_dir):
+    """Two rows: once one is released the other's steps park the idle slot in it (the only idle row); its
+    first positions are kept aside meanwhile and put back before the next admission: the row is whole
+    again, and a follow-up reuses all of it and answers as a fresh run."""
+    llm = LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    spec = SpecConfig("ddtree", 6)
+    a, b, more = random_prompts(3, 20, 30, seed=21)
+    llm.open_batch(spec)
+    sa, sb = llm.admit([a, b], [GREEDY, SamplingParams(max_tokens=40, stop_token_ids=[])])
+    first = finish(llm, [sa])[0]
+    n = len(llm.batch.prefix.known[sa])
+    before = [llm.cache.kv_LRTC[:, sa, :n].clone(), llm.dcache.k[:, sa, :n].clone()]
+    for _ in range(3):
+        llm.step()
+    assert llm.batch.prefix.parked == sa
+    assert not torch.equal(llm.cache.kv_LRTC[:, sa, :n], before[0])  # the idle slot wrote its head
+    llm.batch.unpark()
+    after = [llm.cache.kv_LRTC[:, sa, :n], llm.dcache.k[:, sa, :n]]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    follow = a + first.token_ids + more
+    out = finish(llm, llm.admit([follow], [GREEDY]))[0]
+    assert out.cached_tokens == n
+    finish(llm, [sb])
+    same_as_fresh(llm, out, follow, spec)
+
+
 def test_no_reuse_with_the_prefix_cache_off(tiny_k25, drafter_dir):
     llm = LLM(
         tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, prefix_cache=False

@@ -265,8 +265,10 @@ def eager_speculative_step(
 
 def eager_ar_step(m: StepModels, rows, lens, bonus, alive, rs: RowSampling, context: bool = False) -> Stepped:
     """`ar_step` run eagerly: `lens` (live rows) and `bonus` advanced in place; one token per row.
-    `context`: the live rows' drafter context is kept (a speculative batch)."""
-    tok, lp = ar_step(m, rows, lens, bonus, rs, alive if context else None)
+    `context`: the live rows' drafter context is kept (a speculative batch near the context end); its
+    finished rows run at position 0, as in a speculative step (they may share a parking row)."""
+    start = torch.where(alive, lens, 0) if context else lens
+    tok, lp = ar_step(m, rows, start, bonus, rs, alive if context else None)
     bonus.copy_(tok)
     lens.add_(alive.long())  # finished rows stay frozen, rewriting only their own slot
     counts = [1] * len(rows)
