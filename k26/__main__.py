@@ -302,6 +302,12 @@ def _serve_parser(sub) -> None:
         "--prefill-chunk", type=_positive, default=256, help="prompt positions per row and prefill forward"
     )
     sv.add_argument(
+        "--prefill-budget",
+        type=_positive,
+        default=512,
+        help="prompt positions prefilled per decode step while other requests decode",
+    )
+    sv.add_argument(
         "--allreduce",
         choices=["fused", "calibrate", "nccl"],
         default="fused",

@@ -48,6 +48,7 @@ class BatchState:
     timer: PhaseTimer | None = None
     rs: RowSampling | None = None  # eager: rebuilt when rows come or go
     stash: HeadStash | None = None  # speculative batches: the parking row's first `nodes` positions
+    pending: list = field(default_factory=list)  # `admission.Admission`s still being prefilled, oldest first
     prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
     filled: list[bool] = field(init=False)  # the slot's prompt was prefilled into its row
     row_of: list[int] = field(init=False)  # `rows` as the host last wrote it
@@ -78,9 +79,11 @@ class BatchState:
         lengths = (len(self.outs[b].prompt_token_ids) + len(self.outs[b].token_ids) for b in self.live)
         return max(lengths, default=0) <= self.room
 
-    def add(self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
-        """Take requests into `slots`; rows with max_tokens 0 finish at once, the others become live (their
-        prefill is the caller's). Returns the live ones."""
+    def add(
+        self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams], prefilled: list[bool]
+    ) -> None:
+        """Take requests into `slots`; rows that are not `prefilled` (max_tokens 0, no prompt logprobs) finish
+        at once, the others go live once their prefill ends (`admission.py`)."""
         no_lp = self.graph is not None and "logprobs" not in self.graph.runners
         if no_lp and any(p.logprobs is not None for p in params):
             raise ValueError(
@@ -99,18 +102,17 @@ class BatchState:
                 st = self.graph.state
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
         self.rs = None
-        go = [b for b, sp in zip(slots, params) if sp.max_tokens > 0]
         if self.policy is not None:
-            self.policy.admit(go)
-        for b, sp in zip(slots, params):
-            if sp.max_tokens == 0:
+            self.policy.admit([b for b, sp in zip(slots, params) if sp.max_tokens > 0])
+        for b, go in zip(slots, prefilled):
+            if not go:
                 self.finish(b, "length")
-        self.live += go
-        return go
 
     def release(self, slot: int) -> RequestOutput | None:
         """Free a slot (a finished row, or a cancelled request: its row stops at the next step)."""
         out = self.outs[slot]
+        for adm in self.pending:  # still being prefilled: it runs no further
+            adm.cancel(slot)
         if slot in self.live:
             self.live.remove(slot)
         self.alive[slot] = False

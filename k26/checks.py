@@ -84,10 +84,13 @@ def check_lengths(config: ModelConfig, max_model_len: int | None, max_batch: int
     return max_model_len
 
 
-def check_chunk(chunk: int) -> None:
-    """The prefill's positions per row and forward: 1 up to the attention kernel's largest query."""
+def check_prefill(chunk: int, budget: int) -> None:
+    """The prefill's positions per row and forward (1 up to the attention kernel's largest query) and per
+    decode step of deferred prefills (positive)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
         raise ValueError(f"prefill_chunk={chunk!r}: expected an integer in [1, {MAX_CHUNK}]")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"prefill_budget={budget!r}: expected a positive integer")
 
 
 def check_buckets(buckets: Sequence[tuple[int, int]] | None, max_batch: int) -> list[Bucket] | None:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .admission import admit
+from .admission import admit, advance
 from .batch_state import BatchState
 from .decode_context import DecodeContext
 from .dist import shared_seed
@@ -126,17 +126,24 @@ class Decoder:
         state.prefix.enabled = ctx.prefix_cache
         return state
 
-    def admit(self, state: BatchState, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
+    def admit(
+        self, state: BatchState, prompts: list[list[int]], params: list[SamplingParams], wait: bool = True
+    ) -> list[int]:
         """Put prompts into free slots where the most of each is cached, prefill the rest and emit their
-        first token (`admission.admit`); returns the slots (the caller checked there are enough)."""
-        return admit(self.ctx, state, prompts, params)
+        first token (`admission.admit`; `wait` False: the prefill runs in the next steps, a budget of
+        positions per step); returns the slots (the caller checked there are enough)."""
+        return admit(self.ctx, state, prompts, params, wait)
 
     def release(self, state: BatchState, slot: int) -> RequestOutput | None:
         """Free a slot (a finished row, or a cancelled request: its row stops at the next step)."""
         return state.release(slot)
 
     def step(self, state: BatchState) -> list[int]:
-        """Advance every live row by one step; returns the rows that stepped (their outputs grew)."""
+        """Advance every live row by one step, after a budget of pending prefill positions (all of them when
+        no row is live: nothing waits on it); returns the rows whose outputs grew or that finished."""
+        ready = advance(self.ctx, state, self.ctx.prefill_budget if state.live else None)
+        if not state.live:
+            return ready
         was = list(state.live)
         if state.spec.method != "ar":  # idle slots run at position 0 of their row: the parking row's
             state.park()
@@ -154,7 +161,7 @@ class Decoder:
                 stepped = eager_ar_step(m, rows, s.lens, s.bonus, s.alive, rs, context=spec)
         self.ctx.model.tp.check()  # a peer that died mid-step: its error, not the garbage tokens it left
         state.record(was, stepped)
-        return was
+        return was + [b for b in ready if b not in was]
 
     def run(
         self, prompts: list[list[int]], sp: SamplingParams, spec: SpecConfig

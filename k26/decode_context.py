@@ -41,6 +41,9 @@ class DecodeContext:
     compiled: bool = False  # the captured steps' glue under torch.compile too (StepModels.compiled)
     prefix_cache: bool = True  # prompts start where a cache row holds their prefix (prefix_cache.py)
     chunk: int = MAX_CHUNK  # prefill positions per row and forward (spec/prefill.py)
+    prefill_budget: int = (
+        2 * MAX_CHUNK
+    )  # deferred prefill positions per step while rows decode (admission.py)
 
     def models(self, target: Callable | None = None) -> StepModels:
         kv, dc = self.cache.kv_LRTC, self.dcache

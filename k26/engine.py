@@ -19,11 +19,11 @@ import torch
 from .chat import ChatFormat, Message, render
 from .checks import (
     check_buckets,
-    check_chunk,
     check_device,
     check_ids,
     check_lengths,
     check_precision,
+    check_prefill,
     check_request,
     check_tokenizer,
     prompt_list,
@@ -72,14 +72,19 @@ class LLM:
         allreduce: str = "fused",
         prefix_cache: bool = True,
         prefill_chunk: int = MAX_CHUNK,
+        prefill_budget: int = 2 * MAX_CHUNK,
     ):
         # Ranks 1..tp-1 build this same LLM: every keyword argument travels (a new one too), see below.
         rank_kw = {k: v for k, v in locals().items() if k not in ("self", "model_path")}
         check_world(tp)
         check_allreduce(allreduce)
         check_device(device)
-        check_chunk(prefill_chunk)
-        self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
+        check_prefill(prefill_chunk, prefill_budget)
+        self.prefix_cache, self.prefill_chunk, self.prefill_budget = (
+            prefix_cache,
+            prefill_chunk,
+            prefill_budget,
+        )
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
 
@@ -225,6 +230,7 @@ class LLM:
             compiled=self.compiled,
             prefix_cache=self.prefix_cache,
             chunk=self.prefill_chunk,
+            prefill_budget=self.prefill_budget,
         )
 
     # -- tensor parallel driven from one Python process -------------------------------------------
@@ -380,13 +386,14 @@ class LLM:
 
     @torch.inference_mode()
     @surfacing_rank_errors
-    def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[int]:
-        """Prefill checked token-id prompts into free rows (between steps); returns their slots."""
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams], wait: bool = True) -> list[int]:
+        """Checked token-id prompts into free rows (between steps), prefilled now, or (`wait` False) in the
+        next steps, `prefill_budget` positions per step while other rows decode; returns their slots."""
         if len(prompts) > len(self.batch.free_slots()):
             raise ValueError(f"{len(prompts)} prompts, {len(self.batch.free_slots())} free rows")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        self._mirror("admit", prompts, params)
-        return self.decoder.admit(self.batch, prompts, params)
+        self._mirror("admit", prompts, params, wait)
+        return self.decoder.admit(self.batch, prompts, params, wait)
 
     @torch.inference_mode()
     @surfacing_rank_errors

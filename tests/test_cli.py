@@ -331,8 +331,12 @@ def test_serve_prefix_cache_flags_reach_the_llm_and_a_bad_chunk_is_refused_befor
     llm_kwargs, monkeypatch, capsys
 ):
     with pytest.raises(_Built):
-        main(["serve", "--no-prefix-cache", "--prefill-chunk", "64"])
-    assert (llm_kwargs["prefix_cache"], llm_kwargs["prefill_chunk"]) == (False, 64)
+        main(["serve", "--no-prefix-cache", "--prefill-chunk", "64", "--prefill-budget", "100"])
+    assert (llm_kwargs["prefix_cache"], llm_kwargs["prefill_chunk"], llm_kwargs["prefill_budget"]) == (
+        False,
+        64,
+        100,
+    )
     with pytest.raises(_Built):
         main(["serve"])
     assert (llm_kwargs["prefix_cache"], llm_kwargs["prefill_chunk"]) == (True, 256)

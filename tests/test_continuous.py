@@ -141,10 +141,10 @@ def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch, where):
 
     # TextStream is built only for a row with stop strings: the second row's
     name, second = (
-        ("prefill", sp) if where == "prefill" else ("TextStream", SamplingParams(max_tokens=4, stop="x"))
+        ("Prefill", sp) if where == "prefill" else ("TextStream", SamplingParams(max_tokens=4, stop="x"))
     )
     with monkeypatch.context() as mp:
-        mp.setattr(k26.admission if name == "prefill" else k26.batch_state, name, failing)
+        mp.setattr(k26.admission if name == "Prefill" else k26.batch_state, name, failing)
         with pytest.raises(RuntimeError, match="simulated"):
             llm.admit([[5, 17, 300], [8, 9, 10]], [sp, second])
     assert len(state.free_slots()) == 2 and not state.live

@@ -65,6 +65,7 @@ def serve(a: argparse.Namespace) -> int:
         allreduce=a.allreduce,
         prefix_cache=not a.no_prefix_cache,
         prefill_chunk=a.prefill_chunk,
+        prefill_budget=a.prefill_budget,
     )
     name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
     engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting, logprobs=not a.no_logprobs)

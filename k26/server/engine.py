@@ -128,7 +128,7 @@ class Engine:
                 # captures graphs, measures the budget's costs; TP ranks mirror every batch call
                 state = self.llm.open_batch(self.spec, self.max_batch, self.logprobs)
                 self.ready.set()
-                while self._take(block=not state.live and not self.waiting):
+                while self._take(block=not state.live and not state.pending and not self.waiting):
                     self._boundary(state)
         except BaseException as e:
             self.error = e
@@ -175,12 +175,13 @@ class Engine:
             admit.append(req)
         try:
             if admit:
-                slots = llm.admit([r.prompt_ids for r in admit], [r.params for r in admit])
+                # prefilled in the steps (a budget of positions each while rows decode): a long prompt
+                # does not stall the streams already running
+                slots = llm.admit([r.prompt_ids for r in admit], [r.params for r in admit], wait=False)
                 self.rows.update(zip(slots, admit))
                 m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
-                m.cached_tokens += sum(state.outs[s].cached_tokens for s in slots)
-                self._publish(state, slots)
-            if state.live:
+                self._publish(state, slots)  # (rows that generate nothing finish here)
+            if state.live or state.pending:
                 t0 = time.perf_counter()
                 n = len(state.live)
                 stepped = llm.step()
@@ -215,6 +216,8 @@ class Engine:
             lps = None if out.logprobs is None else out.logprobs[req.sent : req.sent + len(new)]
             pl = out.prompt_logprobs if req.sent == 0 else None  # (the first publish always pushes)
             hit = out.cached_tokens if req.sent == 0 else 0
+            if req.sent == 0 and (new or out.finish_reason is not None):
+                m.cached_tokens += out.cached_tokens
             req.sent += len(new)
             total += len(new)
             if new and req.first is None:

@@ -63,6 +63,79 @@ def windows(lens: list[int], done: list[int], width: int) -> list[int]:
     return [min(d, max(0, n - width)) for n, d in zip(lens, done)]
 
 
+class Prefill:
+    """Prompts going into their cache `rows` from `starts` (positions already there; default 0), one forward
+    of at most `chunk` positions per row at a time (`forward`), and (`aux`) their features into the
+    drafter's context. `each(i, h_TD, first)`: prompt i's hidden states of positions first, first + 1, ... of
+    one forward (prompt logprobs; only positions it did not see before). `last[i]`: prompt i's last hidden
+    state once its prefill ended."""
+
+    def __init__(
+        self,
+        m: StepModels,
+        prompts: list[list[int]],
+        rows: list[int],
+        aux: bool,
+        starts: list[int] | None = None,
+        chunk: int = MAX_CHUNK,
+        each: Callable[[int, torch.Tensor, int], None] | None = None,
+    ):
+        self.m, self.prompts, self.rows, self.chunk, self.each = m, prompts, rows, chunk, each
+        self.lens = [len(p) for p in prompts]
+        self.done = list(starts or [0] * len(prompts))
+        if not all(0 <= d < n for d, n in zip(self.done, self.lens)):  # the last token always runs
+            raise ValueError(
+                f"prefill: starts {self.done} must lie in [0, prompt length) for lengths {self.lens}"
+            )
+        self.aux_layers = m.drafter.cfg.target_layer_ids if aux else ()
+        self.last: list[torch.Tensor | None] = [None] * len(prompts)
+
+    def _going(self) -> list[int]:
+        return [i for i, (d, n) in enumerate(zip(self.done, self.lens)) if d < n]
+
+    @property
+    def finished(self) -> bool:
+        return not self._going()
+
+    def cost(self) -> int:
+        """Positions the next forward runs (rows x width): what a prefill budget counts."""
+        go = self._going()
+        return len(go) * min(self.chunk, max((self.lens[i] - self.done[i] for i in go), default=0))
+
+    def drop(self, i: int) -> None:
+        """Prompt i runs no further (its request left)."""
+        self.done[i] = self.lens[i]
+
+    def forward(self) -> list[int]:
+        """One forward of every unfinished prompt's next window; returns those whose prefill ended."""
+        m, dev, go = self.m, self.m.cache_LRTC.device, self._going()
+        T = min(self.chunk, max(self.lens[i] - self.done[i] for i in go))
+        win = windows([self.lens[i] for i in go], [self.done[i] for i in go], T)
+        ids = torch.zeros(len(go), T, dtype=torch.long)
+        for j, (i, w) in enumerate(zip(go, win)):
+            seg = self.prompts[i][w : w + T]
+            ids[j, : len(seg)] = torch.tensor(seg)
+        at = torch.tensor(win, device=dev)
+        r = torch.tensor([self.rows[i] for i in go], device=dev)
+        with nvtx_range("prefill"):
+            batch = AttnBatch.causal(at, T, r, prefill=True)
+            h, feats = m.target(ids.to(dev), batch, m.cache_LRTC, aux_layers=self.aux_layers, absorb=m.absorb)
+            if self.aux_layers:
+                pos = at[:, None] + torch.arange(T, device=dev)
+                n = torch.tensor([self.lens[i] for i in go], device=dev)
+                m.drafter.append_context(m.dcache.k, m.dcache.v, feats, pos, r, valid_BC=pos < n[:, None])
+        ended = []
+        for j, (i, w) in enumerate(zip(go, win)):
+            end = min(self.lens[i], w + T)
+            if self.each is not None:
+                self.each(i, h[j, self.done[i] - w : end - w], self.done[i])
+            if end == self.lens[i]:
+                self.last[i] = h[j, end - 1 - w]
+                ended.append(i)
+            self.done[i] = end
+        return ended
+
+
 def prefill(
     m: StepModels,
     prompts: list[list[int]],
@@ -72,39 +145,8 @@ def prefill(
     chunk: int = MAX_CHUNK,
     each: Callable[[int, torch.Tensor, int], None] | None = None,
 ) -> torch.Tensor:
-    """Prompts through the target into their cache `rows` from `starts` (positions already in the row;
-    default 0), `chunk` positions per row and forward, and (`aux`) their features into the drafter's
-    context. `each(i, h_TD, first)`: prompt i's hidden states of positions first, first + 1, ... of one
-    forward (prompt logprobs; positions it saw before come again only if a window re-ran them: `first` is
-    where the new ones start). Returns each prompt's last hidden state [B, D]."""
-    dev = m.cache_LRTC.device
-    lens = [len(p) for p in prompts]
-    done = list(starts or [0] * len(prompts))
-    if not all(0 <= d < n for d, n in zip(done, lens)):  # the last token always runs: its state is returned
-        raise ValueError(f"prefill: starts {done} must lie in [0, prompt length) for lengths {lens}")
-    last: list[torch.Tensor | None] = [None] * len(prompts)
-    aux_layers = m.drafter.cfg.target_layer_ids if aux else ()
-    with nvtx_range("prefill"):
-        while go := [i for i, (d, n) in enumerate(zip(done, lens)) if d < n]:
-            T = min(chunk, max(lens[i] - done[i] for i in go))
-            win = windows([lens[i] for i in go], [done[i] for i in go], T)
-            ids = torch.zeros(len(go), T, dtype=torch.long)
-            for j, (i, w) in enumerate(zip(go, win)):
-                seg = prompts[i][w : w + T]
-                ids[j, : len(seg)] = torch.tensor(seg)
-            at = torch.tensor(win, device=dev)
-            r = torch.tensor([rows[i] for i in go], device=dev)
-            batch = AttnBatch.causal(at, T, r, prefill=True)
-            h, feats = m.target(ids.to(dev), batch, m.cache_LRTC, aux_layers=aux_layers, absorb=m.absorb)
-            if aux_layers:
-                pos = at[:, None] + torch.arange(T, device=dev)
-                n = torch.tensor([lens[i] for i in go], device=dev)
-                m.drafter.append_context(m.dcache.k, m.dcache.v, feats, pos, r, valid_BC=pos < n[:, None])
-            for j, (i, w) in enumerate(zip(go, win)):
-                end = min(lens[i], w + T)
-                if each is not None:
-                    each(i, h[j, done[i] - w : end - w], done[i])
-                if end == lens[i]:
-                    last[i] = h[j, end - 1 - w]
-                done[i] = end
-    return torch.stack(last)
+    """`Prefill` run to its end; returns each prompt's last hidden state [B, D]."""
+    p = Prefill(m, prompts, rows, aux, starts, chunk, each)
+    while not p.finished:
+        p.forward()
+    return torch.stack(p.last)

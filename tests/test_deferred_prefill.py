@@ -1,0 +1,113 @@
+"""Deferred prefill (`LLM.admit(..., wait=False)`, what the server does): a prompt prefills a budget of
+positions per step while the other rows decode, and then answers as if prefilled at once; a request that
+leaves mid-prefill frees its row cleanly, and the prompts that were to copy from it prefill that part
+themselves (CPU, float32, the tiny K2.5-layout pair)."""
+
+import pytest
+import torch
+from oracles import random_prompts
+
+from k26 import LLM, SamplingParams, SpecConfig
+
+GREEDY = SamplingParams(max_tokens=8, stop_token_ids=[], logprobs=1)
+SPEC = SpecConfig("ddtree", 6)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_k25, drafter_dir):
+    return LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=3,
+        max_model_len=256,
+        prefill_chunk=8,
+        prefill_budget=16,
+    )
+
+
+def finish(llm, slots):
+    while any(llm.batch.outs[s].finish_reason is None for s in slots):
+        llm.step()
+    return [llm.release(s) for s in slots]
+
+
+def same_as_fresh(llm, out, prompt):
+    fresh = llm.generate(prompt, GREEDY, SPEC)[0]
+    assert out.token_ids == fresh.token_ids
+    assert [x.logprob for x in out.logprobs] == pytest.approx([x.logprob for x in fresh.logprobs], abs=1e-4)
+
+
+def test_a_deferred_prompt_prefills_a_budget_per_step_while_others_decode(llm):
+    """60 positions at 16 a step (two forwards of 8): live after the 4th step; the decoding row emits at
+    every step meanwhile; both answer as fresh runs."""
+    a, b = random_prompts(2, 20, 30, seed=30)
+    b = (b * 3)[:60]
+    llm.open_batch(SPEC)
+    (sa,) = llm.admit([a], [SamplingParams(max_tokens=40, stop_token_ids=[], logprobs=1)])
+    (sb,) = llm.admit([b], [GREEDY], wait=False)
+    state = llm.batch
+    assert sb not in state.live and state.pending
+    for k in range(1, 5):
+        before = len(state.outs[sa].token_ids)
+        stepped = llm.step()
+        assert len(state.outs[sa].token_ids) > before and sa in stepped
+        assert (sb in state.live) == (k == 4) and (sb in stepped) == (k == 4)
+    assert not state.pending
+    outs = finish(llm, [sa, sb])
+    same_as_fresh(llm, outs[1], b)
+    fresh_a = llm.generate(a, SamplingParams(max_tokens=40, stop_token_ids=[], logprobs=1), SPEC)[0]
+    assert outs[0].token_ids == fresh_a.token_ids
+
+
+def test_with_no_row_decoding_a_deferred_prefill_runs_whole_at_the_next_step(llm):
+    (p,) = random_prompts(1, 60, 70, seed=31)
+    llm.open_batch(SPEC)
+    (s,) = llm.admit([p], [GREEDY], wait=False)
+    assert llm.step() == [s] and not llm.batch.pending
+    same_as_fresh(llm, finish(llm, [s])[0], p)
+
+
+def test_prompt_logprobs_of_a_deferred_prefill_equal_an_immediate_one(llm):
+    (p,) = random_prompts(1, 40, 50, seed=32)
+    sp = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    want = llm.generate(p, sp, SPEC)[0].prompt_logprobs
+    llm.open_batch(SPEC)
+    (sa,) = llm.admit([p[:10]], [SamplingParams(max_tokens=30, stop_token_ids=[])])
+    (s,) = llm.admit([p], [sp], wait=False)
+    while llm.batch.outs[s].finish_reason is None:
+        llm.step()
+    got = llm.release(s).prompt_logprobs
+    assert got[0] is None and len(got) == len(want)
+    assert [x.logprob for x in got[1:]] == pytest.approx([x.logprob for x in want[1:]], abs=1e-4)
+    finish(llm, [sa])
+
+
+def test_a_request_leaving_mid_prefill_frees_its_row_and_its_copies_fall_back(llm):
+    """Two copies of a long prompt, deferred: the second was to copy the first after its wave. The first
+    leaves mid-prefill: its row holds nothing, the second prefills the whole prompt itself and answers as a
+    fresh run, and the freed row serves a new prompt correctly."""
+    (p,) = random_prompts(1, 100, 110, seed=33)
+    (other,) = random_prompts(1, 20, 30, seed=34)
+    llm.open_batch(SPEC)
+    (sa,) = llm.admit([other], [SamplingParams(max_tokens=60, stop_token_ids=[])])
+    s1, s2 = llm.admit([p, p], [GREEDY, GREEDY], wait=False)
+    assert llm.batch.pending[0].plans[1].src == s1
+    llm.step()
+    assert llm.batch.outs[s1].finish_reason is None and s1 not in llm.batch.live
+    llm.release(s1)
+    assert llm.batch.prefix.known[s1] == []
+    (s3,) = llm.admit([p[:50] + [1, 2]], [GREEDY], wait=False)
+    out2 = finish(llm, [s2])[0]
+    assert out2.cached_tokens == 0
+    same_as_fresh(llm, out2, p)
+    out3 = finish(llm, [s3])[0]
+    same_as_fresh(llm, out3, p[:50] + [1, 2])
+    finish(llm, [sa])
+
+
+def test_prefill_budget_is_checked():
+    with pytest.raises(ValueError, match="prefill_budget=0"):
+        LLM(prefill_budget=0)
