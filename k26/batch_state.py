@@ -102,6 +102,9 @@ class BatchState:
                 st = self.graph.state
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
         self.rs = None
+        # until a row goes live its idle steps write at its length (autoregressive batches): past its prompt,
+        # never into what its prefill writes or what it holds afterwards
+        self.lens[torch.tensor(slots, device=dev)] = torch.tensor([len(p) for p in prompts], device=dev)
         if self.policy is not None:
             self.policy.admit([b for b, sp in zip(slots, params) if sp.max_tokens > 0])
         for b, go in zip(slots, prefilled):
@@ -123,6 +126,12 @@ class BatchState:
         self.outs[slot] = self.params[slot] = self.gens[slot] = self.texts[slot] = None
         self.rs = None
         return out
+
+    def overwritten(self) -> None:
+        """Something else wrote into the caches (`LLM.score` / `generate` / `stream`): no row holds anything
+        the prefix cache may count on, occupied ones included."""
+        self.prefix.clear()
+        self.filled = [False] * self.capacity
 
     def held(self) -> dict[int, list[int]]:
         """The tokens each occupied slot's cache row holds (for `PrefixCache.plan`)."""

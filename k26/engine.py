@@ -310,9 +310,9 @@ class LLM:
         return self.model.logits(torch.cat(hs))
 
     def _overwriting_rows(self) -> None:
-        """score / generate write cache rows that an open batch's prefix cache may count on: it forgets."""
+        """score / generate / stream write rows an open batch's prefix cache may count on: it forgets."""
         if getattr(self, "batch", None) is not None:
-            self.batch.prefix.clear()
+            self.batch.overwritten()
 
     def _prepare(self, prompts, sampling, spec):
         block = None if self.drafter is None else self.drafter.cfg.block_size
@@ -330,6 +330,7 @@ class LLM:
         if len(encoded) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
         self._mirror("stream", encoded[0], sp, spec)
+        self._overwriting_rows()
         text, o = StreamedText(self.tokenizer, sp.stop), None
         steps = self.decoder.run(encoded, sp, spec)
         try:

@@ -108,6 +108,63 @@ def test_a_request_leaving_mid_prefill_frees_its_row_and_its_copies_fall_back(ll
     finish(llm, [sa])
 
 
+def test_an_autoregressive_batch_writes_no_idle_row_into_a_prompt_being_prefilled(llm):
+    """AR: idle rows write at their own length each step. A long prompt deferred into a row a shorter request
+    left (its length was the old one) must not get that write inside its prefill; nor may a
+    prompt-logprobs-only row (never live) get one inside what it holds."""
+    spec, sp = SpecConfig("ar"), SamplingParams(max_tokens=8, stop_token_ids=[], logprobs=1)
+    a, short, long_ = random_prompts(3, 12, 16, seed=36)
+    long_ = (long_ * 6)[:70]
+    llm.open_batch(spec)
+    (sa,) = llm.admit([a], [SamplingParams(max_tokens=60, stop_token_ids=[])])
+    (ss,) = llm.admit([short], [SamplingParams(max_tokens=2, stop_token_ids=[])])
+    finish(llm, [ss])
+    (sl,) = llm.admit([long_], [sp], wait=False)
+    for _ in range(2):
+        llm.step()
+    assert llm.batch.pending
+    (sq,) = llm.admit([short + [3]], [SamplingParams(max_tokens=0, prompt_logprobs=1)], wait=False)
+    out = finish(llm, [sl])[0]
+    llm.release(sq)
+    follow = short + [3, 9, 9]
+    again = finish(llm, llm.admit([follow], [sp]))[0]
+    assert again.cached_tokens == len(short) + 1
+    finish(llm, [sa])
+    for got, prompt in ((out, long_), (again, follow)):  # (generate makes the batch forget its rows: last)
+        fresh = llm.generate(prompt, sp, spec)[0]
+        assert got.token_ids == fresh.token_ids
+        assert [x.logprob for x in got.logprobs] == pytest.approx(
+            [x.logprob for x in fresh.logprobs], abs=1e-4
+        )
+
+
 def test_prefill_budget_is_checked():
     with pytest.raises(ValueError, match="prefill_budget=0"):
         LLM(prefill_budget=0)
+
+
+@pytest.mark.gpu
+def test_graph_batches_prefill_deferred_prompts_between_replays(tiny_k25, drafter_dir):
+    """CUDA graphs: a prompt admitted with wait=False while another row decodes (its rows parked during
+    the replays) answers as a fresh run, up to bf16 near-ties."""
+    from oracles import assert_diverges_only_at_near_ties
+
+    llm = LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cuda",
+        progress=False,
+        max_batch=3,
+        max_model_len=256,
+        prefill_budget=16,
+    )
+    sp = SamplingParams(max_tokens=8, stop_token_ids=[])
+    a, b = random_prompts(2, 60, 70, seed=35)
+    llm.open_batch(SPEC)
+    (sa,) = llm.admit([a], [SamplingParams(max_tokens=30, stop_token_ids=[])])
+    (sb,) = llm.admit([b], [sp], wait=False)
+    llm.step()
+    assert sb not in llm.batch.live and llm.batch.pending
+    out = finish(llm, [sb])[0]
+    finish(llm, [sa])
+    assert_diverges_only_at_near_ties(llm, [b], llm.generate([b], sp, SPEC), [out])

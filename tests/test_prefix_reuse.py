@@ -126,6 +126,28 @@ def test_a_row_idle_slots_park_in_keeps_what_it_holds(tiny_k25, drafter_dir):
     same_as_fresh(llm, out, follow, spec)
 
 
+@pytest.mark.parametrize("call", ["score", "generate", "stream"])
+def test_score_generate_and_stream_make_an_open_batch_forget_its_rows(llm, call):
+    """They write cache rows of their own: the open batch's rows, a finished one not yet released included,
+    hold nothing the prefix cache may count on afterwards."""
+    spec = SpecConfig("ddtree", 6)
+    p, x = random_prompts(2, 20, 30, seed=22)
+    llm.open_batch(spec)
+    (s,) = llm.admit([p], [GREEDY])
+    while llm.batch.outs[s].finish_reason is None:
+        llm.step()
+    if call == "score":
+        llm.score(x)
+    elif call == "generate":
+        llm.generate(x, SamplingParams(max_tokens=3), spec)
+    else:
+        for _ in llm.stream(x, SamplingParams(max_tokens=3), spec):
+            pass
+    first = llm.release(s)
+    out = finish(llm, llm.admit([p + first.token_ids + [1]], [GREEDY]))[0]
+    assert out.cached_tokens == 0
+
+
 def test_no_reuse_with_the_prefix_cache_off(tiny_k25, drafter_dir):
     llm = LLM(
         tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, prefix_cache=False
