@@ -51,7 +51,7 @@ class BatchState:
     pending: list = field(default_factory=list)  # `admission.Admission`s still being prefilled, oldest first
     prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
     filled: list[bool] = field(init=False)  # the slot's prompt was prefilled into its row
-    row_of: list[int] = field(init=False)  # `rows` as the host last wrote it
+    row_of: list[int] | None = field(init=False)  # `rows` as the host last wrote it (eager: its own tensor)
 
     def __post_init__(self) -> None:
         cap = self.capacity
@@ -132,6 +132,9 @@ class BatchState:
         the prefix cache may count on, occupied ones included."""
         self.prefix.clear()
         self.filled = [False] * self.capacity
+        if self.stash is not None:
+            self.stash.row = None  # what it holds is stale too
+        self.prefix.parked = None
 
     def held(self) -> dict[int, list[int]]:
         """The tokens each occupied slot's cache row holds (for `PrefixCache.plan`)."""
@@ -149,9 +152,11 @@ class BatchState:
         if p is not None and self.stash is not None and self.stash.row != p:
             self.stash.save(p)
         want = [b if b in self.live or p is None else p for b in range(self.capacity)]
-        if want != self.row_of:
+        # graphs: every batch of a bucket shares the static `rows` (another batch may have written it since)
+        owner = self.graph.state if self.graph is not None else self
+        if want != owner.row_of:
             self.rows.copy_(torch.tensor(want))
-            self.row_of = want
+            owner.row_of = want
 
     def unpark(self) -> None:
         """Before an admission reads or writes rows: the parking row's first positions put back (the next

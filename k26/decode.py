@@ -107,7 +107,7 @@ class Decoder:
         stash = None
         if spec.method != "ar":  # idle slots write the parking row from position 0: the verify's nodes and
             # the commit's path (one longer than the deepest draft)
-            stash = HeadStash([ctx.cache.kv_LRTC, ctx.dcache.k, ctx.dcache.v], max(nodes, ctx.block))
+            stash = HeadStash([ctx.cache.kv_LRTC], max(nodes, ctx.block))  # (their drafter writes: trash row)
         state = BatchState(
             spec,
             rows,
@@ -168,8 +168,8 @@ class Decoder:
     ) -> Iterator[list[RequestOutput]]:
         """One fixed batch from prefill to the end, yielding the outputs after every step."""
         state = self.open(spec, len(prompts), kinds=(sampling_mode([sp]),))
-        self.admit(state, prompts, [sp] * len(prompts))
-        outs = state.outs[: len(prompts)]
+        slots = self.admit(state, prompts, [sp] * len(prompts))
+        outs = [state.outs[b] for b in slots]
         yield outs
         while state.live:
             self.step(state)

@@ -182,6 +182,7 @@ class LLM:
             return []
         kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
         self._mirror("capture", spec, greedy, sampled)
+        self._overwriting_rows()  # warm-ups and budget timings run on the caches as scratch
         return self._capture(spec, kinds)
 
     def _capture(self, spec: SpecConfig | None, kinds: tuple[str, ...]):

@@ -70,7 +70,8 @@ class PrefixCache:
         self.parked: int | None = None  # the row idle slots of a speculative batch run in
 
     def clear(self) -> None:
-        """Forget every row (something else wrote into the caches)."""
+        """Forget what every free row holds (something else wrote into the caches; occupied rows are the
+        caller's: `BatchState.overwritten`)."""
         self.known = [[] for _ in self.known]
 
     def plan(

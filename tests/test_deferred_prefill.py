@@ -168,3 +168,22 @@ def test_graph_batches_prefill_deferred_prompts_between_replays(tiny_k25, drafte
     out = finish(llm, [sb])[0]
     finish(llm, [sa])
     assert_diverges_only_at_near_ties(llm, [b], llm.generate([b], sp, SPEC), [out])
+
+
+@pytest.mark.gpu
+def test_a_graph_batch_repoints_its_rows_after_another_batch_parked_in_the_shared_state(
+    tiny_k25, drafter_dir
+):
+    """Graph batches of one bucket share its static `rows`: a `generate` while a batch is open leaves its own
+    parking in them; the open batch's next step must point its slots back at their rows."""
+    llm = LLM(tiny_k25, drafter=drafter_dir, device="cuda", progress=False, max_batch=4, max_model_len=256)
+    prompts = random_prompts(4, 20, 40, seed=37)
+    sp = SamplingParams(max_tokens=24, stop_token_ids=[])
+    want = llm.generate(prompts, sp, SPEC)
+    state = llm.open_batch(SPEC, capacity=4)
+    early = SamplingParams(max_tokens=24, stop_token_ids=[t.token_ids[3] for t in want[:2]])
+    llm.generate(prompts, early, SPEC)  # rows 0 and 1 stop early: the others' steps park them
+    slots = llm.admit(prompts, [sp] * 4)
+    while state.live:
+        llm.step()
+    assert [state.outs[s].token_ids for s in slots] == [w.token_ids for w in want]

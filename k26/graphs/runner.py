@@ -36,6 +36,7 @@ class StepState:
     top_k: torch.Tensor  # [Bb] int64
     noise: torch.Tensor | None = None  # [Bb, nodes of the largest bucket, V] Exp(1) draws (sampled graphs)
     logprobs: StepLogprobs | None = None  # [Bb, J] the emitted tokens' ("logprobs" graphs)
+    row_of: list[int] | None = None  # `rows` as the host last wrote it (None: unknown, after a reset)
 
     @classmethod
     def allocate(cls, bucket: Bucket, width: int, device) -> StepState:
@@ -64,6 +65,7 @@ class StepState:
             self.n_emitted.zero_(),
         )
         self.choice.zero_()
+        self.row_of = None
 
 
 class StepGraphs:

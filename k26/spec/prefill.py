@@ -4,7 +4,8 @@ cached prefix ends; and the prompt's own log-probabilities from the same forward
 A forward takes at most `MAX_CHUNK` new tokens per row: the tree-attention kernel's largest query (K2.6's
 shapes have no other attention path), and it bounds a long prompt's activations. Rows whose suffixes
 differ in length share forwards: a row with less left than the forward's width ends its window at its last
-token and starts it earlier (re-running a few positions it holds: the same latents written again) rather
+token and starts it earlier (re-running up to width - 1 positions it holds: their latents written again,
+rounded as this forward rounds) rather
 than padding past its end, so no write lands beyond a prompt's length unless the whole prompt is shorter
 than the window (then within [0, window), inside the cache).
 """
