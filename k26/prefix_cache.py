@@ -9,7 +9,7 @@ last turn's prompt and answer plus a little), `n` choices of one prompt and batc
 prefill their shared part once.
 
 Rows of one admission may feed each other: a prompt whose best source is another prompt of the same call
-waits for a second prefill "wave" after it (only when that saves at least `MIN_WAVE_TOKENS`).
+waits for a second prefill "wave" after it (only when that saves at least `min_wave` tokens).
 
 Idle slots of a speculative batch still run every step (the batch is rectangular) at position 0 of their
 row, which would overwrite the cached prefix of every finished row: they all run in one "parking" row
@@ -26,7 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIN_WAVE_TOKENS = 64  # a second prefill forward costs a whole pass over the weights: worth it past this
+# A second prefill wave costs one more forward, a whole pass over the weights and its launches, while the
+# tokens it saves would have run in the first wave's forwards beside the others. Measured 2026-12-05 on an
+# H200 with the embedded pair (profiling/results/2026-12-05-bench_prefix-h200.md): waiting a wave to copy a
+# 512-token system prompt made the turn's TTFT 1.5x longer. At K2.6 scale 1,024 tokens of prefill compute
+# (~2 x 32 B active parameters each) outweigh one more pass over the weights.
+MIN_WAVE_TOKENS = 1024
 _STRIDE = 256  # common_prefix compares slices of this many tokens before going token by token
 
 
@@ -62,8 +67,8 @@ class PrefixCache:
     that hold no request; rows that do are described by their caller (`held` below: a live row's prompt and
     committed output)."""
 
-    def __init__(self, rows: int, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, rows: int, enabled: bool = True, min_wave: int = MIN_WAVE_TOKENS):
+        self.enabled, self.min_wave = enabled, min_wave
         self.known: list[list[int]] = [[] for _ in range(rows)]
         self.freed_at = [0] * rows  # a clock: when the row last became free (oldest are given up first)
         self.clock = 0
@@ -107,13 +112,13 @@ class PrefixCache:
             slot = max(left, key=lambda s: (own[s], -len(rows[s]), -self.freed_at[s]))
             plan = Reuse(slot, own[slot], have=own[slot])
             if limit > plan.keep:
-                # a copy: the most tokens at the earliest wave; a later wave only for MIN_WAVE_TOKENS more
+                # a copy: the most tokens at the earliest wave; a later wave only for `min_wave` more
                 opts = sorted(
                     (o for s in rows if s != slot for o in options(s, p, limit)), key=lambda o: (o[1], -o[0])
                 )
                 for n, wave, src in opts:
                     more = n - plan.keep
-                    if more > 0 and (more >= MIN_WAVE_TOKENS or wave == plan.wave):
+                    if more > 0 and (more >= self.min_wave or wave == plan.wave):
                         plan = Reuse(slot, n, src, own[slot], wave)
             plans.append(plan)
             left.remove(slot)

@@ -92,6 +92,7 @@ def test_a_request_leaving_mid_prefill_frees_its_row_and_its_copies_fall_back(ll
     (p,) = random_prompts(1, 100, 110, seed=33)
     (other,) = random_prompts(1, 20, 30, seed=34)
     llm.open_batch(SPEC)
+    llm.batch.prefix.min_wave = 64  # (below the default: the tiny pair's prompts are short)
     (sa,) = llm.admit([other], [SamplingParams(max_tokens=60, stop_token_ids=[])])
     s1, s2 = llm.admit([p, p], [GREEDY, GREEDY], wait=False)
     assert llm.batch.pending[0].plans[1].src == s1
@@ -156,6 +157,7 @@ def test_graph_batches_prefill_deferred_prompts_between_replays(tiny_k25, drafte
         progress=False,
         max_batch=3,
         max_model_len=256,
+        prefill_chunk=8,
         prefill_budget=16,
     )
     sp = SamplingParams(max_tokens=8, stop_token_ids=[])

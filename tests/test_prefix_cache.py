@@ -65,7 +65,7 @@ def test_equal_rows_are_given_up_oldest_freed_first():
 def test_copies_of_one_prompt_in_one_call_wait_one_wave_for_the_first():
     """n choices of a long prompt: the first is prefilled, the others copy it after that wave."""
     p = list(range(200))
-    plans = PrefixCache(4).plan([p, p, p], [0, 1, 2, 3], {})
+    plans = PrefixCache(4, min_wave=64).plan([p, p, p], [0, 1, 2, 3], {})
     assert plans[0] == Reuse(plans[0].slot, 0, None, 0, 0)
     for r in plans[1:]:
         assert r.keep == 199 and r.wave == 1 and r.src in {x.slot for x in plans} - {r.slot}
