@@ -130,26 +130,28 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: each warp copies two whole keys of a tile (no division by 72 per copy), and the running
-    # max moved only when a tile's max exceeds it by > 8 (O's rescale skipped); not yet measured
+    # max moved only when a tile's max exceeds it by > 8 (O's rescale skipped). Measured 2026-12-05 (H200,
+    # cold L2, 2026-12-05-variants-session20-h200.md): row copies N = 16 / 64 at 32K 76.8 -> 71.6 / 266 ->
+    # 249 µs, N = 1 unchanged (9.9 -> 10.0); lazy rescale no gain
     "-DK26_ATTN_ROW_COPIES": ["mla_tree_attn.cu"],
     "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],
-    # tree attention, 32-row tiles: 24 merge loads in flight a thread (default 8), one round at N = 16
+    # tree attention, 32-row tiles: 24 merge loads in flight a thread (default 8), one round at N = 16;
+    # measured 2026-12-05: N = 16 at 4K 20.4 -> 19.9 µs, elsewhere unchanged
     "-DK26_ATTN_MERGE_LOADS_32=24": ["mla_tree_attn.cu"],
     # tree attention: one barrier a tile (softmax k, S k + 1 and P V k - 1 interleaved in one basic block,
-    # two score / P buffers; the next tile has one interval to land); bit-identical by construction,
-    # not yet measured
+    # two score / P buffers; the next tile has one interval to land); bit-identical by construction.
+    # Measured 2026-12-05 (H200, cold L2): N = 16 / 64 at 32K 76.8 -> 65.7 / 266 -> 223 µs, N = 1 9.9 -> 10.7
+    # (4K), 53.2 -> 54.7 (128K); in the compiled step decode 4.30 -> 4.31 ms, verify N = 16 6.82 -> 6.77
     "-DK26_ATTN_ONE_BARRIER": ["mla_tree_attn.cu"],
-    # MoE one token: down + combine with the block's weights (int4 pairs + the shared expert's bf16 rows)
-    # staged in shared memory by cp.async before the PDL wait, 48 registers (4 blocks per SM: one wave);
-    # bit-identical, not yet measured
-    "-DK26_MOE_DOWN_STAGE": ["moe_w4a16.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
-    # (the second batch hits L2); bit-identical, not yet measured
+    # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
+    # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
-    # bit-identical outputs (same sums, keys, tie order), not yet measured. One slot set per device: one
-    # router launch at a time (no bounded spin), emptied before the next by the PDL chain's waits
+    # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token
+    # 7.7 µs against 6.7 by default: slower. One slot set per device: one router launch at a time (no
+    # bounded spin), emptied before the next by the PDL chain's waits
     "-DK26_ROUTER_POLL": ["moe_router.cu"],
 }
 

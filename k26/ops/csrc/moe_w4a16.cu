@@ -179,12 +179,10 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   if (err != cudaSuccess) return err;
   const int tiles2 = D / 16;
   if (direct && topk <= kDownOneTokPairs) {  // decode: down + combine in one launch
-#ifdef K26_MOE_DOWN_STAGE
     if (I <= 64 * kDownStageChunks)  // the block's weights staged in shared memory before the wait
       return launch_on(down_combine_one_token_staged, dim3(tiles2), kDownOneTokThreads, pdl, st,
                        (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, ids, topw,
                        topk, E, sh.down, (__nv_bfloat16*)out);
-#endif
     return launch_on(down_combine_one_token, dim3(tiles2), kDownOneTokThreads, pdl, st,
                      (const __nv_bfloat16*)ws.act, (const uint4*)w2,
                      (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
