@@ -56,11 +56,6 @@ class Reuse:
     have: int = 0  # what the row itself already held of the prompt (the copy's start)
     wave: int = 0  # prefill forward this prompt joins: w > 0 when its source is a prompt of wave w - 1
 
-    @property
-    def cached(self) -> int:
-        """Prompt tokens that skip the prefill."""
-        return self.keep
-
 
 class PrefixCache:
     """Per cache row, the tokens whose latents (and drafter context) it holds at positions 0..n-1, for rows
@@ -135,16 +130,13 @@ class PrefixCache:
         self.clock += 1
         self.freed_at[slot] = self.clock
 
-    def forget(self, slot: int) -> None:
-        """What `slot` held is gone (a failed prefill wrote part of it)."""
-        self.known[slot] = []
-
     def park(self, idle: Sequence[int], free: Sequence[int]) -> int | None:
         """The row the `idle` slots (free, or finished and not yet released) of a speculative batch run in:
         the current one while it is idle, else a free one holding least (freed longest ago), else any idle
         one. Its first positions are the caller's to keep aside (`kv_cache.HeadStash`). None: none idle."""
         if self.parked not in idle:
-            pool = [s for s in idle if s in set(free)] or list(idle)
+            spare = set(free)
+            pool = [s for s in idle if s in spare] or list(idle)
             self.parked = min(pool, key=lambda s: (len(self.known[s]), self.freed_at[s]), default=None)
         return self.parked
 
