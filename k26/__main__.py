@@ -295,18 +295,11 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env K26_API_KEY)")
     sv.add_argument("--no-logprobs", action="store_true", help="no logprobs graphs; logprobs requests: 400")
     sv.add_argument("--cache-dir", default=None, help="load cache: sliced, repacked weights, compile cache")
+    sv.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no reuse)")
     sv.add_argument(
-        "--no-prefix-cache", action="store_true", help="prefill every prompt whole (no reuse of cached rows)"
+        "--prefill-chunk", type=_positive, default=256, help="prefill positions a row and forward"
     )
-    sv.add_argument(
-        "--prefill-chunk", type=_positive, default=256, help="prompt positions per row and prefill forward"
-    )
-    sv.add_argument(
-        "--prefill-budget",
-        type=_positive,
-        default=512,
-        help="prompt positions prefilled per decode step while other requests decode",
-    )
+    sv.add_argument("--prefill-budget", type=_positive, default=512, help="deferred prefill positions a step")
     sv.add_argument(
         "--allreduce",
         choices=["fused", "calibrate", "nccl"],

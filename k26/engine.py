@@ -299,15 +299,9 @@ class LLM:
         ids = self._check_ids(token_ids, "token_ids")
         self._mirror("score", ids)
         self._overwriting_rows()
-        hs: list[torch.Tensor] = []
-        prefill(
-            self.decoder.ctx.models(),
-            [ids],
-            [0],
-            False,
-            chunk=self.prefill_chunk,
-            each=lambda i, h, at: hs.append(h),
-        )
+        hs: list[torch.Tensor] = []  # each forward's new positions, in order
+        m = self.decoder.ctx.models()
+        prefill(m, [ids], [0], False, chunk=self.prefill_chunk, each=lambda _i, h, _at: hs.append(h))
         return self.model.logits(torch.cat(hs))
 
     def _overwriting_rows(self) -> None:

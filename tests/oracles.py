@@ -72,3 +72,21 @@ def hf_oracle(path):
     model = DeepseekV3ForCausalLM(hf_cfg).float().eval()
     model.load_state_dict(state, strict=True)
     return model
+
+
+def finish(llm, slots: list[int]) -> list:
+    """Step the open batch until `slots` finished; release them; their outputs."""
+    while any(llm.batch.outs[s].finish_reason is None for s in slots):
+        llm.step()
+    return [llm.release(s) for s in slots]
+
+
+def assert_answers_as_fresh(llm, out, prompt, sp, spec):
+    """`out` (a row of an open batch, logprobs asked) has a fresh `generate`'s tokens and logprobs (1e-4);
+    returns the fresh output."""
+    import pytest
+
+    fresh = llm.generate(prompt, sp, spec)[0]
+    assert out.token_ids == fresh.token_ids
+    assert [x.logprob for x in out.logprobs] == pytest.approx([x.logprob for x in fresh.logprobs], abs=1e-4)
+    return fresh

@@ -5,7 +5,7 @@ themselves (CPU, float32, the tiny K2.5-layout pair)."""
 
 import pytest
 import torch
-from oracles import random_prompts
+from oracles import assert_answers_as_fresh, finish, random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
 
@@ -28,16 +28,8 @@ def llm(tiny_k25, drafter_dir):
     )
 
 
-def finish(llm, slots):
-    while any(llm.batch.outs[s].finish_reason is None for s in slots):
-        llm.step()
-    return [llm.release(s) for s in slots]
-
-
 def same_as_fresh(llm, out, prompt):
-    fresh = llm.generate(prompt, GREEDY, SPEC)[0]
-    assert out.token_ids == fresh.token_ids
-    assert [x.logprob for x in out.logprobs] == pytest.approx([x.logprob for x in fresh.logprobs], abs=1e-4)
+    assert_answers_as_fresh(llm, out, prompt, GREEDY, SPEC)
 
 
 def test_a_deferred_prompt_prefills_a_budget_per_step_while_others_decode(llm):
@@ -132,11 +124,7 @@ def test_an_autoregressive_batch_writes_no_idle_row_into_a_prompt_being_prefille
     assert again.cached_tokens == len(short) + 1
     finish(llm, [sa])
     for got, prompt in ((out, long_), (again, follow)):  # (generate makes the batch forget its rows: last)
-        fresh = llm.generate(prompt, sp, spec)[0]
-        assert got.token_ids == fresh.token_ids
-        assert [x.logprob for x in got.logprobs] == pytest.approx(
-            [x.logprob for x in fresh.logprobs], abs=1e-4
-        )
+        assert_answers_as_fresh(llm, got, prompt, sp, spec)
 
 
 def test_prefill_budget_is_checked():

@@ -5,7 +5,7 @@ own alone; a prefill in chunks equals one in a single forward and writes nothing
 
 import pytest
 import torch
-from oracles import random_prompts
+from oracles import assert_answers_as_fresh, finish, random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
 
@@ -26,19 +26,8 @@ def llm(tiny_k25, drafter_dir):
     )
 
 
-def finish(llm, slots):
-    """Step the open batch until `slots` finished; release them; their outputs."""
-    while any(llm.batch.outs[s].finish_reason is None for s in slots):
-        llm.step()
-    return [llm.release(s) for s in slots]
-
-
 def same_as_fresh(llm, out, prompt, spec):
-    fresh = llm.generate(prompt, GREEDY, spec)[0]
-    assert fresh.cached_tokens == 0
-    assert out.token_ids == fresh.token_ids
-    got, want = [x.logprob for x in out.logprobs], [x.logprob for x in fresh.logprobs]
-    assert got == pytest.approx(want, abs=1e-4)
+    assert assert_answers_as_fresh(llm, out, prompt, GREEDY, spec).cached_tokens == 0
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
