@@ -129,20 +129,20 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # profiling/results/2026-12-04-variants-session17-h200.md; the MoE down + combine's deal cost and the
 # gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md.)
 VARIANTS: dict[str, list[str]] = {
-    # tree attention: each warp copies two whole keys of a tile (no division by 72 per copy), and the running
-    # max moved only when a tile's max exceeds it by > 8 (O's rescale skipped). Measured 2026-12-05 (H200,
-    # cold L2, 2026-12-05-variants-session20-h200.md): row copies N = 16 / 64 at 32K 76.8 -> 71.6 / 266 ->
-    # 249 µs, N = 1 unchanged (9.9 -> 10.0); lazy rescale no gain
-    "-DK26_ATTN_ROW_COPIES": ["mla_tree_attn.cu"],
+    # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
+    # default one barrier a tile on the 32-row verify tiles only). ROW_COPIES_MT=2: each warp copies two whole
+    # keys of the verify tiles (alone, measured 2026-12-05, H200, cold L2, 2026-12-05-variants-session20-h200.md:
+    # N = 16 / 64 at 32K 76.8 -> 71.6 / 266 -> 249 µs, N = 1 unchanged); ONE_BARRIER_MT=0: two barriers a tile
+    # everywhere (the previous default, the A/B's other side); =3: one barrier on the decode tiles too (N = 1
+    # 9.9 -> 10.7 µs at 4K: slower)
+    "-DK26_ATTN_ROW_COPIES_MT=2": ["mla_tree_attn.cu"],
+    "-DK26_ATTN_ONE_BARRIER_MT=0": ["mla_tree_attn.cu"],
+    # tree attention: the running max moved only when a tile's max exceeds it by > 8 (O's rescale skipped):
+    # measured 2026-12-05, no gain
     "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],
     # tree attention, 32-row tiles: 24 merge loads in flight a thread (default 8), one round at N = 16;
     # measured 2026-12-05: N = 16 at 4K 20.4 -> 19.9 µs, elsewhere unchanged
     "-DK26_ATTN_MERGE_LOADS_32=24": ["mla_tree_attn.cu"],
-    # tree attention: one barrier a tile (softmax k, S k + 1 and P V k - 1 interleaved in one basic block,
-    # two score / P buffers; the next tile has one interval to land); bit-identical by construction.
-    # Measured 2026-12-05 (H200, cold L2): N = 16 / 64 at 32K 76.8 -> 65.7 / 266 -> 223 µs, N = 1 9.9 -> 10.7
-    # (4K), 53.2 -> 54.7 (128K); in the compiled step decode 4.30 -> 4.31 ms, verify N = 16 6.82 -> 6.77
-    "-DK26_ATTN_ONE_BARRIER": ["mla_tree_attn.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)

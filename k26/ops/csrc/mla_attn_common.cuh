@@ -39,15 +39,26 @@ constexpr int LDSS = BN + 4;      // fp32 partial-score row
 constexpr int LDP = BN + 8;       // bf16 P row (48 B: 16-B aligned rows for ldmatrix)
 constexpr int CHUNK_PER_ROW = DQK / 8;  // 16-byte chunks per cache row
 
-// -DK26_ATTN_ONE_BARRIER (mla_tree_attn_kernel.cuh): two buffers each of the partial scores, P and alpha.
-#ifdef K26_ATTN_ONE_BARRIER
-constexpr int SBUF = 2;
-#else
-constexpr int SBUF = 1;
+// The key-loop body each row-tile kernel runs (mla_tree_attn_kernel.cuh), chosen per MT at compile time, so
+// the launch's tile choice (tile_rows: N x H) picks it: bit j of a mask set for MT = j + 1. One barrier a tile
+// (two buffers each of the partial scores, P and alpha) helps the 32-row verify tiles and costs the 16-row
+// decode ones: measured 2026-12-05 (H200, cold L2, 2026-12-05-variants-session20-h200.md) N = 16 / 64 at 32K
+// 76.8 -> 65.7 / 266 -> 223 µs, N = 1 9.9 -> 10.7 (4K). Row copies (each warp copies two whole keys): N = 16 /
+// 64 76.8 -> 71.6 / 266 -> 249 alone, N = 1 unchanged; with one barrier not yet measured (a variant).
+#ifndef K26_ATTN_ONE_BARRIER_MT
+#define K26_ATTN_ONE_BARRIER_MT 2
 #endif
+#ifndef K26_ATTN_ROW_COPIES_MT
+#define K26_ATTN_ROW_COPIES_MT 0
+#endif
+template <int MT>
+constexpr bool kOneBarrier = (K26_ATTN_ONE_BARRIER_MT >> (MT - 1)) & 1;
+template <int MT>
+constexpr bool kRowCopies = (K26_ATTN_ROW_COPIES_MT >> (MT - 1)) & 1;
 
 template <int MT>
 struct Cfg {
+  static constexpr int SBUF = kOneBarrier<MT> ? 2 : 1;
   static constexpr int BM = 16 * MT;
   static constexpr size_t K = (size_t)NSTAGE * BN * LDS * 2;
   static constexpr size_t S1 = (size_t)KQ * BM * LDSS * 4, S = SBUF * S1;  // one buffer, all buffers
@@ -57,6 +68,47 @@ struct Cfg {
   static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
   static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
 };
+
+// One 16-key tile of the cache row kv (keys key0 .. key0 + 15, those from k1 on zero-filled) into dst by cp.async.
+template <int MT>
+__device__ __forceinline__ void copy_key_tile(const __nv_bfloat16* kv, int key0, int k1, __nv_bfloat16* dst,
+                                              int tid) {
+  if constexpr (kRowCopies<MT>) {
+    // Warp w copies keys 2w and 2w + 1 (144 16-byte chunks: lane l takes chunks l + 32 k of the pair, k = 0..4,
+    // the last only for l < 16), so each copy's row and column follow from the lane without the division by
+    // 72 of the strided loop below, whose address arithmetic is about a third of the MT 1 key loop's
+    // instructions (PTX count).
+    static_assert(BN == 2 * (THREADS / 32) && CHUNK_PER_ROW == 72, "two keys of 72 chunks a warp");
+    const int lane = tid & 31, r0 = 2 * (tid >> 5);
+    const bool v0 = key0 + r0 < k1, v1 = key0 + r0 + 1 < k1;
+    const __nv_bfloat16* s0 = kv + (size_t)min(key0 + r0, k1 - 1) * DQK;
+    const __nv_bfloat16* s1 = kv + (size_t)min(key0 + r0 + 1, k1 - 1) * DQK;
+    __nv_bfloat16 *d0 = dst + r0 * LDS, *d1 = d0 + LDS;
+    const int c = lane * 8;
+    cp_async16(d0 + c, s0 + c, v0);              // key 2w, chunks 0-31
+    cp_async16(d0 + c + 256, s0 + c + 256, v0);  // chunks 32-63
+    const bool a = lane < 8;                     // chunks 64-71 of key 2w, or 0-23 of key 2w + 1
+    cp_async16(a ? d0 + c + 512 : d1 + c - 64, a ? s0 + c + 512 : s1 + c - 64, a ? v0 : v1);
+    cp_async16(d1 + c + 192, s1 + c + 192, v1);  // key 2w + 1, chunks 24-55
+    if (lane < 16) cp_async16(d1 + c + 448, s1 + c + 448, v1);  // chunks 56-71
+  } else if constexpr (kOneBarrier<MT>) {
+    // The strided copies unrolled (the last one predicated): no loop, so the one-barrier key loop's body stays
+    // one basic block that the compiler can interleave.
+#pragma unroll
+    for (int j = 0; j < (BN * CHUNK_PER_ROW + THREADS - 1) / THREADS; ++j) {
+      const int i = tid + j * THREADS;
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const int key = min(key0 + r, k1 - 1);
+      if (i < BN * CHUNK_PER_ROW) cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+    }
+  } else {
+    for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
+      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
+      const int key = min(key0 + r, k1 - 1);
+      cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
+    }
+  }
+}
 
 // The splits' o partials in the workspace are fp32. (bf16 partials — half the bytes written before the merge's
 // barrier and read after it — measured slower on every shape and missed the 3e-3 bound on one test:

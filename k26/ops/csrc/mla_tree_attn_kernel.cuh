@@ -20,7 +20,8 @@
 // (2 key n-tiles x 4 dim quarters, partial sums added in shared memory), the online softmax runs on all
 // 256 threads (a row's 16 keys across 16 / MT lanes, reductions by shuffles), and O += P V has each warp
 // owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
-// Software-pipelined: P V of tile i and S of tile i + 1 share one barrier interval, so two barriers a tile.
+// Software-pipelined: P V of tile i and S of tile i + 1 share a barrier interval; two barriers a tile for the
+// 16-row (decode) tiles, one for the 32-row (verify) tiles (kOneBarrier, csrc/mla_attn_common.cuh).
 //
 // Split-KV merge in the same launch, one level (details in csrc/mla_attn_merge.cuh): each live split writes its
 // partial to the workspace, the tile's splits meet at a kernel-owned barrier, and each merges an equal share
@@ -32,9 +33,8 @@
 // (2026-12-02-bench_tree_attn-early-keys-h200.md).
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, ld.acquire and atomics (no warpgroup
-// MMA, TMA, tensor memory or clusters); <= 88 KB shared memory per block (the -DK26_ATTN_ONE_BARRIER variant
-// 99,840 B, under sm_120's 101,376): legal on sm_120 (99 KB) and sm_90;
-// built for sm_90a and sm_120a.
+// MMA, TMA, tensor memory or clusters); <= 99,840 B shared memory per block (Cfg; under sm_120's 101,376):
+// legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
 // Launch planning, workspace and the exports: csrc/mla_tree_attn.cu.
 // Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay; --rotary: the rotary query), results in
 // profiling/results/ (the rotary query: 2026-12-01-bench_k26-rope-h200.md).
@@ -66,7 +66,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S);
   int64_t* sWords = reinterpret_cast<int64_t*>(smem + C::K + C::S + C::P);  // [BM][4]
   float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS);
-  float* sM = sAlpha + SBUF * BM;
+  float* sM = sAlpha + C::SBUF * BM;
   float* sL = sM + BM;
 
   const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -86,44 +86,7 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
-  auto issue_tile = [&](int it, __nv_bfloat16* dst) {
-    const int key0 = k0 + it * BN;
-#ifdef K26_ATTN_ROW_COPIES
-    // Warp w copies keys 2w and 2w + 1 (144 16-byte chunks: lane l takes chunks l + 32 k of the pair, k = 0..4,
-    // the last only for l < 16), so each copy's row and column follow from the lane without the division by 72
-    // of the strided loop below, whose address arithmetic is about a third of the MT 1 key loop's instructions
-    // (PTX count).
-    static_assert(BN == 2 * (THREADS / 32) && CHUNK_PER_ROW == 72, "two keys of 72 chunks a warp");
-    const int r0 = 2 * warp;
-    const bool v0 = key0 + r0 < k1, v1 = key0 + r0 + 1 < k1;
-    const __nv_bfloat16* s0 = kv + (size_t)min(key0 + r0, k1 - 1) * DQK;
-    const __nv_bfloat16* s1 = kv + (size_t)min(key0 + r0 + 1, k1 - 1) * DQK;
-    __nv_bfloat16 *d0 = dst + r0 * LDS, *d1 = d0 + LDS;
-    const int c = lane * 8;
-    cp_async16(d0 + c, s0 + c, v0);              // key 2w, chunks 0-31
-    cp_async16(d0 + c + 256, s0 + c + 256, v0);  // chunks 32-63
-    const bool a = lane < 8;                     // chunks 64-71 of key 2w, or 0-23 of key 2w + 1
-    cp_async16(a ? d0 + c + 512 : d1 + c - 64, a ? s0 + c + 512 : s1 + c - 64, a ? v0 : v1);
-    cp_async16(d1 + c + 192, s1 + c + 192, v1);  // key 2w + 1, chunks 24-55
-    if (lane < 16) cp_async16(d1 + c + 448, s1 + c + 448, v1);  // chunks 56-71
-#elif defined(K26_ATTN_ONE_BARRIER)
-    // The same copies unrolled (the last one predicated): no loop, so the key loop's body stays one basic
-    // block that the compiler can interleave.
-#pragma unroll
-    for (int j = 0; j < (BN * CHUNK_PER_ROW + THREADS - 1) / THREADS; ++j) {
-      const int i = tid + j * THREADS;
-      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
-      const int key = min(key0 + r, k1 - 1);
-      if (i < BN * CHUNK_PER_ROW) cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
-    }
-#else
-    for (int i = tid; i < BN * CHUNK_PER_ROW; i += THREADS) {
-      const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
-      const int key = min(key0 + r, k1 - 1);
-      cp_async16(dst + r * LDS + c, kv + (size_t)key * DQK + c, key0 + r < k1);
-    }
-#endif
-  };
+  auto issue_tile = [&](int it, __nv_bfloat16* dst) { copy_key_tile<MT>(kv, k0 + it * BN, k1, dst, tid); };
   // Q is staged in the last MT stages, the first NSTAGE - MT tiles beside it (one commit group for all).
   auto early = [&](int it) { return it < n_tiles && k0 + (it + 1) * BN <= L; };  // wholly prefix keys
   for (int it = 0; it < NSTAGE - MT; ++it)
@@ -231,7 +194,6 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     float s[MT][4];
     score_mma(stage, buf, s, true);
   };
-#ifdef K26_ATTN_ONE_BARRIER
   auto score_store = [&](const float (&s)[MT][4], int buf) {
     float* sSq = sS + buf * (KQ * BM * LDSS) + kq * BM * LDSS;
 #pragma unroll
@@ -240,7 +202,6 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
       *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
     }
   };
-#endif
 
   // Online softmax of the tile starting at key0: this thread's MT scores of row sr, the max over its LPR lanes
   // by shuffles; P -> sP (bf16), the rescale factor -> sAlpha. The row sum stays per lane (l_run: this lane's
@@ -252,18 +213,19 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
       const int key = key0 + sc + j;
-#ifdef K26_ATTN_ONE_BARRIER
-      // The same bit without a branch (the loop body stays one basic block); i clamped to the row's N bits.
-      const int i = min(max(key - L, 0), p.N - 1);
-      const int64_t w = my_words[i >> 6];
-      const bool vis = (key < k1) & ((key < L) | static_cast<bool>((w >> (i & 63)) & 1));
-#else
-      bool vis = key < k1;
-      if (vis && key >= L) {
-        const int i = key - L;
-        vis = (my_words[i >> 6] >> (i & 63)) & 1;
+      bool vis;
+      if constexpr (kOneBarrier<MT>) {
+        // The bit without a branch (the loop body stays one basic block); i clamped to the row's N bits.
+        const int i = min(max(key - L, 0), p.N - 1);
+        const int64_t w = my_words[i >> 6];
+        vis = (key < k1) & ((key < L) | static_cast<bool>((w >> (i & 63)) & 1));
+      } else {
+        vis = key < k1;
+        if (vis && key >= L) {
+          const int i = key - L;
+          vis = (my_words[i >> 6] >> (i & 63)) & 1;
+        }
       }
-#endif
       float acc = 0.f;
 #pragma unroll
       for (int q4 = 0; q4 < KQ; ++q4) acc += sS[buf * (KQ * BM * LDSS) + (q4 * BM + sr) * LDSS + sc + j];
@@ -323,49 +285,49 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
     }
   };
 
-  // Software-pipelined: P V of tile `it` and S of tile `it + 1` are independent, so they run between the
-  // same two barriers and their MMAs overlap; the softmax of `it + 1` follows. Tile 0's S and softmax
-  // run ahead of the loop (tile 0 landed with Q).
-#ifdef K26_ATTN_ONE_BARRIER
-  // One barrier a tile: interval k runs the softmax of tile k (scores from sS buffer k & 1 -> P, alpha buffer
-  // k & 1), S of tile k + 1 (-> sS buffer (k + 1) & 1) and P V of tile k - 1 (P, alpha buffer (k - 1) & 1), all
-  // independent, in one basic block the compiler interleaves (the softmax's shuffle / exp2 latency under the
-  // MMA chains). Tile k is read in intervals k - 1 (S) and k + 1 (P V), so the 4 stages hold tiles k - 1 .. k + 2:
-  // tile k + 2 goes out in interval k into the stage of tile k - 2 and has one interval to land.
-  // Same arithmetic in the same order as the default: bit-identical.
-  static_assert(NSTAGE == 4, "stages of tiles k - 1 .. k + 2");
-  score_tile(0, 0);
-  cp_wait<1>();  // tile 1 landed (tile 2 may still be in flight)
-  __syncthreads();
-  softmax_tile(k0, 0);
-  score_tile(1, 1);  // n_tiles 1: a stale stage; unused
-  for (int k = 1; k < n_tiles; ++k) {
-    cp_wait<0>();     // tile k + 1 landed
-    __syncthreads();  // S(k), P(k - 1) visible; interval k - 1 done everywhere: tile k - 2's stage is free
-    issue_tile(k + 2, sK + ((k + 2) % NSTAGE) * BN * LDS);  // past the last tile: zero-fills, no reads
-    cp_commit();
-    pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
-    float s[MT][4];
-    score_mma((k + 1) % NSTAGE, (k + 1) & 1, s, false);  // past the last tile a stale stage; the result is unused
-    softmax_tile(k0 + k * BN, k & 1);
-    score_store(s, (k + 1) & 1);  // after the softmax's loads of the other buffer: the compiler keeps the order
-  }
-  __syncthreads();
-  pv_tile((n_tiles - 1) % NSTAGE, (n_tiles - 1) & 1);
-#else
-  score_tile(0, 0);
-  __syncthreads();
-  softmax_tile(k0, 0);
-  for (int it = 0; it < n_tiles; ++it) {
-    cp_wait<NSTAGE - 3>();  // tile it + 1 landed
-    __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
-    load_tile(it + NSTAGE - 1);
-    pv_tile(it % NSTAGE, 0);
-    score_tile((it + 1) % NSTAGE, 0);  // past the last tile this scores a stale stage; the result is unused
+  // Software-pipelined (either body): P V of one tile and S of the next are independent, so their MMAs overlap;
+  // tile 0's S and softmax run ahead of the loop (tile 0 landed with Q).
+  if constexpr (kOneBarrier<MT>) {
+    // One barrier a tile: interval k runs the softmax of tile k (scores from sS buffer k & 1 -> P, alpha buffer
+    // k & 1), S of tile k + 1 (-> sS buffer (k + 1) & 1) and P V of tile k - 1 (P, alpha buffer (k - 1) & 1), all
+    // independent, in one basic block the compiler interleaves (the softmax's shuffle / exp2 latency under the
+    // MMA chains). Tile k is read in intervals k - 1 (S) and k + 1 (P V), so the 4 stages hold tiles k - 1 .. k + 2:
+    // tile k + 2 goes out in interval k into the stage of tile k - 2 and has one interval to land.
+    // Same arithmetic in the same order as the default: bit-identical.
+    static_assert(NSTAGE == 4, "stages of tiles k - 1 .. k + 2");
+    score_tile(0, 0);
+    cp_wait<1>();  // tile 1 landed (tile 2 may still be in flight)
     __syncthreads();
-    if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN, 0);
+    softmax_tile(k0, 0);
+    score_tile(1, 1);  // n_tiles 1: a stale stage; unused
+    for (int k = 1; k < n_tiles; ++k) {
+      cp_wait<0>();     // tile k + 1 landed
+      __syncthreads();  // S(k), P(k - 1) visible; interval k - 1 done everywhere: tile k - 2's stage is free
+      issue_tile(k + 2, sK + ((k + 2) % NSTAGE) * BN * LDS);  // past the last tile: zero-fills, no reads
+      cp_commit();
+      pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
+      float s[MT][4];
+      score_mma((k + 1) % NSTAGE, (k + 1) & 1, s, false);  // past the last tile a stale stage; the result is unused
+      softmax_tile(k0 + k * BN, k & 1);
+      score_store(s, (k + 1) & 1);  // after the softmax's loads of the other buffer: the compiler keeps the order
+    }
+    __syncthreads();
+    pv_tile((n_tiles - 1) % NSTAGE, (n_tiles - 1) & 1);
+  } else {
+    // Two barriers a tile: P V of tile `it` and S of tile `it + 1` between them, the softmax of `it + 1` after.
+    score_tile(0, 0);
+    __syncthreads();
+    softmax_tile(k0, 0);
+    for (int it = 0; it < n_tiles; ++it) {
+      cp_wait<NSTAGE - 3>();  // tile it + 1 landed
+      __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
+      load_tile(it + NSTAGE - 1);
+      pv_tile(it % NSTAGE, 0);
+      score_tile((it + 1) % NSTAGE, 0);  // past the last tile this scores a stale stage; the result is unused
+      __syncthreads();
+      if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN, 0);
+    }
   }
-#endif
   TRACE(2);
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
