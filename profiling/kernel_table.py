@@ -7,7 +7,9 @@ layer i's attention to layer i + 1's holds layer i's second half and layer i + 1
 i >= 1 both are MoE layers. Each position of that segment is one row: median µs over the 59 segments.
 A kernel launched with programmatic dependent launch starts before its predecessor ends and waits inside
 (its weight prefetch overlaps that tail), so its span includes part of the previous kernel's: per-kernel µs
-then overlap and their sum can exceed the step.
+then overlap and their sum can exceed the step. The "path" column is what a kernel adds to the step: its end
+minus the previous kernel's end (the kernels of a step end in launch order), so a layer's path times add up
+to its share of the replay, PDL or not.
 """
 
 from __future__ import annotations
@@ -67,15 +69,21 @@ def record(replay) -> list[dict]:
         os.unlink(path)
     evs = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     evs.sort(key=lambda e: e["ts"])
-    return [
-        {
-            "name": e["name"],
-            "grid": tuple(e.get("args", {}).get("grid", ())),
-            "dur": float(e["dur"]),
-            "ts": float(e["ts"]),
-        }
-        for e in evs
-    ]
+    out, prev_end = [], None
+    for e in evs:
+        ts, dur = float(e["ts"]), float(e["dur"])
+        path = dur if prev_end is None else max(ts + dur - prev_end, 0.0)
+        prev_end = ts + dur if prev_end is None else max(prev_end, ts + dur)
+        out.append(
+            {
+                "name": e["name"],
+                "grid": tuple(e.get("args", {}).get("grid", ())),
+                "dur": dur,
+                "ts": ts,
+                "path": path,
+            }
+        )
+    return out
 
 
 def by_name(kernels: list[dict], label: str, top: int = 25) -> list[str]:
@@ -146,40 +154,50 @@ def table(
         return out + ["- no layer segments found (attention kernel not in the trace)"]
     n = len(segs[0])
     med = [statistics.median(s[j]["dur"] for s in segs) for j in range(n)]
-    layer_us = sum(med)
+    path = [statistics.median(s[j]["path"] for s in segs) for j in range(n)]
     out += [
         (
             f"- one MoE layer (median of {len(segs)} segments between attention kernels): **{n} kernels**, "
-            f"{layer_us:.1f} µs"
+            f"{sum(med):.1f} µs summed, {sum(path):.1f} µs on the step's path"
         ),
         "",
-        "| # | kernel | grid | category | µs |",
-        "|---|---|---|---|---|",
+        "| # | kernel | grid | category | µs | path µs |",
+        "|---|---|---|---|---|---|",
     ]
     for j, k in enumerate(segs[0]):
         grid = "x".join(map(str, k["grid"]))
-        out.append(f"| {j + 1} | `{short(k['name'])}` | {grid} | {category(k['name'])} | {med[j]:.1f} |")
-    by_cat: dict[str, list[float]] = {}
+        name = f"`{short(k['name'])}` | {grid} | {category(k['name'])}"
+        out.append(f"| {j + 1} | {name} | {med[j]:.1f} | {path[j]:.1f} |")
+    by_cat: dict[str, list[tuple[float, float]]] = {}
     for j, k in enumerate(segs[0]):
-        by_cat.setdefault(category(k["name"]), []).append(med[j])
+        by_cat.setdefault(category(k["name"]), []).append((med[j], path[j]))
     out += [
         "",
-        "| category | launches per layer | µs per layer | MB per layer | % copy BW |",
-        "|---|---|---|---|---|",
+        "| category | launches per layer | µs per layer | MB per layer | % copy BW | path µs per layer |",
+        "|---|---|---|---|---|---|",
     ]
-    for c, ts in sorted(by_cat.items(), key=lambda kv: -sum(kv[1])):
-        out.append(row(c, len(ts), sum(ts), layer_bytes.get(c, 0), copy_bw))
+    for c, ts in sorted(by_cat.items(), key=lambda kv: -sum(t for t, _ in kv[1])):
+        out.append(
+            row(c, len(ts), sum(t for t, _ in ts), layer_bytes.get(c, 0), copy_bw, sum(p for _, p in ts))
+        )
     dense = [t for c, ts in by_cat.items() if c.startswith("dense projection") for t in ts]
     out.append(
-        row("all dense projections of the layer", len(dense), sum(dense), layer_bytes["dense"], copy_bw)
+        row(
+            "all dense projections of the layer",
+            len(dense),
+            sum(t for t, _ in dense),
+            layer_bytes["dense"],
+            copy_bw,
+            sum(p for _, p in dense),
+        )
     )
     return out
 
 
-def row(what: str, launches: int, us: float, nbytes: float, copy_bw: float) -> str:
+def row(what: str, launches: int, us: float, nbytes: float, copy_bw: float, path_us: float) -> str:
     bw = f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}%" if nbytes and us else ""
     mb = f"{nbytes / 1e6:.1f}" if nbytes else ""
-    return f"| {what} | {launches} | {us:.1f} | {mb} | {bw} |"
+    return f"| {what} | {launches} | {us:.1f} | {mb} | {bw} | {path_us:.1f} |"
 
 
 def apply_variant(model, name: str) -> None:

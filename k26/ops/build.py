@@ -130,13 +130,12 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
-    # default one barrier a tile on the 32-row verify tiles only). ROW_COPIES_MT=2: each warp copies two whole
-    # keys of the verify tiles (alone, measured 2026-12-05, H200, cold L2, 2026-12-05-variants-session20-h200.md:
-    # N = 16 / 64 at 32K 76.8 -> 71.6 / 266 -> 249 µs, N = 1 unchanged); ONE_BARRIER_MT=0: two barriers a tile
-    # everywhere (the previous default, the A/B's other side); =3: one barrier on the decode tiles too (N = 1
-    # 9.9 -> 10.7 µs at 4K: slower)
-    "-DK26_ATTN_ROW_COPIES_MT=2": ["mla_tree_attn.cu"],
+    # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
+    # barriers a tile everywhere (the body before 2026-12-05, an A/B side); ROW_COPIES_MT=0: the strided
+    # copies everywhere (measured 2026-12-05, H200: N = 16 / 64 at 32K 63.5 / 209 µs with row copies, 64.9 /
+    # 217 without)
     "-DK26_ATTN_ONE_BARRIER_MT=0": ["mla_tree_attn.cu"],
+    "-DK26_ATTN_ROW_COPIES_MT=0": ["mla_tree_attn.cu"],
     # tree attention: the running max moved only when a tile's max exceeds it by > 8 (O's rescale skipped):
     # measured 2026-12-05, no gain
     "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],

@@ -41,15 +41,15 @@ constexpr int CHUNK_PER_ROW = DQK / 8;  // 16-byte chunks per cache row
 
 // The key-loop body each row-tile kernel runs (mla_tree_attn_kernel.cuh), chosen per MT at compile time, so
 // the launch's tile choice (tile_rows: N x H) picks it: bit j of a mask set for MT = j + 1. One barrier a tile
-// (two buffers each of the partial scores, P and alpha) helps the 32-row verify tiles and costs the 16-row
-// decode ones: measured 2026-12-05 (H200, cold L2, 2026-12-05-variants-session20-h200.md) N = 16 / 64 at 32K
-// 76.8 -> 65.7 / 266 -> 223 µs, N = 1 9.9 -> 10.7 (4K). Row copies (each warp copies two whole keys): N = 16 /
-// 64 76.8 -> 71.6 / 266 -> 249 alone, N = 1 unchanged; with one barrier not yet measured (a variant).
+// (two buffers each of the partial scores, P and alpha) and row copies (each warp copies two whole keys) help
+// the 32-row verify tiles; one barrier costs the 16-row decode ones. Measured on an H200, cold L2: one barrier
+// N = 16 / 64 at 32K 76.8 -> 65.7 / 266 -> 223 µs, N = 1 9.9 -> 10.7 at 4K (2026-12-05-variants-session20-h200.md);
+// row copies on top 64.9 -> 63.5 / 217 -> 209, N = 16 at 4K 19.0 -> 18.7 (2026-12-05-attn-tiles-session21-h200.md).
 #ifndef K26_ATTN_ONE_BARRIER_MT
 #define K26_ATTN_ONE_BARRIER_MT 2
 #endif
 #ifndef K26_ATTN_ROW_COPIES_MT
-#define K26_ATTN_ROW_COPIES_MT 0
+#define K26_ATTN_ROW_COPIES_MT 2
 #endif
 template <int MT>
 constexpr bool kOneBarrier = (K26_ATTN_ONE_BARRIER_MT >> (MT - 1)) & 1;
