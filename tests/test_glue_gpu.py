@@ -1,7 +1,8 @@
 """The MLA glue kernel (csrc/mla_glue.cu) against its pure-torch reference on fresh random inputs at K2.6
 shapes, outputs poisoned first: q_a norm, the cache rows written (and no other), strided views of the
 stacked projection, large positions, graph replay == eager bitwise; the model with the glue and the stacked
-q_a / kv_a projection against the unfused one."""
+q_a / kv_a projection against the unfused one. The glue fused with the q_b projection
+(csrc/mla_glue_linear.cu) against the glue kernel then the small-M linear kernel: the same bits."""
 
 import pytest
 import torch
@@ -78,6 +79,41 @@ def test_graph_replay_matches_eager():
     eager_cache = a["cache"].clone()
     g_out = out.clone()
     eager = torch.ops.k26.mla_glue(**(a | {"cache": eager_cache}))
+    assert torch.equal(g_out, eager) and torch.equal(a["cache"], eager_cache)
+
+
+@pytest.mark.parametrize("B, N", [(1, 1), (1, 16), (4, 4), (3, 5), (2, 8), (2, 64)])
+@pytest.mark.parametrize("n_out", [1536, 4104])  # K2.6's q_b at TP8 (one wave of tile blocks); 257 tiles
+@pytest.mark.parametrize("stacked", [False, True])
+def test_glue_linear_is_bitwise_the_two_kernels(B, N, n_out, stacked):
+    a = inputs(B, N, seed=B * 1000 + N + n_out, stacked=stacked)
+    w = rand(n_out, Q, gen=torch.Generator(device="cuda").manual_seed(n_out + N), scale=0.05)
+    want_cache = a["cache"].clone()
+    want = torch.ops.k26.linear(torch.ops.k26.mla_glue(**(a | {"cache": want_cache})), w)
+    torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison the free pool
+    got = torch.ops.k26.mla_glue_linear(**a, weight=w)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    assert torch.equal(a["cache"], want_cache)  # the written rows the same, every other row untouched
+    ref_cache = want_cache.clone()
+    ref = mla_glue_reference(**(a | {"cache": ref_cache})).float() @ w.float().T
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2  # and near the fp32 specification
+
+
+def test_glue_linear_graph_replay_matches_eager():
+    a = inputs(2, 8, seed=17, stacked=True)
+    w = rand(1536, Q, gen=torch.Generator(device="cuda").manual_seed(18), scale=0.05)
+    torch.ops.k26.mla_glue_linear(**a, weight=w)  # load the library before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.k26.mla_glue_linear(**a, weight=w)
+    fresh = inputs(2, 8, seed=19, stacked=True)
+    for k in ("q_a", "kv_a", "positions", "rows", "prefix_lens"):
+        a[k].copy_(fresh[k])
+    out.fill_(float("nan"))
+    g.replay()
+    eager_cache = a["cache"].clone()
+    g_out = out.clone()
+    eager = torch.ops.k26.mla_glue_linear(**(a | {"cache": eager_cache}), weight=w)
     assert torch.equal(g_out, eager) and torch.equal(a["cache"], eager_cache)
 
 

@@ -1,6 +1,8 @@
 """torch.ops.k26.mla_glue on CPU: its reference is the composition MLA ran before (the q_a / kv_a RMSNorm
 modules, Rope on k_pe, mla_write_cache), bitwise; schema and fake agree (opcheck); bad inputs are named;
-MLA with the stacked q_a / kv_a matrix (`fuse_`) computes what it computed before."""
+MLA with the stacked q_a / kv_a matrix (`fuse_`) computes what it computed before.
+torch.ops.k26.mla_glue_linear (the glue and the q_b projection in one launch) is the glue op then the linear
+op, bitwise."""
 
 import pytest
 import torch
@@ -94,6 +96,32 @@ def test_bad_input_is_named(change, name):
         torch.ops.k26.mla_glue(**(inputs() | change))
 
 
+def test_glue_linear_is_the_glue_then_the_projection():
+    a = inputs(seed=6)
+    w = rand(40, Q, seed=7)
+    cache = a["cache"].clone()
+    y = torch.ops.k26.mla_glue_linear(**a, weight=w)
+    want = torch.ops.k26.linear(torch.ops.k26.mla_glue(**(a | {"cache": cache})), w)
+    assert torch.equal(y, want) and torch.equal(a["cache"], cache)
+    assert not torch.equal(cache, inputs(seed=6)["cache"])  # the write happened
+
+
+def test_mla_glue_linear_opcheck():
+    args = (*inputs(seed=8).values(), rand(24, Q, seed=9))
+    torch.library.opcheck(
+        torch.ops.k26.mla_glue_linear.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+@pytest.mark.parametrize(
+    "weight, name",
+    [(torch.ones(8, Q + 8, dtype=torch.bfloat16), "weight"), (torch.ones(8, Q), "weight dtype")],
+)
+def test_glue_linear_bad_weight_is_named(weight, name):
+    with pytest.raises(ValueError, match=f"k26.mla_glue: {name}"):
+        torch.ops.k26.mla_glue_linear(**inputs(), weight=weight)
+
+
 def random_tiny(dtype: torch.dtype, seed: int) -> tuple[ModelConfig, KimiK2]:
     """The tiny config's model with N(0, 0.3) weights, the global RNG seeded first (later draws follow)."""
     torch.manual_seed(seed)
@@ -185,3 +213,21 @@ def test_prefill_above_64_rows_leaves_the_small_m_kernel():
         ids = torch.randint(0, cfg.vocab_size, (B, N))
         batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long), N, prefill=prefill)
         assert (_op_calls(model, ids, batch, cache) > 0) == kernel, (B, N, prefill)
+
+
+def test_fused_model_runs_glue_and_q_b_as_one_op():
+    """After `fuse_dense_` each layer's glue and q_b projection are one `k26::mla_glue_linear` call (counted),
+    with the same bits as the module composition (MLA.glue off)."""
+    cfg, model = random_tiny(torch.bfloat16, 4)
+    model.fuse_dense_()
+    ids = torch.randint(0, cfg.vocab_size, (2, 3))
+    batch = AttnBatch.causal(torch.tensor([1, 4]), 3)
+    cache = torch.randn(cfg.num_hidden_layers, 2, 12, cfg.latent_dim).bfloat16()
+    caches = [cache.clone(), cache.clone()]
+    with torch.no_grad():
+        assert _op_calls(model, ids, batch, cache.clone(), "k26::mla_glue_linear") == cfg.num_hidden_layers
+        h0, _ = model(ids, batch, caches[0])
+        for layer in model.layers:
+            layer.self_attn.glue = False
+        h1, _ = model(ids, batch, caches[1])
+    assert torch.equal(h0, h1) and torch.equal(caches[0], caches[1])

@@ -92,7 +92,7 @@ class MLA(nn.Module):
         q_a, kv_a = self._project_a(x_BND, small)
         latent_BNC = None
         if cache_RLC is not None and self.glue:  # one kernel: both norms, k_pe's RoPE, the cache write
-            q_a = torch.ops.k26.mla_glue(
+            glue = (
                 q_a,
                 kv_a,
                 self.q_a_layernorm.weight,
@@ -104,11 +104,16 @@ class MLA(nn.Module):
                 batch.rows_B,
                 batch.prefix_lens_B,
             )
+            # With the small-M kernel the q_b projection joins the glue's launch (bit for bit the two ops).
+            if short:
+                q_b = torch.ops.k26.mla_glue_linear(*glue, self.q_b_proj.weight)
+            else:
+                q_b = self.q_b_proj(torch.ops.k26.mla_glue(*glue))
         else:  # the same composition in modules (differentiable: the training forward takes this path)
             q_a = self.q_a_layernorm(q_a)
             c_kv = self.kv_a_layernorm(kv_a[..., :r])
             latent_BNC = torch.cat([c_kv, rope(kv_a[..., r:], batch.positions_BN)], dim=-1)
-        q_b = torch.ops.k26.linear(q_a, self.q_b_proj.weight) if short else self.q_b_proj(q_a)
+            q_b = torch.ops.k26.linear(q_a, self.q_b_proj.weight) if short else self.q_b_proj(q_a)
         q_BNHQ = q_b.view(B, N, H, cfg.qk_head_dim)
         q_nope, q_pe_raw = q_BNHQ.split([nope, cfg.qk_rope_head_dim], dim=-1)
         q_pe = rope(q_pe_raw, batch.positions_BN[:, :, None]) if cache_RLC is None or not absorb else None

@@ -99,7 +99,7 @@ from . import (
     allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm and add_rmsnorm with their CUDA kernels)
     attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
     drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
-    glue_cuda,  # noqa: F401  (registers mla_glue with its CUDA kernel)
+    glue_cuda,  # noqa: F401  (registers mla_glue and mla_glue_linear with their CUDA kernels)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
@@ -115,6 +115,7 @@ OPS = (
     "linear_grouped",
     "ddtree_build",
     "mla_glue",
+    "mla_glue_linear",
     "allreduce_add_rmsnorm",
     "add_rmsnorm",
     "drafter_attention",

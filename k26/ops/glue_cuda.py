@@ -9,6 +9,10 @@ latent-cache write. Its reference is the composition the model ran before (the s
 The kernel serves bf16 activations, weights and cache with 16-byte aligned rows, Q and R multiples of 8,
 Q + R <= 4096 and P even; anything else (float32 test models, odd widths) runs the reference on the same
 device, said once in the log.
+
+`torch.ops.k26.mla_glue_linear` is the glue and the q_b projection after it in one launch
+(csrc/mla_glue_linear.cu), `linear(mla_glue(...), weight)` bit for bit, up to 16 tokens; more tokens, or a
+shape either kernel does not serve, run the two ops (each with its kernel or its reference).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from . import pdl, reference
 from .log import say_once
@@ -58,6 +63,40 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
     return torch.empty_like(q_a, memory_format=torch.contiguous_format)
 
 
+def mla_glue_linear_reference(
+    q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps: float, cache, rows, prefix_lens, w
+) -> torch.Tensor:
+    q = mla_glue_reference(
+        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
+    )
+    return F.linear(q, w)
+
+
+@torch.library.custom_op("k26::mla_glue_linear", mutates_args=("cache",))
+def mla_glue_linear(
+    q_a: torch.Tensor,
+    kv_a: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens, weight)
+    return mla_glue_linear_reference(
+        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, weight
+    )
+
+
+@mla_glue_linear.register_fake
+def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, weight):
+    return q_a.new_empty(*q_a.shape[:2], weight.shape[0])
+
+
 # ---------------------------------------------------------------- checks
 
 
@@ -66,8 +105,11 @@ def _need(cond: bool, msg: str) -> None:
         raise ValueError(f"k26.mla_glue: {msg}")
 
 
-def check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens) -> None:
-    """Shapes, dtypes and devices, on the host (no device sync: safe to run before a capture)."""
+def check(
+    q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens, weight=None
+) -> None:
+    """Shapes, dtypes and devices, on the host (no device sync: safe to run before a capture); `weight`: the
+    q_b projection's [n, Q] of mla_glue_linear."""
     _need(q_a.dim() == 3 and q_a.is_floating_point(), f"q_a must be a float [B, N, Q], got {list(q_a.shape)}")
     B, N, Q = q_a.shape
     _need(
@@ -90,7 +132,12 @@ def check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, 
         _need(tuple(t.shape) == (B,), f"{name} must be [{B}], got {list(t.shape)}")
     for name, t in (("positions", positions), ("rows", rows), ("prefix_lens", prefix_lens)):
         _need(t.dtype == torch.int64, f"{name} must be int64, got {t.dtype}")
-    for name, t in (("kv_a", kv_a), ("q_norm_weight", q_norm_weight), ("kv_norm_weight", kv_norm_weight)):
+    if weight is not None:
+        _need(
+            weight.dim() == 2 and weight.shape[1] == Q, f"weight must be [n, Q={Q}], got {list(weight.shape)}"
+        )
+    named = (("kv_a", kv_a), ("q_norm_weight", q_norm_weight), ("kv_norm_weight", kv_norm_weight))
+    for name, t in named + ((("weight", weight),) if weight is not None else ()):
         _need(t.dtype == q_a.dtype, f"{name} dtype {t.dtype} differs from q_a's {q_a.dtype}")
     for name, t in (
         ("kv_a", kv_a),
@@ -101,6 +148,7 @@ def check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, 
         ("cache", cache),
         ("rows", rows),
         ("prefix_lens", prefix_lens),
+        ("weight", q_a if weight is None else weight),
     ):
         _need(t.device == q_a.device, f"{name} is on {t.device}, q_a on {q_a.device}")
 
@@ -121,6 +169,16 @@ def _lib() -> ctypes.CDLL:
         + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     )
     lib.k26_mla_glue_max_width.restype = ctypes.c_int
+    lib.k26_mla_glue_linear.restype = ctypes.c_int
+    lib.k26_mla_glue_linear.argtypes = (
+        [ctypes.c_void_p] * 11
+        + [ctypes.c_longlong] * 5
+        + [ctypes.c_int] * 6
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+    )
+    lib.k26_mla_glue_linear_max_tokens.restype = ctypes.c_int
+    lib.k26_mla_glue_linear_row_bytes.restype = ctypes.c_int
+    lib.k26_mla_glue_linear_row_bytes.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -204,4 +262,55 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
     )
     if err:
         raise RuntimeError(f"k26.mla_glue: CUDA launch failed with error {err}")
+    return out
+
+
+# Shared memory the fused kernel's staged q rows may take (its 16 rows; the block's static 9 KB beside them
+# stay under sm_120's 99 KB).
+GLUE_LINEAR_SMEM = 88 * 1024
+
+
+@torch.library.register_kernel("k26::mla_glue_linear", "cuda")
+def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, weight):
+    check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens, weight)
+    B, N, Q = q_a.shape
+    R = kv_norm_weight.shape[0]
+    P = kv_a.shape[2] - R
+    glue_args = (q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens)
+    why = _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R, P)
+    if why is None:  # the glue's library loaded: the fused kernel's own limits
+        lib = _lib()
+        if not 0 < B * N <= lib.k26_mla_glue_linear_max_tokens():
+            why = f"{B * N} tokens"
+        elif lib.k26_mla_glue_linear_max_tokens() * lib.k26_mla_glue_linear_row_bytes(Q) > GLUE_LINEAR_SMEM:
+            why = f"Q={Q} beyond its shared memory"
+        elif weight.stride(1) != 1 or weight.stride(0) % 8 or weight.data_ptr() % 16:
+            why = "a weight with unaligned rows"
+    if why is not None:  # the two ops, each with its kernel or its reference
+        say_once(__name__, logging.INFO, f"k26.mla_glue_linear: {why} runs mla_glue, then linear")
+        return torch.ops.k26.linear(torch.ops.k26.mla_glue(*glue_args), weight)
+    ins, q_ld, kv_ld, early_ok = _kernel_inputs(
+        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
+    )
+    n = weight.shape[0]
+    out = torch.empty(B, N, n, dtype=q_a.dtype, device=q_a.device)
+    err = lib.k26_mla_glue_linear(
+        *(t.data_ptr() for t in (*ins, cache, weight, out)),
+        q_ld,
+        kv_ld,
+        cache.stride(0),
+        cache.stride(1),
+        weight.stride(0),
+        B * N,
+        N,
+        Q,
+        R,
+        P,
+        n,
+        float(eps),
+        int(early_ok),  # W_qb is the caller's own (checked above): read before the wait as given
+        torch.cuda.current_stream(q_a.device).cuda_stream,
+    )
+    if err:
+        raise RuntimeError(f"k26.mla_glue_linear: CUDA launch failed with error {err}")
     return out

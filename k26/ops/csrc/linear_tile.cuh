@@ -83,8 +83,9 @@ __host__ __device__ constexpr int tile_blocks() { return MT <= 4 ? 2 : 1; }
 constexpr int kDeepBatch = 4;
 
 // Unit u's x fragments of the token tiles j for this lane (row 8j + g, k = 32u + 8t .. +8); zeros past M or K.
-// xr: this lane's row g at k = kt; tiles_live: the token tiles holding row 8j + g < M.
-template <int MT, int B>
+// xr: this lane's row g at k = kt; tiles_live: the token tiles holding row 8j + g < M. SMEM: x is in shared
+// memory (csrc/mla_glue_linear.cu stages its normed rows there), else global (read through the read-only path).
+template <int MT, int B, bool SMEM = false>
 __device__ __forceinline__ void load_x(uint4 (&xb)[B][MT], const __nv_bfloat16* xr, long long x_tile, int tiles_live,
                                        int u, int u_end, int kt, int K) {
 #pragma unroll
@@ -92,8 +93,12 @@ __device__ __forceinline__ void load_x(uint4 (&xb)[B][MT], const __nv_bfloat16* 
     const bool in = u + i < u_end && (u + i) * kUnit + kt < K;
 #pragma unroll
     for (int j = 0; j < MT; ++j)
-      xb[i][j] = in && j < tiles_live ? __ldg(reinterpret_cast<const uint4*>(xr + j * x_tile + (u + i) * kUnit))
-                                      : make_uint4(0, 0, 0, 0);
+      if constexpr (SMEM)
+        xb[i][j] = in && j < tiles_live ? *reinterpret_cast<const uint4*>(xr + j * x_tile + (u + i) * kUnit)
+                                        : make_uint4(0, 0, 0, 0);
+      else
+        xb[i][j] = in && j < tiles_live ? __ldg(reinterpret_cast<const uint4*>(xr + j * x_tile + (u + i) * kUnit))
+                                        : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -115,21 +120,21 @@ __device__ __forceinline__ void compute_tile_batch(float (&acc)[MT][4], const ui
 // Tile mode's main loop for one warp over units [u_begin, u_end): weight batches wa / wb (the first two already
 // in flight) and x batches xa / xb (the MT token tiles' fragments, load_x), each buffer refilled as soon as it is
 // consumed. Called after the grid-dependency wait (x may come from the previous kernel).
-template <int MT, int B>
+template <int MT, int B, bool SMEM = false>
 __device__ __forceinline__ void tile_loop(float (&acc)[MT][4], uint4 (&wa)[B][2], uint4 (&wb)[B][2],
                                           const __nv_bfloat16* w_lo, const __nv_bfloat16* w_hi,
                                           const __nv_bfloat16* xr, long long x_tile, int tiles_live, int u_begin,
                                           int u_end, int kt, int K) {
   uint4 xa[B][MT], xb[B][MT];
-  load_x<MT, B>(xa, xr, x_tile, tiles_live, u_begin, u_end, kt, K);
-  load_x<MT, B>(xb, xr, x_tile, tiles_live, u_begin + B, u_end, kt, K);
+  load_x<MT, B, SMEM>(xa, xr, x_tile, tiles_live, u_begin, u_end, kt, K);
+  load_x<MT, B, SMEM>(xb, xr, x_tile, tiles_live, u_begin + B, u_end, kt, K);
   for (int u = u_begin; u < u_end; u += 2 * B) {
     compute_tile_batch<MT, B>(acc, wa, xa, u, u_end);
     load_batch(wa, w_lo, w_hi, u + 2 * B, u_end, kt, K);
-    load_x<MT, B>(xa, xr, x_tile, tiles_live, u + 2 * B, u_end, kt, K);
+    load_x<MT, B, SMEM>(xa, xr, x_tile, tiles_live, u + 2 * B, u_end, kt, K);
     compute_tile_batch<MT, B>(acc, wb, xb, u + B, u_end);
     load_batch(wb, w_lo, w_hi, u + 3 * B, u_end, kt, K);
-    load_x<MT, B>(xb, xr, x_tile, tiles_live, u + 3 * B, u_end, kt, K);
+    load_x<MT, B, SMEM>(xb, xr, x_tile, tiles_live, u + 3 * B, u_end, kt, K);
   }
 }
 

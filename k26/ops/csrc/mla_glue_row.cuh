@@ -102,7 +102,8 @@ __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
   float2 tot = make_float2(0.f, 0.f);
 #pragma unroll
   for (int i = 0; i < kWarps; ++i) tot.x += part[i].x, tot.y += part[i].y;
-  // torch's mean is the sum times fp32(1 / width)
+  // torch's mean is the sum times fp32(1 / width). (Q = 0, the kv half alone for csrc/mla_glue_linear.cu: rs_q is
+  // NaN and unused.)
   const float rs_q = rsqrtf(__fadd_rn(__fmul_rn(tot.x, 1.f / (float)p.Q), p.eps));
   const float rs_kv = rsqrtf(__fadd_rn(__fmul_rn(tot.y, 1.f / (float)p.R), p.eps));
 
@@ -123,6 +124,59 @@ __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
     const __nv_bfloat162 v = reinterpret_cast<const __nv_bfloat162*>(p.kv + t * p.kv_ld + p.R)[i];
     reinterpret_cast<__nv_bfloat162*>(dst + p.R)[i] = k26_rope_pair(v, p.pos[t], p.inv_freq[i]);
   }
+}
+
+// The q half of the glue for tokens t0 .. t0 + M - 1 (M <= kMaxRows) into shared memory, rows ldx apart, by all
+// 256 threads of a block: glue_token's arithmetic and reduction order (chunk c on thread c % 256, the same
+// per-thread sums, shuffles and warp-order total), so the rows are bit for bit its q_out. qw: this thread's
+// chunks of the norm weight (load_q_weight, before the grid-dependency wait). Ends with a block barrier.
+constexpr int kMaxRows = 16;
+__device__ __forceinline__ void load_q_weight(const GlueParams& p, uint4 (&qw)[kMaxChunks]) {
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    if (c < p.Q / 8) qw[i] = reinterpret_cast<const uint4*>(p.q_w)[c];
+  }
+}
+__device__ __forceinline__ void glue_q_rows(const GlueParams& p, int t0, int M, const uint4 (&qw)[kMaxChunks],
+                                            __nv_bfloat16* xs, int ldx) {
+  __shared__ float part[kMaxRows][kWarps];
+  const int qc = p.Q / 8;
+  for (int m = 0; m < M; ++m) {  // raw rows in, each thread's sum of squares as glue_token forms it
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxChunks; ++i) {
+      const int c = threadIdx.x + i * kThreads;
+      if (c >= qc) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(p.q + (long long)(t0 + m) * p.q_ld + 8 * c);
+      *reinterpret_cast<uint4*>(xs + m * ldx + 8 * c) = v;
+      float x[8], s = 0.f;
+      unpack(v, x);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s = __fmaf_rn(x[j], x[j], s);
+      ss += s;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x % 32 == 0) part[m][threadIdx.x / 32] = ss;
+  }
+  __syncthreads();
+  for (int m = 0; m < M; ++m) {  // normed in place: each thread rewrites its own chunks
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) tot += part[m][w];
+    const float rs = rsqrtf(__fadd_rn(__fmul_rn(tot, 1.f / (float)p.Q), p.eps));
+#pragma unroll
+    for (int i = 0; i < kMaxChunks; ++i) {
+      const int c = threadIdx.x + i * kThreads;
+      if (c >= qc) continue;
+      uint4* at = reinterpret_cast<uint4*>(xs + m * ldx + 8 * c);
+      float x[8];
+      unpack(*at, x);
+      *at = normed(x, qw[i], rs);
+    }
+  }
+  __syncthreads();
 }
 
 }  // namespace k26_glue
