@@ -2,7 +2,7 @@
 // rounding points and `glue_token` (both norms, k_pe's RoPE, the latent-cache write). The arithmetic and its
 // reasons: csrc/mla_glue.cu's header.
 //
-// Legality: plain loads / stores, shuffles and griddepcontrol only: sm_90a and sm_120a.
+// Legality: plain loads / stores, cp.async, shuffles and griddepcontrol only: sm_90a and sm_120a.
 
 #pragma once
 
@@ -142,16 +142,26 @@ __device__ __forceinline__ void glue_q_rows(const GlueParams& p, int t0, int M, 
                                             __nv_bfloat16* xs, int ldx) {
   __shared__ float part[kMaxRows][kWarps];
   const int qc = p.Q / 8;
-  for (int m = 0; m < M; ++m) {  // raw rows in, each thread's sum of squares as glue_token forms it
+  // Every raw row's chunks in flight at once (cp.async; a thread reads back only its own chunks, so its wait
+  // is the only ordering needed): a row at a time, the M L2 round trips were serial (N = 16 verify slower).
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int i = 0; i < kMaxChunks; ++i) {
+      const int c = threadIdx.x + i * kThreads;
+      if (c >= qc) continue;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(xs + m * ldx + 8 * c));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
+                   "l"(p.q + (long long)(t0 + m) * p.q_ld + 8 * c));
+    }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  for (int m = 0; m < M; ++m) {  // each thread's sum of squares as glue_token forms it
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kMaxChunks; ++i) {
       const int c = threadIdx.x + i * kThreads;
       if (c >= qc) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(p.q + (long long)(t0 + m) * p.q_ld + 8 * c);
-      *reinterpret_cast<uint4*>(xs + m * ldx + 8 * c) = v;
       float x[8], s = 0.f;
-      unpack(v, x);
+      unpack(*reinterpret_cast<const uint4*>(xs + m * ldx + 8 * c), x);
 #pragma unroll
       for (int j = 0; j < 8; ++j) s = __fmaf_rn(x[j], x[j], s);
       ss += s;
