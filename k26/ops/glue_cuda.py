@@ -268,6 +268,9 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
 # Shared memory the fused kernel's staged q rows may take (its 16 rows; the block's static 9 KB beside them
 # stay under sm_120's 99 KB).
 GLUE_LINEAR_SMEM = 88 * 1024
+# Tokens up to which the fused launch runs (the kernel serves 16): every tile block normalises all of them on
+# its own path, so past some count the two launches win; the bits are the same either way.
+GLUE_LINEAR_MAX_TOKENS = 16
 
 
 @torch.library.register_kernel("k26::mla_glue_linear", "cuda")
@@ -280,7 +283,7 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
     why = _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R, P)
     if why is None:  # the glue's library loaded: the fused kernel's own limits
         lib = _lib()
-        if not 0 < B * N <= lib.k26_mla_glue_linear_max_tokens():
+        if not 0 < B * N <= min(GLUE_LINEAR_MAX_TOKENS, lib.k26_mla_glue_linear_max_tokens()):
             why = f"{B * N} tokens"
         elif lib.k26_mla_glue_linear_max_tokens() * lib.k26_mla_glue_linear_row_bytes(Q) > GLUE_LINEAR_SMEM:
             why = f"Q={Q} beyond its shared memory"
