@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kTileThreads, MINB) mla_glue_linear_kernel(con
   load_batch(wb, w_lo, w_hi, u_begin + B, u_end, kt, l.K);
   k26_glue::load_q_weight(p.glue, qw);
   pdl_wait();  // q_a / kv_a come from the projection just before
-  k26_glue::glue_q_rows(p.glue, 0, l.M, qw, xs, p.ldx);
+  k26_glue::glue_q_rows<8 * MT>(p.glue, 0, l.M, qw, xs, p.ldx);
   float acc[MT][4] = {};
   const int tiles_live = (l.M - g + 7) / 8;  // j with 8j + g < M
   tile_loop<MT, B, true>(acc, wa, wb, w_lo, w_hi, xs + g * p.ldx + kt, 8 * p.ldx, tiles_live, u_begin, u_end, kt,

@@ -138,40 +138,51 @@ __device__ __forceinline__ void load_q_weight(const GlueParams& p, uint4 (&qw)[k
     if (c < p.Q / 8) qw[i] = reinterpret_cast<const uint4*>(p.q_w)[c];
   }
 }
+template <int ROWS>  // M <= ROWS <= kMaxRows: the loops unroll, so the rows' shuffles and rewrites interleave
 __device__ __forceinline__ void glue_q_rows(const GlueParams& p, int t0, int M, const uint4 (&qw)[kMaxChunks],
                                             __nv_bfloat16* xs, int ldx) {
-  __shared__ float part[kMaxRows][kWarps];
+  static_assert(ROWS <= kMaxRows, "rows of one launch");
+  __shared__ float part[ROWS][kWarps];
   const int qc = p.Q / 8;
   // Every raw row's chunks in flight at once (cp.async; a thread reads back only its own chunks, so its wait
   // is the only ordering needed): a row at a time, the M L2 round trips were serial (N = 16 verify slower).
-  for (int m = 0; m < M; ++m)
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m)
 #pragma unroll
     for (int i = 0; i < kMaxChunks; ++i) {
       const int c = threadIdx.x + i * kThreads;
-      if (c >= qc) continue;
+      if (m >= M || c >= qc) continue;
       const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(xs + m * ldx + 8 * c));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst),
                    "l"(p.q + (long long)(t0 + m) * p.q_ld + 8 * c));
     }
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-  for (int m = 0; m < M; ++m) {  // each thread's sum of squares as glue_token forms it
-    float ss = 0.f;
+  float ss[ROWS];  // each thread's sum of squares of a row as glue_token forms it, then its warp's
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {
+    ss[m] = 0.f;
 #pragma unroll
     for (int i = 0; i < kMaxChunks; ++i) {
       const int c = threadIdx.x + i * kThreads;
-      if (c >= qc) continue;
+      if (m >= M || c >= qc) continue;
       float x[8], s = 0.f;
       unpack(*reinterpret_cast<const uint4*>(xs + m * ldx + 8 * c), x);
 #pragma unroll
       for (int j = 0; j < 8; ++j) s = __fmaf_rn(x[j], x[j], s);
-      ss += s;
+      ss[m] += s;
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x % 32 == 0) part[m][threadIdx.x / 32] = ss;
   }
+#pragma unroll
+  for (int o = 16; o; o >>= 1)
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+  if (threadIdx.x % 32 == 0)
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) part[m][threadIdx.x / 32] = ss[m];
   __syncthreads();
-  for (int m = 0; m < M; ++m) {  // normed in place: each thread rewrites its own chunks
+#pragma unroll
+  for (int m = 0; m < ROWS; ++m) {  // normed in place: each thread rewrites its own chunks
+    if (m >= M) break;
     float tot = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) tot += part[m][w];
