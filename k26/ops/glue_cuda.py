@@ -11,8 +11,9 @@ Q + R <= 4096 and P even; anything else (float32 test models, odd widths) runs t
 device, said once in the log.
 
 `torch.ops.k26.mla_glue_linear` is the glue and the q_b projection after it in one launch
-(csrc/mla_glue_linear.cu), `linear(mla_glue(...), weight)` bit for bit, up to 16 tokens; more tokens, or a
-shape either kernel does not serve, run the two ops (each with its kernel or its reference).
+(csrc/mla_glue_linear.cu), `linear(mla_glue(...), weight)` bit for bit at K2.6's widths (the kernel's header
+says when), up to GLUE_LINEAR_MAX_TOKENS tokens; more tokens, or a shape either kernel does not serve, run the
+two ops (each with its kernel or its reference).
 """
 
 from __future__ import annotations

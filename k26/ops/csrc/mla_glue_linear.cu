@@ -10,11 +10,13 @@
 //   reduction order (glue_q_rows: the same bits as the glue kernel's output) and runs tile mode's loop on
 //   those rows (x from shared memory instead of L1 / L2) and its warp-order store: the same bits as the two
 //   kernels, so the fused and the unfused model agree bit for bit;
-// - a token block runs the glue's kv half (glue_token with Q = 0: norm, RoPE, the cache write).
+// - a token block runs the glue's kv half (glue_token with Q = 0: norm, RoPE, the cache write). Its chunks sit
+//   on threads 0 .. R / 8 - 1 where the glue kernel puts them after the q chunks: the same lanes of their warps,
+//   so the same bits, when Q / 8 is a multiple of 32 and Q / 8 + R / 8 <= 256 (K2.6: 192 + 64; tested there).
 // Each tile block normalises all M <= 16 rows itself (3 KB a row from L2, 96 blocks at K2.6's TP8 shape):
 // no grid-wide dependency, so one launch. More rows are the front door's two launches (glue, then linear).
 //
-// Legality: mma.sync.m16n8k16 bf16, ld.global.nc, shuffles, griddepcontrol; <= 50 KB dynamic + 9 KB static
+// Legality: mma.sync.m16n8k16 bf16, ld.global.nc, cp.async, shuffles, griddepcontrol; <= 50 KB dynamic + 9 KB static
 // shared memory per block at K2's Q = 1536 (the front door bounds Q to fit 99 KB): sm_90a and sm_120a.
 // Benchmark: profiling/bench_k26.py (the step's per-kernel table).
 
