@@ -85,7 +85,10 @@ def test_graph_replay_matches_eager():
 @pytest.mark.parametrize("B, N", [(1, 1), (1, 16), (4, 4), (3, 5), (2, 8), (2, 64)])
 @pytest.mark.parametrize("n_out", [1536, 4104])  # K2.6's q_b at TP8 (one wave of tile blocks); 257 tiles
 @pytest.mark.parametrize("stacked", [False, True])
-def test_glue_linear_is_bitwise_the_two_kernels(B, N, n_out, stacked):
+def test_glue_linear_is_bitwise_the_two_kernels(B, N, n_out, stacked, monkeypatch):
+    from k26.ops import glue_cuda
+
+    monkeypatch.setattr(glue_cuda, "GLUE_LINEAR_MAX_TOKENS", 16)  # the kernel at every row count it serves
     a = inputs(B, N, seed=B * 1000 + N + n_out, stacked=stacked)
     w = rand(n_out, Q, gen=torch.Generator(device="cuda").manual_seed(n_out + N), scale=0.05)
     want_cache = a["cache"].clone()
@@ -99,7 +102,10 @@ def test_glue_linear_is_bitwise_the_two_kernels(B, N, n_out, stacked):
     assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2  # and near the fp32 specification
 
 
-def test_glue_linear_graph_replay_matches_eager():
+def test_glue_linear_graph_replay_matches_eager(monkeypatch):
+    from k26.ops import glue_cuda
+
+    monkeypatch.setattr(glue_cuda, "GLUE_LINEAR_MAX_TOKENS", 16)
     a = inputs(2, 8, seed=17, stacked=True)
     w = rand(1536, Q, gen=torch.Generator(device="cuda").manual_seed(18), scale=0.05)
     torch.ops.k26.mla_glue_linear(**a, weight=w)  # load the library before capture

@@ -12,8 +12,8 @@ device, said once in the log.
 
 `torch.ops.k26.mla_glue_linear` is the glue and the q_b projection after it in one launch
 (csrc/mla_glue_linear.cu), `linear(mla_glue(...), weight)` bit for bit at K2.6's widths (the kernel's header
-says when), up to GLUE_LINEAR_MAX_TOKENS tokens; more tokens, or a shape either kernel does not serve, run the
-two ops (each with its kernel or its reference).
+says when), up to GLUE_LINEAR_MAX_TOKENS tokens (one: batch-1 decode, where it measured faster); more tokens,
+or a shape either kernel does not serve, run the two ops (each with its kernel or its reference).
 """
 
 from __future__ import annotations
@@ -269,9 +269,11 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
 # Shared memory the fused kernel's staged q rows may take (its 16 rows; the block's static 9 KB beside them
 # stay under sm_120's 99 KB).
 GLUE_LINEAR_SMEM = 88 * 1024
-# Tokens up to which the fused launch runs (the kernel serves 16): every tile block normalises all of them on
-# its own path, so past some count the two launches win; the bits are the same either way.
-GLUE_LINEAR_MAX_TOKENS = 16
+# Tokens up to which the fused launch runs (the kernel serves 16; the bits are the same either way): each tile
+# block normalises all of them on its own path after its wait. Measured in the compiled K2.6 step (H200,
+# 2026-12-05-glue-linear-session21-h200.md, A/B in one call): 1 token 4.24-4.26 -> 4.21 ms, 8 tokens
+# 5.14 -> 5.19-5.21, 16 tokens 6.78 -> 7.36 (6.75 -> 7.06 with the rows' loads one at a time).
+GLUE_LINEAR_MAX_TOKENS = 1
 
 
 @torch.library.register_kernel("k26::mla_glue_linear", "cuda")
