@@ -104,7 +104,8 @@ class MLA(nn.Module):
                 batch.rows_B,
                 batch.prefix_lens_B,
             )
-            # With the small-M kernel the q_b projection joins the glue's launch (bit for bit the two ops).
+            # With the small-M kernel the q_b projection joins the glue's launch where that measured faster
+            # (one token: glue_cuda.GLUE_LINEAR_MAX_TOKENS; else the op runs the two kernels; the same bits).
             if short:
                 q_b = torch.ops.k26.mla_glue_linear(*glue, self.q_b_proj.weight)
             else:
