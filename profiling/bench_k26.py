@@ -184,7 +184,9 @@ def main() -> None:
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
             f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
-            f"{' --seeded-tree' if a.seeded_tree else ''}`"
+            f"{' --seeded-tree' if a.seeded_tree else ''}"
+            f"{f' --variants {a.variants}' if a.variants else ''}"
+            f"{f' --table-nodes {a.table_nodes}' if a.table_nodes else ''}`"
         ),
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "

@@ -45,9 +45,12 @@ DRAFTER_LAYERS, DRAFTER_BLOCK, HEAD_SHARD_GB = 6, 8, 163840 // 8 * 7168 * 2 / 1e
 TAUS = {"published drafter (τ ≈ 5.3)": 5.3, "embedded tiny pair (τ 2.33, budget 15)": 2.33}
 
 
-def category_table(text: str, variant: str, ctx: int, n: int) -> list[tuple[str, int, float, float | None]]:
+def category_table(
+    text: str, variant: str, ctx: int, n: int, path: bool = False
+) -> list[tuple[str, int, float, float | None]]:
     """(category, launches, µs, MB or None) of the last section '### variant, L = ctx, N = n' (a results
-    file may hold several runs, the newest last)."""
+    file may hold several runs, the newest last). `path`: µs from the "path µs per layer" column (a PDL
+    table's share of the step per category, kernel_table.py) instead of the kernels' spans."""
     head = f"\n### {variant}, L = {ctx}, N = {n}\n"  # the whole line: N = 1 must not find N = 16
     i = text.rindex(head)
     j = text.index("\n| category | launches", i) + 1
@@ -58,7 +61,10 @@ def category_table(text: str, variant: str, ctx: int, n: int) -> list[tuple[str,
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[0].startswith("all dense projections"):  # the dense rows' sum, with their bytes:
             cells[0] = DENSE  # a bandwidth check for the rows that give none
-        rows.append((cells[0], int(cells[1]), float(cells[2]), float(cells[3]) if cells[3] else None))
+        if path and len(cells) < 6:
+            raise ValueError(f"no path column in '### {variant}, L = {ctx}, N = {n}' (an older table)")
+        us = float(cells[5] if path else cells[2])
+        rows.append((cells[0], int(cells[1]), us, float(cells[3]) if cells[3] else None))
     return rows
 
 
@@ -104,8 +110,12 @@ def layer_us(rows) -> tuple[float, float, list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # spans without PDL: under PDL a span starts at launch and covers the kernel it waits for
+    # spans without PDL: under PDL a span starts at launch and covers the kernel it waits for (or, with
+    # --path, a PDL table's path column: each kernel's end minus the previous one's)
     ap.add_argument("--results", type=Path, default=RESULTS / "2026-12-01-bench_k26-nopdl-table-h200.md")
+    ap.add_argument(
+        "--path", action="store_true", help="H200 µs per category from the table's path column (PDL runs)"
+    )
     ap.add_argument("--allreduce-model", type=Path, default=RESULTS / "2026-12-01-allreduce_pcie8-model.md")
     ap.add_argument(
         "--step-results", type=Path, default=RESULTS / "2026-12-02-bench_k26-drafter-stacked-h200.md"
@@ -131,14 +141,16 @@ def main() -> None:
             f"P2P figures); whole-step input: `{a.step_results.name}`"
         ),
         (
-            f"- rule: per category max(bytes / {GDDR7 / 1e12:.2f} TB/s, H200 µs); 2 all-reduces per layer; "
-            f"the measured step + {LAYERS} x the layer's difference; `python profiling/model_rtx8.py`"
+            f"- rule: per category max(bytes / {GDDR7 / 1e12:.2f} TB/s, H200 µs"
+            f"{' on the step path (PDL)' if a.path else ''}); 2 all-reduces per layer; the measured step + "
+            f"{LAYERS} x the layer's difference; `python profiling/model_rtx8.py"
+            f"{' --path' if a.path else ''}`"
         ),
         "",
     ]
     steps = {}
     for n in (1, a.verify_n):
-        rows = category_table(text, a.variant, a.ctx, n)
+        rows = category_table(text, a.variant, a.ctx, n, a.path)
         h200, rtx, lines = layer_us(rows)
         ar = allreduce_us(ar_text, n)
         measured = step_ms(text, a.variant, a.ctx, n)  # H200, collectives excluded
