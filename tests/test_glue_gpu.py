@@ -82,7 +82,7 @@ def test_graph_replay_matches_eager():
     assert torch.equal(g_out, eager) and torch.equal(a["cache"], eager_cache)
 
 
-@pytest.mark.parametrize("B, N", [(1, 1), (1, 16), (4, 4), (3, 5), (2, 8), (2, 64)])
+@pytest.mark.parametrize("B, N", [(1, 1), (2, 3), (1, 8), (3, 5), (1, 16), (4, 4), (2, 8)])
 @pytest.mark.parametrize("n_out", [1536, 4104])  # K2.6's q_b at TP8 (one wave of tile blocks); 257 tiles
 @pytest.mark.parametrize("stacked", [False, True])
 def test_glue_linear_is_bitwise_the_two_kernels(B, N, n_out, stacked, monkeypatch):
@@ -100,6 +100,27 @@ def test_glue_linear_is_bitwise_the_two_kernels(B, N, n_out, stacked, monkeypatc
     ref_cache = want_cache.clone()
     ref = mla_glue_reference(**(a | {"cache": ref_cache})).float() @ w.float().T
     assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2  # and near the fp32 specification
+
+
+def _kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("B, N, fused", [(1, 1, True), (1, 2, False), (2, 8, False), (2, 64, False)])
+def test_glue_linear_fuses_up_to_its_token_limit(B, N, fused):
+    """Up to GLUE_LINEAR_MAX_TOKENS (one) the fused kernel runs alone; above, the glue and linear kernels."""
+    a = inputs(B, N, seed=40 + N)
+    w = rand(1536, Q, gen=torch.Generator(device="cuda").manual_seed(41), scale=0.05)
+    torch.ops.k26.mla_glue_linear(**a, weight=w)  # load the library first
+    names = _kernels(lambda: torch.ops.k26.mla_glue_linear(**a, weight=w))
+    assert any("mla_glue_linear_kernel" in n for n in names) == fused, names
+    assert any("mla_glue_kernel" in n for n in names) != fused, names
+    assert any("linear_tile_kernel" in n for n in names) != fused, names
 
 
 def test_glue_linear_graph_replay_matches_eager(monkeypatch):

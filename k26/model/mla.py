@@ -105,7 +105,8 @@ class MLA(nn.Module):
                 batch.prefix_lens_B,
             )
             # With the small-M kernel the q_b projection joins the glue's launch where that measured faster
-            # (one token: glue_cuda.GLUE_LINEAR_MAX_TOKENS; else the op runs the two kernels; the same bits).
+            # (one token: glue_cuda.GLUE_LINEAR_MAX_TOKENS; else the op runs the two kernels), with the two
+            # kernels' bits at K2.6's widths (csrc/mla_glue_linear.cu says when).
             if short:
                 q_b = torch.ops.k26.mla_glue_linear(*glue, self.q_b_proj.weight)
             else:

@@ -180,6 +180,7 @@ def _lib() -> ctypes.CDLL:
     lib.k26_mla_glue_linear_max_tokens.restype = ctypes.c_int
     lib.k26_mla_glue_linear_row_bytes.restype = ctypes.c_int
     lib.k26_mla_glue_linear_row_bytes.argtypes = [ctypes.c_int]
+    lib.k26_mla_glue_linear_max_smem.restype = ctypes.c_int
     return lib
 
 
@@ -266,9 +267,6 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
     return out
 
 
-# Shared memory the fused kernel's staged q rows may take (its 16 rows; the block's static 9 KB beside them
-# stay under sm_120's 99 KB).
-GLUE_LINEAR_SMEM = 88 * 1024
 # Tokens up to which the fused launch runs (the kernel serves 16; the bits are the same either way): each tile
 # block normalises all of them on its own path after its wait. Measured in the compiled K2.6 step (H200,
 # 2026-12-05-glue-linear-session21-h200.md, A/B in one call): 1 token 4.24-4.26 -> 4.21 ms, 8 tokens
@@ -286,14 +284,15 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
     why = _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R, P)
     if why is None:  # the glue's library loaded: the fused kernel's own limits
         lib = _lib()
-        if not 0 < B * N <= min(GLUE_LINEAR_MAX_TOKENS, lib.k26_mla_glue_linear_max_tokens()):
-            why = f"{B * N} tokens"
-        elif lib.k26_mla_glue_linear_max_tokens() * lib.k26_mla_glue_linear_row_bytes(Q) > GLUE_LINEAR_SMEM:
+        rows = lib.k26_mla_glue_linear_max_tokens()
+        if rows * lib.k26_mla_glue_linear_row_bytes(Q) > lib.k26_mla_glue_linear_max_smem():
             why = f"Q={Q} beyond its shared memory"
         elif weight.stride(1) != 1 or weight.stride(0) % 8 or weight.data_ptr() % 16:
             why = "a weight with unaligned rows"
-    if why is not None:  # the two ops, each with its kernel or its reference
+    if why is not None:
         say_once(__name__, logging.INFO, f"k26.mla_glue_linear: {why} runs mla_glue, then linear")
+    # More tokens than it measured faster at: the two ops by design (each with its kernel), nothing to say.
+    if why is not None or not 0 < B * N <= min(GLUE_LINEAR_MAX_TOKENS, rows):
         return torch.ops.k26.linear(torch.ops.k26.mla_glue(*glue_args), weight)
     ins, q_ld, kv_ld, early_ok = _kernel_inputs(
         q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens

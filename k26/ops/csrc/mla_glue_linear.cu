@@ -36,7 +36,12 @@ namespace {
 using k26_glue::GlueParams;
 using namespace k26_linear;
 
-constexpr int kPad = 32;  // bf16 elements of padding a staged row (64 B): a quarter-warp's 8 rows on distinct banks
+constexpr int kPad = 32;  // bf16 elements of padding a staged row (64 B): a 16-byte phase's 2 rows x 4 lanes on
+                          // distinct banks (K2.6: Q + 32 = 1568, not a multiple of 64)
+// Dynamic shared memory the kernel is opted into, once per device, whatever the launch's Q: the front door admits
+// only launches within it (16 rows of Q + kPad), and the 9 KB of static shared memory beside it stay under
+// sm_120's 101,376 B. (Opting in to each launch's own size would keep the first size: smem_opt_in runs once.)
+constexpr int kMaxDynamicSmem = 88 * 1024;
 
 struct GlueLinearParams {
   GlueParams glue;  // q = the raw q_a rows; q_out unused (the normed rows stay in shared memory)
@@ -82,12 +87,13 @@ template <int MT, int B, int MINB>
 cudaError_t launch(const GlueLinearParams& p, int T, bool pdl, cudaStream_t st) {
   constexpr auto kernel = mla_glue_linear_kernel<MT, B, MINB>;
   const size_t smem = (size_t)8 * MT * p.ldx * sizeof(__nv_bfloat16);
-  if (smem > 48 * 1024)
-    if (const cudaError_t e = smem_opt_in<kernel>((int)smem); e != cudaSuccess) return e;
+  if (smem > kMaxDynamicSmem) return cudaErrorInvalidValue;
+  // Always: the default 48 KB counts the kernel's static shared memory too.
+  if (const cudaError_t e = smem_opt_in<kernel>(kMaxDynamicSmem); e != cudaSuccess) return e;
   return launch_pdl(kernel, dim3(p.tiles + T), dim3(kTileThreads), smem, pdl, st, p);
 }
 
-int sm_count() {
+int sm_count() {  // cudaDeviceGetAttribute reads a cached property: cheap enough for every launch
   int dev = 0, n = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
@@ -96,9 +102,11 @@ int sm_count() {
 
 }  // namespace
 
-// Tokens one launch serves; the staged rows' bytes per token for a given Q (the front door bounds Q with it).
+// Tokens one launch serves; the staged rows' bytes per token for a given Q and the most all rows may take (the
+// front door bounds Q with them).
 K26_EXPORT int k26_mla_glue_linear_max_tokens() { return k26_glue::kMaxRows; }
 K26_EXPORT int k26_mla_glue_linear_row_bytes(int Q) { return (Q + kPad) * (int)sizeof(__nv_bfloat16); }
+K26_EXPORT int k26_mla_glue_linear_max_smem() { return kMaxDynamicSmem; }
 
 // Returns a cudaError_t (cudaErrorInvalidValue for more tokens than one launch serves). Shapes, strides,
 // dtypes and alignment are validated by the Python front door (k26/ops/glue_cuda.py).

@@ -126,11 +126,9 @@ __device__ __forceinline__ void glue_token(const GlueParams& p, int t) {
   }
 }
 
-// The q half of the glue for tokens t0 .. t0 + M - 1 (M <= kMaxRows) into shared memory, rows ldx apart, by all
-// 256 threads of a block: glue_token's arithmetic and reduction order (chunk c on thread c % 256, the same
-// per-thread sums, shuffles and warp-order total), so the rows are bit for bit its q_out. qw: this thread's
-// chunks of the norm weight (load_q_weight, before the grid-dependency wait). Ends with a block barrier.
-constexpr int kMaxRows = 16;
+constexpr int kMaxRows = 16;  // tokens a glue_q_rows call serves
+
+// This thread's chunks of the q norm weight for glue_q_rows (weights: readable before the grid-dependency wait).
 __device__ __forceinline__ void load_q_weight(const GlueParams& p, uint4 (&qw)[kMaxChunks]) {
 #pragma unroll
   for (int i = 0; i < kMaxChunks; ++i) {
@@ -138,7 +136,11 @@ __device__ __forceinline__ void load_q_weight(const GlueParams& p, uint4 (&qw)[k
     if (c < p.Q / 8) qw[i] = reinterpret_cast<const uint4*>(p.q_w)[c];
   }
 }
-template <int ROWS>  // M <= ROWS <= kMaxRows: the loops unroll, so the rows' shuffles and rewrites interleave
+// The q half of the glue for tokens t0 .. t0 + M - 1 (M <= ROWS <= kMaxRows) into shared memory, rows ldx apart,
+// by all 256 threads of a block: glue_token's arithmetic and reduction order (chunk c on thread c % 256, the same
+// per-thread sums, shuffles and warp-order total), so the rows are bit for bit its q_out. qw: load_q_weight's.
+// The loops unroll over ROWS, so the rows' shuffles and rewrites interleave. Ends with a block barrier.
+template <int ROWS>
 __device__ __forceinline__ void glue_q_rows(const GlueParams& p, int t0, int M, const uint4 (&qw)[kMaxChunks],
                                             __nv_bfloat16* xs, int ldx) {
   static_assert(ROWS <= kMaxRows, "rows of one launch");
