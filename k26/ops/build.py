@@ -142,6 +142,11 @@ VARIANTS: dict[str, list[str]] = {
     # tree attention, 32-row tiles: 24 merge loads in flight a thread (default 8), one round at N = 16;
     # measured 2026-12-05: N = 16 at 4K 20.4 -> 19.9 µs, elsewhere unchanged
     "-DK26_ATTN_MERGE_LOADS_32=24": ["mla_tree_attn.cu"],
+    # small-M linear, tile mode beyond one wave at <= 8 tokens: two 16-row tiles a block
+    # (csrc/linear_tile_rt.cuh; o_proj's 448 tiles in one wave). Same bits by construction; prepared
+    # 2026-12-05, not measured yet (A/B: bench_linear.py --only o_proj,W_UK, bench_k26.py --variants
+    # fused,fused-all)
+    "-DK26_LINEAR_TILE_RT=2": ["linear_smallm.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
