@@ -284,15 +284,15 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
     why = _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R, P)
     if why is None:  # the glue's library loaded: the fused kernel's own limits
         lib = _lib()
-        rows = lib.k26_mla_glue_linear_max_tokens()
-        if rows * lib.k26_mla_glue_linear_row_bytes(Q) > lib.k26_mla_glue_linear_max_smem():
+        served = lib.k26_mla_glue_linear_max_tokens()
+        if served * lib.k26_mla_glue_linear_row_bytes(Q) > lib.k26_mla_glue_linear_max_smem():
             why = f"Q={Q} beyond its shared memory"
         elif weight.stride(1) != 1 or weight.stride(0) % 8 or weight.data_ptr() % 16:
             why = "a weight with unaligned rows"
     if why is not None:
         say_once(__name__, logging.INFO, f"k26.mla_glue_linear: {why} runs mla_glue, then linear")
     # More tokens than it measured faster at: the two ops by design (each with its kernel), nothing to say.
-    if why is not None or not 0 < B * N <= min(GLUE_LINEAR_MAX_TOKENS, rows):
+    if why is not None or not 0 < B * N <= min(GLUE_LINEAR_MAX_TOKENS, served):
         return torch.ops.k26.linear(torch.ops.k26.mla_glue(*glue_args), weight)
     ins, q_ld, kv_ld, early_ok = _kernel_inputs(
         q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
