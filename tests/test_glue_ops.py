@@ -122,6 +122,41 @@ def test_glue_linear_bad_weight_is_named(weight, name):
         torch.ops.k26.mla_glue_linear(**inputs(), weight=weight)
 
 
+def test_glue_linear_front_door_hands_the_kernel_its_arguments(monkeypatch):
+    """The CUDA implementation's launch arguments, against a stand-in library (no GPU here): the pointers,
+    strides and sizes in the C export's order at one token, and no launch at two (the two ops)."""
+    from types import SimpleNamespace
+
+    from k26.ops import glue_cuda
+
+    calls = []
+
+    class Lib:
+        k26_mla_glue_linear_max_tokens = staticmethod(lambda: 16)
+        k26_mla_glue_linear_row_bytes = staticmethod(lambda q: (q + 32) * 2)
+        k26_mla_glue_linear_max_smem = staticmethod(lambda: 88 * 1024)
+
+        def k26_mla_glue_linear(self, *args):
+            calls.append(args)
+            return 0
+
+    monkeypatch.setattr(glue_cuda, "_lib", Lib)
+    monkeypatch.setattr(glue_cuda, "_unsupported", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    a, w = inputs(B=1, N=1, seed=11), rand(24, Q, seed=12)
+    out = glue_cuda.glue_linear_cuda(**a, weight=w)
+    (args,) = calls
+    want_ptrs = [a[k].data_ptr() for k in ("q_a", "kv_a", "q_norm_weight", "kv_norm_weight", "positions")]
+    want_ptrs += [a[k].data_ptr() for k in ("inv_freq", "rows", "prefix_lens", "cache")]
+    assert list(args[:11]) == [*want_ptrs, w.data_ptr(), out.data_ptr()]
+    c = a["cache"]
+    assert args[11:22] == (Q, R + P, c.stride(0), c.stride(1), Q, 1, 1, Q, R, P, 24)
+    assert args[22] == pytest.approx(1e-6) and args[23] in (0, 1) and args[24] == 7
+    assert tuple(out.shape) == (1, 1, 24)
+    glue_cuda.glue_linear_cuda(**inputs(B=1, N=2, seed=13), weight=w)  # two tokens: the two ops
+    assert len(calls) == 1
+
+
 def random_tiny(dtype: torch.dtype, seed: int) -> tuple[ModelConfig, KimiK2]:
     """The tiny config's model with N(0, 0.3) weights, the global RNG seeded first (later draws follow)."""
     torch.manual_seed(seed)

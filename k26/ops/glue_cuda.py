@@ -275,7 +275,9 @@ GLUE_LINEAR_MAX_TOKENS = 1
 
 
 @torch.library.register_kernel("k26::mla_glue_linear", "cuda")
-def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, weight):
+def glue_linear_cuda(
+    q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, weight
+):
     check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens, weight)
     B, N, Q = q_a.shape
     R = kv_norm_weight.shape[0]
