@@ -1,6 +1,7 @@
 """k26: Kimi K2.6 inference with DDTree speculative decoding."""
 
 from .chat import ChatFormat, Message, ToolCall
+from .chat_parser import ChatParser
 from .config import ConfigError, ModelConfig
 from .engine import LLM
 from .loader import CheckpointError
@@ -12,6 +13,7 @@ from .tokenizer import Tokenizer
 __all__ = [
     "LLM",
     "ChatFormat",
+    "ChatParser",
     "CheckpointError",
     "ConfigError",
     "Message",

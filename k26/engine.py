@@ -286,7 +286,7 @@ class LLM:
 
     def chat_ids(self, messages: list[Message | dict], tools: list | None = None, thinking=None) -> list[int]:
         """A conversation's prompt ids in this model's chat format (`chat.render`; `thinking`: K2.5 / K2.6's
-        think block, None its default). The answer's ids read back: `chat.ChatParser`."""
+        think block, None its default). The answer's ids read back: `chat_parser.ChatParser`."""
         fmt = ChatFormat.of_checkpoint(self.path, self.config.model_type).with_thinking(thinking)
         return render(self.tokenizer, messages, fmt, tools)
 

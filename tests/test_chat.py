@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from k26.chat import DEFAULT_SYSTEM, MARKERS, ChatFormat, ChatParser, Message, ToolCall, render
+from k26.chat import DEFAULT_SYSTEM, ChatFormat, Message, ToolCall, render
+from k26.chat_parser import MARKERS, ChatParser
 from k26.tokenizer import Tokenizer
 
 K25 = ChatFormat.for_model("kimi_k25")

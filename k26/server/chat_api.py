@@ -1,5 +1,5 @@
 """/v1/chat/completions in the Kimi chat format: request messages, tools, tool_choice and the thinking
-switch checked and rendered (`chat.render`); each choice's output read back (`chat.ChatParser`) as an
+switch checked and rendered (`chat.render`); each choice's output read back (`chat_parser.ChatParser`) as an
 OpenAI assistant message — `reasoning_content` (K2.5 / K2.6 thinking, as vLLM's and SGLang's reasoning
 parsers name it), `content`, `tool_calls` with finish_reason "tool_calls" — whole or as stream deltas.
 
@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat import ChatFormat, ChatParser, Message, Piece, ToolCall, render
+from ..chat import ChatFormat, Message, ToolCall, render
+from ..chat_parser import ChatParser, Piece
 from ..sampling import stop_prefix_len
 from ..tokenizer import Tokenizer
 from .errors import APIError
