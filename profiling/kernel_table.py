@@ -8,8 +8,8 @@ i >= 1 both are MoE layers. Each position of that segment is one row: median µs
 A kernel launched with programmatic dependent launch starts before its predecessor ends and waits inside
 (its weight prefetch overlaps that tail), so its span includes part of the previous kernel's: per-kernel µs
 then overlap and their sum can exceed the step. The "path" column is what a kernel adds to the step: its end
-minus the previous kernel's end (the kernels of a step end in launch order), so a layer's path times add up
-to its share of the replay, PDL or not.
+minus the latest end before it (0 for a kernel that ends inside a predecessor; idle gaps go to the kernel
+after them), so a layer's path times add up to its share of the replay, PDL or not.
 """
 
 from __future__ import annotations
