@@ -69,20 +69,21 @@ def record(replay) -> list[dict]:
         os.unlink(path)
     evs = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     evs.sort(key=lambda e: e["ts"])
+    spans = [(float(e["ts"]), float(e["dur"])) for e in evs]
+    return [
+        {"name": e["name"], "grid": tuple(e.get("args", {}).get("grid", ())), "dur": dur, "ts": ts, "path": p}
+        for e, (ts, dur), p in zip(evs, spans, paths(spans), strict=True)
+    ]
+
+
+def paths(spans: list[tuple[float, float]]) -> list[float]:
+    """Each kernel's share of the replay's path, from (start, duration) in start order: its end minus the
+    latest end before it (0 when it ends inside a predecessor; an idle gap counts to the kernel after it).
+    They add up to the last end minus the first start."""
     out, prev_end = [], None
-    for e in evs:
-        ts, dur = float(e["ts"]), float(e["dur"])
-        path = dur if prev_end is None else max(ts + dur - prev_end, 0.0)
+    for ts, dur in spans:
+        out.append(dur if prev_end is None else max(ts + dur - prev_end, 0.0))
         prev_end = ts + dur if prev_end is None else max(prev_end, ts + dur)
-        out.append(
-            {
-                "name": e["name"],
-                "grid": tuple(e.get("args", {}).get("grid", ())),
-                "dur": dur,
-                "ts": ts,
-                "path": path,
-            }
-        )
     return out
 
 

@@ -1,0 +1,52 @@
+"""The benchmarks' table arithmetic on the CPU: each kernel's share of a replay's path under PDL
+(profiling/kernel_table.py `paths`) and the 8x RTX PRO 6000 model reading a table's path column
+(profiling/model_rtx8.py `category_table(path=True)`)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiling"))
+import kernel_table
+import model_rtx8
+
+
+@pytest.mark.parametrize(
+    "spans, want",
+    [
+        ([(0.0, 5.0), (4.0, 3.0), (6.0, 2.0)], [5.0, 2.0, 1.0]),  # PDL: each starts inside its predecessor
+        ([(0.0, 10.0), (2.0, 3.0), (4.0, 7.0)], [10.0, 0.0, 1.0]),  # one ends inside the one before it
+        ([(0.0, 2.0), (5.0, 1.0)], [2.0, 4.0]),  # an idle gap counts to the kernel after it
+    ],
+)
+def test_paths_add_up_to_the_replay_span(spans, want):
+    got = kernel_table.paths(spans)
+    assert got == want
+    assert sum(got) == max(t + d for t, d in spans) - spans[0][0]
+
+
+TABLE = """
+### fused, L = 4096, N = 1
+
+- step (graph replay, median): 4.22 ms; kernels in the step: 692
+
+| category | launches per layer | µs per layer | MB per layer | % copy BW | path µs per layer |
+|---|---|---|---|---|---|
+| MoE experts (int4 kernel) | 2 | 34.9 | 35.8 | 25% | 16.2 |
+| MLA tree attention | 1 | 14.2 | 4.7 | 8% | 13.2 |
+| all dense projections of the layer | 4 | 36.5 | 51.8 | 34% | 20.9 |
+"""
+
+
+def test_model_reads_spans_or_path_shares():
+    spans = model_rtx8.category_table(TABLE, "fused", 4096, 1)
+    shares = model_rtx8.category_table(TABLE, "fused", 4096, 1, path=True)
+    assert [r[2] for r in spans] == [34.9, 14.2, 36.5]
+    assert [r[2] for r in shares] == [16.2, 13.2, 20.9]
+    assert shares[2][0] == model_rtx8.DENSE and shares[2][3] == 51.8
+    old = "\n".join(
+        line.rsplit("|", 2)[0] + "|" if line.startswith("|") else line for line in TABLE.splitlines()
+    )
+    with pytest.raises(ValueError, match="no path column"):
+        model_rtx8.category_table(old, "fused", 4096, 1, path=True)
