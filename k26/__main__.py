@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli_parser import DTYPES, build_parser
 from .embedded import default_drafter_dir, default_model_dir
 
 if TYPE_CHECKING:
     from . import SamplingParams, SpecConfig
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
@@ -50,6 +49,11 @@ def _dir_arg(value: str | None, flag: str) -> Path | None:
     return p
 
 
+def _pair_args(a: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """--model and --drafter checked (None: not given)."""
+    return _dir_arg(a.model, "--model"), _dir_arg(a.drafter, "--drafter")
+
+
 def _out_arg(value: str | None, flag: str) -> None:
     """An output file: its directory must exist now, not after minutes of loading and running."""
     if value is not None and not Path(value).resolve().parent.is_dir():
@@ -65,7 +69,7 @@ def _cache_dir_arg(value: str | None) -> None:
 def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
     """(model dir, drafter dir or None, method). A drafter means DDTree unless --spec says otherwise: the
     embedded pair's drafter comes with it; --drafter never goes unused, --spec never lacks one."""
-    model, drafter = _dir_arg(a.model, "--model"), _dir_arg(a.drafter, "--drafter")
+    model, drafter = _pair_args(a)
     if model is None:
         model = default_model_dir()
         drafter = drafter or default_drafter_dir()
@@ -207,8 +211,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import run_bench
     from .checks import check_device
 
-    _dir_arg(a.model, "--model")
-    _dir_arg(a.drafter, "--drafter")
+    _pair_args(a)
     _out_arg(a.out, "--out")
     check_device(a.device)
     text = run_bench(a)
@@ -222,8 +225,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .bench import run_profile
     from .checks import check_device
 
-    _dir_arg(a.model, "--model")
-    _dir_arg(a.drafter, "--drafter")
+    _pair_args(a)
     _out_arg(a.out, "--out")
     check_device(a.device)
     print(run_profile(a))
@@ -235,144 +237,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .checks import check_device
     from .server.cli import check_args, serve
 
-    _dir_arg(a.model, "--model")
-    _dir_arg(a.drafter, "--drafter")
+    _pair_args(a)
     _cache_dir_arg(a.cache_dir)
     check_device(a.device)
     check_args(a)
     return serve(a)
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _info_parser(sub) -> None:
-    i = sub.add_parser("info", help="print the parsed model config")
-    i.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
-    i.add_argument(
-        "--startup", action="store_true", help="also start it (graphs captured) and report the cost"
-    )
-    i.add_argument(
-        "--drafter", help="with --startup: a drafter directory (default with no --model: embedded)"
-    )
-    i.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    i.add_argument("--cache-dir", default=None, help="with --startup: the load cache (LLM(cache_dir=...))")
-    i.set_defaults(fn=cmd_info)
-
-
-def _serve_parser(sub) -> None:
-    """`python -m k26 serve`'s arguments (checked by k26.server.cli.check_args before loading)."""
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    sv.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
-    sv.add_argument("--drafter", help="DFlash drafter directory (ddtree unless --spec says otherwise)")
-    sv.add_argument(
-        "--spec",
-        choices=["ar", "dflash", "ddtree"],
-        default=None,
-        help="decoding method (default: ddtree when there is a drafter, else ar)",
-    )
-    sv.add_argument("--budget", default=None, help="DDTree nodes besides the root: N or auto (default)")
-    sv.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks")
-    sv.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    sv.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together")
-    sv.add_argument(
-        "--max-waiting", type=_positive, default=64, help="queued requests (a row per choice); beyond: 429"
-    )
-    sv.add_argument("--max-model-len", type=_positive, default=None)
-    sv.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
-    sv.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (CUDA graphs)")
-    sv.add_argument("--capture", action="store_true", help="capture every CUDA graph before serving")
-    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env K26_API_KEY)")
-    sv.add_argument("--no-logprobs", action="store_true", help="no logprobs graphs; logprobs requests: 400")
-    sv.add_argument("--cache-dir", default=None, help="load cache: sliced, repacked weights, compile cache")
-    sv.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (no reuse)")
-    sv.add_argument(
-        "--prefill-chunk", type=_positive, default=256, help="prefill positions a row and forward"
-    )
-    sv.add_argument("--prefill-budget", type=_positive, default=512, help="deferred prefill positions a step")
-    sv.add_argument(
-        "--allreduce",
-        choices=["fused", "calibrate", "nccl"],
-        default="fused",
-        help="TP all-reduces: fused with add + RMSNorm (default), fused with measured crossovers, or NCCL",
-    )
-    sv.set_defaults(fn=cmd_serve)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
-    ap = argparse.ArgumentParser(
-        prog="k26", description="Kimi K2.6 inference with DDTree speculative decoding"
-    )
-    ap.add_argument("--version", action="version", version=f"k26 {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="continue a prompt, streaming the text as it is accepted")
-    g.add_argument("--model", help="checkpoint directory (default: the embedded tiny model and its drafter)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the Kimi chat format")
-    g.add_argument(
-        "--no-thinking", action="store_true", help="with --chat on K2.5 / K2.6: answer without a think block"
-    )
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    g.add_argument("--max-model-len", type=_positive, default=None)
-    g.add_argument(
-        "--drafter", help="DFlash drafter directory (decodes with --spec ddtree unless told otherwise)"
-    )
-    g.add_argument(
-        "--spec",
-        choices=["ar", "dflash", "ddtree"],
-        default=None,
-        help="decoding method (default: ddtree when there is a drafter, as with the embedded pair, else ar)",
-    )
-    g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root (default: auto)")
-    g.add_argument(
-        "--tp", type=int, default=None, help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)"
-    )
-    g.add_argument("--cache-dir", default=None, help="load cache: a later start reads only its own bytes")
-    g.add_argument(
-        "--allreduce", choices=["fused", "calibrate", "nccl"], default="fused", help="TP all-reduces"
-    )
-    g.set_defaults(fn=cmd_generate)
-    _info_parser(sub)
-    bn = sub.add_parser("bench", help="tokens/s of AR eager / AR graphs / DFlash / DDTree / HF generate()")
-    bn.add_argument("--model")
-    bn.add_argument("--drafter")
-    bn.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    bn.add_argument("--batch", type=_positive, default=1)
-    bn.add_argument("--max-tokens", type=_positive, default=128)
-    bn.add_argument("--budget", type=_positive, default=12)
-    bn.add_argument("--compile", action="store_true")
-    bn.add_argument("--no-hf", action="store_true")
-    bn.add_argument("--out")
-    bn.set_defaults(fn=cmd_bench)
-    pr = sub.add_parser("profile", help="write a torch.profiler trace of a short generation")
-    pr.add_argument("--model", help="checkpoint directory (default: the embedded pair, drafter included)")
-    pr.add_argument("--drafter")
-    pr.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    pr.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
-    pr.add_argument("--budget", type=_positive, default=None, help="DDTree budget (default 12)")
-    pr.add_argument("--max-tokens", type=_positive, default=32)
-    pr.add_argument("--out", default="k26-trace.json")
-    pr.set_defaults(fn=cmd_profile)
-    _serve_parser(sub)
-    return ap
+COMMANDS = {
+    "generate": cmd_generate,
+    "info": cmd_info,
+    "bench": cmd_bench,
+    "profile": cmd_profile,
+    "serve": cmd_serve,
+}
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -384,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning  # restored on exit: main() also runs in-process (tests)
         try:
-            return a.fn(a)
+            return COMMANDS[a.cmd](a)
         except (ValueError, TypeError) as e:  # ConfigError, CheckpointError, bad arguments
             print(f"k26: error: {e}", file=sys.stderr)
             return 2

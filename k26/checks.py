@@ -151,6 +151,20 @@ def prompt_list(prompts) -> list:
     return prompts
 
 
+def encode_prompts(prompts, tokenizer: Tokenizer, vocab: int, max_model_len: int) -> list[list[int]]:
+    """The prompts of one call (`prompt_list`) as checked id lists: strings encoded, id sequences checked."""
+    out = []
+    for i, prompt in enumerate(prompt_list(prompts)):
+        if isinstance(prompt, str):
+            prompt = tokenizer.encode(prompt)
+        elif not isinstance(prompt, (Sequence, torch.Tensor)):
+            raise TypeError(
+                f"prompt {i} is a {type(prompt).__name__}; expected a string or a list of token ids"
+            )
+        out.append(check_ids(prompt, f"prompt {i}", vocab, max_model_len))
+    return out
+
+
 def check_request(
     sampling: SamplingParams | None, spec: SpecConfig | None, block: int | None, max_model_len: int
 ) -> tuple[SamplingParams, SpecConfig]:

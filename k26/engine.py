@@ -26,7 +26,7 @@ from .checks import (
     check_prefill,
     check_request,
     check_tokenizer,
-    prompt_list,
+    encode_prompts,
 )
 from .config import ModelConfig
 from .decode import Decoder
@@ -277,13 +277,6 @@ class LLM:
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
         return check_ids(ids, what, self.config.vocab_size, self.max_model_len)
 
-    def _encode(self, prompt: Prompt, i: int) -> list[int]:
-        if isinstance(prompt, str):
-            return self._check_ids(self.tokenizer.encode(prompt), f"prompt {i}")
-        if isinstance(prompt, (Sequence, torch.Tensor)):
-            return self._check_ids(prompt, f"prompt {i}")
-        raise TypeError(f"prompt {i} is a {type(prompt).__name__}; expected a string or a list of token ids")
-
     def chat_ids(self, messages: list[Message | dict], tools: list | None = None, thinking=None) -> list[int]:
         """A conversation's prompt ids in this model's chat format (`chat.render`; `thinking`: K2.5 / K2.6's
         think block, None its default). The answer's ids read back: `chat_parser.ChatParser`."""
@@ -312,7 +305,8 @@ class LLM:
     def _prepare(self, prompts, sampling, spec):
         block = None if self.drafter is None else self.drafter.cfg.block_size
         sp, spec = check_request(sampling, spec, block, self.max_model_len)
-        return [self._encode(p, i) for i, p in enumerate(prompt_list(prompts))], sp, spec
+        encoded = encode_prompts(prompts, self.tokenizer, self.config.vocab_size, self.max_model_len)
+        return encoded, sp, spec
 
     @torch.inference_mode()
     @surfacing_rank_errors

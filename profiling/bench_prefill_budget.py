@@ -22,14 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import add_model_args, device_name, make_llm, report, sync
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.train import corpus
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def run(llm: LLM, spec, budget: int, streams: list[list[int]], long: list[int], steps: int) -> dict:
@@ -66,10 +63,7 @@ def run(llm: LLM, spec, budget: int, streams: list[list[int]], long: list[int], 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model")
-    ap.add_argument("--drafter")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_model_args(ap)
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--budgets", default="256,512,1024,1000000")
@@ -77,15 +71,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--out")
     a = ap.parse_args()
-    llm = LLM(
-        a.model,
-        drafter=a.drafter,
-        device=a.device,
-        dtype=getattr(torch, a.dtype),
-        progress=False,
-        max_batch=a.streams + 1,
-        max_model_len=a.max_model_len,
-    )
+    llm = make_llm(a, a.streams + 1, a.max_model_len)
     spec = SpecConfig("ddtree", 6) if llm.drafter is not None else SpecConfig("ar")
     ids = llm.tokenizer.encode(corpus.text("eval"))
     gen = torch.Generator().manual_seed(0)
@@ -94,8 +80,7 @@ def main() -> None:
     budgets = [int(b) for b in a.budgets.split(",")]
     run(llm, spec, budgets[0], streams, long, 8)  # warm-up
     rows = [run(llm, spec, b, streams, long, a.steps) for b in budgets]
-    dev = llm.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    name = device_name(llm.device)
     lines = [
         f"# bench_prefill_budget — {time.strftime('%Y-%m-%d')}",
         "",
@@ -117,11 +102,7 @@ def main() -> None:
             f"| {r['budget']} | {r['worst'] * 1e3:.0f} | {r['median'] * 1e3:.0f} | {r['ttft'] * 1e3:.0f} | "
             f"{r['steps']} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
+    report("\n".join(lines) + "\n", a.out)
 
 
 if __name__ == "__main__":

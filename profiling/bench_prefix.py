@@ -23,14 +23,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import add_model_args, device_name, make_llm, report, sync
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.train import corpus
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def converse(llm: LLM, spec: SpecConfig, system: list[int], turns: list[list[list[int]]], sp) -> list[dict]:
@@ -66,10 +63,7 @@ def converse(llm: LLM, spec: SpecConfig, system: list[int], turns: list[list[lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model")
-    ap.add_argument("--drafter")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_model_args(ap)
     ap.add_argument("--spec", default="ddtree", choices=["ar", "dflash", "ddtree"])
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=5)
@@ -79,15 +73,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out")
     a = ap.parse_args()
-    llm = LLM(
-        a.model,
-        drafter=a.drafter,
-        device=a.device,
-        dtype=getattr(torch, a.dtype),
-        progress=False,
-        max_batch=a.conversations,
-        max_model_len=a.max_model_len,
-    )
+    llm = make_llm(a, a.conversations, a.max_model_len)
     spec = SpecConfig(a.spec, 6) if a.spec == "ddtree" else SpecConfig(a.spec)
     ids = llm.tokenizer.encode(corpus.text("eval"))
     gen = torch.Generator().manual_seed(0)
@@ -100,8 +86,7 @@ def main() -> None:
         llm.decoder.ctx.prefix_cache = on
         runs[on] = converse(llm, spec, system, turns, sp)
     off, on = runs[False], runs[True]
-    dev = llm.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    name = device_name(llm.device)
     lines = [
         f"# bench_prefix — {time.strftime('%Y-%m-%d')}",
         "",
@@ -131,11 +116,7 @@ def main() -> None:
     tot = [sum(r["ttft"] for r in rs) for rs in (off, on)]
     total = f"Total TTFT: {tot[0] * 1e3:.0f} ms off, {tot[1] * 1e3:.0f} ms on ({tot[0] / tot[1]:.2f}x)."
     lines += ["", total]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
+    report("\n".join(lines) + "\n", a.out)
 
 
 if __name__ == "__main__":

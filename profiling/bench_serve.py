@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import add_model_args, make_llm, report
 
-from k26 import LLM, SpecConfig
+from k26 import SpecConfig
 from k26.train import corpus
 
 
@@ -90,15 +92,7 @@ def start_server(a) -> tuple[str, str, object]:
 
     from k26.server import Engine, create_app
 
-    llm = LLM(
-        a.model,
-        drafter=a.drafter,
-        device=a.device,
-        dtype=getattr(torch, a.dtype),
-        progress=False,
-        max_batch=a.max_batch,
-        max_model_len=a.max_model_len,
-    )
+    llm = make_llm(a, a.max_batch, a.max_model_len)
     spec = (
         SpecConfig(a.spec, "auto" if a.budget == "auto" else int(a.budget))
         if a.spec == "ddtree"
@@ -119,10 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", help="a running server (default: start one in-process)")
     ap.add_argument("--model-name", default="bench", help="with --url: the served model id")
-    ap.add_argument("--model")
-    ap.add_argument("--drafter")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_model_args(ap)
     ap.add_argument("--spec", default="ddtree", choices=["ar", "dflash", "ddtree"])
     ap.add_argument("--budget", default="auto")
     ap.add_argument("--max-batch", type=int, default=8)
@@ -176,12 +167,7 @@ def main() -> None:
             f"{r['ttft50'] * 1e3:.0f} / {r['ttft99'] * 1e3:.0f} | {r['tpot50'] * 1e3:.1f} / "
             f"{r['tpot99'] * 1e3:.1f} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text)
+    report("\n".join(lines) + "\n", a.out)
 
 
 if __name__ == "__main__":

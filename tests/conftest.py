@@ -59,6 +59,18 @@ def drafter_dir(tiny_k25, tmp_path_factory):
     return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), tiny_k25, layers=2, seed=5)
 
 
+@pytest.fixture(scope="module")  # module: a test module's own drafter_dir, if it has one, is the one used
+def cpu_pair(tiny_k25, drafter_dir):
+    """Build an `LLM` of the tiny K2.5 target and its drafter on the CPU in float32 (keyword arguments:
+    the rest of LLM's, e.g. max_batch, max_model_len)."""
+    from k26 import LLM
+
+    def make(**kw):
+        return LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, **kw)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def served():
     """The embedded pair behind a real server on a free loopback port (DDTree, CPU, float32), with the

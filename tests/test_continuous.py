@@ -72,17 +72,8 @@ def check(llm, spec):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_rows_admitted_mid_flight_equal_solo_runs(tiny_k25, drafter_dir, spec):
-    llm = LLM(
-        tiny_k25,
-        drafter=drafter_dir,
-        device="cpu",
-        dtype=torch.float32,
-        progress=False,
-        max_batch=4,
-        max_model_len=128,
-    )
-    check(llm, spec)
+def test_rows_admitted_mid_flight_equal_solo_runs(cpu_pair, spec):
+    check(cpu_pair(max_batch=4, max_model_len=128), spec)
 
 
 def test_tp2_batch_equals_solo_runs(tiny_k25, drafter_dir):

@@ -4,7 +4,6 @@ leaves mid-prefill frees its row cleanly, and the prompts that were to copy from
 themselves (CPU, float32, the tiny K2.5-layout pair)."""
 
 import pytest
-import torch
 from oracles import assert_answers_as_fresh, finish, random_prompts
 
 from k26 import LLM, SamplingParams, SpecConfig
@@ -14,18 +13,8 @@ SPEC = SpecConfig("ddtree", 6)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_k25, drafter_dir):
-    return LLM(
-        tiny_k25,
-        drafter=drafter_dir,
-        device="cpu",
-        dtype=torch.float32,
-        progress=False,
-        max_batch=3,
-        max_model_len=256,
-        prefill_chunk=8,
-        prefill_budget=16,
-    )
+def llm(cpu_pair):
+    return cpu_pair(max_batch=3, max_model_len=256, prefill_chunk=8, prefill_budget=16)
 
 
 def same_as_fresh(llm, out, prompt):

@@ -14,16 +14,8 @@ SPECS = [SpecConfig("ar"), SpecConfig("ddtree", 6)]
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_k25, drafter_dir):
-    return LLM(
-        tiny_k25,
-        drafter=drafter_dir,
-        device="cpu",
-        dtype=torch.float32,
-        progress=False,
-        max_batch=3,
-        max_model_len=256,
-    )
+def llm(cpu_pair):
+    return cpu_pair(max_batch=3, max_model_len=256)
 
 
 def same_as_fresh(llm, out, prompt, spec):

@@ -16,16 +16,8 @@ from k26.config import ConfigError
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_k25, drafter_dir):
-    return LLM(
-        tiny_k25,
-        drafter=drafter_dir,
-        device="cpu",
-        dtype=torch.float32,
-        progress=False,
-        max_batch=8,
-        max_model_len=256,
-    )
+def llm(cpu_pair):
+    return cpu_pair(max_batch=8, max_model_len=256)
 
 
 # -- end to end: lossless greedy -----------------------------------------------------------------

@@ -64,13 +64,9 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
     return torch.empty_like(q_a, memory_format=torch.contiguous_format)
 
 
-def mla_glue_linear_reference(
-    q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps: float, cache, rows, prefix_lens, w
-) -> torch.Tensor:
-    q = mla_glue_reference(
-        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
-    )
-    return F.linear(q, w)
+def mla_glue_linear_reference(*glue_args, weight: torch.Tensor) -> torch.Tensor:
+    """linear(mla_glue(...), weight): `glue_args` are mla_glue's, in its order."""
+    return F.linear(mla_glue_reference(*glue_args), weight)
 
 
 @torch.library.custom_op("k26::mla_glue_linear", mutates_args=("cache",))
@@ -88,9 +84,8 @@ def mla_glue_linear(
     weight: torch.Tensor,
 ) -> torch.Tensor:
     check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens, weight)
-    return mla_glue_linear_reference(
-        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, weight
-    )
+    glue_args = (q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens)
+    return mla_glue_linear_reference(*glue_args, weight=weight)
 
 
 @mla_glue_linear.register_fake

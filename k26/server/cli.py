@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+from ..cli_parser import DTYPES
 
 
 def check_args(a: argparse.Namespace) -> None:

@@ -137,17 +137,10 @@ class Prefill:
         return ended
 
 
-def prefill(
-    m: StepModels,
-    prompts: list[list[int]],
-    rows: list[int],
-    aux: bool,
-    starts: list[int] | None = None,
-    chunk: int = MAX_CHUNK,
-    each: Callable[[int, torch.Tensor, int], None] | None = None,
-) -> torch.Tensor:
-    """`Prefill` run to its end; returns each prompt's last hidden state [B, D]."""
-    p = Prefill(m, prompts, rows, aux, starts, chunk, each)
+def prefill(m: StepModels, prompts: list[list[int]], rows: list[int], aux: bool, **kw) -> torch.Tensor:
+    """`Prefill` (keyword arguments: its starts, chunk, each) run to its end; returns each prompt's last
+    hidden state [B, D]."""
+    p = Prefill(m, prompts, rows, aux, **kw)
     while not p.finished:
         p.forward()
     return torch.stack(p.last)
