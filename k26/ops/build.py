@@ -155,6 +155,9 @@ VARIANTS: dict[str, list[str]] = {
     # at once (csrc/moe_one_token.cuh, gated_one_token_staged): one DRAM round trip after the ids; bit-identical.
     # Prepared 2026-12-05 (session 22)
     "-DK26_MOE_GU_STAGE": ["moe_w4a16.cu"],
+    # MoE GEMMs: weights by ld.global.nc.L1::no_allocate (the small-M linear's load) instead of ld.global.cs
+    # (csrc/moe_mma.cuh ld_weight); bit-identical. Prepared 2026-12-05 (session 22)
+    "-DK26_MOE_LD_NC": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

@@ -141,7 +141,7 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
           const size_t chunk = ((size_t)e * n_tiles + tile0 + r) * KC + c;
-          wv[c][r] = __ldcs(w2 + chunk * 32 + lane);  // streamed once: evict-first
+          wv[c][r] = ld_weight(w2 + chunk * 32 + lane);  // streamed once
           sv[c][r] = __ldg(s2 + chunk * 16 + 2 * g + (t >> 1));
         }
   };

@@ -147,7 +147,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
 #pragma unroll
           for (int r = 0; r < RT; ++r) {
             const size_t chunk = tile_base + (size_t)r * KC + c;
-            wv[u][r] = __ldcs(w + chunk * 32 + lane);  // streamed once: evict-first, keep L2 for activations
+            wv[u][r] = ld_weight(w + chunk * 32 + lane);  // streamed once (ld_weight: evict-first, keep L2 for activations)
             sv[u][r] = __ldg(s + chunk * 16 + 2 * g + (t >> 1));  // rows g, g+8 of group t/2
           }
 #pragma unroll

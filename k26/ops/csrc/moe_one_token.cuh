@@ -43,7 +43,7 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
     for (int u = 0; u < kOneTokU; ++u) {
       const size_t chunk = tile_base + c0 + u;
       if (c0 + u < c_end) {
-        wv[u] = __ldcs(w + chunk * 32 + lane);  // streamed once: evict-first
+        wv[u] = ld_weight(w + chunk * 32 + lane);  // streamed once
         sv[u] = __ldg(s + chunk * 16 + 2 * g + (t >> 1));
       }
     }
@@ -157,7 +157,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
 #pragma unroll
       for (int u = 0; u < kDownOneTokU; ++u)
         if (c0 + u < KC) {
-          wv[u] = __ldcs(w2 + (base + c0 + u) * 32 + lane);
+          wv[u] = ld_weight(w2 + (base + c0 + u) * 32 + lane);
           sv[u] = __ldg(s2 + (base + c0 + u) * 16 + 2 * g + (t >> 1));
 #pragma unroll
           for (int q = 0; q < 2; ++q) bv[u][q] = brow[0] ? __ldg(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
