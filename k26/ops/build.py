@@ -127,7 +127,9 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # variant cannot rot unnoticed (CI runs it).
 # (Measured and dropped: bf16 attention partials and 16-row attention tiles,
 # profiling/results/2026-12-04-variants-session17-h200.md; the MoE down + combine's deal cost and the
-# gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md.)
+# gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md; the one-token gate/up's whole k range
+# staged by cp.async, the MoE weights by ld.global.nc and the small-M linear's two-tile blocks,
+# 2026-12-05-session22-h200.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -142,22 +144,10 @@ VARIANTS: dict[str, list[str]] = {
     # tree attention, 32-row tiles: 24 merge loads in flight a thread (default 8), one round at N = 16;
     # measured 2026-12-05: N = 16 at 4K 20.4 -> 19.9 µs, elsewhere unchanged
     "-DK26_ATTN_MERGE_LOADS_32=24": ["mla_tree_attn.cu"],
-    # small-M linear, tile mode beyond one wave at <= 8 tokens: two 16-row tiles a block
-    # (csrc/linear_tile_rt.cuh; o_proj's 448 tiles in one wave). Same bits by construction; prepared
-    # 2026-12-05, not measured yet (A/B: bench_linear.py --only o_proj,W_UK, bench_k26.py --variants
-    # fused,fused-all)
-    "-DK26_LINEAR_TILE_RT=2": ["linear_smallm.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
-    # MoE one token: gate/up warps copy their whole k range (weights + scales) into shared memory by cp.async
-    # at once (csrc/moe_one_token.cuh, gated_one_token_staged): one DRAM round trip after the ids; bit-identical.
-    # Prepared 2026-12-05 (session 22)
-    "-DK26_MOE_GU_STAGE": ["moe_w4a16.cu"],
-    # MoE GEMMs: weights by ld.global.nc.L1::no_allocate (the small-M linear's load) instead of ld.global.cs
-    # (csrc/moe_mma.cuh ld_weight); bit-identical. Prepared 2026-12-05 (session 22)
-    "-DK26_MOE_LD_NC": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

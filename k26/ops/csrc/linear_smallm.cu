@@ -215,9 +215,6 @@ __global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const P
 // The tile kernel of MT token tiles at its default batch and occupancy.
 template <int MT>
 constexpr auto tile_kernel() { return linear_tile_kernel<MT, tile_batch<MT>(), tile_blocks<MT>()>; }
-#ifdef K26_LINEAR_TILE_RT
-#include "linear_tile_rt.cuh"  // a prepared variant: tiles of R x 16 rows a block beyond one wave
-#endif
 
 // The current device's SM count (host side, queried once per device; threads racing on the first query
 // store the same value). Only the variant's speed depends on it, never the bits.
@@ -265,9 +262,6 @@ K26_EXPORT int k26_linear_smallm(const void* x, const void* w, const void* resid
     const bool deep = (long long)grid.x * G <= sms(), on = pdl != 0;  // deep: one block per SM at most
     if (mt == 1 && deep) return (int)launch_pdl(linear_tile_kernel<1, kDeepBatch, 1>, grid, block, 0, on, st, p);
     if (mt == 2 && deep) return (int)launch_pdl(linear_tile_kernel<2, kDeepBatch, 1>, grid, block, 0, on, st, p);
-#ifdef K26_LINEAR_TILE_RT
-    if (mt == 1) return (int)launch_tile_rt<1>(p, N, G, on, st);  // (MT 2 spills at two blocks an SM)
-#endif
     if (mt == 1) return (int)launch_pdl(tile_kernel<1>(), grid, block, 0, on, st, p);
     if (mt == 2) return (int)launch_pdl(tile_kernel<2>(), grid, block, 0, on, st, p);
     if (mt <= 4) return (int)launch_pdl(tile_kernel<4>(), grid, block, 0, on, st, p);

@@ -22,21 +22,9 @@ constexpr bool kGateUpThreePerSM = false;
 constexpr bool kGateUpThreePerSM = true;
 #endif
 
-// A weight load (streamed once). By default ld.global.cs (evict-first in L1 and L2, so L2 keeps the activations);
-// -DK26_MOE_LD_NC (a variant for an A/B, k26/ops/build.py VARIANTS): ld.global.nc.L1::no_allocate, the small-M
-// linear kernel's load (its projections stream at ~3.5 TB/s where the MoE GEMMs measured ~1.6-2.2 TB/s with as
-// many bytes in flight). The same bytes either way: bit-identical.
-__device__ __forceinline__ uint4 ld_weight(const uint4* p) {
-#ifdef K26_MOE_LD_NC
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-#else
-  return __ldcs(p);
-#endif
-}
+// A weight load: streamed once, ld.global.cs (evict-first in L1 and L2, so L2 keeps the activations). (The small-M
+// linear's ld.global.nc.L1::no_allocate measured no faster here: 2026-12-05-session22-h200.md.)
+__device__ __forceinline__ uint4 ld_weight(const uint4* p) { return __ldcs(p); }
 
 __device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t mask, uint32_t ex) {
   uint32_t r;  // (a & mask) | ex in one instruction

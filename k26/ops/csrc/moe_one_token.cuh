@@ -279,48 +279,4 @@ static __global__ void __launch_bounds__(kDownOneTokThreads, 4) down_combine_one
   one_token_combine(ys, weight, live, topk, sd != nullptr, acc[0], acc[2], tile, out);
 }
 
-#ifdef K26_MOE_GU_STAGE
-// -DK26_MOE_GU_STAGE (a variant for an A/B, k26/ops/build.py VARIANTS): gated_one_token with the warp's whole
-// k range, every weight chunk and its scales, copied into shared memory by cp.async at once (K2.6 TP8: 14
-// chunks, 7.9 KB a warp): one DRAM round trip after the ids are known where the register path takes two (8
-// chunks, then 6 once the first batch is multiplied; 14 in registers spilled), and no register held across
-// the trip. x comes straight from global memory (L1 after the block's first warp: no staging barrier). Same
-// fragments and mma order as gated_one_token: bit-identical. 63 KB of dynamic shared memory a block: 3 blocks
-// an SM on sm_90 (the register bound), 1 on sm_120 (100 KB an SM).
-constexpr int kGuStageChunks = kOneTokMaxK / 64 / 8;            // a warp's chunks at K <= kOneTokMaxK, 8 warps
-constexpr int kGuStageWarpUint4 = kGuStageChunks * (32 + 4);    // [c][32] weights, then [c][4] scale words
-constexpr size_t kGuStageBytes = 8 * kGuStageWarpUint4 * 16;
-
-__device__ __forceinline__ void gated_one_token_staged(const uint4* __restrict__ w, const uint32_t* __restrict__ s,
-                                                       const __nv_bfloat16* __restrict__ xrow, size_t tile_base,
-                                                       int c_begin, int c_end, uint4* stage, float acc[4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  uint4* ws = stage + warp * kGuStageWarpUint4;
-  uint4* ss = ws + kGuStageChunks * 32;
-  const int n = c_end - c_begin;  // <= kGuStageChunks (K <= kOneTokMaxK)
-  for (int c = 0; c < n; ++c) moe_cp_async16(ws + c * 32 + lane, w + (tile_base + c_begin + c) * 32 + lane);
-  for (int i = lane; i < 4 * n; i += 32)
-    moe_cp_async16(ss + i, reinterpret_cast<const uint4*>(s + (tile_base + c_begin + (i >> 2)) * 16) + (i & 3));
-  moe_cp_async_wait_all();
-  __syncwarp();  // a warp reads only what its own lanes copied
-  const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c = 0; c < n; ++c) {
-    const int cc = c_begin + c;
-    const uint4 b[2] = {g == 0 ? __ldg(x4 + cc * 8 + 2 * t) : zero, g == 0 ? __ldg(x4 + cc * 8 + 2 * t + 1) : zero};
-    const uint4 wv = ws[c * 32 + lane];
-    const uint32_t sv = reinterpret_cast<const uint32_t*>(ss + c * 4)[2 * g + (t >> 1)];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t word = j == 0 ? wv.x : j == 1 ? wv.y : j == 2 ? wv.z : wv.w;
-      uint32_t a[4];
-      dequant(word, sv, a);
-      const uint4 bb = b[j >> 1];
-      mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
-    }
-  }
-  MOE_TRACE(0, 4);
-}
-#endif
-
 }  // namespace k26_moe
