@@ -10,7 +10,8 @@ the same rank's shapes, against the byte roofline measured in the same run.
 `--variants`: the decode / verify rows of each variant of the dense path in turn (base: the module glue and
 cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK and W_UV in the small-M kernel and
 the residual adds + norms as torch.ops.k26.add_rmsnorm;
-fused-all: + every projection and the head in the small-M kernel), each with a per-kernel table of the
+fused-o: + each MLA's o_proj in the small-M kernel; fused-all: + every projection and the head in the small-M
+kernel), each with a per-kernel table of the
 graph-replayed step at `--table-nodes` (profiling/kernel_table.py).
 
 Collectives are excluded (the TP group is a no-op here; they are measured on two GPUs and modelled for
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from k26_scale import K26_TEXT, drafter_config, randomize, seed_draft_topk, token_ids
-from kernel_table import by_name, category, experts_touched, record, run_variants, spec_phases
+from kernel_table import VARIANTS, by_name, category, experts_touched, record, run_variants, spec_phases
 from timing import copy_bandwidth, events_time, source_commit
 
 from k26.config import ModelConfig
@@ -101,7 +102,7 @@ def main() -> None:
         action="store_true",
         help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)",
     )
-    ap.add_argument("--variants", default="", help="base,glue,fused,fused-all: see the docstring")
+    ap.add_argument("--variants", default="", help="base,glue,fused,fused-o,fused-all: see the docstring")
     ap.add_argument(
         "--no-pdl", action="store_true", help="every k26 kernel without programmatic dependent launch"
     )
@@ -131,6 +132,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.fused and a.variants:
         ap.error("--fused applies the loader's path for good; --variants switches paths itself: pick one")
+    if bad := [v for v in a.variants.split(",") if v and v not in VARIANTS]:
+        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
     pdl.ENABLED = not a.no_pdl  # read at each capture below
     if a.seeded_tree:
         seed_draft_topk(K26_TEXT["vocab_size"], torch.device("cuda"))

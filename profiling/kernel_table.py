@@ -201,16 +201,26 @@ def row(what: str, launches: int, us: float, nbytes: float, copy_bw: float, path
     return f"| {what} | {launches} | {us:.1f} | {mb} | {bw} | {path_us:.1f} |"
 
 
+VARIANTS = ("base", "glue", "fused", "fused-o", "fused-all")  # bench_k26 --variants (its docstring)
+
+
 def apply_variant(model, name: str) -> None:
-    """Switch the dense path (in this order only: `fuse_` stacks the weights for good)."""
+    """Switch the dense path to variant `name` (base / glue before fused*: `fuse_` stacks the weights for
+    good); the fused variants switch among themselves in any order."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown dense-path variant {name!r}: one of {', '.join(VARIANTS)}")
     attns = [m for m in model.modules() if isinstance(m, MLA)]
+    fused = name in ("fused", "fused-o", "fused-all")
     for m in attns:
         m.glue = name != "base"
-        if name in ("fused", "fused-all"):
+        if fused:
             m.fuse_(kernel_max_m=64)
     use_linear_kernel(model, name == "fused-all")
+    if name == "fused-o":  # fused-all's o_proj alone: is it the part of fused-all that moves the step?
+        for m in attns:
+            m.o_proj.use_kernel = True
     for norm in model.residual_norms():  # the residual add + norm as one op (csrc/add_rmsnorm.cu)
-        norm.use_kernel = name in ("fused", "fused-all")
+        norm.use_kernel = fused
 
 
 def experts_touched(verify, counter) -> float:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiling"))
 import kernel_table
@@ -50,3 +51,30 @@ def test_model_reads_spans_or_path_shares():
     )
     with pytest.raises(ValueError, match="no path column"):
         model_rtx8.category_table(old, "fused", 4096, 1, path=True)
+
+
+def test_dense_path_variants_switch_the_projections_they_name():
+    from k26.config import ModelConfig
+    from k26.model import KimiK2
+    from k26.model.mla import MLA
+    from k26.tiny import DEFAULT_SIZES, text_config
+
+    cfg = ModelConfig.from_dict(text_config(DEFAULT_SIZES | {"num_hidden_layers": 2}, 384, "none"))
+    model = KimiK2(cfg, torch.bfloat16).eval()
+    attns = [m for m in model.modules() if isinstance(m, MLA)]
+    # fused-o between the other fused variants, each way round: the switches do not leak from one to the next
+    for name, o_proj, q_b in [
+        ("fused-all", True, True),
+        ("fused-o", True, False),
+        ("fused", False, False),
+        ("fused-o", True, False),
+        ("fused-all", True, True),
+    ]:
+        kernel_table.apply_variant(model, name)
+        assert all(m.o_proj.use_kernel is o_proj and m.q_b_proj.use_kernel is q_b for m in attns), name
+        assert model.lm_head.use_kernel is q_b, name
+        assert all(m.qkv_a is not None and m.glue for m in attns) and all(
+            n.use_kernel for n in model.residual_norms()
+        )
+    with pytest.raises(ValueError, match="unknown dense-path variant 'fused-x'"):
+        kernel_table.apply_variant(model, "fused-x")
