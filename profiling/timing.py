@@ -50,21 +50,31 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def build_cu(source: str, name: str) -> ctypes.CDLL:
+def build_cu(source: str, name: str, includes: tuple[str, ...] | list[str] = ()) -> ctypes.CDLL:
     """A benchmark's own CUDA source compiled with nvcc for this GPU and loaded (cached in the temp
-    directory by name, arch and source hash)."""
+    directory by name, arch and the hash of the source and of every header in `includes`, the -I folders)."""
     cc = "".join(map(str, torch.cuda.get_device_capability()))
     arch = f"sm_{cc}a" if cc in ("90", "100", "120") else f"sm_{cc}"
-    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
-    so = Path(tempfile.gettempdir()) / f"k26_{name}_{arch}_{tag}.so"
+    digest = hashlib.sha256(source.encode())
+    for d in includes:
+        for h in sorted(Path(d).glob("*.cuh")):
+            digest.update(h.read_bytes())
+    so = Path(tempfile.gettempdir()) / f"k26_{name}_{arch}_{digest.hexdigest()[:12]}.so"
     if not so.exists():
         cu = so.with_suffix(".cu")
         cu.write_text(source)
         gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
         tmp = f"{so}.{os.getpid()}.tmp"
-        subprocess.run(
-            ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", gencode, "-o", tmp, str(cu)], check=True
-        )
+        flags = [
+            "-O3",
+            "-std=c++17",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC",
+            gencode,
+            *(f"-I{d}" for d in includes),
+        ]
+        subprocess.run(["nvcc", *flags, "-o", tmp, str(cu)], check=True)
         os.replace(tmp, so)
     return ctypes.CDLL(str(so))
 

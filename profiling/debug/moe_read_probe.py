@@ -1,0 +1,236 @@
+"""Is the one-token MoE gate/up's ~10 µs for 16.5 MB (1.6 TB/s after the ids are known,
+profiling/results/2026-12-01-moe_trace-h200.md) the memory system's answer to its access pattern, or the
+kernel's own chain (ids, x staging, the multiply, the warps' reduction)? Pure-read kernels, no math, each
+alone in a CUDA graph after a 256 MB L2 flush (timing.graph_time_cold; an empty launch gives the fixed cost):
+
+  contiguous     the 8 experts' weight bytes as one contiguous buffer, grid-stride, 4 loads in flight a thread
+                 (bench_linear's floor kernel)
+  experts        the same bytes where they live (8 random experts of the [E, tiles, chunks, 32] repacked
+                 layout), the same grid-stride walk over the 8 regions
+  pattern U=..   the gate/up kernel's walk (csrc/moe_gemm.cuh, gated_one_token): a block per (16-row tile,
+                 expert), warp w streams chunks [14w, 14w + 14) of its tile U chunks a round (8: the kernel's
+                 8 then 6; 14: all at once, as the dropped GU_STAGE; 4), with the scale words (+ 1.8 MB)
+  ... no scales  the same without the scale loads
+  ... interleaved warp w streams chunks w, w + 8, ... (a block's rounds are then contiguous)
+  ... ids read   the expert id read from global memory first (the kernel's dependent first load)
+
+    python profiling/debug/moe_read_probe.py [--experts 8] [--out FILE.md]
+
+Reading: pattern ≈ experts ≈ contiguous: the memory system serves the walk at the floor and the kernel's
+~10 µs is its chain; pattern ≫ experts: the walk (round depth, scales, warp layout: the rows say which) costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from timing import build_cu, copy_bandwidth, graph_time_cold, source_commit
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "k26", "ops", "csrc")
+E, TILES, KC = 384, 32, 112  # K2.6 at a TP8 rank: 384 experts, 2 x 256 rows = 32 tiles, K = 7168 = 112 x 64
+
+PROBE_CU = r"""
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "moe_mma.cuh"  // the MoE kernels' dequant and mma (built with -I k26/ops/csrc)
+
+struct Ids {  // up to 16 expert ids by value (no dependent read)
+  long long e[16];
+};
+__device__ __forceinline__ long long pick(const Ids& a, int i) {  // a.e[i] without a local-memory copy
+  long long r = 0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) r = j == i ? a.e[j] : r;
+  return r;
+}
+
+// Grid-stride over n uint4 of regions of `per` uint4 each (region r at p + off.e[r] uint4s; n < 2^31).
+__global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int per, int n, uint4* sink) {
+  const int s = gridDim.x * blockDim.x;
+  uint4 acc = make_uint4(0, 0, 0, 0), v[4];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += 4 * s) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int k = i + j * s;
+      v[j] = k < n ? __ldcs(p + pick(off, k / per) + k % per) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc.x ^= v[j].x, acc.y ^= v[j].y, acc.z ^= v[j].z, acc.w ^= v[j].w;
+  }
+  if (acc.x == 0x9e3779b9u && acc.y == 0x7f4a7c15u) *sink = acc;  // keeps the loads; never true
+}
+
+// The gate/up kernel's walk (csrc/moe_gemm.cuh's routed loop, gated_one_token's depth) with its consumption:
+// each chunk dequantised and multiplied as there (moe_mma.cuh; B = the token's 32 bytes from a row in L2, no
+// staging). Block (tile, j), warp w, U chunks a round, loads guarded by the runtime k range as in the kernel:
+// with compile-time rounds ptxas pipelined the loads three or four deep whatever U was (checked in the SASS);
+// guarded, each round's loads issue before its first multiply, as in the kernel's SASS.
+// flags: 1 scales (else scale 1.0), 2 interleaved chunks (warp w: w, w + 8, ...), 4 the expert id read from
+// global memory (else from the arguments).
+template <int U>
+__global__ void __launch_bounds__(256, 3) pattern_read(const uint4* w, const uint32_t* s,
+                                                       const long long* ids, Ids arg, int kc, int tiles,
+                                                       int flags, const uint4* xrow, uint4* sink) {
+  const int lane = threadIdx.x & 31, wk = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, per = kc / 8;
+  const long long e = (flags & 4) ? __ldcg(ids + blockIdx.y) : pick(arg, blockIdx.y);
+  const size_t base = ((size_t)e * tiles + blockIdx.x) * kc;
+  const bool scales = flags & 1, inter = flags & 2;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i0 = 0; i0 < per; i0 += U) {
+    uint4 v[U];
+    uint32_t sv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u, c = inter ? wk + 8 * i : wk * per + i;
+      if (i < per) {
+        v[u] = __ldcs(w + (base + c) * 32 + lane);
+        sv[u] = scales ? __ldg(s + (base + c) * 16 + 2 * g + (t >> 1)) : 0x3f803f80u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u, c = inter ? wk + 8 * i : wk * per + i;
+      if (i >= per) break;
+      const uint4 b[2] = {g == 0 ? __ldg(xrow + c * 8 + 2 * t) : make_uint4(0, 0, 0, 0),
+                          g == 0 ? __ldg(xrow + c * 8 + 2 * t + 1) : make_uint4(0, 0, 0, 0)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t word = j == 0 ? v[u].x : j == 1 ? v[u].y : j == 2 ? v[u].z : v[u].w;
+        uint32_t a[4];
+        k26_moe::dequant(word, sv[u], a);
+        const uint4 bb = b[j >> 1];
+        k26_moe::mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
+      }
+    }
+  }
+  if (acc[0] == 1.2345f && acc[1] == acc[2]) *sink = make_uint4(1, 2, 3, 4);  // keeps the work; never true
+}
+
+Ids ids_of(const long long* host, int n) {
+  Ids r = {};
+  for (int i = 0; i < n && i < 16; ++i) r.e[i] = host[i];
+  return r;
+}
+// off / ids_host: n host-side values (n <= 16).
+extern "C" int stride_launch(const void* p, const long long* off, int n_off, int per, int n, void* sink,
+                             int grid, void* st) {
+  stride_read<<<grid, 256, 0, (cudaStream_t)st>>>((const uint4*)p, ids_of(off, n_off), per, n, (uint4*)sink);
+  return (int)cudaGetLastError();
+}
+extern "C" int pattern_launch(int u, const void* w, const void* s, const void* ids, const long long* ids_host,
+                              int kc, int tiles, int n, int flags, const void* x, void* sink, void* st) {
+  const dim3 grid(tiles, n);
+  const Ids arg = ids_of(ids_host, n);
+  cudaStream_t q = (cudaStream_t)st;
+  const uint4* W = (const uint4*)w;
+  const uint32_t* S = (const uint32_t*)s;
+  const long long* I = (const long long*)ids;
+  const uint4* X = (const uint4*)x;
+  uint4* K = (uint4*)sink;
+  if (u == 4) pattern_read<4><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 8) pattern_read<8><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 14) pattern_read<14><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else return (int)cudaErrorInvalidValue;
+  return (int)cudaGetLastError();
+}
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    n = a.experts
+    if not 1 <= n <= 16:
+        ap.error(f"--experts must be in 1..16, got {n}")
+    dev = torch.device("cuda")
+    lib = build_cu(PROBE_CU, "moe_read_probe", includes=[CSRC])
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.stride_launch.argtypes = [vp, vp, i32, i32, i32, vp, i32, vp]
+    lib.pattern_launch.argtypes = [i32, vp, vp, vp, vp, i32, i32, i32, i32, vp, vp, vp]
+    copy_bw = copy_bandwidth()
+    per_expert = TILES * KC * 32  # uint4 of one expert's gate/up weights
+    rand = lambda count: torch.randint(-(2**31), 2**31 - 1, (count,), dtype=torch.int32, device=dev)
+    w, s, flat = rand(E * per_expert * 4), rand(E * TILES * KC * 16), rand(n * per_expert * 4)
+    x = torch.randn(KC * 64, device=dev).to(torch.bfloat16)  # the token's row (K = 7168)
+    ids_cpu = torch.randperm(E, generator=torch.Generator().manual_seed(0))[:n]
+    ids = ids_cpu.to(dev)
+    ids_host = (ctypes.c_longlong * n)(*ids_cpu.tolist())
+    off_host = (ctypes.c_longlong * n)(*(ids_cpu * per_expert).tolist())
+    zero_host = (ctypes.c_longlong * 1)(0)
+    sink = torch.zeros(4, dtype=torch.int32, device=dev)
+    st = lambda: torch.cuda.current_stream().cuda_stream
+    grid = torch.cuda.get_device_properties(dev).multi_processor_count * 4
+
+    def stride(buf, off, n_off, per, count):
+        return lambda: lib.stride_launch(buf.data_ptr(), off, n_off, per, count, sink.data_ptr(), grid, st())
+
+    def pattern(u, flags):
+        return lambda: lib.pattern_launch(
+            u,
+            w.data_ptr(),
+            s.data_ptr(),
+            ids.data_ptr(),
+            ids_host,
+            KC,
+            TILES,
+            n,
+            flags,
+            x.data_ptr(),
+            sink.data_ptr(),
+            st(),
+        )
+
+    wbytes, sbytes = n * per_expert * 16, n * TILES * KC * 64
+    rows = [
+        ("empty launch (fixed cost)", 0, stride(flat, zero_host, 1, 1, 0)),
+        ("contiguous", wbytes, stride(flat, zero_host, 1, n * per_expert, n * per_expert)),
+        (
+            f"experts (grid-stride over the {n} regions)",
+            wbytes,
+            stride(w, off_host, n, per_expert, n * per_expert),
+        ),
+        ("pattern U=8 (the kernel's walk)", wbytes + sbytes, pattern(8, 1 | 4)),
+        ("pattern U=8, no scales", wbytes, pattern(8, 4)),
+        ("pattern U=8, interleaved", wbytes + sbytes, pattern(8, 1 | 2 | 4)),
+        ("pattern U=8, ids as arguments", wbytes + sbytes, pattern(8, 1)),
+        ("pattern U=14 (all at once; 32 B of spills)", wbytes + sbytes, pattern(14, 1 | 4)),
+        ("pattern U=4", wbytes + sbytes, pattern(4, 1 | 4)),
+    ]
+    out = [
+        f"# moe_read_probe — {datetime.date.today()}",
+        "",
+        f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {source_commit()}",
+        f"- command: `python profiling/debug/moe_read_probe.py --experts {n}`",
+        f"- copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write bytes)",
+        "- each row: one launch in a CUDA graph after a 256 MB L2 flush, median of 30 replays",
+        "",
+        "| read | MB | µs | µs over the empty launch | GB/s over the empty launch | % copy |",
+        "|---|---|---|---|---|---|",
+    ]
+    empty = None
+    for name, nbytes, fn in rows:
+        t = graph_time_cold(fn) * 1e6
+        empty = t if empty is None else empty
+        net = t - empty
+        rate = nbytes / (net * 1e-6) if nbytes and net > 0 else 0.0
+        gbs, pct = (f"{rate / 1e9:.0f}", f"{100 * rate / copy_bw:.0f}%") if rate else ("", "")
+        out.append(f"| {name} | {nbytes / 1e6:.1f} | {t:.2f} | {net:.2f} | {gbs} | {pct} |")
+    text = "\n".join(out) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
