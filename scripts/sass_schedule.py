@@ -1,0 +1,80 @@
+"""A kernel's load / multiply schedule from its SASS, on a machine without a GPU: how many global loads a warp
+has in flight before it first waits on them is ptxas's choice, not the source's (a source round of U loads
+may be pipelined three deep), and it decides a streaming kernel's speed.
+
+    python scripts/sass_schedule.py k26/ops/csrc/moe_w4a16.cu gemm_kernelILi1ELi1ELi8 [--arch sm_90a] [-D N]
+
+Compiles the file to a cubin with nvcc (k26/ops/build.py's flags, plus -D defines), disassembles it with the
+cuobjdump that Triton ships (triton/backends/nvidia/bin; the CUDA toolkit here has none) and prints, for each
+kernel whose mangled name contains the pattern, its instruction stream reduced to the scheduling events —
+global loads (by cache policy), shared loads / stores, cp.async, mma, barriers, branches — with repeats
+counted: "8 LDG.E.EF.128" then "32 HMMA" is a round of 8 weight loads issued before the first multiply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+
+EVENTS = re.compile(r"(LDG|LDS|STS|STG|LDGSTS|HMMA|BAR|BRA|WARPSYNC|ACQBULK|DEPBAR)\b")
+
+
+def cuobjdump() -> Path:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        sys.exit(f"no cuobjdump at {tool}: install triton (it ships one) or the CUDA toolkit's")
+    return tool
+
+
+def schedule(sass: str) -> list[str]:
+    """The scheduling events of one function's SASS, consecutive repeats counted ("8 LDG.E.EF.128")."""
+    out: list[tuple[int, str]] = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if not m or not EVENTS.match(m.group(2)):
+            continue
+        op = m.group(2)
+        if out and out[-1][1] == op:
+            out[-1] = (out[-1][0] + 1, op)
+        else:
+            out.append((1, op))
+    return [f"{n:4d} {op}" for n, op in out]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("source", type=Path)
+    ap.add_argument("pattern", help="a substring of the kernel's mangled name")
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("-D", dest="defines", action="append", default=[], help="a define, as nvcc's -D")
+    a = ap.parse_args()
+    if not a.source.exists():
+        sys.exit(f"no such source: {a.source}")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={a.arch}", "-cubin", "-o", str(cubin), str(a.source)]
+        cmd += [f"-D{d}" for d in a.defines]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            sys.exit(f"nvcc failed:\n{proc.stderr}")
+        dump = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+    sass = dump.stdout
+    functions = re.split(r"\n\s*Function : ", sass)[1:]
+    found = [f for f in functions if a.pattern in f.split("\n", 1)[0]]
+    if not found:
+        names = "\n  ".join(f.split("\n", 1)[0] for f in functions)
+        sys.exit(f"no kernel name contains {a.pattern!r}; the kernels:\n  {names}")
+    for f in found:
+        name, body = f.split("\n", 1)
+        print(f"== {name}")
+        print("\n".join(schedule(body)))
+
+
+if __name__ == "__main__":
+    main()
