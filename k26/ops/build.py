@@ -127,9 +127,8 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # variant cannot rot unnoticed (CI runs it).
 # (Measured and dropped: bf16 attention partials and 16-row attention tiles,
 # profiling/results/2026-12-04-variants-session17-h200.md; the MoE down + combine's deal cost and the
-# gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md; the one-token gate/up's whole k range
-# staged by cp.async, the MoE weights by ld.global.nc and the small-M linear's two-tile blocks,
-# 2026-12-05-session22-h200.md.)
+# gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md; the MoE weights by ld.global.nc and the
+# small-M linear's two-tile blocks, 2026-12-05-session22-h200.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -148,6 +147,11 @@ VARIANTS: dict[str, list[str]] = {
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
+    # MoE one token: gate/up warps copy their whole k range (weights + scales) into shared memory by
+    # cp.async at once, x staged as by default (csrc/moe_one_token.cuh, gated_one_token_staged): one DRAM
+    # round trip after the ids; bit-identical. Re-prepared 2026-12-05 (session 22: a first version that read
+    # x in its multiply loop measured +4.7 µs a block, confounded by those L2 round trips)
+    "-DK26_MOE_GU_STAGE": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

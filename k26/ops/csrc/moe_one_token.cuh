@@ -279,4 +279,63 @@ static __global__ void __launch_bounds__(kDownOneTokThreads, 4) down_combine_one
   one_token_combine(ys, weight, live, topk, sd != nullptr, acc[0], acc[2], tile, out);
 }
 
+#ifdef K26_MOE_GU_STAGE
+// -DK26_MOE_GU_STAGE (a variant for an A/B, k26/ops/build.py VARIANTS): gated_one_token with the warp's whole
+// k range, every weight chunk and its scales, copied into shared memory by cp.async at once (K2.6 TP8: 14
+// chunks, 7.9 KB a warp), issued first, then x staged as in gated_one_token: one DRAM round trip after the ids
+// where the register path takes two (8 chunks, then 6 once the first batch is multiplied; 14 in registers
+// spilled), no register held across the trip, and the multiply loop reads shared memory only. (A first version
+// read x from global memory in the loop: ~7 dependent L2 round trips a warp, +4.7 µs,
+// profiling/results/2026-12-05-session22-h200.md.) Same fragments and mma order as gated_one_token:
+// bit-identical. 77 KB of dynamic shared memory a block: 2 blocks an SM on sm_90, 1 on sm_120.
+constexpr int kGuStageChunks = kOneTokMaxK / 64 / 8;          // a warp's chunks at K <= kOneTokMaxK, 8 warps
+constexpr int kGuStageWarpUint4 = kGuStageChunks * (32 + 4);  // [c][32] weights, then [c][4] scale words
+constexpr size_t kGuStageBytes = (kOneTokMaxK / 8 + 8 * kGuStageWarpUint4) * 16;  // x, then the warps' stages
+
+// All 256 threads of the block call it (it stages x and synchronises), as gated_one_token.
+__device__ __forceinline__ void gated_one_token_staged(const uint4* __restrict__ w, const uint32_t* __restrict__ s,
+                                                       const __nv_bfloat16* __restrict__ xrow, int K,
+                                                       size_t tile_base, int c_begin, int c_end, uint4* stage,
+                                                       float acc[4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  uint4* xs = stage;
+  uint4* ws = stage + kOneTokMaxK / 8 + warp * kGuStageWarpUint4;
+  uint4* ss = ws + kGuStageChunks * 32;
+  const int n = c_end - c_begin;  // <= kGuStageChunks (K <= kOneTokMaxK)
+  for (int c = 0; c < n; ++c) moe_cp_async16(ws + c * 32 + lane, w + (tile_base + c_begin + c) * 32 + lane);
+  for (int i = lane; i < 4 * n; i += 32)
+    moe_cp_async16(ss + i, reinterpret_cast<const uint4*>(s + (tile_base + c_begin + (i >> 2)) * 16) + (i & 3));
+  // x: a thread's loads first, then its stores (one L2 round trip; the strided loop above waits for each load,
+  // ~4 round trips, hidden there behind the first weight batch). (In gated_one_token ptxas hoisted such batched
+  // x loads and their stores above the weight loads, delaying those by a round trip: checked in the SASS.)
+  constexpr int kPer = (kOneTokMaxK / 8 + 255) / 256;  // uint4 a thread at K <= kOneTokMaxK, 256 threads
+  const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
+  uint4 xv[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if (threadIdx.x + j * 256 < K / 8) xv[j] = __ldg(x4 + threadIdx.x + j * 256);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if (threadIdx.x + j * 256 < K / 8) xs[threadIdx.x + j * 256] = xv[j];
+  moe_cp_async_wait_all();
+  __syncthreads();  // x from every thread; the warp's own chunks (waited above) from its own lanes
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int c = 0; c < n; ++c) {
+    const int cc = c_begin + c;
+    const uint4 b[2] = {g == 0 ? xs[cc * 8 + 2 * t] : zero, g == 0 ? xs[cc * 8 + 2 * t + 1] : zero};
+    const uint4 wv = ws[c * 32 + lane];
+    const uint32_t sv = reinterpret_cast<const uint32_t*>(ss + c * 4)[2 * g + (t >> 1)];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t word = j == 0 ? wv.x : j == 1 ? wv.y : j == 2 ? wv.z : wv.w;
+      uint32_t a[4];
+      dequant(word, sv, a);
+      const uint4 bb = b[j >> 1];
+      mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
+    }
+  }
+  MOE_TRACE(0, 4);
+}
+#endif
+
 }  // namespace k26_moe

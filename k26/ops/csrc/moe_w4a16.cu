@@ -172,10 +172,19 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   // 6.79 -> 7.03 ms (4 warps), dropped: 2026-12-04-moe-gate-up-session18-h200.md.)
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
-  cudaError_t err = launch_on(gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>,
-                              dim3(tiles13 / RT1, G), 32 * WK1, pdl, st, (const __nv_bfloat16*)x, (const uint4*)w13,
-                              (const uint32_t*)s13, D, tiles13, topk, rt.sorted, rt.expert, rt.start, rt.len,
-                              rt.num_groups, ws.act, I, E, P, S, sh.gate, sh.up, direct);
+  auto* gate_up = gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>;
+  size_t gu_smem = 0;
+#ifdef K26_MOE_GU_STAGE
+  if constexpr (RT1 == 1 && NT == 1) {  // the one-token groups' staged weights (csrc/moe_one_token.cuh)
+    gu_smem = kGuStageBytes;
+    const cudaError_t e = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)gu_smem);
+    if (e != cudaSuccess) return e;
+  }
+#endif
+  cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), gu_smem, pdl, st,
+                               (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk,
+                               rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.act, I, E, P, S, sh.gate,
+                               sh.up, direct);
   if (err != cudaSuccess) return err;
   const int tiles2 = D / 16;
   if (direct && topk <= kDownOneTokPairs) {  // decode: down + combine in one launch
