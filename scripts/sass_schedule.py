@@ -25,8 +25,12 @@ import triton
 EVENTS = re.compile(r"(LDG|LDS|STS|STG|LDGSTS|HMMA|BAR|BRA|WARPSYNC|ACQBULK|DEPBAR)\b")
 
 
+def cuobjdump_path() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
 def cuobjdump() -> Path:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = cuobjdump_path()
     if not tool.exists():
         sys.exit(f"no cuobjdump at {tool}: install triton (it ships one) or the CUDA toolkit's")
     return tool
@@ -47,6 +51,26 @@ def schedule(sass: str) -> list[str]:
     return [f"{n:4d} {op}" for n, op in out]
 
 
+def kernel_schedules(source: Path, pattern: str, arch: str = "sm_90a", defines=()) -> dict[str, list[str]]:
+    """{mangled kernel name: schedule} of the kernels of `source` whose name contains `pattern`, compiled with
+    nvcc for `arch` with `defines`; raises RuntimeError when nvcc fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-cubin", "-o", str(cubin), str(source)]
+        proc = subprocess.run(
+            [*cmd, *(f"-D{d}" for d in defines)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode:
+            raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
+        dump = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+    out = {}
+    for f in re.split(r"\n\s*Function : ", dump.stdout)[1:]:
+        name, body = f.split("\n", 1)
+        if pattern in name:
+            out[name.strip()] = schedule(body)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("source", type=Path)
@@ -56,24 +80,15 @@ def main() -> None:
     a = ap.parse_args()
     if not a.source.exists():
         sys.exit(f"no such source: {a.source}")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={a.arch}", "-cubin", "-o", str(cubin), str(a.source)]
-        cmd += [f"-D{d}" for d in a.defines]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode:
-            sys.exit(f"nvcc failed:\n{proc.stderr}")
-        dump = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True)
-    sass = dump.stdout
-    functions = re.split(r"\n\s*Function : ", sass)[1:]
-    found = [f for f in functions if a.pattern in f.split("\n", 1)[0]]
+    try:
+        found = kernel_schedules(a.source, a.pattern, a.arch, a.defines)
+    except RuntimeError as e:
+        sys.exit(str(e))
     if not found:
-        names = "\n  ".join(f.split("\n", 1)[0] for f in functions)
-        sys.exit(f"no kernel name contains {a.pattern!r}; the kernels:\n  {names}")
-    for f in found:
-        name, body = f.split("\n", 1)
+        sys.exit(f"no kernel name of {a.source} contains {a.pattern!r}")
+    for name, events in found.items():
         print(f"== {name}")
-        print("\n".join(schedule(body)))
+        print("\n".join(events))
 
 
 if __name__ == "__main__":

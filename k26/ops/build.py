@@ -152,6 +152,16 @@ VARIANTS: dict[str, list[str]] = {
     # round trip after the ids; bit-identical. Re-prepared 2026-12-05 (session 22: a first version that read
     # x in its multiply loop measured +4.7 µs a block, confounded by those L2 round trips)
     "-DK26_MOE_GU_STAGE": ["moe_w4a16.cu"],
+    # weights (and the norm weight) by coherent loads, which ptxas keeps above griddepcontrol.wait, and x by
+    # coherent loads after it (csrc/linear_tile.cuh, rmsnorm_row.cuh): in the default build ptxas sinks the
+    # .nc weight batches meant to be in flight across the wait below it (every tile-mode kernel, add_rmsnorm,
+    # the fused all-reduce); bit-identical. Prepared 2026-12-05 (session 22)
+    "-DK26_PDL_ORDERED_LOADS": [
+        "linear_smallm.cu",
+        "add_rmsnorm.cu",
+        "allreduce_fused.cu",
+        "mla_glue_linear.cu",
+    ],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

@@ -25,11 +25,30 @@ struct Params {
   int M, N, K, S, units_per_split;
 };
 
+// -DK26_PDL_ORDERED_LOADS (a variant for an A/B, k26/ops/build.py VARIANTS): weights and x by coherent loads.
+// ptxas treats a non-coherent (.nc) load as free to move across griddepcontrol.wait: in the default build it sinks
+// the two weight batches issued "before the wait" below it (the SASS of every tile-mode kernel starts with the
+// wait: no weight byte is in flight across it), and it could as well hoist an x load above it, though x is the
+// previous kernel's output (.nc promises data read-only for the kernel's lifetime, which PDL's overlap breaks).
+// Coherent loads keep their place on either side of the wait (checked in the SASS, scripts/sass_schedule.py).
+#ifdef K26_PDL_ORDERED_LOADS
+#define K26_LD_STREAM "ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+#else
+#define K26_LD_STREAM "ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+#endif
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;  // weights are read once: keep them out of L1
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile(K26_LD_STREAM : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+}
+
+// x (the previous kernel's output, read after the wait; L2-resident).
+__device__ __forceinline__ uint4 ld_x(const void* p) {
+#ifdef K26_PDL_ORDERED_LOADS
+  return __ldcg(reinterpret_cast<const uint4*>(p));
+#else
+  return __ldg(reinterpret_cast<const uint4*>(p));
+#endif
 }
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -97,8 +116,7 @@ __device__ __forceinline__ void load_x(uint4 (&xb)[B][MT], const __nv_bfloat16* 
         xb[i][j] = in && j < tiles_live ? *reinterpret_cast<const uint4*>(xr + j * x_tile + (u + i) * kUnit)
                                         : make_uint4(0, 0, 0, 0);
       else
-        xb[i][j] = in && j < tiles_live ? __ldg(reinterpret_cast<const uint4*>(xr + j * x_tile + (u + i) * kUnit))
-                                        : make_uint4(0, 0, 0, 0);
+        xb[i][j] = in && j < tiles_live ? ld_x(xr + j * x_tile + (u + i) * kUnit) : make_uint4(0, 0, 0, 0);
   }
 }
 
