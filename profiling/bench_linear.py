@@ -37,9 +37,11 @@ from k26.ops.linear_cuda import launch, plan_splits
 FLOOR_CU = r"""
 #include <cuda_runtime.h>
 #include <stdint.h>
+// Coherent (not .nc): ptxas moves .nc loads across griddepcontrol.wait, and sank these below it (their SASS
+// began with the wait until 2026-12-05: the floor had no load in flight across it; scripts/sass_schedule.py).
 __device__ __forceinline__ uint4 ld(const uint4* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
