@@ -1,7 +1,9 @@
-"""The PDL load order in the kernels' SASS (scripts/sass_schedule.py: nvcc + the cuobjdump Triton ships, no
-GPU): with -DK26_PDL_ORDERED_LOADS the weight batches a kernel issues "before the grid-dependency wait" are in
-its SASS before the wait (ACQBULK), and the loads of the previous kernel's output after it. (ptxas moves
-non-coherent .nc loads across the wait: the default build's tile-mode linear kernels start with the wait.)"""
+"""The PDL load order in the kernels' SASS (scripts/sass_schedule.py: nvcc + the cuobjdump Triton ships,
+no GPU). ptxas moves non-coherent .nc loads across griddepcontrol.wait (ACQBULK in SASS): an .nc load of the
+previous kernel's output can be hoisted above it (a race: the sm_120a build of the deep tile-mode linear
+kernels had one until 2026-12-05), and .nc weight loads meant to be in flight across it are sunk below it.
+Checked: in every tile-mode linear kernel, on both archs, nothing but weight loads precede the wait; with
+-DK26_PDL_ORDERED_LOADS the weight batches do."""
 
 import shutil
 import sys
@@ -30,6 +32,15 @@ def loads_before_wait(events: list[str]) -> dict[str, int]:
         if op.startswith("LDG"):
             counts[op] = counts.get(op, 0) + n
     return counts
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_tile_linear_kernels_read_x_only_after_the_wait(arch):
+    found = sass_schedule.kernel_schedules(CSRC / "linear_smallm.cu", "linear_tile_kernel", arch)
+    assert len(found) >= 6, list(found)  # MT 1 / 2 / 4 / 8 and the deep MT 1 / 2
+    for name, events in found.items():
+        counts = loads_before_wait(events)
+        assert set(counts) <= {"LDG.E.NA.128", "LDG.E.NA.128.CONSTANT"}, (name, counts)  # weights only
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 // loop (two register batches of weights and x in flight) and its warp-order reduction + store. The layout, the k
 // permutation and why tile mode is batch-invariant: csrc/linear_smallm.cu's header.
 //
-// Legality: mma.sync.m16n8k16 bf16, ld.global.nc, shared memory for the warps' sums: sm_90a and sm_120a.
+// Legality: mma.sync.m16n8k16 bf16, ld.global(.nc), shared memory for the warps' sums: sm_90a and sm_120a.
 
 #pragma once
 
@@ -25,12 +25,15 @@ struct Params {
   int M, N, K, S, units_per_split;
 };
 
-// -DK26_PDL_ORDERED_LOADS (a variant for an A/B, k26/ops/build.py VARIANTS): weights and x by coherent loads.
-// ptxas treats a non-coherent (.nc) load as free to move across griddepcontrol.wait: in the default build it sinks
-// the two weight batches issued "before the wait" below it (the SASS of every tile-mode kernel starts with the
-// wait: no weight byte is in flight across it), and it could as well hoist an x load above it, though x is the
-// previous kernel's output (.nc promises data read-only for the kernel's lifetime, which PDL's overlap breaks).
-// Coherent loads keep their place on either side of the wait (checked in the SASS, scripts/sass_schedule.py).
+// Loads and griddepcontrol.wait. ptxas treats a non-coherent (.nc) load as free to move across the wait (.nc
+// promises data read-only for the kernel's lifetime, which PDL's overlap with the previous kernel breaks), and
+// a coherent one as not (scripts/sass_schedule.py shows the SASS order):
+// - x is the previous kernel's output, read after the wait: coherent (__ldcg, L2). With __ldg (until
+//   2026-12-05) the sm_120a build of the deep kernels (linear_tile_kernel<1 | 2, 4, 1>) had one x load hoisted
+//   above the wait, a race on the target GPU (tests/test_sass_schedule.py checks every tile kernel now).
+// - the weights are constants: by default .nc, which ptxas sinks below the wait on sm_90a (the two batches meant
+//   to be in flight across it are not); -DK26_PDL_ORDERED_LOADS (a variant for an A/B, k26/ops/build.py
+//   VARIANTS) loads them coherently, which keeps them above it.
 #ifdef K26_PDL_ORDERED_LOADS
 #define K26_LD_STREAM "ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
 #else
@@ -42,14 +45,8 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return v;
 }
 
-// x (the previous kernel's output, read after the wait; L2-resident).
-__device__ __forceinline__ uint4 ld_x(const void* p) {
-#ifdef K26_PDL_ORDERED_LOADS
-  return __ldcg(reinterpret_cast<const uint4*>(p));
-#else
-  return __ldg(reinterpret_cast<const uint4*>(p));
-#endif
-}
+// x (the previous kernel's output, read after the wait; L2-resident): coherent, never hoisted above the wait.
+__device__ __forceinline__ uint4 ld_x(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
@@ -103,7 +100,7 @@ constexpr int kDeepBatch = 4;
 
 // Unit u's x fragments of the token tiles j for this lane (row 8j + g, k = 32u + 8t .. +8); zeros past M or K.
 // xr: this lane's row g at k = kt; tiles_live: the token tiles holding row 8j + g < M. SMEM: x is in shared
-// memory (csrc/mla_glue_linear.cu stages its normed rows there), else global (read through the read-only path).
+// memory (csrc/mla_glue_linear.cu stages its normed rows there), else global (ld_x: coherent, after the wait).
 template <int MT, int B, bool SMEM = false>
 __device__ __forceinline__ void load_x(uint4 (&xb)[B][MT], const __nv_bfloat16* xr, long long x_tile, int tiles_live,
                                        int u, int u_end, int kt, int K) {
