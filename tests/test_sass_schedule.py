@@ -7,6 +7,7 @@ Checked: in every tile-mode linear kernel, on both archs, nothing but weight loa
 
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,31 @@ def loads_before_wait(events: list[str]) -> dict[str, int]:
     return counts
 
 
+@pytest.fixture(scope="module")
+def every_kernel():
+    """{(arch, source, kernel): schedule} of every kernel of k26/ops/csrc on both archs (default build), and
+    of the two sources -DK26_PDL_ORDERED_LOADS changes on sm_90a with it (arch "sm_90a+ordered")."""
+    jobs = [(arch, src, ()) for arch in ("sm_90a", "sm_120a") for src in sorted(CSRC.glob("*.cu"))]
+    jobs += [("sm_90a", CSRC / n, ("K26_PDL_ORDERED_LOADS",)) for n in ("linear_smallm.cu", "add_rmsnorm.cu")]
+
+    def run(job):
+        arch, src, defines = job
+        tag = arch + ("+ordered" if defines else "")
+        return {
+            (tag, src.name, k): ev for k, ev in sass_schedule.kernel_schedules(src, "", arch, defines).items()
+        }
+
+    with ThreadPoolExecutor(2) as pool:
+        return {k: v for found in pool.map(run, jobs) for k, v in found.items()}
+
+
+def pick(every_kernel, arch, source, kernel):
+    return {k[2]: ev for k, ev in every_kernel.items() if k[0] == arch and k[1] == source and kernel in k[2]}
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
-def test_tile_linear_kernels_read_x_only_after_the_wait(arch):
-    found = sass_schedule.kernel_schedules(CSRC / "linear_smallm.cu", "linear_tile_kernel", arch)
+def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
+    found = pick(every_kernel, arch, "linear_smallm.cu", "linear_tile_kernel")
     assert len(found) >= 6, list(found)  # MT 1 / 2 / 4 / 8 and the deep MT 1 / 2
     for name, events in found.items():
         counts = loads_before_wait(events)
@@ -52,11 +75,28 @@ def test_tile_linear_kernels_read_x_only_after_the_wait(arch):
         ("add_rmsnorm.cu", "add_rmsnorm_kernel", 4),  # the norm weight: a thread's 4 vectors
     ],
 )
-def test_ordered_loads_issue_the_weights_before_the_wait_and_x_after(source, kernel, weight_loads):
-    found = sass_schedule.kernel_schedules(CSRC / source, kernel, "sm_90a", ["K26_PDL_ORDERED_LOADS"])
+def test_ordered_loads_issue_the_weights_before_the_wait_and_x_after(
+    every_kernel, source, kernel, weight_loads
+):
+    found = pick(every_kernel, "sm_90a+ordered", source, kernel)
     assert len(found) == 1, list(found)
     counts = loads_before_wait(next(iter(found.values())))
     # weights: LDG.E.NA.128 (no L1 allocation) in the linear kernels, a strong 128-bit load of the norm weight
     assert sum(counts.values()) >= weight_loads, counts
     if "linear" in source:  # nothing but weights before the wait: x (a strong GPU-scope load) comes after
         assert set(counts) == {"LDG.E.NA.128"}, counts
+
+
+def test_no_kernel_reads_a_vector_through_the_nc_path_before_its_wait(every_kernel):
+    # A 64- / 128-bit .nc load (LDG.E.64 / 128.CONSTANT, not the weights' LDG.E.NA) ahead of the wait is how
+    # a hoisted read of the previous kernel's output shows (the tile linears' x on sm_120a until 2026-12-05);
+    # the 32-bit .nc loads some kernels issue early are constants or, in the MoE down kernels, the router's
+    # weights two kernels back (csrc/moe_one_token.cuh says why those are complete).
+    waits = 0
+    for (arch, src, kernel), events in every_kernel.items():
+        if arch.endswith("+ordered") or not any(e.split()[1] == "ACQBULK" for e in events):
+            continue
+        waits += 1
+        early = loads_before_wait(events)
+        assert not {"LDG.E.128.CONSTANT", "LDG.E.64.CONSTANT"} & set(early), (arch, src, kernel, early)
+    assert waits >= 40, waits  # every PDL kernel of both builds was looked at
