@@ -41,8 +41,8 @@ def schedule(sass: str) -> list[str]:
     out: list[tuple[int, str]] = []
     for line in sass.splitlines():
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if not m or not EVENTS.match(m.group(2)):
-            continue
+        if not m or not EVENTS.match(m.group(2)) or (m.group(1) or "").strip() == "@!PT":
+            continue  # (@!PT: never executed, ptxas's padding)
         op = m.group(2)
         if out and out[-1][1] == op:
             out[-1] = (out[-1][0] + 1, op)
