@@ -313,7 +313,7 @@ __device__ __forceinline__ void gated_one_token_staged(const uint4* __restrict__
   uint4 xv[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j)
-    if (threadIdx.x + j * 256 < K / 8) xv[j] = __ldg(x4 + threadIdx.x + j * 256);
+    if (threadIdx.x + j * 256 < K / 8) xv[j] = __ldcg(x4 + threadIdx.x + j * 256);  // an earlier kernel's output
 #pragma unroll
   for (int j = 0; j < kPer; ++j)
     if (threadIdx.x + j * 256 < K / 8) xs[threadIdx.x + j * 256] = xv[j];
