@@ -5,6 +5,13 @@
 // pdl_trigger() lets the kernel after it start early (which in turn waits before reading our outputs).
 // Without the launch attribute both are no-ops.
 //
+// Loads around pdl_wait(): ptxas moves non-coherent loads (ld.global.nc: __ldg, "ld.global.nc.*" asm) across
+// griddepcontrol.wait in either direction, coherent ones (ld.global, __ldcg / __ldcs / __ldca, cp.async) not
+// (2026-12-05, SASS via scripts/sass_schedule.py). So: data an earlier kernel writes is read after the wait with
+// coherent loads (an __ldg of it was hoisted above the wait in the sm_120a build of the deep tile-mode linear:
+// a race), and a constant meant to be in flight across the wait needs a coherent load or cp.async too (.nc
+// weight batches "before the wait" were sunk below it). tests/test_sass_schedule.py checks every kernel.
+//
 // Legality: griddepcontrol (sm_90 and sm_120 both have it) and cudaLaunchKernelEx.
 
 #pragma once
