@@ -110,7 +110,8 @@ __device__ __forceinline__ void shared_acc(const __nv_bfloat16* __restrict__ sa,
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) bv[u][nt][q] = brow[nt] ? __ldg(brow[nt] + c * 8 + q) : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < 2; ++q)  // x / act, an earlier kernel's output: coherent (pdl.cuh)
+          bv[u][nt][q] = brow[nt] ? __ldcg(brow[nt] + c * 8 + q) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

@@ -59,7 +59,7 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
   }
 #endif
   const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldg(x4 + i);
+  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldcg(x4 + i);  // coherent (pdl.cuh)
   __syncthreads();
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int c0 = c_begin; c0 < c_end; c0 += kOneTokU) {
@@ -160,7 +160,8 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
           wv[u] = ld_weight(w2 + (base + c0 + u) * 32 + lane);
           sv[u] = __ldg(s2 + (base + c0 + u) * 16 + 2 * g + (t >> 1));
 #pragma unroll
-          for (int q = 0; q < 2; ++q) bv[u][q] = brow[0] ? __ldg(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
+          for (int q = 0; q < 2; ++q)  // act, the gate/up's output: coherent (pdl.cuh)
+            bv[u][q] = brow[0] ? __ldcg(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
       for (int u = 0; u < kDownOneTokU; ++u) {

@@ -139,7 +139,8 @@ __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float ac
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) xv[nt][q] = xr[nt] ? __ldg(xr[nt] + (size_t)(c + u) * 8 + q) : zero;
+        for (int q = 0; q < 2; ++q)  // x, the previous kernel's output: coherent (pdl.cuh)
+          xv[nt][q] = xr[nt] ? __ldcg(xr[nt] + (size_t)(c + u) * 8 + q) : zero;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int q = j >> 1, i0 = 2 * (j & 1);
