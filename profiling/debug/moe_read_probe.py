@@ -1,18 +1,20 @@
 """Is the one-token MoE gate/up's ~10 µs for 16.5 MB (1.6 TB/s after the ids are known,
 profiling/results/2026-12-01-moe_trace-h200.md) the memory system's answer to its access pattern, or the
-kernel's own chain (ids, x staging, the multiply, the warps' reduction)? Pure-read kernels, no math, each
-alone in a CUDA graph after a 256 MB L2 flush (timing.graph_time_cold; an empty launch gives the fixed cost):
+kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each alone in a CUDA graph after a
+256 MB L2 flush (timing.graph_time_cold; an empty launch gives the fixed cost):
 
   contiguous     the 8 experts' weight bytes as one contiguous buffer, grid-stride, 4 loads in flight a thread
-                 (bench_linear's floor kernel)
+                 (bench_linear's floor walk)
   experts        the same bytes where they live (8 random experts of the [E, tiles, chunks, 32] repacked
-                 layout), the same grid-stride walk over the 8 regions
-  pattern U=..   the gate/up kernel's walk (csrc/moe_gemm.cuh, gated_one_token): a block per (16-row tile,
-                 expert), warp w streams chunks [14w, 14w + 14) of its tile U chunks a round (8: the kernel's
-                 8 then 6; 14: all at once, as the dropped GU_STAGE; 4), with the scale words (+ 1.8 MB)
+                 layout), the same walk with the blocks split over the 8 regions
+  pattern U=..   the gate/up kernel's walk and consumption (csrc/moe_gemm.cuh, gated_one_token: dequant + mma
+                 of every chunk, no reduction or store): a block per (16-row tile, expert), the expert id read
+                 from global memory first as in the kernel, warp w streams chunks [14w, 14w + 14) of its tile
+                 U chunks a round (8: the kernel's 8 then 6; 14: all at once, 32 B of spills at the kernel's
+                 80-register bound; 4), with the scale words (+ 1.8 MB)
   ... no scales  the same without the scale loads
   ... interleaved warp w streams chunks w, w + 8, ... (a block's rounds are then contiguous)
-  ... ids read   the expert id read from global memory first (the kernel's dependent first load)
+  ... ids as arguments  the expert ids passed by value (no dependent first load)
 
     python profiling/debug/moe_read_probe.py [--experts 8] [--out FILE.md]
 
@@ -52,16 +54,15 @@ __device__ __forceinline__ long long pick(const Ids& a, int i) {  // a.e[i] with
   return r;
 }
 
-// Grid-stride over n uint4 of regions of `per` uint4 each (region r at p + off.e[r] uint4s; n < 2^31).
-__global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int per, int n, uint4* sink) {
+// Grid-stride over one region of `per` uint4 per blockIdx.y (region r at p + off.e[r] uint4s), 4 loads in
+// flight a thread: bench_linear's floor walk, the regions side by side.
+__global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int per, uint4* sink) {
+  const uint4* q = p + pick(off, blockIdx.y);
   const int s = gridDim.x * blockDim.x;
   uint4 acc = make_uint4(0, 0, 0, 0), v[4];
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += 4 * s) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < per; i += 4 * s) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int k = i + j * s;
-      v[j] = k < n ? __ldcs(p + pick(off, k / per) + k % per) : make_uint4(0, 0, 0, 0);
-    }
+    for (int j = 0; j < 4; ++j) v[j] = i + j * s < per ? __ldcs(q + i + j * s) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc.x ^= v[j].x, acc.y ^= v[j].y, acc.z ^= v[j].z, acc.w ^= v[j].w;
   }
@@ -119,10 +120,11 @@ Ids ids_of(const long long* host, int n) {
   for (int i = 0; i < n && i < 16; ++i) r.e[i] = host[i];
   return r;
 }
-// off / ids_host: n host-side values (n <= 16).
-extern "C" int stride_launch(const void* p, const long long* off, int n_off, int per, int n, void* sink,
-                             int grid, void* st) {
-  stride_read<<<grid, 256, 0, (cudaStream_t)st>>>((const uint4*)p, ids_of(off, n_off), per, n, (uint4*)sink);
+// off / ids_host: n host-side values (n <= 16). `grid` blocks in all, split evenly over the regions.
+extern "C" int stride_launch(const void* p, const long long* off, int n_off, int per, void* sink, int grid,
+                             void* st) {
+  const dim3 g(grid / n_off > 0 ? grid / n_off : 1, n_off);
+  stride_read<<<g, 256, 0, (cudaStream_t)st>>>((const uint4*)p, ids_of(off, n_off), per, (uint4*)sink);
   return (int)cudaGetLastError();
 }
 extern "C" int pattern_launch(int u, const void* w, const void* s, const void* ids, const long long* ids_host,
@@ -155,7 +157,7 @@ def main() -> None:
     dev = torch.device("cuda")
     lib = build_cu(PROBE_CU, "moe_read_probe", includes=[CSRC])
     vp, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.stride_launch.argtypes = [vp, vp, i32, i32, i32, vp, i32, vp]
+    lib.stride_launch.argtypes = [vp, vp, i32, i32, vp, i32, vp]
     lib.pattern_launch.argtypes = [i32, vp, vp, vp, vp, i32, i32, i32, i32, vp, vp, vp]
     copy_bw = copy_bandwidth()
     per_expert = TILES * KC * 32  # uint4 of one expert's gate/up weights
@@ -171,8 +173,8 @@ def main() -> None:
     st = lambda: torch.cuda.current_stream().cuda_stream
     grid = torch.cuda.get_device_properties(dev).multi_processor_count * 4
 
-    def stride(buf, off, n_off, per, count):
-        return lambda: lib.stride_launch(buf.data_ptr(), off, n_off, per, count, sink.data_ptr(), grid, st())
+    def stride(buf, off, n_off, per):
+        return lambda: lib.stride_launch(buf.data_ptr(), off, n_off, per, sink.data_ptr(), grid, st())
 
     def pattern(u, flags):
         return lambda: lib.pattern_launch(
@@ -192,12 +194,12 @@ def main() -> None:
 
     wbytes, sbytes = n * per_expert * 16, n * TILES * KC * 64
     rows = [
-        ("empty launch (fixed cost)", 0, stride(flat, zero_host, 1, 1, 0)),
-        ("contiguous", wbytes, stride(flat, zero_host, 1, n * per_expert, n * per_expert)),
+        ("empty launch (fixed cost)", 0, stride(flat, zero_host, 1, 0)),
+        ("contiguous", wbytes, stride(flat, zero_host, 1, n * per_expert)),
         (
             f"experts (grid-stride over the {n} regions)",
             wbytes,
-            stride(w, off_host, n, per_expert, n * per_expert),
+            stride(w, off_host, n, per_expert),
         ),
         ("pattern U=8 (the kernel's walk)", wbytes + sbytes, pattern(8, 1 | 4)),
         ("pattern U=8, no scales", wbytes, pattern(8, 4)),
