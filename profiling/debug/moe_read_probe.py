@@ -10,7 +10,7 @@ kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each al
   pattern U=..   the gate/up kernel's walk and consumption (csrc/moe_gemm.cuh, gated_one_token: dequant + mma
                  of every chunk, no reduction or store): a block per (16-row tile, expert), the expert id read
                  from global memory first as in the kernel, warp w streams chunks [14w, 14w + 14) of its tile
-                 U chunks a round (8: the kernel's 8 then 6; 14: all at once, 32 B of spills at the kernel's
+                 U chunks a round (8: the kernel's 8 then 6; 14: all at once, ~150 B of spills at the kernel's
                  80-register bound; 4), with the scale words (+ 1.8 MB)
   ... no scales  the same without the scale loads
   ... interleaved warp w streams chunks w, w + 8, ... (a block's rounds are then contiguous)
@@ -70,12 +70,14 @@ __global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int 
 }
 
 // The gate/up kernel's walk (csrc/moe_gemm.cuh's routed loop, gated_one_token's depth) with its consumption:
-// each chunk dequantised and multiplied as there (moe_mma.cuh; B = the token's 32 bytes from a row in L2, no
-// staging). Block (tile, j), warp w, U chunks a round, loads guarded by the runtime k range as in the kernel:
-// with compile-time rounds ptxas pipelined the loads three or four deep whatever U was (checked in the SASS);
-// guarded, each round's loads issue before its first multiply, as in the kernel's SASS.
+// each chunk dequantised and multiplied as there (moe_mma.cuh), B = the token's 32 bytes from its row staged
+// in shared memory behind the first round, as the kernel does. Block (tile, j), warp w, U chunks a round,
+// loads guarded by the runtime k range as in the kernel: with compile-time rounds ptxas pipelined the loads
+// three or four deep whatever U was (checked in the SASS); guarded, each round's loads issue before its first
+// multiply, as in the kernel's SASS.
 // flags: 1 scales (else scale 1.0), 2 interleaved chunks (warp w: w, w + 8, ...), 4 the expert id read from
 // global memory (else from the arguments).
+constexpr int KMAX = 7168;  // the staged row's capacity: K2.6's hidden size
 template <int U>
 __global__ void __launch_bounds__(256, 3) pattern_read(const uint4* w, const uint32_t* s,
                                                        const long long* ids, Ids arg, int kc, int tiles,
@@ -85,6 +87,7 @@ __global__ void __launch_bounds__(256, 3) pattern_read(const uint4* w, const uin
   const size_t base = ((size_t)e * tiles + blockIdx.x) * kc;
   const bool scales = flags & 1, inter = flags & 2;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  __shared__ uint4 xs[KMAX / 8];  // the token's row, staged as gated_one_token does (B from shared memory)
   for (int i0 = 0; i0 < per; i0 += U) {
     uint4 v[U];
     uint32_t sv[U];
@@ -96,12 +99,16 @@ __global__ void __launch_bounds__(256, 3) pattern_read(const uint4* w, const uin
         sv[u] = scales ? __ldg(s + (base + c) * 16 + 2 * g + (t >> 1)) : 0x3f803f80u;
       }
     }
+    if (i0 == 0) {  // x staged behind the first round's loads, as in the kernel
+      for (int i = threadIdx.x; i < kc * 8; i += blockDim.x) xs[i] = __ldcg(xrow + i);
+      __syncthreads();
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u, c = inter ? wk + 8 * i : wk * per + i;
       if (i >= per) break;
-      const uint4 b[2] = {g == 0 ? __ldg(xrow + c * 8 + 2 * t) : make_uint4(0, 0, 0, 0),
-                          g == 0 ? __ldg(xrow + c * 8 + 2 * t + 1) : make_uint4(0, 0, 0, 0)};
+      const uint4 b[2] = {g == 0 ? xs[c * 8 + 2 * t] : make_uint4(0, 0, 0, 0),
+                          g == 0 ? xs[c * 8 + 2 * t + 1] : make_uint4(0, 0, 0, 0)};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t word = j == 0 ? v[u].x : j == 1 ? v[u].y : j == 2 ? v[u].z : v[u].w;
@@ -129,6 +136,7 @@ extern "C" int stride_launch(const void* p, const long long* off, int n_off, int
 }
 extern "C" int pattern_launch(int u, const void* w, const void* s, const void* ids, const long long* ids_host,
                               int kc, int tiles, int n, int flags, const void* x, void* sink, void* st) {
+  if (kc > KMAX / 64 || kc % 8) return (int)cudaErrorInvalidValue;
   const dim3 grid(tiles, n);
   const Ids arg = ids_of(ids_host, n);
   cudaStream_t q = (cudaStream_t)st;
@@ -173,24 +181,16 @@ def main() -> None:
     st = lambda: torch.cuda.current_stream().cuda_stream
     grid = torch.cuda.get_device_properties(dev).multi_processor_count * 4
 
+    def ok(rc: int) -> None:  # a failed launch would leave an empty graph and a believable time
+        if rc:
+            raise RuntimeError(f"moe_read_probe: launch failed, cudaError_t {rc}")
+
     def stride(buf, off, n_off, per):
-        return lambda: lib.stride_launch(buf.data_ptr(), off, n_off, per, sink.data_ptr(), grid, st())
+        return lambda: ok(lib.stride_launch(buf.data_ptr(), off, n_off, per, sink.data_ptr(), grid, st()))
 
     def pattern(u, flags):
-        return lambda: lib.pattern_launch(
-            u,
-            w.data_ptr(),
-            s.data_ptr(),
-            ids.data_ptr(),
-            ids_host,
-            KC,
-            TILES,
-            n,
-            flags,
-            x.data_ptr(),
-            sink.data_ptr(),
-            st(),
-        )
+        args = (w.data_ptr(), s.data_ptr(), ids.data_ptr(), ids_host, KC, TILES, n, flags, x.data_ptr())
+        return lambda: ok(lib.pattern_launch(u, *args, sink.data_ptr(), st()))
 
     wbytes, sbytes = n * per_expert * 16, n * TILES * KC * 64
     rows = [
@@ -205,7 +205,7 @@ def main() -> None:
         ("pattern U=8, no scales", wbytes, pattern(8, 4)),
         ("pattern U=8, interleaved", wbytes + sbytes, pattern(8, 1 | 2 | 4)),
         ("pattern U=8, ids as arguments", wbytes + sbytes, pattern(8, 1)),
-        ("pattern U=14 (all at once; 32 B of spills)", wbytes + sbytes, pattern(14, 1 | 4)),
+        ("pattern U=14 (all at once; spills at 80 registers)", wbytes + sbytes, pattern(14, 1 | 4)),
         ("pattern U=4", wbytes + sbytes, pattern(4, 1 | 4)),
     ]
     out = [
