@@ -132,8 +132,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.fused and a.variants:
         ap.error("--fused applies the loader's path for good; --variants switches paths itself: pick one")
-    if bad := [v for v in a.variants.split(",") if v and v not in VARIANTS]:
-        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
+    names = a.variants.split(",") if a.variants else []
+    if bad := [v for v in names if v not in VARIANTS]:
+        ap.error(f"--variants: unknown {', '.join(map(repr, bad))} (known: {', '.join(VARIANTS)})")
+    first_fused = next((i for i, v in enumerate(names) if v.startswith("fused")), len(names))
+    if {"base", "glue"} & set(names[first_fused:]):
+        ap.error(
+            "--variants: base and glue must come before the fused ones (fuse_ stacks the weights for good)"
+        )
     pdl.ENABLED = not a.no_pdl  # read at each capture below
     if a.seeded_tree:
         seed_draft_topk(K26_TEXT["vocab_size"], torch.device("cuda"))

@@ -78,3 +78,7 @@ def test_dense_path_variants_switch_the_projections_they_name():
         )
     with pytest.raises(ValueError, match="unknown dense-path variant 'fused-x'"):
         kernel_table.apply_variant(model, "fused-x")
+    with pytest.raises(
+        ValueError, match="'glue' after a fused one"
+    ):  # its rows would measure the stacked q_a
+        kernel_table.apply_variant(model, "glue")

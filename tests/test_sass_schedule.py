@@ -24,7 +24,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def loads_before_wait(events: list[str]) -> dict[str, int]:
-    """{load opcode: how many} before a schedule's first grid-dependency wait ("  16 LDG.E.NA.128" lines)."""
+    """{load opcode: how many} before a schedule's first grid-dependency wait ("  16 LDG.E.NA.128" lines).
+    In address order: a kernel whose branches each wait (mla_glue_linear's kv half and tile path) is checked
+    only up to the first branch's wait (telling a later branch's prologue from the first's post-wait code
+    needs the control-flow graph)."""
     pairs = [(int(n), op) for n, op in (e.split() for e in events)]
     ops = [op for _, op in pairs]
     assert "ACQBULK" in ops, "the kernel has no grid-dependency wait"
@@ -38,9 +41,10 @@ def loads_before_wait(events: list[str]) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def every_kernel():
     """{(arch, source, kernel): schedule} of every kernel of k26/ops/csrc on both archs (default build), and
-    of the two sources -DK26_PDL_ORDERED_LOADS changes on sm_90a with it (arch "sm_90a+ordered")."""
+    of the sources -DK26_PDL_ORDERED_LOADS changes on sm_90a with it (arch "sm_90a+ordered")."""
     jobs = [(arch, src, ()) for arch in ("sm_90a", "sm_120a") for src in sorted(CSRC.glob("*.cu"))]
-    jobs += [("sm_90a", CSRC / n, ("K26_PDL_ORDERED_LOADS",)) for n in ("linear_smallm.cu", "add_rmsnorm.cu")]
+    ordered = ("linear_smallm.cu", "add_rmsnorm.cu", "allreduce_fused.cu")
+    jobs += [("sm_90a", CSRC / n, ("K26_PDL_ORDERED_LOADS",)) for n in ordered]
 
     def run(job):
         arch, src, defines = job
@@ -73,6 +77,7 @@ def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
         ("linear_smallm.cu", "linear_tile_kernelILi1ELi2ELi2E", 8),
         ("linear_smallm.cu", "linear_tile_kernelILi2ELi2ELi2E", 8),
         ("add_rmsnorm.cu", "add_rmsnorm_kernel", 4),  # the norm weight: a thread's 4 vectors
+        ("allreduce_fused.cu", "allreduce_add_rmsnorm_kernel", 4),
     ],
 )
 def test_ordered_loads_issue_the_weights_before_the_wait_and_x_after(

@@ -79,7 +79,7 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   for (int i = tid; i < P; i += blockDim.x) {
     const int64_t e = __ldcg(ids + i);
     const bool live = e >= 0 && e < E;
-    s_live[i] = live, s_w[i] = live ? __ldg(topw + i) : 0.f;
+    s_live[i] = live, s_w[i] = live ? __ldcg(topw + i) : 0.f;  // the router's: coherent (pdl.cuh)
   }
   __syncthreads();
 

@@ -113,6 +113,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   if constexpr (GATED && RT == 1 && NT == 1 && WM == 1) {
     one_token = active && !shared && len == 1 && K <= kOneTokMaxK;
 #ifdef K26_MOE_GU_STAGE
+    static_assert(WK == 8, "gated_one_token_staged's layout is for 8 warps splitting K (256 threads)");
     extern __shared__ uint4 gu_stage[];  // kGuStageBytes (the launch sets them)
     if (one_token) {
       const int pair = direct != nullptr ? start : __ldcg(sorted + start);

@@ -132,7 +132,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
   float wgt = 0.f;
   if (!shared && warp < topk) {
     const int64_t id = __ldcg(ids + warp);
-    if (id >= 0 && id < E) e = (int)id, wgt = __ldg(topw + warp);
+    if (id >= 0 && id < E) e = (int)id, wgt = __ldcg(topw + warp);  // the router's: coherent
   }
   if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
   const bool busy = shared ? sd != nullptr : e >= 0;
@@ -221,7 +221,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads, 4) down_combine_one
   float wgt = 0.f;
   if (!shared && warp < topk) {
     const int64_t id = __ldcg(ids + warp);
-    if (id >= 0 && id < E) e = (int)id, wgt = __ldg(topw + warp);
+    if (id >= 0 && id < E) e = (int)id, wgt = __ldcg(topw + warp);  // the router's: coherent
   }
   if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
   const bool busy = shared ? sd != nullptr : e >= 0;
@@ -288,7 +288,9 @@ static __global__ void __launch_bounds__(kDownOneTokThreads, 4) down_combine_one
 // spilled), no register held across the trip, and the multiply loop reads shared memory only. (A first version
 // read x from global memory in the loop: ~7 dependent L2 round trips a warp, +4.7 µs,
 // profiling/results/2026-12-05-session22-h200.md.) Same fragments and mma order as gated_one_token:
-// bit-identical. 77 KB of dynamic shared memory a block: 2 blocks an SM on sm_90, 1 on sm_120.
+// bit-identical. 77 KB of dynamic shared memory a block: 2 blocks an SM on sm_90 (264 slots for M = 1's 288
+// gate/up blocks: the 32 shared-expert blocks, first in the grid, finish under the router and free the slots
+// the last routed blocks need, before the routed blocks pass their wait), 1 on sm_120.
 constexpr int kGuStageChunks = kOneTokMaxK / 64 / 8;          // a warp's chunks at K <= kOneTokMaxK, 8 warps
 constexpr int kGuStageWarpUint4 = kGuStageChunks * (32 + 4);  // [c][32] weights, then [c][4] scale words
 constexpr size_t kGuStageBytes = (kOneTokMaxK / 8 + 8 * kGuStageWarpUint4) * 16;  // x, then the warps' stages
