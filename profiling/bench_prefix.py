@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_bench import add_model_args, device_name, make_llm, report, sync
+from engine_bench import add_model_args, device_name, make_llm, sync
+from timing import report
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.train import corpus

@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_bench import add_model_args, make_llm, report
+from engine_bench import add_model_args, make_llm
+from timing import report
 
 from k26 import SpecConfig
 from k26.train import corpus

@@ -1,6 +1,6 @@
 """What the engine-level benchmarks (bench_prefix, bench_prefill_budget, bench_serve) share: the model
-arguments and the `LLM` they build, a device sync, the device's name for the results header, and the
-results file write."""
+arguments and the `LLM` they build, a device sync and the device's name for the results header (the results
+file write is timing.report, shared with the kernel benches)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,3 @@ def sync(dev: torch.device) -> None:
 
 def device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-
-
-def report(text: str, out: str | None) -> None:
-    """Print the results table and, with --out, write it (folders made)."""
-    print(text)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)

@@ -209,9 +209,9 @@ def apply_variant(model, name: str) -> None:
     good); the fused variants switch among themselves in any order."""
     if name not in VARIANTS:
         raise ValueError(f"unknown dense-path variant {name!r}: one of {', '.join(VARIANTS)}")
-    if name in ("base", "glue") and any(m.qkv_a is not None for m in model.modules() if isinstance(m, MLA)):
-        raise ValueError(f"dense-path variant {name!r} after a fused one: fuse_ stacked the weights for good")
     attns = [m for m in model.modules() if isinstance(m, MLA)]
+    if name in ("base", "glue") and any(m.qkv_a is not None for m in attns):
+        raise ValueError(f"dense-path variant {name!r} after a fused one: fuse_ stacked the weights for good")
     fused = name in ("fused", "fused-o", "fused-all")
     for m in attns:
         m.glue = name != "base"

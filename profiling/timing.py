@@ -159,3 +159,11 @@ def graph_time_cold(fn, calls: int = 1, reps: int = 30) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times) / calls
+
+
+def report(text: str, out: str | None) -> None:
+    """Print the results table and, with --out, write it (folders made)."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)

@@ -33,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from timing import build_cu, copy_bandwidth, graph_time_cold, source_commit
+from timing import build_cu, copy_bandwidth, graph_time_cold, report, source_commit
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "k26", "ops", "csrc")
 E, TILES, KC = 384, 32, 112  # K2.6 at a TP8 rank: 384 experts, 2 x 256 rows = 32 tiles, K = 7168 = 112 x 64
@@ -227,11 +227,7 @@ def main() -> None:
         rate = nbytes / (net * 1e-6) if nbytes and net > 0 else 0.0
         gbs, pct = (f"{rate / 1e9:.0f}", f"{100 * rate / copy_bw:.0f}%") if rate else ("", "")
         out.append(f"| {name} | {nbytes / 1e6:.1f} | {t:.2f} | {net:.2f} | {gbs} | {pct} |")
-    text = "\n".join(out) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    report("\n".join(out) + "\n", a.out)
 
 
 if __name__ == "__main__":
