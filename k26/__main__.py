@@ -101,7 +101,13 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     _cache_dir_arg(a.cache_dir)
     model, drafter, method = _resolve_pair(a)
     sp = SamplingParams(
-        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        max_tokens=a.max_tokens,
+        seed=a.seed,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
     )
     spec = SpecConfig(method=method, budget=a.budget if a.budget is not None else "auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun --nproc-per-node N: one rank per process

@@ -10,6 +10,7 @@ import torch
 from .graphs.stepper import GraphStepper
 from .kv_cache import HeadStash
 from .outputs import RequestOutput
+from .penalties import Penalties
 from .prefix_cache import PrefixCache, cached_tokens
 from .sampling import RowSampling, SamplingParams, StepLogprobs, sampling_mode
 from .spec.budget import BudgetPolicy
@@ -47,6 +48,7 @@ class BatchState:
     live: list[int] = field(default_factory=list)
     timer: PhaseTimer | None = None
     rs: RowSampling | None = None  # eager: rebuilt when rows come or go
+    penalties: Penalties | None = None  # eager: the rows' penalties, allocated with the first such row
     stash: HeadStash | None = None  # speculative batches: the parking row's first `nodes` positions
     pending: list = field(default_factory=list)  # `admission.Admission`s still being prefilled, oldest first
     prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
@@ -89,6 +91,14 @@ class BatchState:
             raise ValueError(
                 "SamplingParams.logprobs: this batch has no logprobs graphs (open_batch(logprobs=False))"
             )
+        if any(p.penalized for p in params):
+            if self.graph is not None and self.graph.state.penalties is None:
+                raise ValueError(
+                    "SamplingParams penalties / logit_bias: this batch has no graphs of the 'filter' "
+                    "sampling mode"
+                )
+            if self.graph is None and self.penalties is None:
+                self.penalties = Penalties.allocate(self.capacity, self.vocab, self.lens.device)
         dev = self.lens.device
         for b, p, sp in zip(slots, prompts, params):
             self.outs[b], self.params[b] = RequestOutput(p, logprobs=None if sp.logprobs is None else []), sp
@@ -101,6 +111,10 @@ class BatchState:
             if self.graph is not None:  # the per-row sampling the captured step reads
                 st = self.graph.state
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
+            if (
+                pen := self.penalty_state
+            ) is not None:  # every new row: the slot's last request leaves nothing
+                pen.set_row(b, sp.frequency_penalty, sp.presence_penalty, sp.logit_bias)
         self.rs = None
         # until a row goes live its idle steps write at its length (autoregressive batches): past its prompt,
         # never into what its prefill writes or what it holds afterwards
@@ -165,16 +179,22 @@ class BatchState:
             self.stash.restore()
         self.prefix.parked = None
 
+    @property
+    def penalty_state(self) -> Penalties | None:
+        """The rows' penalty tensors: the graphs' static ones, or the eager batch's own."""
+        return self.graph.state.penalties if self.graph is not None else self.penalties
+
     def sampling(self, rows: list[int], nodes: int | None = None) -> RowSampling:
         """The batch's per-row sampling, with fresh noise for `rows` when any live row samples."""
         sampled = [b for b in rows if self.params[b].temperature > 0]
         if self.graph is not None:
             st = self.graph.state
-            rs = RowSampling.in_mode(self.mode, st.temperature, st.top_p, st.top_k, st.noise)
+            rs = RowSampling.in_mode(self.mode, st.temperature, st.top_p, st.top_k, st.noise, st.penalties)
         else:
             if self.rs is None:  # live rows only: a finished, unreleased row must not turn sampling on
                 live = [self.params[b] if b in self.live else None for b in range(self.capacity)]
                 self.rs = RowSampling.of(live, self.lens.device)
+                self.rs.penalties = self.penalties if self.rs.filtered else None
             rs = self.rs
             if sampled and self.noise is None:
                 self.noise = torch.empty(self.capacity, self.nodes, self.vocab, device=self.lens.device)
@@ -200,7 +220,8 @@ class BatchState:
     ) -> None:
         """Append each row's new tokens, stopping at a stop id / string, max_tokens or the context; `lp`
         (host; row `at[b]` is slot b's, default b): their logprobs (the "logprobs" mode), kept for rows that
-        asked."""
+        asked. The penalised rows' appended tokens are counted on the device for their next steps."""
+        counted: tuple[list[int], list[int]] = ([], [])
         for b in rows:
             o, sp = self.outs[b], self.params[b]
             lps = None if o.logprobs is None else lp.row(at[b] if at else b, len(new[b]), sp.logprobs)
@@ -209,6 +230,8 @@ class BatchState:
                     self.finish(b, "stop")
                     break
                 o.token_ids.append(t)
+                if sp.penalized:
+                    counted[0].append(b), counted[1].append(t)
                 if lps is not None:
                     o.logprobs.append(lps[j])
                 if (ts := self.texts[b]) is not None:
@@ -222,6 +245,8 @@ class BatchState:
                 ):
                     self.finish(b, "length")
                     break
+        if counted[0]:
+            self.penalty_state.count(*counted)
 
     def finish(self, b: int, reason: str, text: str | None = None) -> None:
         """End row b; `text` is the output cut before a stop string (possibly empty), else the decode."""

@@ -165,8 +165,23 @@ def encode_prompts(prompts, tokenizer: Tokenizer, vocab: int, max_model_len: int
     return out
 
 
+def check_sampling(sp: SamplingParams, vocab: int) -> SamplingParams:
+    """What SamplingParams cannot check alone: its logit_bias ids lie in the vocabulary."""
+    if not isinstance(sp, SamplingParams):
+        raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
+    if bad := [i for i, _ in sp.logit_bias if i >= vocab]:
+        raise ValueError(
+            f"SamplingParams.logit_bias: token id {bad[0]} is not below the vocabulary size {vocab}"
+        )
+    return sp
+
+
 def check_request(
-    sampling: SamplingParams | None, spec: SpecConfig | None, block: int | None, max_model_len: int
+    sampling: SamplingParams | None,
+    spec: SpecConfig | None,
+    block: int | None,
+    max_model_len: int,
+    vocab: int,
 ) -> tuple[SamplingParams, SpecConfig]:
     """A call's sampling and speculative method (defaults: SamplingParams(); DDTree with a drafter of
     `block` tokens per block, else autoregressive), checked and fitted to the context."""
@@ -176,8 +191,7 @@ def check_request(
         raise TypeError(f"spec must be a k26.SpecConfig, got {type(spec).__name__}")
     if spec.method != "ar" and block is None:
         raise ValueError(f"spec method {spec.method!r} needs a drafter: LLM(..., drafter=DIR)")
-    if not isinstance(sp, SamplingParams):
-        raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
+    check_sampling(sp, vocab)
     return sp, spec if spec.method == "ar" else fit_spec(spec, max_model_len, block)
 
 

@@ -25,6 +25,7 @@ from .checks import (
     check_precision,
     check_prefill,
     check_request,
+    check_sampling,
     check_tokenizer,
     encode_prompts,
 )
@@ -304,7 +305,7 @@ class LLM:
 
     def _prepare(self, prompts, sampling, spec):
         block = None if self.drafter is None else self.drafter.cfg.block_size
-        sp, spec = check_request(sampling, spec, block, self.max_model_len)
+        sp, spec = check_request(sampling, spec, block, self.max_model_len, self.config.vocab_size)
         encoded = encode_prompts(prompts, self.tokenizer, self.config.vocab_size, self.max_model_len)
         return encoded, sp, spec
 
@@ -382,6 +383,7 @@ class LLM:
         if len(prompts) > len(self.batch.free_slots()):
             raise ValueError(f"{len(prompts)} prompts, {len(self.batch.free_slots())} free rows")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        params = [check_sampling(sp, self.config.vocab_size) for sp in params]
         self._mirror("admit", prompts, params, wait)
         return self.decoder.admit(self.batch, prompts, params, wait)
 

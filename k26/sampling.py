@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from .penalties import Penalties
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,13 @@ class SamplingParams:
     # (the target's raw distribution: log-softmax of its logits, before temperature, top-p and top-k)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (given those before)
+    # OpenAI's penalties on tokens generated so far (k26/penalties.py): each logit shifted by
+    # -frequency_penalty x count - presence_penalty x (count > 0); both in [-2, 2]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # {token id: bias in [-100, 100]} added to that token's logit (a dict, or (id, bias) pairs); kept as
+    # sorted pairs. Penalties and biases act before temperature, top-p and top-k; logprobs stay raw.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -29,8 +40,8 @@ class SamplingParams:
             raise bad("temperature", "must be a number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must lie in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be an integer >= 0")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2**31:
+            raise bad("top_k", "must be an integer in [0, 2**31)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise bad("max_tokens", "must be an integer >= 0")
         if self.seed is not None and (
@@ -52,15 +63,47 @@ class SamplingParams:
         if not all(isinstance(x, str) and x for x in stop):
             raise bad("stop", "must be non-empty strings")
         object.__setattr__(self, "stop", stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _real(v) or not -2 <= v <= 2:
+                raise bad(name, "must be a number in [-2, 2]")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias, bad))
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty or logit bias shifts this row's logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or bool(self.logit_bias)
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _logit_bias(lb, bad) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.logit_bias as sorted (id, bias) pairs, from a mapping or pairs."""
+    try:
+        pairs = list(lb.items()) if isinstance(lb, Mapping) else [tuple(x) for x in lb]
+    except TypeError:
+        raise bad("logit_bias", "expected {token id: bias} or (id, bias) pairs") from None
+    for pair in pairs:
+        if len(pair) != 2 or not isinstance(pair[0], int) or isinstance(pair[0], bool) or pair[0] < 0:
+            raise bad("logit_bias", f"{pair!r}: expected (token id >= 0, bias)")
+        if not _real(pair[1]) or not -100 <= pair[1] <= 100:
+            raise bad("logit_bias", f"token {pair[0]}: bias {pair[1]!r} must be a number in [-100, 100]")
+    ids = [i for i, _ in pairs]
+    if len(set(ids)) != len(ids):
+        raise bad("logit_bias", "a token id appears twice")
+    return tuple(sorted((i, float(v)) for i, v in pairs))
 
 
 MAX_LOGPROBS = 20  # most probable tokens a position's logprobs may list (OpenAI's top_logprobs limit)
 
 # The graph samplers, cheapest first; each one also serves the rows of those before it: "greedy" (every row
 # temperature 0: the shards' argmax, no noise), "sample" (the exponential race over the full softmax),
-# "filter" (some sampled row uses top-p or top-k: a sort of the whole vocabulary per node), "logprobs"
-# (some row asks for logprobs: "filter" plus every node's chosen and MAX_LOGPROBS most probable tokens'
-# log-probabilities).
+# "filter" (some sampled row uses top-p or top-k: a sort of the whole vocabulary per node; also any row with
+# penalties or a logit bias, greedy ones included: their shifts cost little next to the sort, and the plain
+# race keeps none of their work), "logprobs" (some row asks for logprobs: "filter" plus every node's chosen
+# and MAX_LOGPROBS most probable tokens' log-probabilities).
 MODES = ("greedy", "sample", "filter", "logprobs")
 
 
@@ -69,6 +112,8 @@ def sampling_mode(params) -> str:
     params = [p for p in params if p is not None]
     if any(p.logprobs is not None for p in params):
         return "logprobs"
+    if any(p.penalized for p in params):
+        return "filter"
     ps = [p for p in params if p.temperature > 0]
     if not ps:
         return "greedy"
@@ -91,6 +136,8 @@ class RowSampling:
     filtered: bool  # host-known: some row uses top_p < 1 or top_k > 0 (needs the sort)
     noise: torch.Tensor | None = None  # [B, >= N, V] exponential draws; None when greedy
     logprobs: bool = False  # host-known: the step also returns log-probabilities (`token_logprobs`)
+    # the rows' penalties and logit biases (k26/penalties.py); only the sorting modes carry them
+    penalties: Penalties | None = None
 
     @classmethod
     def of(
@@ -108,11 +155,20 @@ class RowSampling:
         )
 
     @classmethod
-    def in_mode(cls, mode: str, temperature, top_p, top_k, noise: torch.Tensor | None) -> RowSampling:
+    def in_mode(
+        cls,
+        mode: str,
+        temperature,
+        top_p,
+        top_k,
+        noise: torch.Tensor | None,
+        penalties: Penalties | None = None,
+    ) -> RowSampling:
         """Per-row tensors sampled in `mode` (one of `MODES`): what a captured step reads, its mode fixed
-        when it was captured."""
-        greedy, lp = mode == "greedy", mode == "logprobs"
-        return cls(temperature, top_p, top_k, greedy, mode == "filter" or lp, None if greedy else noise, lp)
+        when it was captured. `penalties` apply in the sorting modes ("filter", "logprobs") only."""
+        greedy, lp, sorts = mode == "greedy", mode == "logprobs", mode in ("filter", "logprobs")
+        pen = penalties if sorts else None
+        return cls(temperature, top_p, top_k, greedy, sorts, None if greedy else noise, lp, pen)
 
     def rows(self, index: torch.Tensor) -> RowSampling:
         """The sub-batch of rows `index` (prefill of newly admitted rows)."""
@@ -125,6 +181,7 @@ class RowSampling:
             self.filtered,
             noise,
             self.logprobs,
+            None if self.penalties is None else self.penalties.rows(index),
         )
 
 
@@ -137,7 +194,9 @@ def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     if rs.greedy or rs.noise is None:  # (no noise: no row samples, say a "logprobs" batch of greedy rows)
         return best
     t = rs.temperature[:, None, None]
-    logits = logits / torch.where(t > 0, t, 1.0)
+    # shifted to a maximum of 0 first: a tiny temperature sends the others to -inf, never the top to +inf
+    # (inf - inf: NaN probabilities, token 0)
+    logits = (logits - logits.amax(-1, keepdim=True)) / torch.where(t > 0, t, 1.0)
     q = rs.noise[:, :N, :V]
     if not rs.filtered:  # the exponential race over the full softmax
         return torch.where(t[..., 0] > 0, (torch.softmax(logits, -1) / q).argmax(-1), best)

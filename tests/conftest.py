@@ -78,7 +78,7 @@ def served():
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from http_app import serving
-    from served import CHAT, MODEL, PROMPTS, SPEC
+    from served import CHAT, MODEL, PENALTIES_SP, PROMPTS, SPEC
 
     from k26 import LLM, SamplingParams
     from k26.chat import ChatFormat, render
@@ -90,6 +90,7 @@ def served():
     short = {p: llm.generate(p, SamplingParams(max_tokens=2), SPEC)[0].text for p in PROMPTS}
     lp_ref = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, logprobs=3), SPEC)[0]
     scored = llm.generate(PROMPTS[2], SamplingParams(max_tokens=0, prompt_logprobs=1), SPEC)[0]
+    penalized = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, **PENALTIES_SP), SPEC)[0]
     fmt = ChatFormat.for_model(llm.config.model_type)
     chats = {
         on: llm.generate(
@@ -111,5 +112,6 @@ def served():
             "chats": chats,
             "lp_ref": lp_ref,
             "scored": scored,
+            "penalized": penalized,
         }
     engine.stop()

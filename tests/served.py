@@ -22,6 +22,11 @@ PROMPTS = [
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def main("}]
 
 
+# penalties and a logit bias, as the API takes them and as SamplingParams holds them
+PENALTIES = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {"7": 3.0}}
+PENALTIES_SP = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {7: 3.0}}
+
+
 def greedy(**kw):
     return dict(temperature=0, max_tokens=12, **kw)
 

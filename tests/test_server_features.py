@@ -7,7 +7,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from served import CHAT, MODEL, PROMPTS, greedy, metric
+from served import CHAT, MODEL, PENALTIES, PROMPTS, greedy, metric
 
 from k26 import SamplingParams
 from k26.chat import ChatFormat, Message, ToolCall, render
@@ -258,3 +258,14 @@ def test_a_follow_up_prompt_reports_the_tokens_its_row_held(served):
         )
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+
+
+def test_penalties_and_logit_bias_answer_as_generate(served):
+    """presence_penalty, frequency_penalty and logit_bias are served: the answer is generate()'s with the same
+    SamplingParams, whole and streamed, and differs from the unpenalised one."""
+    c = served["client"]
+    want = served["penalized"].text
+    assert want != served["refs"][PROMPTS[0]].text
+    whole = c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy(), **PENALTIES).choices[0].text
+    chunks = c.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy(), **PENALTIES)
+    assert whole == want == "".join(ch.choices[0].text for ch in chunks)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..penalties import Penalties
 from ..profiling import nvtx_range
 from ..sampling import StepLogprobs
 from ..startup import CaptureRecord, phase_bar
@@ -36,6 +37,7 @@ class StepState:
     top_k: torch.Tensor  # [Bb] int64
     noise: torch.Tensor | None = None  # [Bb, nodes of the largest bucket, V] Exp(1) draws (sampled graphs)
     logprobs: StepLogprobs | None = None  # [Bb, J] the emitted tokens' ("logprobs" graphs)
+    penalties: Penalties | None = None  # the rows' penalties and biases ("filter" / "logprobs" graphs)
     row_of: list[int] | None = None  # `rows` as the host last wrote it (None: unknown, after a reset)
 
     @classmethod
@@ -80,6 +82,7 @@ class StepGraphs:
         states: dict[Bucket, StepState] | None = None,
         vocab: int = 0,
         logprobs: bool = False,
+        penalties: bool = False,
     ):
         self.step, self.width, self.device = step, width, device
         # shared with the other runners of the same method (each sampling mode's graphs of one batch state),
@@ -87,6 +90,7 @@ class StepGraphs:
         self.states: dict[Bucket, StepState] = {} if states is None else states
         self.vocab = vocab  # > 0: the step samples, and reads noise [Bb, nodes, vocab]
         self.logprobs = logprobs  # the step writes the emitted tokens' logprobs (state.logprobs)
+        self.penalties = penalties  # the step reads the rows' penalties (state.penalties; host-written)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.report: list[CaptureRecord] = []  # per bucket: capture seconds (warm-ups included), pool bytes
         self.pool = None
@@ -111,6 +115,8 @@ class StepGraphs:
                 state.noise = torch.ones(bucket.batch, bucket.nodes, self.vocab, device=self.device)
             if self.logprobs and state.logprobs is None:
                 state.logprobs = StepLogprobs.empty(bucket.batch, self.width, self.vocab, self.device)
+            if self.penalties and state.penalties is None:
+                state.penalties = Penalties.allocate(bucket.batch, self.vocab, self.device)
             # reserved bytes with the allocator's free cache dropped before and after: what the graph pool
             # keeps (a load's freed temporaries, e.g. the int4 layout before the repack, would otherwise
             # leave this bucket with a negative figure when warm-up frees them)

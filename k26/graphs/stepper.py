@@ -28,11 +28,13 @@ def graph_step(
     """The body captured per bucket: one decode step of every row of the bucket's static state, with static
     shapes (whole cache rows, no host sync) so that warm-ups, capture and an eager call run the same code.
     `mode` (`sampling.MODES`) is fixed at capture: only the "filter" and "logprobs" bodies sort the
-    vocabulary; only a "logprobs" body writes `state.logprobs`."""
+    vocabulary and read `state.penalties`; only a "logprobs" body writes `state.logprobs`."""
     m = dataclasses.replace(m, static=True)
 
     def step(state: StepState, bucket: Bucket) -> None:
-        rs = RowSampling.in_mode(mode, state.temperature, state.top_p, state.top_k, state.noise)
+        rs = RowSampling.in_mode(
+            mode, state.temperature, state.top_p, state.top_k, state.noise, state.penalties
+        )
         if spec.method == "ar":
             tok, lp = ar_step(m, state.rows, state.start, state.bonus, rs)
             state.emitted[:, 0].copy_(tok)
@@ -181,6 +183,7 @@ class DecodeGraphs:
                 states=self.states.setdefault(spec, {}),
                 vocab=0 if mode == "greedy" else self.vocab,
                 logprobs=mode == "logprobs",
+                penalties=mode in ("filter", "logprobs"),
             )
         return self.runners[key]
 

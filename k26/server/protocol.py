@@ -51,13 +51,11 @@ CHAT = COMMON | {
 # accepted when they ask for nothing beyond plain generation; anything else is refused by name
 NEUTRAL = {
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "functions": (None, []),  # the deprecated form of tools
     "function_call": (None, "none"),
 }
 MAX_STOP = 4
+MAX_STOP_CHARS = 512  # characters a stop string may hold
 MAX_N = 16  # choices a request may ask for (`n`): each takes a row of the batch like a request of its own
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a list); prompts x n rows in all
 
@@ -125,7 +123,7 @@ def parse(
     bad = (
         not isinstance(opts, dict)
         or set(opts) - {"include_usage"}
-        or opts.get("include_usage", False) not in (True, False)
+        or not isinstance(opts.get("include_usage", False), bool)
     )
     if opts is not None and (not stream or bad):
         raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true", "stream_options")
@@ -134,14 +132,16 @@ def parse(
     if not _int(n) or not 1 <= n <= MAX_N:
         raise APIError(400, f"n={body.get('n')!r}: expected an integer in [1, {MAX_N}]", "n")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != n:  # more candidates than choices (ranked by logprobs): not served
+    if best_of is not None and (
+        not _int(best_of) or best_of != n
+    ):  # more candidates than choices: not served
         raise APIError(
             400, f"best_of={best_of!r} is not supported by this server (only best_of = n)", "best_of"
         )
     echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
         raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
-    params = [_sampling(body, chat, max_model_len - len(ids)) for ids in prompts]
+    params = [_sampling(body, chat, max_model_len - len(ids), vocab) for ids in prompts]
     if params[0].logprobs is not None and not logprobs:
         raise APIError(400, "logprobs: this server was started with --no-logprobs", "logprobs")
     if echo and params[0].logprobs is not None:  # the prompt's tokens get theirs too
@@ -210,13 +210,16 @@ def _refuse_unserved(body: dict) -> None:
         raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
 
 
-def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
+def _sampling(body: dict, chat: bool, room: int, vocab: int) -> SamplingParams:
+    for key in (
+        ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    ):  # each one given is checked
+        if body.get(key) is not None and (not _int(body[key]) or body[key] < 0):
+            raise APIError(400, f"{key}={body[key]!r}: expected an integer >= 0", key)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(key)
     if mt is None:
         mt = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
-    if not _int(mt) or mt < 0:
-        raise APIError(400, f"{key}={mt!r}: expected an integer >= 0", key)
     t = _number(body, "temperature", 1.0)  # OpenAI's default
     if not 0 <= t <= 2:
         raise APIError(400, f"temperature={t!r}: must lie in [0, 2]", "temperature")
@@ -226,8 +229,8 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
     top_k = body.get("top_k", 0)
     if top_k is None or top_k == -1:
         top_k = 0  # vLLM's "off"
-    if not _int(top_k) or top_k < 0:
-        raise APIError(400, f"top_k={top_k!r}: expected an integer >= 0 (0 or -1: off)", "top_k")
+    if not _int(top_k) or not 0 <= top_k < 2**31:
+        raise APIError(400, f"top_k={top_k!r}: expected an integer in [0, 2**31) (0 or -1: off)", "top_k")
     seed = body.get("seed")
     if seed is not None and (not _int(seed) or not -(2**63) <= seed < 2**63):
         raise APIError(400, f"seed={seed!r}: expected an integer in [-2**63, 2**63)", "seed")
@@ -235,8 +238,17 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise APIError(
-            400, f"stop={body.get('stop')!r}: expected a non-empty string or up to {MAX_STOP} of them", "stop"
+            400,
+            f"stop={_short(body.get('stop'))}: expected a non-empty string or up to {MAX_STOP} of them",
+            "stop",
         )
+    if any(len(s) > MAX_STOP_CHARS for s in stop):  # (a stream re-checks each one's prefixes at every event)
+        raise APIError(400, f"stop: a stop string longer than {MAX_STOP_CHARS} characters", "stop")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalties[name] = _number(body, name, 0.0)
+        if not -2 <= penalties[name] <= 2:
+            raise APIError(400, f"{name}={penalties[name]!r}: must lie in [-2, 2]", name)
     return SamplingParams(
         temperature=float(t),
         top_p=float(top_p),
@@ -245,7 +257,28 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
         seed=seed,
         stop=tuple(stop),
         logprobs=_logprobs(body, chat),
+        logit_bias=_logit_bias(body.get("logit_bias"), vocab),
+        **penalties,
     )
+
+
+def _logit_bias(lb: Any, vocab: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: {token id (a string, as JSON keys are): bias in [-100, 100]}."""
+    if lb is None:
+        return ()
+    if not isinstance(lb, dict):
+        raise APIError(400, f"logit_bias={lb!r}: expected an object {{token id: bias}}", "logit_bias")
+    out = []
+    for key, v in lb.items():
+        k = key.strip() if isinstance(key, str) else ""
+        if not (k.isdigit() and k.isascii()) or int(k) >= vocab:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise APIError(400, f"logit_bias[{key!r}]={v!r}: expected a number in [-100, 100]", "logit_bias")
+        out.append((int(k), float(v)))
+    if len({i for i, _ in out}) != len(out):
+        raise APIError(400, "logit_bias: a token id appears twice", "logit_bias")
+    return tuple(out)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -300,6 +333,12 @@ def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str) -> list[int]:
     if not ids:
         raise APIError(400, f"{where} is empty", where)
     return ids
+
+
+def _short(x: Any, limit: int = 80) -> str:
+    """repr(x), cut to `limit` characters (an error message never echoes a megabyte back)."""
+    r = repr(x)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def _int(x: Any) -> bool:

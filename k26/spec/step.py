@@ -13,11 +13,12 @@ import torch
 from ..kv_cache import DrafterCache
 from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
+from ..penalties import penalized
 from ..sampling import RowSampling, StepLogprobs, sample_rows, token_logprobs
 from .accept import accept_paths, accept_paths_compiled, commit_latent
 from .budget import truncate_tree
 from .timer import null_span
-from .tree import TreeTables, build_ddtree_from_topk, chain_from_topk, pad_tree
+from .tree import DraftTree, TreeTables, build_ddtree_from_topk, chain_from_topk, pad_tree
 
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
 
@@ -134,14 +135,21 @@ class StepModels:
     tables: TreeTables = field(default_factory=TreeTables)  # bucket padding's constants (graphs read them)
     compiled: bool = False  # the step's own glue (acceptance) under torch.compile: graph bodies only
 
-    def choose(self, h: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def choose(
+        self, h: torch.Tensor, rs: RowSampling, tree: DraftTree | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's token at every position of h [B, N, D]: the shards' argmax merged when every row
-        is greedy (no full-vocabulary gather), else per-row samples from the gathered logits; with
-        rs.logprobs also those logits [B, N, V] (whose positions the caller keeps: `along`)."""
+        is greedy (no full-vocabulary gather), else per-row samples from the gathered logits, shifted by
+        the rows' penalties and biases (at a verify `tree`'s nodes with each node's path counted); with
+        rs.logprobs also the raw logits [B, N, V] (whose positions the caller keeps: `along`)."""
         if rs.greedy:
             return self.target.lm_head.argmax(h), None
         logits = self.target.logits(h)
-        return sample_rows(logits, rs), logits if rs.logprobs else None
+        shifted = logits
+        if rs.penalties is not None:
+            nodes = (None, None) if tree is None else (tree.tokens, tree.ancestors)
+            shifted = penalized(logits, rs.penalties, *nodes)
+        return sample_rows(shifted, rs), logits if rs.logprobs else None
 
     def next_token(self, h_BD: torch.Tensor, rs: RowSampling) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Next token per row [B] from final hidden states (`choose` at one position; logprobs [B, 1])."""
@@ -196,7 +204,7 @@ def speculative_step(
         h, aux = target(
             tree.tokens, batch, m.cache_LRTC, aux_layers=drafter.cfg.target_layer_ids, absorb=m.absorb
         )
-        choice, logits = m.choose(h, rs)
+        choice, logits = m.choose(h, rs, tree)
     with t("accept"):  # acceptance walk, KV commit, drafter-context update
         accept = accept_paths_compiled() if m.compiled else accept_paths
         path, n_acc, new_bonus, emitted = accept(tree, choice, alive)
