@@ -237,6 +237,44 @@ BAD = [
         "messages[0].content",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of_the_rest": 1}, 400, "best_of_the_rest"),
+    (
+        "/v1/completions",
+        b'{"model": "k26-test", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+        400,
+        None,
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "k26-test", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+        400,
+        None,
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**70}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": "a" * 513}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": True}, 400, "best_of"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+        400,
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 3,
+            "max_tokens": -5,
+        },
+        400,
+        "max_tokens",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(10**9): 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": [5, 1]}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", [5, 10**9]]}, 400, "prompt[1]"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "x " * 200]}, 400, "prompt[1]"),
@@ -329,3 +367,28 @@ def test_load_run_loses_and_duplicates_nothing(served):
         assert text == short[p] and n <= 2
     assert metric(url, "k26_requests_finished_total") == done_before + 200
     assert metric(url, "k26_requests_waiting") == 0
+
+
+def test_requests_whose_clients_left_while_queued_free_their_places():
+    """A waiting request whose client went away leaves the queue at the next boundary even when no row is
+    free (its place counted against max_waiting until a row freed: new requests got 429)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from k26 import SamplingParams
+    from k26.server.engine import Engine, Request
+
+    full = SimpleNamespace(free_slots=list, live=[], pending=[])  # every row busy, nothing to step
+    engine = Engine(SimpleNamespace(cache=SimpleNamespace(rows=1)), None, max_waiting=2)  # (no model needed)
+    loop = asyncio.new_event_loop()
+    try:
+        reqs = [Request([1], SamplingParams(), loop) for _ in range(2)]
+        engine.submit(reqs)
+        engine._take(block=False)
+        reqs[0].cancelled = True
+        engine._boundary(full)
+        assert list(engine.waiting) == [reqs[1]] and engine.pending == 1
+        assert engine.metrics.cancelled == 1
+        engine.submit([Request([2], SamplingParams(), loop)])  # the place is free again: no QueueFull
+    finally:
+        loop.close()

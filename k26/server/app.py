@@ -135,7 +135,10 @@ class RequireKey:
 async def _json(request: Request):
     try:
         return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # (JSONDecodeError, UnicodeDecodeError, 4300+ digit ints: ValueErrors)
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 

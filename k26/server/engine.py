@@ -164,6 +164,12 @@ class Engine:
                 m.cancelled += 1
                 with contextlib.suppress(Exception):  # (TP: a dead rank) the step below reports it
                     llm.release(slot)
+        gone = [r for r in self.waiting if r.cancelled]  # (their clients left: free their queue places now)
+        for req in gone:
+            self.waiting.remove(req)
+        with self.lock:
+            self.pending -= len(gone)
+        m.cancelled += len(gone)
         admit = []
         while self.waiting and len(admit) < len(state.free_slots()):
             req = self.waiting.popleft()
