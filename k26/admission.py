@@ -77,9 +77,19 @@ def admit(
             i: PromptLogprobs(target, prompts[i], params[i].prompt_logprobs) for i in pre if not reuse[i]
         }
         waves = sorted({plans[i].wave for i in pre})
-        state.pending.append(Admission(slots, prompts, params, plans, list(pre), scored, waves))
+        adm = Admission(slots, prompts, params, plans, list(pre), scored, waves)
+        state.pending.append(adm)
         if wait:
-            advance(ctx, state, None)
+            try:
+                advance(ctx, state, None)
+            except BaseException:  # this call raises, so its caller never learns its slots: none stays taken
+                if adm in state.pending:  # (an older admission's prefill failed before this one ran)
+                    state.pending.remove(adm)
+                for b in slots:
+                    if state.outs[b] is not None:
+                        state.filled[b] = False  # what its prefill wrote, if anything, is unknown
+                        state.release(b)
+                raise
     return slots
 
 

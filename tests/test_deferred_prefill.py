@@ -116,6 +116,27 @@ def test_an_autoregressive_batch_writes_no_idle_row_into_a_prompt_being_prefille
         assert_answers_as_fresh(llm, got, prompt, sp, spec)
 
 
+def test_a_waiting_admit_that_fails_keeps_none_of_its_rows(llm, monkeypatch):
+    """admit(wait=True) prefills the older deferred admissions first; when one of those fails the call
+    raises, and its own rows (never returned to the caller) must not stay taken and decode unseen."""
+    from k26.spec.prefill import Prefill
+
+    older, mine = random_prompts(2, 8, 12, seed=41)
+    state = llm.open_batch(SpecConfig("ar"))
+    llm.admit([older], [SamplingParams(max_tokens=4, stop_token_ids=[])], wait=False)
+    forward = Prefill.forward
+
+    def failing(self):
+        if self.prompts[0] == older:
+            raise RuntimeError("injected prefill failure")
+        return forward(self)
+
+    monkeypatch.setattr(Prefill, "forward", failing)
+    with pytest.raises(RuntimeError, match="injected prefill failure"):
+        llm.admit([mine], [SamplingParams(max_tokens=4, stop_token_ids=[])], wait=True)
+    assert len(state.free_slots()) == state.capacity and not state.pending and not state.live
+
+
 def test_prefill_budget_is_checked():
     with pytest.raises(ValueError, match="prefill_budget=0"):
         LLM(prefill_budget=0)
