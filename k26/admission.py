@@ -42,6 +42,12 @@ class Admission:
         self.todo.remove(i)
         if i in self.now and self.job is not None:
             self.job.drop(self.now.index(i))
+        self.source_lost(slot)
+
+    def source_lost(self, slot: int) -> None:
+        """Row `slot` will not hold what prompts still to copy from it expected (its prompt left unfinished,
+        or a new request took the row: an autoregressive batch's idle steps write at the new length): they
+        prefill that part themselves."""
         for j in self.todo:
             r = self.plans[j]
             if r.src == slot and (j not in self.now or self.job is None):

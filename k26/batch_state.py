@@ -100,6 +100,9 @@ class BatchState:
             if self.graph is None and self.penalties is None:
                 self.penalties = Penalties.allocate(self.capacity, self.vocab, self.lens.device)
         dev = self.lens.device
+        for adm in self.pending:  # copies still to come from these rows read what they held: not any more
+            for b in slots:
+                adm.source_lost(b)
         for b, p, sp in zip(slots, prompts, params):
             self.outs[b], self.params[b] = RequestOutput(p, logprobs=None if sp.logprobs is None else []), sp
             self.stops[b] = frozenset(

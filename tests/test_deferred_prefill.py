@@ -116,6 +116,32 @@ def test_an_autoregressive_batch_writes_no_idle_row_into_a_prompt_being_prefille
         assert_answers_as_fresh(llm, got, prompt, sp, spec)
 
 
+def test_a_copy_source_taken_by_a_new_request_before_the_copy_falls_back(cpu_pair):
+    """AR: B was to copy a prefix from A's row at its wave, queued behind a long deferred prompt D while a row
+    L decodes. A leaves and a short request C takes its row before B's wave: C's idle steps write at C's
+    length, inside the prefix B meant to copy. B must prefill that part itself and answer as a fresh run."""
+    llm = cpu_pair(max_batch=4, max_model_len=256, prefill_chunk=8, prefill_budget=16)
+    spec, sp = SpecConfig("ar"), SamplingParams(max_tokens=8, stop_token_ids=[], logprobs=1)
+    p, long_, tail, c = random_prompts(4, 40, 48, seed=51)
+    long_ = (long_ * 4)[:160]
+    llm.open_batch(spec)
+    (sl,) = llm.admit([tail], [SamplingParams(max_tokens=40, stop_token_ids=[])])
+    (sa,) = llm.admit([p], [SamplingParams(max_tokens=3, stop_token_ids=[])])
+    (sd,) = llm.admit([long_], [SamplingParams(max_tokens=2, stop_token_ids=[])], wait=False)
+    (sb,) = llm.admit([p + tail[:5]], [sp], wait=False)
+    assert llm.batch.pending[-1].plans[0].src == sa  # B copies A's prompt at its wave, after D's prefill
+    while llm.batch.outs[sa].finish_reason is None:
+        llm.step()
+    llm.release(sa)
+    (sc,) = llm.admit([c[:4]], [SamplingParams(max_tokens=2, stop_token_ids=[])], wait=False)
+    assert sc == sa
+    llm.step()  # an idle step of C's row, with B's copy still to come
+    assert llm.batch.pending[1].slots == [sb] and llm.batch.pending[1].job is None
+    out = finish(llm, [sb])[0]
+    finish(llm, [sd, sc, sl])
+    assert_answers_as_fresh(llm, out, p + tail[:5], sp, spec)
+
+
 def test_a_waiting_admit_that_fails_keeps_none_of_its_rows(llm, monkeypatch):
     """admit(wait=True) prefills the older deferred admissions first; when one of those fails the call
     raises, and its own rows (never returned to the caller) must not stay taken and decode unseen."""
