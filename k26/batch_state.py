@@ -114,9 +114,8 @@ class BatchState:
             if self.graph is not None:  # the per-row sampling the captured step reads
                 st = self.graph.state
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
-            if (
-                pen := self.penalty_state
-            ) is not None:  # every new row: the slot's last request leaves nothing
+            # every new row, penalised or not: the slot's last request leaves nothing behind
+            if (pen := self.penalty_state) is not None:
                 pen.set_row(b, sp.frequency_penalty, sp.presence_penalty, sp.logit_bias)
         self.rs = None
         # until a row goes live its idle steps write at its length (autoregressive batches): past its prompt,

@@ -80,7 +80,9 @@ def _real(v) -> bool:
 
 
 def _logit_bias(lb, bad) -> tuple[tuple[int, float], ...]:
-    """SamplingParams.logit_bias as sorted (id, bias) pairs, from a mapping or pairs."""
+    """SamplingParams.logit_bias as sorted (id, bias) pairs, from a mapping or pairs (None: none)."""
+    if lb is None:
+        return ()
     try:
         pairs = list(lb.items()) if isinstance(lb, Mapping) else [tuple(x) for x in lb]
     except TypeError:

@@ -135,10 +135,8 @@ class RequireKey:
 async def _json(request: Request):
     try:
         return json.loads(await request.body())
-    except (
-        ValueError,
-        RecursionError,
-    ) as e:  # (JSONDecodeError, UnicodeDecodeError, 4300+ digit ints: ValueErrors)
+    # (JSONDecodeError, UnicodeDecodeError, a 4,300+ digit integer: ValueErrors; deep nesting recurses)
+    except (ValueError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 

@@ -132,9 +132,8 @@ def parse(
     if not _int(n) or not 1 <= n <= MAX_N:
         raise APIError(400, f"n={body.get('n')!r}: expected an integer in [1, {MAX_N}]", "n")
     best_of = body.get("best_of")
-    if best_of is not None and (
-        not _int(best_of) or best_of != n
-    ):  # more candidates than choices: not served
+    # more candidates than choices (ranked by logprobs): not served
+    if best_of is not None and (not _int(best_of) or best_of != n):
         raise APIError(
             400, f"best_of={best_of!r} is not supported by this server (only best_of = n)", "best_of"
         )
@@ -211,9 +210,7 @@ def _refuse_unserved(body: dict) -> None:
 
 
 def _sampling(body: dict, chat: bool, room: int, vocab: int) -> SamplingParams:
-    for key in (
-        ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
-    ):  # each one given is checked
+    for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):  # each one given
         if body.get(key) is not None and (not _int(body[key]) or body[key] < 0):
             raise APIError(400, f"{key}={body[key]!r}: expected an integer >= 0", key)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
