@@ -97,9 +97,11 @@ class Engine:
     # -- HTTP side --------------------------------------------------------------------------------
     def submit(self, reqs: list[Request]) -> None:
         """Queue an HTTP request's rows (its `n` choices) all together, or none of them."""
-        if self.error is not None or (self.ready.is_set() and not self.thread.is_alive()):
-            raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
+        # Under the lock, as the engine thread records its failure: a request is either refused here or in
+        # the inbox before the failing thread drains it (and answers it), never put after the drain unheard.
         with self.lock:
+            if self.error is not None or (self.ready.is_set() and not self.thread.is_alive()):
+                raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
             if self.pending + len(reqs) > self.max_waiting:
                 self.metrics.rejected += len(reqs)
                 raise QueueFull(
@@ -107,9 +109,9 @@ class Engine:
                     f"needs {len(reqs)} (max_waiting={self.max_waiting}); retry later"
                 )
             self.pending += len(reqs)
+            for req in reqs:
+                self.inbox.put(req)
         self.metrics.requests += len(reqs)  # rows: the counters below count rows too
-        for req in reqs:
-            self.inbox.put(req)
 
     def start(self, timeout: float = 600.0) -> None:
         self.thread.start()
@@ -131,7 +133,8 @@ class Engine:
                 while self._take(block=not state.live and not state.pending and not self.waiting):
                     self._boundary(state)
         except BaseException as e:
-            self.error = e
+            with self.lock:  # (submit: nothing enters the inbox after this)
+                self.error = e
             self.ready.set()
             left = []  # requests still in the inbox hear it too: nothing else would ever answer them
             with contextlib.suppress(queue.Empty):
