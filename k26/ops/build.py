@@ -152,6 +152,10 @@ VARIANTS: dict[str, list[str]] = {
     # round trip after the ids; bit-identical. Re-prepared 2026-12-05 (session 22: a first version that read
     # x in its multiply loop measured +4.7 µs a block, confounded by those L2 round trips)
     "-DK26_MOE_GU_STAGE": ["moe_w4a16.cu"],
+    # MoE one token: the gate/up launched with 80 KB of unused dynamic shared memory (2 blocks an SM on an
+    # H200 instead of 3): block placement alone, what GU_STAGE changes besides its staging. Prepared
+    # 2026-12-05 (session 23)
+    "-DK26_MOE_GU_PAD_KB=80": ["moe_w4a16.cu"],
     # weights (and the norm weight) by coherent loads, which ptxas keeps above griddepcontrol.wait, and x by
     # coherent loads after it (csrc/linear_tile.cuh, rmsnorm_row.cuh): in the default build ptxas sinks the
     # .nc weight batches meant to be in flight across the wait below it (every tile-mode kernel, add_rmsnorm,
