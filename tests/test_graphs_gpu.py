@@ -198,3 +198,52 @@ def test_a_batch_opened_without_logprobs_graphs_refuses_a_logprobs_row(pair):
     with pytest.raises(ValueError, match="SamplingParams.logprobs"):
         graphed.admit([prompts(1, seed=3)[0]], [SamplingParams(max_tokens=4, logprobs=1)])
     assert len(graphed.batch.free_slots()) == graphed.batch.capacity  # nothing taken
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_replayed_penalties_equal_eager(pair, spec):
+    """Penalties and a logit bias in the "filter" graphs (counts written by the host between replays, the
+    tree's path counted inside them): the same tokens as the eager steps, greedy and seeded sampled."""
+    graphed, eager = pair
+    ps = prompts(2, seed=7)
+    pen = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {11: 2.0}}
+    for sp in (
+        SamplingParams(max_tokens=32, stop_token_ids=[], **pen),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=32, stop_token_ids=[], **pen),
+    ):
+        a = graphed.generate(ps, sp, spec)
+        eager.decoder.ctx.static = True
+        try:
+            b = eager.generate(ps, sp, spec)
+        finally:
+            eager.decoder.ctx.static = False
+        assert (spec, "filter") in graphed.decoder.runners
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_a_penalised_row_beside_a_plain_one_in_an_open_graph_batch(pair):
+    """The server's shape: a penalised row and a plain greedy row share the filter graphs; the plain row
+    answers as it does alone in the greedy graphs, and a slot the penalised row left serves a plain request
+    as alone (its counts and bias cleared)."""
+    graphed, _ = pair
+    spec = SpecConfig("ddtree", 5)
+    ps = prompts(3, seed=13)
+    plain = SamplingParams(max_tokens=20, stop_token_ids=[])
+    pen = SamplingParams(max_tokens=20, stop_token_ids=[], frequency_penalty=2.0, logit_bias={11: 3.0})
+    alone = [graphed.generate(p, plain, spec)[0].token_ids for p in ps[1:]]
+    pen_alone = graphed.generate(ps[0], pen, spec)[0].token_ids
+    state = graphed.open_batch(spec, 2)
+    slots = []
+    try:
+        slots = graphed.admit([ps[0], ps[1]], [pen, plain])
+        while state.live:
+            graphed.step()
+        assert [state.outs[s].token_ids for s in slots] == [pen_alone, alone[0]]
+        graphed.release(slots[0])
+        slots[0:1] = graphed.admit([ps[2]], [plain])
+        while state.live:
+            graphed.step()
+        assert state.outs[slots[0]].token_ids == alone[1]
+    finally:
+        for s in slots:
+            graphed.release(s)
