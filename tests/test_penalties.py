@@ -104,6 +104,41 @@ def test_greedy_penalties_follow_the_openai_formula_in_every_method(llm, method)
     assert llm.generate(PROMPT, sp, spec)[0].token_ids == want
 
 
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_oracle_drafts_accepted_whole_need_each_nodes_path_counted(llm, monkeypatch, method):
+    """Drafts replaced by the formula's own continuation: every step accepts whole paths full of repeated
+    tokens, so each node's choice must count its path (the tiny drafter's own paths rarely repeat a token
+    at the point where a penalty flips the choice)."""
+    from k26.spec import step
+
+    # (0.8: the continuation switches away from " 0" inside a path; without the path counted, 0.6 to 1.5
+    # all failed here, 0.4 switched nowhere in the window)
+    sp = SamplingParams(max_tokens=16, stop_token_ids=[], frequency_penalty=0.8, presence_penalty=0.2)
+    prompt = "x = [0, 0, 0, 0, 0, 0,"
+    ids = llm.tokenizer.encode(prompt)
+    L = llm.drafter.cfg.block_size - 1
+    want = greedy_by_hand(llm, ids, sp, 16 + L + 1)
+    assert max(want[:16].count(t) for t in want[:16]) >= 3  # the continuation repeats tokens (the paths will)
+    real = step.draft_topk
+
+    def oracle(target, drafter, dcache, rows, start, bonus, k, static=False):
+        lp, tok = real(target, drafter, dcache, rows, start, bonus, k, static)
+        for b in range(tok.shape[0]):
+            g = int(start[b]) - len(ids)  # index in `want` of this row's root (the last emitted token)
+            for d in range(L):
+                t = want[g + 1 + d]
+                others = [x for x in tok[b, d].tolist() if x != t][: k - 1]
+                tok[b, d] = torch.tensor([t, *others])
+                lp[b, d] = torch.linspace(-0.01, -5.0, k)
+        return lp, tok
+
+    monkeypatch.setattr(step, "draft_topk", oracle)
+    depth = 6 if method == "ddtree" else L  # (budget 6: the oracle's chain is its best-first tree)
+    out = llm.generate(prompt, sp, SpecConfig(method, 6 if method == "ddtree" else None))[0]
+    assert out.token_ids == want[:16]
+    assert max(out.stats.accepted_per_step) == depth + 1  # whole paths accepted
+
+
 def test_logit_bias_can_force_and_ban_a_token(llm):
     plain = llm.generate(PROMPT, SamplingParams(max_tokens=4, stop_token_ids=[]), SpecConfig("ddtree", 6))[0]
     first = plain.token_ids[0]
