@@ -250,6 +250,13 @@ BAD = [
         None,
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**70}, 400, "top_k"),
+    ("/v1/completions", b'{"model": "k26-test", "prompt": "a\\ud800b"}', 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "k26-test", "messages": [{"role": "user", "content": "\\udc00"}]}',
+        400,
+        "messages[0].content",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": "a" * 513}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": True}, 400, "best_of"),
     (

@@ -134,10 +134,32 @@ class RequireKey:
 
 async def _json(request: Request):
     try:
-        return json.loads(await request.body())
+        body = json.loads(await request.body())
     # (JSONDecodeError, UnicodeDecodeError, a 4,300+ digit integer: ValueErrors; deep nesting recurses)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if (where := _unpaired_surrogate(body)) is not None:  # valid JSON ("\ud800"), but not text
+        raise APIError(400, f"{where or 'the body'}: a string holds an unpaired UTF-16 surrogate", where)
+    return body
+
+
+def _unpaired_surrogate(x, path: str = "") -> str | None:
+    """The parameter path ("messages[0].content") of the first string (or key) that is not valid Unicode
+    text, else None."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        at = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k)
+        if (bad := _unpaired_surrogate(k, at) if isinstance(k, str) else None) is not None:
+            return bad
+        if (bad := _unpaired_surrogate(v, at)) is not None:
+            return bad
+    return None
 
 
 async def generate(s: Served, request: Request, chat: bool):
