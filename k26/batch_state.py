@@ -92,7 +92,7 @@ class BatchState:
                 "SamplingParams.logprobs: this batch has no logprobs graphs (open_batch(logprobs=False))"
             )
         if any(p.penalized for p in params):
-            if self.graph is not None and self.graph.state.penalties is None:
+            if self.graph is not None and not {"filter", "logprobs"} & set(self.graph.runners):
                 raise ValueError(
                     "SamplingParams penalties / logit_bias: this batch has no graphs of the 'filter' "
                     "sampling mode"

@@ -6,8 +6,9 @@ A row's logit of token t is shifted by  bias[t] - frequency * c - presence * (c 
 generated so far (prompt tokens do not count, as in OpenAI's API and vLLM). At a verify tree's node, c also
 counts the draft tokens on the node's path (its ancestors below the root, and itself): the node's logits are
 the ones autoregressive decoding would see after emitting that path, so speculative decoding stays lossless.
-A row with no penalty and no bias gets its logits back bit for bit (x + 0.0 == x), so rows without them
-decode as they would in a batch without penalties.
+A row with no penalty and no bias gets its logits back (x + 0.0 == x), so rows without them pick the
+tokens they would in a batch without penalties. In the captured "filter" / "logprobs" graphs this runs for
+every row, penalised or not (two [B, N, V] fp32 temporaries besides the sort those modes do anyway).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Penalties:
     frequency: torch.Tensor  # [B] float32
     presence: torch.Tensor  # [B] float32
     bias: torch.Tensor  # [B, V] float32: logit_bias, dense
-    counts: torch.Tensor  # [B, V] int32: times each token was generated so far
+    counts: torch.Tensor  # [B, V] int32: times each token was generated so far (penalised rows; others 0)
 
     @classmethod
     def allocate(cls, batch: int, vocab: int, device) -> Penalties:
@@ -91,4 +92,4 @@ def penalized(
     # every (n, a) writes logit (n, token a) at the count n's path gives that token: pairs naming the same
     # token write the same value (deterministic), and a token off the path gets its dense value again
     val = logits_BNV.gather(2, idx) + _shift(bias_a, f[..., None], pr[..., None], c_na)
-    return out.scatter(2, idx, val)
+    return out.scatter_(2, idx, val)

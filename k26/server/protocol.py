@@ -264,14 +264,17 @@ def _logit_bias(lb: Any, vocab: int) -> tuple[tuple[int, float], ...]:
     if lb is None:
         return ()
     if not isinstance(lb, dict):
-        raise APIError(400, f"logit_bias={lb!r}: expected an object {{token id: bias}}", "logit_bias")
+        raise APIError(400, f"logit_bias={_short(lb)}: expected an object {{token id: bias}}", "logit_bias")
     out = []
     for key, v in lb.items():
         k = key.strip() if isinstance(key, str) else ""
-        if not (k.isdigit() and k.isascii()) or int(k) >= vocab:
-            raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
+        # (the length first: int() of a 4,300+ digit string raises)
+        if len(k) > len(str(vocab)) or not (k.isdigit() and k.isascii()) or int(k) >= vocab:
+            raise APIError(400, f"logit_bias: {_short(key)} is not a token id in [0, {vocab})", "logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise APIError(400, f"logit_bias[{key!r}]={v!r}: expected a number in [-100, 100]", "logit_bias")
+            raise APIError(
+                400, f"logit_bias[{_short(key)}]={_short(v)}: expected a number in [-100, 100]", "logit_bias"
+            )
         out.append((int(k), float(v)))
     if len({i for i, _ in out}) != len(out):
         raise APIError(400, "logit_bias: a token id appears twice", "logit_bias")
@@ -347,8 +350,11 @@ def _number(body: dict, name: str, default: float) -> float:
     if x is None:
         return default
     if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise APIError(400, f"{name}={x!r}: expected a number", name)
-    return float(x)
+        raise APIError(400, f"{name}={_short(x)}: expected a number", name)
+    try:
+        return float(x)
+    except OverflowError:  # an integer beyond float range (JSON allows any)
+        raise APIError(400, f"{name}={_short(x)}: out of range", name) from None
 
 
 # -- responses ------------------------------------------------------------------------------------
