@@ -21,7 +21,7 @@ KERNELS="tests/test_tree_attn_gpu.py tests/test_moe_gpu.py tests/test_moe_router
   tests/test_load_repack.py tests/test_spec_gpu.py"
 MODEL="tests/test_graphs_gpu.py tests/test_engine_gpu.py tests/test_continuous.py"
 run kernels 300 $KERNELS
-run model 400 $MODEL
+run model 450 $MODEL
 # Every other GPU-marked test (multi-GPU ones skip on one GPU: run them on nvidia-h200-x2).
 run other_gpu 300 -m "gpu or multigpu" tests/ $(for f in $KERNELS $MODEL; do echo --ignore=$f; done)
 timeout 200 python3 profiling/bench_tree_attn.py --quick --out "$OUT/bench_tree_attn.md" > "$OUT/bench.log" 2>&1
