@@ -407,3 +407,40 @@ def test_requests_whose_clients_left_while_queued_free_their_places():
         engine.submit([Request([2], SamplingParams(), loop)])  # the place is free again: no QueueFull
     finally:
         loop.close()
+
+
+def test_a_refused_admission_fails_only_its_own_request(served, monkeypatch):
+    """llm.admit refusing (or rolling back) one request's rows answers that request 500; a request already
+    decoding goes on to its end (the engine failed every running row with it)."""
+    import threading
+
+    c, llm, url = served["client"], served["llm"], served["url"]
+    real = llm.admit
+    bad = llm.tokenizer.encode("zebra zebra")
+
+    def admit(prompts, params, wait=True):
+        if bad in prompts:
+            raise ValueError("injected admission refusal")
+        return real(prompts, params, wait)
+
+    monkeypatch.setattr(llm, "admit", admit)
+    long_answer: dict = {}
+
+    def run_long():
+        try:
+            long_answer["r"] = c.completions.create(
+                model=MODEL, prompt=PROMPTS[1], max_tokens=70, temperature=0
+            )
+        except Exception as e:  # noqa: BLE001 - the assertion below says what it was
+            long_answer["r"] = e
+
+    t = threading.Thread(target=run_long)
+    t.start()
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(url, "k26_requests_running") < 1:
+        time.sleep(0.01)
+    with pytest.raises(openai.InternalServerError, match="injected admission refusal"):
+        c.completions.create(model=MODEL, prompt=bad, max_tokens=4)
+    t.join(timeout=60)
+    assert not isinstance(long_answer["r"], Exception), long_answer["r"]
+    assert long_answer["r"].usage.completion_tokens > 0

@@ -182,13 +182,21 @@ class Engine:
                 m.cancelled += 1
                 continue
             admit.append(req)
-        try:
-            if admit:
+        slots: list[int] = []
+        if admit:
+            try:
                 # prefilled in the steps (a budget of positions each while rows decode): a long prompt
                 # does not stall the streams already running
                 slots = llm.admit([r.prompt_ids for r in admit], [r.params for r in admit], wait=False)
-                self.rows.update(zip(slots, admit))
-                m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
+            except Exception as e:  # noqa: BLE001 - refused, or rolled back (admission.admit): these rows only
+                err = Event([], error=f"{type(e).__name__}: {e}")
+                for req in admit:
+                    req.push(err)
+                admit = []
+            self.rows.update(zip(slots, admit))
+            m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
+        try:
+            if slots:
                 self._publish(state, slots)  # (rows that generate nothing finish here)
             if state.live or state.pending:
                 t0 = time.perf_counter()
@@ -204,9 +212,6 @@ class Engine:
                 m.step_tokens += m.generated_tokens - before
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             err = Event([], error=f"{type(e).__name__}: {e}")
-            for req in admit:  # taken from the queue but never given a row: they hear it too
-                if req not in self.rows.values():
-                    req.push(err)
             for slot, req in list(self.rows.items()):
                 req.push(err)
                 with contextlib.suppress(Exception):  # the row goes whatever state the batch is in
