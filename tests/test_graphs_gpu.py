@@ -28,18 +28,25 @@ def prompts(n, seed):
     return random_prompts(n, 3, 30, seed)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=str)
-@pytest.mark.parametrize("batch", [1, 3])
-def test_replay_equals_eager_over_many_steps(pair, spec, batch):
+def graphed_and_eager(pair, ps, sp, spec):
+    """The outputs of `generate` with graphs and eagerly, the eager run on the same sync-free code path the
+    graphs captured."""
     graphed, eager = pair
-    ps = prompts(batch, seed=batch)
-    sp = SamplingParams(max_tokens=40, stop_token_ids=[])
     a = graphed.generate(ps, sp, spec)
-    eager.decoder.ctx.static = True  # the eager run takes the same sync-free code path the graph captured
+    eager.decoder.ctx.static = True
     try:
         b = eager.generate(ps, sp, spec)
     finally:
         eager.decoder.ctx.static = False
+    return a, b
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_replay_equals_eager_over_many_steps(pair, spec, batch):
+    ps = prompts(batch, seed=batch)
+    sp = SamplingParams(max_tokens=40, stop_token_ids=[])
+    a, b = graphed_and_eager(pair, ps, sp, spec)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.stats.accepted_per_step for o in a] == [o.stats.accepted_per_step for o in b]
 
@@ -143,16 +150,10 @@ def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, d
 def test_replayed_logprobs_equal_eager(pair, spec):
     """The "logprobs" graphs: same tokens as eager, and each token's logprobs (the accepted path's nodes,
     gathered inside the replay) equal the eager step's."""
-    graphed, eager = pair
     ps = prompts(2, seed=5)
     sp = SamplingParams(max_tokens=24, stop_token_ids=[], logprobs=5)
-    a = graphed.generate(ps, sp, spec)
-    eager.decoder.ctx.static = True
-    try:
-        b = eager.generate(ps, sp, spec)
-    finally:
-        eager.decoder.ctx.static = False
-    assert (spec, "logprobs") in graphed.decoder.runners  # the replays were the logprobs graphs'
+    a, b = graphed_and_eager(pair, ps, sp, spec)
+    assert (spec, "logprobs") in pair[0].decoder.runners  # the replays were the logprobs graphs'
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids and len(x.logprobs) == len(x.token_ids)
         for p, q in zip(x.logprobs, y.logprobs):
@@ -204,20 +205,14 @@ def test_a_batch_opened_without_logprobs_graphs_refuses_a_logprobs_row(pair):
 def test_replayed_penalties_equal_eager(pair, spec):
     """Penalties and a logit bias in the "filter" graphs (counts written by the host between replays, the
     tree's path counted inside them): the same tokens as the eager steps, greedy and seeded sampled."""
-    graphed, eager = pair
     ps = prompts(2, seed=7)
     pen = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {11: 2.0}}
     for sp in (
         SamplingParams(max_tokens=32, stop_token_ids=[], **pen),
         SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=32, stop_token_ids=[], **pen),
     ):
-        a = graphed.generate(ps, sp, spec)
-        eager.decoder.ctx.static = True
-        try:
-            b = eager.generate(ps, sp, spec)
-        finally:
-            eager.decoder.ctx.static = False
-        assert (spec, "filter") in graphed.decoder.runners
+        a, b = graphed_and_eager(pair, ps, sp, spec)
+        assert (spec, "filter") in pair[0].decoder.runners
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
