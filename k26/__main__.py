@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,21 @@ def _pair_args(a: argparse.Namespace) -> tuple[Path | None, Path | None]:
 
 
 def _out_arg(value: str | None, flag: str) -> None:
-    """An output file: its directory must exist now, not after minutes of loading and running."""
-    if value is not None and not Path(value).resolve().parent.is_dir():
-        raise ValueError(f"{flag} {value}: directory {Path(value).resolve().parent} does not exist")
+    """An output file: writable now, not found unwritable after minutes of loading and running."""
+    if value is None:
+        return
+    path = Path(value).resolve()
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {value}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{flag} {value}: is a directory")
+    try:  # (a probe file: os.access says yes to root even where nothing can be created, /proc say)
+        with tempfile.NamedTemporaryFile(dir=path.parent):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {value}: cannot write in {path.parent} ({e.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {value}: not writable")
 
 
 def _cache_dir_arg(value: str | None) -> None:
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _one_line_warning  # restored on exit: main() also runs in-process (tests)
         try:
             return COMMANDS[a.cmd](a)
-        except (ValueError, TypeError) as e:  # ConfigError, CheckpointError, bad arguments
+        except (ValueError, TypeError) as e:  # ConfigError, CheckpointError, ShardChangedError, bad arguments
             print(f"k26: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -4,6 +4,7 @@ names the argument and says what to change; and the speculative method fitted to
 from __future__ import annotations
 
 import numbers
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -73,7 +74,10 @@ def default_max_model_len(cfg: ModelConfig) -> int:
 
 def check_lengths(config: ModelConfig, max_model_len: int | None, max_batch: int) -> int:
     """The context length (`default_max_model_len` when None), checked with the batch size."""
-    max_model_len = max_model_len or default_max_model_len(config)
+    for name, v in (("max_model_len", max_model_len), ("max_batch", max_batch)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{name}={v!r}: expected an integer")
+    max_model_len = default_max_model_len(config) if max_model_len is None else max_model_len
     if not 1 < max_model_len <= config.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_model_len}: must lie in (1, max_position_embeddings="
@@ -93,8 +97,23 @@ def check_prefill(chunk: int, budget: int) -> None:
         raise ValueError(f"prefill_budget={budget!r}: expected a positive integer")
 
 
+def check_path(value, name: str, optional: bool = True) -> None:
+    """A directory argument: a str or path (None when optional)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}={value!r}: expected a path (str or os.PathLike)")
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_buckets(buckets: Sequence[tuple[int, int]] | None, max_batch: int) -> list[Bucket] | None:
     """The user's graph buckets (batch, verify tokens), each within max_batch; None: the default ones."""
+    for b in buckets or []:
+        if not (isinstance(b, Sequence) and len(b) == 2 and all(_int(x) and x >= 1 for x in b)):
+            raise ValueError(f"bucket {b!r}: expected (batch, verify tokens), two positive integers")
     user = [Bucket(*b) for b in buckets] if buckets else None
     for b in user or []:
         if b.batch > max_batch:

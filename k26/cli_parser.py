@@ -108,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root (default: auto)")
     g.add_argument(
-        "--tp", type=int, default=None, help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)"
+        "--tp",
+        type=_positive,
+        default=None,
+        help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)",
     )
     g.add_argument("--cache-dir", default=None, help="load cache: a later start reads only its own bytes")
     g.add_argument(

@@ -126,7 +126,7 @@ def shared_seed(device: torch.device) -> int:
 
 
 def check_world(size: int) -> None:
-    if not isinstance(size, int) or size < 1:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tp={size!r}: expected a positive integer")
     if dist.is_initialized() and dist.get_world_size() != size:
         raise ValueError(f"tp={size} but the initialised process group has {dist.get_world_size()} ranks")

@@ -22,6 +22,7 @@ from .checks import (
     check_device,
     check_ids,
     check_lengths,
+    check_path,
     check_precision,
     check_prefill,
     check_request,
@@ -33,6 +34,7 @@ from .config import ModelConfig
 from .decode import Decoder
 from .decode_context import DecodeContext
 from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
+from .drafter_config import DrafterConfig
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
@@ -86,6 +88,8 @@ class LLM:
             prefill_chunk,
             prefill_budget,
         )
+        for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
+            check_path(value, name)
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
 
@@ -107,10 +111,12 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.path)
         check_tokenizer(self.tokenizer, self.config)
         self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
+        self.user_buckets = check_buckets(buckets, max_batch)
+        if drafter is not None:  # its config against the target's before any weight is read
+            DrafterConfig.from_dir(drafter).check_target(self.config)
         self.absorb = absorb
         self.progress = progress and self.rank == 0  # one set of progress lines, whatever the ranks were told
         self._load(drafter, max_batch, self.progress, cuda_kernels, cache_dir)
-        self.user_buckets = check_buckets(buckets, max_batch)
         # torch.compile of the decoder layers and the drafter's block forward: fixed shapes per bucket,
         # lengths and positions as tensors, so decode never recompiles; it runs (and autotunes) in the
         # warm-ups before each graph capture.

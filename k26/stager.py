@@ -16,8 +16,9 @@ PIECE = 8 << 20  # bytes per read request: large enough to stream, small enough 
 THREADS = 8  # reads in flight per stager: enough to fill an NVMe / virtio queue
 
 
-class ShardChangedError(RuntimeError):
-    """A shard changed on disk while it was being read: the weights would mix two versions."""
+class ShardChangedError(ValueError):
+    """A shard changed on disk while it was being read: the weights would mix two versions. (A ValueError,
+    as the other checkpoint errors: a situation the user causes, said in one line by the CLI.)"""
 
 
 def open_random(f: Path) -> int:

@@ -114,6 +114,40 @@ def test_bad_constructor_args(tiny_k25):
         LLM(tiny_k25, device="cpu", max_model_len=5000, progress=False)
 
 
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"max_batch": 2.5}, "max_batch=2.5"),
+        ({"max_batch": "8"}, "max_batch='8'"),
+        ({"max_model_len": 512.5}, "max_model_len=512.5"),
+        ({"max_model_len": 0}, "max_model_len=0"),
+        ({"tp": True}, "tp=True"),
+        ({"buckets": [(1,)]}, r"bucket \(1,\)"),
+        ({"buckets": [(99, 4)]}, "exceeds max_batch"),
+        ({"drafter": "/nonexistent-drafter"}, "nonexistent-drafter"),
+        ({"cache_dir": 5}, "cache_dir=5"),
+    ],
+)
+def test_bad_constructor_args_are_named_before_any_weight_is_read(tiny_k25, monkeypatch, kwargs, needle):
+    import k26.engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the target's weights were read before the arguments were checked")
+
+    monkeypatch.setattr(k26.engine, "load_model", no_load)
+    with pytest.raises((ValueError, TypeError), match=needle):
+        LLM(tiny_k25, device="cpu", progress=False, **kwargs)
+    with pytest.raises(TypeError, match="model_path=123"):
+        LLM(123, device="cpu", progress=False)
+
+
+def test_cli_output_files_are_checked_before_running(tmp_path, capsys):
+    assert main(["bench", "--out", str(tmp_path), "--device", "cpu"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["bench", "--out", "/proc/k26-bench.md", "--device", "cpu"]) == 2
+    assert "cannot write in /proc" in capsys.readouterr().err
+
+
 def test_cli_generate_prints_text(tiny_k25, capsys):
     assert (
         main(["generate", "--model", str(tiny_k25), "--prompt", "hi", "--max-tokens", "5", "--device", "cpu"])
