@@ -189,7 +189,7 @@ class ModelConfig:
             n_group=f.int("n_group", default=1),
             topk_group=f.int("topk_group", default=1),
             routed_scaling_factor=f.float("routed_scaling_factor", default=1.0),
-            norm_topk_prob=bool(f.get("norm_topk_prob", True)),
+            norm_topk_prob=f.bool("norm_topk_prob", default=True),
             first_k_dense_replace=f.int("first_k_dense_replace", minimum=0, default=0),
             rms_norm_eps=f.float("rms_norm_eps"),
             max_position_embeddings=f.int("max_position_embeddings"),
@@ -215,6 +215,11 @@ class ModelConfig:
             raise bad("topk_group", f"must lie in [1, n_group={self.n_group}]")
         if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
             raise bad("n_group", "group-limited routing needs at least 2 experts per group")
+        if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
+            raise bad(
+                "topk_group",
+                f"its groups hold fewer experts than num_experts_per_tok={self.num_experts_per_tok}",
+            )
         if self.first_k_dense_replace > self.num_hidden_layers:
             raise bad("first_k_dense_replace", f"exceeds num_hidden_layers={self.num_hidden_layers}")
         if self.qk_rope_head_dim % 2:
@@ -226,7 +231,11 @@ class ModelConfig:
             for name in ("hidden_size", "moe_intermediate_size"):
                 if getattr(self, name) % g:
                     raise bad(name, f"int4 experts need a multiple of the group size {g}")
-        if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size + 2:
+        if self.bos_token_id is not None and (
+            isinstance(self.bos_token_id, bool)
+            or not isinstance(self.bos_token_id, int)
+            or not 0 <= self.bos_token_id < self.vocab_size + 2
+        ):
             raise bad("bos_token_id", "outside the vocabulary")
 
 
@@ -243,9 +252,14 @@ def read_config_json(path: str | Path, what: str) -> dict[str, Any]:
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file} is missing: a {what} directory needs config.json")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(cfg_file.read_text())
+    except (ValueError, RecursionError) as e:  # (invalid JSON, not UTF-8)
         raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"{cfg_file} cannot be read: {e.strerror or e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{cfg_file} must hold a JSON object, not a {type(raw).__name__}")
+    return raw
 
 
 class Fields:
@@ -272,9 +286,23 @@ class Fields:
 
     def float(self, key: str, *, default: float | None = None) -> float:
         v = self._need(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"{self.prefix}{key}={v!r}: expected a positive number")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ConfigError(f"{self.prefix}{key}={v!r}: expected a positive finite number")
         return float(v)
+
+    def nonnegative(self, key: str, *, default: float) -> float:
+        v = self._need(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ConfigError(f"{self.prefix}{key}={v!r}: expected a finite number >= 0")
+        return float(v)
+
+    def bool(self, key: str, *, default: bool) -> bool:
+        v = self.d.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.prefix}{key}={v!r}: expected true or false")
+        return v
 
 
 def expect(f: Fields, key: str, value: Any) -> None:
@@ -285,21 +313,26 @@ def expect(f: Fields, key: str, value: Any) -> None:
 def parse_rope(f: Fields, prefix: str) -> RopeConfig:
     rs = f.get("rope_scaling") or f.get("rope_parameters")
     key = "rope_scaling" if f.get("rope_scaling") else "rope_parameters"
+    if rs is not None and not isinstance(rs, dict):
+        raise ConfigError(f"{prefix}{key}={rs!r}: expected an object")
     theta = f.get("rope_theta", (rs or {}).get("rope_theta"))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{prefix}rope_theta={theta!r}: expected a positive number")
+    # (> 1: the inverse frequencies are powers of 1 / theta, and YaRN's correction range divides by log theta)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < math.inf:
+        raise ConfigError(f"{prefix}rope_theta={theta!r}: expected a finite number > 1")
     kind = None if rs is None else (rs.get("type") or rs.get("rope_type"))
     if kind in (None, "default"):
         return RopeConfig(theta=float(theta))
     if kind != "yarn":
         raise ConfigError(f"{prefix}{key}.type={kind!r} is not supported; Kimi models use 'yarn'")
-    try:
-        factor = float(rs["factor"])
-        orig = int(rs["original_max_position_embeddings"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(
-            f"{prefix}{key} needs numeric 'factor' and 'original_max_position_embeddings'"
-        ) from e
+    r = Fields(rs, f"{prefix}{key}.")
+    factor = r.float("factor", default=None)
+    orig = r.int("original_max_position_embeddings")
+    extra = {
+        "beta_fast": r.float("beta_fast", default=32.0),
+        "beta_slow": r.float("beta_slow", default=1.0),
+        "mscale": r.nonnegative("mscale", default=1.0) or 1.0,  # (0: no scaling, as 1)
+        "mscale_all_dim": r.nonnegative("mscale_all_dim", default=0.0),
+    }
     # Transformers' generic YaRN may re-derive the factor from the two lengths; insisting on equality
     # keeps every engine computing the same frequencies.
     max_pos = f.int("max_position_embeddings")
@@ -312,10 +345,7 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
         theta=float(theta),
         factor=factor,
         original_max_position=orig,
-        beta_fast=float(rs.get("beta_fast", 32)),
-        beta_slow=float(rs.get("beta_slow", 1)),
-        mscale=float(rs.get("mscale", 1) or 1),
-        mscale_all_dim=float(rs.get("mscale_all_dim", 0) or 0),
+        **extra,
     )
 
 
@@ -323,6 +353,8 @@ def _parse_quant(q: dict[str, Any] | None, prefix: str) -> QuantConfig:
     if q is None:
         return QuantConfig("none")
     p = f"{prefix}quantization_config"
+    if not isinstance(q, dict):
+        raise ConfigError(f"{p}={q!r}: expected an object")
     method = q.get("quant_method")
     if method == "fp8":
         raise ConfigError(
@@ -341,6 +373,8 @@ def _parse_quant(q: dict[str, Any] | None, prefix: str) -> QuantConfig:
         raise ConfigError(f"{p}.config_groups is missing or empty")
     want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     for gname, group in groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("weights") or {}, dict):
+            raise ConfigError(f"{p}.config_groups.{gname}: expected an object with a 'weights' object")
         w = group.get("weights") or {}
         for k, v in want.items():
             if w.get(k) != v:

@@ -1,6 +1,7 @@
 """Config parsing for every Kimi flavour, YaRN frequencies and softmax scale against the reference values."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -81,3 +82,53 @@ def test_k26_tp8_shapes_are_legal():
     ModelConfig.from_dict(k26_config()).check_tp(8)
     with pytest.raises(ConfigError, match="tensor-parallel size 3"):
         ModelConfig.from_dict(k26_config()).check_tp(3)
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"rope_scaling": "yarn"}, "rope_scaling='yarn': expected an object"),
+        ({"rope_theta": 1.0}, "rope_theta=1.0"),
+        ({"rope_theta": "50000"}, "rope_theta='50000'"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps=inf"),
+        ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor=inf"),
+        ({"norm_topk_prob": "false"}, "norm_topk_prob='false'"),
+        ({"bos_token_id": "1"}, "bos_token_id='1'"),
+        ({"quantization_config": "int4"}, "quantization_config='int4'"),
+        ({"n_group": 64, "topk_group": 1}, "topk_group=1"),  # 6 experts a group, top-8
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}},
+            "original_max_position_embeddings=0",
+        ),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": -4.0, "original_max_position_embeddings": 256}},
+            "factor=-4.0",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                    "beta_fast": "abc",
+                }
+            },
+            "beta_fast='abc'",
+        ),
+    ],
+)
+def test_bad_config_fields_are_named(change, needle):
+    """Each field of a bad config.json named in one ConfigError (they were tracebacks, math errors, or taken
+    as valid: an infinite eps, "false" read as true, groups holding fewer experts than top-k)."""
+    text = k26_config()["text_config"]
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        ModelConfig.from_dict(k26_config() | {"text_config": text | change})
+
+
+def test_config_json_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object, not a list"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
