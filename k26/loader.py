@@ -140,8 +140,15 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
     if index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # (invalid JSON or UTF-8, no map)
             raise CheckpointError(path, [f"{index_file.name} is not a valid index ({e})"]) from e
+        except OSError as e:
+            raise CheckpointError(path, [f"{index_file.name} cannot be read ({e.strerror or e})"]) from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            why = "weight_map must map tensor names to shard names"
+            raise CheckpointError(path, [f"{index_file.name}: {why}"])
         files = sorted(set(weight_map.values()))
     else:
         weight_map = None

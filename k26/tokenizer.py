@@ -69,13 +69,30 @@ class Tokenizer:
             ranks = read_ranks(model_file)
         except (ValueError, binascii.Error) as e:
             raise TokenizerError(f"{model_file} is not a tiktoken BPE file: {e}") from e
+        except OSError as e:
+            raise TokenizerError(f"{model_file} cannot be read: {e.strerror or e}") from e
+        if sorted(ranks.values()) != list(range(len(ranks))):  # (tiktoken panics on repeats)
+            raise TokenizerError(f"{model_file}: the ranks are not 0 .. {len(ranks) - 1}, each once")
         try:
-            added = json.loads(cfg_file.read_text()).get("added_tokens_decoder", {})
-        except json.JSONDecodeError as e:
+            cfg = json.loads(cfg_file.read_text())
+        except (ValueError, RecursionError) as e:  # (invalid JSON or UTF-8)
             raise TokenizerError(f"{cfg_file} is not valid JSON: {e}") from e
+        except OSError as e:
+            raise TokenizerError(f"{cfg_file} cannot be read: {e.strerror or e}") from e
+        added = cfg.get("added_tokens_decoder", {}) if isinstance(cfg, dict) else None
+        if not isinstance(added, dict):
+            raise TokenizerError(f"{cfg_file}: expected an object with an added_tokens_decoder object")
         names = {}
         lo, hi = len(ranks), len(ranks) + NUM_SPECIAL_IDS
         for key, tok in added.items():
+            if (
+                not (key.isascii() and key.isdigit())
+                or not isinstance(tok, dict)
+                or not isinstance(tok.get("content"), str)
+            ):
+                raise TokenizerError(
+                    f"{cfg_file}: added_tokens_decoder[{key!r}]: expected a token id and {{'content': str}}"
+                )
             i = int(key)
             if not lo <= i < hi:
                 raise TokenizerError(

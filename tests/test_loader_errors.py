@@ -184,6 +184,36 @@ def test_no_such_directory(tmp_path):
         LLM(tmp_path / "nope", device="cpu", progress=False)
 
 
+@pytest.mark.parametrize("weight_map", [["a"], {"model.norm.weight": 3}, {"model.norm.weight": None}])
+def test_index_whose_weight_map_is_not_names_to_shards_is_named(ckpt, weight_map):
+    index_file = ckpt / "model.safetensors.index.json"
+    index_file.write_text(json.dumps({"weight_map": weight_map}))
+    assert "weight_map must map tensor names to shard names" in load_err(ckpt)
+
+
+def test_broken_tokenizer_files_are_named(ckpt):
+    """Ranks not 0..n-1 once each (tiktoken panicked on a repeat; a gap blamed the prompt later), and
+    tokenizer_config.json entries of the wrong shape (tracebacks): one TokenizerError naming the file."""
+    model, cfg = ckpt / "tiktoken.model", ckpt / "tokenizer_config.json"
+    lines = model.read_bytes().splitlines()
+    tok, _ = lines[-1].split()
+    model.write_bytes(b"\n".join([*lines[:-1], tok + b" 5000"]) + b"\n")
+    with pytest.raises(TokenizerError, match="tiktoken.model: the ranks are not 0"):
+        LLM(ckpt, device="cpu", progress=False)
+    model.write_bytes(b"\n".join(lines) + b"\n")
+    good = json.loads(cfg.read_text())
+    for bad in (
+        [1],
+        {"added_tokens_decoder": [1]},
+        {"added_tokens_decoder": {"abc": {"content": "x"}}},
+        {"added_tokens_decoder": {str(len(lines)): {"no": "content"}}},
+    ):
+        cfg.write_text(json.dumps(bad))
+        with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+            LLM(ckpt, device="cpu", progress=False)
+    cfg.write_text(json.dumps(good))
+
+
 def test_missing_tokenizer(ckpt):
     (ckpt / "tiktoken.model").unlink()
     with pytest.raises(TokenizerError, match="tiktoken.model is missing"):
