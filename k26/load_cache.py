@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_file import DTYPES, tensor_spans
+from .safetensors_file import DTYPES, read_header, tensor_spans
 from .shard_reader import Piece, ReadStats, fill_alone, io_read_bytes, staged_read
 from .stager import Stager
 
@@ -90,6 +90,9 @@ def write_safetensors(f: Path, named: list[tuple[str, torch.Tensor]]) -> int:
     return 8 + len(h) + off
 
 
+DTYPES_BY_TORCH = {t: name for name, t in DTYPES.items()}
+
+
 class LoadCache:
     """One rank's entry: `usable()` says (once, in one line) why not if it is not; `read(model)` fills the
     model from it; `write(model)` stores the model's parameters atomically."""
@@ -123,18 +126,18 @@ class LoadCache:
             reason = self.stale_reason()
             if reason is None:
                 reason = self._mismatch(model)
-        except (OSError, ValueError) as e:  # a vanished file, a bad header: never an error, a fresh load
+        except Exception as e:  # noqa: BLE001 - a vanished file, any bad header: never an error, a fresh load
             reason = f"unreadable ({e})"
         if reason is not None and reason != "no entry yet":
             print(f"load cache {self.dir}: {reason}; loading the checkpoint", file=sys.stderr, flush=True)
         return reason is None
 
     def _mismatch(self, model: torch.nn.Module) -> str | None:
-        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        with open(self.weights, "rb") as h:
-            header = json.loads(h.read(int.from_bytes(h.read(8), "little")))
-        header.pop("__metadata__", None)
-        if {k: tuple(v["shape"]) for k, v in header.items()} != params:
+        """Why the entry's tensors (read and checked as any safetensors file: `read_header`) are not the
+        model's parameters, name for name, shape and dtype, or None."""
+        params = {n: (DTYPES_BY_TORCH.get(p.dtype), tuple(p.shape)) for n, p in model.named_parameters()}
+        header = read_header(self.weights)
+        if {k: (dtype, shape) for k, (dtype, shape, _) in header.items()} != params:
             return "its tensors do not match the model's"
         return None
 

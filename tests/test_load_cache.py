@@ -86,6 +86,44 @@ def test_a_truncated_entry_is_not_used(ckpt, tmp_path, capsys):
     assert same(params(m), params(load_model(ckpt, progress=False)))
 
 
+def rewrite_header(w, edit):
+    """The entry's weights file with its JSON header edited in place, padded to the same length (so the
+    size check passes and only the header is wrong)."""
+    b = w.read_bytes()
+    n = int.from_bytes(b[:8], "little")
+    header = edit(json.loads(b[8 : 8 + n]))
+    j = json.dumps(header).encode()
+    assert len(j) <= n
+    w.write_bytes(b[:8] + j + b" " * (n - len(j)) + b[8 + n :])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: [0],  # not an object
+        lambda h: {
+            k: {kk: vv for kk, vv in v.items() if kk != "shape"} if k != "__metadata__" else v
+            for k, v in h.items()
+        },  # an entry without its shape
+        lambda h: {
+            k: v | {"dtype": "F16"} if k != "__metadata__" and v["dtype"] == "F32" else v
+            for k, v in h.items()
+        },  # another dtype (same shapes)
+    ],
+    ids=["list", "no-shape", "dtype"],
+)
+def test_an_entry_with_a_bad_header_is_a_fresh_load(ckpt, tmp_path, capsys, edit):
+    """As the module promises: said in one line and loaded fresh (these were tracebacks, or an error that
+    did not name the cache)."""
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c", dtype=torch.float32)
+    (w,) = (tmp_path / "c").glob("*/weights.safetensors")
+    rewrite_header(w, edit)
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c", dtype=torch.float32)
+    assert not m.load_stats.from_cache
+    assert "load cache" in capsys.readouterr().err
+    assert same(params(m), params(load_model(ckpt, progress=False, dtype=torch.float32)))
+
+
 def test_a_full_disk_leaves_no_entry_and_only_warns(ckpt, tmp_path, monkeypatch):
     def full(f, named):
         f.write_bytes(b"partial")
