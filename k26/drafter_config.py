@@ -60,17 +60,17 @@ class DrafterConfig:
         expect(f, "hidden_act", "silu")
         expect(f, "attention_bias", False)
         ids = dc.get("target_layer_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        if not isinstance(ids, list) or not ids or not all(_id(i) for i in ids):
             raise ConfigError(
                 f"drafter dflash_config.target_layer_ids={ids!r}: expected a non-empty list of layer ids"
             )
         if list(ids) != sorted(set(ids)):
             raise ConfigError(f"drafter dflash_config.target_layer_ids={ids!r} must be strictly increasing")
         mask = dc.get("mask_token_id")
-        if not isinstance(mask, int) or mask < 0:
+        if not _id(mask):
             raise ConfigError(f"drafter dflash_config.mask_token_id={mask!r}: expected a token id")
         block = raw.get("block_size", dc.get("block_size"))
-        if not isinstance(block, int) or block < 2:
+        if not _id(block) or block < 2:
             raise ConfigError(f"drafter block_size={block!r}: expected an integer >= 2")
         heads = f.int("num_attention_heads")
         hidden = f.int("hidden_size")
@@ -120,3 +120,8 @@ class DrafterConfig:
             )
         if bad:
             raise ConfigError("drafter does not match the target: " + "; ".join(bad))
+
+
+def _id(x: Any) -> bool:
+    """A non-negative integer (a JSON true is not one)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

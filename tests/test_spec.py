@@ -177,6 +177,8 @@ def test_drafter_rope_factor_switch(drafter_dir):
         (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), "target_layer_ids [9] beyond"),
         (lambda c: c["dflash_config"].update(mask_token_id=5000), "mask_token_id 5000 outside"),
         (lambda c: c.update(block_size=1), "block_size=1"),
+        (lambda c: c["dflash_config"].update(mask_token_id=True), "mask_token_id=True"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[True]), "target_layer_ids=[True]"),
         (lambda c: c.pop("dflash_config"), "no 'dflash_config'"),
     ],
 )
