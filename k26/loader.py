@@ -172,7 +172,10 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
                 if name in infos:
                     problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
                 infos[name] = TensorInfo(f, key, shape, dtype, span, stamp)
-        except Exception as e:  # noqa: BLE001  (SafetensorError / OSError / ...: any failure is reported)
+        except OSError as e:  # (permissions, I/O: the file may be fine)
+            unreadable.add(fname)
+            problems.append(f"shard {fname} cannot be read: {e.strerror or e}")
+        except Exception as e:  # noqa: BLE001  (a bad header, or anything else: any failure is reported)
             unreadable.add(fname)
             listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0
             held = (

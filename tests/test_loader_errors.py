@@ -111,6 +111,22 @@ def test_truncated_shard(ckpt):
     assert "model-00001-of-00003.safetensors is corrupt" in load_err(ckpt)
 
 
+def test_an_unreadable_shard_is_not_called_corrupt(ckpt, monkeypatch):
+    import k26.loader
+
+    real = k26.loader.read_header
+
+    def denied(f):
+        if f.name == "model-00002-of-00003.safetensors":
+            raise PermissionError(13, "Permission denied")
+        return real(f)
+
+    monkeypatch.setattr(k26.loader, "read_header", denied)
+    err = load_err(ckpt)
+    assert "shard model-00002-of-00003.safetensors cannot be read: Permission denied" in err
+    assert "corrupt" not in err
+
+
 def test_missing_shard_file(ckpt):
     (ckpt / "model-00003-of-00003.safetensors").unlink()
     assert "shard model-00003-of-00003.safetensors named by the index is missing" in load_err(ckpt)
