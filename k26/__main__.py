@@ -209,6 +209,9 @@ def cmd_info(a: argparse.Namespace) -> int:
     from .config import ModelConfig
     from .kv_cache import LatentCache
 
+    for flag, value in (("--drafter", a.drafter), ("--cache-dir", a.cache_dir)):
+        if value is not None and not a.startup:  # (they only matter to the start-up it runs)
+            raise ValueError(f"{flag} goes with --startup")
     cfg = ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir())
     for k, v in vars(cfg).items():
         print(f"{k:28s} {v}")

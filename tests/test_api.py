@@ -254,3 +254,9 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"k26 {k26.__version__}"
+
+
+def test_info_refuses_startup_flags_without_startup(tiny_k25, capsys):
+    """--drafter / --cache-dir only matter to the start-up `info --startup` runs (they were ignored)."""
+    assert main(["info", "--model", str(tiny_k25), "--drafter", str(tiny_k25)]) == 2
+    assert "--drafter goes with --startup" in capsys.readouterr().err
