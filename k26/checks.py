@@ -97,11 +97,9 @@ def check_prefill(chunk: int, budget: int) -> None:
         raise ValueError(f"prefill_budget={budget!r}: expected a positive integer")
 
 
-def check_path(value, name: str, optional: bool = True) -> None:
-    """A directory argument: a str or path (None when optional)."""
-    if value is None and optional:
-        return
-    if not isinstance(value, (str, os.PathLike)):
+def check_path(value, name: str) -> None:
+    """A directory argument: None, or a str or path."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name}={value!r}: expected a path (str or os.PathLike)")
 
 
