@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from .config import ModelConfig
+from .drafter_config import DrafterConfig
 from .graphs.buckets import Bucket
 from .sampling import SamplingParams
 from .spec.prefill import MAX_CHUNK
@@ -95,6 +96,15 @@ def check_prefill(chunk: int, budget: int) -> None:
         raise ValueError(f"prefill_chunk={chunk!r}: expected an integer in [1, {MAX_CHUNK}]")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"prefill_budget={budget!r}: expected a positive integer")
+
+
+def check_drafter(drafter, config: ModelConfig) -> DrafterConfig | None:
+    """The drafter directory's config (None: no drafter) against the target's, before any weight is read."""
+    if drafter is None:
+        return None
+    cfg = DrafterConfig.from_dir(drafter)
+    cfg.check_target(config)
+    return cfg
 
 
 def check_path(value, name: str) -> None:

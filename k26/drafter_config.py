@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import ConfigError, Fields, ModelConfig, RopeConfig, expect, parse_rope, read_config_json
+from .config import ModelConfig, RopeConfig, parse_rope
+from .config_fields import ConfigError, Fields, expect, read_config_json
 
 
 @dataclass(frozen=True)

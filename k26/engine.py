@@ -20,6 +20,7 @@ from .chat import ChatFormat, Message, render
 from .checks import (
     check_buckets,
     check_device,
+    check_drafter,
     check_ids,
     check_lengths,
     check_path,
@@ -34,7 +35,6 @@ from .config import ModelConfig
 from .decode import Decoder
 from .decode_context import DecodeContext
 from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
-from .drafter_config import DrafterConfig
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
@@ -112,11 +112,10 @@ class LLM:
         check_tokenizer(self.tokenizer, self.config)
         self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
         self.user_buckets = check_buckets(buckets, max_batch)
-        if drafter is not None:  # its config against the target's before any weight is read
-            DrafterConfig.from_dir(drafter).check_target(self.config)
+        dcfg = check_drafter(drafter, self.config)  # before any weight is read; _load reuses it
         self.absorb = absorb
         self.progress = progress and self.rank == 0  # one set of progress lines, whatever the ranks were told
-        self._load(drafter, max_batch, self.progress, cuda_kernels, cache_dir)
+        self._load(drafter, dcfg, max_batch, self.progress, cuda_kernels, cache_dir)
         # torch.compile of the decoder layers and the drafter's block forward: fixed shapes per bucket,
         # lengths and positions as tensors, so decode never recompiles; it runs (and autotunes) in the
         # warm-ups before each graph capture.
@@ -140,7 +139,7 @@ class LLM:
         self._ranks = RankGroup(tp, type(self), (str(self.path),), kw, str(device) if device else None)
         weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
 
-    def _load(self, drafter, max_batch: int, progress: bool, cuda_kernels: bool, cache_dir) -> None:
+    def _load(self, drafter, dcfg, max_batch: int, progress: bool, cuda_kernels: bool, cache_dir) -> None:
         """The target (and drafter) weights, each rank its TP shard, and their caches."""
         tp = self.tp_size
         if tp > 1:
@@ -156,6 +155,7 @@ class LLM:
                 self.drafter = load_drafter(
                     drafter,
                     self.config,
+                    cfg=dcfg,
                     device=self.device,
                     dtype=self.dtype,
                     tp=self.model.tp,

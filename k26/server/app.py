@@ -26,7 +26,8 @@ from .engine import Request as EngineRequest
 from .errors import APIError
 from .logprobs import Logprobs, cut_at
 from .metrics import prometheus
-from .protocol import choice, completion_body, parse, prompt_ids, token_ids, usage
+from .protocol import parse, prompt_ids, token_ids
+from .responses import choice, completion_body, usage
 
 
 @dataclass
