@@ -121,6 +121,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
         seed=a.seed,
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
+        stop_token_ids=() if a.ignore_eos else None,
     )
     spec = SpecConfig(method=method, budget=a.budget if a.budget is not None else "auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun --nproc-per-node N: one rank per process

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens: no end id stops")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")

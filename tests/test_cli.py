@@ -149,6 +149,15 @@ def test_chat_prompt_is_the_models_chat_format(no_loading, extra, thinking):
     assert plan.prompt_ids == render(k26.Tokenizer.from_dir(TARGET), [Message("user", "hi")], fmt)
 
 
+@pytest.mark.parametrize("extra,stops", [([], None), (["--ignore-eos"], ())])
+def test_ignore_eos_leaves_no_stop_id(no_loading, extra, stops):
+    """`generate --ignore-eos`: no id ends the answer (None: the tokenizer's end ids do)."""
+    from k26.__main__ import build_parser, plan_generate
+
+    plan = plan_generate(build_parser().parse_args(["generate", "--prompt", "hi", *extra]))
+    assert plan.sampling.stop_token_ids == stops
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [

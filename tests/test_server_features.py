@@ -269,3 +269,39 @@ def test_penalties_and_logit_bias_answer_as_generate(served):
     whole = c.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy(), **PENALTIES).choices[0].text
     chunks = c.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy(), **PENALTIES)
     assert whole == want == "".join(ch.choices[0].text for ch in chunks)
+
+
+def test_stop_token_ids_end_the_answer_before_their_id(served):
+    """vLLM's `stop_token_ids`: the greedy answer ends (finish_reason "stop") just before the first
+    generated id that is one of them, whole and streamed."""
+    c, llm, ref = served["client"], served["llm"], served["refs"][PROMPTS[0]]
+    k = 3
+    stop = ref.token_ids[k]
+    cut = ref.token_ids[: ref.token_ids.index(stop)]  # (an earlier equal id ends it there)
+    whole = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], **greedy(), extra_body={"stop_token_ids": [stop]}
+    )
+    choice = whole.choices[0]
+    assert choice.text == llm.tokenizer.decode(cut) and choice.finish_reason == "stop"
+    assert whole.usage.completion_tokens == len(cut)
+    chunks = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], stream=True, **greedy(), extra_body={"stop_token_ids": [stop]}
+    )
+    assert "".join(ch.choices[0].text for ch in chunks) == choice.text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_ignore_eos_generates_through_the_end_ids(served, chat):
+    """A logit bias makes an end id the greedy choice: the answer ends at once (finish_reason "stop"),
+    and with vLLM's `ignore_eos` it runs to max_tokens (finish_reason "length") instead."""
+    c, llm = served["client"], served["llm"]
+    end = llm.tokenizer.stop_ids[0]
+    kw = {"model": MODEL, **greedy(), "logit_bias": {str(end): 100}}
+    create = c.chat.completions.create if chat else c.completions.create
+    kw.update({"messages": CHAT} if chat else {"prompt": PROMPTS[1]})
+    ended = create(**kw)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 0
+    through = create(**kw, extra_body={"ignore_eos": True})
+    assert (
+        through.choices[0].finish_reason == "length" and through.usage.completion_tokens == kw["max_tokens"]
+    )

@@ -33,6 +33,8 @@ COMMON = {
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "ignore_eos",  # vLLM's: the end-of-turn / end-of-text ids do not end a choice
+    "stop_token_ids",  # vLLM's: more ids that end a choice (the id is not part of the answer)
 }
 COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT = COMMON | {
@@ -55,6 +57,7 @@ NEUTRAL = {
 }
 MAX_STOP = 4
 MAX_STOP_CHARS = 512  # characters a stop string may hold
+MAX_STOP_IDS = 64  # stop_token_ids a request may name
 MAX_N = 16  # choices a request may ask for (`n`): each takes a row of the batch like a request of its own
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a list); prompts x n rows in all
 
@@ -139,7 +142,7 @@ def parse(
     echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
         raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
-    params = [_sampling(body, chat, max_model_len - len(ids), vocab) for ids in prompts]
+    params = [_sampling(body, chat, max_model_len - len(ids), vocab, tok.stop_ids) for ids in prompts]
     if params[0].logprobs is not None and not logprobs:
         raise APIError(400, "logprobs: this server was started with --no-logprobs", "logprobs")
     if echo and params[0].logprobs is not None:  # the prompt's tokens get theirs too
@@ -208,7 +211,7 @@ def _refuse_unserved(body: dict) -> None:
         raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
 
 
-def _sampling(body: dict, chat: bool, room: int, vocab: int) -> SamplingParams:
+def _sampling(body: dict, chat: bool, room: int, vocab: int, eos: tuple[int, ...]) -> SamplingParams:
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):  # each one given
         if body.get(key) is not None and (not _int(body[key]) or body[key] < 0):
             raise APIError(400, f"{key}={body[key]!r}: expected an integer >= 0", key)
@@ -254,8 +257,33 @@ def _sampling(body: dict, chat: bool, room: int, vocab: int) -> SamplingParams:
         stop=tuple(stop),
         logprobs=_logprobs(body, chat),
         logit_bias=_logit_bias(body.get("logit_bias"), vocab),
+        stop_token_ids=_stop_token_ids(body, vocab, eos),
         **penalties,
     )
+
+
+def _stop_token_ids(body: dict, vocab: int, eos: tuple[int, ...]) -> tuple[int, ...] | None:
+    """SamplingParams.stop_token_ids from vLLM's `ignore_eos` and `stop_token_ids`: the tokenizer's end
+    ids (`eos`) unless ignored, then the extra ids; None (the tokenizer's default) when neither is given."""
+    ignore = body.get("ignore_eos")
+    if ignore is not None and not isinstance(ignore, bool):
+        raise APIError(400, f"ignore_eos={_short(ignore)}: expected true or false", "ignore_eos")
+    extra = body.get("stop_token_ids")
+    extra = [] if extra is None else extra
+    if (
+        not isinstance(extra, list)
+        or len(extra) > MAX_STOP_IDS
+        or not all(_int(t) and 0 <= t < vocab for t in extra)
+    ):
+        raise APIError(
+            400,
+            f"stop_token_ids={_short(body.get('stop_token_ids'))}: expected up to {MAX_STOP_IDS} token ids "
+            f"in [0, {vocab})",
+            "stop_token_ids",
+        )
+    if not ignore and not extra:
+        return None
+    return tuple(dict.fromkeys((() if ignore else eos) + tuple(extra)))  # each id once, in order
 
 
 def _logit_bias(lb: Any, vocab: int) -> tuple[tuple[int, float], ...]:
