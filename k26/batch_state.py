@@ -10,7 +10,7 @@ import torch
 from .graphs.stepper import GraphStepper
 from .kv_cache import HeadStash
 from .outputs import RequestOutput
-from .penalties import Penalties
+from .penalties import Penalties, RowPenalty
 from .prefix_cache import PrefixCache, cached_tokens
 from .sampling import RowSampling, SamplingParams, StepLogprobs, sampling_mode
 from .spec.budget import BudgetPolicy
@@ -116,7 +116,12 @@ class BatchState:
                 st.temperature[b], st.top_p[b], st.top_k[b] = float(sp.temperature), float(sp.top_p), sp.top_k
             # every new row, penalised or not: the slot's last request leaves nothing behind
             if (pen := self.penalty_state) is not None:
-                pen.set_row(b, sp.frequency_penalty, sp.presence_penalty, sp.logit_bias)
+                pen.set_row(
+                    b,
+                    RowPenalty(
+                        sp.frequency_penalty, sp.presence_penalty, sp.logit_bias, sp.min_tokens, self.stops[b]
+                    ),
+                )
         self.rs = None
         # until a row goes live its idle steps write at its length (autoregressive batches): past its prompt,
         # never into what its prefill writes or what it holds afterwards
@@ -238,7 +243,8 @@ class BatchState:
                     o.logprobs.append(lps[j])
                 if (ts := self.texts[b]) is not None:
                     new_chars = len(ts.push([t]))  # only they can complete a stop string
-                    if (cut := first_stop(ts.text, sp.stop, new_chars)) is not None:
+                    early = len(o.token_ids) < sp.min_tokens  # (vLLM's min_tokens: stop strings wait too)
+                    if not early and (cut := first_stop(ts.text, sp.stop, new_chars)) is not None:
                         self.finish(b, "stop", text=ts.text[:cut])
                         break
                 if (

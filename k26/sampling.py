@@ -31,6 +31,8 @@ class SamplingParams:
     # {token id: bias in [-100, 100]} added to that token's logit (a dict, or (id, bias) pairs); kept as
     # sorted pairs. Penalties and biases act before temperature, top-p and top-k; logprobs stay raw.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: no stop id (logit -inf) and no stop string ends the answer before this many tokens
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -68,11 +70,19 @@ class SamplingParams:
             if not _real(v) or not -2 <= v <= 2:
                 raise bad(name, "must be a number in [-2, 2]")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias, bad))
+        m = self.min_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
 
     @property
     def penalized(self) -> bool:
-        """Some penalty or logit bias shifts this row's logits."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or bool(self.logit_bias)
+        """Some penalty, logit bias or min_tokens shifts this row's logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
 
 
 def _real(v) -> bool:

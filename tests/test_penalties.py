@@ -7,7 +7,7 @@ import torch
 
 from k26 import LLM, SamplingParams, SpecConfig
 from k26.ops import tree_mask_to_words, words_to_tree_mask
-from k26.penalties import Penalties, penalized
+from k26.penalties import Penalties, RowPenalty, penalized
 
 PROMPT = "def main(args):\n    "
 
@@ -58,7 +58,9 @@ def test_rows_without_penalties_get_their_logits_back_bit_for_bit():
     B, N, V = 2, 7, 13
     p = Penalties.allocate(B, V, "cpu")
     p.counts.copy_(torch.randint(0, 4, (B, V), generator=g, dtype=torch.int32))  # counted, but no penalty
-    p.set_row(1, 0.7, 0.3, ((2, 5.0),))  # row 1 penalised: row 0 must not notice
+    p.set_row(
+        1, RowPenalty(0.7, 0.3, ((2, 5.0),), 3, frozenset({1, 4}))
+    )  # row 1 penalised: row 0 must not notice
     logits = torch.randn(B, N, V, generator=g)
     tokens, anc = random_tree(B, N, V, g)
     assert torch.equal(penalized(logits, p, tokens, anc)[0], logits[0])
@@ -68,16 +70,44 @@ def test_rows_without_penalties_get_their_logits_back_bit_for_bit():
 
 def test_set_row_clears_the_slots_previous_request():
     p = Penalties.allocate(2, 6, "cpu")
-    p.set_row(0, 1.0, 1.0, ((1, -3.0), (4, 2.0)))
+    p.set_row(0, RowPenalty(1.0, 1.0, ((1, -3.0), (4, 2.0)), 5, frozenset({0, 3})))
     p.count([0, 0, 0], [4, 4, 5])
     assert p.counts[0].tolist() == [0, 0, 0, 0, 2, 1] and p.bias[0, 4] == 2.0
-    p.set_row(0, 0.0, 0.0, ())
+    assert p.held[0] == 2 and p.stops[0].tolist() == [True, False, False, True, False, False]
+    p.count([0, 0, 0], [1, 1, 1])
+    assert p.held[0] == 0  # (never below)
+    p.set_row(0, RowPenalty())
     assert not p.counts[0].any() and not p.bias[0].any() and p.frequency[0] == 0 and p.presence[0] == 0
+    assert p.held[0] == 0 and not p.stops[0].any()
 
 
-def greedy_by_hand(llm, prompt_ids, sp: SamplingParams, steps: int) -> list[int]:
+def test_min_tokens_holds_stop_ids_back_until_enough_precede_each_node():
+    """A node at depth d (path tokens below the root) has generated + d tokens before its position: the stop
+    ids are -inf there while that is below min_tokens, and only the stop ids."""
+    g = torch.Generator().manual_seed(2)
+    B, N, V = 2, 9, 11
+    p = Penalties.allocate(B, V, "cpu")
+    p.set_row(0, RowPenalty(min_tokens=5, stop_ids=frozenset({2, 7})))
+    p.set_row(1, RowPenalty(min_tokens=4, stop_ids=frozenset({3})))
+    p.count([0, 0, 0], [1, 1, 4])  # row 0: 3 generated, 2 more held back; row 1: 4 held back
+    logits = torch.randn(B, N, V, generator=g)
+    tokens, anc = random_tree(B, N, V, g)
+    got = penalized(logits, p, tokens, anc)
+    flat = penalized(logits, p)  # no tree: every position at depth 0
+    for b, (stops, held) in enumerate([({2, 7}, 2), ({3}, 4)]):
+        for n in range(N):
+            depth = int(anc[b, n, 1:].sum())
+            for t in range(V):
+                early = t in stops
+                assert (got[b, n, t] == float("-inf")) == (early and depth < held), (b, n, t)
+                assert (flat[b, n, t] == float("-inf")) == early, (b, n, t)
+                if not early:
+                    assert got[b, n, t] == logits[b, n, t]
+
+
+def greedy_by_hand(llm, prompt_ids, sp: SamplingParams, steps: int, stops=frozenset()) -> list[int]:
     """The specification: each token the argmax of a plain forward's last logits shifted by OpenAI's formula
-    over the tokens generated so far."""
+    over the tokens generated so far, the `stops` ids excluded while fewer than sp.min_tokens precede."""
     out: list[int] = []
     bias = torch.zeros(llm.config.vocab_size)
     for i, v in sp.logit_bias:
@@ -86,6 +116,8 @@ def greedy_by_hand(llm, prompt_ids, sp: SamplingParams, steps: int) -> list[int]
         logits = llm.score(prompt_ids + out)[-1]
         c = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
         shifted = logits + (bias - sp.frequency_penalty * c - sp.presence_penalty * (c > 0).float())
+        if len(out) < sp.min_tokens:
+            shifted[sorted(stops)] = float("-inf")
         out.append(int(shifted.argmax()))
     return out
 
@@ -145,6 +177,33 @@ def test_oracle_drafts_accepted_whole_need_each_nodes_path_counted(
     assert max(out.stats.accepted_per_step) == depth + 1  # whole paths accepted
 
 
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_min_tokens_generates_through_a_forced_stop_id(llm, method):
+    """A logit bias makes a stop id the greedy choice: the answer ends at once, and with min_tokens = 5 it
+    is the formula's 5 tokens with the stop ids held back, then ends on the stop id — in AR and through
+    DFlash's and DDTree's verify (lossless)."""
+    stops = set(llm.tokenizer.stop_ids)
+    forced = {"max_tokens": 12, "logit_bias": {min(stops): 100.0}}
+    spec = SpecConfig(method, 6 if method == "ddtree" else None)
+    assert llm.generate(PROMPT, SamplingParams(**forced), spec)[0].token_ids == []
+    sp = SamplingParams(**forced, min_tokens=5)
+    want = greedy_by_hand(llm, llm.tokenizer.encode(PROMPT), sp, 6, stops)
+    assert not stops & set(want[:5]) and want[5] in stops
+    out = llm.generate(PROMPT, sp, spec)[0]
+    assert out.token_ids == want[:5] and out.finish_reason == "stop"
+
+
+def test_min_tokens_holds_stop_strings_back(llm):
+    """vLLM's min_tokens: a stop string is not looked for before min_tokens tokens."""
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[]))[0]
+    stop = llm.tokenizer.decode(plain.token_ids[1:2])
+    assert stop.strip()  # (else the test proves nothing)
+    early = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[], stop=stop))[0]
+    late = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[], stop=stop, min_tokens=6))[0]
+    assert len(early.token_ids) < 6 <= len(late.token_ids)
+    assert late.token_ids == plain.token_ids[: len(late.token_ids)]
+
+
 def test_logit_bias_can_force_and_ban_a_token(llm):
     plain = llm.generate(PROMPT, SamplingParams(max_tokens=4, stop_token_ids=[]), SpecConfig("ddtree", 6))[0]
     first = plain.token_ids[0]
@@ -200,6 +259,9 @@ def test_a_penalised_neighbour_and_a_reused_slot_change_nothing(llm):
         ({"logit_bias": {5: 101}}, "logit_bias"),
         ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"),
         ({"logit_bias": 3}, "logit_bias"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 2.0}, "min_tokens"),
     ],
 )
 def test_bad_penalties_are_named(kwargs, field):

@@ -291,6 +291,8 @@ BAD = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 10**400}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "ignore_eos": 1}, 400, "ignore_eos"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": "2"}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [5, 10**9]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": 5}, 400, "stop_token_ids"),

@@ -291,9 +291,10 @@ def test_stop_token_ids_end_the_answer_before_their_id(served):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_ignore_eos_generates_through_the_end_ids(served, chat):
+def test_ignore_eos_and_min_tokens_generate_through_the_end_ids(served, chat):
     """A logit bias makes an end id the greedy choice: the answer ends at once (finish_reason "stop"),
-    and with vLLM's `ignore_eos` it runs to max_tokens (finish_reason "length") instead."""
+    with vLLM's `ignore_eos` it runs to max_tokens (finish_reason "length") instead, and with vLLM's
+    `min_tokens` it ends on an end id after min_tokens tokens."""
     c, llm = served["client"], served["llm"]
     end = llm.tokenizer.stop_ids[0]
     kw = {"model": MODEL, **greedy(), "logit_bias": {str(end): 100}}

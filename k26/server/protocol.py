@@ -35,6 +35,7 @@ COMMON = {
     "logit_bias",
     "ignore_eos",  # vLLM's: the end-of-turn / end-of-text ids do not end a choice
     "stop_token_ids",  # vLLM's: more ids that end a choice (the id is not part of the answer)
+    "min_tokens",  # vLLM's: no stop id or stop string ends a choice before this many tokens
 }
 COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT = COMMON | {
@@ -248,11 +249,19 @@ def _sampling(body: dict, chat: bool, room: int, vocab: int, eos: tuple[int, ...
         penalties[name] = _number(body, name, 0.0)
         if not -2 <= penalties[name] <= 2:
             raise APIError(400, f"{name}={penalties[name]!r}: must lie in [-2, 2]", name)
+    mt = min(mt, room)
+    least = body.get("min_tokens")
+    least = 0 if least is None else least
+    if not _int(least) or not 0 <= least <= mt:
+        raise APIError(
+            400, f"min_tokens={_short(least)}: expected an integer in [0, max_tokens={mt}]", "min_tokens"
+        )
     return SamplingParams(
         temperature=float(t),
         top_p=float(top_p),
         top_k=top_k,
-        max_tokens=min(mt, room),
+        max_tokens=mt,
+        min_tokens=least,
         seed=seed,
         stop=tuple(stop),
         logprobs=_logprobs(body, chat),
