@@ -203,17 +203,22 @@ def test_a_batch_opened_without_logprobs_graphs_refuses_a_logprobs_row(pair):
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_replayed_penalties_equal_eager(pair, spec):
-    """Penalties and a logit bias in the "filter" graphs (counts written by the host between replays, the
-    tree's path counted inside them): the same tokens as the eager steps, greedy and seeded sampled."""
+    """Penalties, a logit bias and min_tokens in the "filter" graphs (counts written by the host between
+    replays, the tree's path counted inside them): the same tokens as the eager steps, greedy and seeded
+    sampled; min_tokens holds a forced stop id back for exactly its 9 tokens."""
     ps = prompts(2, seed=7)
     pen = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {11: 2.0}}
+    held = {"logit_bias": {min(pair[0].tokenizer.stop_ids): 100.0}, "min_tokens": 9}  # a stop id forced at 9
     for sp in (
         SamplingParams(max_tokens=32, stop_token_ids=[], **pen),
         SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=32, stop_token_ids=[], **pen),
+        SamplingParams(max_tokens=32, **held),
     ):
         a, b = graphed_and_eager(pair, ps, sp, spec)
         assert (spec, "filter") in pair[0].decoder.runners
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        if sp.min_tokens:
+            assert all(len(o.token_ids) == 9 and o.finish_reason == "stop" for o in a)
 
 
 def test_a_penalised_row_beside_a_plain_one_in_an_open_graph_batch(pair):
