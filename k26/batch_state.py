@@ -44,6 +44,7 @@ class BatchState:
     params: list[SamplingParams | None] = field(init=False)
     stops: list[frozenset[int]] = field(init=False)
     texts: list[TextStream | None] = field(init=False)  # rows with stop strings: their text as it grows
+    seek_from: list[int] = field(init=False)  # where in texts[b] a stop string may begin (min_tokens)
     gens: list[torch.Generator | None] = field(init=False)
     live: list[int] = field(default_factory=list)
     timer: PhaseTimer | None = None
@@ -60,6 +61,7 @@ class BatchState:
         self.outs, self.params, self.gens = [None] * cap, [None] * cap, [None] * cap
         self.stops = [frozenset()] * cap
         self.texts = [None] * cap
+        self.seek_from = [0] * cap
         self.prefix = PrefixCache(cap)
         self.filled = [False] * cap
         self.row_of = list(range(cap))
@@ -110,6 +112,7 @@ class BatchState:
             )
             self.gens[b] = None if sp.seed is None else torch.Generator(device=dev).manual_seed(sp.seed)
             self.texts[b] = TextStream(self.tokenizer) if sp.stop else None
+            self.seek_from[b] = 0
             self.prefix.admitted(b)
             if self.graph is not None:  # the per-row sampling the captured step reads
                 st = self.graph.state
@@ -118,8 +121,13 @@ class BatchState:
             if (pen := self.penalty_state) is not None:
                 pen.set_row(
                     b,
+                    # min_tokens holds the end ids back too (vLLM's, whatever ignore_eos says)
                     RowPenalty(
-                        sp.frequency_penalty, sp.presence_penalty, sp.logit_bias, sp.min_tokens, self.stops[b]
+                        sp.frequency_penalty,
+                        sp.presence_penalty,
+                        sp.logit_bias,
+                        sp.min_tokens,
+                        self.stops[b] | frozenset(self.tokenizer.stop_ids),
                     ),
                 )
         self.rs = None
@@ -243,8 +251,13 @@ class BatchState:
                     o.logprobs.append(lps[j])
                 if (ts := self.texts[b]) is not None:
                     new_chars = len(ts.push([t]))  # only they can complete a stop string
-                    early = len(o.token_ids) < sp.min_tokens  # (vLLM's min_tokens: stop strings wait too)
-                    if not early and (cut := first_stop(ts.text, sp.stop, new_chars)) is not None:
+                    if len(o.token_ids) == sp.min_tokens:  # stop strings are sought in what follows
+                        self.seek_from[b] = len(ts.text)
+                    seek = len(o.token_ids) > sp.min_tokens  # (vLLM's min_tokens)
+                    if (
+                        seek
+                        and (cut := first_stop(ts.text, sp.stop, new_chars, self.seek_from[b])) is not None
+                    ):
                         self.finish(b, "stop", text=ts.text[:cut])
                         break
                 if (

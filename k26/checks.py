@@ -193,13 +193,17 @@ def encode_prompts(prompts, tokenizer: Tokenizer, vocab: int, max_model_len: int
 
 
 def check_sampling(sp: SamplingParams, vocab: int) -> SamplingParams:
-    """What SamplingParams cannot check alone: its logit_bias ids lie in the vocabulary."""
+    """What SamplingParams cannot check alone: its logit_bias and stop_token_ids ids lie in the vocabulary."""
     if not isinstance(sp, SamplingParams):
         raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
-    if bad := [i for i, _ in sp.logit_bias if i >= vocab]:
-        raise ValueError(
-            f"SamplingParams.logit_bias: token id {bad[0]} is not below the vocabulary size {vocab}"
-        )
+    for name, ids in (
+        ("logit_bias", [i for i, _ in sp.logit_bias]),
+        ("stop_token_ids", sp.stop_token_ids or ()),
+    ):
+        if bad := [i for i in ids if i >= vocab]:
+            raise ValueError(
+                f"SamplingParams.{name}: token id {bad[0]} is not below the vocabulary size {vocab}"
+            )
     return sp
 
 

@@ -10,7 +10,8 @@ min_tokens: while fewer than min_tokens tokens precede a position (those generat
 path), the row's stop ids get logit -inf there, so no stop id can end the answer early.
 A row with no penalty and no bias gets its logits back (x + 0.0 == x), so rows without them pick the
 tokens they would in a batch without penalties. In the captured "filter" / "logprobs" graphs this runs for
-every row, penalised or not (two [B, N, V] fp32 temporaries besides the sort those modes do anyway).
+every row, penalised or not (two [B, N, V] fp32 temporaries and a bool mask besides the sort those modes
+do anyway).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Penalties:
         self.bias[b].zero_()
         self.counts[b].zero_()
         self.stops[b].zero_()
-        self.held[b] = row.min_tokens
+        self.held[b] = min(row.min_tokens, 2**31 - 1)  # (int32: longer than any context anyway)
         dev = self.bias.device
         if row.logit_bias:
             ids = torch.tensor([i for i, _ in row.logit_bias], dtype=torch.long, device=dev)

@@ -209,10 +209,10 @@ class TextStream:
         return self.text
 
 
-def first_stop(text: str, stops: tuple[str, ...], new: int) -> int | None:
-    """Where the first stop string begins in `text`, given that none occurred before its last `new`
-    characters came (so any occurrence ends among them: only that tail is searched), or None."""
-    start = max(0, len(text) - new - max(map(len, stops), default=1) + 1)
+def first_stop(text: str, stops: tuple[str, ...], new: int, lo: int = 0) -> int | None:
+    """Where the first stop string begins in `text` (at `lo` or later), given that none occurred before its
+    last `new` characters came (so any occurrence ends among them: only that tail is searched), or None."""
+    start = max(lo, len(text) - new - max(map(len, stops), default=1) + 1)
     hits = [h for s in stops if (h := text.find(s, start)) >= 0]
     return min(hits) if hits else None
 

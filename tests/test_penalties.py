@@ -193,15 +193,27 @@ def test_min_tokens_generates_through_a_forced_stop_id(llm, method):
     assert out.token_ids == want[:5] and out.finish_reason == "stop"
 
 
-def test_min_tokens_holds_stop_strings_back(llm):
-    """vLLM's min_tokens: a stop string is not looked for before min_tokens tokens."""
+@pytest.mark.parametrize("least", [2, 6])
+def test_min_tokens_holds_stop_strings_back(llm, least):
+    """vLLM's min_tokens: stop strings are sought only once more than min_tokens tokens came, in the text
+    after the min_tokens-th (here the stop string is the 2nd token's text: min_tokens = 2 lets it pass)."""
     plain = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[]))[0]
     stop = llm.tokenizer.decode(plain.token_ids[1:2])
     assert stop.strip()  # (else the test proves nothing)
     early = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[], stop=stop))[0]
-    late = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[], stop=stop, min_tokens=6))[0]
-    assert len(early.token_ids) < 6 <= len(late.token_ids)
+    sp = SamplingParams(max_tokens=12, stop_token_ids=[], stop=stop, min_tokens=least)
+    late = llm.generate(PROMPT, sp)[0]
+    assert len(early.token_ids) <= 2 < len(late.token_ids) and len(late.token_ids) >= least
     assert late.token_ids == plain.token_ids[: len(late.token_ids)]
+
+
+def test_min_tokens_beyond_int32_and_stop_ids_outside_the_vocabulary(llm):
+    """A min_tokens longer than any context is no overflow; a stop id outside the vocabulary is named
+    before decoding."""
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=2**40, min_tokens=2**33))[0]
+    assert out.finish_reason == "length"
+    with pytest.raises(ValueError, match="stop_token_ids: token id .* vocabulary"):
+        llm.generate(PROMPT, SamplingParams(stop_token_ids=[llm.config.vocab_size], min_tokens=2))
 
 
 def test_logit_bias_can_force_and_ban_a_token(llm):

@@ -306,3 +306,11 @@ def test_ignore_eos_and_min_tokens_generate_through_the_end_ids(served, chat):
     assert (
         through.choices[0].finish_reason == "length" and through.usage.completion_tokens == kw["max_tokens"]
     )
+    held = create(**kw, extra_body={"min_tokens": 3})  # the end ids wait 3 tokens, then end it
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 3
+    # vLLM's ignore_eos with min_tokens: the end ids are held back all the same, then no longer stop
+    both = create(**kw, extra_body={"min_tokens": 3, "ignore_eos": True})
+    assert both.choices[0].finish_reason == "length"
+    if not chat:  # (the chat answer's text is what the parser makes of the end ids)
+        first = [c.completions.create(**{**kw, "max_tokens": 3, "logit_bias": {}}).choices[0].text]
+        assert both.choices[0].text.startswith(first[0])

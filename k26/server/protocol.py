@@ -249,13 +249,12 @@ def _sampling(body: dict, chat: bool, room: int, vocab: int, eos: tuple[int, ...
         penalties[name] = _number(body, name, 0.0)
         if not -2 <= penalties[name] <= 2:
             raise APIError(400, f"{name}={penalties[name]!r}: must lie in [-2, 2]", name)
-    mt = min(mt, room)
     least = body.get("min_tokens")
     least = 0 if least is None else least
-    if not _int(least) or not 0 <= least <= mt:
-        raise APIError(
-            400, f"min_tokens={_short(least)}: expected an integer in [0, max_tokens={mt}]", "min_tokens"
-        )
+    if not _int(least) or not 0 <= least <= min(mt, room):
+        limit = f"max_tokens={mt}" if mt < room else f"the {room} tokens the context leaves after the prompt"
+        raise APIError(400, f"min_tokens={_short(least)}: expected an integer in [0, {limit}]", "min_tokens")
+    mt = min(mt, room)
     return SamplingParams(
         temperature=float(t),
         top_p=float(top_p),
