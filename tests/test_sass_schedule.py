@@ -2,8 +2,8 @@
 no GPU). ptxas moves non-coherent .nc loads across griddepcontrol.wait (ACQBULK in SASS): an .nc load of the
 previous kernel's output can be hoisted above it (a race: the sm_120a build of the deep tile-mode linear
 kernels had one until 2026-12-05), and .nc weight loads meant to be in flight across it are sunk below it.
-Checked: in every tile-mode linear kernel, on both archs, nothing but weight loads precede the wait; with
--DK26_PDL_ORDERED_LOADS the weight batches do."""
+Checked: in every tile-mode linear kernel, on both archs, nothing but weight loads precede the wait, and the
+weight batches do (coherent loads, since 2026-12-05)."""
 
 import shutil
 import sys
@@ -40,17 +40,13 @@ def loads_before_wait(events: list[str]) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def every_kernel():
-    """{(arch, source, kernel): schedule} of every kernel of k26/ops/csrc on both archs (default build), and
-    of the sources -DK26_PDL_ORDERED_LOADS changes on sm_90a with it (arch "sm_90a+ordered")."""
-    jobs = [(arch, src, ()) for arch in ("sm_90a", "sm_120a") for src in sorted(CSRC.glob("*.cu"))]
-    ordered = ("linear_smallm.cu", "add_rmsnorm.cu", "allreduce_fused.cu")
-    jobs += [("sm_90a", CSRC / n, ("K26_PDL_ORDERED_LOADS",)) for n in ordered]
+    """{(arch, source, kernel): schedule} of every kernel of k26/ops/csrc on both archs (default build)."""
+    jobs = [(arch, src) for arch in ("sm_90a", "sm_120a") for src in sorted(CSRC.glob("*.cu"))]
 
     def run(job):
-        arch, src, defines = job
-        tag = arch + ("+ordered" if defines else "")
+        arch, src = job
         return {
-            (tag, src.name, k): ev for k, ev in sass_schedule.kernel_schedules(src, "", arch, defines).items()
+            (arch, src.name, k): ev for k, ev in sass_schedule.kernel_schedules(src, "", arch, ()).items()
         }
 
     with ThreadPoolExecutor(2) as pool:
@@ -70,6 +66,7 @@ def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
         assert set(counts) <= {"LDG.E.NA.128", "LDG.E.NA.128.CONSTANT"}, (name, counts)  # weights only
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 @pytest.mark.parametrize(
     "source, kernel, weight_loads",
     [
@@ -80,10 +77,8 @@ def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
         ("allreduce_fused.cu", "allreduce_add_rmsnorm_kernel", 4),
     ],
 )
-def test_ordered_loads_issue_the_weights_before_the_wait_and_x_after(
-    every_kernel, source, kernel, weight_loads
-):
-    found = pick(every_kernel, "sm_90a+ordered", source, kernel)
+def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, source, kernel, weight_loads):
+    found = pick(every_kernel, arch, source, kernel)
     assert len(found) == 1, list(found)
     counts = loads_before_wait(next(iter(found.values())))
     # weights: LDG.E.NA.128 (no L1 allocation) in the linear kernels, a strong 128-bit load of the norm weight
@@ -99,7 +94,7 @@ def test_no_kernel_reads_a_vector_through_the_nc_path_before_its_wait(every_kern
     # weights two kernels back (csrc/moe_one_token.cuh says why those are complete).
     waits = 0
     for (arch, src, kernel), events in every_kernel.items():
-        if arch.endswith("+ordered") or not any(e.split()[1] == "ACQBULK" for e in events):
+        if not any(e.split()[1] == "ACQBULK" for e in events):
             continue
         waits += 1
         early = loads_before_wait(events)

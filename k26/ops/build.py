@@ -128,7 +128,9 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # (Measured and dropped: bf16 attention partials and 16-row attention tiles,
 # profiling/results/2026-12-04-variants-session17-h200.md; the MoE down + combine's deal cost and the
 # gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md; the MoE weights by ld.global.nc and the
-# small-M linear's two-tile blocks, 2026-12-05-session22-h200.md.)
+# small-M linear's two-tile blocks, 2026-12-05-session22-h200.md; the one-token MoE gate/up's whole k range
+# staged in shared memory and its blocks bounded to 2 an SM, 2026-12-05-session24-h200.md. Made the default:
+# the coherent weight loads that keep PDL's prefetch above the wait, same file.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -147,25 +149,6 @@ VARIANTS: dict[str, list[str]] = {
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
-    # MoE one token: gate/up warps copy their whole k range (weights + scales) into shared memory by
-    # cp.async at once, x staged as by default (csrc/moe_one_token.cuh, gated_one_token_staged): one DRAM
-    # round trip after the ids; bit-identical. Re-prepared 2026-12-05 (session 22: a first version that read
-    # x in its multiply loop measured +4.7 µs a block, confounded by those L2 round trips)
-    "-DK26_MOE_GU_STAGE": ["moe_w4a16.cu"],
-    # MoE one token: the gate/up launched with 80 KB of unused dynamic shared memory (2 blocks an SM on an
-    # H200 instead of 3): block placement alone, what GU_STAGE changes besides its staging. Prepared
-    # 2026-12-05 (session 23)
-    "-DK26_MOE_GU_PAD_KB=80": ["moe_w4a16.cu"],
-    # weights (and the norm weight) by coherent loads, which ptxas keeps above griddepcontrol.wait, and x by
-    # coherent loads after it (csrc/linear_tile.cuh, rmsnorm_row.cuh): in the default build ptxas sinks the
-    # .nc weight batches meant to be in flight across the wait below it (every tile-mode kernel, add_rmsnorm,
-    # the fused all-reduce); bit-identical. Prepared 2026-12-05 (session 22)
-    "-DK26_PDL_ORDERED_LOADS": [
-        "linear_smallm.cu",
-        "add_rmsnorm.cu",
-        "allreduce_fused.cu",
-        "mla_glue_linear.cu",
-    ],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

@@ -31,17 +31,16 @@ struct Params {
 // - x is the previous kernel's output, read after the wait: coherent (__ldcg, L2). With __ldg (until
 //   2026-12-05) the sm_120a build of the deep kernels (linear_tile_kernel<1 | 2, 4, 1>) had one x load hoisted
 //   above the wait, a race on the target GPU (tests/test_sass_schedule.py checks every tile kernel now).
-// - the weights are constants: by default .nc, which ptxas sinks below the wait on sm_90a (the two batches meant
-//   to be in flight across it are not); -DK26_PDL_ORDERED_LOADS (a variant for an A/B, k26/ops/build.py
-//   VARIANTS) loads them coherently, which keeps them above it.
-#ifdef K26_PDL_ORDERED_LOADS
-#define K26_LD_STREAM "ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-#else
-#define K26_LD_STREAM "ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-#endif
+// - the weights are constants, loaded coherently so that the batches meant to be in flight across the wait
+//   stay above it (as .nc loads, until 2026-12-05, ptxas sank them below it on sm_90a: no overlap with the
+//   previous kernel at all). Measured 2026-12-05 on an H200 (the 61-layer TP8-rank step, 4K, two A/B rounds):
+//   decode 4.19-4.20 -> 4.08 ms, verify N = 16 6.85-6.86 -> 6.68-6.69 ms; q_a + kv_a 10.3 -> 8.0 µs a layer
+//   (profiling/results/2026-12-05-session24-h200.md).
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;  // weights are read once: keep them out of L1
-  asm volatile(K26_LD_STREAM : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 

@@ -112,22 +112,12 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   bool one_token = false;  // block-uniform: len and (WM = 1 for the gated GEMM) active
   if constexpr (GATED && RT == 1 && NT == 1 && WM == 1) {
     one_token = active && !shared && len == 1 && K <= kOneTokMaxK;
-#ifdef K26_MOE_GU_STAGE
-    static_assert(WK == 8, "gated_one_token_staged's layout is for 8 warps splitting K (256 threads)");
-    extern __shared__ uint4 gu_stage[];  // kGuStageBytes (the launch sets them)
-    if (one_token) {
-      const int pair = direct != nullptr ? start : __ldcg(sorted + start);
-      gated_one_token_staged(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC,
-                             wk * KC / WK, (wk + 1) * KC / WK, gu_stage, acc[0][0]);
-    }
-#else
     __shared__ uint4 xs[GATED && RT == 1 && NT == 1 && WM == 1 ? kOneTokMaxK / 8 : 1];
     if (one_token) {
       const int pair = direct != nullptr ? start : __ldcg(sorted + start);
       gated_one_token(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC, wk * KC / WK,
                       (wk + 1) * KC / WK, xs, acc[0][0]);
     }
-#endif
   }
   if (one_token) {
   } else if (active && shared) {

@@ -173,26 +173,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
   auto* gate_up = gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>;
-  size_t gu_smem = 0;
-#ifdef K26_MOE_GU_STAGE
-  if constexpr (RT1 == 1 && NT == 1) {  // the one-token groups' staged weights (csrc/moe_one_token.cuh)
-    gu_smem = kGuStageBytes;
-    const cudaError_t e = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)gu_smem);
-    if (e != cudaSuccess) return e;
-  }
-#elif defined(K26_MOE_GU_PAD_KB)
-  // -DK26_MOE_GU_PAD_KB=N (a variant for an A/B, k26/ops/build.py VARIANTS): the one-token gate/up launched with
-  // N KB of unused dynamic shared memory, only to bound its blocks per SM (80 on an H200: 2 of 228 KB, 264
-  // slots for the 256 routed blocks; the default's 3 per SM put 231 of them on 77 SMs,
-  // 2026-12-01-moe_trace-h200.md). The same code and loads otherwise: separates block placement from the
-  // staging that -DK26_MOE_GU_STAGE changes along with it. Bit-identical.
-  if (RT1 == 1 && NT == 1 && direct) {
-    gu_smem = (size_t)(K26_MOE_GU_PAD_KB) * 1024;
-    const cudaError_t e = cudaFuncSetAttribute(gate_up, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)gu_smem);
-    if (e != cudaSuccess) return e;
-  }
-#endif
-  cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), gu_smem, pdl, st,
+  cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), 0, pdl, st,
                                (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk,
                                rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.act, I, E, P, S, sh.gate,
                                sh.up, direct);

@@ -77,11 +77,8 @@ __device__ __forceinline__ RowWeight load_weight(const Row& r) {
 #pragma unroll
   for (int k = 0; k < kMaxVec; ++k) {
     const int v = threadIdx.x + k * kThreads;
-#ifdef K26_PDL_ORDERED_LOADS  // a coherent load stays above the wait (.nc ones ptxas sinks: csrc/linear_tile.cuh)
+    // coherent: it stays above the wait (an .nc load ptxas sinks below it: csrc/linear_tile.cuh)
     w.v[k] = v < r.D / 8 ? __ldcg(reinterpret_cast<const uint4*>(r.weight) + v) : make_uint4(0, 0, 0, 0);
-#else
-    w.v[k] = v < r.D / 8 ? __ldg(reinterpret_cast<const uint4*>(r.weight) + v) : make_uint4(0, 0, 0, 0);
-#endif
   }
   return w;
 }
