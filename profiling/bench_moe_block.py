@@ -75,7 +75,8 @@ def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     if mode == "unfused":
         tw, ids = reference.moe_router(x, lw["router"], lw["bias"], *ROUTE)
     else:
-        tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
+        pf = lw["experts"][:2]  # gate/up weights and scales: what -DK26_ROUTER_PREFETCH prefetches (moe.py's)
+        tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE, *pf)
     if mode in ("fused", "route"):
         return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh)
     y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw)

@@ -48,15 +48,22 @@ class Router(nn.Module):
             cfg.routed_scaling_factor,
         )
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_TD: torch.Tensor, prefetch: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefetch`: the expert op's gate/up weights and scales (repacked), which a kernel built with
+        -DK26_ROUTER_PREFETCH brings into L2 for the chosen experts (k26/ops/router_cuda.py)."""
         if self.barrier is not None and x_TD.dtype == torch.bfloat16:
             return torch.ops.k26.moe_router(
-                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args()
+                x_TD.contiguous(),
+                self.weight,
+                self.e_score_correction_bias,
+                self.barrier,
+                *self._args(),
+                *prefetch,
             )
         return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *self._args())
 
     def route(
-        self, x_TD: torch.Tensor, shared: bool
+        self, x_TD: torch.Tensor, shared: bool, prefetch: tuple = ()
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weights, ids, routing table or None): the table of `moe_w4a16_repacked` (with the shared expert's
         slots when `shared`) from the fused kernel when it writes one, for more than one token (one token
@@ -64,7 +71,7 @@ class Router(nn.Module):
         M, fused = x_TD.shape[0], self.barrier is not None and x_TD.dtype == torch.bfloat16
         pairs = M * self.cfg.num_experts_per_tok
         if not (self.writes_table and fused and M > 1 and pairs <= TABLE_MAX_PAIRS):
-            return (*self(x_TD), None)
+            return (*self(x_TD, prefetch), None)
         args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args())
         return torch.ops.k26.moe_router_table(*args, shared)
 
@@ -162,7 +169,7 @@ class MoE(nn.Module):
         x_TD = x_BND.flatten(0, -2)
         if isinstance(self.experts, Int4Experts) and self.experts.repacked:
             fused = self.experts.fuses(self.shared_experts, x_TD)
-            w_TK, ids_TK, table = self.gate.route(x_TD, shared=fused)
+            w_TK, ids_TK, table = self.gate.route(x_TD, fused, (self.experts.w13, self.experts.s13))
             y_TD = self.experts(x_TD, ids_TK, w_TK, self.shared_experts if fused else None, table)
             if self.shared_experts is not None and not fused:
                 y_TD = y_TD + self.shared_experts(x_TD)
