@@ -81,7 +81,9 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+#ifdef K26_ROUTER_PREFETCH
 constexpr int kPrefetch = 2;  // tensors the one-token router may prefetch the chosen experts' slices of
+#endif
 
 struct Args {
   const __nv_bfloat16* x;  // [M, D]
@@ -95,8 +97,10 @@ struct Args {
   int M, D, E, n_group, topk_group, topk, renormalize, ks, chunks_per_ks;
   int table_gt, table_S;   // the table's group size (8 nt) and shared-expert slots (M or 0)
   float scale;
-  const char* pf[kPrefetch];        // -DK26_ROUTER_PREFETCH: [E, ...] tensors (null: none), expert e's slice
-  long long pf_bytes[kPrefetch];    // at pf[i] + e * pf_bytes[i]
+#ifdef K26_ROUTER_PREFETCH  // (only there: a larger Args changes how the default kernel reads its parameters)
+  const char* pf[kPrefetch];      // [E, ...] tensors (null: none), expert e's slice
+  long long pf_bytes[kPrefetch];  // at pf[i] + e * pf_bytes[i]
+#endif
 };
 
 // Phase 1, one warp: 16 W rows x (8·NT tokens) over chunks [c0, c1) of 64 k.
@@ -234,6 +238,8 @@ __device__ bool last_arrival(int* count, int n) {
 // where the gate/up's blocks would have taken their place. Spinning is safe: the grid is resident
 // (resident_grid). The flag and the departure count are zero again when the last helper leaves. Outputs
 // unchanged: bit-identical.
+static_assert(K26_ROUTER_PREFETCH >= 1, "-DK26_ROUTER_PREFETCH=N: N >= 1 helper blocks");
+
 __device__ void prefetch_chosen(const Args& a, bool last) {
   __shared__ long long s_ids[kMaxTopk];
   const int helpers = min((int)(K26_ROUTER_PREFETCH), (int)gridDim.x);
@@ -243,20 +249,22 @@ __device__ void prefetch_chosen(const Args& a, bool last) {
   }
   if ((int)blockIdx.x >= helpers) return;  // (the last block, when it is no helper: the flag is set)
   if (!last && threadIdx.x == 0) {
-    while (atomicAdd(&a.barrier[3], 0) == 0) __nanosleep(64);
+    while (*reinterpret_cast<volatile int*>(&a.barrier[3]) == 0) __nanosleep(64);  // (a load: no atomics)
     __threadfence();
   }
   __syncthreads();
   if (threadIdx.x < a.topk) s_ids[threadIdx.x] = __ldcg(a.out_ids + threadIdx.x);
   __syncthreads();
   const long long stride = (long long)helpers * blockDim.x;
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   for (int i = 0; i < kPrefetch; ++i) {
     if (a.pf[i] == nullptr) continue;
     const long long per = a.pf_bytes[i] / 32;  // 32-byte sectors of one expert's slice
-    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < per * a.topk; j += stride) {
-      const long long e = s_ids[j / per];
+    for (int k = 0; k < a.topk; ++k) {  // experts outside, sectors inside: no division in the loop
+      const long long e = s_ids[k];
       if (e < 0 || e >= a.E) continue;
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a.pf[i] + e * a.pf_bytes[i] + (j % per) * 32));
+      const char* base = a.pf[i] + e * a.pf_bytes[i];
+      for (long long j = first; j < per; j += stride) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(base + j * 32));
     }
   }
   __syncthreads();
@@ -428,8 +436,8 @@ K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
 // D % 64 == 0, E <= 1024, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group.
 // table (null: none): the expert op's routing table of these ids (csrc/moe_route.cuh) for groups of table_gt
 // tokens and table_S shared-expert slots, route_table_ints(M * topk, table_S, E, table_gt) ints.
-// pf0 / pf1 (null: none) with their bytes per expert: the tensors -DK26_ROUTER_PREFETCH prefetches from (pf0
-// first; otherwise unread).
+// pf0 / pf1 (null: none) with their bytes per expert: the tensors -DK26_ROUTER_PREFETCH prefetches from (both
+// unread without it, and unless pf0 is given).
 K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
                               float* out_w, int64_t* out_ids, int* table, int M, int D, int E, int n_group,
                               int topk_group, int topk, int renormalize, int table_gt, int table_S, float scale,
@@ -439,8 +447,11 @@ K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, i
   if (table && (table_gt < 8 || table_gt % 8 || table_S < 0)) return (int)cudaErrorInvalidValue;
   const Plan p = plan(M, D, E);
   Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids, table,
-         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, table_gt, table_S, scale,
-         {(const char*)pf0, (const char*)pf1}, {pf0_bytes, pf1_bytes}};
+         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, table_gt, table_S, scale
+#ifdef K26_ROUTER_PREFETCH
+         , {(const char*)pf0, (const char*)pf1}, {pf0_bytes, pf1_bytes}
+#endif
+  };
   cudaStream_t st = static_cast<cudaStream_t>(stream);
 #ifdef K26_ROUTER_POLL
   if (M == 1 && n_group == 1 && topk <= kFastTopk && E <= kPollE && p.ks <= kPollKs && p.grid <= resident_grid<router_poll_kernel>())
