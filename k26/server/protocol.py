@@ -197,7 +197,7 @@ def token_ids(body: Any, vocab: int, *, model: str) -> list[int]:
     """/detokenize: `tokens`, ids of this vocabulary."""
     _known(body, {"model", "tokens"}, model)
     ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(_int(t) and 0 <= t < vocab for t in ids):
+    if not _id_list(ids, vocab):
         raise APIError(400, f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
     return ids
 
@@ -278,11 +278,7 @@ def _stop_token_ids(body: dict, vocab: int, eos: tuple[int, ...]) -> tuple[int, 
         raise APIError(400, f"ignore_eos={_short(ignore)}: expected true or false", "ignore_eos")
     extra = body.get("stop_token_ids")
     extra = [] if extra is None else extra
-    if (
-        not isinstance(extra, list)
-        or len(extra) > MAX_STOP_IDS
-        or not all(_int(t) and 0 <= t < vocab for t in extra)
-    ):
+    if not _id_list(extra, vocab) or len(extra) > MAX_STOP_IDS:
         raise APIError(
             400,
             f"stop_token_ids={_short(body.get('stop_token_ids'))}: expected up to {MAX_STOP_IDS} token ids "
@@ -378,6 +374,11 @@ def _short(x: Any, limit: int = 80) -> str:
 
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _id_list(x: Any, vocab: int) -> bool:
+    """A list of token ids of this vocabulary."""
+    return isinstance(x, list) and all(_int(t) and 0 <= t < vocab for t in x)
 
 
 def _number(body: dict, name: str, default: float) -> float:
