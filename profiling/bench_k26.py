@@ -124,6 +124,11 @@ def main() -> None:
         help="the MoE expert op routes in its own launch (the router writes no routing table: the A/B)",
     )
     ap.add_argument(
+        "--split-moe",
+        action="store_true",
+        help="one token's MoE block as router + expert op (three launches), not moe_one_token (the A/B)",
+    )
+    ap.add_argument(
         "--step-kernels",
         action="store_true",
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
@@ -160,6 +165,7 @@ def main() -> None:
         if isinstance(m, Router):
             m.fuse_()
             m.writes_table = not a.route_launch
+            m.one_token_block = not a.split_moe
     if a.fused:
         model.fuse_dense_()
     if a.compile:
@@ -193,6 +199,7 @@ def main() -> None:
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
             f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
+            f"{' --split-moe' if a.split_moe else ''}"
             f"{' --seeded-tree' if a.seeded_tree else ''}"
             f"{f' --variants {a.variants}' if a.variants else ''}"
             f"{f' --table-nodes {a.table_nodes}' if a.table_nodes else ''}`"

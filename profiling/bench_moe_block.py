@@ -62,12 +62,17 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
 
 def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused":
-    router kernel (writing the routing table for M > 1), shared expert in the expert kernel's grids;
-    "route": the same but the expert op routes in its own launch (before the router wrote the table);
+    router kernel (writing the routing table for M > 1), shared expert in the expert kernel's grids; one
+    token: `moe_one_token` (the router kernel runs the gate/up GEMMs: two launches);
+    "route": the split path: for M > 1 the expert op routes in its own launch (before the router wrote the
+    table), for one token router + expert op (three launches, before `moe_one_token`);
     "router": router kernel, shared expert as its own three GEMMs; "unfused": the reference router (fp32
     weight copy, GEMV, topk), separate shared expert."""
     M = x.shape[0]
     sh = (lw["gate"], lw["up"], lw["down"])
+    if mode == "fused" and M == 1:
+        router = (lw["router"], lw["bias"], lw["barrier"], *ROUTE)
+        return torch.ops.k26.moe_one_token(x, *router, *lw["experts"], *sh)
     if mode == "fused" and M > 1:
         route = (x, lw["router"], lw["bias"], lw["barrier"], *ROUTE, True)
         tw, ids, table = torch.ops.k26.moe_router_table(*route)
@@ -130,7 +135,7 @@ def bench_block(
                 ]
 
             t = graph_time_cold(lambda: blocks("fused"), L)
-            t_route = graph_time_cold(lambda: blocks("route"), L) if M > 1 else t
+            t_route = graph_time_cold(lambda: blocks("route"), L)
             t_no_pdl = no_pdl_time(lambda: blocks("fused"), L)
             t_unfused = math.nan if quick else graph_time_cold(lambda: blocks("unfused"), L)
             t_router_only = math.nan if quick else graph_time_cold(lambda: blocks("router"), L)
@@ -166,7 +171,8 @@ def block_main(a, copy_bw: float, head: list[str]) -> str:
         "",
         (
             "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | "
-            "own route launch µs | no PDL µs | shared separate µs | before (unfused) µs | "
+            "split path µs (M 1: 3 launches; else own route launch) | no PDL µs | shared separate µs | "
+            "before (unfused) µs | "
             "launches fused / before | router µs (% copy) |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

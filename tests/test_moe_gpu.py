@@ -4,7 +4,7 @@ import pytest
 import torch
 from oracles import poison_allocator
 
-from k26.ops.moe_cuda import _reference
+from k26.ops.moe_cuda import repacked_reference
 from k26.ops.moe_layout import repack_scales, w13_row_order
 
 pytestmark = pytest.mark.gpu
@@ -52,7 +52,7 @@ def check(E, K, D, inter, M, kind, seed):
     x = torch.randn(M, D, generator=gen, device="cuda").to(torch.bfloat16)
     ids = routing(kind, M, E, K, gen)
     tw = torch.rand(M, K, generator=gen, device="cuda") + 0.1
-    ref = _reference(x, *w, ids, tw).float()
+    ref = repacked_reference(x, *w, ids, tw).float()
     poison_allocator()
     got = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw).float()
     assert torch.isfinite(got).all()
@@ -81,7 +81,7 @@ def test_skewed_routing_in_wide_groups_k26_shape(M):
     sh = shared_weights(7168, 256, gen)
     x = torch.randn(M, 7168, generator=gen, device="cuda").to(torch.bfloat16)
     ids, tw = routing("hot10", M, 384, 8, gen), torch.rand(M, 8, generator=gen, device="cuda") + 0.1
-    ref = _reference(x, *w, ids, tw, *sh).float()
+    ref = repacked_reference(x, *w, ids, tw, *sh).float()
     poison_allocator()
     got = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh).float()
     assert torch.isfinite(got).all() and ((got - ref).norm() / ref.norm()).item() < 1e-2
@@ -112,7 +112,7 @@ def test_graph_replay_matches_eager():
     x.copy_(torch.randn(M, D, generator=gen, device="cuda"))
     ids.copy_(routing("hot", M, E, K, gen))
     g.replay()
-    ref = _reference(x, *w, ids, tw).float()
+    ref = repacked_reference(x, *w, ids, tw).float()
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -141,7 +141,7 @@ def block_inputs(seed, M, E, K, D, inter, kind="uniform", with_shared=True):
 )
 def test_shared_expert_in_the_grid_matches_reference(M, E, K, D, inter, kind):
     _, w, sh, x, ids, tw = block_inputs(100 + M + E, M, E, K, D, inter, kind)
-    ref = _reference(x, *w, ids, tw, *sh).float()
+    ref = repacked_reference(x, *w, ids, tw, *sh).float()
     poison_allocator()
     got = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh).float()
     assert torch.isfinite(got).all()
@@ -170,7 +170,7 @@ def test_given_table_and_pdl_change_no_bit(M, with_shared, monkeypatch):
     poison_allocator()
     serial = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
     assert torch.equal(plain, serial)
-    ref = _reference(x, *w, ids, tw, *sh).float()
+    ref = repacked_reference(x, *w, ids, tw, *sh).float()
     assert ((given.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -201,7 +201,7 @@ def test_one_launch_down_combine_equals_split_launches_bitwise(M, kind, with_sha
     assert moe_cuda.pick_nt(M * K, E) == 1  # the one-launch path's table
     fused, split = one_launch_and_split(x, w, ids, tw, sh)
     assert torch.isfinite(fused.float()).all() and torch.equal(fused, split)
-    ref = _reference(x, *w, ids, tw, *sh).float()
+    ref = repacked_reference(x, *w, ids, tw, *sh).float()
     assert ((fused.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -298,7 +298,7 @@ def test_out_of_range_ids_inside_capture_contribute_nothing(M, with_shared):
     poison_allocator()
     out.fill_(float("nan"))
     g.replay()
-    ref = _reference(x, *w, valid_ids, tw.masked_fill(bad, 0.0), *sh).float()
+    ref = repacked_reference(x, *w, valid_ids, tw.masked_fill(bad, 0.0), *sh).float()
     assert torch.isfinite(out.float()).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops import reference
+from ..ops import moe_block_cuda, reference
 from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
@@ -31,14 +31,20 @@ class Router(nn.Module):
         # With the fused kernel, also build the expert op's routing table for more than one token (the
         # expert op then runs no routing launch); False: the expert op routes itself (the A/B in benchmarks).
         self.writes_table = False
+        # With the fused kernel, one token's whole block in two launches (`moe_one_token`: the router kernel
+        # runs the gate/up GEMMs too); False: router + expert op, three launches (the A/B in benchmarks).
+        self.one_token_block = False
 
     @torch.no_grad()
     def fuse_(self) -> None:
         """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on: bf16 weight on CUDA, loaded."""
         self.barrier = router_barrier(self.weight.device)
         self.writes_table = True
+        self.one_token_block = True
 
-    def _args(self) -> tuple:
+    def params(self) -> tuple:
+        """The routing parameters the router ops take after the tensors: n_group, topk_group, topk,
+        renormalize, scale."""
         cfg = self.cfg
         return (
             cfg.n_group,
@@ -57,10 +63,20 @@ class Router(nn.Module):
                 self.weight,
                 self.e_score_correction_bias,
                 self.barrier,
-                *self._args(),
+                *self.params(),
                 *prefetch,
             )
-        return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *self._args())
+        return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *self.params())
+
+    def serves_block(self, x_TD: torch.Tensor) -> bool:
+        """Whether `MoE.forward` runs this batch's block as `moe_one_token` (with the fused kernel)."""
+        cfg = self.cfg
+        return (
+            self.one_token_block
+            and self.barrier is not None
+            and x_TD.dtype == torch.bfloat16
+            and moe_block_cuda.serves(x_TD.shape[0], cfg.hidden_size, cfg.num_experts_per_tok)
+        )
 
     def route(
         self, x_TD: torch.Tensor, shared: bool, prefetch: tuple = ()
@@ -72,7 +88,7 @@ class Router(nn.Module):
         pairs = M * self.cfg.num_experts_per_tok
         if not (self.writes_table and fused and M > 1 and pairs <= TABLE_MAX_PAIRS):
             return (*self(x_TD, prefetch), None)
-        args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self._args())
+        args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self.params())
         return torch.ops.k26.moe_router_table(*args, shared)
 
 
@@ -113,6 +129,10 @@ class Int4Experts(nn.Module):
         )
         self.repacked = True
 
+    def quantised(self) -> tuple[torch.Tensor, ...]:
+        """The repacked weights and scales the CUDA kernels take: w13, s13, w2, s2."""
+        return self.w13, self.s13, self.w2, self.s2
+
     def fuses(self, shared: MLP | None, x_TD: torch.Tensor) -> bool:
         """Whether the kernel can run `shared` as one more expert in its grids (bf16, routed width)."""
         return (
@@ -128,9 +148,7 @@ class Int4Experts(nn.Module):
         if self.repacked:
             mlp = (None,) * 3 if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
             sw = tuple(None if m is None else m.weight for m in mlp)
-            return torch.ops.k26.moe_w4a16_repacked(
-                x_TD, self.w13, self.s13, self.w2, self.s2, ids_TK, w_TK, *sw, table
-            )
+            return torch.ops.k26.moe_w4a16_repacked(x_TD, *self.quantised(), ids_TK, w_TK, *sw, table)
         return torch.ops.k26.moe_w4a16(x_TD, *self.checkpoint_tensors(), ids_TK, w_TK)
 
 
@@ -169,6 +187,9 @@ class MoE(nn.Module):
         x_TD = x_BND.flatten(0, -2)
         if isinstance(self.experts, Int4Experts) and self.experts.repacked:
             fused = self.experts.fuses(self.shared_experts, x_TD)
+            if self.gate.serves_block(x_TD) and (fused or self.shared_experts is None):
+                y_TD = self._one_token(x_TD)
+                return y_TD.view_as(x_BND) if partial else self.tp.reduce(y_TD.view_as(x_BND))
             w_TK, ids_TK, table = self.gate.route(x_TD, fused, (self.experts.w13, self.experts.s13))
             y_TD = self.experts(x_TD, ids_TK, w_TK, self.shared_experts if fused else None, table)
             if self.shared_experts is not None and not fused:
@@ -179,6 +200,14 @@ class MoE(nn.Module):
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view_as(x_BND) if partial else self.tp.reduce(y_TD.view_as(x_BND))
+
+    def _one_token(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The block of one token in two launches (router + gate/up, down + combine): `moe_one_token`."""
+        g, ex = self.gate, self.experts
+        mlp = self.shared_experts
+        sw = (None,) * 3 if mlp is None else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        router = (g.weight, g.e_score_correction_bias, g.barrier, *g.params())
+        return torch.ops.k26.moe_one_token(x_TD.contiguous(), *router, *ex.quantised(), *sw)
 
 
 def use_cuda_kernels(model: torch.nn.Module) -> None:

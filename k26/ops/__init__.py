@@ -101,6 +101,7 @@ from . import (
     drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
     glue_cuda,  # noqa: F401  (registers mla_glue and mla_glue_linear with their CUDA kernels)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
+    moe_block_cuda,  # noqa: F401  (registers moe_one_token with its two launches)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
 
@@ -109,6 +110,7 @@ OPS = (
     "moe_w4a16_repacked",
     "moe_router",
     "moe_router_table",
+    "moe_one_token",
     "mla_write_cache",
     "mla_tree_attention",
     "linear",

@@ -81,7 +81,7 @@ def route_table(ids_TK: torch.Tensor, E: int, nt: int, shared: bool) -> torch.Te
     return torch.cat([n, slots, expert, start, length]).to(torch.int32)
 
 
-def _reference(
+def repacked_reference(
     x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate=None, shared_up=None, shared_down=None
 ):
     """Unrepack only the experts the batch touches, then the plain per-expert reference; the shared expert
@@ -121,7 +121,8 @@ def moe_w4a16_repacked(
     """Routed int4 experts plus, if given, the bf16 shared expert [I, D], [I, D], [D, I] in the same grids.
     `table`: the routing table of these ids (csrc/moe_route.cuh, `route_table(topk_ids, E, pick_nt(M * topk,
     E), shared given)`), so the kernel skips its own routing launch; the reference ignores it."""
-    return _reference(x, w13, s13, w2, s2, topk_ids, topk_weights, shared_gate, shared_up, shared_down)
+    shared = (shared_gate, shared_up, shared_down)
+    return repacked_reference(x, w13, s13, w2, s2, topk_ids, topk_weights, *shared)
 
 
 @moe_w4a16_repacked.register_fake

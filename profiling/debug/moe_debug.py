@@ -108,9 +108,9 @@ def run(E, K, D, I, M, kind, seed):
         print(
             f"slot {slot} pair {p} tok {tok} e {e}: act err {ea:.3g}  y err {ey:.3g}  y-vs-own-act {eyk:.3g}"
         )
-    from k26.ops.moe_cuda import _reference
+    from k26.ops.moe_cuda import repacked_reference
 
-    ref = _reference(x, w13, s13, w2, s2, ids, tw).float()
+    ref = repacked_reference(x, w13, s13, w2, s2, ids, tw).float()
     print("out err per token", [((out[t].float() - ref[t]).norm() / ref[t].norm()).item() for t in range(M)])
 
 

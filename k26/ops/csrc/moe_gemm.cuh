@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #include "moe_mma.cuh"
-#include "moe_one_token.cuh"
+#include "moe_gate_up_one_token.cuh"
 #include "pdl.cuh"
 
 #ifndef MOE_TRACE  // phase stamps: csrc/moe_w4a16.cu defines it (-DK26_MOE_TRACE)

@@ -48,7 +48,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "globaltimer.cuh"
+#include "moe_gate_up_one_token.cuh"  // gated_one_token, shared_acc: the one-token gate/up kernel's items
 #include "moe_route.cuh"
 #include "pdl.cuh"
 
@@ -103,8 +106,9 @@ struct Args {
 #endif
 };
 
-// Phase 1, one warp: 16 W rows x (8·NT tokens) over chunks [c0, c1) of 64 k.
-template <int NT>
+// Phase 1, one warp: 16 W rows x (8·NT tokens) over chunks [c0, c1) of 64 k. kRelease: dependents released
+// right after the grid-dependency wait (router_kernel); the one-token gate/up kernel releases them later.
+template <int NT, bool kRelease = true>
 __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float acc[NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint4* wr[2];
@@ -138,7 +142,7 @@ __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float ac
     // Dependents are released only after this wait (router_kernel says why).
     if (c == c0) {
       pdl_wait();
-      pdl_trigger();
+      if (kRelease) pdl_trigger();
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -161,7 +165,7 @@ __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float ac
   }
 }
 
-template <int NT>
+template <int NT, bool kRelease = true>
 __device__ void logits_phase(const Args& a, float (*red)[NT * 4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row_tiles = (a.E + 15) / 16, m_tiles = (a.M + 8 * NT - 1) / (8 * NT);
@@ -170,7 +174,7 @@ __device__ void logits_phase(const Args& a, float (*red)[NT * 4][32]) {
     const int rt = item % row_tiles, ks = (item / row_tiles) % a.ks, mt = item / (row_tiles * a.ks);
     const int cb = ks * a.chunks_per_ks, ce = min(kc, cb + a.chunks_per_ks), n = ce - cb;
     float acc[NT][4];
-    dot_tile<NT>(a, mt * 8 * NT, rt * 16, cb + warp * n / kWarps, cb + (warp + 1) * n / kWarps, acc);
+    dot_tile<NT, kRelease>(a, mt * 8 * NT, rt * 16, cb + warp * n / kWarps, cb + (warp + 1) * n / kWarps, acc);
     TRACE(1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -275,10 +279,15 @@ __device__ void prefetch_chosen(const Args& a, bool last) {
 }
 #endif
 
+#include "moe_router_gate_up.cuh"  // GateUpArgs: router_kernel<1, GateUpArgs>, the one-token block's first launch
+
 constexpr int kKsBatch = 8;  // phase 2's partial loads in flight per expert (plan: ks <= D / 1024, 7 at K2.6)
 
-template <int NT>
-__global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
+// A = GateUpArgs (one token only): the router, then the gate/up items of csrc/moe_router_gate_up.cuh.
+template <int NT, typename A = Args>
+__global__ void __launch_bounds__(kThreads, 2) router_kernel(A a) {
+  constexpr bool GU = !std::is_same<A, Args>::value;
+  static_assert(!GU || NT == 1, "the gate/up items follow a one-token router");
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ float choice[kMaxE], score[kMaxE];
   __shared__ uint32_t cand_key[kWarps * kFastTopk];
@@ -298,13 +307,14 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
     const int e = threadIdx.x + j * kThreads;
     bias[j] = (a.M == 1 || blockIdx.x < a.M) && e < a.E ? __ldg(a.bias + e) : 0.f;
   }
-  logits_phase<NT>(a, red);
+  logits_phase<NT, !GU>(a, red);
   TRACE(2);
   pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
-  pdl_trigger();
+  if constexpr (!GU) pdl_trigger();  // (GU: once the ids are known, gate_up_items)
   const int first = a.M == 1 ? 0 : blockIdx.x;  // this block's first token in phase 2
   if (a.M == 1) {
     if (!last_arrival(a.barrier, gridDim.x)) {
+      if constexpr (GU) gate_up_items(a, red);  // (its launch passes no prefetch tensors: the same words)
 #ifdef K26_ROUTER_PREFETCH
       if (a.pf[0] != nullptr) prefetch_chosen(a, false);
 #endif
@@ -358,6 +368,11 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(Args a) {
     else if (threadIdx.x < 32) topk_serial(sel, choice, score, tok);
     __syncthreads();
     TRACE(5);
+  }
+  if constexpr (GU) {  // one token: the ids are written (select's closing barrier)
+    raise_ids_flag(a.barrier);
+    gate_up_items(a, red);
+    return;
   }
 #ifdef K26_ROUTER_PREFETCH
   if (a.M == 1 && a.pf[0] != nullptr) prefetch_chosen(a, true);
@@ -459,4 +474,30 @@ K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, i
 #endif
   void (*kernel)(Args) = p.nt == 1 ? router_kernel<1> : p.nt == 2 ? router_kernel<2> : router_kernel<4>;
   return (int)launch_pdl(kernel, dim3(p.grid), dim3(kThreads), 0, pdl != 0, st, a);
+}
+
+// The one-token MoE block's first launch (router_kernel<1, GateUpArgs>, csrc/moe_router_gate_up.cuh): the router as
+// k26_moe_router at M = 1 (no table, no prefetch), then in the same grid the gate/up GEMMs of the shared expert
+// (shared_gate / shared_up [I, D] bf16, or both null) and of the chosen experts (w13 / s13 in csrc/moe_w4a16.cu's
+// layout): act [topk (+ 1), I] bf16 for k26_moe_down_one_token (csrc/moe_w4a16.cu), the second launch. The grid is
+// the resident one (blocks spin on the ids flag). Shapes are validated by the Python front door
+// (k26/ops/moe_block_cuda.py); barrier as k26_moe_router's.
+K26_EXPORT int k26_moe_router_gate_up(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
+                                      float* out_w, int64_t* out_ids, int D, int E, int n_group, int topk_group,
+                                      int topk, int renormalize, float scale, const void* w13, const void* s13,
+                                      const void* shared_gate, const void* shared_up, void* act, int I, int pdl,
+                                      void* stream) {
+  if (E > kMaxE || topk > kMaxTopk || topk > E || n_group > kMaxGroups || D % 64 || D > k26_moe::kOneTokMaxK ||
+      I <= 0 || I % 64 || (shared_gate == nullptr) != (shared_up == nullptr))
+    return (int)cudaErrorInvalidValue;
+  const Plan p = plan(1, D, E);
+  GateUpArgs a{};
+  static_cast<Args&>(a) = Args{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w,
+                               out_ids, nullptr, 1, D, E, n_group, topk_group, topk, renormalize, p.ks,
+                               p.chunks_per_ks, 0, 0, scale};
+  a.gu = GateUp{(const uint4*)w13, (const uint32_t*)s13, (const __nv_bfloat16*)shared_gate,
+                (const __nv_bfloat16*)shared_up, (__nv_bfloat16*)act, I};
+  constexpr auto kernel = router_kernel<1, GateUpArgs>;
+  return (int)launch_pdl(kernel, dim3(resident_grid<kernel>()), dim3(kThreads), 0, pdl != 0,
+                         static_cast<cudaStream_t>(stream), a);
 }

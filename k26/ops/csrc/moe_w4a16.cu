@@ -144,6 +144,19 @@ cudaError_t launch_on(void (*kernel)(Params...), dim3 grid, int threads, bool pd
   return launch_pdl(kernel, grid, dim3(threads), 0, pdl, st, args...);
 }
 
+// One token's down projection + weighted combine in one launch (csrc/moe_one_token.cuh) over act [topk (+ 1: the
+// shared expert's slot, when sd), I], the ids read directly (topk <= kDownOneTokPairs).
+cudaError_t launch_down_one_token(const __nv_bfloat16* act, const void* w2, const void* s2, const int64_t* ids,
+                                  const float* topw, void* out, int D, int I, int E, int topk,
+                                  const __nv_bfloat16* sd, bool pdl, cudaStream_t st) {
+  const int tiles2 = D / 16;
+  if (I <= 64 * kDownStageChunks)  // the block's weights staged in shared memory before the wait
+    return launch_on(down_combine_one_token_staged, dim3(tiles2), kDownOneTokThreads, pdl, st, act,
+                     (const uint4*)w2, (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sd, (__nv_bfloat16*)out);
+  return launch_on(down_combine_one_token, dim3(tiles2), kDownOneTokThreads, pdl, st, act, (const uint4*)w2,
+                   (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sd, (__nv_bfloat16*)out);
+}
+
 // `table`: a routing table of exactly these ids, group size 8 * NT and S (nullptr: route here).
 // RT1 / RT2: 16-row tiles per warp in the gate/up / down GEMM.
 template <int NT, int RT1, int RT2>
@@ -179,15 +192,8 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
                                sh.up, direct);
   if (err != cudaSuccess) return err;
   const int tiles2 = D / 16;
-  if (direct && topk <= kDownOneTokPairs) {  // decode: down + combine in one launch
-    if (I <= 64 * kDownStageChunks)  // the block's weights staged in shared memory before the wait
-      return launch_on(down_combine_one_token_staged, dim3(tiles2), kDownOneTokThreads, pdl, st,
-                       (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, ids, topw,
-                       topk, E, sh.down, (__nv_bfloat16*)out);
-    return launch_on(down_combine_one_token, dim3(tiles2), kDownOneTokThreads, pdl, st,
-                     (const __nv_bfloat16*)ws.act, (const uint4*)w2,
-                     (const uint32_t*)s2, I, tiles2, ids, topw, topk, E, sh.down, (__nv_bfloat16*)out);
-  }
+  if (direct && topk <= kDownOneTokPairs)  // decode: down + combine in one launch
+    return launch_down_one_token(ws.act, w2, s2, ids, topw, out, D, I, E, topk, sh.down, pdl, st);
   if (NT == 1 && !direct && !split_down && P + S <= kDownCombineMaxSlots && I <= 64 * kDownCombineMaxChunks &&
       tiles2 % kDownCombineRT == 0) {  // a few tokens: down + combine in one launch
     const size_t smem = down_combine_smem(P, S, G);
@@ -256,4 +262,17 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
     case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
     default: return (int)cudaErrorInvalidValue;
   }
+}
+
+// The one-token MoE block's second launch: down projection + weighted combine over act [topk (+ 1), I] bf16,
+// written by k26_moe_router_gate_up (csrc/moe_router.cu) with the ids and weights it selected; shared_down [D, I]
+// bf16 or null (no shared expert: act has topk rows). The ids are read before the grid-dependency wait: the
+// gate/up launch releases its dependents only once they are written. Returns a cudaError_t (0 = success); shapes
+// are validated by the Python front door (k26/ops/moe_block_cuda.py).
+K26_EXPORT int k26_moe_down_one_token(const void* act, const void* w2, const void* s2, const int64_t* ids,
+                                      const float* topw, void* out, int D, int I, int E, int topk,
+                                      const void* shared_down, int pdl, void* stream) {
+  if (topk < 1 || topk > kDownOneTokPairs || D % 16 || I <= 0 || I % 64) return (int)cudaErrorInvalidValue;
+  return (int)launch_down_one_token((const __nv_bfloat16*)act, w2, s2, ids, topw, out, D, I, E, topk,
+                                    (const __nv_bfloat16*)shared_down, pdl != 0, static_cast<cudaStream_t>(stream));
 }
