@@ -9,7 +9,7 @@ from oracles import poison_allocator
 from test_moe_router import router_inputs
 
 import k26.ops  # noqa: F401  (registers the ops)
-from k26.ops import reference
+from k26.ops import pdl, reference
 from k26.ops.moe_block_cuda import check_inputs
 from k26.ops.moe_cuda import repacked_reference
 from k26.ops.moe_layout import repack_experts
@@ -103,6 +103,8 @@ def test_equals_split_path_bitwise_and_reference(E, D, inter, route, hot, with_s
     got = torch.ops.k26.moe_one_token(x, *router, *route, *experts, *shared)
     assert torch.isfinite(got.float()).all()
     assert torch.equal(got, want)
+    with pdl.disabled():  # each launch waits for the one before: the same bits, no ordering luck
+        assert torch.equal(torch.ops.k26.moe_one_token(x, *router, *route, *experts, *shared), want)
     tw, ids = reference.moe_router(x, router[0], router[1], *route)
     exact = repacked_reference(x, *experts, ids, tw, *shared).float()
     assert ((got.float() - exact).norm() / exact.norm()).item() < 1e-2
@@ -152,8 +154,12 @@ def test_model_takes_the_two_launch_block_for_one_token_without_changing_a_bit(t
     gen = torch.Generator("cuda").manual_seed(9)
     x = torch.randn(1, 1, moe.gate.weight.shape[1], generator=gen, device="cuda").to(torch.bfloat16)
     assert moe.gate.serves_block(x.flatten(0, 1))
+    from test_moe_gpu import _kernel_names
+
     with torch.no_grad():
         two = moe(x, partial=True)
+        two_names = _kernel_names(lambda: moe(x, partial=True))
         moe.gate.one_token_block = False
         three = moe(x, partial=True)
+    assert any("GateUpArgs" in k for k in two_names), two_names
     assert torch.isfinite(two.float()).all() and torch.equal(two, three)

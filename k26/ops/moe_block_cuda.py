@@ -98,15 +98,17 @@ def _library() -> ctypes.CDLL:
 
 def check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, w13, s13, w2, s2, shared) -> tuple:
     """Every problem of the two launches' inputs as a ValueError naming the argument, before any launch (the
-    router's and the expert op's checks, one token, the two agreeing on E). Returns (D, E, I)."""
+    router's and the expert op's checks, one token, the two agreeing on E). Returns (D, E, I). Launches
+    nothing itself (a fill or copy here would be a kernel between the previous layer's and the router's)."""
     M, D, E = check_router(x, weight, bias, barrier, n_group, topk_group, topk)
     if not serves(M, D, topk):
         raise ValueError(
             f"moe_one_token: one token, hidden size a multiple of 64 up to {MAX_HIDDEN} and topk <= "
             f"{MAX_TOPK} (got M={M}, D={D}, topk={topk}); other blocks take moe_router + moe_w4a16_repacked"
         )
-    ids = torch.zeros(M, topk, dtype=torch.int64, device=x.device)  # (what the router writes: shapes only)
-    _, _, I, E_experts, _ = check_experts(x, w13, s13, w2, s2, ids, ids.float(), shared)
+    ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)  # (what the router writes: shapes only)
+    w = torch.empty(M, topk, dtype=torch.float32, device=x.device)
+    _, _, I, E_experts, _ = check_experts(x, w13, s13, w2, s2, ids, w, shared)
     if E_experts != E:
         raise ValueError(f"moe_one_token: the router weight scores E={E} experts, w13 holds {E_experts}")
     return D, E, I

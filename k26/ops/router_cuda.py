@@ -24,7 +24,8 @@ from . import pdl, reference
 from .log import say_once
 from .moe_cuda import pick_nt, route_table, route_table_size
 
-# csrc/moe_router.cu's scratch: grid barrier (2), phase-2 arrivals (1), prefetch flag and departures (2)
+# csrc/moe_router.cu's scratch: grid barrier (2; word 1 also moe_one_token's gate/up tickets), phase-2
+# arrivals (1), prefetch / ids flag and departures (2)
 BARRIER_INTS = 5
 MAX_PREFETCH = 2  # tensors the kernel prefetches from (Args::pf): prefetch_w, prefetch_s
 

@@ -92,7 +92,8 @@ struct Args {
   const __nv_bfloat16* x;  // [M, D]
   const __nv_bfloat16* w;  // [E, D]
   const float* bias;       // [E]
-  int* barrier;  // [5], zero on entry and exit: grid barrier (2), phase-2 arrivals (1), prefetch flag, departures
+  int* barrier;  // [5], zero on entry and exit: grid barrier (2; [1]: gate/up tickets at one token), phase-2
+                 // arrivals (1), prefetch / ids flag, departures (csrc/moe_router_gate_up.cuh)
   float* partial;          // [KS, M, E]
   float* out_w;            // [M, K]
   int64_t* out_ids;        // [M, K]

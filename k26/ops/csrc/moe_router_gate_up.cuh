@@ -16,12 +16,14 @@
 // k ranges summed in warp order, the same rounding points: act bit-identical, and so the block's output.
 // Dependents (the down + combine launch, which reads the ids before its grid-dependency wait) are released
 // by a block only once it has seen the ids flag (the ids written and fenced before the flag), or by its exit.
+// Liveness rests on the whole grid being resident at once (resident_grid, as the router's barrier): a block spins
+// only on the flag, which the selecting block — the last to arrive, so never a spinner before — raises.
 //
 // Barrier words at one token (Args::barrier, zero on entry and exit): [0] arrivals (last_arrival), [1] gate/up
 // tickets, [3] ids flag, [4] departures; the last block to leave zeroes [1], [3] and [4].
 //
 // Legality: as moe_router.cu and csrc/moe_gate_up_one_token.cuh (mma.sync, plain and streaming loads, prefetch,
-// atomics, griddepcontrol; 14 KB more static shared memory: ~34 KB a block): sm_90a and sm_120a.
+// atomics, griddepcontrol; 27 KB static shared memory a block, 128 registers, no spills): sm_90a and sm_120a.
 
 #pragma once
 
