@@ -38,7 +38,7 @@ from k26.config import ModelConfig
 from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import CompiledDrafter, DFlashDrafter
-from k26.model.moe import Int4Experts, Router
+from k26.model.moe import Int4Experts, MoE, Router
 from k26.ops import moe_cuda, pdl
 from k26.sampling import RowSampling
 from k26.spec.step import SpecConfig, StepModels, speculative_step
@@ -124,9 +124,9 @@ def main() -> None:
         help="the MoE expert op routes in its own launch (the router writes no routing table: the A/B)",
     )
     ap.add_argument(
-        "--split-moe",
+        "--two-launch-moe",
         action="store_true",
-        help="one token's MoE block as router + expert op (three launches), not moe_one_token (the A/B)",
+        help="one token's MoE block as moe_one_token (two launches), not router + expert op (the A/B)",
     )
     ap.add_argument(
         "--step-kernels",
@@ -165,7 +165,7 @@ def main() -> None:
         if isinstance(m, Router):
             m.fuse_()
             m.writes_table = not a.route_launch
-            m.one_token_block = not a.split_moe
+            m.one_token_block = a.two_launch_moe
     if a.fused:
         model.fuse_dense_()
     if a.compile:
@@ -199,7 +199,7 @@ def main() -> None:
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
             f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
-            f"{' --split-moe' if a.split_moe else ''}"
+            f"{' --two-launch-moe' if a.two_launch_moe else ''}"
             f"{' --seeded-tree' if a.seeded_tree else ''}"
             f"{f' --variants {a.variants}' if a.variants else ''}"
             f"{f' --table-nodes {a.table_nodes}' if a.table_nodes else ''}`"
@@ -223,12 +223,12 @@ def main() -> None:
     touched: list[int] = []
     counting = [False]  # the hook syncs with the host: on for one eager pass, off for warm-ups and capture
 
-    def count(mod, args):
+    def count(mod, args):  # the block's own router on its input: the ids whichever path runs the block
         if counting[0]:
-            touched.append(int(args[1].unique().numel()))
+            touched.append(int(mod.gate(args[0].flatten(0, -2))[1].unique().numel()))
 
     for m in model.modules():
-        if isinstance(m, Int4Experts):
+        if isinstance(m, MoE) and isinstance(m.experts, Int4Experts):
             m.register_forward_pre_hook(count)
     counter = (touched, counting)
     if a.variants:

@@ -62,15 +62,14 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
 
 def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused":
-    router kernel (writing the routing table for M > 1), shared expert in the expert kernel's grids; one
-    token: `moe_one_token` (the router kernel runs the gate/up GEMMs: two launches);
-    "route": the split path: for M > 1 the expert op routes in its own launch (before the router wrote the
-    table), for one token router + expert op (three launches, before `moe_one_token`);
+    router kernel (writing the routing table for M > 1), shared expert in the expert kernel's grids;
+    "route": for M > 1 the same but the expert op routes in its own launch (before the router wrote the
+    table), for one token `moe_one_token` (the router kernel runs the gate/up GEMMs: two launches, opt-in);
     "router": router kernel, shared expert as its own three GEMMs; "unfused": the reference router (fp32
     weight copy, GEMV, topk), separate shared expert."""
     M = x.shape[0]
     sh = (lw["gate"], lw["up"], lw["down"])
-    if mode == "fused" and M == 1:
+    if mode == "route" and M == 1:
         router = (lw["router"], lw["bias"], lw["barrier"], *ROUTE)
         return torch.ops.k26.moe_one_token(x, *router, *lw["experts"], *sh)
     if mode == "fused" and M > 1:
@@ -80,8 +79,7 @@ def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     if mode == "unfused":
         tw, ids = reference.moe_router(x, lw["router"], lw["bias"], *ROUTE)
     else:
-        pf = lw["experts"][:2]  # gate/up weights and scales: what -DK26_ROUTER_PREFETCH prefetches (moe.py's)
-        tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE, *pf)
+        tw, ids = torch.ops.k26.moe_router(x, lw["router"], lw["bias"], lw["barrier"], *ROUTE)
     if mode in ("fused", "route"):
         return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh)
     y = torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw)
@@ -171,8 +169,8 @@ def block_main(a, copy_bw: float, head: list[str]) -> str:
         "",
         (
             "| shape | routing | M | experts touched | block MB | block µs | GB/s | % copy | "
-            "split path µs (M 1: 3 launches; else own route launch) | no PDL µs | shared separate µs | "
-            "before (unfused) µs | "
+            "alternative µs (M 1: moe_one_token, 2 launches; else own route launch) | no PDL µs | "
+            "shared separate µs | before (unfused) µs | "
             "launches fused / before | router µs (% copy) |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -145,12 +145,13 @@ def test_one_token_block_is_two_launches():
 
 
 @gpu
-def test_model_takes_the_two_launch_block_for_one_token_without_changing_a_bit(tiny_k25):
+def test_model_opted_in_takes_the_two_launch_block_for_one_token_without_changing_a_bit(tiny_k25):
     from k26 import LLM
 
     llm = LLM(tiny_k25, device="cuda", progress=False)
     moe = llm.model.layers[1].mlp
-    assert moe.gate.one_token_block
+    assert not moe.gate.one_token_block  # opt-in: measured slower than router + expert op
+    moe.gate.one_token_block = True
     gen = torch.Generator("cuda").manual_seed(9)
     x = torch.randn(1, 1, moe.gate.weight.shape[1], generator=gen, device="cuda").to(torch.bfloat16)
     assert moe.gate.serves_block(x.flatten(0, 1))

@@ -32,7 +32,9 @@ class Router(nn.Module):
         # expert op then runs no routing launch); False: the expert op routes itself (the A/B in benchmarks).
         self.writes_table = False
         # With the fused kernel, one token's whole block in two launches (`moe_one_token`: the router kernel
-        # runs the gate/up GEMMs too); False: router + expert op, three launches (the A/B in benchmarks).
+        # runs the gate/up GEMMs too) instead of router + expert op (three launches). Off: measured slower
+        # (H100, 2026-12-05: the MoE block 25.2 -> 25.8 µs, the 61-layer decode step 4.48 -> 4.76 ms;
+        # profiling/results/2026-12-05-moe-two-launch-session25-h100.md).
         self.one_token_block = False
 
     @torch.no_grad()
@@ -40,7 +42,6 @@ class Router(nn.Module):
         """Route with the fused CUDA kernel (csrc/moe_router.cu) from now on: bf16 weight on CUDA, loaded."""
         self.barrier = router_barrier(self.weight.device)
         self.writes_table = True
-        self.one_token_block = True
 
     def params(self) -> tuple:
         """The routing parameters the router ops take after the tensors: n_group, topk_group, topk,
@@ -54,17 +55,10 @@ class Router(nn.Module):
             cfg.routed_scaling_factor,
         )
 
-    def forward(self, x_TD: torch.Tensor, prefetch: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """`prefetch`: the expert op's gate/up weights and scales (repacked), which a kernel built with
-        -DK26_ROUTER_PREFETCH brings into L2 for the chosen experts (k26/ops/router_cuda.py)."""
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.barrier is not None and x_TD.dtype == torch.bfloat16:
             return torch.ops.k26.moe_router(
-                x_TD.contiguous(),
-                self.weight,
-                self.e_score_correction_bias,
-                self.barrier,
-                *self.params(),
-                *prefetch,
+                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self.params()
             )
         return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *self.params())
 
@@ -79,7 +73,7 @@ class Router(nn.Module):
         )
 
     def route(
-        self, x_TD: torch.Tensor, shared: bool, prefetch: tuple = ()
+        self, x_TD: torch.Tensor, shared: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weights, ids, routing table or None): the table of `moe_w4a16_repacked` (with the shared expert's
         slots when `shared`) from the fused kernel when it writes one, for more than one token (one token
@@ -87,7 +81,7 @@ class Router(nn.Module):
         M, fused = x_TD.shape[0], self.barrier is not None and x_TD.dtype == torch.bfloat16
         pairs = M * self.cfg.num_experts_per_tok
         if not (self.writes_table and fused and M > 1 and pairs <= TABLE_MAX_PAIRS):
-            return (*self(x_TD, prefetch), None)
+            return (*self(x_TD), None)
         args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self.params())
         return torch.ops.k26.moe_router_table(*args, shared)
 
@@ -190,7 +184,7 @@ class MoE(nn.Module):
             if self.gate.serves_block(x_TD) and (fused or self.shared_experts is None):
                 y_TD = self._one_token(x_TD)
                 return y_TD.view_as(x_BND) if partial else self.tp.reduce(y_TD.view_as(x_BND))
-            w_TK, ids_TK, table = self.gate.route(x_TD, fused, (self.experts.w13, self.experts.s13))
+            w_TK, ids_TK, table = self.gate.route(x_TD, shared=fused)
             y_TD = self.experts(x_TD, ids_TK, w_TK, self.shared_experts if fused else None, table)
             if self.shared_experts is not None and not fused:
                 y_TD = y_TD + self.shared_experts(x_TD)

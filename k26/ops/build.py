@@ -149,12 +149,6 @@ VARIANTS: dict[str, list[str]] = {
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
-    # MoE router, one token: the first N blocks L2-prefetch a share each of the chosen experts' gate/up
-    # weights and scales once the ids are written (the blocks that finish phase 1 early wait for them;
-    # csrc/moe_router.cu, prefetch_chosen); the routed gate/up then reads L2. Every block (1024 >= the grid)
-    # or 48 (fewer held back from the gate/up's blocks). Bit-identical. Prepared 2026-12-05 (session 24)
-    "-DK26_ROUTER_PREFETCH=1024": ["moe_router.cu"],
-    "-DK26_ROUTER_PREFETCH=48": ["moe_router.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

@@ -5,11 +5,8 @@ The op returns what `moe_w4a16_repacked` takes: fp32 weights [M, topk] and int64
 `torch.ops.k26.moe_router_table` also returns the expert op's routing table of those ids (csrc/moe_route.cuh,
 `moe_cuda.route_table`), built by the router kernel's last block, so the expert op runs no routing launch.
 `barrier` is the kernel's grid-barrier scratch: int32 [5], zero before and after every call; its owner
-(the model's `Router`) allocates it once with `router_barrier`. The reference ignores it.
-`prefetch_w` / `prefetch_s` (optional [E, ...] tensors: the repacked experts' gate/up weights and scales):
-with `-DK26_ROUTER_PREFETCH=N` (a kernel variant) the one-token router's blocks bring the chosen experts'
-slices of them into L2 as soon as the ids are written, so the expert op's gate/up reads them from L2;
-without it, and in the reference, they are not read.
+(the model's `Router`) allocates it once with `router_barrier`; `moe_one_token` (moe_block_cuda) uses the same
+scratch. The reference ignores it.
 """
 
 from __future__ import annotations
@@ -25,9 +22,8 @@ from .log import say_once
 from .moe_cuda import pick_nt, route_table, route_table_size
 
 # csrc/moe_router.cu's scratch: grid barrier (2; word 1 also moe_one_token's gate/up tickets), phase-2
-# arrivals (1), prefetch / ids flag and departures (2)
+# arrivals (1), moe_one_token's ids flag and departures (2)
 BARRIER_INTS = 5
-MAX_PREFETCH = 2  # tensors the kernel prefetches from (Args::pf): prefetch_w, prefetch_s
 
 
 def router_barrier(device: torch.device | str) -> torch.Tensor:
@@ -45,16 +41,12 @@ def moe_router(
     topk: int,
     renormalize: bool,
     scale: float,
-    prefetch_w: torch.Tensor | None = None,
-    prefetch_s: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
 
 
 @moe_router.register_fake
-def _(
-    x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, prefetch_w=None, prefetch_s=None
-):
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
     M = x.shape[0]
     return x.new_empty(M, topk, dtype=torch.float32), x.new_empty(M, topk, dtype=torch.int64)
 
@@ -135,23 +127,6 @@ def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: 
     return M, D, E
 
 
-def check_prefetch(x: torch.Tensor, E: int, **tensors: torch.Tensor | None) -> list[tuple[int, int]]:
-    """(address, bytes per expert) of each prefetch tensor given (0, 0: none): [E, ...], contiguous, on x's
-    device (ValueError naming the argument)."""
-    out = []
-    for name, t in tensors.items():
-        if t is None:
-            out.append((0, 0))
-            continue
-        if not (t.device == x.device and t.is_contiguous() and t.dim() >= 1 and t.shape[0] == E):
-            raise ValueError(
-                f"moe_router: {name} must be a contiguous [E={E}, ...] tensor on {x.device}, got "
-                f"{list(t.shape)} on {t.device}"
-            )
-        out.append((t.data_ptr(), t.numel() * t.element_size() // E))
-    return out
-
-
 @functools.cache  # once per process, like build.library
 def _library() -> ctypes.CDLL:
     """The kernel library with this op's ctypes signatures (csrc/moe_router.cu)."""
@@ -162,20 +137,16 @@ def _library() -> ctypes.CDLL:
     lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
     lib.k26_moe_router.restype = ctypes.c_int
     # x, weight, bias, barrier, workspace, out_w, out_ids, table; M, D, E, n_group, topk_group, topk,
-    # renormalize, table_gt, table_S; scale; pdl; stream; per prefetch slot: address, bytes per expert
+    # renormalize, table_gt, table_S; scale; pdl; stream
     ptrs, ints = [ctypes.c_void_p] * 8, [ctypes.c_int] * 9
-    pf = [ctypes.c_void_p, ctypes.c_longlong] * MAX_PREFETCH
-    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_int, ctypes.c_void_p, *pf]
+    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
-def _run(
-    x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared, pf_w=None, pf_s=None
-):
+def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
     """The CUDA kernel (or the reference for an unsupported hidden size); `shared` (bool) to build the routing
     table too (groups of the expert op's pick_nt), None for none. Returns (weights, ids, table or None)."""
     M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk)
-    pf = check_prefetch(x, E, prefetch_w=pf_w, prefetch_s=pf_s)
     nt = pick_nt(M * topk, E)
 
     def torch_table(ids):  # the reference's table where the kernel does not run
@@ -220,7 +191,6 @@ def _run(
         scale,
         int(pdl.ENABLED),  # csrc/moe_router.cu: the first weight batch streams in under the previous kernel
         torch.cuda.current_stream(x.device).cuda_stream,
-        *(v for slot in pf for v in slot),
     )
     if err:
         raise RuntimeError(f"moe_router: CUDA launch failed with error {err}")
@@ -228,11 +198,8 @@ def _run(
 
 
 @moe_router.register_kernel("cuda")
-def _(
-    x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, prefetch_w=None, prefetch_s=None
-):
-    args = (x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale)
-    return _run(*args, None, prefetch_w, prefetch_s)[:2]
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, None)[:2]
 
 
 @moe_router_table.register_kernel("cuda")

@@ -42,6 +42,10 @@
 // and writing the expert op's routing table (run 3, commit 7aecc8d: 28.5 / 53.3 µs at M = 16 / 64).
 // Phase 3 (the table by the last phase-2 block): the M = 16 block 104.9 -> 104.5 µs, one launch fewer; the
 // verify N = 16 step 7.25 -> 7.23 ms (2026-12-02-bench_moe-router-table-h200.md).
+// Also dropped (2026-12-05-moe-two-launch-session25-h100.md, H100): at one token, every block L2-prefetching the
+// chosen experts' gate/up weights once the ids are written (the early blocks waiting on a flag): the MoE block
+// 25.2 -> 28.5 µs. router_kernel<1, GateUpArgs> (the gate/up in this grid: csrc/moe_router_gate_up.cuh) is kept
+// as the opt-in `moe_one_token`: two launches, but 25.2 -> 25.8 µs and the decode step 4.48 -> 4.76 ms.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -84,16 +88,12 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-#ifdef K26_ROUTER_PREFETCH
-constexpr int kPrefetch = 2;  // tensors the one-token router may prefetch the chosen experts' slices of
-#endif
-
 struct Args {
   const __nv_bfloat16* x;  // [M, D]
   const __nv_bfloat16* w;  // [E, D]
   const float* bias;       // [E]
   int* barrier;  // [5], zero on entry and exit: grid barrier (2; [1]: gate/up tickets at one token), phase-2
-                 // arrivals (1), prefetch / ids flag, departures (csrc/moe_router_gate_up.cuh)
+                 // arrivals (1), ids flag, departures (csrc/moe_router_gate_up.cuh)
   float* partial;          // [KS, M, E]
   float* out_w;            // [M, K]
   int64_t* out_ids;        // [M, K]
@@ -101,10 +101,6 @@ struct Args {
   int M, D, E, n_group, topk_group, topk, renormalize, ks, chunks_per_ks;
   int table_gt, table_S;   // the table's group size (8 nt) and shared-expert slots (M or 0)
   float scale;
-#ifdef K26_ROUTER_PREFETCH  // (only there: a larger Args changes how the default kernel reads its parameters)
-  const char* pf[kPrefetch];      // [E, ...] tensors (null: none), expert e's slice
-  long long pf_bytes[kPrefetch];  // at pf[i] + e * pf_bytes[i]
-#endif
 };
 
 // Phase 1, one warp: 16 W rows x (8·NT tokens) over chunks [c0, c1) of 64 k. kRelease: dependents released
@@ -232,54 +228,6 @@ __device__ bool last_arrival(int* count, int n) {
   return s_last;
 }
 
-#ifdef K26_ROUTER_PREFETCH
-// -DK26_ROUTER_PREFETCH=N (a variant for an A/B, k26/ops/build.py VARIANTS), one token: the grid's first N blocks
-// (the last block once it has written the ids, the others, which would have left after phase 1, once its flag
-// says so) issue L2 prefetches of the chosen experts' slices of a.pf (the expert op's gate/up weights and
-// scales, 16.5 MB at K2.6 TP8), 32 bytes apart, spread over those blocks' SMs. The routed gate/up blocks, which
-// pass their grid-dependency wait only when this grid has completed, then read lines already requested
-// (2026-12-01-moe_trace-h200.md: their first weight batch took 4-8 µs to arrive from DRAM, requested by ~96
-// SMs at once). The price: helpers stay resident (118 registers x 256 threads) until the ids are known,
-// where the gate/up's blocks would have taken their place. Spinning is safe: the grid is resident
-// (resident_grid). The flag and the departure count are zero again when the last helper leaves. Outputs
-// unchanged: bit-identical.
-static_assert(K26_ROUTER_PREFETCH >= 1, "-DK26_ROUTER_PREFETCH=N: N >= 1 helper blocks");
-
-__device__ void prefetch_chosen(const Args& a, bool last) {
-  __shared__ long long s_ids[kMaxTopk];
-  const int helpers = min((int)(K26_ROUTER_PREFETCH), (int)gridDim.x);
-  if (last && threadIdx.x == 0) {
-    __threadfence();  // the ids written by warp 0 (before the block's barrier) are visible before the flag
-    atomicExch(&a.barrier[3], 1);
-  }
-  if ((int)blockIdx.x >= helpers) return;  // (the last block, when it is no helper: the flag is set)
-  if (!last && threadIdx.x == 0) {
-    while (*reinterpret_cast<volatile int*>(&a.barrier[3]) == 0) __nanosleep(64);  // (a load: no atomics)
-    __threadfence();
-  }
-  __syncthreads();
-  if (threadIdx.x < a.topk) s_ids[threadIdx.x] = __ldcg(a.out_ids + threadIdx.x);
-  __syncthreads();
-  const long long stride = (long long)helpers * blockDim.x;
-  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  for (int i = 0; i < kPrefetch; ++i) {
-    if (a.pf[i] == nullptr) continue;
-    const long long per = a.pf_bytes[i] / 32;  // 32-byte sectors of one expert's slice
-    for (int k = 0; k < a.topk; ++k) {  // experts outside, sectors inside: no division in the loop
-      const long long e = s_ids[k];
-      if (e < 0 || e >= a.E) continue;
-      const char* base = a.pf[i] + e * a.pf_bytes[i];
-      for (long long j = first; j < per; j += stride) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(base + j * 32));
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(&a.barrier[4], 1) == helpers - 1) {  // the last helper to leave re-arms
-    atomicExch(&a.barrier[3], 0);
-    atomicExch(&a.barrier[4], 0);
-  }
-}
-#endif
-
 #include "moe_router_gate_up.cuh"  // GateUpArgs: router_kernel<1, GateUpArgs>, the one-token block's first launch
 
 constexpr int kKsBatch = 8;  // phase 2's partial loads in flight per expert (plan: ks <= D / 1024, 7 at K2.6)
@@ -315,10 +263,7 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(A a) {
   const int first = a.M == 1 ? 0 : blockIdx.x;  // this block's first token in phase 2
   if (a.M == 1) {
     if (!last_arrival(a.barrier, gridDim.x)) {
-      if constexpr (GU) gate_up_items(a, red);  // (its launch passes no prefetch tensors: the same words)
-#ifdef K26_ROUTER_PREFETCH
-      if (a.pf[0] != nullptr) prefetch_chosen(a, false);
-#endif
+      if constexpr (GU) gate_up_items(a, red);
       return;
     }
   } else {
@@ -375,9 +320,6 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(A a) {
     gate_up_items(a, red);
     return;
   }
-#ifdef K26_ROUTER_PREFETCH
-  if (a.M == 1 && a.pf[0] != nullptr) prefetch_chosen(a, true);
-#endif
   if (a.table == nullptr || first >= a.M) return;
   // The routing table from every token's ids, by the last phase-2 block to finish (one token: the one block
   // that ran phase 2), so the expert op needs no routing launch of its own: the launch and its two grid
@@ -452,22 +394,15 @@ K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
 // D % 64 == 0, E <= 1024, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group.
 // table (null: none): the expert op's routing table of these ids (csrc/moe_route.cuh) for groups of table_gt
 // tokens and table_S shared-expert slots, route_table_ints(M * topk, table_S, E, table_gt) ints.
-// pf0 / pf1 (null: none) with their bytes per expert: the tensors -DK26_ROUTER_PREFETCH prefetches from (both
-// unread without it, and unless pf0 is given).
 K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
                               float* out_w, int64_t* out_ids, int* table, int M, int D, int E, int n_group,
                               int topk_group, int topk, int renormalize, int table_gt, int table_S, float scale,
-                              int pdl, void* stream, const void* pf0, long long pf0_bytes, const void* pf1,
-                              long long pf1_bytes) {
+                              int pdl, void* stream) {
   if (E > kMaxE || topk > kMaxTopk || topk > E || n_group > kMaxGroups || D % 64) return (int)cudaErrorInvalidValue;
   if (table && (table_gt < 8 || table_gt % 8 || table_S < 0)) return (int)cudaErrorInvalidValue;
   const Plan p = plan(M, D, E);
   Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids, table,
-         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, table_gt, table_S, scale
-#ifdef K26_ROUTER_PREFETCH
-         , {(const char*)pf0, (const char*)pf1}, {pf0_bytes, pf1_bytes}
-#endif
-  };
+         M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, table_gt, table_S, scale};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
 #ifdef K26_ROUTER_POLL
   if (M == 1 && n_group == 1 && topk <= kFastTopk && E <= kPollE && p.ks <= kPollKs && p.grid <= resident_grid<router_poll_kernel>())
@@ -478,7 +413,7 @@ K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, i
 }
 
 // The one-token MoE block's first launch (router_kernel<1, GateUpArgs>, csrc/moe_router_gate_up.cuh): the router as
-// k26_moe_router at M = 1 (no table, no prefetch), then in the same grid the gate/up GEMMs of the shared expert
+// k26_moe_router at M = 1 (no table), then in the same grid the gate/up GEMMs of the shared expert
 // (shared_gate / shared_up [I, D] bf16, or both null) and of the chosen experts (w13 / s13 in csrc/moe_w4a16.cu's
 // layout): act [topk (+ 1), I] bf16 for k26_moe_down_one_token (csrc/moe_w4a16.cu), the second launch. The grid is
 // the resident one (blocks spin on the ids flag). Shapes are validated by the Python front door
