@@ -45,7 +45,9 @@
 // Also dropped (2026-12-05-moe-two-launch-session25-h100.md, H100): at one token, every block L2-prefetching the
 // chosen experts' gate/up weights once the ids are written (the early blocks waiting on a flag): the MoE block
 // 25.2 -> 28.5 µs. router_kernel<1, GateUpArgs> (the gate/up in this grid: csrc/moe_router_gate_up.cuh) is kept
-// as the opt-in `moe_one_token`: two launches, but 25.2 -> 25.8 µs and the decode step 4.48 -> 4.76 ms.
+// as the opt-in `moe_one_token`: two launches, but 25.2 -> 25.8 µs and the decode step 4.48 -> 4.76 ms. And no
+// early release of the expert op (its gate/up blocks spread over an idle GPU instead of where the router leaves
+// room): the block at one token 25.2 -> 25.9 µs, the decode / verify N = 16 steps 4.48 / 7.38 -> 4.55 / 7.54 ms.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -103,20 +105,9 @@ struct Args {
   float scale;
 };
 
-// -DK26_ROUTER_LATE_TRIGGER (a variant for an A/B, k26/ops/build.py VARIANTS): the router releases no dependent
-// early; the expert op's grid launches as its last block leaves. Why try it: launched early, the gate/up blocks
-// become resident wherever the router's blocks leave room (2026-12-01-moe_trace-h200.md: 231 of the 256 routed
-// blocks 3 to an SM, the rest of the SMs with one or none, and the 3-block SMs finishing last); launched onto an
-// idle GPU they spread ~2 to an SM. The price: the shared expert's blocks no longer stream under the router.
-#ifdef K26_ROUTER_LATE_TRIGGER
-constexpr bool kEarlyRelease = false;
-#else
-constexpr bool kEarlyRelease = true;
-#endif
-
 // Phase 1, one warp: 16 W rows x (8·NT tokens) over chunks [c0, c1) of 64 k. kRelease: dependents released
 // right after the grid-dependency wait (router_kernel); the one-token gate/up kernel releases them later.
-template <int NT, bool kRelease = kEarlyRelease>
+template <int NT, bool kRelease = true>
 __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float acc[NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint4* wr[2];
@@ -173,7 +164,7 @@ __device__ void dot_tile(const Args& a, int m0, int r0, int c0, int c1, float ac
   }
 }
 
-template <int NT, bool kRelease = kEarlyRelease>
+template <int NT, bool kRelease = true>
 __device__ void logits_phase(const Args& a, float (*red)[NT * 4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row_tiles = (a.E + 15) / 16, m_tiles = (a.M + 8 * NT - 1) / (8 * NT);
@@ -267,10 +258,10 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(A a) {
     const int e = threadIdx.x + j * kThreads;
     bias[j] = (a.M == 1 || blockIdx.x < a.M) && e < a.E ? __ldg(a.bias + e) : 0.f;
   }
-  logits_phase<NT, !GU && kEarlyRelease>(a, red);
+  logits_phase<NT, !GU>(a, red);
   TRACE(2);
   pdl_wait();  // every thread, before any write (a warp without k chunks never waited in dot_tile)
-  if constexpr (!GU && kEarlyRelease) pdl_trigger();  // (GU: once the ids are known, gate_up_items)
+  if constexpr (!GU) pdl_trigger();  // (GU: once the ids are known, gate_up_items)
   const int first = a.M == 1 ? 0 : blockIdx.x;  // this block's first token in phase 2
   if (a.M == 1) {
     if (!last_arrival(a.barrier, gridDim.x)) {
