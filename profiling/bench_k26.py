@@ -8,10 +8,9 @@ the same rank's shapes, against the byte roofline measured in the same run.
     --fused: the step rows, speculative steps included, on the loader's inference path, KimiK2.fuse_dense_)
 
 `--variants`: the decode / verify rows of each variant of the dense path in turn (base: the module glue and
-cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK and W_UV in the small-M kernel and
-the residual adds + norms as torch.ops.k26.add_rmsnorm;
-fused-o: + each MLA's o_proj in the small-M kernel; fused-all: + every projection and the head in the small-M
-kernel), each with a per-kernel table of the
+cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK, W_UV and o_proj in the small-M kernel
+and the residual adds + norms as torch.ops.k26.add_rmsnorm; fused-all: + every projection and the head in the
+small-M kernel), each with a per-kernel table of the
 graph-replayed step at `--table-nodes` (profiling/kernel_table.py).
 
 Collectives are excluded (the TP group is a no-op here; they are measured on two GPUs and modelled for
@@ -102,7 +101,7 @@ def main() -> None:
         action="store_true",
         help="torch.compile each decoder layer (one compiled body serves all 61: weights are inputs)",
     )
-    ap.add_argument("--variants", default="", help="base,glue,fused,fused-o,fused-all: see the docstring")
+    ap.add_argument("--variants", default="", help="base,glue,fused,fused-all: see the docstring")
     ap.add_argument(
         "--no-pdl", action="store_true", help="every k26 kernel without programmatic dependent launch"
     )

@@ -201,7 +201,7 @@ def row(what: str, launches: int, us: float, nbytes: float, copy_bw: float, path
     return f"| {what} | {launches} | {us:.1f} | {mb} | {bw} | {path_us:.1f} |"
 
 
-VARIANTS = ("base", "glue", "fused", "fused-o", "fused-all")  # bench_k26 --variants (its docstring)
+VARIANTS = ("base", "glue", "fused", "fused-all")  # bench_k26 --variants (its docstring)
 
 
 def apply_variant(model, name: str) -> None:
@@ -212,15 +212,12 @@ def apply_variant(model, name: str) -> None:
     attns = [m for m in model.modules() if isinstance(m, MLA)]
     if name in ("base", "glue") and any(m.qkv_a is not None for m in attns):
         raise ValueError(f"dense-path variant {name!r} after a fused one: fuse_ stacked the weights for good")
-    fused = name in ("fused", "fused-o", "fused-all")
+    fused = name in ("fused", "fused-all")
     for m in attns:
         m.glue = name != "base"
         if fused:
             m.fuse_(kernel_max_m=64)
     use_linear_kernel(model, name == "fused-all")
-    if name == "fused-o":  # fused-all's o_proj alone: is it the part of fused-all that moves the step?
-        for m in attns:
-            m.o_proj.use_kernel = True
     for norm in model.residual_norms():  # the residual add + norm as one op (csrc/add_rmsnorm.cu)
         norm.use_kernel = fused
 

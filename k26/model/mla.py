@@ -21,10 +21,11 @@ from .rope import Rope
 # where the compiled, graph-replayed K2.6 step measured it faster
 # (profiling/results/2026-12-01-bench_k26-glue-h200.md): the stacked q_a / kv_a and W_UK won or tied at
 # 1 and 16 rows; q_b and W_UV (short K) won at 1 row and lost at 16 under split-K, and win at 16 in tile
-# mode (q_b 4.3 vs cuBLAS 4.9 µs, W_UV 2.7 vs 3.2: 2026-12-01-bench_linear-h200-tile.md). Tile mode is
-# batch-invariant (in launches of 64 rows too), so every MLA projection but o_proj runs it for every decode /
-# verify batch: a verify step then reproduces decode's MLA projections bit for bit (cuBLAS picks its algorithm
-# by M). The layer as a whole is not batch-invariant yet: o_proj, the dense MLP and the head are cuBLAS.
+# mode (q_b 4.3 vs cuBLAS 4.9 µs, W_UV 2.7 vs 3.2: 2026-12-01-bench_linear-h200-tile.md); o_proj (short K too)
+# tied at 1 row and won at 16 (the 61-layer step on an H100: decode 4.50 -> 4.51 ms, verify N = 16 7.41 ->
+# 7.23; 2026-12-05-moe-two-launch-session25-h100.md). Tile mode is batch-invariant (in launches of 64 rows
+# too), so every MLA projection runs it for every decode / verify batch: a verify step then reproduces
+# decode's MLA bit for bit (cuBLAS picks its algorithm by M). The dense MLP and the head are still cuBLAS.
 KERNEL_MAX_M = SHORT_K_MAX_M = MAX_ROWS  # every decode / verify batch (linear_cuda.MAX_ROWS)
 # A prefill (AttnBatch.prefill) needs no bit-equality with any other forward: above 64 rows it takes cuBLAS,
 # 2-4x faster there than tile mode (every 16-row block re-reads x).
@@ -153,7 +154,8 @@ class MLA(nn.Module):
                 o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
         else:
             o_BNHV = self._naive(q_nope, q_pe, batch, cache_RLC)
-        return reduce(self.o_proj(o_BNHV.reshape(B, N, H * cfg.v_head_dim)))
+        o_BNO = o_BNHV.reshape(B, N, H * cfg.v_head_dim)
+        return reduce(torch.ops.k26.linear(o_BNO, self.o_proj.weight) if short else self.o_proj(o_BNO))
 
     def _naive(self, q_nope, q_pe, batch: AttnBatch, cache_RLC):
         """Expand every visible latent row of the cache into per-head k_nope / v and attend as plain MHA."""
