@@ -266,3 +266,24 @@ def test_fused_model_runs_glue_and_q_b_as_one_op():
             layer.self_attn.glue = False
         h1, _ = model(ids, batch, caches[1])
     assert torch.equal(h0, h1) and torch.equal(caches[0], caches[1])
+
+
+def test_fused_mla_runs_o_proj_in_the_small_m_kernel():
+    """After `fuse_dense_`, decode / verify rows run o_proj through `k26::linear` as well as the stacked q_a /
+    kv_a (q_b goes with the glue, W_UK / W_UV through `k26::linear_grouped`): a verify step then reproduces
+    decode's MLA projections bit for bit. With `short_k_max_m` at 0 o_proj is the module's cuBLAS again (one
+    call a layer fewer), and the output the same (on the CPU the op is the reference)."""
+    cfg, model = random_tiny(torch.bfloat16, 5)
+    model.fuse_dense_()
+    ids = torch.randint(0, cfg.vocab_size, (2, 3))
+    batch = AttnBatch.causal(torch.tensor([2, 5]), 3)
+    cache = torch.randn(cfg.num_hidden_layers, 2, 12, cfg.latent_dim).bfloat16()
+    L = cfg.num_hidden_layers
+    with torch.no_grad():
+        assert _op_calls(model, ids, batch, cache.clone()) == 2 * L
+        h0, _ = model(ids, batch, cache.clone())
+        for layer in model.layers:
+            layer.self_attn.short_k_max_m = 0
+        assert _op_calls(model, ids, batch, cache.clone()) == L
+        h1, _ = model(ids, batch, cache.clone())
+    torch.testing.assert_close(h0.float(), h1.float(), rtol=2e-2, atol=2e-2)

@@ -59,9 +59,9 @@ class MLA(nn.Module):
     def fuse_(self, kernel_max_m: int = KERNEL_MAX_M, short_k_max_m: int = SHORT_K_MAX_M) -> None:
         """Stack q_a / kv_a (same input: one projection) and lay W_UK^T out once, after the weights are
         loaded; `kernel_max_m` rows and fewer run the stacked projection and W_UK in the small-M linear
-        kernel, `short_k_max_m` rows and fewer also q_b and W_UV. Both weights stay parameters under their
-        own names (views of the stack: no extra memory); W_UK^T is a copy (1 MB a layer at TP8), so call this
-        once the weights are final (inference)."""
+        kernel, `short_k_max_m` rows and fewer also q_b, W_UV and o_proj. Both weights stay parameters under
+        their own names (views of the stack: no extra memory); W_UK^T is a copy (1 MB a layer at TP8), so call
+        this once the weights are final (inference)."""
         if self.qkv_a is None:
             self.qkv_a = stack_(self.q_a_proj, self.kv_a_proj_with_mqa)
             nope, r = self.cfg.qk_nope_head_dim, self.cfg.kv_lora_rank
