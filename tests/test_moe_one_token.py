@@ -1,7 +1,8 @@
 """The one-token MoE block in two launches (torch.ops.k26.moe_one_token): schema and input checks on CPU; on
 the GPU, on fresh random weights and rows, the same bits as the split path (moe_router, then
 moe_w4a16_repacked), the reference within tolerance, graph replays that follow new inputs and leave the
-router's scratch re-armed, two launches, and the model taking it for one token without changing a bit."""
+router's scratch re-armed, two launches, and the model (opted in) taking it for one token without changing a
+bit."""
 
 import pytest
 import torch

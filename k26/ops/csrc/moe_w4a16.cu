@@ -28,8 +28,8 @@
 // gemm2 + combine are one launch too (csrc/moe_down_combine.cuh: a block per 32 output rows over every group,
 // one wave; TP8 block 4-20 % faster, the verify N = 16 step 7.77 -> 7.24 ms,
 // 2026-12-02-bench_moe-down-combine-h200.md). Both bit-identical to the four-launch path.
-// The model's one-token block runs its gate/up in the router's grid instead (csrc/moe_router_gate_up.cuh) and
-// only the down + combine here (k26_moe_down_one_token): two launches per MoE layer.
+// `moe_one_token` (opt-in: measured slower) runs one token's gate/up in the router's grid instead
+// (csrc/moe_router_gate_up.cuh) and only the down + combine here (k26_moe_down_one_token): two launches a layer.
 //
 // "Swap AB": the weights are the mma A operand (16 output features per tile) and the few tokens per
 // expert are the n = 8 columns, so small batches waste no weight bandwidth. Weight layout (repacked
