@@ -19,6 +19,7 @@ import torch
 from . import pdl, reference
 from .moe_cuda import check_inputs as check_experts
 from .moe_cuda import repacked_reference
+from .router_cuda import _library as router_library  # k26_moe_router_workspace's signature
 from .router_cuda import check_inputs as check_router
 
 MAX_HIDDEN = 7168  # csrc/moe_gate_up_one_token.cuh kOneTokMaxK: the staged x row
@@ -79,12 +80,8 @@ def _(
 
 @functools.cache  # once per process, like build.library
 def _library() -> ctypes.CDLL:
-    """The kernel library with the two launches' ctypes signatures."""
-    from .build import library
-
-    lib = library()
-    lib.k26_moe_router_workspace.restype = ctypes.c_size_t
-    lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
+    """The kernel library with the two launches' ctypes signatures (and the router's)."""
+    lib = router_library()
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.k26_moe_router_gate_up.restype = ctypes.c_int
     # x, weight, bias, barrier, workspace, out_w, out_ids; D, E, n_group, topk_group, topk, renormalize;
@@ -98,20 +95,21 @@ def _library() -> ctypes.CDLL:
 
 def check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, w13, s13, w2, s2, shared) -> tuple:
     """Every problem of the two launches' inputs as a ValueError naming the argument, before any launch (the
-    router's and the expert op's checks, one token, the two agreeing on E). Returns (D, E, I). Launches
-    nothing itself (a fill or copy here would be a kernel between the previous layer's and the router's)."""
+    router's and the expert op's checks, one token, the two agreeing on E). Returns D, E, I and the (empty)
+    weights and ids buffers the router kernel writes. Launches nothing itself (a fill or copy here would be a
+    kernel between the previous layer's and the router's)."""
     M, D, E = check_router(x, weight, bias, barrier, n_group, topk_group, topk)
     if not serves(M, D, topk):
         raise ValueError(
             f"moe_one_token: one token, hidden size a multiple of 64 up to {MAX_HIDDEN} and topk <= "
             f"{MAX_TOPK} (got M={M}, D={D}, topk={topk}); other blocks take moe_router + moe_w4a16_repacked"
         )
-    ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)  # (what the router writes: shapes only)
+    ids = torch.empty(M, topk, dtype=torch.int64, device=x.device)
     w = torch.empty(M, topk, dtype=torch.float32, device=x.device)
     _, _, I, E_experts, _ = check_experts(x, w13, s13, w2, s2, ids, w, shared)
     if E_experts != E:
         raise ValueError(f"moe_one_token: the router weight scores E={E} experts, w13 holds {E_experts}")
-    return D, E, I
+    return D, E, I, w, ids
 
 
 @moe_one_token.register_kernel("cuda")
@@ -134,10 +132,9 @@ def _(
     shared_down=None,
 ):
     shared = (shared_gate, shared_up, shared_down)
-    D, E, I = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, w13, s13, w2, s2, shared)
+    checked = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, w13, s13, w2, s2, shared)
+    D, E, I, out_w, out_ids = checked
     M, dev = 1, x.device
-    out_w = torch.empty(M, topk, dtype=torch.float32, device=dev)
-    out_ids = torch.empty(M, topk, dtype=torch.int64, device=dev)
     has_shared = shared[0] is not None
     lib = _library()
     ws = torch.empty(lib.k26_moe_router_workspace(M, D, E) // 4, dtype=torch.float32, device=dev)
