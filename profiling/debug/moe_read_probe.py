@@ -15,6 +15,11 @@ kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each al
   ... no scales  the same without the scale loads
   ... interleaved warp w streams chunks w, w + 8, ... (a block's rounds are then contiguous)
   ... ids as arguments  the expert ids passed by value (no dependent first load)
+  ... no dequant / mma  the walk without its arithmetic (the loads xor-folded)
+  ... round-major  round r of all the expert's tiles side by side (one contiguous front an expert)
+  U=14 at 2 blocks / SM  every chunk of a warp in flight at once, 120 registers, no spills (the probe's 256
+                 blocks fit 2 a SM on 132 SMs; the kernel's 288 with the shared expert would not)
+  tiles          a block per (expert, tile) streaming its 57 KB in order, 4 loads a thread, no arithmetic
 
     python profiling/debug/moe_read_probe.py [--experts 8] [--out FILE.md]
 
@@ -80,8 +85,8 @@ __global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int 
 // dequant + mma), 16 round-major placement (round r of every tile of the expert side by side, so the
 // concurrent front of the expert's 32 blocks is one contiguous run instead of 32 runs 57 KB apart).
 constexpr int KMAX = 7168;  // the staged row's capacity: K2.6's hidden size
-template <int U>
-__global__ void __launch_bounds__(256, 3) pattern_read(const uint4* w, const uint32_t* s,
+template <int U, int MINB = 3>
+__global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const uint32_t* s,
                                                        const long long* ids, Ids arg, int kc, int tiles,
                                                        int flags, const uint4* xrow, uint4* sink) {
   const int lane = threadIdx.x & 31, wk = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, per = kc / 8;
@@ -185,6 +190,7 @@ extern "C" int pattern_launch(int u, const void* w, const void* s, const void* i
   if (u == 4) pattern_read<4><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 8) pattern_read<8><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 14) pattern_read<14><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 114) pattern_read<14, 2><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else return (int)cudaErrorInvalidValue;
   return (int)cudaGetLastError();
 }
@@ -253,6 +259,8 @@ def main() -> None:
         ("pattern U=8, ids as arguments", wbytes + sbytes, pattern(8, 1)),
         ("pattern U=14 (all at once; spills at 80 registers)", wbytes + sbytes, pattern(14, 1 | 4)),
         ("pattern U=4", wbytes + sbytes, pattern(4, 1 | 4)),
+        ("pattern U=14 at 2 blocks / SM (all at once, no spills)", wbytes + sbytes, pattern(114, 1 | 4)),
+        ("pattern U=14 at 2 blocks / SM, no dequant / mma", wbytes + sbytes, pattern(114, 1 | 4 | 8)),
     ]
     out = [
         f"# moe_read_probe — {datetime.date.today()}",
