@@ -24,7 +24,11 @@ namespace k26_moe {
 // 8 % faster, TP8 unchanged (its gate/up is not bound by one warp's round trips). Same fragments, same mma
 // order as the register path: bit-identical. All threads of the block call it (it stages x and synchronises).
 // (14, all of a warp's K2.6 chunks in one round trip, spills at the 80-register bound and took 14.5 µs for the
-// routed loop instead of 9.5: 2026-12-01-moe_trace-h200.md.)
+// routed loop instead of 9.5: 2026-12-01-moe_trace-h200.md.) Also dropped: every chunk of the warp in flight
+// through a cp.async ring in 56 KB of dynamic shared memory, each multiplied as it lands — the block at one
+// token 25.3 -> 31.3 µs, the decode step 4.41 -> 5.36 ms (H100, 2026-12-05-moe-gate-up-probe-session26-h100.md:
+// the read probe there shows the dequant + mma, ~90 instructions a chunk, is what the walk fails to hide,
+// not the loads in flight).
 constexpr int kOneTokU = 8;
 constexpr int kOneTokMaxK = 7168;  // the staged row's capacity (bf16): K2.6's hidden size
 
@@ -76,80 +80,5 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
     if (c0 == c_begin) MOE_TRACE(0, 4);  // warp 0's first weight batch arrived and multiplied
   }
 }
-
-#ifdef K26_MOE_GU_RING
-// -DK26_MOE_GU_RING (a variant for an A/B, k26/ops/build.py VARIANTS): the same rows with every chunk of the
-// warp in flight at once, copied by cp.async into a per-warp ring in dynamic shared memory instead of rounds of
-// kOneTokU registers. Why: the read probe (profiling/debug/moe_read_probe.py, 2026-12-05 H100) times the
-// register walk at 10.2 µs over the launch for 16.5 MB, where a grid-stride read of the same 8 experts takes
-// 5.8: with rounds, a warp's second round of loads waits for its first round's dequant + mma (~90
-// instructions a chunk, ~3 µs of issue a SM at K2.6 TP8), so DRAM idles between the rounds. Here all of a
-// warp's chunks are requested before x is staged and each is multiplied as soon as its group has landed
-// (cp.async.wait_group per chunk, a lane reading only the 16 bytes it copied itself: no warp barrier). The
-// scales stay register loads (one word a chunk). Same fragments, same mma order: bit-identical.
-// Shared memory: 8 warps x 14 chunks x 512 B = 56 KB dynamic (+ the kernel's static x row and reduction):
-// 3 blocks per SM on sm_90 (226 of 228 KB), 1 on sm_120.
-constexpr int kRingSlots = 14;                  // ceil(kOneTokMaxK / 64 / 8): a warp's chunks at K <= 7168
-constexpr int kRingBytes = 8 * kRingSlots * 512;  // dynamic shared memory of an 8-warp block
-
-// cp.async.wait_group takes an immediate: called from fully unrolled loops, the switch folds to one wait.
-__device__ __forceinline__ void cp_async_wait(int pending) {
-  switch (pending) {
-#define K26_WAIT_CASE(n) \
-  case n:                \
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory"); \
-    break;
-    K26_WAIT_CASE(0) K26_WAIT_CASE(1) K26_WAIT_CASE(2) K26_WAIT_CASE(3) K26_WAIT_CASE(4) K26_WAIT_CASE(5)
-    K26_WAIT_CASE(6) K26_WAIT_CASE(7) K26_WAIT_CASE(8) K26_WAIT_CASE(9) K26_WAIT_CASE(10) K26_WAIT_CASE(11)
-    K26_WAIT_CASE(12)
-#undef K26_WAIT_CASE
-    default:
-      asm volatile("cp.async.wait_group 13;\n" ::: "memory");
-  }
-}
-
-__device__ __forceinline__ void gated_one_token_ring(const uint4* __restrict__ w, const uint32_t* __restrict__ s,
-                                                     const __nv_bfloat16* __restrict__ xrow, int K, size_t tile_base,
-                                                     int c_begin, int c_end, uint4* xs, uint4* ring, float acc[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  uint4* slots = ring + (threadIdx.x >> 5) * kRingSlots * 32;
-  uint64_t policy;  // evict-first in L2, as ld_weight's streaming loads: L2 keeps the activations
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  uint32_t sv[kRingSlots];
-#pragma unroll
-  for (int u = 0; u < kRingSlots; ++u) {
-    const size_t chunk = tile_base + c_begin + u;
-    if (c_begin + u < c_end) {
-      const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(slots + u * 32 + lane));
-      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(d),
-                   "l"(w + chunk * 32 + lane), "l"(policy)
-                   : "memory");
-      sv[u] = __ldg(s + chunk * 16 + 2 * g + (t >> 1));
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");  // one group a slot, empty past c_end: uniform count
-  }
-  const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldcg(x4 + i);  // coherent (pdl.cuh)
-  __syncthreads();
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int u = 0; u < kRingSlots; ++u) {
-    const int c = c_begin + u;
-    if (c >= c_end) break;
-    cp_async_wait(kRingSlots - 1 - u);  // this lane's copies of slots 0 .. u have landed
-    const uint4 wv = slots[u * 32 + lane];
-    const uint4 b[2] = {g == 0 ? xs[c * 8 + 2 * t] : zero, g == 0 ? xs[c * 8 + 2 * t + 1] : zero};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t word = j == 0 ? wv.x : j == 1 ? wv.y : j == 2 ? wv.z : wv.w;
-      uint32_t a[4];
-      dequant(word, sv[u], a);
-      const uint4 bb = b[j >> 1];
-      mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
-    }
-    if (u == 0) MOE_TRACE(0, 4);  // warp 0's first chunk arrived and multiplied
-  }
-}
-#endif
 
 }  // namespace k26_moe

@@ -115,14 +115,8 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     __shared__ uint4 xs[GATED && RT == 1 && NT == 1 && WM == 1 ? kOneTokMaxK / 8 : 1];
     if (one_token) {
       const int pair = direct != nullptr ? start : __ldcg(sorted + start);
-#ifdef K26_MOE_GU_RING
-      extern __shared__ uint4 ring[];  // kRingBytes: the launch gives them to this instantiation only
-      gated_one_token_ring(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC,
-                           wk * KC / WK, (wk + 1) * KC / WK, xs, ring, acc[0][0]);
-#else
       gated_one_token(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC, wk * KC / WK,
                       (wk + 1) * KC / WK, xs, acc[0][0]);
-#endif
     }
   }
   if (one_token) {

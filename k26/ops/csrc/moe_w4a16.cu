@@ -96,7 +96,6 @@ __device__ unsigned long long g_moe_trace[2][1024][16];
 #include "moe_one_token.cuh"
 #include "moe_route.cuh"
 #include "pdl.cuh"
-#include "smem_optin.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -189,20 +188,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
   auto* gate_up = gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>;
-  size_t gate_up_smem = 0;
-#ifdef K26_MOE_GU_RING
-  if constexpr (RT1 == 1 && NT == 1) {  // the one-token rows' cp.async ring (csrc/moe_gate_up_one_token.cuh)
-    gate_up_smem = kRingBytes;
-    if (const cudaError_t e = smem_opt_in<gemm_kernel<1, 1, WK1, 1, true, 3>>(kRingBytes); e != cudaSuccess) return e;
-    // the whole shared-memory carveout, so three blocks (and their rings) fit an SM on sm_90 (host-side
-    // attribute, legal during capture; cheap, but set once a process like the opt-in above would be tidier)
-    if (const cudaError_t e = cudaFuncSetAttribute(gate_up, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                   (int)cudaSharedmemCarveoutMaxShared);
-        e != cudaSuccess)
-      return e;
-  }
-#endif
-  cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), gate_up_smem, pdl, st,
+  cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), 0, pdl, st,
                                (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk,
                                rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.act, I, E, P, S, sh.gate,
                                sh.up, direct);
