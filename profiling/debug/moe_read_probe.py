@@ -15,7 +15,9 @@ kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each al
   ... no scales  the same without the scale loads
   ... interleaved warp w streams chunks w, w + 8, ... (a block's rounds are then contiguous)
   ... ids as arguments  the expert ids passed by value (no dependent first load)
-  ... no dequant / mma  the walk without its arithmetic (the loads xor-folded)
+  ... no dequant / mma  the walk without its arithmetic (the loads xor-folded); "no dequant": the mma on the
+                 raw words; "no mma": the dequant xor-folded; "two accumulator chains": even / odd chunks
+                 into separate fragments (a different summation order: a timing row only)
   ... round-major  round r of all the expert's tiles side by side (one contiguous front an expert)
   U=14 at 2 blocks / SM  every chunk of a warp in flight at once, 120 registers, no spills (the probe's 256
                  blocks fit 2 a SM on 132 SMs; the kernel's 288 with the shared expert would not)
@@ -85,13 +87,18 @@ __global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int 
 // dequant + mma), 16 round-major placement (round r of every tile of the expert side by side, so the
 // concurrent front of the expert's 32 blocks is one contiguous run instead of 32 runs 57 KB apart).
 constexpr int KMAX = 7168;  // the staged row's capacity: K2.6's hidden size
-template <int U, int MINB = 3>
+// MODE (compile time, so the base rows keep their registers): 32 the mma on the raw words (no dequant),
+// 64 the
+// dequant xor-folded (no mma), 128 even / odd chunks into two accumulators.
+template <int U, int MINB = 3, int MODE = 0>
 __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const uint32_t* s,
                                                        const long long* ids, Ids arg, int kc, int tiles,
                                                        int flags, const uint4* xrow, uint4* sink) {
   const int lane = threadIdx.x & 31, wk = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, per = kc / 8;
   const long long e = (flags & 4) ? __ldcg(ids + blockIdx.y) : pick(arg, blockIdx.y);
   const bool scales = flags & 1, inter = flags & 2, consume = !(flags & 8), rmajor = flags & 16;
+  constexpr bool no_dq = MODE & 32, no_mma = MODE & 64, two_acc = MODE & 128;
+  float acc2[4] = {0.f, 0.f, 0.f, 0.f};
   // warp-chunk i of this warp -> chunk index within the expert (tile-major as the repack lays it out, or
   // round-major: rounds of U chunks a warp, every tile's warps side by side a round)
   auto at = [&](int i) -> size_t {
@@ -133,12 +140,21 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
       for (int j = 0; j < 4; ++j) {
         const uint32_t word = j == 0 ? v[u].x : j == 1 ? v[u].y : j == 2 ? v[u].z : v[u].w;
         uint32_t a[4];
-        k26_moe::dequant(word, sv[u], a);
+        if constexpr (no_dq) {  // the raw word as the fragments: the mma chain without the dequant
+          a[0] = word, a[1] = word ^ sv[u], a[2] = word >> 4, a[3] = word >> 8;
+        } else {
+          k26_moe::dequant(word, sv[u], a);
+        }
         const uint4 bb = b[j >> 1];
-        k26_moe::mma_bf16(acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
+        if constexpr (no_mma) {  // the dequant without the mma chain
+          fold.x ^= a[0] ^ bb.x, fold.y ^= a[1] ^ bb.y, fold.z ^= a[2], fold.w ^= a[3];
+        } else {
+          k26_moe::mma_bf16(two_acc && (i & 1) ? acc2 : acc, a, (j & 1) ? bb.z : bb.x, (j & 1) ? bb.w : bb.y);
+        }
       }
     }
   }
+  acc[0] += acc2[0], acc[1] += acc2[1];
   if ((acc[0] == 1.2345f && acc[1] == acc[2]) || (fold.x == 0x9e3779b9u && fold.y == 0x7f4a7c15u))
     *sink = make_uint4(1, 2, 3, 4);  // keeps the work; never true
 }
@@ -191,6 +207,11 @@ extern "C" int pattern_launch(int u, const void* w, const void* s, const void* i
   else if (u == 8) pattern_read<8><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 14) pattern_read<14><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 114) pattern_read<14, 2><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 832) pattern_read<8, 3, 32><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 864) pattern_read<8, 3, 64><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 8128) pattern_read<8, 3, 128><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 11432) pattern_read<14, 2, 32><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 11464) pattern_read<14, 2, 64><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else return (int)cudaErrorInvalidValue;
   return (int)cudaGetLastError();
 }
@@ -259,7 +280,12 @@ def main() -> None:
         ("pattern U=8, ids as arguments", wbytes + sbytes, pattern(8, 1)),
         ("pattern U=14 (all at once; spills at 80 registers)", wbytes + sbytes, pattern(14, 1 | 4)),
         ("pattern U=4", wbytes + sbytes, pattern(4, 1 | 4)),
+        ("pattern U=8, mma on the raw words (no dequant)", wbytes + sbytes, pattern(832, 1 | 4)),
+        ("pattern U=8, dequant without the mma", wbytes + sbytes, pattern(864, 1 | 4)),
+        ("pattern U=8, two accumulator chains a warp", wbytes + sbytes, pattern(8128, 1 | 4)),
         ("pattern U=14 at 2 blocks / SM (all at once, no spills)", wbytes + sbytes, pattern(114, 1 | 4)),
+        ("pattern U=14 at 2 blocks / SM, no dequant", wbytes + sbytes, pattern(11432, 1 | 4)),
+        ("pattern U=14 at 2 blocks / SM, no mma", wbytes + sbytes, pattern(11464, 1 | 4)),
         ("pattern U=14 at 2 blocks / SM, no dequant / mma", wbytes + sbytes, pattern(114, 1 | 4 | 8)),
     ]
     out = [
