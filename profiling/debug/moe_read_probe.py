@@ -88,8 +88,7 @@ __global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int 
 // concurrent front of the expert's 32 blocks is one contiguous run instead of 32 runs 57 KB apart).
 constexpr int KMAX = 7168;  // the staged row's capacity: K2.6's hidden size
 // MODE (compile time, so the base rows keep their registers): 32 the mma on the raw words (no dequant),
-// 64 the
-// dequant xor-folded (no mma), 128 even / odd chunks into two accumulators.
+// 64 the dequant xor-folded (no mma), 128 even / odd chunks into two accumulators.
 template <int U, int MINB = 3, int MODE = 0>
 __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const uint32_t* s,
                                                        const long long* ids, Ids arg, int kc, int tiles,
