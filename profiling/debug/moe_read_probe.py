@@ -24,6 +24,8 @@ kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each al
   tiles          a block per (expert, tile) streaming its 57 KB in order, 4 loads a thread, no arithmetic
 
     python profiling/debug/moe_read_probe.py [--experts 8] [--out FILE.md]
+    ncu --kernel-name regex:pattern_read --launch-skip 2 -c 1 --set full --import-source yes \
+        python profiling/debug/moe_read_probe.py --launch "U=14 at 2 blocks / SM (all"   (one row, eager)
 
 Reading: pattern ≈ experts ≈ contiguous: the memory system serves the walk at the floor and the kernel's
 ~10 µs is its chain; pattern ≫ experts: the walk (round depth, scales, warp layout: the rows say which) costs.
@@ -221,6 +223,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--launch",
+        default=None,
+        help="launch only the row whose name contains this text, eagerly, 3 times, no timing (for ncu: "
+        "ncu --kernel-name regex:pattern_read --launch-skip 2 -c 1 --set full ... --launch 'no mma')",
+    )
     a = ap.parse_args()
     n = a.experts
     if not 1 <= n <= 16:
@@ -298,6 +306,15 @@ def main() -> None:
         "| read | MB | µs | µs over the empty launch | GB/s over the empty launch | % copy |",
         "|---|---|---|---|---|---|",
     ]
+    if a.launch is not None:
+        picked = [(name, fn) for name, _, fn in rows if a.launch in name]
+        if len(picked) != 1:
+            ap.error(f"--launch {a.launch!r} matches {len(picked)} rows: {[n for n, _ in picked]}")
+        for _ in range(3):
+            picked[0][1]()
+        torch.cuda.synchronize()
+        print(f"launched 3x: {picked[0][0]}")
+        return
     empty = None
     for name, nbytes, fn in rows:
         t = graph_time_cold(fn) * 1e6
