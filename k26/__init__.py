@@ -2,9 +2,9 @@
 
 from .chat import ChatFormat, Message, ToolCall
 from .chat_parser import ChatParser
+from .checkpoint_index import CheckpointError
 from .config import ConfigError, ModelConfig
 from .engine import LLM
-from .loader import CheckpointError
 from .outputs import RequestOutput, SpecStats
 from .sampling import SamplingParams
 from .spec.step import SpecConfig

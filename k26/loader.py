@@ -9,7 +9,6 @@ never the whole checkpoint in RAM), optionally from `load_cache`. All problems a
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -19,16 +18,15 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .checkpoint_index import CheckpointError, TensorInfo, read_index
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
 from .model.moe import Int4Experts, use_cuda_kernels
-from .safetensors_file import file_stamp, read_header, read_small
+from .safetensors_file import read_small
 from .shard_reader import read_into
 from .startup import phase_line
 
-PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
-_SKIP = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\.|\.rotary_emb\.inv_freq$")
 _FLOAT = {"BF16", "F16", "F32"}
 _INT = {"I32", "I64", "I16", "I8", "U8"}
 
@@ -109,91 +107,6 @@ NAME_TABLE: list[tuple[str, str, int | None, bool]] = [
     (r"layers\.(\d+)\.mlp\.experts\.down_proj", r"model.layers.\1.mlp.experts.{e}.down_proj.weight", 1, True),
 ]
 _COMPILED = [(re.compile(k + "$"), hf, dim, stacked) for k, hf, dim, stacked in NAME_TABLE]
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match the model its config describes; `problems` lists every mismatch."""
-
-    def __init__(self, path: Path, problems: list[str]):
-        self.problems = problems
-        if len(problems) == 1:  # one cause: one line
-            super().__init__(f"checkpoint {path} cannot be loaded: {problems[0]}")
-            return
-        shown = "\n  ".join(problems[:40])
-        more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
-        super().__init__(f"checkpoint {path} cannot be loaded ({len(problems)} problems):\n  {shown}{more}")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    key: str  # the name inside the file (with any prefix)
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype string: BF16, F32, I32, ...
-    span: tuple[int, int] | None = None  # absolute [start, end) of its bytes in the file
-    stamp: tuple[int, int] | None = None  # the file's (size, mtime_ns) when the header was read
-
-
-def read_index(path: Path) -> dict[str, TensorInfo]:
-    """Headers of every shard, keyed by HF name with `language_model.` stripped and vision skipped."""
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError, RecursionError) as e:  # (invalid JSON or UTF-8, no map)
-            raise CheckpointError(path, [f"{index_file.name} is not a valid index ({e})"]) from e
-        except OSError as e:
-            raise CheckpointError(path, [f"{index_file.name} cannot be read ({e.strerror or e})"]) from e
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            why = "weight_map must map tensor names to shard names"
-            raise CheckpointError(path, [f"{index_file.name}: {why}"])
-        files = sorted(set(weight_map.values()))
-    else:
-        weight_map = None
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(path, ["no *.safetensors files and no model.safetensors.index.json"])
-    problems: list[str] = []
-    infos: dict[str, TensorInfo] = {}
-    unreadable: set[str] = set()  # its tensors are reported once, in the shard's own line
-    for fname in files:
-        f = path / fname
-        if not f.is_file():
-            problems.append(f"shard {fname} named by the index is missing")
-            continue
-        try:
-            stamp = file_stamp(f)
-            for key, (dtype, shape, span) in read_header(f).items():
-                name = key.removeprefix(PREFIX)
-                if _SKIP.search(name):
-                    continue
-                if name in infos:
-                    problems.append(f"tensor {key} appears twice ({infos[name].file.name} and {fname})")
-                infos[name] = TensorInfo(f, key, shape, dtype, span, stamp)
-        except OSError as e:  # (permissions, I/O: the file may be fine)
-            unreadable.add(fname)
-            problems.append(f"shard {fname} cannot be read: {e.strerror or e}")
-        except Exception as e:  # noqa: BLE001  (a bad header, or anything else: any failure is reported)
-            unreadable.add(fname)
-            listed = sum(v == fname for v in weight_map.values()) if weight_map is not None else 0
-            held = (
-                f" (it holds {listed} tensors of the index; truncated or still downloading?)"
-                if listed
-                else ""
-            )
-            problems.append(f"shard {fname} is corrupt or not a safetensors file{held}: {e}")
-    if weight_map is not None:
-        for key, fname in weight_map.items():
-            name = key.removeprefix(PREFIX)
-            if fname in unreadable:
-                continue
-            if not _SKIP.search(name) and name not in infos and (path / fname).is_file():
-                problems.append(f"tensor {key} is listed in the index under {fname} but is not in that file")
-    if problems:
-        raise CheckpointError(path, problems)
-    return infos
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from k26.checkpoint_index import read_index
 from k26.config import ModelConfig
-from k26.loader import fill, load_model, plan_load, read_index
+from k26.loader import fill, load_model, plan_load
 from k26.model import KimiK2, TPInfo
 from k26.safetensors_file import tensor_spans
 from k26.shard_reader import read_into

@@ -112,16 +112,16 @@ def test_truncated_shard(ckpt):
 
 
 def test_an_unreadable_shard_is_not_called_corrupt(ckpt, monkeypatch):
-    import k26.loader
+    import k26.checkpoint_index
 
-    real = k26.loader.read_header
+    real = k26.checkpoint_index.read_header
 
     def denied(f):
         if f.name == "model-00002-of-00003.safetensors":
             raise PermissionError(13, "Permission denied")
         return real(f)
 
-    monkeypatch.setattr(k26.loader, "read_header", denied)
+    monkeypatch.setattr(k26.checkpoint_index, "read_header", denied)
     err = load_err(ckpt)
     assert "shard model-00002-of-00003.safetensors cannot be read: Permission denied" in err
     assert "corrupt" not in err
