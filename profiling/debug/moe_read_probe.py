@@ -19,6 +19,8 @@ kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each al
                  raw words; "no mma": the dequant xor-folded; "two accumulator chains": even / odd chunks
                  into separate fragments (a different summation order: a timing row only)
   ... round-major  round r of all the expert's tiles side by side (one contiguous front an expert)
+  ... x from L1   B fragments loaded from x at each chunk (no 14 KB staging, no block barrier)
+  ... scales inside the weight stream  each chunk's 64 B of scale words right behind its 512 B of weights
   U=14 at 2 blocks / SM  every chunk of a warp in flight at once, 120 registers, no spills (the probe's 256
                  blocks fit 2 a SM on 132 SMs; the kernel's 288 with the shared expert would not)
   tiles          a block per (expert, tile) streaming its 57 KB in order, 4 loads a thread, no arithmetic
@@ -98,7 +100,9 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
   const int lane = threadIdx.x & 31, wk = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, per = kc / 8;
   const long long e = (flags & 4) ? __ldcg(ids + blockIdx.y) : pick(arg, blockIdx.y);
   const bool scales = flags & 1, inter = flags & 2, consume = !(flags & 8), rmajor = flags & 16;
-  constexpr bool no_dq = MODE & 32, no_mma = MODE & 64, two_acc = MODE & 128;
+  constexpr bool no_dq = MODE & 32, no_mma = MODE & 64, two_acc = MODE & 128, x_l1 = MODE & 256,
+                 in_stream = MODE & 512;
+  constexpr int CH = in_stream ? 36 : 32;  // uint4 a chunk: the lanes' words (+ its 64 B of scales in-stream)
   float acc2[4] = {0.f, 0.f, 0.f, 0.f};
   // warp-chunk i of this warp -> chunk index within the expert (tile-major as the repack lays it out, or
   // round-major: rounds of U chunks a warp, every tile's warps side by side a round)
@@ -119,11 +123,14 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
       const int i = i0 + u;
       if (i < per) {
         const size_t ch = ebase + at(i);
-        v[u] = __ldcs(w + ch * 32 + lane);
-        sv[u] = scales ? __ldg(s + ch * 16 + 2 * g + (t >> 1)) : 0x3f803f80u;
+        v[u] = __ldcs(w + ch * CH + lane);
+        if constexpr (in_stream)  // the chunk's scale words right behind its weights: one stream
+          sv[u] = __ldcs(reinterpret_cast<const uint32_t*>(w + ch * CH + 32) + 2 * g + (t >> 1));
+        else
+          sv[u] = scales ? __ldg(s + ch * 16 + 2 * g + (t >> 1)) : 0x3f803f80u;
       }
     }
-    if (i0 == 0) {  // x staged behind the first round's loads, as in the kernel
+    if (i0 == 0 && !x_l1) {  // x staged behind the first round's loads, as in the kernel
       for (int i = threadIdx.x; i < kc * 8; i += blockDim.x) xs[i] = __ldcg(xrow + i);
       __syncthreads();
     }
@@ -135,8 +142,15 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
         fold.x ^= v[u].x ^ sv[u], fold.y ^= v[u].y, fold.z ^= v[u].z, fold.w ^= v[u].w;
         continue;
       }
-      const uint4 b[2] = {g == 0 ? xs[c * 8 + 2 * t] : make_uint4(0, 0, 0, 0),
-                          g == 0 ? xs[c * 8 + 2 * t + 1] : make_uint4(0, 0, 0, 0)};
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      uint4 b[2];
+      if constexpr (x_l1) {  // B straight from x (L1 after the SM's first warp): no staging, no block barrier
+        b[0] = g == 0 ? __ldg(xrow + c * 8 + 2 * t) : zero;
+        b[1] = g == 0 ? __ldg(xrow + c * 8 + 2 * t + 1) : zero;
+      } else {
+        b[0] = g == 0 ? xs[c * 8 + 2 * t] : zero;
+        b[1] = g == 0 ? xs[c * 8 + 2 * t + 1] : zero;
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t word = j == 0 ? v[u].x : j == 1 ? v[u].y : j == 2 ? v[u].z : v[u].w;
@@ -213,6 +227,9 @@ extern "C" int pattern_launch(int u, const void* w, const void* s, const void* i
   else if (u == 8128) pattern_read<8, 3, 128><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 11432) pattern_read<14, 2, 32><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 11464) pattern_read<14, 2, 64><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 8256) pattern_read<8, 3, 256><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 8512) pattern_read<8, 3, 512><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 8768) pattern_read<8, 3, 768><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else return (int)cudaErrorInvalidValue;
   return (int)cudaGetLastError();
 }
@@ -242,7 +259,8 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     per_expert = TILES * KC * 32  # uint4 of one expert's gate/up weights
     rand = lambda count: torch.randint(-(2**31), 2**31 - 1, (count,), dtype=torch.int32, device=dev)
-    w, s, flat = rand(E * per_expert * 4), rand(E * TILES * KC * 16), rand(n * per_expert * 4)
+    # w sized for the scales-in-stream rows' 36-uint4 chunks (the others use its first 32/36)
+    w, s, flat = rand(E * per_expert * 36 // 8), rand(E * TILES * KC * 16), rand(n * per_expert * 4)
     x = torch.randn(KC * 64, device=dev).to(torch.bfloat16)  # the token's row (K = 7168)
     ids_cpu = torch.randperm(E, generator=torch.Generator().manual_seed(0))[:n]
     ids = ids_cpu.to(dev)
@@ -290,6 +308,9 @@ def main() -> None:
         ("pattern U=8, mma on the raw words (no dequant)", wbytes + sbytes, pattern(832, 1 | 4)),
         ("pattern U=8, dequant without the mma", wbytes + sbytes, pattern(864, 1 | 4)),
         ("pattern U=8, two accumulator chains a warp", wbytes + sbytes, pattern(8128, 1 | 4)),
+        ("pattern U=8, x from L1 (no staging barrier)", wbytes + sbytes, pattern(8256, 1 | 4)),
+        ("pattern U=8, scales inside the weight stream", wbytes + sbytes, pattern(8512, 1 | 4)),
+        ("pattern U=8, x from L1 + scales in the stream", wbytes + sbytes, pattern(8768, 1 | 4)),
         ("pattern U=14 at 2 blocks / SM (all at once, no spills)", wbytes + sbytes, pattern(114, 1 | 4)),
         ("pattern U=14 at 2 blocks / SM, no dequant", wbytes + sbytes, pattern(11432, 1 | 4)),
         ("pattern U=14 at 2 blocks / SM, no mma", wbytes + sbytes, pattern(11464, 1 | 4)),
