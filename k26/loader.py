@@ -1,6 +1,7 @@
 """Checkpoint directory -> a loaded (and, for TP, sliced) `KimiK2`.
 
-Reads sharded safetensors (with `model.safetensors.index.json`) or a single file. The model is built on
+Reads sharded safetensors (with `model.safetensors.index.json`) or a single file, indexed by
+`checkpoint_index` (every shard's header; `CheckpointError`). The model is built on
 the meta device, every tensor is checked against it (names, shapes, dtypes, int4 `weight_shape`) before
 any storage is allocated, and only then filled: the target through `shard_reader` (planned sequential
 reads in 256 MB batches, TP slices on the device, each shard read once across ranks given the group;
