@@ -20,6 +20,7 @@ kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each al
                  into separate fragments (a different summation order: a timing row only)
   ... round-major  round r of all the expert's tiles side by side (one contiguous front an expert)
   ... x from L1   B fragments loaded from x at each chunk (no 14 KB staging, no block barrier)
+  ... x staged by cp.async  the staging's copies back to back (the kernel's loop waits an L2 round trip each)
   ... scales inside the weight stream  each chunk's 64 B of scale words right behind its 512 B of weights
   U=14 at 2 blocks / SM  every chunk of a warp in flight at once, 120 registers, no spills (the probe's 256
                  blocks fit 2 a SM on 132 SMs; the kernel's 288 with the shared expert would not)
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
   const long long e = (flags & 4) ? __ldcg(ids + blockIdx.y) : pick(arg, blockIdx.y);
   const bool scales = flags & 1, inter = flags & 2, consume = !(flags & 8), rmajor = flags & 16;
   constexpr bool no_dq = MODE & 32, no_mma = MODE & 64, two_acc = MODE & 128, x_l1 = MODE & 256,
-                 in_stream = MODE & 512;
+                 in_stream = MODE & 512, x_async = MODE & 1024;
   constexpr int CH = in_stream ? 36 : 32;  // uint4 a chunk: the lanes' words (+ its 64 B of scales in-stream)
   float acc2[4] = {0.f, 0.f, 0.f, 0.f};
   // warp-chunk i of this warp -> chunk index within the expert (tile-major as the repack lays it out, or
@@ -131,7 +132,15 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
       }
     }
     if (i0 == 0 && !x_l1) {  // x staged behind the first round's loads, as in the kernel
-      for (int i = threadIdx.x; i < kc * 8; i += blockDim.x) xs[i] = __ldcg(xrow + i);
+      if constexpr (x_async) {  // cp.async: a thread's copies back to back (-DK26_MOE_GU_XASYNC)
+        for (int i = threadIdx.x; i < kc * 8; i += blockDim.x) {
+          const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(xs + i));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(xrow + i) : "memory");
+        }
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+      } else {  // the kernel's loop: LDG, STS, branch (one L2 round trip an iteration)
+        for (int i = threadIdx.x; i < kc * 8; i += blockDim.x) xs[i] = __ldcg(xrow + i);
+      }
       __syncthreads();
     }
 #pragma unroll
@@ -230,6 +239,7 @@ extern "C" int pattern_launch(int u, const void* w, const void* s, const void* i
   else if (u == 8256) pattern_read<8, 3, 256><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 8512) pattern_read<8, 3, 512><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else if (u == 8768) pattern_read<8, 3, 768><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
+  else if (u == 81024) pattern_read<8, 3, 1024><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
   else return (int)cudaErrorInvalidValue;
   return (int)cudaGetLastError();
 }
@@ -308,6 +318,8 @@ def main() -> None:
         ("pattern U=8, mma on the raw words (no dequant)", wbytes + sbytes, pattern(832, 1 | 4)),
         ("pattern U=8, dequant without the mma", wbytes + sbytes, pattern(864, 1 | 4)),
         ("pattern U=8, two accumulator chains a warp", wbytes + sbytes, pattern(8128, 1 | 4)),
+        ("pattern U=8, x staged by cp.async", wbytes + sbytes, pattern(81024, 1 | 4)),
+        ("pattern U=8, x staged by cp.async, no dequant / mma", wbytes + sbytes, pattern(81024, 1 | 4 | 8)),
         ("pattern U=8, x from L1 (no staging barrier)", wbytes + sbytes, pattern(8256, 1 | 4)),
         ("pattern U=8, scales inside the weight stream", wbytes + sbytes, pattern(8512, 1 | 4)),
         ("pattern U=8, x from L1 + scales in the stream", wbytes + sbytes, pattern(8768, 1 | 4)),

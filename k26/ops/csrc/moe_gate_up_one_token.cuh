@@ -59,7 +59,20 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
   }
 #endif
   const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
+#ifdef K26_MOE_GU_XASYNC
+  // -DK26_MOE_GU_XASYNC (a variant for an A/B, k26/ops/build.py VARIANTS): x staged by cp.async.cg (through L2,
+  // coherent as __ldcg: pdl.cuh), a thread's 3-4 copies issued back to back. The load-then-store loop below
+  // compiles to LDG, STS, branch: each iteration's store waits out its L2 round trip before the next load
+  // issues, so 4 dependent round trips, under the weight stream's load, come before the block barrier and
+  // the first multiply (found in the SASS, 2026-12-05). Same bytes in shared memory: bit-identical.
+  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(xs + i));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(x4 + i) : "memory");
+  }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#else
   for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldcg(x4 + i);  // coherent (pdl.cuh)
+#endif
   __syncthreads();
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int c0 = c_begin; c0 < c_end; c0 += kOneTokU) {
