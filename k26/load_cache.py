@@ -28,7 +28,16 @@ from .shard_reader import Piece, ReadStats, fill_alone, io_read_bytes, staged_re
 from .stager import Stager
 
 FORMAT = 1
-_CODE = ("loader.py", "shard_reader.py", "load_cache.py", "config.py", "model/*.py", "ops/int4.py")
+_CODE = (
+    "loader.py",
+    "checkpoint_index.py",
+    "safetensors_file.py",
+    "shard_reader.py",
+    "load_cache.py",
+    "config.py",
+    "model/*.py",
+    "ops/int4.py",
+)
 
 
 def _digest(data: bytes) -> str:

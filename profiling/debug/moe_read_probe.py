@@ -22,7 +22,7 @@ kernel's own chain (ids, x staging, the warps' reduction)? Read kernels, each al
   ... x from L1   B fragments loaded from x at each chunk (no 14 KB staging, no block barrier)
   ... x staged by cp.async  the staging's copies back to back (the kernel's loop waits an L2 round trip each)
   ... scales inside the weight stream  each chunk's 64 B of scale words right behind its 512 B of weights
-  U=14 at 2 blocks / SM  every chunk of a warp in flight at once, 120 registers, no spills (the probe's 256
+  U=14 at 2 blocks / SM  every chunk of a warp in flight at once, ~105 registers, no spills (the probe's 256
                  blocks fit 2 a SM on 132 SMs; the kernel's 288 with the shared expert would not)
   tiles          a block per (expert, tile) streaming its 57 KB in order, 4 loads a thread, no arithmetic
 
@@ -87,30 +87,36 @@ __global__ void __launch_bounds__(256) stride_read(const uint4* p, Ids off, int 
 // loads guarded by the runtime k range as in the kernel: with compile-time rounds ptxas pipelined the loads
 // three or four deep whatever U was (checked in the SASS); guarded, each round's loads issue before its first
 // multiply, as in the kernel's SASS.
-// flags: 1 scales (else scale 1.0), 2 interleaved chunks (warp w: w, w + 8, ...), 4 the expert id read from
-// global memory (else from the arguments), 8 no consumption (the loads xor-folded: the walk without its
-// dequant + mma), 16 round-major placement (round r of every tile of the expert side by side, so the
-// concurrent front of the expert's 32 blocks is one contiguous run instead of 32 runs 57 KB apart).
+// flags (run time): 1 scales (else scale 1.0), 2 interleaved chunks (warp w: w, w + 8, ...), 4 the expert id
+// read from global memory (else from the arguments).
 constexpr int KMAX = 7168;  // the staged row's capacity: K2.6's hidden size
-// MODE (compile time, so the base rows keep their registers): 32 the mma on the raw words (no dequant),
-// 64 the dequant xor-folded (no mma), 128 even / odd chunks into two accumulators.
+// MODE (compile time, so the base row is the kernel's walk alone, 70 registers as at a7e7641):
+//   8 no consumption (the loads xor-folded: the walk without its dequant + mma)
+//   16 round-major placement (round r of every tile of the expert side by side: the concurrent front of the
+//      expert's 32 blocks is one contiguous run instead of 32 runs 57 KB apart)
+//   32 the mma on the raw words (no dequant), 64 the dequant xor-folded (no mma), 128 even / odd chunks into
+//      two accumulators, 256 B from x directly (no staging), 512 the scale words inside the weight stream,
+//      1024 x staged by cp.async
 template <int U, int MINB = 3, int MODE = 0>
 __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const uint32_t* s,
                                                        const long long* ids, Ids arg, int kc, int tiles,
                                                        int flags, const uint4* xrow, uint4* sink) {
   const int lane = threadIdx.x & 31, wk = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, per = kc / 8;
   const long long e = (flags & 4) ? __ldcg(ids + blockIdx.y) : pick(arg, blockIdx.y);
-  const bool scales = flags & 1, inter = flags & 2, consume = !(flags & 8), rmajor = flags & 16;
-  constexpr bool no_dq = MODE & 32, no_mma = MODE & 64, two_acc = MODE & 128, x_l1 = MODE & 256,
-                 in_stream = MODE & 512, x_async = MODE & 1024;
+  const bool scales = flags & 1, inter = flags & 2;
+  constexpr bool consume = !(MODE & 8), rmajor = MODE & 16, no_dq = MODE & 32, no_mma = MODE & 64;
+  constexpr bool two_acc = MODE & 128, x_l1 = MODE & 256, in_stream = MODE & 512, x_async = MODE & 1024;
   constexpr int CH = in_stream ? 36 : 32;  // uint4 a chunk: the lanes' words (+ its 64 B of scales in-stream)
   float acc2[4] = {0.f, 0.f, 0.f, 0.f};
   // warp-chunk i of this warp -> chunk index within the expert (tile-major as the repack lays it out, or
   // round-major: rounds of U chunks a warp, every tile's warps side by side a round)
   auto at = [&](int i) -> size_t {
-    if (!rmajor) return ((size_t)blockIdx.x * kc) + (inter ? wk + 8 * i : wk * per + i);
-    const int r = i / U, nr = min(U, per - r * U);
-    return (size_t)tiles * 8 * r * U + ((size_t)blockIdx.x * 8 + wk) * nr + (i - r * U);
+    if constexpr (!rmajor) {
+      return ((size_t)blockIdx.x * kc) + (inter ? wk + 8 * i : wk * per + i);
+    } else {
+      const int r = i / U, nr = min(U, per - r * U);
+      return (size_t)tiles * 8 * r * U + ((size_t)blockIdx.x * 8 + wk) * nr + (i - r * U);
+    }
   };
   const size_t ebase = (size_t)e * tiles * kc;
   uint4 fold = make_uint4(0, 0, 0, 0);
@@ -132,8 +138,11 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
       }
     }
     if (i0 == 0 && !x_l1) {  // x staged behind the first round's loads, as in the kernel
-      if constexpr (x_async) {  // cp.async: a thread's copies back to back (-DK26_MOE_GU_XASYNC)
-        for (int i = threadIdx.x; i < kc * 8; i += blockDim.x) {
+      if constexpr (x_async) {  // cp.async, 4 unrolled copies a thread, as -DK26_MOE_GU_XASYNC's
+#pragma unroll
+        for (int j = 0; j < KMAX / 8 / 256 + 1; ++j) {
+          const int i = threadIdx.x + j * 256;
+          if (i >= kc * 8) break;
           const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(xs + i));
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(xrow + i) : "memory");
         }
@@ -147,7 +156,7 @@ __global__ void __launch_bounds__(256, MINB) pattern_read(const uint4* w, const 
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u, c = inter ? wk + 8 * i : wk * per + i;  // k position: placement-independent
       if (i >= per) break;
-      if (!consume) {
+      if constexpr (!consume) {
         fold.x ^= v[u].x ^ sv[u], fold.y ^= v[u].y, fold.z ^= v[u].z, fold.w ^= v[u].w;
         continue;
       }
@@ -216,8 +225,14 @@ extern "C" int tile_launch(const void* w, const long long* ids_host, int kc, int
                                                           (uint4*)sink);
   return (int)cudaGetLastError();
 }
-extern "C" int pattern_launch(int u, const void* w, const void* s, const void* ids, const long long* ids_host,
-                              int kc, int tiles, int n, int flags, const void* x, void* sink, void* st) {
+// The (U, blocks a SM, MODE) instances the rows use.
+#define K26_PROBE_CASES(X)                                                                          \
+  X(4, 3, 0) X(8, 3, 0) X(8, 3, 8) X(8, 3, 16) X(8, 3, 24) X(8, 3, 32) X(8, 3, 64) X(8, 3, 128)       \
+  X(8, 3, 256) X(8, 3, 512) X(8, 3, 768) X(8, 3, 1024) X(8, 3, 1032) X(14, 3, 0) X(14, 2, 0)          \
+  X(14, 2, 8) X(14, 2, 32) X(14, 2, 64)
+extern "C" int pattern_launch(int u, int minb, int mode, const void* w, const void* s, const void* ids,
+                              const long long* ids_host, int kc, int tiles, int n, int flags, const void* x,
+                              void* sink, void* st) {
   if (kc > KMAX / 64 || kc % 8) return (int)cudaErrorInvalidValue;
   const dim3 grid(tiles, n);
   const Ids arg = ids_of(ids_host, n);
@@ -227,21 +242,14 @@ extern "C" int pattern_launch(int u, const void* w, const void* s, const void* i
   const long long* I = (const long long*)ids;
   const uint4* X = (const uint4*)x;
   uint4* K = (uint4*)sink;
-  if (u == 4) pattern_read<4><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 8) pattern_read<8><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 14) pattern_read<14><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 114) pattern_read<14, 2><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 832) pattern_read<8, 3, 32><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 864) pattern_read<8, 3, 64><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 8128) pattern_read<8, 3, 128><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 11432) pattern_read<14, 2, 32><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 11464) pattern_read<14, 2, 64><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 8256) pattern_read<8, 3, 256><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 8512) pattern_read<8, 3, 512><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 8768) pattern_read<8, 3, 768><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else if (u == 81024) pattern_read<8, 3, 1024><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K);
-  else return (int)cudaErrorInvalidValue;
-  return (int)cudaGetLastError();
+#define K26_PROBE_CASE(U_, B_, M_)                                                       \
+  if (u == U_ && minb == B_ && mode == M_) {                                             \
+    pattern_read<U_, B_, M_><<<grid, 256, 0, q>>>(W, S, I, arg, kc, tiles, flags, X, K); \
+    return (int)cudaGetLastError();                                                      \
+  }
+  K26_PROBE_CASES(K26_PROBE_CASE)
+#undef K26_PROBE_CASE
+  return (int)cudaErrorInvalidValue;
 }
 """
 
@@ -253,7 +261,8 @@ def main() -> None:
     ap.add_argument(
         "--launch",
         default=None,
-        help="launch only the row whose name contains this text, eagerly, 3 times, no timing (for ncu: "
+        help="launch only the row named this (or the one row whose name contains it), eagerly, 3 times, no "
+        "timing (for ncu: "
         "ncu --kernel-name regex:pattern_read --launch-skip 2 -c 1 --set full ... --launch 'no mma')",
     )
     a = ap.parse_args()
@@ -264,7 +273,7 @@ def main() -> None:
     lib = build_cu(PROBE_CU, "moe_read_probe", includes=[CSRC])
     vp, i32 = ctypes.c_void_p, ctypes.c_int
     lib.stride_launch.argtypes = [vp, vp, i32, i32, vp, i32, vp]
-    lib.pattern_launch.argtypes = [i32, vp, vp, vp, vp, i32, i32, i32, i32, vp, vp, vp]
+    lib.pattern_launch.argtypes = [i32, i32, i32, vp, vp, vp, vp, i32, i32, i32, i32, vp, vp, vp]
     lib.tile_launch.argtypes = [vp, vp, i32, i32, i32, vp, vp]
     copy_bw = copy_bandwidth()
     per_expert = TILES * KC * 32  # uint4 of one expert's gate/up weights
@@ -288,9 +297,9 @@ def main() -> None:
     def stride(buf, off, n_off, per):
         return lambda: ok(lib.stride_launch(buf.data_ptr(), off, n_off, per, sink.data_ptr(), grid, st()))
 
-    def pattern(u, flags):
+    def pattern(u, minb=3, mode=0, flags=1 | 4):  # flags: scales and the ids from memory, as the kernel
         args = (w.data_ptr(), s.data_ptr(), ids.data_ptr(), ids_host, KC, TILES, n, flags, x.data_ptr())
-        return lambda: ok(lib.pattern_launch(u, *args, sink.data_ptr(), st()))
+        return lambda: ok(lib.pattern_launch(u, minb, mode, *args, sink.data_ptr(), st()))
 
     wbytes, sbytes = n * per_expert * 16, n * TILES * KC * 64
     rows = [
@@ -306,27 +315,27 @@ def main() -> None:
             wbytes,
             lambda: ok(lib.tile_launch(w.data_ptr(), ids_host, KC, TILES, n, sink.data_ptr(), st())),
         ),
-        ("pattern U=8 (the kernel's walk)", wbytes + sbytes, pattern(8, 1 | 4)),
-        ("pattern U=8, no dequant / mma", wbytes + sbytes, pattern(8, 1 | 4 | 8)),
-        ("pattern U=8, round-major placement", wbytes + sbytes, pattern(8, 1 | 4 | 16)),
-        ("pattern U=8, round-major, no dequant / mma", wbytes + sbytes, pattern(8, 1 | 4 | 8 | 16)),
-        ("pattern U=8, no scales", wbytes, pattern(8, 4)),
-        ("pattern U=8, interleaved", wbytes + sbytes, pattern(8, 1 | 2 | 4)),
-        ("pattern U=8, ids as arguments", wbytes + sbytes, pattern(8, 1)),
-        ("pattern U=14 (all at once; spills at 80 registers)", wbytes + sbytes, pattern(14, 1 | 4)),
-        ("pattern U=4", wbytes + sbytes, pattern(4, 1 | 4)),
-        ("pattern U=8, mma on the raw words (no dequant)", wbytes + sbytes, pattern(832, 1 | 4)),
-        ("pattern U=8, dequant without the mma", wbytes + sbytes, pattern(864, 1 | 4)),
-        ("pattern U=8, two accumulator chains a warp", wbytes + sbytes, pattern(8128, 1 | 4)),
-        ("pattern U=8, x staged by cp.async", wbytes + sbytes, pattern(81024, 1 | 4)),
-        ("pattern U=8, x staged by cp.async, no dequant / mma", wbytes + sbytes, pattern(81024, 1 | 4 | 8)),
-        ("pattern U=8, x from L1 (no staging barrier)", wbytes + sbytes, pattern(8256, 1 | 4)),
-        ("pattern U=8, scales inside the weight stream", wbytes + sbytes, pattern(8512, 1 | 4)),
-        ("pattern U=8, x from L1 + scales in the stream", wbytes + sbytes, pattern(8768, 1 | 4)),
-        ("pattern U=14 at 2 blocks / SM (all at once, no spills)", wbytes + sbytes, pattern(114, 1 | 4)),
-        ("pattern U=14 at 2 blocks / SM, no dequant", wbytes + sbytes, pattern(11432, 1 | 4)),
-        ("pattern U=14 at 2 blocks / SM, no mma", wbytes + sbytes, pattern(11464, 1 | 4)),
-        ("pattern U=14 at 2 blocks / SM, no dequant / mma", wbytes + sbytes, pattern(114, 1 | 4 | 8)),
+        ("pattern U=8 (the kernel's walk)", wbytes + sbytes, pattern(8)),
+        ("pattern U=8, no dequant / mma", wbytes + sbytes, pattern(8, mode=8)),
+        ("pattern U=8, round-major placement", wbytes + sbytes, pattern(8, mode=16)),
+        ("pattern U=8, round-major, no dequant / mma", wbytes + sbytes, pattern(8, mode=24)),
+        ("pattern U=8, no scales", wbytes, pattern(8, flags=4)),
+        ("pattern U=8, interleaved", wbytes + sbytes, pattern(8, flags=1 | 2 | 4)),
+        ("pattern U=8, ids as arguments", wbytes + sbytes, pattern(8, flags=1)),
+        ("pattern U=14 (all at once; spills at 80 registers)", wbytes + sbytes, pattern(14)),
+        ("pattern U=4", wbytes + sbytes, pattern(4)),
+        ("pattern U=8, mma on the raw words (no dequant)", wbytes + sbytes, pattern(8, mode=32)),
+        ("pattern U=8, dequant without the mma", wbytes + sbytes, pattern(8, mode=64)),
+        ("pattern U=8, two accumulator chains a warp", wbytes + sbytes, pattern(8, mode=128)),
+        ("pattern U=8, x staged by cp.async", wbytes + sbytes, pattern(8, mode=1024)),
+        ("pattern U=8, x staged by cp.async, no dequant / mma", wbytes + sbytes, pattern(8, mode=1032)),
+        ("pattern U=8, x from L1 (no staging barrier)", wbytes + sbytes, pattern(8, mode=256)),
+        ("pattern U=8, scales inside the weight stream", wbytes + sbytes, pattern(8, mode=512)),
+        ("pattern U=8, x from L1 + scales in the stream", wbytes + sbytes, pattern(8, mode=768)),
+        ("pattern U=14 at 2 blocks / SM (all at once, no spills)", wbytes + sbytes, pattern(14, 2)),
+        ("pattern U=14 at 2 blocks / SM, no dequant", wbytes + sbytes, pattern(14, 2, 32)),
+        ("pattern U=14 at 2 blocks / SM, no mma", wbytes + sbytes, pattern(14, 2, 64)),
+        ("pattern U=14 at 2 blocks / SM, no dequant / mma", wbytes + sbytes, pattern(14, 2, 8)),
     ]
     out = [
         f"# moe_read_probe — {datetime.date.today()}",
@@ -340,7 +349,8 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     if a.launch is not None:
-        picked = [(name, fn) for name, _, fn in rows if a.launch in name]
+        exact = [(name, fn) for name, _, fn in rows if name == a.launch]
+        picked = exact or [(name, fn) for name, _, fn in rows if a.launch in name]
         if len(picked) != 1:
             ap.error(f"--launch {a.launch!r} matches {len(picked)} rows: {[n for n, _ in picked]}")
         for _ in range(3):

@@ -2,7 +2,8 @@
 // (csrc/moe_gemm.cuh) and the one-token router + gate/up kernel (csrc/moe_router_gate_up.cuh). Device code only
 // (no kernels), so the router's translation unit can include it without compiling the expert op's kernels.
 //
-// Legality: mma.sync, ld.global (streaming), prefetch: sm_90a and sm_120a.
+// Legality: mma.sync, ld.global (streaming), prefetch (and cp.async under -DK26_MOE_GU_XASYNC): sm_90a and
+// sm_120a.
 
 #pragma once
 
@@ -65,10 +66,21 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
   // compiles to LDG, STS, branch: each iteration's store waits out its L2 round trip before the next load
   // issues, so 4 dependent round trips, under the weight stream's load, come before the block barrier and
   // the first multiply (found in the SASS, 2026-12-05). Same bytes in shared memory: bit-identical.
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+  // A fixed, unrolled count of copies (4 a thread at 256 threads): with a runtime loop ptxas sank up to six of
+  // the first batch's eight weight loads below the copies, some below the wait (SASS, 2026-12-05); the tail
+  // loop serves narrower blocks (none today: both callers run 256 threads).
+  auto copy_x = [&](int i) {
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(xs + i));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(x4 + i) : "memory");
+  };
+  constexpr int kXCopies = (kOneTokMaxK / 8 + 255) / 256;
+#pragma unroll
+  for (int j = 0; j < kXCopies; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= K / 8) break;
+    copy_x(i);
   }
+  for (int i = threadIdx.x + kXCopies * blockDim.x; i < K / 8; i += blockDim.x) copy_x(i);
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 #else
   for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldcg(x4 + i);  // coherent (pdl.cuh)
