@@ -140,8 +140,7 @@ class Int4Experts(nn.Module):
         """Routed experts; with `shared` (only when `fuses`) plus the shared expert, in the same launches.
         `table`: the routing table of these ids (`Router.route`, repacked only)."""
         if self.repacked:
-            mlp = (None,) * 3 if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
-            sw = tuple(None if m is None else m.weight for m in mlp)
+            sw = shared_weights(shared)
             return torch.ops.k26.moe_w4a16_repacked(x_TD, *self.quantised(), ids_TK, w_TK, *sw, table)
         return torch.ops.k26.moe_w4a16(x_TD, *self.checkpoint_tensors(), ids_TK, w_TK)
 
@@ -198,10 +197,16 @@ class MoE(nn.Module):
     def _one_token(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The block of one token in two launches (router + gate/up, down + combine): `moe_one_token`."""
         g, ex = self.gate, self.experts
-        mlp = self.shared_experts
-        sw = (None,) * 3 if mlp is None else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         router = (g.weight, g.e_score_correction_bias, g.barrier, *g.params())
+        sw = shared_weights(self.shared_experts)
         return torch.ops.k26.moe_one_token(x_TD.contiguous(), *router, *ex.quantised(), *sw)
+
+
+def shared_weights(mlp: MLP | None) -> tuple[torch.Tensor | None, ...]:
+    """The shared expert's gate, up and down weights as the fused MoE ops take them (None: none)."""
+    if mlp is None:
+        return (None, None, None)
+    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
 
 def use_cuda_kernels(model: torch.nn.Module) -> None:
