@@ -7,8 +7,9 @@ may be pipelined three deep), and it decides a streaming kernel's speed.
 Compiles the file to a cubin with nvcc (k26/ops/build.py's flags, plus -D defines), disassembles it with the
 cuobjdump that Triton ships (triton/backends/nvidia/bin; the CUDA toolkit here has none) and prints, for each
 kernel whose mangled name contains the pattern, its instruction stream reduced to the scheduling events —
-global loads (by cache policy), shared loads / stores, cp.async, mma, barriers, branches — with repeats
-counted: "8 LDG.E.EF.128" then "32 HMMA" is a round of 8 weight loads issued before the first multiply.
+global loads (by cache policy), shared loads / stores, cp.async, L2 prefetches (CCTL), mma, barriers,
+branches — with repeats counted: "8 LDG.E.EF.128" then "32 HMMA" is a round of 8 weight loads issued before
+the first multiply.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import triton
 
-EVENTS = re.compile(r"(LDG|LDS|LDSM|STS|STG|LDGSTS|HMMA|BAR|BRA|WARPSYNC|ACQBULK|DEPBAR)\b")
+EVENTS = re.compile(r"(LDG|LDS|LDSM|STS|STG|LDGSTS|HMMA|BAR|BRA|WARPSYNC|ACQBULK|DEPBAR|CCTL)\b")
 
 
 def cuobjdump_path() -> Path:

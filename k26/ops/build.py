@@ -152,6 +152,10 @@ VARIANTS: dict[str, list[str]] = {
     # MoE one token: x staged by cp.async (a thread's copies back to back) instead of a load-then-store loop
     # (4 dependent L2 round trips before the first multiply); bit-identical. Prepared 2026-12-05, unmeasured
     "-DK26_MOE_GU_XASYNC": ["moe_w4a16.cu", "moe_router.cu"],
+    # MoE gate/up from the routing table (M > 1): the first round of weight chunks prefetched into L2 once the
+    # expert is known, under the read of `sorted` (a second dependent L2 round trip before the first weight
+    # load); bit-identical. Prepared 2026-12-05, unmeasured
+    "-DK26_MOE_GEMM_EARLY_W": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

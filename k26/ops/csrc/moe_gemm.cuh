@@ -24,6 +24,10 @@ namespace k26_moe {
 //   WK: warps splitting K (reduced in shared memory); WM: warps on different row tiles.
 //   GATED: gate/up interleaved tiles -> act[slot, I] bf16; else down -> y[pair, D] bf16.
 
+// Chunks in flight per warp in the general loop (3 in the two-tile gate/up GEMM on sm_90: kGateUpThreePerSM).
+template <int RT, int NT, bool GATED>
+constexpr int kRoundChunks = GATED && RT == 2 && NT == 1 && kGateUpThreePerSM ? 3 : NT <= 1 ? 4 : 2;
+
 // MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
 // gate/up blocks: one wave on 132 SMs), and the two-tile gate/up GEMM (kGateUpThreePerSM); sm_120's register
 // file would spill, so it keeps 1 there.
@@ -31,6 +35,32 @@ namespace k26_moe {
 #define K26_MINB(m) 1
 #else
 #define K26_MINB(m) (m)
+#endif
+
+#ifdef K26_MOE_GEMM_EARLY_W
+// Table-driven gate/up blocks: the first round of the warp's weight and scale chunks (the loop's U chunks of
+// each of its RT row tiles, its k range's start) prefetched into L2 as soon as the expert is known. Without it
+// no weight byte is requested until `sorted` (a second dependent L2 round trip after the table's fields) has
+// come back, since the loop's first loads are issued after the activation rows' addresses are formed. Same
+// bits (prefetches only).
+template <int RT, int NT, int WK, int WM>
+__device__ __forceinline__ void early_weights(const uint4* w, const uint32_t* s, int e, int n_tiles, int KC) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile0 = (blockIdx.x * WM + warp / WK) * RT;
+  if (tile0 >= n_tiles) return;
+  const int c_begin = (warp % WK) * KC / WK, c_end = (warp % WK + 1) * KC / WK;
+  const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
+#pragma unroll
+  for (int u = 0; u < kRoundChunks<RT, NT, true>; ++u) {
+    if (c_begin + u >= c_end) break;
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const size_t chunk = tile_base + (size_t)r * KC + c_begin + u;
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w + chunk * 32 + lane));  // 512 B: 4 lines a warp
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s + chunk * 16));
+    }
+  }
+}
 #endif
 
 template <int RT, int NT, int WK, int WM, bool GATED, int MINB>
@@ -65,6 +95,9 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
                 gl = __ldcg(grp_len + grp);
       if (grp >= ng) return;
       e = ge, start = gs, len = gl;
+#ifdef K26_MOE_GEMM_EARLY_W
+      if (GATED) early_weights<RT, NT, WK, WM>(w, s, e, n_tiles, K >> 6);
+#endif
     }
   } else if (GATED) {
     pdl_trigger();
@@ -125,8 +158,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   } else if (active) {
     const int c_begin = wk * KC / WK, c_end = (wk + 1) * KC / WK;
     const size_t tile_base = ((size_t)e * n_tiles + tile0) * KC;
-    // chunks in flight per warp (3 in the two-tile gate/up GEMM on sm_90: kGateUpThreePerSM)
-    constexpr int U = GATED && RT == 2 && NT == 1 && kGateUpThreePerSM ? 3 : NT <= 1 ? 4 : 2;
+    constexpr int U = kRoundChunks<RT, NT, GATED>;
     for (int c0 = c_begin; c0 < c_end; c0 += U) {
       uint4 wv[U][RT];
       uint32_t sv[U][RT];
