@@ -55,6 +55,8 @@ class Tokenizer:
             name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
         )
         self.n_words = self.enc.n_vocab
+        # A text of more bytes than n x this is more than n tokens: a bound checked before encoding it
+        self.max_token_bytes = max(map(len, ranks), default=1)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..chat import ChatFormat
 from ..sampling import stop_prefix_len
 from ..tokenizer import TextStream
+from .body import MAX_BODY_BYTES, read_json
 from .chat_api import ChatStream, ChatTurn, message, read_whole
 from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
@@ -29,6 +31,8 @@ from .metrics import prometheus
 from .protocol import parse, prompt_ids, token_ids
 from .responses import choice, completion_body, usage
 
+log = logging.getLogger("k26.server")
+
 
 @dataclass
 class Served:
@@ -36,6 +40,7 @@ class Served:
 
     engine: Engine
     model: str
+    max_body_bytes: int
     started: int = field(default_factory=lambda: int(time.time()))
     fmt: ChatFormat = field(init=False)  # the model's chat template (model_type)
 
@@ -48,36 +53,47 @@ class Served:
         return self.engine.llm
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; with `api_key` every route but /health and /metrics wants `Authorization: Bearer <key>`."""
+def create_app(
+    engine: Engine, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The app; with `api_key` every route but /health and /metrics wants `Authorization: Bearer <key>`;
+    a request body above `max_body_bytes` is refused (413) before it is held."""
     app = FastAPI(title="k26", docs_url=None, redoc_url=None)
-    s = Served(engine, model_name)
+    s = Served(engine, model_name, max_body_bytes)
     if api_key:
         app.add_middleware(RequireKey, key=api_key)
 
-    @app.exception_handler(APIError)
-    async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+    _answer_errors(app)
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, _):
-        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}").body(), 404)
-
-    @app.exception_handler(405)
-    async def bad_method(request: Request, _):
-        msg = f"{request.method} is not allowed on {request.url.path}"
-        return JSONResponse(APIError(405, msg).body(), 405)
-
-    @app.get("/health")
-    async def health():
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
+    async def health(request: Request):
         if engine.error is not None or not engine.thread.is_alive():
             return JSONResponse({"status": "error", "error": str(engine.error)}, status_code=503)
-        return {"status": "ok"}
+        return Response(status_code=200) if request.method == "HEAD" else {"status": "ok"}
+
+    def card() -> dict:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": s.started,
+            "owned_by": "k26",
+            "max_model_len": s.llm.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": s.started, "owned_by": "k26"}
-        return {"object": "list", "data": [{**card, "max_model_len": s.llm.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != model_name:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist (this server serves {model_name!r})",
+                "model",
+                code="model_not_found",
+            )
+        return card()
 
     @app.get("/metrics")
     async def metrics():
@@ -95,17 +111,43 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     async def tokenize(request: Request):
         """A prompt's ids as /v1/completions (`prompt`) or /v1/chat/completions (`messages`, `tools`,
         `chat_template_kwargs`) would build them, with their count and the context they go into."""
-        body = await _json(request)
-        ids = prompt_ids(body, s.llm.tokenizer, s.llm.config.vocab_size, s.fmt, model=s.model)
+        body = await read_json(request, s.max_body_bytes)
+        llm = s.llm  # (tokenizing a long prompt in a worker thread: the other clients' streams go on)
+        ids = await asyncio.to_thread(
+            prompt_ids, body, llm.tokenizer, llm.config.vocab_size, s.fmt, model=s.model
+        )
         return {"count": len(ids), "max_model_len": s.llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _json(request)
+        body = await read_json(request, s.max_body_bytes)
         ids = token_ids(body, s.llm.config.vocab_size, model=s.model)
         return {"prompt": s.llm.tokenizer.decode(ids)}
 
     return app
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours (`APIError`), unknown routes, wrong methods (with their Allow
+    header) and a bug of ours (500, its traceback in the log)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _):
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}").body(), 404)
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, e):
+        msg = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(APIError(405, msg).body(), 405, headers=getattr(e, "headers", None))  # Allow
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception):  # a bug of ours: OpenAI's shape, logged here
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), 500)
 
 
 class RequireKey:
@@ -133,41 +175,12 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
-async def _json(request: Request):
-    try:
-        body = json.loads(await request.body())
-    # (JSONDecodeError, UnicodeDecodeError, a 4,300+ digit integer: ValueErrors; deep nesting recurses)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if (where := _unpaired_surrogate(body)) is not None:  # valid JSON ("\ud800"), but not text
-        raise APIError(400, f"{where or 'the body'}: a string holds an unpaired UTF-16 surrogate", where)
-    return body
-
-
-def _unpaired_surrogate(x, path: str = "") -> str | None:
-    """The parameter path ("messages[0].content") of the first string (or key) that is not valid Unicode
-    text, else None."""
-    if isinstance(x, str):
-        try:
-            x.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
-    for k, v in items:
-        at = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k)
-        if (bad := _unpaired_surrogate(k, at) if isinstance(k, str) else None) is not None:
-            return bad
-        if (bad := _unpaired_surrogate(v, at)) is not None:
-            return bad
-    return None
-
-
 async def generate(s: Served, request: Request, chat: bool):
     """Validate, queue for the engine (a row per choice), then answer whole or as a stream."""
-    body = await _json(request)
+    body = await read_json(request, s.max_body_bytes)
     llm = s.llm
-    p = parse(
+    p = await asyncio.to_thread(  # (tokenizing in a worker thread: the other clients' streams go on)
+        parse,
         body,
         chat=chat,
         model=s.model,
@@ -241,7 +254,10 @@ class Answer:
         return usage(self.prompt_tokens, completion, cached)
 
     def body(self, s: Served, choices: list[dict], use: dict | None, delta: bool = False) -> dict:
-        return completion_body(self.rid, s.model, self.chat, choices, use, delta, self.created)
+        out = completion_body(self.rid, s.model, self.chat, choices, use, delta, self.created)
+        if delta and self.include_usage and use is None:
+            out["usage"] = None  # OpenAI: with include_usage every chunk but the last says usage null
+        return out
 
 
 async def whole(s: Served, request: Request, a: Answer):

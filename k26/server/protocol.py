@@ -108,7 +108,7 @@ def parse(
         ids, turn = parse_chat(body, tok, fmt)
         prompts = [ids]
     else:
-        prompts = _prompts(body, tok, vocab)
+        prompts = _prompts(body, tok, vocab, max_model_len)
     for k, ids in enumerate(prompts):
         if len(ids) >= max_model_len:
             what = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{k}]"
@@ -331,7 +331,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if lp else None
 
 
-def _prompts(body: dict, tok: Tokenizer, vocab: int) -> list[list[int]]:
+def _prompts(body: dict, tok: Tokenizer, vocab: int, max_len: int) -> list[list[int]]:
     """`prompt` as OpenAI takes it: a string, a list of token ids, or a list of either (several prompts)."""
     p = body.get("prompt")
     if p is None:
@@ -345,12 +345,23 @@ def _prompts(body: dict, tok: Tokenizer, vocab: int) -> list[list[int]]:
     if len(items) > MAX_PROMPTS:
         raise APIError(400, f"prompt: {len(items)} prompts, at most {MAX_PROMPTS} a request", "prompt")
     return [
-        _prompt(x, tok, vocab, f"prompt[{k}]" if len(items) > 1 else "prompt") for k, x in enumerate(items)
+        _prompt(x, tok, vocab, f"prompt[{k}]" if len(items) > 1 else "prompt", max_len)
+        for k, x in enumerate(items)
     ]
 
 
-def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str) -> list[int]:
+def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None = None) -> list[int]:
+    """One prompt's ids; a text that cannot fit `max_len` tokens whatever it encodes to is refused before
+    it is encoded (tokenizing tens of megabytes takes seconds)."""
     if isinstance(p, str):
+        if max_len is not None and len(p) > (max_len - 1) * tok.max_token_bytes:  # (bytes >= characters)
+            raise APIError(
+                400,
+                f"{where}: {len(p):,} characters, more than the {max_len} tokens of the context "
+                f"(max_model_len) can hold",
+                where,
+                code="context_length_exceeded",
+            )
         ids = tok.encode(p)
     elif isinstance(p, list) and all(_int(t) for t in p):
         bad = [t for t in p if not 0 <= t < vocab]

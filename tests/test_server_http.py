@@ -1,0 +1,144 @@
+"""The server's HTTP layer around the engine: the body's size cap (413 before the bytes are held), parsing
+off the event loop, a text prompt too long for the context refused before it is tokenized, the model card
+route, 405 with its Allow header, HEAD /health, `usage: null` on the chunks of a stream that asked for usage,
+an OpenAI-shaped 500 for a bug of ours, and the body's Unicode check on a deeply nested body."""
+
+import asyncio
+import http.client
+import json
+import urllib.parse
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from http_app import serving
+from served import MODEL, raw
+
+import k26.server.app as app_module
+from k26.server import create_app
+from k26.server.body import unpaired_surrogate
+
+
+def _request(url: str, method: str, path: str, body: bytes | None = None, headers=None):
+    """(status, headers, body bytes) of one request, with exactly the headers given (no client defaults)."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def test_a_body_above_the_cap_gets_413_and_one_below_is_served(served):
+    with serving(create_app(served["engine"], MODEL, max_body_bytes=400)) as url:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 500, "max_tokens": 1}).encode()
+        status, _, body = _request(url, "POST", "/v1/completions", big, {"Content-Type": "application/json"})
+        assert status == 413 and "limit of 400" in json.loads(body)["error"]["message"]
+        # no Content-Length (an iterable body goes chunked): the cap holds as the chunks arrive
+        status, _, body = _request(
+            url, "POST", "/v1/completions", iter([big[:300], big[300:]]), {"Content-Type": "application/json"}
+        )
+        assert status == 413, body
+        small = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+        assert raw(url, "/v1/completions", small)[0] == 200
+
+
+def test_requests_are_parsed_where_no_event_loop_runs(served, monkeypatch):
+    where = []
+
+    def parse(*args, **kw):
+        try:
+            asyncio.get_running_loop()
+            where.append("event loop")
+        except RuntimeError:
+            where.append("worker")
+        return real(*args, **kw)
+
+    real = app_module.parse
+    monkeypatch.setattr(app_module, "parse", parse)
+    body = json.dumps({"model": MODEL, "prompt": "def main(", "max_tokens": 2}).encode()
+    assert raw(served["url"], "/v1/completions", body)[0] == 200
+    assert where == ["worker"]
+
+
+def test_a_text_prompt_longer_than_any_context_is_refused_before_it_is_encoded(served, monkeypatch):
+    tok, max_len = served["llm"].tokenizer, served["llm"].max_model_len
+    calls = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: calls.append(len(text)) or real(text))
+    bound = (max_len - 1) * tok.max_token_bytes
+    status, err = raw(
+        served["url"], "/v1/completions", json.dumps({"model": MODEL, "prompt": "y" * (bound + 1)}).encode()
+    )
+    assert (
+        status == 400
+        and err["error"]["code"] == "context_length_exceeded"
+        and err["error"]["param"] == "prompt"
+    )
+    assert calls == []
+    # at the bound it may still fit: it is encoded, and refused by its token count
+    status, err = raw(
+        served["url"], "/v1/completions", json.dumps({"model": MODEL, "prompt": "y" * bound}).encode()
+    )
+    assert calls == [bound] and status == 400 and "tokens, but the context holds" in err["error"]["message"]
+
+
+def test_the_model_card_route_answers_the_served_model_and_404_for_others(served):
+    assert served["client"].models.retrieve(MODEL).id == MODEL
+    status, err = raw(served["url"], "/v1/models/other-model")
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+
+
+def test_405_names_the_allowed_methods_and_health_answers_head(served):
+    status, headers, _ = _request(served["url"], "GET", "/v1/completions")
+    assert status == 405 and headers.get("allow") == "POST"
+    status, _, body = _request(served["url"], "HEAD", "/health")
+    assert status == 200 and body == b""
+
+
+def test_stream_chunks_before_the_usage_chunk_say_usage_null(served):
+    body = {"model": MODEL, "prompt": "def main(", "max_tokens": 4, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    _, _, data = _request(
+        served["url"],
+        "POST",
+        "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    chunks = [json.loads(x[6:]) for x in data.decode().split("\n\n") if x.startswith("data: {")]
+    assert len(chunks) >= 2 and all("usage" in c for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 4
+    body.pop("stream_options")  # without include_usage, no chunk carries the key
+    _, _, data = _request(
+        served["url"],
+        "POST",
+        "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    chunks = [json.loads(x[6:]) for x in data.decode().split("\n\n") if x.startswith("data: {")]
+    assert chunks and not any("usage" in c for c in chunks)
+
+
+def test_a_bug_of_ours_answers_an_openai_shaped_500_and_the_server_goes_on(served, monkeypatch):
+    def parse(*args, **kw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(app_module, "parse", parse)
+    status, err = raw(served["url"], "/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}).encode())
+    assert status == 500 and err["error"]["type"] == "server_error" and "boom" in err["error"]["message"]
+    assert raw(served["url"], "/health")[0] == 200
+
+
+def test_the_unicode_check_walks_a_body_deeper_than_the_recursion_limit():
+    deep: list = ["ok"]
+    for _ in range(50_000):
+        deep = [deep]
+    assert unpaired_surrogate({"a": deep}) is None
+    assert unpaired_surrogate({"a": ["x", {"b": ["y", "\ud800"]}], "c": "\udc00"}) == "a[1].b[1]"
+    assert unpaired_surrogate({"\ud800": 1}) == "\ud800"
