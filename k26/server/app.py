@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,8 +29,6 @@ from .logprobs import Logprobs, cut_at
 from .metrics import prometheus
 from .protocol import parse, prompt_ids, token_ids
 from .responses import choice, completion_body, usage
-
-log = logging.getLogger("k26.server")
 
 
 @dataclass
@@ -129,7 +126,7 @@ def create_app(
 
 def _answer_errors(app: FastAPI) -> None:
     """Every error in OpenAI's shape: ours (`APIError`), unknown routes, wrong methods (with their Allow
-    header) and a bug of ours (500, its traceback in the log)."""
+    header) and a bug of ours (500)."""
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -145,8 +142,9 @@ def _answer_errors(app: FastAPI) -> None:
         return JSONResponse(APIError(405, msg).body(), 405, headers=getattr(e, "headers", None))  # Allow
 
     @app.exception_handler(Exception)
-    async def server_error(request: Request, e: Exception):  # a bug of ours: OpenAI's shape, logged here
-        log.exception("%s %s failed", request.method, request.url.path)
+    async def server_error(request: Request, e: Exception):
+        # A bug of ours: OpenAI's shape for the client; Starlette re-raises it after this answer, so the
+        # server's log gets the traceback once.
         return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), 500)
 
 
