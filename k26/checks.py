@@ -129,8 +129,11 @@ def check_buckets(buckets: Sequence[tuple[int, int]] | None, max_batch: int) -> 
     return user
 
 
-def check_ids(ids: Sequence[int], what: str, vocab: int, max_model_len: int) -> list[int]:
-    """Token ids as a list of ints in the vocabulary, leaving room to generate."""
+def check_ids(
+    ids: Sequence[int], what: str, vocab: int, max_model_len: int, generating: bool = True
+) -> list[int]:
+    """Token ids as a list of ints in the vocabulary, leaving room to generate (`generating`; else, for
+    `LLM.score`, fitting the context)."""
     if isinstance(ids, str):  # a str is a Sequence too: its characters would pass for token ids
         raise TypeError(
             f"{what} is a str; expected token ids: encode the text first, llm.tokenizer.encode(text)"
@@ -159,7 +162,9 @@ def check_ids(ids: Sequence[int], what: str, vocab: int, max_model_len: int) -> 
                 f"{what}: token id {t!r} at position {pos} is outside the vocabulary [0, {vocab})"
             )
     ids = [int(t) for t in ids]
-    if len(ids) >= max_model_len:
+    if not generating and len(ids) > max_model_len:
+        raise ValueError(f"{what} has {len(ids)} tokens; the context holds {max_model_len} (max_model_len)")
+    if generating and len(ids) >= max_model_len:
         raise ValueError(
             f"{what} has {len(ids)} tokens; the context holds {max_model_len} (max_model_len), "
             "leaving no room to generate"
@@ -168,7 +173,15 @@ def check_ids(ids: Sequence[int], what: str, vocab: int, max_model_len: int) -> 
 
 
 def prompt_list(prompts) -> list:
-    """The prompts of one call as a list: a single string, byte string, tensor or id list is one prompt."""
+    """The prompts of one call as a list: a single string, byte string, tensor or id list is one prompt (a
+    NumPy array: its rows' lists)."""
+    if hasattr(prompts, "__array__") and not isinstance(prompts, torch.Tensor):  # NumPy: no truth value
+        prompts = prompts.tolist()
+    if prompts is None or not isinstance(prompts, (Sequence, torch.Tensor)):
+        raise TypeError(
+            f"prompts is {type(prompts).__name__ if prompts is not None else 'None'}; expected a string, a "
+            "list of token ids, or a list of those"
+        )
     if isinstance(prompts, (str, bytes, bytearray, torch.Tensor)) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)
     ):
@@ -267,3 +280,18 @@ def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfi
             f"it needs {need}; raise max_model_len, lower the budget, or use spec 'ar'"
         )
     return spec
+
+
+def check_rows_free(what: str, streaming: bool, batch) -> None:
+    """`score` / `generate` / `stream` / `open_batch` write cache rows: refused while a suspended `stream()`
+    or an open batch's live (or still prefilling) rows need theirs, which would go on from what the call
+    wrote, silently wrong."""
+    if streaming:
+        raise RuntimeError(
+            f"{what}: a stream() of this LLM is still being iterated; exhaust it or call its close() first"
+        )
+    if batch is not None and (batch.live or batch.pending):
+        raise RuntimeError(
+            f"{what}: the open batch has {len(batch.live) + len(batch.pending)} unfinished row(s); step "
+            "them to the end or release() them first"
+        )

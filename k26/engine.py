@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .batch_state import BatchState
 from .chat import ChatFormat, Message, render
 from .checks import (
     check_buckets,
@@ -27,6 +28,7 @@ from .checks import (
     check_precision,
     check_prefill,
     check_request,
+    check_rows_free,
     check_sampling,
     check_tokenizer,
     encode_prompts,
@@ -127,6 +129,8 @@ class LLM:
             self._compile_cache = compile_cache_file(cache_dir, self.path, self.device)
             load_compile_cache(self._compile_cache)
         self.decoder = Decoder(self._decode_context())
+        self.batch: BatchState | None = None  # open_batch's
+        self._streaming = False  # a stream() generator is suspended mid-way
         if capture and self.graphs:
             with self._surface_rank_errors(), torch.inference_mode():  # as every later capture runs
                 self._capture(None, MODES)
@@ -281,8 +285,8 @@ class LLM:
         return [Bucket(b, verify_nodes(spec, block)) for b in default_batches(self.cache.rows)]
 
     # -- inputs --------------------------------------------------------------------------------
-    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        return check_ids(ids, what, self.config.vocab_size, self.max_model_len)
+    def _check_ids(self, ids: Sequence[int], what: str, generating: bool = True) -> list[int]:
+        return check_ids(ids, what, self.config.vocab_size, self.max_model_len, generating)
 
     def chat_ids(self, messages: list[Message | dict], tools: list | None = None, thinking=None) -> list[int]:
         """A conversation's prompt ids in this model's chat format (`chat.render`; `thinking`: K2.5 / K2.6's
@@ -296,17 +300,19 @@ class LLM:
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [T, vocab] of every position of one sequence (its prefill in cache row 0, a chunk
         of positions per forward)."""
-        ids = self._check_ids(token_ids, "token_ids")
+        ids = self._check_ids(token_ids, "token_ids", generating=False)
+        self._overwriting_rows("score()")
         self._mirror("score", ids)
-        self._overwriting_rows()
         hs: list[torch.Tensor] = []  # each forward's new positions, in order
         m = self.decoder.ctx.models()
         prefill(m, [ids], [0], False, chunk=self.prefill_chunk, each=lambda _i, h, _at: hs.append(h))
         return self.model.logits(torch.cat(hs))
 
-    def _overwriting_rows(self) -> None:
-        """score / generate / stream write rows an open batch's prefix cache may count on: it forgets."""
-        if getattr(self, "batch", None) is not None:
+    def _overwriting_rows(self, what: str) -> None:
+        """score / generate / stream write cache rows: refused while a suspended stream or an open batch's
+        unfinished rows need theirs; an open batch's prefix cache forgets what its rows held."""
+        check_rows_free(what, self._streaming, self.batch)
+        if self.batch is not None:
             self.batch.overwritten()
 
     def _prepare(self, prompts, sampling, spec):
@@ -325,10 +331,11 @@ class LLM:
         encoded, sp, spec = self._prepare(prompt, sampling, spec)
         if len(encoded) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
+        self._overwriting_rows("stream()")
         self._mirror("stream", encoded[0], sp, spec)
-        self._overwriting_rows()
         text, o = StreamedText(self.tokenizer, sp.stop), None
         steps = self.decoder.run(encoded, sp, spec)
+        self._streaming = True  # until this generator ends: nothing else may write its row meanwhile
         try:
             for outs in steps:
                 o = outs[0]
@@ -341,6 +348,8 @@ class LLM:
                 for _ in steps:
                     pass
             raise
+        finally:
+            self._streaming = False
         return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
 
     @torch.inference_mode()
@@ -354,8 +363,8 @@ class LLM:
         """One output per prompt; a single string or id list counts as one prompt. `spec` picks the decoding
         method (default: DDTree with a drafter loaded, else autoregressive)."""
         encoded, sp, spec = self._prepare(prompts, sampling, spec)
+        self._overwriting_rows("generate()")
         self._mirror("generate", encoded, sp, spec)
-        self._overwriting_rows()
         outs: list[RequestOutput] = []
         for start in range(0, len(encoded), self.cache.rows):
             last = None
@@ -377,6 +386,7 @@ class LLM:
         capacity = capacity or self.cache.rows
         if not 1 <= capacity <= self.cache.rows:
             raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
+        check_rows_free("open_batch()", self._streaming, self.batch)
         self._mirror("open_batch", spec, capacity, logprobs)
         self.batch = self.decoder.open(spec, capacity, MODES if logprobs else MODES[:-1])
         return self.batch

@@ -260,3 +260,61 @@ def test_info_refuses_startup_flags_without_startup(tiny_k25, capsys):
     """--drafter / --cache-dir only matter to the start-up `info --startup` runs (they were ignored)."""
     assert main(["info", "--model", str(tiny_k25), "--drafter", str(tiny_k25)]) == 2
     assert "--drafter goes with --startup" in capsys.readouterr().err
+
+
+def test_a_suspended_stream_refuses_other_calls_and_then_goes_on_unharmed(llm):
+    sp = SamplingParams(max_tokens=12, stop_token_ids=[])
+    full = llm.generate([[5, 17, 300]], sp)[0].text
+    g = llm.stream([5, 17, 300], sp)
+    first = next(g)
+    for call in (
+        lambda: llm.generate([[8, 9]], sp),
+        lambda: llm.score([8, 9]),
+        lambda: next(llm.stream([8, 9], sp)),
+        lambda: llm.open_batch(),
+    ):
+        with pytest.raises(RuntimeError, match=r"a stream\(\) of this LLM is still being iterated"):
+            call()
+    assert first + "".join(g) == full  # its row was not written meanwhile
+    g = llm.stream([5, 17, 300], sp)
+    next(g)
+    g.close()  # a closed stream frees the rows
+    assert llm.generate([[5, 17, 300]], sp)[0].text == full
+
+
+def test_an_open_batch_with_unfinished_rows_refuses_calls_that_write_rows(llm):
+    sp = SamplingParams(max_tokens=6, stop_token_ids=[])
+    alone = llm.generate([[5, 17, 300]], sp)[0].token_ids
+    batch = llm.open_batch(capacity=1)
+    try:
+        [slot] = llm.admit([[5, 17, 300]], [sp])
+        llm.step()
+        with pytest.raises(RuntimeError, match=r"generate\(\): the open batch has 1 unfinished row"):
+            llm.generate([[8, 9]], sp)
+        with pytest.raises(RuntimeError, match="unfinished row"):
+            llm.score([8, 9])
+        while slot in batch.live:
+            llm.step()
+        assert llm.release(slot).token_ids == alone
+        llm.generate([[8, 9]], SamplingParams(max_tokens=2))  # nothing unfinished: allowed
+    finally:
+        llm.batch = None
+
+
+def test_score_takes_a_sequence_that_fills_the_context(llm):
+    ids = [(7 * i) % 300 + 1 for i in range(llm.max_model_len)]
+    assert llm.score(ids).shape == (llm.max_model_len, llm.config.vocab_size)
+    with pytest.raises(ValueError, match=f"has {llm.max_model_len + 1} tokens; the context holds"):
+        llm.score(ids + [1])
+
+
+def test_prompts_of_the_wrong_kind_are_named(llm):
+    for bad, kind in ((5, "int"), (None, "None"), (3.5, "float")):
+        with pytest.raises(TypeError, match=f"prompts is {kind}; expected a string"):
+            llm.generate(bad)
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(max_tokens=3, stop_token_ids=[])
+    assert (
+        llm.generate(np.array([5, 17, 300]), sp)[0].token_ids == llm.generate([5, 17, 300], sp)[0].token_ids
+    )
+    assert len(llm.generate(np.array([[5, 17], [8, 9]]), sp)) == 2
