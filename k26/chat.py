@@ -53,6 +53,10 @@ class ToolCall:
         or an object, rendered as JSON the way the template renders a non-string)."""
         if isinstance(c, ToolCall):
             return c
+        if not isinstance(c, dict):
+            raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
+                f"a tool call must be a dict or a k26.ToolCall, got {type(c).__name__}"
+            )
         f = c.get("function") or {}
         args = f.get("arguments", "")
         return cls(
@@ -95,6 +99,10 @@ class Message:
         {id, type, function: {name, arguments}})."""
         if isinstance(m, Message):
             return m
+        if not isinstance(m, dict):
+            raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
+                f"a chat message must be a dict or a k26.Message, got {type(m).__name__}"
+            )
         return cls(
             m.get("role"),
             m.get("content") or "",
@@ -136,6 +144,9 @@ class ChatFormat:
     def with_thinking(self, on: bool | None, preserve: bool | None = None) -> ChatFormat:
         """Thinking switched per request (chat_template_kwargs `thinking`, K2.6's `preserve_thinking`);
         None keeps the default."""
+        for name, v in (("thinking", on), ("preserve_thinking", preserve)):
+            if v is not None and not isinstance(v, bool):  # (render tests `is True` / `is False`)
+                raise ValueError(f"{name}={v!r}: expected True, False or None")
         if on is None and preserve is None:
             return self
         if self.thinking is None:
@@ -168,6 +179,11 @@ def render(
 ) -> list[int]:
     """Prompt ids of a conversation (see the module doc); `tools`: OpenAI function declarations."""
     sp = tok.token_id
+    if isinstance(messages, (str, dict, Message)):
+        raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
+            f"messages is a {type(messages).__name__}; expected a list of chat messages"
+        )
+    _check_tools(tools)
     msgs = [Message.of(m) for m in messages]
     if fmt.default_system is not None and (not msgs or msgs[0].role != "system"):
         msgs.insert(0, Message("system", fmt.default_system))
@@ -210,6 +226,23 @@ def render(
 def _turn(tok: Tokenizer, marker: str, label: str, body: list[int]) -> list[int]:
     sp = tok.token_id
     return [sp(marker), *tok.encode(label), sp("<|im_middle|>"), *body, sp("<|im_end|>")]
+
+
+def _check_tools(tools) -> None:
+    """OpenAI function declarations in their shape (the server checks each field further, chat_api._tools):
+    anything else would be declared to the model as it came."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
+            f"tools is a {type(tools).__name__}; expected a list of function declarations"
+        )
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
+            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise ValueError(f"tools[{i}].function.name={f.get('name')!r}: expected a non-empty string")
 
 
 def declare_tools(tools: list[dict], fmt: ChatFormat) -> str:

@@ -245,6 +245,11 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < math.inf:
         raise ConfigError(f"{prefix}rope_theta={theta!r}: expected a finite number > 1")
     kind = None if rs is None else (rs.get("type") or rs.get("rope_type"))
+    if kind is None and rs and {"factor", "original_max_position_embeddings"} & rs.keys():
+        # YaRN's fields without its name: taking plain RoPE would silently change every position's angle
+        raise ConfigError(
+            f"{prefix}{key} has YaRN's fields but no 'type' / 'rope_type' (Kimi models: 'yarn')"
+        )
     if kind in (None, "default"):
         return RopeConfig(theta=float(theta))
     if kind != "yarn":

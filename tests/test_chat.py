@@ -155,6 +155,35 @@ def test_bad_messages_are_named():
         ChatFormat.for_model("kimi_k2").with_thinking(False)
 
 
+@pytest.mark.parametrize(
+    "messages,tools,needle",
+    [
+        ("hi", None, "messages is a str; expected a list"),
+        (["hi"], None, "a chat message must be a dict or a k26.Message, got str"),
+        ([{"role": "assistant", "tool_calls": [5]}], None, "a tool call must be a dict"),
+        ([{"role": "user", "content": "x"}], {"a": 1}, "tools is a dict; expected a list"),
+        ([{"role": "user", "content": "x"}], [5], r"tools\[0\]: expected"),
+        ([{"role": "user", "content": "x"}], [{"type": "function"}], r"tools\[0\]: expected"),
+        (
+            [{"role": "user", "content": "x"}],
+            [{"type": "function", "function": {}}],
+            r"tools\[0\].function.name",
+        ),
+    ],
+)
+def test_inputs_of_the_wrong_shape_are_named_not_rendered(tok, messages, tools, needle):
+    with pytest.raises(ValueError, match=needle):
+        render(tok, messages, K25, tools)
+
+
+@pytest.mark.parametrize("on", ["no", 0, 1])
+def test_a_thinking_switch_that_is_not_a_bool_is_refused(on):
+    with pytest.raises(ValueError, match="thinking=.*expected True, False or None"):
+        K25.with_thinking(on)
+    with pytest.raises(ValueError, match="preserve_thinking="):
+        K25.with_thinking(True, preserve=on)
+
+
 # -- output ---------------------------------------------------------------------------------------
 def output(tok, *parts) -> list[int]:
     """Output ids from text pieces (ordinary text) and special names."""

@@ -132,3 +132,10 @@ def test_config_json_that_is_not_an_object_is_named(tmp_path):
     (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_yarn_fields_without_the_type_are_refused_not_taken_for_plain_rope():
+    rs = dict(K26_TEXT_CONFIG["rope_scaling"])
+    rs.pop("type", None), rs.pop("rope_type", None)
+    with pytest.raises(ConfigError, match="rope_scaling has YaRN's fields but no 'type'"):
+        ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs})
