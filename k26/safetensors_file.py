@@ -49,18 +49,23 @@ _ITEMSIZE |= {"I16": 2, "U16": 2, "F16": 2, "BF16": 2}
 _ITEMSIZE |= {"I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
+MAX_HEADER = 100_000_000  # bytes: safetensors' own cap (a larger "header" is not a safetensors file)
+
+
 def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:
     """A safetensors file's tensors: key -> (dtype, shape, absolute [start, end) of its bytes), read with
-    plain reads and checked as the format requires (a header that does not fit the file, a malformed
-    entry, offsets beyond the end or not matching shape x dtype raise ValueError). No memory map: a
-    mapped header faults in the disk's readahead window around it (measured 8 MB per shard, 0.36 GB for
-    a 43-shard checkpoint, all of it read again when the tensors are)."""
+    plain reads and checked as the format requires (safetensors' own checks): the header fits the file,
+    each entry is well formed (integer shape and offsets matching shape x dtype), and the tensors tile the
+    data exactly, no overlap, hole or trailing byte (an entry given another's offsets would otherwise load
+    that tensor's bytes, silently). ValueError otherwise. No memory map: a mapped header faults in the
+    disk's readahead window around it (measured 8 MB per shard, 0.36 GB for a 43-shard checkpoint, all of
+    it read again when the tensors are)."""
     fd = open_random(f)
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 2 <= n <= size - 8:
+        if not 2 <= n <= min(size - 8, MAX_HEADER):
             raise ValueError(f"its header ({n} bytes) does not fit the file ({size} bytes; truncated?)")
         raw = os.pread(fd, n, 8)
     finally:
@@ -71,14 +76,15 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int
         raise ValueError(f"its header is not JSON ({e})") from e
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")  # noqa: TRY004  (a bad file, as the others)
-    out = {}
+    out, spans = {}, []
     for key, v in header.items():
         if key == "__metadata__":
             continue
         try:
-            dtype, shape, (a, b) = v["dtype"], tuple(int(x) for x in v["shape"]), v["data_offsets"]
-            numel = torch.Size(shape).numel()
-            ok = min(shape, default=0) >= 0 and 0 <= a <= b and b - a == numel * _ITEMSIZE[dtype]
+            dtype, shape, (a, b) = v["dtype"], tuple(v["shape"]), v["data_offsets"]
+            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (*shape, a, b))
+            ok = ints and min(shape, default=0) >= 0 and 0 <= a <= b
+            ok = ok and b - a == torch.Size(shape).numel() * _ITEMSIZE[dtype]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tensor {key} has a malformed header entry ({e!r})") from e
         if not ok:
@@ -88,6 +94,19 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int
                 f"tensor {key} ends at byte {8 + n + b}, past the end of the file ({size}; truncated?)"
             )
         out[key] = (dtype, shape, (8 + n + a, 8 + n + b))
+        spans.append((a, b, key))
+    end = 0
+    for a, b, key in sorted(spans):
+        if a != end:
+            what = (
+                "overlaps the tensor before it" if a < end else f"leaves a hole of {a - end} bytes before it"
+            )
+            raise ValueError(
+                f"tensor {key}: data_offsets {[a, b]} {what} (each tensor's bytes follow the last)"
+            )
+        end = b
+    if 8 + n + end != size:
+        raise ValueError(f"the tensors end at byte {8 + n + end} but the file has {size} (trailing bytes)")
     return out
 
 

@@ -111,6 +111,64 @@ def test_truncated_shard(ckpt):
     assert "model-00001-of-00003.safetensors is corrupt" in load_err(ckpt)
 
 
+def rewrite_header(shard, fn, tail: bytes = b""):
+    """The shard with fn(header dict) applied to its JSON header, its data bytes kept (+ `tail`)."""
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    fn(header)
+    text = json.dumps(header).encode()
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :] + tail)
+
+
+def two_same_tensors(header) -> tuple[str, str]:
+    """Two tensors of one dtype and shape (one may take the other's offsets and still match its size)."""
+    seen = {}
+    for key, v in header.items():
+        if key != "__metadata__":
+            sig = (v["dtype"], tuple(v["shape"]))
+            if sig in seen:
+                return seen[sig], key
+            seen[sig] = key
+    raise AssertionError("no two tensors alike")
+
+
+@pytest.mark.parametrize(
+    "change,tail,needle",
+    [
+        # another tensor's offsets: safe_open refuses it; it loaded that tensor's bytes, silently
+        (
+            lambda h: h[two_same_tensors(h)[1]].update(
+                data_offsets=h[two_same_tensors(h)[0]]["data_offsets"]
+            ),
+            b"",
+            "overlaps the tensor before it",
+        ),
+        (
+            lambda h: h[two_same_tensors(h)[0]].update(
+                shape=[x + 0.7 for x in h[two_same_tensors(h)[0]]["shape"]]
+            ),
+            b"",
+            "do not hold",
+        ),
+        (
+            lambda h: h[two_same_tensors(h)[0]].update(
+                data_offsets=[float(x) for x in h[two_same_tensors(h)[0]]["data_offsets"]]
+            ),
+            b"",
+            "do not hold",
+        ),
+        (lambda h: None, b"\0" * 16, "trailing bytes"),
+    ],
+    ids=["overlap", "float-shape", "float-offsets", "trailing"],
+)
+def test_a_header_that_does_not_tile_its_data_is_named(ckpt, change, tail, needle):
+    shard = ckpt / "model-00002-of-00003.safetensors"
+    rewrite_header(shard, change, tail)
+    err = load_err(ckpt)
+    assert "model-00002-of-00003.safetensors is corrupt" in err and needle in err
+
+
 def test_an_unreadable_shard_is_not_called_corrupt(ckpt, monkeypatch):
     import k26.checkpoint_index
 
