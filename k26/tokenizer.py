@@ -49,7 +49,7 @@ class Tokenizer:
         for i in range(self.num_base, self.num_base + NUM_SPECIAL_IDS):
             specials[names.get(i, f"<|reserved_token_{i}|>")] = i
         if len(specials) != NUM_SPECIAL_IDS:
-            raise TokenizerError("tokenizer_config.json names two special ids the same")
+            raise TokenizerError("two special ids have the same name")  # (from_dir names the file)
         self.special_ids = specials
         self.enc = tiktoken.Encoding(
             name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
@@ -75,6 +75,11 @@ class Tokenizer:
             raise TokenizerError(f"{model_file} cannot be read: {e.strerror or e}") from e
         if sorted(ranks.values()) != list(range(len(ranks))):  # (tiktoken panics on repeats)
             raise TokenizerError(f"{model_file}: the ranks are not 0 .. {len(ranks) - 1}, each once")
+        if missing := [b for b in range(256) if bytes([b]) not in ranks]:  # (tiktoken panics on such text)
+            raise TokenizerError(
+                f"{model_file}: no token for {len(missing)} single byte(s) (first 0x{missing[0]:02x}); a "
+                "byte-level BPE needs one for each of the 256, or some text cannot be encoded"
+            )
         try:
             cfg = json.loads(cfg_file.read_text())
         except (ValueError, RecursionError) as e:  # (invalid JSON or UTF-8)
@@ -98,11 +103,15 @@ class Tokenizer:
             i = int(key)
             if not lo <= i < hi:
                 raise TokenizerError(
-                    f"{cfg_file}: added token {tok.get('content')!r} has id {i}, "
-                    f"outside the special range [{lo}, {hi})"
+                    f"{cfg_file}: added token {tok.get('content')!r} has id {i}, outside the special range "
+                    f"[{lo}, {hi}) that follows the {lo} tokens of {model_file.name} (a truncated "
+                    f"{model_file.name}, or the two files of different tokenizers?)"
                 )
             names[i] = tok["content"]
-        return cls(ranks, names)
+        try:
+            return cls(ranks, names)
+        except TokenizerError as e:
+            raise TokenizerError(f"{cfg_file}: {e}") from None
 
     # -- text ---------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -288,6 +288,27 @@ def test_broken_tokenizer_files_are_named(ckpt):
     cfg.write_text(json.dumps(good))
 
 
+def test_a_tokenizer_missing_a_byte_or_truncated_is_named_with_its_file(ckpt):
+    """A byte without its token (tiktoken panicked on text holding it), a truncated tiktoken.model (blamed
+    on tokenizer_config.json's special ids): one TokenizerError naming tiktoken.model."""
+    import base64
+
+    model = ckpt / "tiktoken.model"
+    lines = model.read_bytes().splitlines()
+    a = next(i for i, line in enumerate(lines) if base64.b64decode(line.split()[0]) == b"a")
+    # byte "a" replaced by a longer token: ranks still 0 .. n-1 once each
+    swapped = [*lines[:a], base64.b64encode(b"zzzzqq") + b" " + lines[a].split()[1], *lines[a + 1 :]]
+    model.write_bytes(b"\n".join(swapped) + b"\n")
+    with pytest.raises(
+        TokenizerError, match=r"tiktoken.model: no token for 1 single byte\(s\) \(first 0x61\)"
+    ):
+        LLM(ckpt, device="cpu", progress=False)
+    half = len(lines) - 20  # (the last ranks: merges, not single bytes)
+    model.write_bytes(b"\n".join(lines[:half]) + b"\n")
+    with pytest.raises(TokenizerError, match=f"follows the {half} tokens of tiktoken.model .a truncated"):
+        LLM(ckpt, device="cpu", progress=False)
+
+
 def test_missing_tokenizer(ckpt):
     (ckpt / "tiktoken.model").unlink()
     with pytest.raises(TokenizerError, match="tiktoken.model is missing"):
