@@ -289,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TypeError) as e:  # ConfigError, CheckpointError, ShardChangedError, bad arguments
             print(f"k26: error: {e}", file=sys.stderr)
             return 2
+        except RuntimeError as e:
+            from .tp_driver import RankError  # (here, not at the top: `--help` stays free of torch)
+
+            if not isinstance(e, RankError):
+                raise
+            print(f"k26: error: {e}", file=sys.stderr)  # a TP rank crashed (users' errors come as themselves)
+            return 1
         except KeyboardInterrupt:
             print("k26: interrupted", file=sys.stderr)
             return 130

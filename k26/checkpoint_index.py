@@ -20,13 +20,16 @@ class CheckpointError(ValueError):
     """The checkpoint does not match the model its config describes; `problems` lists every mismatch."""
 
     def __init__(self, path: Path, problems: list[str]):
-        self.problems = problems
+        self.path, self.problems = path, problems
         if len(problems) == 1:  # one cause: one line
             super().__init__(f"checkpoint {path} cannot be loaded: {problems[0]}")
             return
         shown = "\n  ".join(problems[:40])
         more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
         super().__init__(f"checkpoint {path} cannot be loaded ({len(problems)} problems):\n  {shown}{more}")
+
+    def __reduce__(self):  # (a TP rank's error travels to rank 0 pickled, and is raised there as itself)
+        return type(self), (self.path, self.problems)
 
 
 @dataclass(frozen=True)

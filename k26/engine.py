@@ -40,7 +40,7 @@ from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_o
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
-from .loader import load_drafter, load_model
+from .loader import check_drafter_files, load_drafter, load_model
 from .model import CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
 from .outputs import RequestOutput, StreamedText
@@ -85,11 +85,8 @@ class LLM:
         check_allreduce(allreduce)
         check_device(device)
         check_prefill(prefill_chunk, prefill_budget)
-        self.prefix_cache, self.prefill_chunk, self.prefill_budget = (
-            prefix_cache,
-            prefill_chunk,
-            prefill_budget,
-        )
+        self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
+        self.prefill_budget = prefill_budget
         for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
             check_path(value, name)
         if model_path is None:  # the embedded pair
@@ -101,6 +98,16 @@ class LLM:
         # init_process_group, or an earlier LLM) must not destroy it on close().
         self._owns_group = tp > 1 and not torch.distributed.is_initialized()
         self._ranks: RankGroup | None = None
+        # Config, tokenizer, lengths and the drafter's files checked before any rank starts or weight is read
+        self.config = ModelConfig.from_dir(self.path)
+        self.config.check_tp(tp)
+        self.tokenizer = Tokenizer.from_dir(self.path)
+        check_tokenizer(self.tokenizer, self.config)
+        self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
+        self.user_buckets = check_buckets(buckets, max_batch)
+        dcfg = check_drafter(drafter, self.config)  # _load reuses it
+        if dcfg is not None:
+            check_drafter_files(drafter, dcfg, dtype or torch.bfloat16, tp)
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
             rank_kw.update(drafter=drafter, progress=False)  # the pair as resolved; rank 0 draws
             self._start_ranks(tp, device, rank_kw)
@@ -109,12 +116,6 @@ class LLM:
         self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or torch.bfloat16
         self.graphs = check_precision(self.device, self.dtype, graphs)
-        self.config = ModelConfig.from_dir(self.path)
-        self.tokenizer = Tokenizer.from_dir(self.path)
-        check_tokenizer(self.tokenizer, self.config)
-        self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
-        self.user_buckets = check_buckets(buckets, max_batch)
-        dcfg = check_drafter(drafter, self.config)  # before any weight is read; _load reuses it
         self.absorb = absorb
         self.progress = progress and self.rank == 0  # one set of progress lines, whatever the ranks were told
         self._load(drafter, dcfg, max_batch, self.progress, cuda_kernels, cache_dir)

@@ -311,7 +311,7 @@ def load_drafter(
     cfg.check_target(target)
     with torch.device("meta"):
         model = DFlashDrafter(cfg, dtype, tp).requires_grad_(False)
-    infos = {k.removeprefix("model."): v for k, v in read_index(path).items()}
+    infos = _drafter_infos(path)
     items = plan_load(model, infos, tp, path, rule=drafter_rule)
     model.to_empty(device=device)
     fill(model, items, infos, tp)
@@ -320,3 +320,28 @@ def load_drafter(
         use_cuda_kernels(model)  # the target's switch: today nothing of the drafter's changes
         model.fuse_()  # residual adds + norms as one op
     return model.eval()
+
+
+def check_drafter_files(path: str | Path, cfg: DrafterConfig, dtype: torch.dtype, tp_size: int) -> None:
+    """The drafter's tensors planned on a meta model, before the target's weights are read (at K2.6 scale,
+    minutes): a TP size its heads do not divide, every missing, unexpected, mis-shaped or mis-typed tensor
+    and every unreadable shard are named now, not after the target's load."""
+    from .model.drafter import DFlashDrafter
+
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg, dtype, TPInfo(0, tp_size))
+    plan_load(model, _drafter_infos(Path(path)), TPInfo(0, tp_size), Path(path), rule=drafter_rule)
+
+
+def _drafter_infos(path: Path) -> dict[str, TensorInfo]:
+    """The drafter's tensors by module name (an optional `model.` prefix dropped); a name held both with and
+    without the prefix is refused (one copy would silently win)."""
+    infos: dict[str, TensorInfo] = {}
+    for key, info in read_index(path).items():
+        name = key.removeprefix("model.")
+        if name in infos:
+            raise CheckpointError(
+                path, [f"tensor {name} appears twice (with and without the 'model.' prefix)"]
+            )
+        infos[name] = info
+    return infos

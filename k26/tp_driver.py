@@ -75,9 +75,16 @@ class _Rank:
         except (BrokenPipeError, OSError):
             pass  # the rank is gone: its exit is reported by `failure`
 
-    def failure(self, kind: str, text) -> str:
+    def raise_failure(self, kind: str, payload) -> None:
+        """This rank's failure: a user's error (bad checkpoint, TP size...) as itself, as rank 0's own would
+        be raised; anything else as a RankError carrying the rank's traceback or exit."""
+        if kind == "error" and payload[0] is not None:
+            raise payload[0]
+        raise RankError(f"tensor-parallel rank {self.rank} failed: {self.failure(kind, payload)}")
+
+    def failure(self, kind: str, payload) -> str:
         if kind == "error":
-            return text
+            return payload[1]  # (the rank's error, its traceback text)
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -137,7 +144,7 @@ class RankGroup:
                 continue
             if kind == want:
                 return
-            raise RankError(f"tensor-parallel rank {rank.rank} failed: {rank.failure(kind, payload)}")
+            rank.raise_failure(kind, payload)
 
     def wait_ready(self) -> None:
         """Every rank has built its object (raises the first rank's failure)."""
@@ -158,7 +165,7 @@ class RankGroup:
                     kind, payload = rank.inbox.get_nowait()
                     if kind in ("joining", "ready"):
                         continue
-                    raise RankError(f"tensor-parallel rank {rank.rank} failed: {rank.failure(kind, payload)}")
+                    rank.raise_failure(kind, payload)
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
@@ -169,11 +176,11 @@ class RankGroup:
         try:
             yield
         except Exception as e:
-            if isinstance(e, RankError):
-                raise
             # A broken collective is a RuntimeError (gloo / NCCL): give the rank's report a moment to
-            # arrive. Anything else (a bad input, caught before any rank was asked) raises at once.
-            self.check(wait=5.0 if isinstance(e, RuntimeError) else 0.0)
+            # arrive. Anything else (this rank's own bad input or checkpoint error) raises as it is: a
+            # rank that found the same problem first must not replace it with its own report.
+            if isinstance(e, RuntimeError) and not isinstance(e, RankError):
+                self.check(wait=5.0)
             raise
 
     def close(self, kill: bool = False) -> None:
@@ -236,6 +243,18 @@ def releasing_ranks_on_failure(init):
     return wrapper
 
 
+def _report(e: BaseException) -> tuple:
+    """A rank's failure for rank 0: a user's error (ValueError / TypeError: a bad checkpoint, TP size or
+    argument) as itself, to be raised there as rank 0's own would be; anything else as its traceback."""
+    user = e if isinstance(e, (ValueError, TypeError)) else None
+    if user is not None:
+        try:
+            pickle.loads(pickle.dumps(user))
+        except Exception:  # noqa: BLE001  (an exception that does not survive pickling: its text)
+            user = None
+    return user, traceback.format_exc()
+
+
 def _serve(init: dict, out) -> int:
     """A rank's life: join, build, then mirror calls until told to stop."""
 
@@ -252,8 +271,8 @@ def _serve(init: dict, out) -> int:
         send("joining", None)
         k26_dist.init_group(init["rank"], init["world"], init["device"], store=store)
         obj = init["factory"](*init["args"], **init["kwargs"])
-    except BaseException:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
-        send("error", traceback.format_exc())
+    except BaseException as e:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
+        send("error", _report(e))
         return 1
     send("ready", None)
     while True:
@@ -269,8 +288,8 @@ def _serve(init: dict, out) -> int:
             if name == "stream":
                 for _ in result:
                     pass
-        except BaseException:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
-            send("error", traceback.format_exc())
+        except BaseException as e:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
+            send("error", _report(e))
             return 1
     if callable(close := getattr(obj, "close", None)):
         close()  # this rank's graphs and fused-collective workspace, before its group goes

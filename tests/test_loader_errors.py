@@ -332,3 +332,27 @@ def test_tp_size_that_splits_int4_groups(tiny_k25):
         ConfigError, match="size 4 does not divide moe_intermediate_size=64 .*splits an int4 group"
     ):
         load_model(tiny_k25, tp=TPInfo(0, 4), progress=False)
+
+
+def test_drafter_file_problems_are_named_before_the_target_is_read(
+    tiny_k25, drafter_dir, tmp_path, monkeypatch
+):
+    """A drafter tensor missing, or one held both with and without the `model.` prefix (one copy silently
+    won): CheckpointError before the target's weights are read (at K2.6 scale, minutes)."""
+    import k26.engine
+
+    def no_load(*a, **kw):
+        raise AssertionError("the target was read before the drafter's files were checked")
+
+    monkeypatch.setattr(k26.engine, "load_model", no_load)
+    d = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, d)
+    [shard] = d.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    name = next(k for k in tensors if k.endswith("norm.weight") and not k.startswith("model."))
+    save_file({k: v for k, v in tensors.items() if k != name}, str(shard))
+    with pytest.raises(CheckpointError, match=f"missing tensor {name}"):
+        LLM(tiny_k25, drafter=d, device="cpu", progress=False)
+    save_file({**tensors, "model." + name: torch.zeros_like(tensors[name])}, str(shard))
+    with pytest.raises(CheckpointError, match=f"tensor {name} appears twice"):
+        LLM(tiny_k25, drafter=d, device="cpu", progress=False)
