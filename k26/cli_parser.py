@@ -18,6 +18,28 @@ def _positive(s: str) -> int:
     return v
 
 
+MAX_BUDGET = 255  # k26.spec.step.MAX_BUDGET (this module stays free of torch: `--help` is instant)
+
+
+def _budget(s: str) -> int | str:
+    """`--budget` of generate / serve: 'auto', or an integer (its range is checked with the other arguments,
+    before loading, so the message names the value)."""
+    if s == "auto":
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {s!r}") from None
+
+
+def _fixed_budget(s: str) -> int:
+    """`--budget` of bench / profile: a DDTree budget in [1, MAX_BUDGET]."""
+    v = _positive(s)
+    if v > MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"expected a DDTree budget in [1, {MAX_BUDGET}], got {v}")
+    return v
+
+
 def _info_parser(sub) -> None:
     i = sub.add_parser("info", help="print the parsed model config")
     i.add_argument("--model", help="checkpoint directory (default: the embedded tiny model)")
@@ -42,7 +64,9 @@ def _serve_parser(sub) -> None:
         default=None,
         help="decoding method (default: ddtree when there is a drafter, else ar)",
     )
-    sv.add_argument("--budget", default=None, help="DDTree nodes besides the root: N or auto (default)")
+    sv.add_argument(
+        "--budget", type=_budget, default=None, help="DDTree nodes besides the root: N or auto (default)"
+    )
     sv.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks")
     sv.add_argument("--device", choices=["cpu", "cuda"], default=None)
     sv.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -107,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="decoding method (default: ddtree when there is a drafter, as with the embedded pair, else ar)",
     )
-    g.add_argument("--budget", type=int, default=None, help="DDTree nodes besides the root (default: auto)")
+    g.add_argument(
+        "--budget", type=_budget, default=None, help="DDTree nodes besides the root: N or auto (default)"
+    )
     g.add_argument(
         "--tp",
         type=_positive,
@@ -125,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--device", choices=["cpu", "cuda"], default=None)
     bn.add_argument("--batch", type=_positive, default=1)
     bn.add_argument("--max-tokens", type=_positive, default=128)
-    bn.add_argument("--budget", type=_positive, default=12)
+    bn.add_argument("--budget", type=_fixed_budget, default=12)
     bn.add_argument("--compile", action="store_true")
     bn.add_argument("--no-hf", action="store_true")
     bn.add_argument("--out")
@@ -134,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--drafter")
     pr.add_argument("--device", choices=["cpu", "cuda"], default=None)
     pr.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
-    pr.add_argument("--budget", type=_positive, default=None, help="DDTree budget (default 12)")
+    pr.add_argument("--budget", type=_fixed_budget, default=None, help="DDTree budget (default 12)")
     pr.add_argument("--max-tokens", type=_positive, default=32)
     pr.add_argument("--out", default="k26-trace.json")
     _serve_parser(sub)

@@ -121,6 +121,30 @@ def test_bad_budget_configs():
         SpecConfig("ddtree", "many")
 
 
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"budget": True}, "budget=True"),  # (a bool is an int to Python: it reached topk as k=True)
+        ({"candidates": (True, 7)}, "candidates"),
+        ({"candidates": (3.5, 7)}, "candidates"),
+        ({"costs": ("a",) * 5}, "costs"),
+        ({"costs": (0.0, float("nan"), 1.0, 1.0, 1.0)}, "costs"),
+        ({"costs": (0.0, 1.0, 1.0, 1.0, 0.0)}, "costs"),
+        ({"costs": (0.0,) + (1.0,) * 4, "cost_per_token": (float("inf"), 0.0, 0.0, 0.0)}, "cost_per_token"),
+    ],
+)
+def test_spec_config_values_of_the_wrong_kind_are_named(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        SpecConfig("ddtree", **kw)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash"])
+def test_a_budget_for_a_method_without_one_is_refused_not_ignored(method):
+    with pytest.raises(ValueError, match=f"budget=5: a budget is DDTree's; '{method}'"):
+        SpecConfig(method, 5)
+    assert SpecConfig(method).budget == "auto" and SpecConfig(method, None).budget is None
+
+
 @pytest.mark.parametrize("costs", [(0.0, 1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 3.0, 9.0, 27.0)])
 def test_auto_is_lossless(tiny_k25, costs, monkeypatch):
     from test_spec import as_topk, oracle_draft

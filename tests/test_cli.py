@@ -359,3 +359,21 @@ def test_generate_start_up_flags_reach_the_llm(llm_kwargs, tmp_path):
     with pytest.raises(_Built):
         main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
     assert (llm_kwargs["cache_dir"], llm_kwargs["allreduce"]) == (str(tmp_path), "nccl")
+
+
+def test_budget_arguments_take_auto_where_documented_and_refuse_what_would_be_ignored(no_loading, capsys):
+    from k26.__main__ import plan_generate
+    from k26.cli_parser import MAX_BUDGET, build_parser
+    from k26.server.cli import check_args
+    from k26.spec.step import MAX_BUDGET as SPEC_MAX
+
+    assert MAX_BUDGET == SPEC_MAX
+    a = build_parser().parse_args(["generate", "--budget", "auto", "--prompt", "hi"])
+    assert a.budget == "auto" and plan_generate(a).spec.budget == "auto"
+    served = build_parser().parse_args(["serve", "--model", TARGET, "--budget", "5"])  # no drafter: AR
+    with pytest.raises(ValueError, match=r"--budget applies to --spec ddtree, not ar \(no --drafter"):
+        check_args(served)
+    check_args(build_parser().parse_args(["serve", "--budget", "5"]))  # the embedded pair: DDTree
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--budget", str(MAX_BUDGET + 1)])
+    assert "expected a DDTree budget in [1, 255]" in capsys.readouterr().err

@@ -6,17 +6,19 @@ import argparse
 import os
 import sys
 
-from ..cli_parser import DTYPES
+from ..cli_parser import DTYPES, MAX_BUDGET
 
 
 def check_args(a: argparse.Namespace) -> None:
     """Every argument, before minutes of loading a real checkpoint."""
-    if a.budget is not None and a.budget != "auto" and not (a.budget.isdigit() and 1 <= int(a.budget) <= 255):
-        raise ValueError(f"--budget {a.budget}: expected 'auto' or an integer in [1, 255]")
+    if a.budget not in (None, "auto") and not 1 <= a.budget <= MAX_BUDGET:
+        raise ValueError(f"--budget {a.budget}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
     if a.spec in ("dflash", "ddtree") and not a.drafter and a.model:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
-    if a.budget is not None and (a.spec or "ddtree") != "ddtree":
-        raise ValueError(f"--budget applies to --spec ddtree, not {a.spec}")
+    method = a.spec or ("ddtree" if a.drafter or not a.model else "ar")  # (no --model: the embedded pair)
+    if a.budget is not None and method != "ddtree":
+        why = "" if a.spec else " (no --drafter: autoregressive)"
+        raise ValueError(f"--budget applies to --spec ddtree, not {method}{why}")
     if a.tp is not None and a.tp < 1:
         raise ValueError(f"--tp {a.tp}: expected >= 1")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

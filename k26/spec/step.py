@@ -4,6 +4,7 @@ the autoregressive step and the prefill (what eager decoding and the captured gr
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,6 +24,16 @@ from .tree import DraftTree, TreeTables, build_ddtree_from_topk, chain_from_topk
 MAX_BUDGET = 255  # verify tokens = budget + 1 <= 256, the tree-attention kernel's maximum
 
 
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _times(xs, positive: bool) -> bool:
+    """Finite real numbers (not bools), each > 0 (`positive`) or >= 0."""
+    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in xs)
+    return ok and all(x > 0 if positive else x >= 0 for x in xs)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: Literal["ar", "dflash", "ddtree"] = "ddtree"
@@ -38,22 +49,29 @@ class SpecConfig:
         if self.method not in ("ar", "dflash", "ddtree"):
             raise ValueError(f"SpecConfig.method={self.method!r}: expected 'ar', 'dflash' or 'ddtree'")
         b = self.budget
-        if b is not None and b != "auto" and (not isinstance(b, int) or not 1 <= b <= MAX_BUDGET):
+        if b is not None and b != "auto" and (not _int(b) or not 1 <= b <= MAX_BUDGET):
             raise ValueError(f"SpecConfig.budget={b!r}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
-        c = tuple(self.candidates)
-        if not c or list(c) != sorted(set(c)) or c[0] < 1 or c[-1] > MAX_BUDGET:
+        if _int(b) and self.method != "ddtree":  # (it was ignored, yet reported in the stats)
             raise ValueError(
-                f"SpecConfig.candidates={self.candidates!r}: ascending budgets in [1, {MAX_BUDGET}]"
+                f"SpecConfig.budget={b}: a budget is DDTree's; {self.method!r} verifies "
+                + ("one token a step" if self.method == "ar" else "its one draft chain")
+            )
+        c = tuple(self.candidates)
+        if not c or not all(map(_int, c)) or list(c) != sorted(set(c)) or c[0] < 1 or c[-1] > MAX_BUDGET:
+            raise ValueError(
+                f"SpecConfig.candidates={self.candidates!r}: ascending integer budgets in [1, {MAX_BUDGET}]"
             )
         object.__setattr__(self, "candidates", c)
-        if self.costs is not None and len(self.costs) != len(c) + 1:
+        k = self.costs
+        if k is not None and (len(k) != len(c) + 1 or not _times(k[:1], False) or not _times(k[1:], True)):
             raise ValueError(
-                f"SpecConfig.costs needs t_draft and one verify time per candidate ({len(c) + 1} values)"
+                f"SpecConfig.costs={k!r}: t_draft (>= 0) and one verify time (> 0) per candidate, "
+                f"{len(c) + 1} finite numbers of seconds"
             )
         s = self.cost_per_token
-        if s is not None and (self.costs is None or len(s) != len(c) or min(s) < 0):
+        if s is not None and (self.costs is None or len(s) != len(c) or not _times(s, positive=False)):
             raise ValueError(
-                f"SpecConfig.cost_per_token={s!r}: needs `costs` and one value >= 0 per candidate"
+                f"SpecConfig.cost_per_token={s!r}: needs `costs` and one finite value >= 0 per candidate"
             )
 
     @property
