@@ -16,6 +16,11 @@ import torch.distributed as dist
 from .model.layers import TPInfo
 from .ops.allreduce_group import FusedAllReduce  # registers torch.ops.k26.allreduce_add_rmsnorm
 
+# torch >= 2.13 deprecates all_gather_into_tensor (a warning on every TP run, printed mid-line with the
+# streamed text) for all_gather_single, the same collective; older torch (2.11 on the GPU loaners) has only
+# the first.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def timeout() -> timedelta:
     """A rank that dies makes the others fail within this long instead of hanging (K26_DIST_TIMEOUT s)."""
@@ -50,7 +55,7 @@ def tp_info(rank: int, size: int, group=None, allreduce: str = "fused", device=N
         """Concatenate every rank's last-dim shard, in rank order."""
         x = x.contiguous()
         flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # rank-major
-        dist.all_gather_into_tensor(flat, x, group=group)
+        _all_gather_flat(flat, x, group=group)
         return flat.view(size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
     fused_ar = None

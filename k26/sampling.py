@@ -38,9 +38,9 @@ class SamplingParams:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
 
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise bad("temperature", "must be a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:  # (inf: uniform, silently)
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must lie in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2**31:
             raise bad("top_k", "must be an integer in [0, 2**31)")
@@ -51,8 +51,10 @@ class SamplingParams:
         ):
             raise bad("seed", "must be None or an integer in [-2**63, 2**63)")
         if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+                raise bad("stop_token_ids", "must be None or a list of token ids")
             ids = tuple(self.stop_token_ids)
-            if not all(isinstance(i, int) and i >= 0 for i in ids):
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
                 raise bad("stop_token_ids", "must be non-negative integers")
             object.__setattr__(self, "stop_token_ids", ids)
         for name in ("logprobs", "prompt_logprobs"):
@@ -61,7 +63,9 @@ class SamplingParams:
                 not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS
             ):
                 raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop is not None and not isinstance(self.stop, str) and not hasattr(self.stop, "__iter__"):
+            raise bad("stop", "must be a string or a list of strings")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(x, str) and x for x in stop):
             raise bad("stop", "must be non-empty strings")
         object.__setattr__(self, "stop", stop)

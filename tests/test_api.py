@@ -100,6 +100,12 @@ def test_score_checks_ids(llm):
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"seed": 2**64}, "seed="),  # torch.Generator refuses it: named here, not inside the engine
         ({"seed": True}, "seed=True"),
+        ({"temperature": float("inf")}, "temperature=inf"),  # (sampled uniformly)
+        ({"temperature": True}, "temperature=True"),
+        ({"top_p": True}, "top_p=True"),
+        ({"stop_token_ids": 5}, "stop_token_ids=5: must be None or a list"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop": 5}, "stop=5: must be a string or a list"),
     ],
 )
 def test_bad_sampling_params(kwargs, needle):
@@ -318,3 +324,7 @@ def test_prompts_of_the_wrong_kind_are_named(llm):
         llm.generate(np.array([5, 17, 300]), sp)[0].token_ids == llm.generate([5, 17, 300], sp)[0].token_ids
     )
     assert len(llm.generate(np.array([[5, 17], [8, 9]]), sp)) == 2
+
+
+def test_stop_none_means_no_stop_strings():
+    assert SamplingParams(stop=None).stop == ()
