@@ -30,6 +30,8 @@ class DrafterConfig:
     # The public Kimi drafters were trained with the legacy YaRN attention factor 0.1·ln(f) + 1 on cos
     # and sin; "config" honours mscale / mscale_all_dim (1.0 for Kimi) as current transformers does.
     rope_attention_factor: Literal["legacy", "config"] = "legacy"
+    # The layer count of the target it was trained against (DFlash's config states it), when given
+    num_target_layers: int | None = None
 
     @property
     def attention_factor(self) -> float:
@@ -89,6 +91,9 @@ class DrafterConfig:
             block_size=block,
             target_layer_ids=tuple(ids),
             mask_token_id=mask,
+            num_target_layers=f.int("num_target_layers")
+            if raw.get("num_target_layers") is not None
+            else None,
         )
         if overrides:
             from dataclasses import replace
@@ -112,6 +117,9 @@ class DrafterConfig:
             bad.append(f"hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}")
         if self.vocab_size != target.vocab_size:
             bad.append(f"vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
+        n = self.num_target_layers
+        if n is not None and n != target.num_hidden_layers:  # (a drafter trained for another target)
+            bad.append(f"num_target_layers {n} != target num_hidden_layers {target.num_hidden_layers}")
         beyond = [i for i in self.target_layer_ids if i >= target.num_hidden_layers]
         if beyond:
             bad.append(f"target_layer_ids {beyond} beyond the target's {target.num_hidden_layers} layers")

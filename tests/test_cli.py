@@ -377,3 +377,12 @@ def test_budget_arguments_take_auto_where_documented_and_refuse_what_would_be_ig
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--budget", str(MAX_BUDGET + 1)])
     assert "expected a DDTree budget in [1, 255]" in capsys.readouterr().err
+
+
+def test_serve_host_that_does_not_resolve_is_refused_before_loading():
+    from k26.cli_parser import build_parser
+    from k26.server.cli import check_args
+
+    with pytest.raises(ValueError, match="--host 999.1.1.1: not an address"):
+        check_args(build_parser().parse_args(["serve", "--host", "999.1.1.1"]))
+    check_args(build_parser().parse_args(["serve", "--host", "127.0.0.1"]))

@@ -180,6 +180,8 @@ def test_drafter_rope_factor_switch(drafter_dir):
         (lambda c: c["dflash_config"].update(mask_token_id=True), "mask_token_id=True"),
         (lambda c: c["dflash_config"].update(target_layer_ids=[True]), "target_layer_ids=[True]"),
         (lambda c: c.pop("dflash_config"), "no 'dflash_config'"),
+        (lambda c: c.update(num_target_layers=61), "num_target_layers 61 != target num_hidden_layers"),
+        (lambda c: c.update(num_target_layers="6"), "num_target_layers='6'"),
     ],
 )
 def test_bad_drafter_is_refused(tiny_k25, drafter_dir, tmp_path, edit, needle):

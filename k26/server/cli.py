@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from ..cli_parser import DTYPES, MAX_BUDGET
@@ -25,6 +26,10 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("serve under torchrun: run it as one process, --tp N starts the ranks itself")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port}: expected 0..65535")
+    try:  # (uvicorn would say so only after minutes of loading, without naming the host)
+        socket.getaddrinfo(a.host, a.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {a.host}: not an address or a name this machine resolves ({e})") from None
     if a.max_batch < 1 or a.max_waiting < 1:
         raise ValueError("--max-batch and --max-waiting must be >= 1")
     if a.api_key is not None and not a.api_key.strip():
