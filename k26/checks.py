@@ -13,6 +13,7 @@ import torch
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .graphs.buckets import Bucket
+from .loader import check_drafter_files
 from .sampling import SamplingParams
 from .spec.prefill import MAX_CHUNK
 from .spec.step import SpecConfig, verify_nodes
@@ -98,12 +99,14 @@ def check_prefill(chunk: int, budget: int) -> None:
         raise ValueError(f"prefill_budget={budget!r}: expected a positive integer")
 
 
-def check_drafter(drafter, config: ModelConfig) -> DrafterConfig | None:
-    """The drafter directory's config (None: no drafter) against the target's, before any weight is read."""
+def check_drafter(drafter, config: ModelConfig, dtype: torch.dtype, tp: int) -> DrafterConfig | None:
+    """The drafter directory's config (None: no drafter) against the target's, and its files planned at this
+    TP size (`loader.check_drafter_files`), before any of the target's weights is read."""
     if drafter is None:
         return None
     cfg = DrafterConfig.from_dir(drafter)
     cfg.check_target(config)
+    check_drafter_files(drafter, cfg, dtype, tp)
     return cfg
 
 
@@ -284,8 +287,8 @@ def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfi
 
 def check_rows_free(what: str, streaming: bool, batch) -> None:
     """`score` / `generate` / `stream` / `open_batch` write cache rows: refused while a suspended `stream()`
-    or an open batch's live (or still prefilling) rows need theirs, which would go on from what the call
-    wrote, silently wrong."""
+    or (`batch`, not for open_batch: it abandons the old batch) an open batch's live or still prefilling rows
+    need theirs, which would go on from what the call wrote, silently wrong."""
     if streaming:
         raise RuntimeError(
             f"{what}: a stream() of this LLM is still being iterated; exhaust it or call its close() first"

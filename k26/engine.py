@@ -40,7 +40,7 @@ from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_o
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
-from .loader import check_drafter_files, load_drafter, load_model
+from .loader import load_drafter, load_model
 from .model import CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
 from .outputs import RequestOutput, StreamedText
@@ -105,9 +105,7 @@ class LLM:
         check_tokenizer(self.tokenizer, self.config)
         self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
         self.user_buckets = check_buckets(buckets, max_batch)
-        dcfg = check_drafter(drafter, self.config)  # _load reuses it
-        if dcfg is not None:
-            check_drafter_files(drafter, dcfg, dtype or torch.bfloat16, tp)
+        dcfg = check_drafter(drafter, self.config, dtype or torch.bfloat16, tp)  # _load reuses it
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
             rank_kw.update(drafter=drafter, progress=False)  # the pair as resolved; rank 0 draws
             self._start_ranks(tp, device, rank_kw)
@@ -387,7 +385,7 @@ class LLM:
         capacity = capacity or self.cache.rows
         if not 1 <= capacity <= self.cache.rows:
             raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
-        check_rows_free("open_batch()", self._streaming, self.batch)
+        check_rows_free("open_batch()", self._streaming, None)  # (a previous batch's rows: abandoned)
         self._mirror("open_batch", spec, capacity, logprobs)
         self.batch = self.decoder.open(spec, capacity, MODES if logprobs else MODES[:-1])
         return self.batch
