@@ -191,8 +191,8 @@ class LLM:
         if not self.graphs or not (greedy or sampled):  # (neither: no sampling mode, nothing to capture)
             return []
         kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
+        self._overwriting_rows("capture()")  # warm-ups and budget timings run on the caches as scratch
         self._mirror("capture", spec, greedy, sampled)
-        self._overwriting_rows()  # warm-ups and budget timings run on the caches as scratch
         return self._capture(spec, kinds)
 
     def _capture(self, spec: SpecConfig | None, kinds: tuple[str, ...]):
@@ -399,6 +399,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts, {len(self.batch.free_slots())} free rows")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         params = [check_sampling(sp, self.config.vocab_size) for sp in params]
+        check_rows_free("admit()", self._streaming, None)  # (the batch's own rows are its to manage)
         self._mirror("admit", prompts, params, wait)
         return self.decoder.admit(self.batch, prompts, params, wait)
 
@@ -406,6 +407,7 @@ class LLM:
     @surfacing_rank_errors
     def step(self) -> list[int]:
         """One step of every live row of the open batch; returns the rows that stepped."""
+        check_rows_free("step()", self._streaming, None)
         self._mirror("step")
         return self.decoder.step(self.batch)
 

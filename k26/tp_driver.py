@@ -243,10 +243,13 @@ def releasing_ranks_on_failure(init):
     return wrapper
 
 
-def _report(e: BaseException) -> tuple:
-    """A rank's failure for rank 0: a user's error (ValueError / TypeError: a bad checkpoint, TP size or
-    argument) as itself, to be raised there as rank 0's own would be; anything else as its traceback."""
-    user = e if isinstance(e, (ValueError, TypeError)) else None
+def _report(e: BaseException, rank: int) -> tuple:
+    """A rank's failure to build its object, for rank 0: a user's error (a ValueError: a bad checkpoint,
+    config or TP size) as itself, to be raised there as rank 0's own would be (its traceback in a note);
+    anything else as its traceback."""
+    user = e if isinstance(e, ValueError) else None
+    if user is not None:
+        user.add_note(f"(raised on tensor-parallel rank {rank}; its traceback:)\n{traceback.format_exc()}")
     if user is not None:
         try:
             pickle.loads(pickle.dumps(user))
@@ -272,7 +275,7 @@ def _serve(init: dict, out) -> int:
         k26_dist.init_group(init["rank"], init["world"], init["device"], store=store)
         obj = init["factory"](*init["args"], **init["kwargs"])
     except BaseException as e:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
-        send("error", _report(e))
+        send("error", _report(e, init["rank"]))
         return 1
     send("ready", None)
     while True:
@@ -288,8 +291,9 @@ def _serve(init: dict, out) -> int:
             if name == "stream":
                 for _ in result:
                     pass
-        except BaseException as e:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
-            send("error", _report(e))
+        except BaseException:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
+            # (rank 0 checked the same call's inputs: any error here is a divergence, never the user's)
+            send("error", (None, traceback.format_exc()))
             return 1
     if callable(close := getattr(obj, "close", None)):
         close()  # this rank's graphs and fused-collective workspace, before its group goes

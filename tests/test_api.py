@@ -271,6 +271,7 @@ def test_info_refuses_startup_flags_without_startup(tiny_k25, capsys):
 def test_a_suspended_stream_refuses_other_calls_and_then_goes_on_unharmed(llm):
     sp = SamplingParams(max_tokens=12, stop_token_ids=[])
     full = llm.generate([[5, 17, 300]], sp)[0].text
+    llm.open_batch(capacity=1)  # empty: admit and step would write the stream's row
     g = llm.stream([5, 17, 300], sp)
     first = next(g)
     for call in (
@@ -278,9 +279,12 @@ def test_a_suspended_stream_refuses_other_calls_and_then_goes_on_unharmed(llm):
         lambda: llm.score([8, 9]),
         lambda: next(llm.stream([8, 9], sp)),
         lambda: llm.open_batch(),
+        lambda: llm.admit([[8, 9]], [sp]),
+        lambda: llm.step(),
     ):
         with pytest.raises(RuntimeError, match=r"a stream\(\) of this LLM is still being iterated"):
             call()
+    llm.batch = None
     assert first + "".join(g) == full  # its row was not written meanwhile
     g = llm.stream([5, 17, 300], sp)
     next(g)
@@ -328,3 +332,13 @@ def test_prompts_of_the_wrong_kind_are_named(llm):
 
 def test_stop_none_means_no_stop_strings():
     assert SamplingParams(stop=None).stop == ()
+
+
+def test_capture_is_refused_during_a_suspended_stream(llm, monkeypatch):
+    """capture() runs its warm-ups on the cache rows as scratch (here its guard only: no CUDA on this host)."""
+    monkeypatch.setattr(llm, "graphs", True)
+    g = llm.stream([5, 17, 300], SamplingParams(max_tokens=8, stop_token_ids=[]))
+    next(g)
+    with pytest.raises(RuntimeError, match=r"capture\(\): a stream\(\) of this LLM is still being iterated"):
+        llm.capture()
+    g.close()

@@ -82,3 +82,43 @@ def test_a_tp_size_the_pair_cannot_split_is_refused_before_any_rank_or_weight(ti
         ValueError, match="drafter num_key_value_heads=2 is not divisible by the tensor-parallel size 4"
     ):
         LLM(tiny_tp[0], drafter=two_kv, tp=4, **KW)
+
+
+def test_a_rank_killed_after_joining_fails_the_parent_fast(tiny_tp):
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        llm._ranks.ranks[0].proc.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match="rank 1 failed: killed by SIGKILL"):
+            llm.score([1, 2, 3])
+        assert time.monotonic() - t0 < 10
+    finally:
+        llm.close()
+    assert not dist.is_initialized()
+
+
+def test_a_bad_input_under_tp_raises_at_once(tiny_tp):
+    """Input errors are raised before any rank is asked, without waiting for a rank failure."""
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.score([1, 10**9])
+        assert time.monotonic() - t0 < 1.0
+        assert llm.score([1, 2, 3]).shape[0] == 3  # the ranks are still in step
+    finally:
+        llm.close()
+
+
+def test_a_failed_tp_init_leaves_no_group_and_no_rank(tiny_tp):
+    """An LLM(tp=2) whose own checks fail after its ranks started kills them and destroys its group: the
+    next LLM(tp=2) in the same process starts afresh. (graphs=True on a CPU: checked once the device is
+    known, after the ranks start; the config checks now all run before.)"""
+    with pytest.raises(ValueError, match="graphs=True needs a CUDA device"):
+        LLM(tiny_tp[0], tp=2, **{**KW, "graphs": True})
+    assert not dist.is_initialized()
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        assert llm.score([1, 2, 3]).shape[0] == 3
+    finally:
+        llm.close()
