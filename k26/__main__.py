@@ -96,7 +96,7 @@ def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
         drafter = None
     elif drafter is None:
         raise ValueError(f"--spec {method} needs --drafter DIR (a DFlash drafter trained for this model)")
-    if a.budget is not None and method != "ddtree":
+    if a.budget not in (None, "auto") and method != "ddtree":  # ('auto': the default, said aloud)
         raise ValueError(f"--budget applies to --spec ddtree (this run decodes with {method})")
     return model, drafter, method
 

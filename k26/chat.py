@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,7 +234,7 @@ def _check_tools(tools) -> None:
     anything else would be declared to the model as it came."""
     if tools is None:
         return
-    if not isinstance(tools, list):
+    if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence):
         raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
             f"tools is a {type(tools).__name__}; expected a list of function declarations"
         )

@@ -68,6 +68,9 @@ def _serve_parser(sub) -> None:
         "--budget", type=_budget, default=None, help="DDTree nodes besides the root: N or auto (default)"
     )
     sv.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks")
+    sv.add_argument(
+        "--max-request-mb", type=float, default=64.0, help="largest request body in MiB (larger: 413)"
+    )
     sv.add_argument("--device", choices=["cpu", "cuda"], default=None)
     sv.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     sv.add_argument("--host", default="127.0.0.1")

@@ -65,7 +65,11 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 2 <= n <= min(size - 8, MAX_HEADER):
+        if n > MAX_HEADER:
+            raise ValueError(
+                f"its header claims {n} bytes, above safetensors' {MAX_HEADER}: not a safetensors file"
+            )
+        if not 2 <= n <= size - 8:
             raise ValueError(f"its header ({n} bytes) does not fit the file ({size} bytes; truncated?)")
         raw = os.pread(fd, n, 8)
     finally:

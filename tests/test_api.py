@@ -335,7 +335,7 @@ def test_stop_none_means_no_stop_strings():
 
 
 def test_capture_is_refused_during_a_suspended_stream(llm, monkeypatch):
-    """capture() runs its warm-ups on the cache rows as scratch (here its guard only: no CUDA on this host)."""
+    """capture() runs its warm-ups on the cache rows as scratch (here its guard only: no CUDA here)."""
     monkeypatch.setattr(llm, "graphs", True)
     g = llm.stream([5, 17, 300], SamplingParams(max_tokens=8, stop_token_ids=[]))
     next(g)

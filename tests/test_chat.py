@@ -423,3 +423,8 @@ def test_parser_stream_equals_whole_on_random_marker_soup(tok, seed):
         assert got["reasoning"] == (whole.reasoning() or "") and got["content"] == whole.content()
         calls = [ToolCall(c[0], c[1], c[2]) for _, c in sorted(got["calls"].items())]
         assert calls == whole.tool_calls(limit)
+
+
+def test_tools_as_a_tuple_render_as_the_list(tok):
+    msgs = [{"role": "user", "content": "weather?"}]
+    assert render(tok, msgs, K25, (WEATHER,)) == render(tok, msgs, K25, [WEATHER])

@@ -374,6 +374,7 @@ def test_budget_arguments_take_auto_where_documented_and_refuse_what_would_be_ig
     with pytest.raises(ValueError, match=r"--budget applies to --spec ddtree, not ar \(no --drafter"):
         check_args(served)
     check_args(build_parser().parse_args(["serve", "--budget", "5"]))  # the embedded pair: DDTree
+    check_args(build_parser().parse_args(["serve", "--model", TARGET, "--budget", "auto"]))  # the default
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--budget", str(MAX_BUDGET + 1)])
     assert "expected a DDTree budget in [1, 255]" in capsys.readouterr().err
@@ -383,6 +384,7 @@ def test_serve_host_that_does_not_resolve_is_refused_before_loading():
     from k26.cli_parser import build_parser
     from k26.server.cli import check_args
 
-    with pytest.raises(ValueError, match="--host 999.1.1.1: not an address"):
-        check_args(build_parser().parse_args(["serve", "--host", "999.1.1.1"]))
+    # (.invalid: a name RFC 2606 reserves never to resolve)
+    with pytest.raises(ValueError, match="--host no-such-host.invalid: not an address"):
+        check_args(build_parser().parse_args(["serve", "--host", "no-such-host.invalid"]))
     check_args(build_parser().parse_args(["serve", "--host", "127.0.0.1"]))

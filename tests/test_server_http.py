@@ -142,3 +142,19 @@ def test_the_unicode_check_walks_a_body_deeper_than_the_recursion_limit():
     assert unpaired_surrogate({"a": deep}) is None
     assert unpaired_surrogate({"a": ["x", {"b": ["y", "\ud800"]}], "c": "\udc00"}) == "a[1].b[1]"
     assert unpaired_surrogate({"\ud800": 1}) == "\ud800"
+
+
+def test_a_key_holding_a_lone_surrogate_is_a_400_naming_it_escaped(served):
+    status, err = raw(served["url"], "/v1/completions", b'{"model": "k26-test", "prompt": "x", "\\ud800": 1}')
+    assert status == 400 and err["error"]["param"] == "\\ud800"  # (as text: the bare one cannot be sent)
+
+
+def test_the_surrogate_check_walks_only_bodies_with_such_an_escape(monkeypatch):
+    from k26.server import body
+
+    walked = []
+    monkeypatch.setattr(body, "unpaired_surrogate", lambda x: walked.append(1))
+    assert body.parse_json(b'{"prompt": [1, 2, 3], "stop": "\\n"}') == {"prompt": [1, 2, 3], "stop": "\n"}
+    assert walked == []
+    body.parse_json(b'{"prompt": "\\ud83d\\ude00"}')  # (a pair: walked, and found whole)
+    assert walked == [1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 
 from .app import create_app
+from .body import MAX_BODY_BYTES
 from .engine import Engine
 from .errors import APIError
 
@@ -23,14 +24,16 @@ def run_server(
     sock: socket.socket | None = None,
     log_level: str = "info",
     api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> None:
-    """Start the engine thread, then serve HTTP until interrupted (blocking); `api_key`: see `create_app`."""
+    """Start the engine thread, then serve HTTP until interrupted (blocking); `api_key`, `max_body_bytes`:
+    see `create_app`."""
     import uvicorn
 
     engine.start()
     try:
         config = uvicorn.Config(
-            create_app(engine, model_name, api_key),
+            create_app(engine, model_name, api_key, max_body_bytes),
             host=host,
             port=port,
             log_level=log_level,

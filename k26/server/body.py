@@ -1,19 +1,20 @@
-"""A request's JSON body, read without stalling the other clients: a size cap checked before the bytes are
-held (413), the parse in a worker thread (a 30 MB body took ~0.3 s of the event loop), and every string
-checked to be Unicode text, naming the first that is not.
+"""A request's JSON body: a size cap checked before the bytes are held (413), the parse in a worker thread,
+and every string checked to be Unicode text, naming the first that is not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 from fastapi import Request
 
 from .errors import APIError
 
-# Far above any request the engine can serve (a 256K-token prompt is ~1 MB of text or ~2 MB of ids; 64
-# prompts a request at most), low enough that one client cannot hold the server's memory or its parser.
+# A 256K-token prompt is ~1 MB of text or ~2 MB of ids; many such prompts in one request (up to 64 are
+# allowed) may exceed it, and go as several requests. Parsing holds the GIL: a body near the cap pauses the
+# other streams for about a second (tokenizing does not: tiktoken releases it). `serve --max-request-mb`.
 MAX_BODY_BYTES = 64 << 20
 
 
@@ -39,32 +40,47 @@ def parse_json(raw: bytes):
     # (JSONDecodeError, UnicodeDecodeError, a 4,300+ digit integer: ValueErrors; deep nesting recurses)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if (where := unpaired_surrogate(body)) is not None:  # valid JSON ("\ud800"), but not text
-        raise APIError(400, f"{where or 'the body'}: a string holds an unpaired UTF-16 surrogate", where)
+    # A lone surrogate can only come as a \uD800-\uDFFF escape (UTF-8 input cannot hold one): without such
+    # an escape in the bytes, no walk (a 10M-id body took seconds and a gigabyte to walk).
+    if _SURROGATE_ESCAPE.search(raw) and (where := unpaired_surrogate(body)) is not None:
+        shown = where.encode("utf-8", "backslashreplace").decode()  # (the path itself may hold it)
+        raise APIError(400, f"{shown or 'the body'}: a string holds an unpaired UTF-16 surrogate", shown)
     return body
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def unpaired_surrogate(x) -> str | None:
-    """The parameter path ("messages[0].content") of the first string (or key) that is not valid Unicode
-    text, else None. Iterative: a body nested deeper than Python's recursion limit still parses on
-    Python >= 3.13, whose json module has its own limit."""
-    stack = [(x, "")]
+    """The parameter path ("messages[0].content") of the first string (or key), in document order, that is
+    not valid Unicode text, else None. Iterative (any depth), holding one iterator per open container."""
+
+    def bad(v) -> bool:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    def entries(v):
+        return iter(v.items()) if isinstance(v, dict) else iter(enumerate(v))
+
+    if isinstance(x, str):
+        return "" if bad(x) else None
+    if not isinstance(x, (dict, list)):
+        return None
+    stack = [(entries(x), "")]
     while stack:
-        v, path = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return path
-            continue
-        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-        pending = []
-        for k, item in items:
-            at = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k)
-            if isinstance(k, str):
-                pending.append((k, at))
-            pending.append((item, at))
-        stack.extend(reversed(pending))  # document order: the first bad string is the one named
+        it, path = stack[-1]
+        for k, item in it:
+            at = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else k
+            if (isinstance(k, str) and bad(k)) or (isinstance(item, str) and bad(item)):
+                return at
+            if isinstance(item, (dict, list)):
+                stack.append((entries(item), at))
+                break
+        else:
+            stack.pop()
     return None
 
 

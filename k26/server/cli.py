@@ -17,7 +17,7 @@ def check_args(a: argparse.Namespace) -> None:
     if a.spec in ("dflash", "ddtree") and not a.drafter and a.model:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
     method = a.spec or ("ddtree" if a.drafter or not a.model else "ar")  # (no --model: the embedded pair)
-    if a.budget is not None and method != "ddtree":
+    if a.budget not in (None, "auto") and method != "ddtree":  # ('auto': the default, said aloud)
         why = "" if a.spec else " (no --drafter: autoregressive)"
         raise ValueError(f"--budget applies to --spec ddtree, not {method}{why}")
     if a.tp is not None and a.tp < 1:
@@ -38,6 +38,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(
             f"--prefill-chunk {a.prefill_chunk}: expected 1..256 (the attention kernel's largest query)"
         )
+    if not 0 < a.max_request_mb < 2**20:
+        raise ValueError(f"--max-request-mb {a.max_request_mb}: expected a positive size in MiB")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
 
@@ -84,7 +86,7 @@ def serve(a: argparse.Namespace) -> int:
     )
     key = a.api_key or os.environ.get("K26_API_KEY") or None  # (the environment keeps it off `ps`)
     try:
-        run_server(engine, name, a.host, a.port, api_key=key)
+        run_server(engine, name, a.host, a.port, api_key=key, max_body_bytes=int(a.max_request_mb * 2**20))
     finally:
         llm.close()  # CUDA graphs, then the TP ranks this LLM started
     return 0
