@@ -158,3 +158,11 @@ def test_the_surrogate_check_walks_only_bodies_with_such_an_escape(monkeypatch):
     assert walked == []
     body.parse_json(b'{"prompt": "\\ud83d\\ude00"}')  # (a pair: walked, and found whole)
     assert walked == [1]
+
+
+def test_a_token_id_prompt_too_long_is_refused_by_its_length_before_its_ids_are_read(served):
+    n = served["llm"].max_model_len
+    ids = [5] * (n - 1) + [10**9]  # (its last id is outside the vocabulary: never looked at)
+    status, err = raw(served["url"], "/v1/completions", json.dumps({"model": MODEL, "prompt": ids}).encode())
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    assert f"{n} tokens, but the context holds {n}" in err["error"]["message"]

@@ -111,13 +111,8 @@ def parse(
         prompts = _prompts(body, tok, vocab, max_model_len)
     for k, ids in enumerate(prompts):
         if len(ids) >= max_model_len:
-            what = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{k}]"
-            raise APIError(
-                400,
-                f"{what}: {len(ids)} tokens, but the context holds {max_model_len} (max_model_len), "
-                "leaving no room to generate",
-                what,
-                code="context_length_exceeded",
+            raise _too_long(
+                "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{k}]", ids, max_model_len
             )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -363,6 +358,8 @@ def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None 
                 code="context_length_exceeded",
             )
         ids = tok.encode(p)
+    elif isinstance(p, list) and max_len is not None and len(p) >= max_len:  # before a pass over millions
+        raise _too_long(where, p, max_len)
     elif isinstance(p, list) and all(_int(t) for t in p):
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
@@ -375,6 +372,12 @@ def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None 
     if not ids:
         raise APIError(400, f"{where} is empty", where)
     return ids
+
+
+def _too_long(where: str, ids: list, max_len: int) -> APIError:
+    msg = f"{where}: {len(ids)} tokens, but the context holds {max_len} (max_model_len), leaving no room to "
+    msg += "generate"
+    return APIError(400, msg, where, code="context_length_exceeded")
 
 
 def _short(x: Any, limit: int = 80) -> str:
