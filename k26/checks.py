@@ -7,6 +7,7 @@ import numbers
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -108,6 +109,28 @@ def check_drafter(drafter, config: ModelConfig, dtype: torch.dtype, tp: int) -> 
     cfg.check_target(config)
     check_drafter_files(drafter, cfg, dtype, tp)
     return cfg
+
+
+@dataclass(frozen=True)
+class Pair:
+    """What `LLM` checks of its checkpoint pair before any rank starts or any weight is read."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    buckets: list[Bucket] | None
+    drafter: DrafterConfig | None
+
+
+def check_pair(path, drafter, tp: int, dtype: torch.dtype, max_model_len, max_batch: int, buckets) -> Pair:
+    """The target's config at this TP size, its tokenizer, the lengths and buckets, and the drafter's config
+    and files (`check_drafter`)."""
+    config = ModelConfig.from_dir(path)
+    config.check_tp(tp)
+    tokenizer = Tokenizer.from_dir(path)
+    check_tokenizer(tokenizer, config)
+    lengths, user = check_lengths(config, max_model_len, max_batch), check_buckets(buckets, max_batch)
+    return Pair(config, tokenizer, lengths, user, check_drafter(drafter, config, dtype, tp))
 
 
 def check_path(value, name: str) -> None:

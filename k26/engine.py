@@ -19,21 +19,17 @@ import torch
 from .batch_state import BatchState
 from .chat import ChatFormat, Message, render
 from .checks import (
-    check_buckets,
     check_device,
-    check_drafter,
     check_ids,
-    check_lengths,
+    check_pair,
     check_path,
     check_precision,
     check_prefill,
     check_request,
     check_rows_free,
     check_sampling,
-    check_tokenizer,
     encode_prompts,
 )
-from .config import ModelConfig
 from .decode import Decoder
 from .decode_context import DecodeContext
 from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
@@ -48,7 +44,6 @@ from .sampling import MODES, SamplingParams
 from .spec.prefill import MAX_CHUNK, prefill
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
-from .tokenizer import Tokenizer
 from .tp_driver import RankGroup, releasing_ranks_on_failure, surfacing_rank_errors
 
 Prompt = str | Sequence[int]
@@ -98,14 +93,9 @@ class LLM:
         # init_process_group, or an earlier LLM) must not destroy it on close().
         self._owns_group = tp > 1 and not torch.distributed.is_initialized()
         self._ranks: RankGroup | None = None
-        # Config, tokenizer, lengths and the drafter's files checked before any rank starts or weight is read
-        self.config = ModelConfig.from_dir(self.path)
-        self.config.check_tp(tp)
-        self.tokenizer = Tokenizer.from_dir(self.path)
-        check_tokenizer(self.tokenizer, self.config)
-        self.max_model_len = check_lengths(self.config, max_model_len, max_batch)
-        self.user_buckets = check_buckets(buckets, max_batch)
-        dcfg = check_drafter(drafter, self.config, dtype or torch.bfloat16, tp)  # _load reuses it
+        pair = check_pair(self.path, drafter, tp, dtype or torch.bfloat16, max_model_len, max_batch, buckets)
+        self.config, self.tokenizer, self.max_model_len = pair.config, pair.tokenizer, pair.max_model_len
+        self.user_buckets, dcfg = pair.buckets, pair.drafter  # (_load reuses the drafter's config)
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
             rank_kw.update(drafter=drafter, progress=False)  # the pair as resolved; rank 0 draws
             self._start_ranks(tp, device, rank_kw)

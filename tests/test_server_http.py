@@ -100,28 +100,19 @@ def test_405_names_the_allowed_methods_and_health_answers_head(served):
     assert status == 200 and body == b""
 
 
+def _chunks(url: str, body: dict) -> list[dict]:
+    """A streamed completion's JSON chunks."""
+    headers = {"Content-Type": "application/json"}
+    _, _, data = _request(url, "POST", "/v1/completions", json.dumps(body).encode(), headers)
+    return [json.loads(x[6:]) for x in data.decode().split("\n\n") if x.startswith("data: {")]
+
+
 def test_stream_chunks_before_the_usage_chunk_say_usage_null(served):
     body = {"model": MODEL, "prompt": "def main(", "max_tokens": 4, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    _, _, data = _request(
-        served["url"],
-        "POST",
-        "/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    chunks = [json.loads(x[6:]) for x in data.decode().split("\n\n") if x.startswith("data: {")]
+    chunks = _chunks(served["url"], body | {"stream_options": {"include_usage": True}})
     assert len(chunks) >= 2 and all("usage" in c for c in chunks)
     assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 4
-    body.pop("stream_options")  # without include_usage, no chunk carries the key
-    _, _, data = _request(
-        served["url"],
-        "POST",
-        "/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    chunks = [json.loads(x[6:]) for x in data.decode().split("\n\n") if x.startswith("data: {")]
+    chunks = _chunks(served["url"], body)  # without include_usage, no chunk carries the key
     assert chunks and not any("usage" in c for c in chunks)
 
 

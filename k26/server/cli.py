@@ -10,13 +10,18 @@ import sys
 from ..cli_parser import DTYPES, MAX_BUDGET
 
 
+def _method(a: argparse.Namespace) -> str:
+    """The decoding method: --spec, else DDTree with a drafter (the embedded pair has one), else AR."""
+    return a.spec or ("ddtree" if a.drafter or not a.model else "ar")
+
+
 def check_args(a: argparse.Namespace) -> None:
     """Every argument, before minutes of loading a real checkpoint."""
     if a.budget not in (None, "auto") and not 1 <= a.budget <= MAX_BUDGET:
         raise ValueError(f"--budget {a.budget}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
     if a.spec in ("dflash", "ddtree") and not a.drafter and a.model:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
-    method = a.spec or ("ddtree" if a.drafter or not a.model else "ar")  # (no --model: the embedded pair)
+    method = _method(a)
     if a.budget not in (None, "auto") and method != "ddtree":  # ('auto': the default, said aloud)
         why = "" if a.spec else " (no --drafter: autoregressive)"
         raise ValueError(f"--budget applies to --spec ddtree, not {method}{why}")
@@ -55,7 +60,7 @@ def serve(a: argparse.Namespace) -> int:
     model, drafter = a.model, a.drafter
     if not model:  # the embedded pair: the default model comes with its drafter
         model, drafter = default_model_dir(), drafter or default_drafter_dir()
-    spec_name = a.spec or ("ddtree" if drafter else "ar")
+    spec_name = _method(a)
     if spec_name != "ar" and not drafter:
         raise ValueError(f"--spec {spec_name} needs --drafter DIR")
     budget = "auto" if a.budget in (None, "auto") else int(a.budget)
