@@ -207,8 +207,9 @@ def _(
     _bind(lib)
     S = PLANS.plan(lib, q.device, B, N, H)
     ws = PLANS.workspace(lib, q.device, B, N, H, S)
-    # A split's merge cost grows with its rows, its streaming work with its keys: scale the minimum.
-    min_keys = MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(N, H) // 16
+    # A split's merge cost grows with its rows, its streaming work with its keys: scale the minimum. (The
+    # 64-row wide tile, an A/B side, keeps the 32-row minimum: 1 block an SM halves the splits of a wave.)
+    min_keys = MIN_SPLIT_KEYS * min(lib.k26_mla_tree_attn_tile_rows(N, H), 32) // 16
     err = lib.k26_mla_tree_attn(
         qc.data_ptr(),
         cc.data_ptr(),

@@ -7,6 +7,9 @@
 #include <stdint.h>
 
 #include "mla_tree_attn_kernel.cuh"
+#ifdef K26_ATTN_WIDE
+#include "mla_tree_attn_wide.cuh"
+#endif
 #include "smem_optin.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
@@ -18,7 +21,31 @@ using namespace k26_attn;
 // Query rows a block owns: 32 from 32 rows up. (16-row tiles up to N x H = 256, two blocks per SM, measured
 // slower at the verify's N x H = 128: 20.6 -> 21.7 µs at 4K, 78.4 -> 85.6 at 32K;
 // profiling/results/2026-12-04-variants-session17-h200.md.)
-int tile_rows(int N, int H) { return N * H >= 32 ? 32 : 16; }
+// -DK26_ATTN_WIDE: 64 from 64 rows up (csrc/mla_tree_attn_wide.cuh; an A/B side, k26/ops/build.py VARIANTS).
+int tile_rows(int N, int H) {
+#ifdef K26_ATTN_WIDE
+  if (N * H >= 64) return 64;
+#endif
+  return N * H >= 32 ? 32 : 16;
+}
+
+// The kernel and its shared memory per tile rows BM: tree_attn_kernel<BM / 16> for 16 and 32, the wide one for 64.
+template <int BM, bool ROPE>
+constexpr auto kernel_of() {
+#ifdef K26_ATTN_WIDE
+  if constexpr (BM == 64) return tree_attn_wide_kernel<ROPE>;
+  else
+#endif
+    return tree_attn_kernel<BM / 16, ROPE>;
+}
+template <int BM>
+constexpr size_t smem_of() {
+#ifdef K26_ATTN_WIDE
+  if constexpr (BM == 64) return WideCfg::SMEM;
+  else
+#endif
+    return Cfg<BM / 16>::SMEM;
+}
 
 // Workspace layout, 256-B aligned: barriers (int32 [tiles][4]: generation, two arrival counts) | split lse
 // ([tiles][S_max][BM]) | split o partials ([tiles][S_max][BM][512]).
@@ -39,14 +66,14 @@ Layout layout(int B, int N, int H, int S_max) {
   return w;
 }
 
-template <int MT>
+template <int BM>
 cudaError_t allow_smem() {
-  return smem_opt_in<tree_attn_kernel<MT, false>, tree_attn_kernel<MT, true>>((int)Cfg<MT>::SMEM);
+  return smem_opt_in<kernel_of<BM, false>(), kernel_of<BM, true>()>((int)smem_of<BM>());
 }
 
 // Blocks of one wave on the current device (the merge's barrier needs every live split of a row tile resident):
 // SMs x the occupancy of the plain and the rotary kernel, the smaller; queried once per device.
-template <int MT>
+template <int BM>
 int wave_blocks(int* blocks) {
   static int cached[64];  // per device; 0: not yet queried (a benign race: every writer writes the same value)
   int dev = 0;
@@ -55,13 +82,12 @@ int wave_blocks(int* blocks) {
     *blocks = cached[dev];
     return 0;
   }
-  if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
+  if (const cudaError_t e = allow_smem<BM>(); e != cudaSuccess) return (int)e;
   int sms = 0, plain = 0, rotary = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, tree_attn_kernel<MT, false>, THREADS,
-                                                               Cfg<MT>::SMEM);
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, kernel_of<BM, false>(), THREADS, smem_of<BM>());
   if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&rotary, tree_attn_kernel<MT, true>, THREADS, Cfg<MT>::SMEM);
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&rotary, kernel_of<BM, true>(), THREADS, smem_of<BM>());
   if (e != cudaSuccess) return (int)e;
   *blocks = sms * min(plain, rotary);
   if (dev < 64) cached[dev] = *blocks;
@@ -69,30 +95,30 @@ int wave_blocks(int* blocks) {
 }
 
 // Splits per row tile for (B, N, H): the whole grid in one wave.
-template <int MT>
+template <int BM>
 int plan(int B, int N, int H, int* splits) {
   int blocks = 0;
-  if (const int e = wave_blocks<MT>(&blocks)) return e;
+  if (const int e = wave_blocks<BM>(&blocks)) return e;
   *splits = max(1, min(1024, blocks / (B * layout(B, N, H, 1).RT)));
   return 0;
 }
 
 // More splits than one wave holds would leave the merge's barrier waiting for splits that cannot start:
 // refused (the front door always launches the plan's count).
-template <int MT>
+template <int BM>
 int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st) {
-  if (const cudaError_t e = allow_smem<MT>(); e != cudaSuccess) return (int)e;
+  if (const cudaError_t e = allow_smem<BM>(); e != cudaSuccess) return (int)e;
   int blocks = 0;
-  if (const int e = wave_blocks<MT>(&blocks)) return e;
+  if (const int e = wave_blocks<BM>(&blocks)) return e;
   if (p.S_max > 1 && (long long)B * p.RT * p.S_max > blocks) return (int)cudaErrorInvalidConfiguration;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(p.RT, p.S_max, B), c.blockDim = dim3(THREADS), c.dynamicSmemBytes = Cfg<MT>::SMEM;
+  c.gridDim = dim3(p.RT, p.S_max, B), c.blockDim = dim3(THREADS), c.dynamicSmemBytes = smem_of<BM>();
   c.stream = st, c.attrs = attr, c.numAttrs = pdl ? 1 : 0;
-  return rot.q_pe ? (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, true>, p, rot)
-                  : (int)cudaLaunchKernelEx(&c, tree_attn_kernel<MT, false>, p, rot);
+  return rot.q_pe ? (int)cudaLaunchKernelEx(&c, kernel_of<BM, true>(), p, rot)
+                  : (int)cudaLaunchKernelEx(&c, kernel_of<BM, false>(), p, rot);
 }
 
 }  // namespace
@@ -111,7 +137,13 @@ K26_TRACE_EXPORTS(k26_mla_tree_attn_trace, k26_mla_tree_attn_trace_reset, g_attn
 K26_EXPORT int k26_mla_tree_attn_tile_rows(int N, int H) { return tile_rows(N, H); }
 // The launch plan for (B, N, H) on the current device: splits per row tile.
 K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits) {
-  return tile_rows(N, H) == 16 ? plan<1>(B, N, H, splits) : plan<2>(B, N, H, splits);
+  switch (tile_rows(N, H)) {
+    case 16: return plan<16>(B, N, H, splits);
+#ifdef K26_ATTN_WIDE
+    case 64: return plan<64>(B, N, H, splits);
+#endif
+    default: return plan<32>(B, N, H, splits);
+  }
 }
 
 // Returns a cudaError_t. Shapes are validated by the Python front door (k26/ops/attention_cuda.py).
@@ -135,5 +167,11 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Rotary rot{(const __nv_bfloat16*)q_pe, positions, inv_freq, pe_ld};
-  return w.BM == 16 ? launch<1>(p, rot, B, pdl != 0, st) : launch<2>(p, rot, B, pdl != 0, st);
+  switch (w.BM) {
+    case 16: return launch<16>(p, rot, B, pdl != 0, st);
+#ifdef K26_ATTN_WIDE
+    case 64: return launch<64>(p, rot, B, pdl != 0, st);
+#endif
+    default: return launch<32>(p, rot, B, pdl != 0, st);
+  }
 }
