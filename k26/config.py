@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config_fields import ConfigError, Fields, expect, read_config_json
+from .config_quant import QuantConfig, check_quant_scope, parse_quant
 
 _TOP_MODEL_TYPES = ("kimi_k2", "deepseek_v3", "kimi_k25")
 _TEXT_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
@@ -32,18 +33,6 @@ class RopeConfig:
     @property
     def is_yarn(self) -> bool:
         return self.original_max_position is not None
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """How routed-expert weights are stored: int4 pack-quantized (group 32, symmetric) or bf16."""
-
-    kind: Literal["none", "int4"] = "none"
-    group_size: int = 32
-
-    @property
-    def int4(self) -> bool:
-        return self.kind == "int4"
 
 
 @dataclass(frozen=True)
@@ -161,7 +150,8 @@ class ModelConfig:
 
         # The quantization block may sit at the top, inside text_config, or both (K2.5/K2.6).
         qraw = text.get("quantization_config", raw.get("quantization_config"))
-        quant = _parse_quant(qraw, prefix if "quantization_config" in text else "")
+        qprefix = prefix if "quantization_config" in text else ""
+        quant = parse_quant(qraw, qprefix)
         rope = parse_rope(f, prefix)
 
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
@@ -197,6 +187,10 @@ class ModelConfig:
         if overrides:
             cfg = cfg.replace(**overrides)
         cfg.validate(prefix)
+        if cfg.quant.int4:
+            check_quant_scope(
+                qraw, qprefix, cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.n_shared_experts > 0
+            )
         return cfg
 
     def validate(self, prefix: str = "") -> None:
@@ -277,49 +271,6 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
         original_max_position=orig,
         **extra,
     )
-
-
-def _parse_quant(q: dict[str, Any] | None, prefix: str) -> QuantConfig:
-    if q is None:
-        return QuantConfig("none")
-    p = f"{prefix}quantization_config"
-    if not isinstance(q, dict):
-        raise ConfigError(f"{p}={q!r}: expected an object")
-    method = q.get("quant_method")
-    if method == "fp8":
-        raise ConfigError(
-            f"{p}.quant_method='fp8' (block-FP8 K2-Instruct) is not supported: its ~1 TB of weights does not "
-            "fit the 8x96 GB target; use an INT4 release (K2-Thinking, K2.5, K2.6)"
-        )
-    if method != "compressed-tensors":
-        raise ConfigError(f"{p}.quant_method={method!r} is not supported; expected 'compressed-tensors'")
-    if q.get("format") != "pack-quantized":
-        raise ConfigError(f"{p}.format={q.get('format')!r} is not supported; expected 'pack-quantized'")
-    status = q.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise ConfigError(f"{p}.quantization_status={status!r}: expected 'compressed' weights on disk")
-    groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ConfigError(f"{p}.config_groups is missing or empty")
-    want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
-    for gname, group in groups.items():
-        if not isinstance(group, dict) or not isinstance(group.get("weights") or {}, dict):
-            raise ConfigError(f"{p}.config_groups.{gname}: expected an object with a 'weights' object")
-        w = group.get("weights") or {}
-        for k, v in want.items():
-            if w.get(k) != v:
-                raise ConfigError(f"{p}.config_groups.{gname}.weights.{k}={w.get(k)!r}: k26 supports {v!r}")
-        if w.get("dynamic"):
-            raise ConfigError(f"{p}.config_groups.{gname}.weights.dynamic=true is not supported")
-        if w.get("actorder") not in (None, False):
-            raise ConfigError(
-                f"{p}.config_groups.{gname}.weights.actorder={w['actorder']!r} is not supported"
-            )
-        if group.get("input_activations") is not None:
-            raise ConfigError(
-                f"{p}.config_groups.{gname}.input_activations: only weight-only (W4A16) is supported"
-            )
-    return QuantConfig("int4", group_size=32)
 
 
 # Kimi K2.6's text_config as released (real dimensions; quantization_config left to the caller).

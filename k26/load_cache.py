@@ -35,6 +35,7 @@ _CODE = (
     "shard_reader.py",
     "load_cache.py",
     "config.py",
+    "config_quant.py",
     "model/*.py",
     "ops/int4.py",
 )
