@@ -152,6 +152,8 @@ class ModelConfig:
         qraw = text.get("quantization_config", raw.get("quantization_config"))
         qprefix = prefix if "quantization_config" in text else ""
         quant = parse_quant(qraw, qprefix)
+        if text is not raw:
+            _check_quant_blocks_agree(raw, text, prefix)
         rope = parse_rope(f, prefix)
 
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
@@ -227,6 +229,22 @@ class ModelConfig:
             or not 0 <= self.bos_token_id < self.vocab_size + 2
         ):
             raise bad("bos_token_id", "outside the vocabulary")
+
+
+def _check_quant_blocks_agree(raw: dict[str, Any], text: dict[str, Any], prefix: str) -> None:
+    """A block at the top and one inside text_config must be equal: engines differ in which one they read,
+    so the one k26 does not read must not silently say something else."""
+    key = "quantization_config"
+    top, inner = raw.get(key), text.get(key)
+    if key not in raw or key not in text or top == inner:
+        return
+    both = isinstance(top, dict) and isinstance(inner, dict)
+    differ = sorted(k for k in set(top) | set(inner) if top.get(k) != inner.get(k)) if both else []
+    said = f" (they differ in {differ})" if differ else ""
+    raise ConfigError(
+        f"{key} (top level) and {prefix}{key} disagree{said}: which one describes the weights is unclear; "
+        "make them equal, or keep only one"
+    )
 
 
 def parse_rope(f: Fields, prefix: str) -> RopeConfig:

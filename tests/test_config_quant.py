@@ -1,5 +1,6 @@
 """The quantization block's scope, read as compressed-tensors reads `targets` / `ignore`: exactly the routed
-experts in int4 (as every K2 release ships), anything else refused at parse time naming the entry."""
+experts in int4 (as every K2 release ships), anything else refused at parse time naming the entry; a block at
+the top level and one in text_config must agree."""
 
 import re
 
@@ -96,3 +97,15 @@ def test_an_ignore_list_of_exact_module_names_is_read_as_compressed_tensors_does
 def test_a_malformed_ignore_list_is_named(ignore, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         parse(ignore=ignore)
+
+
+def test_quantization_blocks_that_disagree_are_named_with_both_places():
+    top = quantization_config() | {"ignore": without("lm_head")}
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"quantization_config (top level) and {P} disagree (they differ in ['ignore'])"),
+    ):
+        parse(top=top)
+    assert parse(
+        top=quantization_config()
+    ).quant.int4  # the same block in both places is the release's layout
