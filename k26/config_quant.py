@@ -121,7 +121,7 @@ def _modules(layers: int, first_dense: int, shared: bool) -> tuple[list, list]:
         return name, f"language_model.{name}"
 
     kept, routed = [("the output head", forms("lm_head"))], []
-    for i in sorted({0, first_dense - 1, first_dense, layers - 1} & set(range(layers))):
+    for i in sorted(i for i in {0, first_dense - 1, first_dense, layers - 1} if 0 <= i < layers):
         layer = f"model.layers.{i}"
         kept += [("attention", forms(f"{layer}.self_attn.{m}")) for m in _ATTN]
         if i < first_dense:
