@@ -39,8 +39,11 @@ namespace k26_attn {
 #ifndef K26_ATTN_MERGE_LOADS_32
 #define K26_ATTN_MERGE_LOADS_32 MERGE_LOADS
 #endif
+// The wide verify tile's 64 rows (csrc/mla_tree_attn_wide.cuh) merge with 24: its 1 block an SM means twice the
+// splits per row tile of the 32-row one at short contexts (N = 16 at 4K: 126 items over 65 partials a split, 5
+// dependent rounds with 8, 2 with 24), and its 254-register budget has room.
 template <int BM>
-constexpr int kMergeLoads = BM == 32 ? K26_ATTN_MERGE_LOADS_32 : MERGE_LOADS;
+constexpr int kMergeLoads = BM == 32 ? K26_ATTN_MERGE_LOADS_32 : BM == 64 ? 24 : MERGE_LOADS;
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
