@@ -32,6 +32,72 @@ class CheckpointError(ValueError):
         return type(self), (self.path, self.problems)
 
 
+class Tally:
+    """Tensors of one problem (missing, unexpected): the first SHOWN named, every one counted by kind (its
+    name with the layer and expert numbers as *), so a config that promises far more than the checkpoint
+    holds (or the reverse) gives a bounded report, not a line per tensor."""
+
+    SHOWN = 10
+
+    def __init__(self, what: str):
+        self.what, self.named, self.kinds = what, [], {}
+
+    def add(self, name: str, note: str = "") -> None:
+        if len(self.named) < self.SHOWN:
+            self.named.append(f"{self.what} {name}{note}")
+        kind = _NUMBER.sub("*", name)
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    def lines(self) -> list[str]:
+        n = sum(self.kinds.values())
+        if n <= self.SHOWN:
+            return self.named
+        top = sorted(self.kinds.items(), key=lambda kv: -kv[1])
+        kinds = ", ".join(f"{c} x {k}" for k, c in top[:8]) + (", ..." if len(top) > 8 else "")
+        return [*self.named, f"... {n} {self.what}s in all, by kind: {kinds}"]
+
+
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def check_layers(infos: dict[str, TensorInfo], path: Path, layers: int, experts: int) -> None:
+    """The layers and routed experts the config promises must be the ones the checkpoint holds tensors for,
+    checked before the model is built: an absurd count (200000 layers) was minutes of building and of
+    listing every missing tensor."""
+    held, held_experts = set(), set()
+    for name in infos:
+        parts = name.split(".", 6)
+        if parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            held.add(int(parts[2]))
+            if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+                held_experts.add(int(parts[5]))
+    problems = []
+    if len(held) != layers or held != set(range(layers)):  # (len first: the count may be absurd)
+        problems.append(
+            f"the config says {layers} layers (num_hidden_layers), the checkpoint has tensors for "
+            f"{len(held)}{_which(held, layers, 'layers')}"
+        )
+    if held_experts and (len(held_experts) != experts or held_experts != set(range(experts))):
+        problems.append(
+            f"the config says {experts} routed experts (n_routed_experts), the checkpoint has tensors for "
+            f"{len(held_experts)}{_which(held_experts, experts, 'experts')}"
+        )
+    if problems:
+        raise CheckpointError(path, problems)
+
+
+def _which(held: set[int], want: int, noun: str) -> str:
+    """Which ones: a range when they are 0..n-1, else the first few absent below `want` or beyond it."""
+    if held == set(range(len(held))):
+        return f" ({noun} 0 to {len(held) - 1})" if held else ""
+    absent = sorted(set(range(min(want, max(held) + 1))) - held)[:10]
+    beyond = sorted(n for n in held if n >= want)[:10]
+    said = ([f"none for {noun} {absent}"] if absent else []) + (
+        [f"also for {noun} {beyond}"] if beyond else []
+    )
+    return f" ({'; '.join(said)})"
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     file: Path

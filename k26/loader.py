@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .checkpoint_index import CheckpointError, TensorInfo, read_index
+from .checkpoint_index import CheckpointError, Tally, TensorInfo, check_layers, read_index
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
@@ -148,7 +148,7 @@ def plan_load(
     The one validation path of target and drafter: `rule` maps a parameter to its checkpoint name(s)."""
     items: list[_Item] = []
     problems: list[str] = []
-    used: set[str] = set()
+    missing, used = Tally("missing tensor"), set()
     for pname, p in model.named_parameters():
         hf_base, dim, stacked = rule(pname)
         local = tuple(p.shape[1:] if stacked else p.shape)
@@ -159,7 +159,7 @@ def plan_load(
             hf = hf_base.format(e=e) if stacked else hf_base
             info = infos.get(hf)
             if info is None:
-                problems.append(f"missing tensor {hf}" + (f" (for {pname})" if hf != pname else ""))
+                missing.add(hf, f" (for {pname})" if hf != pname else "")
                 continue
             used.add(hf)
             if info.shape != tuple(full):
@@ -169,8 +169,11 @@ def plan_load(
                 problems.append(f"tensor {hf} has dtype {info.dtype}, expected one of {sorted(want)}")
             items.append(_Item(pname, hf, e, dim if tp.size > 1 else None))
             if hf.endswith(".weight_packed"):
-                problems += _check_weight_shape(infos, hf, full, used)
-    problems += [f"unexpected tensor {infos[n].key}" for n in sorted(set(infos) - used)]
+                problems += _check_weight_shape(infos, hf, full, used, missing)
+    unexpected = Tally("unexpected tensor")
+    for n in sorted(set(infos) - used):
+        unexpected.add(infos[n].key)
+    problems = missing.lines() + problems + unexpected.lines()
     if problems:
         raise CheckpointError(path, problems)
     return items
@@ -208,12 +211,13 @@ def fill(
 
 
 def _check_weight_shape(
-    infos: dict[str, TensorInfo], packed: str, full_packed: list[int], used: set[str]
+    infos: dict[str, TensorInfo], packed: str, full_packed: list[int], used: set[str], missing: Tally
 ) -> list[str]:
     name = packed.removesuffix("_packed") + "_shape"
     info = infos.get(name)
     if info is None:
-        return [f"missing tensor {name}"]
+        missing.add(name)
+        return []
     used.add(name)
     if info.dtype not in _INT or info.shape != (2,):
         return [f"tensor {name} must be 2 integers, got {info.dtype} {list(info.shape)}"]
@@ -239,9 +243,10 @@ def load_model(
     holds the bytes read and the time of each phase."""
     path = Path(path)
     cfg = cfg or ModelConfig.from_dir(path)
+    infos = read_index(path)
+    check_layers(infos, path, cfg.num_hidden_layers, cfg.n_routed_experts)  # before building them
     with torch.device("meta"):
         model = KimiK2(cfg, dtype=dtype, tp=tp).requires_grad_(False)
-    infos = read_index(path)
     items = plan_load(model, infos, tp, path)
 
     model.to_empty(device=device)

@@ -316,9 +316,48 @@ def test_missing_tokenizer(ckpt):
 
 
 def test_config_and_checkpoint_disagree(ckpt):
-    # A config that promises more layers than the weights hold: every missing tensor of layer 3 is named.
+    # A config that promises more layers than the weights hold: said in one line, with what the weights hold.
     edit_config(ckpt, lambda c: c["text_config"].update(num_hidden_layers=4))
-    assert "missing tensor model.layers.3.input_layernorm.weight" in load_err(ckpt)
+    said = "the config says 4 layers (num_hidden_layers), the checkpoint has tensors for 3 (layers 0 to 2)"
+    assert said in load_err(ckpt)
+
+
+def test_an_absurd_layer_count_is_refused_before_the_model_is_built(ckpt, monkeypatch):
+    """200000 layers: minutes building the meta model and listing ~22 million missing tensors (measured in
+    the commit); the index says at once that it holds 3."""
+    import k26.loader
+
+    def no_build(*a, **kw):
+        raise AssertionError("the model was built before its layer count was checked against the checkpoint")
+
+    monkeypatch.setattr(k26.loader, "KimiK2", no_build)
+    edit_config(ckpt, lambda c: c["text_config"].update(num_hidden_layers=200000))
+    said = "the config says 200000 layers (num_hidden_layers), the checkpoint has tensors for 3"
+    assert said in load_err(ckpt)
+
+
+def test_more_routed_experts_than_the_checkpoint_holds_are_named(ckpt):
+    edit_config(ckpt, lambda c: c["text_config"].update(n_routed_experts=64))
+    said = "the config says 64 routed experts (n_routed_experts), the checkpoint has tensors for 16"
+    assert f"{said} (experts 0 to 15)" in load_err(ckpt)
+
+
+def test_missing_and_unexpected_tensors_are_counted_by_kind_in_bounded_lines(ckpt):
+    """A config without the quantization block over int4 weights: every expert's bf16 weight missing and its
+    packed / scale / shape unexpected; the first few named and the rest counted by kind (was a line each)."""
+    from k26.checkpoint_index import Tally
+
+    edit_config(ckpt, lambda c: [d.pop("quantization_config") for d in (c, c["text_config"])])
+    with pytest.raises(CheckpointError) as e:
+        load_model(ckpt, progress=False)
+    assert len(e.value.problems) == 2 * (Tally.SHOWN + 1)
+    experts = 16 * 2  # two MoE layers of 16 experts
+    said = str(e.value)
+    assert (
+        f"... {3 * experts} missing tensors in all, by kind: {experts} x model.layers.*.mlp.experts.*."
+        in said
+    )
+    assert f"... {9 * experts} unexpected tensors in all, by kind: {experts} x language_model.model" in said
 
 
 def test_tp_size_that_does_not_divide(tiny_k25):
