@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .safetensors_file import file_stamp, read_header
+from .stager import Stamp
 
 PREFIX = "language_model."  # K2.5 / K2.6 nest the LM inside a multimodal checkpoint
 _SKIP = re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\.|\.rotary_emb\.inv_freq$")
@@ -105,7 +106,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string: BF16, F32, I32, ...
     span: tuple[int, int] | None = None  # absolute [start, end) of its bytes in the file
-    stamp: tuple[int, int] | None = None  # the file's (size, mtime_ns) when the header was read
+    stamp: Stamp | None = None  # the file's `stager.stamp` when the header was read
 
 
 def read_index(path: Path) -> dict[str, TensorInfo]:

@@ -3,10 +3,11 @@ reads exactly its own bytes in one sequential pass.
 
 An entry lives in `cache_dir/<checkpoint>-tp<rank>of<size>-<dtype>/` (weights.safetensors + meta.json) and
 is used only if meta.json matches the checkpoint now on disk: its index and config digests, every shard's
-size and mtime, the k26 version and a digest of the code that shapes the parameters, the TP shard and the
-dtype. Anything else (another checkpoint, another k26, a changed shard, a truncated cache file) is said in
-one line and the checkpoint is loaded fresh and the entry rewritten. The entry holds the checkpoint layout
-(the int4 repack for the CUDA kernel runs after either path), so it stays valid across kernel layouts.
+stamp (size, mtime, ctime, inode: an in-place edit that puts size and mtime back still changes ctime), the
+k26 version and a digest of the code that shapes the parameters, the TP shard and the dtype. Anything else
+(another checkpoint, another k26, a changed shard, a truncated cache file) is said in one line and the
+checkpoint is loaded fresh and the entry rewritten. The entry holds the checkpoint layout (the int4 repack
+for the CUDA kernel runs after either path), so it stays valid across kernel layouts.
 A cache that cannot be written (full disk, read-only dir) leaves no partial entry and only warns.
 """
 
@@ -23,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_file import DTYPES, read_header, tensor_spans
+from .safetensors_file import DTYPES, file_stamp, read_header, tensor_spans
 from .shard_reader import Piece, ReadStats, fill_alone, io_read_bytes, staged_read
 from .stager import Stager
 
-FORMAT = 1
+FORMAT = 2  # 2: shard stamps with ctime and inode
 _CODE = (
     "loader.py",
     "checkpoint_index.py",
@@ -64,8 +65,7 @@ def fingerprint(path: Path, files: list[Path], rank: int, size: int, dtype: torc
 
     shards = {}
     for f in sorted(files, key=str):
-        st = f.stat()
-        shards[f.name] = [st.st_size, st.st_mtime_ns]
+        shards[f.name] = list(file_stamp(f))  # (an entry of FORMAT 1 held [size, mtime]: it just rebuilds)
     return {
         "format": FORMAT,
         "k26": __version__,

@@ -24,8 +24,9 @@ from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .model import KimiK2, TPInfo
 from .model.moe import Int4Experts, use_cuda_kernels
-from .safetensors_file import read_small
+from .safetensors_file import file_stamp, read_small
 from .shard_reader import read_into
+from .stager import ShardChangedError
 from .startup import phase_line
 
 _FLOAT = {"BF16", "F16", "F32"}
@@ -187,12 +188,15 @@ def fill(
     bar: tqdm | None = None,
 ) -> None:
     """Copy each planned tensor (this rank's slice of it) into the model, one file open at a time: the one
-    TP-slicing path of target and drafter."""
+    TP-slicing path of target and drafter. A file whose stamp is not the one its header was read with, before
+    or after its tensors are copied, raises (its bytes may not be the planned ones)."""
     params = dict(model.named_parameters())
     by_file: dict[Path, list[_Item]] = {}
     for it in items:
         by_file.setdefault(infos[it.hf].file, []).append(it)
     for f, file_items in sorted(by_file.items()):
+        planned = infos[file_items[0].hf].stamp
+        _check_unchanged(f, planned, "since its header was read")
         with safe_open(str(f), framework="pt") as h:
             for it in file_items:
                 info = infos[it.hf]
@@ -208,6 +212,12 @@ def fill(
                 dst.copy_(t.to(dst.dtype))
                 if bar is not None:
                     bar.update()
+        _check_unchanged(f, planned, "while loading")
+
+
+def _check_unchanged(f: Path, planned, when: str) -> None:
+    if planned is not None and file_stamp(f) != planned:
+        raise ShardChangedError(f"shard {f.name} changed on disk {when}: load again")
 
 
 def _check_weight_shape(

@@ -1,6 +1,6 @@
 """The safetensors file format as the loader reads it: dtypes, headers parsed and checked with plain reads
-(no memory map), tensors' byte spans, one small tensor's exact bytes, and a shard's (size, mtime) stamp.
-`shard_reader` plans and runs the large reads on top of this."""
+(no memory map), tensors' byte spans, one small tensor's exact bytes, and a shard's stamp (size, mtime,
+ctime, inode). `shard_reader` plans and runs the large reads on top of this."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .stager import ShardChangedError, open_random
+from .stager import ShardChangedError, Stamp, open_random, stamp
 
 DTYPES = {
     "BF16": torch.bfloat16,
@@ -39,9 +39,8 @@ def read_small(f: Path, span: tuple[int, int], dtype: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=DTYPES[dtype])
 
 
-def file_stamp(f: Path) -> tuple[int, int]:
-    st = f.stat()
-    return st.st_size, st.st_mtime_ns
+def file_stamp(f: Path) -> Stamp:
+    return stamp(f.stat())
 
 
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}

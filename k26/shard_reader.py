@@ -9,7 +9,8 @@ Two modes, both filling a model the loader has already planned and checked (`loa
   tensors), so the host reads each checkpoint byte once.
 
 Reading the next buffer overlaps the previous buffer's copy to the device (the copy is asynchronous from
-pinned memory). A shard whose size or mtime changes while it is read raises instead of loading a mix.
+pinned memory). A shard whose stamp (size, mtime, ctime, inode) changes while it is read raises instead
+of loading a mix.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Byte ranges of files into a device buffer through a ring of pinned host buffers: one asynchronous
-host-to-device copy per full buffer, the next read overlapping it; a file that changes (size, mtime)
+host-to-device copy per full buffer, the next read overlapping it; a file that changes (its `stamp`)
 while it is read raises. The staging half of the planned checkpoint reads (`shard_reader`).
 """
 
@@ -21,6 +21,16 @@ class ShardChangedError(ValueError):
     as the other checkpoint errors: a situation the user causes, said in one line by the CLI.)"""
 
 
+Stamp = tuple[int, int, int, int]
+
+
+def stamp(st: os.stat_result) -> Stamp:
+    """A file's (size, mtime_ns, ctime_ns, inode): what says it is unchanged. Size and mtime alone can be
+    put back after an in-place edit (`touch -d`, os.utime, a tool that keeps times); the kernel sets ctime
+    on every change, with no call to set it back, and a replaced file has another inode."""
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
 def open_random(f: Path) -> int:
     """A descriptor without readahead: the kernel's window (8 MB on some disks) around every small read
     would pull in bytes nobody asked for (measured: 1.7 GB of 8.4 GB for the weight_shape checks alone)."""
@@ -32,32 +42,31 @@ def open_random(f: Path) -> int:
 class Stager:
     """Reads byte ranges into a device buffer through a ring of pinned host buffers: one asynchronous
     host-to-device copy per full buffer, the next read overlapping it. On a CPU device it reads straight
-    into the destination. Checks each file's size and mtime before the first and after the last read."""
+    into the destination. Checks each file's `stamp` before the first and after the last read."""
 
     def __init__(
         self,
         device: torch.device,
         chunk: int = CHUNK,
         ring: int = 2,
-        stamps: dict[Path, tuple[int, int]] | None = None,
+        stamps: dict[Path, Stamp] | None = None,
     ):
         self.device = device
-        self.stamps = stamps or {}  # (size, mtime_ns) of each file when its header was read
+        self.stamps = stamps or {}  # each file's `stamp` when its header was read
         self.cuda = device.type == "cuda"
         self.chunk = chunk
         n = ring if self.cuda else 0
         self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
         self.events: list[torch.cuda.Event | None] = [None] * ring
         self.i = self.fill = 0
-        self.fds: dict[Path, tuple[int, tuple[int, int]]] = {}
+        self.fds: dict[Path, tuple[int, Stamp]] = {}
         self.bytes_read = 0
         self.pool: ThreadPoolExecutor | None = None
 
     def _fd(self, f: Path) -> int:
         if f not in self.fds:
             fd = open_random(f)  # the reads are large already; readahead would add other ranks' rows
-            st = os.fstat(fd)
-            self.fds[f] = (fd, (st.st_size, st.st_mtime_ns))
+            self.fds[f] = (fd, stamp(os.fstat(fd)))
             if self.stamps.get(f, self.fds[f][1]) != self.fds[f][1]:
                 raise ShardChangedError(f"shard {f.name} changed since its header was read: load again")
         return self.fds[f][0]
@@ -124,7 +133,7 @@ class Stager:
         return pos
 
     def close(self) -> None:
-        """Close every file, raising if one changed (size or mtime) since it was opened."""
+        """Close every file, raising if one changed (its `stamp`) since it was opened."""
         if self.pool is not None:  # no read is in flight between calls: this only ends the threads
             self.pool.shutdown()
             self.pool = None
@@ -132,9 +141,9 @@ class Stager:
             torch.cuda.current_stream(self.device).synchronize()
         changed = []
         for f, (fd, before) in self.fds.items():
-            st = os.fstat(fd)
+            now = stamp(os.fstat(fd))
             os.close(fd)
-            if (st.st_size, st.st_mtime_ns) != before:
+            if now != before:
                 changed.append(f.name)
         self.fds.clear()
         if changed:

@@ -13,6 +13,7 @@ import torch
 from k26 import load_cache
 from k26.loader import load_model
 from k26.model import TPInfo
+from k26.safetensors_file import read_header
 
 
 def params(m):
@@ -49,6 +50,29 @@ def test_a_changed_shard_invalidates_the_entry(ckpt, tmp_path, capsys):
     m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
     assert not m.load_stats.from_cache
     assert "made from a different shards; loading the checkpoint" in capsys.readouterr().err
+
+
+def test_an_in_place_edit_that_puts_size_and_mtime_back_invalidates_the_entry(ckpt, tmp_path, capsys):
+    """Same size, mtime set back (a tool that keeps times, `touch -d`): the kernel's ctime still moved, so the
+    entry is rebuilt and the edited bytes are what loads (the stamp was size + mtime: stale weights)."""
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    shard, key = next(
+        (f, k)
+        for f in sorted(ckpt.glob("*.safetensors"))
+        for k in read_header(f)
+        if k.endswith("norm.weight")
+    )
+    a, b = read_header(shard)[key][2]
+    st = shard.stat()
+    with open(shard, "r+b") as w:
+        w.seek(a)
+        w.write(torch.full(((b - a) // 2,), 3.0, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_size == st.st_size and shard.stat().st_mtime_ns == st.st_mtime_ns
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different shards; loading the checkpoint" in capsys.readouterr().err
+    assert same(params(m), params(load_model(ckpt, progress=False)))
 
 
 def test_another_k26_version_invalidates_the_entry(ckpt, tmp_path, capsys, monkeypatch):

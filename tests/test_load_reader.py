@@ -153,6 +153,49 @@ def test_a_shard_replaced_after_its_header_was_read_is_refused(tiny_tp, tmp_path
         read_into(model, items, infos)
 
 
+def test_a_shard_edited_in_place_with_its_times_put_back_is_refused(tiny_tp, tmp_path):
+    """Same size and mtime after the edit: the stamp's ctime (set by the kernel, not by utime) still moved."""
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_tp[0], d)
+    model, items, infos = planned(d, TPInfo())
+    f = max(d.glob("*.safetensors"))
+    st = f.stat()
+    with open(f, "r+b") as w:
+        w.seek(st.st_size - 2)
+        w.write(b"\x00\x40")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ShardChangedError, match=f"shard {f.name} changed since its header was read"):
+        read_into(model, items, infos)
+
+
+def test_a_drafter_shard_changed_after_its_header_was_read_is_refused(tiny_tp, tmp_path):
+    """The drafter's path (`fill`, memory-mapped) checks its shards' stamps as the target's reader does: an
+    in-place edit with size and mtime put back, between planning and reading, is refused (was read)."""
+    import shutil
+
+    from k26.drafter_config import DrafterConfig
+    from k26.loader import _drafter_infos, drafter_rule
+    from k26.model.drafter import DFlashDrafter
+
+    d = tmp_path / "drafter"
+    shutil.copytree(tiny_tp[1], d)
+    with torch.device("meta"):
+        model = DFlashDrafter(DrafterConfig.from_dir(d), torch.float32, TPInfo()).requires_grad_(False)
+    infos = _drafter_infos(d)
+    items = plan_load(model, infos, TPInfo(), d, rule=drafter_rule)
+    model.to_empty(device="cpu")
+    (f,) = d.glob("*.safetensors")
+    st = f.stat()
+    with open(f, "r+b") as w:
+        w.seek(st.st_size - 2)
+        w.write(b"\x00\x40")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ShardChangedError, match=f"shard {f.name} changed on disk since its header was read"):
+        fill(model, items, infos, TPInfo())
+
+
 def test_batches_keep_a_zero_byte_piece_and_the_chunk_bound():
     """An empty tensor first in file order opened no batch (IndexError); every batch stays within the chunk
     unless a single piece is bigger."""
