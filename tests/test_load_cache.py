@@ -75,6 +75,20 @@ def test_an_in_place_edit_that_puts_size_and_mtime_back_invalidates_the_entry(ck
     assert same(params(m), params(load_model(ckpt, progress=False)))
 
 
+def test_an_entry_stamped_by_size_and_mtime_alone_is_rebuilt(ckpt, tmp_path, capsys):
+    """An entry written before the stamp held ctime and inode (format 1, [size, mtime] per shard): said in one
+    line, loaded fresh and rewritten, then used."""
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    (meta,) = (tmp_path / "c").glob("*/meta.json")
+    m = json.loads(meta.read_text())
+    old = {f: stamp[:2] for f, stamp in m["shards"].items()}
+    meta.write_text(json.dumps(m | {"format": 1, "shards": old}))
+    again = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not again.load_stats.from_cache
+    assert "made from a different format, shards; loading the checkpoint" in capsys.readouterr().err
+    assert load_model(ckpt, progress=False, cache_dir=tmp_path / "c").load_stats.from_cache
+
+
 def test_another_k26_version_invalidates_the_entry(ckpt, tmp_path, capsys, monkeypatch):
     load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
     monkeypatch.setattr(load_cache, "code_digest", lambda: "another k26")
