@@ -68,9 +68,9 @@ def check_layers(infos: dict[str, TensorInfo], path: Path, layers: int, experts:
     held, held_experts = set(), set()
     for name in infos:
         parts = name.split(".", 6)
-        if parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdecimal():
             held.add(int(parts[2]))
-            if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+            if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdecimal():
                 held_experts.add(int(parts[5]))
     problems = []
     if len(held) != layers or held != set(range(layers)):  # (len first: the count may be absurd)
