@@ -150,10 +150,7 @@ class ModelConfig:
 
         # The quantization block may sit at the top, inside text_config, or both (K2.5/K2.6).
         qraw = text.get("quantization_config", raw.get("quantization_config"))
-        qprefix = prefix if "quantization_config" in text else ""
-        quant = parse_quant(qraw, qprefix)
-        if text is not raw:
-            _check_quant_blocks_agree(raw, text, prefix)
+        quant = parse_quant(qraw, prefix if "quantization_config" in text else "")
         rope = parse_rope(f, prefix)
 
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
@@ -189,10 +186,7 @@ class ModelConfig:
         if overrides:
             cfg = cfg.replace(**overrides)
         cfg.validate(prefix)
-        if cfg.quant.int4:
-            check_quant_scope(
-                qraw, qprefix, cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.n_shared_experts > 0
-            )
+        _check_quant_blocks(raw, text, prefix, cfg)
         return cfg
 
     def validate(self, prefix: str = "") -> None:
@@ -231,20 +225,31 @@ class ModelConfig:
             raise bad("bos_token_id", "outside the vocabulary")
 
 
-def _check_quant_blocks_agree(raw: dict[str, Any], text: dict[str, Any], prefix: str) -> None:
-    """A block at the top and one inside text_config must be equal: engines differ in which one they read,
-    so the one k26 does not read must not silently say something else."""
+def _check_quant_blocks(raw: dict[str, Any], text: dict[str, Any], prefix: str, cfg: ModelConfig) -> None:
+    """The block k26 reads (text_config's, else the top level's) must quantize exactly the routed experts
+    (`check_quant_scope`). A second one at the top level may differ in bytes (K2.6 reportedly also ignores
+    its vision tower there; metadata) but must describe the same text model: engines differ in which one
+    they read, so the other must not silently say something else."""
     key = "quantization_config"
-    top, inner = raw.get(key), text.get(key)
-    if key not in raw or key not in text or top == inner:
+    q, where = (text[key], prefix) if key in text else (raw.get(key), "")
+    read = parse_quant(q, where)
+    layers, dense, shared = cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.n_shared_experts > 0
+    if read.int4:
+        check_quant_scope(q, where, layers, dense, shared)
+    if text is raw or key not in text or key not in raw or raw[key] == text[key]:
         return
-    both = isinstance(top, dict) and isinstance(inner, dict)
-    differ = sorted(k for k in set(top) | set(inner) if top.get(k) != inner.get(k)) if both else []
-    said = f" (they differ in {differ})" if differ else ""
-    raise ConfigError(
-        f"{key} (top level) and {prefix}{key} disagree{said}: which one describes the weights is unclear; "
-        "make them equal, or keep only one"
-    )
+    try:
+        top = parse_quant(raw[key], "")
+        if top.int4:
+            check_quant_scope(raw[key], "", layers, dense, shared)
+    except ConfigError as e:
+        raise ConfigError(f"{key} (top level) and {prefix}{key} disagree: {e}") from e
+    if top != read:
+        said = {"none": "no quantized weights", "int4": "int4 routed experts"}
+        raise ConfigError(
+            f"{key} (top level) and {prefix}{key} disagree: the top level says {said[top.kind]}, "
+            f"{prefix}{key} {said[read.kind]}; make them equal, or keep only one"
+        )
 
 
 def parse_rope(f: Fields, prefix: str) -> RopeConfig:

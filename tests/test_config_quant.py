@@ -99,13 +99,29 @@ def test_a_malformed_ignore_list_is_named(ignore, needle):
         parse(ignore=ignore)
 
 
-def test_quantization_blocks_that_disagree_are_named_with_both_places():
-    top = quantization_config() | {"ignore": without("lm_head")}
-    with pytest.raises(
-        ConfigError,
-        match=re.escape(f"quantization_config (top level) and {P} disagree (they differ in ['ignore'])"),
-    ):
-        parse(top=top)
-    assert parse(
-        top=quantization_config()
-    ).quant.int4  # the same block in both places is the release's layout
+@pytest.mark.parametrize(
+    "top,needle",
+    [
+        (
+            quantization_config() | {"ignore": without("lm_head")},
+            "disagree: quantization_config.config_groups.group_0.targets entry 'Linear' quantizes the output",
+        ),
+        (None, "disagree: the top level says no quantized weights, " + P + " int4 routed experts"),
+    ],
+    ids=["scope", "null"],
+)
+def test_quantization_blocks_that_disagree_are_named_with_both_places(top, needle):
+    raw = {
+        "model_type": "kimi_k25",
+        "text_config": K26_TEXT_CONFIG | {"quantization_config": quantization_config()},
+    }
+    with pytest.raises(ConfigError, match=re.escape(f"quantization_config (top level) and {P} {needle}")):
+        ModelConfig.from_dict(raw | {"quantization_config": top})
+
+
+def test_quantization_blocks_that_differ_only_outside_the_text_model_agree():
+    """The same block in both places (the release layout), or the top one also ignoring the vision tower
+    (as K2.6's reportedly does) and carrying other metadata: both describe the same text model."""
+    assert parse(top=quantization_config()).quant.int4
+    vision = quantization_config() | {"ignore": [*K2_IGNORE, "re:.*vision_tower.*", "re:.*mm_projector.*"]}
+    assert parse(top=vision | {"global_compression_ratio": None}).quant.int4
