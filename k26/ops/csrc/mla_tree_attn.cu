@@ -7,6 +7,9 @@
 #include <stdint.h>
 
 #include "mla_tree_attn_kernel.cuh"
+#if defined(K26_ATTN_WIDE_FASTCOPY) && !defined(K26_ATTN_WIDE)  // the wide tile's variant implies it
+#define K26_ATTN_WIDE
+#endif
 #ifdef K26_ATTN_WIDE
 #include "mla_tree_attn_wide.cuh"
 #endif

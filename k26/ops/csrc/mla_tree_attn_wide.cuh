@@ -53,6 +53,10 @@ struct WideCfg {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
+// A 16-byte cp.async to a shared-memory address, always valid (whole tiles).
+__device__ __forceinline__ void cp_async16_raw(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 // The two warps of a row group (ids 1..4; 0 is __syncthreads).
 __device__ __forceinline__ void pair_sync(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
 
@@ -115,10 +119,36 @@ static __global__ void __launch_bounds__(THREADS, 1) tree_attn_wide_kernel(Param
   for (int kk = 0; kk < C::KS; ++kk)
     ldsm_x4(qa[kk], sK + (grp * 16 + (lane & 15)) * LDS + half * C::HALF + kk * 16 + (lane >> 4) * 8);
   __syncthreads();  // Q read: the stages take key tiles
+#ifdef K26_ATTN_WIDE_FASTCOPY
+  // Whole tiles (every key below k1) by the row copies (copy_key_tile) with the thread's offsets computed once:
+  // no clamp, no predicate, a tile's source and stage by one multiply-add each (the general copy's address
+  // arithmetic is ~60 of the key loop's ~420 instructions a tile, SASS). The last, partial tile as before.
+  static_assert(BN == 2 * (THREADS / 32) && CHUNK_PER_ROW == 72, "two keys of 72 chunks a warp");
+  const __nv_bfloat16* fast_src = kv + (size_t)(k0 + 2 * warp) * DQK + lane * 8;
+  const uint32_t fast_dst = smem_u32(sK + 2 * warp * LDS + lane * 8);
+  const int third = lane < 8 ? 512 : DQK - 64, third_dst = lane < 8 ? 512 : LDS - 64;  // chunk 64+ or key 2w+1's
+  auto load_tile = [&](int it) {
+    if (it < n_tiles) {
+      if (k0 + (it + 1) * BN <= k1) {
+        const __nv_bfloat16* src = fast_src + (size_t)it * BN * DQK;
+        const uint32_t dst = fast_dst + (it % NSTAGE) * (BN * LDS * 2);
+        cp_async16_raw(dst, src);
+        cp_async16_raw(dst + 512, src + 256);
+        cp_async16_raw(dst + 2 * third_dst, src + third);
+        cp_async16_raw(dst + 2 * (LDS + 192), src + DQK + 192);
+        if (lane < 16) cp_async16_raw(dst + 2 * (LDS + 448), src + DQK + 448);
+      } else {
+        copy_key_tile<2>(kv, k0 + it * BN, k1, sK + (it % NSTAGE) * BN * LDS, tid);
+      }
+    }
+    cp_commit();  // always commit, so the group count per iteration stays uniform
+  };
+#else
   auto load_tile = [&](int it) {
     if (it < n_tiles) copy_key_tile<2>(kv, k0 + it * BN, k1, sK + (it % NSTAGE) * BN * LDS, tid);
     cp_commit();  // always commit, so the group count per iteration stays uniform
   };
+#endif
   for (int it = 0; it < NSTAGE - 1; ++it) load_tile(it);
 
   const int64_t* words0 = sWords + (grp * 16 + g) * 4;  // rows g and g + 8 of the warp's 16
