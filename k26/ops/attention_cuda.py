@@ -23,6 +23,14 @@ MAX_NEW_TOKENS = 256  # 4 ancestor words per row: the largest verify bucket the 
 MIN_SPLIT_KEYS = 64
 
 
+def min_split_keys(tile_rows: int) -> int:
+    """Keys a split takes at least for a kernel tile of `tile_rows` query rows. A split's merge cost grows
+    with its rows, its streaming work with its keys: the minimum scales with the rows (16, 32). The 64-row
+    wide tile (an A/B side, -DK26_ATTN_WIDE) covers twice the rows a block: with the plain minimum a short
+    context fills the same wave as the 32-row tile (N = 16 at 4K: 2 x 65 blocks of 64 keys, 4 x 33 of 128)."""
+    return MIN_SPLIT_KEYS * (tile_rows // 16 if tile_rows <= 32 else 1)
+
+
 class _Plans:
     """Per (device, B, N, H) launch plan, computed once: the splits per row tile from the kernel's
     occupancy and the SM count (one wave), and the workspace holding the merge barriers' state (zeroed once
@@ -207,9 +215,7 @@ def _(
     _bind(lib)
     S = PLANS.plan(lib, q.device, B, N, H)
     ws = PLANS.workspace(lib, q.device, B, N, H, S)
-    # A split's merge cost grows with its rows, its streaming work with its keys: scale the minimum. (The
-    # 64-row wide tile, an A/B side, keeps the 32-row minimum: 1 block an SM halves the splits of a wave.)
-    min_keys = MIN_SPLIT_KEYS * min(lib.k26_mla_tree_attn_tile_rows(N, H), 32) // 16
+    min_keys = min_split_keys(lib.k26_mla_tree_attn_tile_rows(N, H))
     err = lib.k26_mla_tree_attn(
         qc.data_ptr(),
         cc.data_ptr(),

@@ -37,7 +37,7 @@ out = torch.empty(1, a.n, a.h, 512, dtype=torch.bfloat16, device="cuda")
 lse = torch.empty(1, a.n, a.h, dtype=torch.float32, device="cuda")
 S = attention_cuda.PLANS.plan(lib, q.device, 1, a.n, a.h)
 ws = attention_cuda.PLANS.workspace(lib, q.device, 1, a.n, a.h, S)
-mk = a.min_keys or attention_cuda.MIN_SPLIT_KEYS * lib.k26_mla_tree_attn_tile_rows(a.n, a.h) // 16
+mk = a.min_keys or attention_cuda.min_split_keys(lib.k26_mla_tree_attn_tile_rows(a.n, a.h))
 flush = torch.ones(64 << 20, device="cuda")  # 256 MB, read between launches: cold L2 without dirty lines
 for _ in range(4):
     if not a.warm:

@@ -39,9 +39,9 @@ namespace k26_attn {
 #ifndef K26_ATTN_MERGE_LOADS_32
 #define K26_ATTN_MERGE_LOADS_32 MERGE_LOADS
 #endif
-// The wide verify tile's 64 rows (csrc/mla_tree_attn_wide.cuh) merge with 24: its 1 block an SM means twice the
-// splits per row tile of the 32-row one at short contexts (N = 16 at 4K: 126 items over 65 partials a split, 5
-// dependent rounds with 8, 2 with 24), and its 254-register budget has room.
+// The wide verify tile's 64 rows (csrc/mla_tree_attn_wide.cuh) merge with 24: twice the items of a 32-row tile
+// per split (N = 16 at 4K: 126 items over 65 partials a split, 5 dependent rounds with 8, 2 with 24), and its
+// 254-register budget has room.
 template <int BM>
 constexpr int kMergeLoads = BM == 32 ? K26_ATTN_MERGE_LOADS_32 : BM == 64 ? 24 : MERGE_LOADS;
 
@@ -120,7 +120,7 @@ __device__ __noinline__ void merge_share(const float* lp, const PartT* op, __nv_
                                          int parts, int rows_real, int share, int shares) {
   constexpr int C4 = DV / 4, LOADS = kMergeLoads<BM>;
   const int items = rows_real * C4;
-  const int i0 = share * items / shares, i1 = (share + 1) * items / shares;  // < 2^31: items <= 4096, shares <= 1024
+  const int i0 = share * items / shares, i1 = (share + 1) * items / shares;  // < 2^31: items <= 8192, shares <= 1024
   const int G = merge_group<LOADS>(i1 - i0, parts), per_pass = THREADS / G, kg = threadIdx.x % G;
   const int passes = (i1 - i0 + per_pass - 1) / per_pass;
   for (int pass = 0; pass < passes; ++pass) {  // uniform across the block: the shuffles below need whole warps
