@@ -130,7 +130,9 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # gate/up's warps a block, 2026-12-04-moe-gate-up-session18-h200.md; the MoE weights by ld.global.nc and the
 # small-M linear's two-tile blocks, 2026-12-05-session22-h200.md; the one-token MoE gate/up's whole k range
 # staged in shared memory and its blocks bounded to 2 an SM, 2026-12-05-session24-h200.md. Made the default:
-# the coherent weight loads that keep PDL's prefetch above the wait, same file.)
+# the coherent weight loads that keep PDL's prefetch above the wait, same file; the one-token MoE gate/up's
+# x by cp.async and the table-driven gate/up's first weights prefetched,
+# 2026-12-06-moe-variants-session28-h100.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -154,13 +156,6 @@ VARIANTS: dict[str, list[str]] = {
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
-    # MoE one token: x staged by cp.async (a thread's copies back to back) instead of a load-then-store loop
-    # (4 dependent L2 round trips before the first multiply); bit-identical. Prepared 2026-12-05, unmeasured
-    "-DK26_MOE_GU_XASYNC": ["moe_w4a16.cu", "moe_router.cu"],
-    # MoE gate/up from the routing table (M > 1): the first round of weight chunks prefetched into L2 once the
-    # expert is known, under the read of `sorted` (a second dependent L2 round trip before the first weight
-    # load); bit-identical. Prepared 2026-12-05, unmeasured
-    "-DK26_MOE_GEMM_EARLY_W": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

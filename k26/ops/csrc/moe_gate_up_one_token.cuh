@@ -2,8 +2,7 @@
 // (csrc/moe_gemm.cuh) and the one-token router + gate/up kernel (csrc/moe_router_gate_up.cuh). Device code only
 // (no kernels), so the router's translation unit can include it without compiling the expert op's kernels.
 //
-// Legality: mma.sync, ld.global (streaming), prefetch (and cp.async under -DK26_MOE_GU_XASYNC): sm_90a and
-// sm_120a.
+// Legality: mma.sync, ld.global (streaming), prefetch, cp.async: sm_90a and sm_120a.
 
 #pragma once
 
@@ -60,12 +59,13 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
   }
 #endif
   const uint4* x4 = reinterpret_cast<const uint4*>(xrow);
-#ifdef K26_MOE_GU_XASYNC
-  // -DK26_MOE_GU_XASYNC (a variant for an A/B, k26/ops/build.py VARIANTS): x staged by cp.async.cg (through L2,
-  // coherent as __ldcg: pdl.cuh), a thread's 3-4 copies issued back to back. The load-then-store loop below
-  // compiles to LDG, STS, branch: each iteration's store waits out its L2 round trip before the next load
-  // issues, so 4 dependent round trips, under the weight stream's load, come before the block barrier and
-  // the first multiply (found in the SASS, 2026-12-05). Same bytes in shared memory: bit-identical.
+  // x staged by cp.async.cg (through L2, coherent as __ldcg: pdl.cuh), a thread's 3-4 copies issued back to
+  // back. A load-then-store loop (`xs[i] = __ldcg(x4 + i)`, before 2026-12-06) compiles to LDG, STS, branch:
+  // each iteration's store waits out its L2 round trip before the next load issues, so 4 dependent round
+  // trips, under the weight stream's load, came before the block barrier and the first multiply (SASS,
+  // 2026-12-05). Same bytes in shared memory: bit-identical. Measured (H100, bench_moe --block, TP8 shapes,
+  // three rounds): the block at one token 25.1 -> 24.4 µs uniform, 26.5 -> 26.2 skewed
+  // (2026-12-06-moe-variants-session28-h100.md).
   // A fixed, unrolled count of copies (4 a thread at 256 threads): with a runtime loop ptxas sank up to six of
   // the first batch's eight weight loads below the copies, some below the wait (SASS, 2026-12-05); the tail
   // loop serves narrower blocks (none today: both callers run 256 threads).
@@ -82,9 +82,6 @@ __device__ __forceinline__ void gated_one_token(const uint4* __restrict__ w, con
   }
   for (int i = threadIdx.x + kXCopies * blockDim.x; i < K / 8; i += blockDim.x) copy_x(i);
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-#else
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = __ldcg(x4 + i);  // coherent (pdl.cuh)
-#endif
   __syncthreads();
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int c0 = c_begin; c0 < c_end; c0 += kOneTokU) {
