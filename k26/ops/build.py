@@ -152,6 +152,10 @@ VARIANTS: dict[str, list[str]] = {
     "-DK26_ATTN_WIDE": ["mla_tree_attn.cu"],
     # ... with whole key tiles copied from offsets computed once (implies K26_ATTN_WIDE). Prepared 2026-12-06
     "-DK26_ATTN_WIDE_FASTCOPY": ["mla_tree_attn.cu"],
+    # ... both verify tiles in one launch, the wide body for a sequence whose splits stream >= 1024 keys each
+    # (csrc/mla_tree_attn_union.cuh: it wins at long contexts only, and a graph serves every length). Prepared
+    # 2026-12-06, unmeasured
+    "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)

@@ -13,6 +13,9 @@
 #ifdef K26_ATTN_WIDE
 #include "mla_tree_attn_wide.cuh"
 #endif
+#ifdef K26_ATTN_UNION
+#include "mla_tree_attn_union.cuh"
+#endif
 #include "smem_optin.cuh"
 
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
@@ -50,11 +53,24 @@ constexpr size_t smem_of() {
     return Cfg<BM / 16>::SMEM;
 }
 
-// Workspace layout, 256-B aligned: barriers (int32 [tiles][4]: generation, two arrival counts) | split lse
-// ([tiles][S_max][BM]) | split o partials ([tiles][S_max][BM][512]).
+// -DK26_ATTN_UNION: 32-row calls from N x H = 64 launch the union kernel (csrc/mla_tree_attn_union.cuh).
+bool union_call(int N, int H) {
+#ifdef K26_ATTN_UNION
+  return tile_rows(N, H) == 32 && N * H >= 64;
+#else
+  (void)N, (void)H;
+  return false;
+#endif
+}
+
+// Workspace layout, 256-B aligned: barriers (int32 [tiles][4]: generation, two arrival counts; a union call's
+// wide tiles' after them) | split lse ([tiles][S_max][BM]) | split o partials ([tiles][S_max][BM][512]) | a union
+// call's wide region: lse ([tiles_w][Sw][64]), o partials ([tiles_w][Sw][64][512]).
 struct Layout {
   int BM, RT;
   size_t lse, o, total;
+  int RTw = 0, Sw = 0;  // union calls: the wide layout's row tiles and splits (RTw x Sw <= RT x S_max)
+  size_t counters_w = 0, lse_w = 0, o_w = 0;
 };
 
 Layout layout(int B, int N, int H, int S_max) {
@@ -63,9 +79,21 @@ Layout layout(int B, int N, int H, int S_max) {
   w.RT = (N * H + w.BM - 1) / w.BM;
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   const size_t tiles = (size_t)B * w.RT, parts = tiles * S_max * w.BM;
-  w.lse = up(tiles * 4 * 4);
+  size_t counters = tiles * 4 * 4;
+  if (union_call(N, H)) {
+    w.RTw = (N * H + 63) / 64, w.Sw = max(1, w.RT * S_max / w.RTw);
+    w.counters_w = counters;
+    counters += (size_t)B * w.RTw * 4 * 4;
+  }
+  w.lse = up(counters);
   w.o = w.lse + up(parts * 4);
   w.total = w.o + parts * DV * sizeof(PartT);
+  if (w.Sw) {
+    const size_t parts_w = (size_t)B * w.RTw * w.Sw * 64;
+    w.lse_w = up(w.total);
+    w.o_w = w.lse_w + up(parts_w * 4);
+    w.total = w.o_w + parts_w * DV * sizeof(PartT);
+  }
   return w;
 }
 
@@ -124,6 +152,34 @@ int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st)
                   : (int)cudaLaunchKernelEx(&c, kernel_of<BM, false>(), p, rot);
 }
 
+#ifdef K26_ATTN_UNION
+// The union kernel over the 32-row layout's grid (p), the wide layout in pw; the same wave check.
+int launch_union(const Params& p, const Params& pw, int wide_from, const Rotary& rot, int B, bool pdl,
+                 cudaStream_t st) {
+  using K = void (*)(Params, Rotary, Params, int);
+  const K plain = tree_attn_union_kernel<false>, rotary = tree_attn_union_kernel<true>;
+  if (const cudaError_t e = smem_opt_in<tree_attn_union_kernel<false>, tree_attn_union_kernel<true>>(
+          (int)kUnionSmem);
+      e != cudaSuccess)
+    return (int)e;
+  int dev = 0, sms = 0, occ_p = 0, occ_r = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_p, plain, THREADS, kUnionSmem);
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_r, rotary, THREADS, kUnionSmem);
+  if (e != cudaSuccess) return (int)e;
+  if (p.S_max > 1 && (long long)B * p.RT * p.S_max > (long long)sms * min(occ_p, occ_r))
+    return (int)cudaErrorInvalidConfiguration;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t c = {};
+  c.gridDim = dim3(p.RT, p.S_max, B), c.blockDim = dim3(THREADS), c.dynamicSmemBytes = kUnionSmem;
+  c.stream = st, c.attrs = attr, c.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&c, rot.q_pe ? rotary : plain, p, rot, pw, wide_from);
+}
+#endif
+
 }  // namespace
 
 // Bytes of workspace for a (B, N, H, S_max) call; its first `k26_mla_tree_attn_counter_bytes` bytes must be
@@ -170,6 +226,15 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Rotary rot{(const __nv_bfloat16*)q_pe, positions, inv_freq, pe_ld};
+#ifdef K26_ATTN_UNION
+  if (w.Sw) {  // the wide layout: its own region, half the row tiles, the plain split minimum
+    Params pw = p;
+    pw.counters = reinterpret_cast<int*>(ws + w.counters_w), pw.lse_part = reinterpret_cast<float*>(ws + w.lse_w),
+    pw.o_part = reinterpret_cast<PartT*>(ws + w.o_w);
+    pw.RT = w.RTw, pw.S_max = w.Sw, pw.min_keys = max(BN, p.min_keys / 2);
+    return launch_union(p, pw, kUnionKeysPerSplit * w.Sw, rot, B, pdl != 0, st);
+  }
+#endif
   switch (w.BM) {
     case 16: return launch<16>(p, rot, B, pdl != 0, st);
 #ifdef K26_ATTN_WIDE

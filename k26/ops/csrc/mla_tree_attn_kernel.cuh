@@ -55,8 +55,10 @@ namespace k26_attn {
 // ROPE: the query comes as q (512 latent dims) and rot.q_pe (rotary dims before RoPE). A template parameter,
 // not a runtime branch: with the branch the plain query's kernel measured 4-7 % slower (its registers
 // changed), bench_tree_attn 2026-12-01.
+// The block's work for row tile rt, split `split` of sequence b (the kernel below, or the union kernel of
+// csrc/mla_tree_attn_union.cuh, which maps its blocks onto this body or the wide one per sequence).
 template <int MT, bool ROPE>
-static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Params p, Rotary rot) {
+__device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& rot, int rt, int split, int b) {
   using C = Cfg<MT>;
   constexpr int BM = C::BM;
   constexpr int LPR = 16 / MT;  // softmax lanes per query row (MT keys each)
@@ -69,7 +71,6 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   float* sM = sAlpha + C::SBUF * BM;
   float* sL = sM + BM;
 
-  const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int row0 = rt * BM;
   // PDL: the launch and the blocks' set-up overlap the kernel before (the query's projection). That kernel
@@ -375,6 +376,11 @@ static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_ker
   tile_barrier(bar, gen, active, split == 0);
   TRACE(3);
   merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
+}
+
+template <int MT, bool ROPE>
+static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Params p, Rotary rot) {
+  tree_attn_body<MT, ROPE>(p, rot, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 }  // namespace k26_attn

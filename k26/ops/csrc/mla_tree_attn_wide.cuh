@@ -73,8 +73,9 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The block's work for row tile rt, split `split` of sequence b (the kernel below, or the union kernel).
 template <bool ROPE>
-static __global__ void __launch_bounds__(THREADS, 1) tree_attn_wide_kernel(Params p, Rotary rot) {
+__device__ __forceinline__ void tree_attn_wide_body(const Params& p, const Rotary& rot, int rt, int split, int b) {
   using C = WideCfg;
   constexpr int BM = C::BM;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -82,7 +83,6 @@ static __global__ void __launch_bounds__(THREADS, 1) tree_attn_wide_kernel(Param
   float4* sX = reinterpret_cast<float4*>(smem + C::K);                // [warp][2][lane]: no bank conflicts
   int64_t* sWords = reinterpret_cast<int64_t*>(smem + C::K + C::X);  // [BM][4]
 
-  const int rt = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int grp = warp & 3, half = warp >> 2;
   const int row0 = rt * BM;
@@ -291,6 +291,11 @@ static __global__ void __launch_bounds__(THREADS, 1) tree_attn_wide_kernel(Param
   if (active == 1) return;
   tile_barrier(bar, gen, active, split == 0);
   merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
+}
+
+template <bool ROPE>
+static __global__ void __launch_bounds__(THREADS, 1) tree_attn_wide_kernel(Params p, Rotary rot) {
+  tree_attn_wide_body<ROPE>(p, rot, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 }  // namespace k26_attn
