@@ -240,10 +240,10 @@ def test_rotary_query_refuses_missing_positions():
 def test_long_and_short_sequences_of_one_batch_and_their_swaps_match_reference():
     """Sequences far apart in length in one call, and each sequence crossing that distance between calls of
     one graph replayed back to back: with -DK26_ATTN_UNION the long ones run the wide body (a split streaming
-    >= 1024 keys: from ~67K keys at N = 16 on 132 SMs) and the short ones the 32-row body in the same
-    launch, each layout with its own merge barriers. Every call of every replay matches the reference."""
+    >= 1024 keys: from ~33K keys at N = 16, B = 2 on 132 SMs) and the short ones the 32-row body in the
+    same launch, each layout with its own merge barriers. Every call of every replay matches the reference."""
     q, cache, rows, _, words = case(2, 16, 8, [100000, 100000], seed=25)
-    pairs = [[100000, 3000], [3000, 100000], [100000, 100000], [3000, 3000], [70000, 65000]]
+    pairs = [[100000, 3000], [3000, 100000], [100000, 100000], [3000, 3000], [34000, 31000]]
     prefixes = [torch.tensor(p, device="cuda") for p in pairs]
     torch.ops.k26.mla_tree_attention(q, cache, rows, prefixes[0], words, 0.1, 512)  # load before capture
     g = torch.cuda.CUDAGraph()
@@ -259,3 +259,12 @@ def test_long_and_short_sequences_of_one_batch_and_their_swaps_match_reference()
         for (out, lse), (ref_o, ref_l), pair in zip(outs, refs, pairs, strict=True):
             err = ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
             assert err <= 3e-3 and (lse - ref_l).abs().max().item() <= 1e-3, (pair, err)
+
+
+def test_a_batch_past_one_wave_matches_reference():
+    """A batch whose plan is one split a row tile (40 x 4 row tiles > a wave of 132 blocks: no merge), long
+    enough that -DK26_ATTN_UNION runs the wide body: its layout must then stay at one split too (a barrier
+    across waves could wait forever)."""
+    gen = torch.Generator().manual_seed(26)
+    lens = [int(x) for x in torch.randint(2000, 6000, (40,), generator=gen)]
+    compare(case(40, 16, 8, lens, seed=26))

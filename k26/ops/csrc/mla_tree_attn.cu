@@ -14,6 +14,9 @@
 #include "mla_tree_attn_wide.cuh"
 #endif
 #ifdef K26_ATTN_UNION
+#if defined(K26_ATTN_WIDE)
+#error "K26_ATTN_UNION chooses the wide tile per sequence itself: build it without K26_ATTN_WIDE(_FASTCOPY)"
+#endif
 #include "mla_tree_attn_union.cuh"
 #endif
 #include "smem_optin.cuh"
@@ -81,7 +84,9 @@ Layout layout(int B, int N, int H, int S_max) {
   const size_t tiles = (size_t)B * w.RT, parts = tiles * S_max * w.BM;
   size_t counters = tiles * 4 * 4;
   if (union_call(N, H)) {
-    w.RTw = (N * H + 63) / 64, w.Sw = max(1, w.RT * S_max / w.RTw);
+    // Within the 32-row grid (RTw x Sw <= RT x S_max, so within its wave). A plan of one split (the grid may
+    // then exceed a wave: no barrier) keeps the wide layout at one split too: its barrier would need a wave.
+    w.RTw = (N * H + 63) / 64, w.Sw = S_max > 1 ? max(1, w.RT * S_max / w.RTw) : 1;
     w.counters_w = counters;
     counters += (size_t)B * w.RTw * 4 * 4;
   }
@@ -162,14 +167,19 @@ int launch_union(const Params& p, const Params& pw, int wide_from, const Rotary&
           (int)kUnionSmem);
       e != cudaSuccess)
     return (int)e;
-  int dev = 0, sms = 0, occ_p = 0, occ_r = 0;
+  static int cached[64];  // blocks of one wave per device, as wave_blocks
+  int dev = 0;
   cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_p, plain, THREADS, kUnionSmem);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_r, rotary, THREADS, kUnionSmem);
-  if (e != cudaSuccess) return (int)e;
-  if (p.S_max > 1 && (long long)B * p.RT * p.S_max > (long long)sms * min(occ_p, occ_r))
-    return (int)cudaErrorInvalidConfiguration;
+  if (dev >= 64 || cached[dev] == 0) {
+    int sms = 0, occ_p = 0, occ_r = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_p, plain, THREADS, kUnionSmem);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_r, rotary, THREADS, kUnionSmem);
+    if (e != cudaSuccess) return (int)e;
+    if (dev >= 64) return (int)cudaErrorInvalidDevice;
+    cached[dev] = sms * min(occ_p, occ_r);
+  }
+  if (p.S_max > 1 && (long long)B * p.RT * p.S_max > cached[dev]) return (int)cudaErrorInvalidConfiguration;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
