@@ -15,6 +15,12 @@
 // the 512 output columns (128 registers). One block barrier a tile (it frees the stage of tile k - 1) and one
 // pair barrier; the MMA count per tile is the minimum (no dim quarters summed in shared memory, no recompute).
 //
+// Measured (H100, 2026-12-06-attn-wide-tile-session28-h100.md): correct; faster where a split streams many keys
+// (N = 16 at 128K 219 -> 184 µs, N = 64 at 32K 209 -> 184), slower at 1-4K (N = 16 at 4K 19.5 -> 24.7). With
+// mma.sync the shared-memory bytes per FLOP follow the rows a warp owns (16 here, 32 in the 32-row tile's warps),
+// so the wider block alone does not make the loop compute-bound; both tiles are latency-bound (ncu: < 40 % of
+// issue slots). Hence an A/B side, and per sequence by length in csrc/mla_tree_attn_union.cuh.
+//
 // Q takes all four key stages while it is staged (64 rows x 1168 B = 4 x 16 keys), so no key tile can be in
 // flight before the query is: instead the first three prefix tiles are prefetched into L2 before the
 // grid-dependency wait, under the query projection's tail.
