@@ -221,6 +221,8 @@ def encode_prompts(prompts, tokenizer: Tokenizer, vocab: int, max_model_len: int
     """The prompts of one call (`prompt_list`) as checked id lists: strings encoded, id sequences checked."""
     out = []
     for i, prompt in enumerate(prompt_list(prompts)):
+        if hasattr(prompt, "__array__") and not isinstance(prompt, torch.Tensor):  # NumPy ids
+            prompt = prompt.tolist()
         if isinstance(prompt, str):
             prompt = tokenizer.encode(prompt)
         elif not isinstance(prompt, (Sequence, torch.Tensor)):
