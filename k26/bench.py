@@ -136,6 +136,12 @@ def run_bench(a: argparse.Namespace) -> str:
     return _report(a, model_dir, dev, rows, skipped, graphs)
 
 
+def _rate(tokens_per_s: float) -> str:
+    """tokens/s as the table prints it: whole numbers from 100 up, else three significant figures (an eager
+    CPU row's 0.4 tokens/s printed as 0 would read as nothing generated)."""
+    return f"{tokens_per_s:.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.3g}"
+
+
 def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], graphs: LLM | None) -> str:
     commit = (
         os.environ.get("K26_COMMIT")
@@ -174,7 +180,7 @@ def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], gra
         "|---|---|---|---|---|",
     ]
     out += [
-        f"| {m} | {t:.0f} | {tau:.2f} | {'—' if h is None else f'{h * 1e6:.0f}'} | {u} |"
+        f"| {m} | {_rate(t)} | {tau:.2f} | {'—' if h is None else f'{h * 1e6:.0f}'} | {u} |"
         for m, t, tau, h, u in rows
     ]
     if graphs is not None:
