@@ -153,6 +153,15 @@ def test_a_shard_replaced_after_its_header_was_read_is_refused(tiny_tp, tmp_path
         read_into(model, items, infos)
 
 
+def edit_in_place_keeping_times(f):
+    """Two bytes at the file's end changed in place, size and mtime put back (only ctime moves)."""
+    st = f.stat()
+    with open(f, "r+b") as w:
+        w.seek(st.st_size - 2)
+        w.write(b"\x00\x40")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_a_shard_edited_in_place_with_its_times_put_back_is_refused(tiny_tp, tmp_path):
     """Same size and mtime after the edit: the stamp's ctime (set by the kernel, not by utime) still moved."""
     import shutil
@@ -161,11 +170,7 @@ def test_a_shard_edited_in_place_with_its_times_put_back_is_refused(tiny_tp, tmp
     shutil.copytree(tiny_tp[0], d)
     model, items, infos = planned(d, TPInfo())
     f = max(d.glob("*.safetensors"))
-    st = f.stat()
-    with open(f, "r+b") as w:
-        w.seek(st.st_size - 2)
-        w.write(b"\x00\x40")
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    edit_in_place_keeping_times(f)
     with pytest.raises(ShardChangedError, match=f"shard {f.name} changed since its header was read"):
         read_into(model, items, infos)
 
@@ -187,11 +192,7 @@ def test_a_drafter_shard_changed_after_its_header_was_read_is_refused(tiny_tp, t
     items = plan_load(model, infos, TPInfo(), d, rule=drafter_rule)
     model.to_empty(device="cpu")
     (f,) = d.glob("*.safetensors")
-    st = f.stat()
-    with open(f, "r+b") as w:
-        w.seek(st.st_size - 2)
-        w.write(b"\x00\x40")
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    edit_in_place_keeping_times(f)
     with pytest.raises(ShardChangedError, match=f"shard {f.name} changed on disk since its header was read"):
         fill(model, items, infos, TPInfo())
 

@@ -132,7 +132,8 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # staged in shared memory and its blocks bounded to 2 an SM, 2026-12-05-session24-h200.md. Made the default:
 # the coherent weight loads that keep PDL's prefetch above the wait, same file; the one-token MoE gate/up's
 # x by cp.async and the table-driven gate/up's first weights prefetched,
-# 2026-12-06-moe-variants-session28-h100.md.)
+# 2026-12-06-moe-variants-session28-h100.md; dropped: the wide attention tile's fast whole-tile copies,
+# 2026-12-06-attn-wide-tile-session28-h100.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -148,10 +149,10 @@ VARIANTS: dict[str, list[str]] = {
     # measured 2026-12-05: N = 16 at 4K 20.4 -> 19.9 µs, elsewhere unchanged
     "-DK26_ATTN_MERGE_LOADS_32=24": ["mla_tree_attn.cu"],
     # tree attention: 64-row tiles from N x H = 64 (csrc/mla_tree_attn_wide.cuh: each key tile feeds 64 rows,
-    # the softmax in registers, O split over warp pairs). Prepared 2026-12-06, unmeasured
+    # the softmax in registers, O split over warp pairs). Measured 2026-12-06 (H100): N = 16 at 128K
+    # 219 -> 184 µs, N = 64 at 32K 209 -> 184, but N = 16 at 4K 19.5 -> 24.7
+    # (2026-12-06-attn-wide-tile-session28-h100.md)
     "-DK26_ATTN_WIDE": ["mla_tree_attn.cu"],
-    # ... with whole key tiles copied from offsets computed once (implies K26_ATTN_WIDE). Prepared 2026-12-06
-    "-DK26_ATTN_WIDE_FASTCOPY": ["mla_tree_attn.cu"],
     # ... both verify tiles in one launch, the wide body for a sequence whose splits stream >= 1024 keys each
     # (csrc/mla_tree_attn_union.cuh: it wins at long contexts only, and a graph serves every length). Prepared
     # 2026-12-06, unmeasured

@@ -151,6 +151,21 @@ __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chun
   active = (T + chunk - 1) / chunk;
 }
 
+// Live keys of a sequence with prefix L: the prefix and the N new rows (at least 1), clamped to the cache row
+// (inside a graph reads are clamped; outside it the front door refuses such lengths). The union kernel's choice
+// of body and both bodies' splits use this one value.
+__device__ __forceinline__ int live_keys(const Params& p, int L) { return max(1, min(L + p.N, p.max_len)); }
+
+// Each of the block's ROWS rows' ancestor words into shared memory ([ROWS][4]): no global pointer stays live
+// through the key loop.
+template <int ROWS>
+__device__ __forceinline__ void stage_words(const Params& p, int b, int row0, int64_t* sWords, int tid) {
+  for (int i = tid; i < ROWS * p.W; i += THREADS) {
+    const int r = i / p.W;
+    sWords[r * 4 + i % p.W] = p.words[((size_t)b * p.N + min(row0 + r, p.R - 1) / p.H) * p.W + i % p.W];
+  }
+}
+
 // cosf / sinf out of line: inlined, their rarely taken large-argument path (a local array) changed the whole
 // kernel's code and cost the N = 16 / 64 rotary kernel 6 % (bench_tree_attn --rotary, 2026-12-01: 100.6 vs
 // 95.1 µs at N = 16, L = 32K; __sincosf measured like the out-of-line call, but is not the reference's value).

@@ -7,15 +7,12 @@
 #include <stdint.h>
 
 #include "mla_tree_attn_kernel.cuh"
-#if defined(K26_ATTN_WIDE_FASTCOPY) && !defined(K26_ATTN_WIDE)  // the wide tile's variant implies it
-#define K26_ATTN_WIDE
-#endif
 #ifdef K26_ATTN_WIDE
 #include "mla_tree_attn_wide.cuh"
 #endif
 #ifdef K26_ATTN_UNION
 #if defined(K26_ATTN_WIDE)
-#error "K26_ATTN_UNION chooses the wide tile per sequence itself: build it without K26_ATTN_WIDE(_FASTCOPY)"
+#error "K26_ATTN_UNION chooses the wide tile per sequence itself: build it without K26_ATTN_WIDE"
 #endif
 #include "mla_tree_attn_union.cuh"
 #endif

@@ -80,7 +80,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   // The query (and the tree rows, written by the glue kernel) are read after it. Dependents (W_UV) may then
   // start streaming their weights.
   const int L = static_cast<int>(p.prefix[b]);
-  const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
+  const int T = live_keys(p, L);
   int chunk, active;
   split_geometry(p, T, chunk, active);
   if (split >= active) return;  // no keys for this split at this length: it takes no part in the merge
@@ -140,11 +140,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
 
   // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
   const int sr = tid / LPR, sc = (tid % LPR) * MT;
-  // Each row's ancestor words in shared memory: no global pointer stays live through the key loop.
-  for (int i = tid; i < BM * p.W; i += THREADS) {
-    const int r = i / p.W;
-    sWords[r * 4 + i % p.W] = p.words[((size_t)b * p.N + min(row0 + r, p.R - 1) / p.H) * p.W + i % p.W];
-  }
+  stage_words<BM>(p, b, row0, sWords, tid);
   const int64_t* my_words = sWords + sr * 4;
   float m_run = -CUDART_INF_F, l_run = 0.f;
 

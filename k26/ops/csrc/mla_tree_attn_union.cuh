@@ -32,8 +32,7 @@ template <bool ROPE>
 static __global__ void __launch_bounds__(THREADS, 1)
     tree_attn_union_kernel(Params p, Rotary rot, Params pw, int wide_from) {
   const int b = blockIdx.z;
-  const int T = max(1, min(static_cast<int>(p.prefix[b]) + p.N, p.max_len));  // as the bodies compute it
-  if (T < wide_from) {
+  if (live_keys(p, static_cast<int>(p.prefix[b])) < wide_from) {
     tree_attn_body<2, ROPE>(p, rot, blockIdx.x, blockIdx.y, b);
     return;
   }

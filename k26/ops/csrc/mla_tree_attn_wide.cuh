@@ -67,10 +67,6 @@ __device__ __forceinline__ float ex2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-// A 16-byte cp.async to a shared-memory address, always valid (whole tiles).
-__device__ __forceinline__ void cp_async16_raw(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
 // The two warps of a row group (ids 1..4; 0 is __syncthreads).
 __device__ __forceinline__ void pair_sync(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory"); }
 
@@ -92,8 +88,10 @@ __device__ __forceinline__ void tree_attn_wide_body(const Params& p, const Rotar
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int grp = warp & 3, half = warp >> 2;
   const int row0 = rt * BM;
+  // The split's keys and the query's staging as tree_attn_body's (written out in both: shared helpers changed
+  // the measured 32-row kernel's SASS on one arch or the other, 2026-12-06).
   const int L = static_cast<int>(p.prefix[b]);
-  const int T = max(1, min(L + p.N, p.max_len));  // inside a graph reads are clamped to the cache row
+  const int T = live_keys(p, L);
   int chunk, active;
   split_geometry(p, T, chunk, active);
   if (split >= active) return;  // no keys for this split at this length: it takes no part in the merge
@@ -117,10 +115,7 @@ __device__ __forceinline__ void tree_attn_wide_body(const Params& p, const Rotar
   cp_commit();
   RotaryPairs<ROPE, BM> rope;
   rope.load(p, rot, b, row0, tid);
-  for (int i = tid; i < BM * p.W; i += THREADS) {
-    const int r = i / p.W;
-    sWords[r * 4 + i % p.W] = p.words[((size_t)b * p.N + min(row0 + r, p.R - 1) / p.H) * p.W + i % p.W];
-  }
+  stage_words<BM>(p, b, row0, sWords, tid);
   rope.cos_sin();
   cp_wait<0>();
   __syncthreads();
@@ -133,36 +128,10 @@ __device__ __forceinline__ void tree_attn_wide_body(const Params& p, const Rotar
   for (int kk = 0; kk < C::KS; ++kk)
     ldsm_x4(qa[kk], sK + (grp * 16 + (lane & 15)) * LDS + half * C::HALF + kk * 16 + (lane >> 4) * 8);
   __syncthreads();  // Q read: the stages take key tiles
-#ifdef K26_ATTN_WIDE_FASTCOPY
-  // Whole tiles (every key below k1) by the row copies (copy_key_tile) with the thread's offsets computed once:
-  // no clamp, no predicate, a tile's source and stage by one multiply-add each (SASS: ~35 instructions a tile
-  // against the general copy's ~68, of a key loop of ~380). The last, partial tile as before.
-  static_assert(BN == 2 * (THREADS / 32) && CHUNK_PER_ROW == 72, "two keys of 72 chunks a warp");
-  const __nv_bfloat16* fast_src = kv + (size_t)(k0 + 2 * warp) * DQK + lane * 8;
-  const uint32_t fast_dst = smem_u32(sK + 2 * warp * LDS + lane * 8);
-  const int third = lane < 8 ? 512 : DQK - 64, third_dst = lane < 8 ? 512 : LDS - 64;  // chunk 64+ or key 2w+1's
-  auto load_tile = [&](int it) {
-    if (it < n_tiles) {
-      if (k0 + (it + 1) * BN <= k1) {
-        const __nv_bfloat16* src = fast_src + (size_t)it * BN * DQK;
-        const uint32_t dst = fast_dst + (it % NSTAGE) * (BN * LDS * 2);
-        cp_async16_raw(dst, src);
-        cp_async16_raw(dst + 512, src + 256);
-        cp_async16_raw(dst + 2 * third_dst, src + third);
-        cp_async16_raw(dst + 2 * (LDS + 192), src + DQK + 192);
-        if (lane < 16) cp_async16_raw(dst + 2 * (LDS + 448), src + DQK + 448);
-      } else {
-        copy_key_tile<2>(kv, k0 + it * BN, k1, sK + (it % NSTAGE) * BN * LDS, tid);
-      }
-    }
-    cp_commit();  // always commit, so the group count per iteration stays uniform
-  };
-#else
   auto load_tile = [&](int it) {
     if (it < n_tiles) copy_key_tile<2>(kv, k0 + it * BN, k1, sK + (it % NSTAGE) * BN * LDS, tid);
     cp_commit();  // always commit, so the group count per iteration stays uniform
   };
-#endif
   for (int it = 0; it < NSTAGE - 1; ++it) load_tile(it);
 
   const int64_t* words0 = sWords + (grp * 16 + g) * 4;  // rows g and g + 8 of the warp's 16
