@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import statistics
 import subprocess
 import time
@@ -92,14 +93,65 @@ def _modes(a: argparse.Namespace, graphs: bool) -> list[tuple[str, SpecConfig]]:
     return modes
 
 
+# Environment variables that change what a bench measures: the kernels' variant defines and library
+# (k26/ops/build.py). The report's command sets them as they were.
+RESULT_ENV = ("K26_OPS_DEFINES", "K26_OPS_LIB")
+
+
+def bench_command(a: argparse.Namespace, dev: torch.device) -> str:
+    """The shell command that reruns this bench: every `bench` option as parsed (the device as resolved, so a
+    rerun on another machine measures the same kind; not --out, the report's own file), after the
+    environment variables in RESULT_ENV that are set, shell-quoted."""
+    from .cli_parser import build_parser
+
+    argv = ["python", "-m", "k26", "bench"]
+    for dest in vars(build_parser().parse_args(["bench"])):  # every option of `bench`, new ones too
+        value = dev.type if dest == "device" else getattr(a, dest)
+        if dest in ("cmd", "out") or value is None or value is False:
+            continue
+        argv += [f"--{dest.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in RESULT_ENV if os.environ.get(k)]
+    return " ".join([*env, shlex.join(argv)])
+
+
+def check_batch(a: argparse.Namespace, model_dir: Path, dev: torch.device) -> None:
+    """--batch against what the run can hold, from the config files alone (before the prompts are drawn or
+    anything loads): each LLM allocates its KV caches, target and drafter, for `max_batch` = --batch rows at
+    the full context up front, and the bench keeps two (eager and graphs) on CUDA. Refused when those caches
+    alone exceed the device's free memory (the weights and graph pools come on top)."""
+    from .checks import cache_bytes, cache_rows_that_fit, default_max_model_len, free_memory
+    from .config import ModelConfig
+    from .drafter_config import DrafterConfig
+
+    free = free_memory(dev)
+    if free is None:
+        return
+    cfg = ModelConfig.from_dir(model_dir)
+    dcfg = DrafterConfig.from_dir(a.drafter) if a.drafter else None
+    max_len, llms = default_max_model_len(cfg), 2 if dev.type == "cuda" else 1
+    fit = cache_rows_that_fit(cfg, dcfg, max_len, torch.bfloat16, free // llms)
+    if a.batch <= fit:
+        return
+    need = llms * cache_bytes(cfg, dcfg, a.batch, max_len, torch.bfloat16)
+    where = "the GPU" if dev.type == "cuda" else "this machine"
+    two = ", in each of the eager and the graphs LLM" if llms > 1 else ""
+    limit = f"the largest --batch that fits is {fit}" if fit else "not even --batch 1 fits"
+    raise ValueError(
+        f"--batch {a.batch}: more rows than {where} can hold: their KV caches ({max_len} positions a row"
+        f"{two}) need {need / 2**30:,.1f} GiB, and {where} has {free / 2**30:,.1f} GiB free; {limit}"
+    )
+
+
 def run_bench(a: argparse.Namespace) -> str:
     """Every mode this machine can run on one checkpoint and prompt set; what it cannot, listed with why."""
     from .embedded import default_drafter_dir, default_model_dir
 
     model_dir = Path(a.model) if a.model else default_model_dir()
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    command = bench_command(a, dev)  # as given (the embedded drafter below is implied by no --model)
     if not a.model and not a.drafter:
         a.drafter = default_drafter_dir()
-    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_batch(a, model_dir, dev)
     prompts = _prompts(a, model_dir)
     sp = SamplingParams(max_tokens=a.max_tokens, stop_token_ids=[])
     kw = {"device": dev, "progress": False, "max_batch": max(a.batch, 1), "drafter": a.drafter}
@@ -133,7 +185,7 @@ def run_bench(a: argparse.Namespace) -> str:
             "HF transformers generate(): "
             + ("--no-hf" if a.no_hf else "transformers is not installed (pip install -e '.[test]')")
         )
-    return _report(a, model_dir, dev, rows, skipped, graphs)
+    return _report(a, model_dir, dev, rows, skipped, graphs, command=command)
 
 
 def _rate(tokens_per_s: float) -> str:
@@ -142,7 +194,9 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.3g}"
 
 
-def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], graphs: LLM | None) -> str:
+def _report(
+    a, model_dir: Path, dev: torch.device, rows, skipped: list[str], graphs: LLM | None, *, command: str
+) -> str:
     commit = (
         os.environ.get("K26_COMMIT")
         or subprocess.run(
@@ -156,13 +210,12 @@ def _report(a, model_dir: Path, dev: torch.device, rows, skipped: list[str], gra
     )
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     cpu = " on the CPU" if dev.type == "cpu" else ""
-    cmd = f"python -m k26 bench --batch {a.batch} --max-tokens {a.max_tokens} --budget {a.budget}"
     out = [
         f"# k26 bench — {datetime.date.today()}",
         "",
         f"- device: {name}; model: {model_dir}; drafter: {a.drafter}",
         f"- commit: {commit}; compile: {a.compile}",
-        f"- command: `{cmd}`",
+        f"- command: `{command}`",
         (
             f"- every row: bf16, batch {a.batch}, same prompts, greedy, exactly {a.max_tokens} new tokens "
             f"each (no stop tokens); tokens/s: median of 3 timed runs after one untimed run of the same "

@@ -59,6 +59,12 @@ class DrafterCache:
             torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         )
 
+    @staticmethod
+    def bytes_per_token(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16, tp_size: int = 1) -> int:
+        """Bytes of one row's position: K and V over the layers (`allocate`'s shape; it adds a trash row)."""
+        heads = cfg.num_key_value_heads // tp_size
+        return 2 * cfg.num_hidden_layers * heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
     def copy(self, src: int, dst: int, start: int, end: int) -> None:
         """Context positions [start, end) of row `src` into row `dst` (prefix_cache.py)."""
         for t in (self.k, self.v):

@@ -301,7 +301,7 @@ def test_bench_report_lists_every_captured_graph():
     graphs = SimpleNamespace(decoder=SimpleNamespace(runners={"a": SimpleNamespace(report=recs)}))
     a = SimpleNamespace(batch=1, max_tokens=8, budget=12, drafter="d", compile=True)
     rows = [("AR eager", 10.0, 1.0, None, "—"), ("DDTree graphs (auto)", 20.0, 2.5, 4e-5, "{7: 3, 15: 9}")]
-    text = _report(a, Path("m"), torch.device("cpu"), rows, [], graphs)
+    text = _report(a, Path("m"), torch.device("cpu"), rows, [], graphs, command="python -m k26 bench")
     assert "| (1, 16) | 7.50 | 33.6 |" in text and "| (2, 1) | 1.25 | 0.0 |" in text
     assert "| DDTree graphs (auto) | 20 | 2.50 | 40 | {7: 3, 15: 9} |" in text
 
