@@ -1,5 +1,6 @@
 """OpenAI request validation and response shapes for /v1/completions and /v1/chat/completions (the chat
-messages, tools and thinking switch: chat_api.py), and the bodies of /tokenize and /detokenize.
+messages, tools and thinking switch: chat_api.py; the sampling fields: sampling_api.py), and the bodies of
+/tokenize and /detokenize.
 
 Every bad input becomes an `APIError` (HTTP status, message naming the item, OpenAI error type and
 param) before any work reaches the engine; unsupported parameters are refused by name, never ignored.
@@ -12,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat import ChatFormat
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .chat_api import ChatTurn, parse_chat
 from .errors import APIError
+from .json_values import id_list, is_int
+from .sampling_api import sampling_params
 
 COMMON = {
     "model",
@@ -56,9 +59,6 @@ NEUTRAL = {
     "functions": (None, []),  # the deprecated form of tools
     "function_call": (None, "none"),
 }
-MAX_STOP = 4
-MAX_STOP_CHARS = 512  # characters a stop string may hold
-MAX_STOP_IDS = 64  # stop_token_ids a request may name
 MAX_N = 16  # choices a request may ask for (`n`): each takes a row of the batch like a request of its own
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (a list); prompts x n rows in all
 
@@ -127,18 +127,18 @@ def parse(
         raise APIError(400, "stream_options: only {'include_usage': bool} with stream=true", "stream_options")
     n = body.get("n")
     n = 1 if n is None else n
-    if not _int(n) or not 1 <= n <= MAX_N:
+    if not is_int(n) or not 1 <= n <= MAX_N:
         raise APIError(400, f"n={body.get('n')!r}: expected an integer in [1, {MAX_N}]", "n")
     best_of = body.get("best_of")
     # more candidates than choices (ranked by logprobs): not served
-    if best_of is not None and (not _int(best_of) or best_of != n):
+    if best_of is not None and (not is_int(best_of) or best_of != n):
         raise APIError(
             400, f"best_of={best_of!r} is not supported by this server (only best_of = n)", "best_of"
         )
     echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
         raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
-    params = [_sampling(body, chat, max_model_len - len(ids), vocab, tok.stop_ids) for ids in prompts]
+    params = [sampling_params(body, chat, max_model_len - len(ids), vocab, tok.stop_ids) for ids in prompts]
     if params[0].logprobs is not None and not logprobs:
         raise APIError(400, "logprobs: this server was started with --no-logprobs", "logprobs")
     if echo and params[0].logprobs is not None:  # the prompt's tokens get theirs too
@@ -192,7 +192,7 @@ def token_ids(body: Any, vocab: int, *, model: str) -> list[int]:
     """/detokenize: `tokens`, ids of this vocabulary."""
     _known(body, {"model", "tokens"}, model)
     ids = body.get("tokens")
-    if not _id_list(ids, vocab):
+    if not id_list(ids, vocab):
         raise APIError(400, f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
     return ids
 
@@ -205,125 +205,6 @@ def _refuse_unserved(body: dict) -> None:
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
-
-
-def _sampling(body: dict, chat: bool, room: int, vocab: int, eos: tuple[int, ...]) -> SamplingParams:
-    for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):  # each one given
-        if body.get(key) is not None and (not _int(body[key]) or body[key] < 0):
-            raise APIError(400, f"{key}={body[key]!r}: expected an integer >= 0", key)
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = body.get(key)
-    if mt is None:
-        mt = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
-    t = _number(body, "temperature", 1.0)  # OpenAI's default
-    if not 0 <= t <= 2:
-        raise APIError(400, f"temperature={t!r}: must lie in [0, 2]", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise APIError(400, f"top_p={top_p!r}: must lie in (0, 1]", "top_p")
-    top_k = body.get("top_k", 0)
-    if top_k is None or top_k == -1:
-        top_k = 0  # vLLM's "off"
-    if not _int(top_k) or not 0 <= top_k < 2**31:
-        raise APIError(400, f"top_k={top_k!r}: expected an integer in [0, 2**31) (0 or -1: off)", "top_k")
-    seed = body.get("seed")
-    if seed is not None and (not _int(seed) or not -(2**63) <= seed < 2**63):
-        raise APIError(400, f"seed={seed!r}: expected an integer in [-2**63, 2**63)", "seed")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(
-            400,
-            f"stop={_short(body.get('stop'))}: expected a non-empty string or up to {MAX_STOP} of them",
-            "stop",
-        )
-    if any(len(s) > MAX_STOP_CHARS for s in stop):  # (a stream re-checks each one's prefixes at every event)
-        raise APIError(400, f"stop: a stop string longer than {MAX_STOP_CHARS} characters", "stop")
-    penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        penalties[name] = _number(body, name, 0.0)
-        if not -2 <= penalties[name] <= 2:
-            raise APIError(400, f"{name}={penalties[name]!r}: must lie in [-2, 2]", name)
-    least = body.get("min_tokens")
-    least = 0 if least is None else least
-    if not _int(least) or not 0 <= least <= min(mt, room):
-        limit = f"max_tokens={mt}" if mt < room else f"the {room} tokens the context leaves after the prompt"
-        raise APIError(400, f"min_tokens={_short(least)}: expected an integer in [0, {limit}]", "min_tokens")
-    mt = min(mt, room)
-    return SamplingParams(
-        temperature=float(t),
-        top_p=float(top_p),
-        top_k=top_k,
-        max_tokens=mt,
-        min_tokens=least,
-        seed=seed,
-        stop=tuple(stop),
-        logprobs=_logprobs(body, chat),
-        logit_bias=_logit_bias(body.get("logit_bias"), vocab),
-        stop_token_ids=_stop_token_ids(body, vocab, eos),
-        **penalties,
-    )
-
-
-def _stop_token_ids(body: dict, vocab: int, eos: tuple[int, ...]) -> tuple[int, ...] | None:
-    """SamplingParams.stop_token_ids from vLLM's `ignore_eos` and `stop_token_ids`: the tokenizer's end
-    ids (`eos`) unless ignored, then the extra ids; None (the tokenizer's default) when neither is given."""
-    ignore = body.get("ignore_eos")
-    if ignore is not None and not isinstance(ignore, bool):
-        raise APIError(400, f"ignore_eos={_short(ignore)}: expected true or false", "ignore_eos")
-    extra = body.get("stop_token_ids")
-    extra = [] if extra is None else extra
-    if not _id_list(extra, vocab) or len(extra) > MAX_STOP_IDS:
-        raise APIError(
-            400,
-            f"stop_token_ids={_short(body.get('stop_token_ids'))}: expected up to {MAX_STOP_IDS} token ids "
-            f"in [0, {vocab})",
-            "stop_token_ids",
-        )
-    if not ignore and not extra:
-        return None
-    return tuple(dict.fromkeys((() if ignore else eos) + tuple(extra)))  # each id once, in order
-
-
-def _logit_bias(lb: Any, vocab: int) -> tuple[tuple[int, float], ...]:
-    """`logit_bias`: {token id (a string, as JSON keys are): bias in [-100, 100]}."""
-    if lb is None:
-        return ()
-    if not isinstance(lb, dict):
-        raise APIError(400, f"logit_bias={_short(lb)}: expected an object {{token id: bias}}", "logit_bias")
-    out = []
-    for key, v in lb.items():
-        k = key.strip() if isinstance(key, str) else ""
-        # (the length first: int() of a 4,300+ digit string raises)
-        if len(k) > len(str(vocab)) or not (k.isdigit() and k.isascii()) or int(k) >= vocab:
-            raise APIError(400, f"logit_bias: {_short(key)} is not a token id in [0, {vocab})", "logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise APIError(
-                400, f"logit_bias[{_short(key)}]={_short(v)}: expected a number in [-100, 100]", "logit_bias"
-            )
-        out.append((int(k), float(v)))
-    if len({i for i, _ in out}) != len(out):
-        raise APIError(400, "logit_bias: a token id appears twice", "logit_bias")
-    return tuple(out)
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    """SamplingParams.logprobs: /v1/completions' `logprobs` (how many top tokens), /v1/chat/completions'
-    `logprobs` (bool) with `top_logprobs`."""
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if not chat:
-        if lp is not None and (not _int(lp) or not 0 <= lp <= MAX_LOGPROBS):
-            raise APIError(400, f"logprobs={lp!r}: expected an integer in [0, {MAX_LOGPROBS}]", "logprobs")
-        return lp
-    if lp is not None and not isinstance(lp, bool):
-        raise APIError(400, f"logprobs={lp!r}: expected true or false", "logprobs")
-    if top is not None and (not _int(top) or not 0 <= top <= MAX_LOGPROBS):
-        raise APIError(
-            400, f"top_logprobs={top!r}: expected an integer in [0, {MAX_LOGPROBS}]", "top_logprobs"
-        )
-    if top is not None and not lp:
-        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    return (top or 0) if lp else None
 
 
 def _prompts(body: dict, tok: Tokenizer, vocab: int, max_len: int) -> list[list[int]]:
@@ -360,7 +241,7 @@ def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None 
         ids = tok.encode(p)
     elif isinstance(p, list) and max_len is not None and len(p) >= max_len:  # before a pass over millions
         raise _too_long(where, p, max_len)
-    elif isinstance(p, list) and all(_int(t) for t in p):
+    elif isinstance(p, list) and all(is_int(t) for t in p):
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})", where)
@@ -378,30 +259,3 @@ def _too_long(where: str, ids: list, max_len: int) -> APIError:
     msg = f"{where}: {len(ids)} tokens, but the context holds {max_len} (max_model_len), leaving no room to "
     msg += "generate"
     return APIError(400, msg, where, code="context_length_exceeded")
-
-
-def _short(x: Any, limit: int = 80) -> str:
-    """repr(x), cut to `limit` characters (an error message never echoes a megabyte back)."""
-    r = repr(x)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _id_list(x: Any, vocab: int) -> bool:
-    """A list of token ids of this vocabulary."""
-    return isinstance(x, list) and all(_int(t) and 0 <= t < vocab for t in x)
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    x = body.get(name)
-    if x is None:
-        return default
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise APIError(400, f"{name}={_short(x)}: expected a number", name)
-    try:
-        return float(x)
-    except OverflowError:  # an integer beyond float range (JSON allows any)
-        raise APIError(400, f"{name}={_short(x)}: out of range", name) from None

@@ -1,0 +1,66 @@
+"""`LLM`'s continuous-batching calls: one open batch driven step by step (the server's engine thread).
+
+Every call is mirrored to the TP ranks in order, so their batches admit, step and retire alike. Apart from
+engine.py's one-shot calls (`score`, `generate`, `stream`: each runs its prompts to the end within the
+call) because these leave the batch open between calls, its rows coming and going.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batch_state import BatchState
+from .checks import check_rows_free, check_sampling
+from .outputs import RequestOutput
+from .sampling import MODES, SamplingParams
+from .spec.step import SpecConfig
+from .tp_driver import surfacing_rank_errors
+
+
+class ContinuousBatching:
+    """`open_batch`, `admit`, `step`, `release`: mixed into `LLM`, whose state they use (`decoder`, `cache`,
+    `config`, `batch`, `_streaming`) with its `_prepare`, `_check_ids` and `_mirror`."""
+
+    batch: BatchState | None
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def open_batch(self, spec: SpecConfig | None = None, capacity: int | None = None, logprobs=True):
+        """An empty `BatchState` of `capacity` rows (default: every cache row), its graphs captured (the
+        "logprobs" mode's unless `logprobs` is False: then no row may ask for logprobs) and its budget costs
+        measured; then `admit`, `step` and `release` move requests through it."""
+        spec = self._prepare([[0]], None, spec)[2]
+        capacity = capacity or self.cache.rows
+        if not 1 <= capacity <= self.cache.rows:
+            raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
+        check_rows_free("open_batch()", self._streaming, None)  # (a previous batch's rows: abandoned)
+        self._mirror("open_batch", spec, capacity, logprobs)
+        self.batch = self.decoder.open(spec, capacity, MODES if logprobs else MODES[:-1])
+        return self.batch
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams], wait: bool = True) -> list[int]:
+        """Checked token-id prompts into free rows (between steps), prefilled now, or (`wait` False) in the
+        next steps, `prefill_budget` positions per step while other rows decode; returns their slots."""
+        if len(prompts) > len(self.batch.free_slots()):
+            raise ValueError(f"{len(prompts)} prompts, {len(self.batch.free_slots())} free rows")
+        prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        params = [check_sampling(sp, self.config.vocab_size) for sp in params]
+        check_rows_free("admit()", self._streaming, None)  # (the batch's own rows are its to manage)
+        self._mirror("admit", prompts, params, wait)
+        return self.decoder.admit(self.batch, prompts, params, wait)
+
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def step(self) -> list[int]:
+        """One step of every live row of the open batch; returns the rows that stepped."""
+        check_rows_free("step()", self._streaming, None)
+        self._mirror("step")
+        return self.decoder.step(self.batch)
+
+    @torch.inference_mode()
+    def release(self, slot: int) -> RequestOutput | None:
+        """Free a row (finished, or its request cancelled); returns its output."""
+        self._mirror("release", slot)
+        return self.decoder.release(self.batch, slot)
