@@ -295,3 +295,44 @@ def test_compiled_policy_compiles_once_for_every_batch_size_past_the_first():
         assert picks[0][0] == picks[1][0] and picks[0][2] == picks[1][2]
         torch.testing.assert_close(picks[0][1], picks[1][1])
     assert dynamo_utils.counters["stats"]["unique_graphs"] - before == 4  # 2 functions x (batch 1, symbolic)
+
+
+def test_a_row_idle_in_a_step_leaves_no_masses_for_the_lagged_fit():
+    """Lagged fit (graphs): a slot admitted with a deferred prefill (the server's) is idle for the steps its
+    prompt takes (parked, drafting garbage at position 0); its first live step must not pair the masses of
+    those idle trees with its own first accepted increments, as `admit` ensures for the slot's former row."""
+    tree, path = build_ddtree(lp(5, 2.0), 15), chain_path(torch.tensor([2, 1]))
+    acc = torch.tensor([2, 1])
+    pol = BudgetPolicy.create((3, 7, 15), 0.0, (1.0, 1.0, 1.0), "cpu", rows=2, lagged=True)
+    pol.admit([0, 1])
+    pol.update(tree, torch.tensor(2), acc, torch.tensor([True, False]), path)  # slot 1 still prefilling
+    assert pol.prev_f[1].tolist() == [-1.0] * 3
+    before = pol.lag_stats.clone()
+    pol.update(tree, torch.tensor(2), acc, torch.ones(2, dtype=torch.bool), path)  # slot 1's first live step
+    added = pol.lag_stats - before * (1 - pol.decay)
+    assert added[:, 0].tolist() == [1.0, 1.0, 1.0]  # slot 0's pair only
+
+
+def test_a_deferred_prefill_keeps_its_slot_out_of_the_lagged_fit(tiny_k25, drafter_dir):
+    """The decoder's side of the above: while a long prompt prefills between steps, the policy holds no
+    previous masses for its slot (the eager policy made lagged, as the graphs' is)."""
+    from k26 import LLM
+
+    llm = LLM(
+        tiny_k25,
+        drafter=drafter_dir,
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=2,
+        prefill_chunk=8,
+        prefill_budget=8,
+    )
+    state = llm.decoder.open(SpecConfig("ddtree", "auto", costs=(0.0, 1.0, 1.0, 1.0, 1.0)), 2)
+    state.policy.lagged = True
+    sp = SamplingParams(max_tokens=20, stop_token_ids=[])
+    (s0,) = llm.decoder.admit(state, [[5, 6, 7]], [sp])
+    (s1,) = llm.decoder.admit(state, [list(range(3, 43))], [sp], wait=False)
+    llm.decoder.step(state)
+    assert s0 in state.live and s1 not in state.live  # the long prompt still prefilling
+    assert state.policy.prev_f[s1].tolist() == [-1.0] * 4 and (state.policy.prev_f[s0] >= 0).all()

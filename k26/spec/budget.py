@@ -222,7 +222,8 @@ class BudgetPolicy:
         if self.lagged:
             w = w * (self.prev_f[:, :1] >= 0)
             self.lag_stats.mul_(keep).add_(_sums(w, self.prev_f, y))
-            self.prev_f.copy_(f)
+            # an idle row's tree (parked, say while its prompt prefills) is not its next step's predecessor
+            self.prev_f.copy_(torch.where(alive[:, None], f, -1.0))
         self.tokens.mul_(1 - self.rate_decay).add_(((accepted + 1).float() * live[:, 0]).sum())
         # gather, not cost[choice]: a 0-d index tensor is read back to the host, which a graph cannot capture
         cost = self.step_cost(alive, length)
