@@ -336,3 +336,34 @@ def test_a_deferred_prefill_keeps_its_slot_out_of_the_lagged_fit(tiny_k25, draft
     llm.decoder.step(state)
     assert s0 in state.live and s1 not in state.live  # the long prompt still prefilling
     assert state.policy.prev_f[s1].tolist() == [-1.0] * 4 and (state.policy.prev_f[s0] >= 0).all()
+
+
+def test_a_step_with_no_live_row_teaches_the_policy_nothing(tiny_k25, drafter_dir):
+    """Graph capture runs the step body twice per bucket and sampling mode on the batch's scratch state, no
+    row live (a decode step never runs without one): the policy, which costs given in the SpecConfig never
+    reset afterwards and a later capture of another mode reaches mid-run, must come out of it unchanged —
+    such a step charged its cost for no token (the long-run rate fell), decayed the calibration and
+    advanced the warm-up / exploration count."""
+    from k26 import LLM
+    from k26.graphs import Bucket
+    from k26.graphs.runner import StepState
+    from k26.graphs.stepper import graph_step
+
+    tree, path = build_ddtree(lp(5, 2.0), 15), chain_path(torch.tensor([2, 1]))
+    pol = BudgetPolicy.create((3, 7, 15), 0.0, (1.0, 2.0, 3.0), "cpu", rows=2, lagged=True)
+    for _ in range(3):
+        pol.update(tree, torch.tensor(2), torch.tensor([2, 1]), torch.ones(2, dtype=torch.bool), path)
+    fields = ("stats", "lag_stats", "prev_f", "tokens", "seconds", "steps")
+    before = {f: getattr(pol, f).clone() for f in fields}
+    pol.update(tree, torch.tensor(2), torch.tensor([2, 1]), torch.zeros(2, dtype=torch.bool), path)
+    for f in ("stats", "lag_stats", "tokens", "seconds", "steps"):
+        assert torch.equal(getattr(pol, f), before[f]), f
+    # the captured body itself, run eagerly on a fresh (scratch) state as a warm-up runs it
+    llm = LLM(tiny_k25, drafter=drafter_dir, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    spec = SpecConfig("ddtree", "auto", candidates=(3, 7), costs=(0.0, 1.0, 2.0))
+    pol = BudgetPolicy.create(spec.candidates, 0.0, (1.0, 2.0), "cpu", rows=2, lagged=True)
+    bucket = Bucket(2, 8)
+    state = StepState.allocate(bucket, llm.drafter.cfg.block_size, "cpu")
+    with torch.inference_mode():
+        graph_step(llm.decoder.ctx.models(), spec, "greedy", lambda b: pol)(state, bucket)
+    assert int(pol.steps) == 0 and float(pol.seconds) == 0.0 and pol.stats.abs().sum() == 0

@@ -215,7 +215,10 @@ class BudgetPolicy:
         inside = ((path[:, 1:, None] >= 1) & (path[:, 1:, None] <= self.index + 1)).sum(1).float()  # [B, C]
         y = torch.cat([inside[:, :1], inside.diff(dim=1)], dim=1)
         live = alive.float()[:, None]
-        seen = (torch.arange(len(self.candidates), device=f.device) <= choice).float()  # [C]
+        # a step with no live row (graph capture's warm-ups on scratch state; decoding never runs one) is no
+        # observation: nothing decays, no cost is charged, no step counted
+        on = alive.any()
+        seen = ((torch.arange(len(self.candidates), device=f.device) <= choice) & on).float()  # [C]
         w = live * seen
         keep = 1 - self.decay * seen[:, None]
         self.stats.mul_(keep).add_(_sums(w, f, y))
@@ -224,11 +227,12 @@ class BudgetPolicy:
             self.lag_stats.mul_(keep).add_(_sums(w, self.prev_f, y))
             # an idle row's tree (parked, say while its prompt prefills) is not its next step's predecessor
             self.prev_f.copy_(torch.where(alive[:, None], f, -1.0))
-        self.tokens.mul_(1 - self.rate_decay).add_(((accepted + 1).float() * live[:, 0]).sum())
+        rate_keep = 1 - self.rate_decay * on.float()
+        self.tokens.mul_(rate_keep).add_(((accepted + 1).float() * live[:, 0]).sum())
         # gather, not cost[choice]: a 0-d index tensor is read back to the host, which a graph cannot capture
         cost = self.step_cost(alive, length)
-        self.seconds.mul_(1 - self.rate_decay).add_(cost.gather(0, choice.reshape(1)).squeeze(0))
-        self.steps.add_(1)
+        self.seconds.mul_(rate_keep).add_(cost.gather(0, choice.reshape(1)).squeeze(0) * on)
+        self.steps.add_(on.long())
 
 
 def _sums(w: torch.Tensor, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
