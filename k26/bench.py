@@ -119,9 +119,10 @@ def check_batch(a: argparse.Namespace, model_dir: Path, dev: torch.device) -> No
     anything loads): each LLM allocates its KV caches, target and drafter, for `max_batch` = --batch rows at
     the full context up front, and the bench keeps two (eager and graphs) on CUDA. Refused when those caches
     alone exceed the device's free memory (the weights and graph pools come on top)."""
-    from .checks import cache_bytes, cache_rows_that_fit, default_max_model_len, free_memory
+    from .checks import default_max_model_len
     from .config import ModelConfig
     from .drafter_config import DrafterConfig
+    from .memory_plan import cache_bytes, cache_rows_that_fit, free_memory
 
     free = free_memory(dev)
     if free is None:

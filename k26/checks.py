@@ -14,7 +14,6 @@ import torch
 from .config import ModelConfig
 from .drafter_config import DrafterConfig
 from .graphs.buckets import Bucket
-from .kv_cache import DrafterCache, LatentCache
 from .loader import check_drafter_files
 from .sampling import SamplingParams
 from .spec.prefill import MAX_CHUNK
@@ -90,44 +89,6 @@ def check_lengths(config: ModelConfig, max_model_len: int | None, max_batch: int
     if max_batch < 1:
         raise ValueError(f"max_batch={max_batch}: expected a positive integer")
     return max_model_len
-
-
-def cache_bytes(
-    config: ModelConfig, dcfg: DrafterConfig | None, rows: int, max_model_len: int, dtype: torch.dtype
-) -> int:
-    """Bytes `LLM(max_batch=rows)` allocates up front for its caches (kv_cache.py): the target's latent cache
-    and, with a drafter, its K/V (whose extra trash row is counted), every row at the full context."""
-    per_position = LatentCache.bytes_per_token(config, dtype) * rows
-    if dcfg is not None:
-        per_position += DrafterCache.bytes_per_token(dcfg, dtype) * (rows + 1)
-    return per_position * max_model_len
-
-
-def cache_rows_that_fit(
-    config: ModelConfig, dcfg: DrafterConfig | None, max_model_len: int, dtype: torch.dtype, free: int
-) -> int:
-    """The most rows (`max_batch`) whose caches (`cache_bytes`) take at most `free` bytes; 0: not one."""
-    fixed = cache_bytes(config, dcfg, 0, max_model_len, dtype)
-    per_row = cache_bytes(config, dcfg, 1, max_model_len, dtype) - fixed
-    return max(0, (free - fixed) // per_row)
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Bytes a new allocation on `device` can take now: the GPU's free memory, or the host's MemAvailable
-    (Linux; elsewhere its physical memory, an upper bound); None where neither is known."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # (kB)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
-        return None
 
 
 def check_prefill(chunk: int, budget: int) -> None:

@@ -38,6 +38,7 @@ from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
+from .memory_plan import check_memory, plan_memory
 from .model import CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
 from .outputs import RequestOutput, StreamedText
@@ -136,6 +137,7 @@ class LLM(ContinuousBatching):
     def _load(self, drafter, dcfg, max_batch: int, progress: bool, cuda_kernels: bool, cache_dir) -> None:
         """The target (and drafter) weights, each rank its TP shard, and their caches."""
         tp = self.tp_size
+        self._check_memory(dcfg, max_batch, cuda_kernels)
         if tp > 1:
             with self._surface_rank_errors():
                 same_checkpoint_on_every_rank(self.path)
@@ -158,6 +160,25 @@ class LLM(ContinuousBatching):
             self.dcache = DrafterCache.allocate(
                 self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
             )
+
+    def _check_memory(self, dcfg, max_batch: int, cuda_kernels: bool) -> None:
+        """On CUDA, this rank's weights, caches and activations against its GPU's free memory, before any
+        weight is read (memory_plan.py; every rank at once under TP)."""
+        if self.device.type != "cuda":
+            return
+        kernels = cuda_kernels and self.dtype == torch.bfloat16  # (the loader's condition for their layouts)
+        plan = plan_memory(
+            self.config,
+            dcfg,
+            self.dtype,
+            self.tp_size,
+            graphs=self.graphs,
+            kernels=kernels,
+            chunk=self.prefill_chunk,
+            buckets=self.user_buckets,
+        )
+        with self._surface_rank_errors():
+            check_memory(plan, max_batch, self.max_model_len, self.device, self.rank, self.tp_size)
 
     def _load_target(self, progress: bool, cuda_kernels: bool, cache_dir) -> KimiK2:
         tp = self.tp_size

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import k26.bench
-import k26.checks
+import k26.memory_plan
 from k26.__main__ import main
 from k26.bench import bench_command, check_batch
 from k26.checks import default_max_model_len
@@ -42,7 +42,7 @@ def _allocated(rows: int) -> int:
 def test_bench_batch_beyond_the_rows_memory_holds_is_refused_before_loading(monkeypatch, capsys):
     """Free memory for exactly 3 rows' caches: --batch 4 is refused in one line naming --batch, the value
     and the limit, with no prompts drawn and no model built; --batch 3 gets to building the model."""
-    monkeypatch.setattr(k26.checks, "free_memory", lambda dev: _allocated(3))
+    monkeypatch.setattr(k26.memory_plan, "free_memory", lambda dev: _allocated(3))
     monkeypatch.setattr(k26.bench, "LLM", _load)
     drawn = []
     prompts = k26.bench._prompts
@@ -75,7 +75,7 @@ def test_bench_huge_batch_is_one_line_without_loading(monkeypatch, capsys):
 
 def test_bench_batch_limit_counts_both_llms_on_cuda(monkeypatch):
     """On CUDA the bench holds the eager and the graphs LLM at once: twice the caches per row."""
-    monkeypatch.setattr(k26.checks, "free_memory", lambda dev: 2 * _allocated(3))
+    monkeypatch.setattr(k26.memory_plan, "free_memory", lambda dev: 2 * _allocated(3))
     a = build_parser().parse_args(["bench", "--drafter", str(DRAFTER), "--batch", "4"])
     with pytest.raises(ValueError, match="--batch 4: more rows than the GPU can hold.* fits is 3$"):
         check_batch(a, TARGET, torch.device("cuda"))

@@ -1,0 +1,216 @@
+"""`LLM`'s start-up memory plan (k26/memory_plan.py): the planned weights and caches are what the loader and
+`LLM` allocate; on CUDA a plan that does not fit the GPU's free memory is refused in one line naming
+max_batch / max_model_len and the values that fit, before any weight is read (every TP rank at once, the
+tightest GPU's line raised by rank 0 itself); a plan that fits goes on to load. No GPU needed: the device
+type and its free memory are stand-ins."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import k26.engine
+import k26.memory_plan as mp
+from k26 import LLM
+from k26.config import K26_TEXT_CONFIG, ModelConfig
+from k26.drafter_config import DrafterConfig
+from k26.kv_cache import DrafterCache, LatentCache
+from k26.loader import load_drafter, load_model
+from k26.model import TPInfo
+from k26.spec.prefill import MAX_CHUNK
+from k26.tiny import quantization_config
+from k26.tp_driver import RankGroup
+
+GiB = 1 << 30
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in load_model: start-up got past the memory check to reading weights."""
+
+
+def _tensor_bytes(m: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_planned_weights_are_what_every_rank_loads(tiny_tp, tp):
+    """The plan's bytes per rank equal the tensors a real load of each rank's shard allocates (the int4
+    experts as packed int32 words and bf16 scales, the drafter's heads split)."""
+    target, drafter = tiny_tp
+    cfg, dcfg = ModelConfig.from_dir(target), DrafterConfig.from_dir(drafter)
+    w = mp.weight_bytes(cfg, dcfg, torch.bfloat16, tp, kernels=False)
+    for rank in range(tp):
+        model = load_model(target, cfg, device="cpu", tp=TPInfo(rank, tp), progress=False)
+        assert w.target == _tensor_bytes(model)
+        assert w.drafter == _tensor_bytes(load_drafter(drafter, cfg, cfg=dcfg, tp=TPInfo(rank, tp)))
+    whole = mp.weight_bytes(cfg, dcfg, torch.bfloat16, 1, kernels=False)
+    assert (w.total < whole.total) == (tp > 1)
+
+
+def test_planned_caches_are_what_llm_allocates(tiny_tp):
+    """`cache_bytes` per rank: the latent cache whole on every rank (MLA), the drafter's K/V split by heads
+    with its trash row, as `LLM._load` allocates them."""
+    target, drafter = tiny_tp
+    cfg, dcfg = ModelConfig.from_dir(target), DrafterConfig.from_dir(drafter)
+    rows, length = 3, 40
+    for tp in (1, 2, 4):
+        latent = LatentCache.allocate(cfg, rows, length, torch.bfloat16, "cpu").kv_LRTC
+        d = DrafterCache.allocate(dcfg, rows, length, torch.bfloat16, "cpu", tp_size=tp)
+        real = sum(t.numel() * t.element_size() for t in (latent, d.k, d.v))
+        assert mp.cache_bytes(cfg, dcfg, rows, length, torch.bfloat16, tp) == real
+        assert mp.cache_bytes(cfg, None, rows, length, torch.bfloat16, tp) == latent.numel() * 2
+
+
+def _k26(tp: int) -> mp.MemoryPlan:
+    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"quantization_config": quantization_config()})
+    return mp.plan_memory(
+        cfg, None, torch.bfloat16, tp, graphs=True, kernels=True, chunk=MAX_CHUNK, buckets=None
+    )
+
+
+def test_k26_at_tp8_with_a_262k_context_for_8_rows_is_refused_on_an_h200():
+    """K2.6 at TP 8: ~76 GB of weights a rank, and 147 GB of latent cache on every rank for 8 rows of
+    262,144 positions: refused on a 139 GiB GPU, naming a batch and a context that do fit."""
+    plan = _k26(8)
+    assert 70 * GiB < plan.weights.total < 72 * GiB  # 594 GB of checkpoint / 8, the int4 experts packed
+    assert plan.caches(8, 262144) == 61 * 576 * 2 * 262144 * 8  # replicated: not divided by tp
+    free = 139 * GiB
+    why = plan.refusal(8, 262144, free, "cuda:0 (tensor-parallel rank 0)")
+    m = re.fullmatch(
+        r"max_model_len=262144, max_batch=8: the KV caches need 137\.2 GiB a rank on top of the weights' "
+        r"7\d\.\d GiB and [\d.]+ GiB of activations and graph pools; cuda:0 \(tensor-parallel rank 0\) has "
+        r"139\.0 GiB free; at most max_batch=(\d+) fits at this length "
+        r"\(or max_model_len=(\d+) at this batch\)",
+        why,
+    )
+    assert m, why
+    batch, context = int(m[1]), int(m[2])
+    assert plan.need(batch, 262144) <= free < plan.need(batch + 1, 262144) and 1 <= batch < 8
+    assert plan.need(8, context) <= free < plan.need(8, context + 1)
+    assert plan.refusal(batch, 262144, free, "cuda:0") is None
+    assert plan.refusal(8, context, free, "cuda:0") is None
+
+
+def test_weights_that_leave_no_room_name_tp():
+    plan = _k26(1)  # ~560 GiB of weights on one GPU
+    why = plan.refusal(1, 4096, 139 * GiB, "cuda:0")
+    assert why.startswith("tp=1: the weights need 5") and "raise tp" in why and "\n" not in why
+
+
+def _fake_cuda(monkeypatch, free: int | None) -> list:
+    """LLM(device="cuda:0") on this CPU machine: the device check passes, the GPU has `free` bytes, and
+    reading weights raises _Loaded (recording the call)."""
+    loads: list = []
+
+    def load(*a, **kw):
+        loads.append(a)
+        raise _Loaded
+
+    monkeypatch.setattr(k26.engine, "check_device", lambda device: None)
+    monkeypatch.setattr(k26.engine, "load_model", load)
+    monkeypatch.setattr(mp, "usable_memory", lambda device: free)
+    return loads
+
+
+def _plan(target, drafter) -> mp.MemoryPlan:
+    """LLM's own plan on CUDA in bf16: graphs and the kernels' layouts, default chunk and buckets."""
+    cfg, dcfg = ModelConfig.from_dir(target), DrafterConfig.from_dir(drafter)
+    return mp.plan_memory(
+        cfg, dcfg, torch.bfloat16, 1, graphs=True, kernels=True, chunk=MAX_CHUNK, buckets=None
+    )
+
+
+def test_llm_refuses_a_plan_the_gpu_cannot_hold_before_any_weight_is_read(tiny_k25, drafter_dir, monkeypatch):
+    """Free memory for 3 rows at this length: max_batch=8 is refused in one line naming both arguments and
+    max_batch=3; no weight is read."""
+    length = 1024
+    free = _plan(tiny_k25, drafter_dir).need(3, length)
+    loads = _fake_cuda(monkeypatch, free)
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_k25, drafter=drafter_dir, device="cuda:0", max_batch=8, max_model_len=length, progress=False)
+    msg = str(e.value)
+    assert msg.startswith(f"max_model_len={length}, max_batch=8: the KV caches need ") and "\n" not in msg
+    assert "cuda:0 has " in msg and "at most max_batch=3 fits at this length" in msg
+    assert not loads
+
+
+def test_llm_with_a_plan_that_fits_goes_on_to_load(tiny_k25, drafter_dir, monkeypatch):
+    """Exactly the planned bytes free: the check passes and the load starts; one byte fewer: refused."""
+    length, plan = 1024, _plan(tiny_k25, drafter_dir)
+    kw = {
+        "drafter": drafter_dir,
+        "device": "cuda:0",
+        "max_batch": 8,
+        "max_model_len": length,
+        "progress": False,
+    }
+    loads = _fake_cuda(monkeypatch, plan.need(8, length))
+    with pytest.raises(_Loaded):
+        LLM(tiny_k25, **kw)
+    assert len(loads) == 1
+    _fake_cuda(monkeypatch, plan.need(8, length) - 1)
+    with pytest.raises(ValueError, match="max_batch=8: .* at most max_batch=7 fits"):
+        LLM(tiny_k25, **kw)
+
+
+def test_cpu_devices_are_not_planned(tiny_k25, monkeypatch):
+    """Host memory is not the engine's to plan: on the CPU the check never asks for free memory."""
+    _fake_cuda(monkeypatch, None)
+    monkeypatch.setattr(mp, "usable_memory", lambda device: pytest.fail("free memory asked on the CPU"))
+    with pytest.raises(_Loaded):
+        LLM(tiny_k25, device="cpu", max_batch=8, progress=False)
+
+
+def _check(target: str) -> None:
+    """This rank's check of an 8-row, 512-position plan at TP 2 on a stand-in cuda:<rank>."""
+    rank = dist.get_rank()
+    plan = mp.plan_memory(
+        ModelConfig.from_dir(target),
+        None,
+        torch.bfloat16,
+        2,
+        graphs=True,
+        kernels=True,
+        chunk=MAX_CHUNK,
+        buckets=None,
+    )
+    mp.check_memory(plan, 8, 512, torch.device("cuda", rank), rank, 2)
+
+
+def _rank(target: str, free: tuple[int, int]) -> None:
+    """Rank 1's side (its own process): its stand-in free memory, then the check."""
+    mp.usable_memory = lambda device: free[dist.get_rank()]
+    _check(target)
+
+
+def test_tp_ranks_refuse_together_with_the_tightest_gpus_line(tiny_tp, monkeypatch):
+    """Rank 1's GPU has room for 2 rows, rank 0's for all 8: rank 0 raises the refusal naming rank 1's GPU
+    itself (the ranks share what they have free), in one line, not a rank's traceback."""
+    target = str(tiny_tp[0])
+    plan = mp.plan_memory(
+        ModelConfig.from_dir(target),
+        None,
+        torch.bfloat16,
+        2,
+        graphs=True,
+        kernels=True,
+        chunk=MAX_CHUNK,
+        buckets=None,
+    )
+    free = (plan.need(8, 512), plan.need(2, 512))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent))  # the ranks import _rank from here
+    monkeypatch.setattr(mp, "usable_memory", lambda device: free[0])
+    group = RankGroup(2, _rank, (target, free), {}, "cpu")
+    try:
+        with pytest.raises(ValueError) as e:
+            _check(target)
+        msg = str(e.value)
+        assert "cuda:1 (tensor-parallel rank 1) has" in msg and "at most max_batch=2 fits" in msg
+        assert "\n" not in msg
+    finally:
+        group.close(kill=True)
+        dist.destroy_process_group()
+    monkeypatch.setattr(mp, "usable_memory", lambda device: free[0])
+    assert plan.refusal(8, 512, free[0], "cuda:0") is None  # rank 0 alone would have gone on
