@@ -157,3 +157,34 @@ def test_a_token_id_prompt_too_long_is_refused_by_its_length_before_its_ids_are_
     status, err = raw(served["url"], "/v1/completions", json.dumps({"model": MODEL, "prompt": ids}).encode())
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"
     assert f"{n} tokens, but the context holds {n}" in err["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_client_gone_while_its_body_arrives_is_no_server_error(served, path):
+    """The body cut short by the client leaving (Starlette's ClientDisconnect): answered as the client's
+    doing (499), not a 500 whose traceback the server logs."""
+    app, sent = create_app(served["engine"], MODEL), []
+    messages = [{"type": "http.request", "body": b'{"model": "k26-te', "more_body": True}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))  # (a 500 re-raises its exception here, for the server's log)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499

@@ -9,6 +9,7 @@ import json
 import re
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from .errors import APIError
 
@@ -20,16 +21,19 @@ MAX_BODY_BYTES = 64 << 20
 
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
     """The body as JSON; APIError 413 above `limit` bytes (by Content-Length before reading, or as the
-    chunks arrive), 400 for what is not JSON or not text."""
+    chunks arrive), 400 for what is not JSON or not text, 499 for a client gone before the body ended."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left before its body came whole: its doing, not a 500 of ours
+        raise APIError(499, "client closed the request") from None
     return await asyncio.to_thread(parse_json, b"".join(chunks))
 
 
