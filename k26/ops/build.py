@@ -154,8 +154,10 @@ VARIANTS: dict[str, list[str]] = {
     # (2026-12-06-attn-wide-tile-session28-h100.md)
     "-DK26_ATTN_WIDE": ["mla_tree_attn.cu"],
     # ... both verify tiles in one launch, the wide body for a sequence whose splits stream >= 1024 keys each
-    # (csrc/mla_tree_attn_union.cuh: it wins at long contexts only, and a graph serves every length). Prepared
-    # 2026-12-06, unmeasured
+    # (csrc/mla_tree_attn_union.cuh: it wins at long contexts only, and a graph serves every length).
+    # Measured 2026-12-06 (H100): N = 64 at 32K 209 -> 187 µs, N = 16 at 128K 219 -> 189, but the shapes left
+    # on the 32-row body lose 1.5-7 % inside it (N = 16 at 32K 65.1 -> 68.6)
+    # (2026-12-06-attn-union-step-session29-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
