@@ -159,6 +159,8 @@ VARIANTS: dict[str, list[str]] = {
     # on the 32-row body lose 1.5-7 % inside it (N = 16 at 32K 65.1 -> 68.6)
     # (2026-12-06-attn-union-step-session29-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
+    # ... with the union kernel's registers capped at 232 (no spills), near the 32-row kernel's 224 alone
+    "-DK26_ATTN_UNION -DK26_ATTN_UNION_MAXNREG=232": ["mla_tree_attn.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
@@ -180,7 +182,7 @@ def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         for define, names in VARIANTS.items():
             for name in names:
-                cmd = [*_nvcc_cmd(archs), "-c", define, "-o", str(Path(tmp) / "v.o"), str(CSRC / name)]
+                cmd = [*_nvcc_cmd(archs), "-c", *define.split(), "-o", str(Path(tmp) / "v.o"), str(CSRC / name)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if proc.returncode:
                     problems.append(f"{define} {name}: nvcc failed:\n{proc.stderr}")
