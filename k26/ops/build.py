@@ -182,7 +182,8 @@ def check_variants(archs: tuple[str, ...] = ARCHS) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         for define, names in VARIANTS.items():
             for name in names:
-                cmd = [*_nvcc_cmd(archs), "-c", *define.split(), "-o", str(Path(tmp) / "v.o"), str(CSRC / name)]
+                obj = str(Path(tmp) / "v.o")
+                cmd = [*_nvcc_cmd(archs), "-c", *define.split(), "-o", obj, str(CSRC / name)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if proc.returncode:
                     problems.append(f"{define} {name}: nvcc failed:\n{proc.stderr}")
