@@ -133,7 +133,8 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # the coherent weight loads that keep PDL's prefetch above the wait, same file; the one-token MoE gate/up's
 # x by cp.async and the table-driven gate/up's first weights prefetched,
 # 2026-12-06-moe-variants-session28-h100.md; dropped: the wide attention tile's fast whole-tile copies,
-# 2026-12-06-attn-wide-tile-session28-h100.md.)
+# 2026-12-06-attn-wide-tile-session28-h100.md, and the union attention kernel's register cap (__maxnreg__
+# 224 / 232: its 32-row shapes no faster), 2026-12-06-attn-union-step-session29-h100.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -156,11 +157,9 @@ VARIANTS: dict[str, list[str]] = {
     # ... both verify tiles in one launch, the wide body for a sequence whose splits stream >= 1024 keys each
     # (csrc/mla_tree_attn_union.cuh: it wins at long contexts only, and a graph serves every length).
     # Measured 2026-12-06 (H100): N = 64 at 32K 209 -> 187 µs, N = 16 at 128K 219 -> 189, but the shapes left
-    # on the 32-row body lose 1.5-7 % inside it (N = 16 at 32K 65.1 -> 68.6)
+    # on the 32-row body lose 1.5-7 % inside it (N = 16 at 32K 65.1 -> 68.6), at 224 registers too
     # (2026-12-06-attn-union-step-session29-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
-    # ... with the union kernel's registers capped at 232 (no spills), near the 32-row kernel's 224 alone
-    "-DK26_ATTN_UNION -DK26_ATTN_UNION_MAXNREG=232": ["mla_tree_attn.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)

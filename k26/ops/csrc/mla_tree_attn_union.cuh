@@ -27,19 +27,10 @@ namespace k26_attn {
 constexpr int kUnionKeysPerSplit = K26_ATTN_UNION_KEYS;
 constexpr size_t kUnionSmem = Cfg<2>::SMEM > WideCfg::SMEM ? Cfg<2>::SMEM : WideCfg::SMEM;
 
-// -DK26_ATTN_UNION_MAXNREG=R caps the union kernel's registers (__maxnreg__, CUDA 12.4+): the 32-row body
-// compiled inside the union at the wide body's 254 registers ran 1.5-7 % slower than alone at 224
-// (2026-12-06-attn-union-step-session29-h100.md); at the 32-row kernel's budget its schedule may come back,
-// at the price of the wide body's spills. An A/B side.
-#ifdef K26_ATTN_UNION_MAXNREG
-#define K26_UNION_BOUNDS __maxnreg__(K26_ATTN_UNION_MAXNREG)
-#else
-#define K26_UNION_BOUNDS __launch_bounds__(THREADS, 1)
-#endif
-
 // p: the 32-row layout (the grid's); pw: the wide one (its RT, S_max, min_keys and workspace region).
 template <bool ROPE>
-static __global__ void K26_UNION_BOUNDS tree_attn_union_kernel(Params p, Rotary rot, Params pw, int wide_from) {
+static __global__ void __launch_bounds__(THREADS, 1)
+    tree_attn_union_kernel(Params p, Rotary rot, Params pw, int wide_from) {
   const int b = blockIdx.z;
   if (live_keys(p, static_cast<int>(p.prefix[b])) < wide_from) {
     tree_attn_body<2, ROPE>(p, rot, blockIdx.x, blockIdx.y, b);
