@@ -29,6 +29,10 @@ class RopeConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # The reference YaRN's cos / sin multiplier, mscale(f, mscale) / mscale(f, mscale_all_dim)
+    # (modeling_deepseek.py; transformers' attention_factor). k26 ropes without one: the target refuses
+    # configs where it is not 1 (`ModelConfig.validate`).
+    attention_factor: float = 1.0
 
     @property
     def is_yarn(self) -> bool:
@@ -142,6 +146,7 @@ class ModelConfig:
         expect(f, "attention_bias", False)
         expect(f, "tie_word_embeddings", False)
         expect(f, "moe_layer_freq", 1)
+        expect(f, "rope_interleave", True)  # (false: transformers rotates (x[i], x[i + P/2]) pairs)
         if f.get("q_lora_rank") is None:
             raise ConfigError(f"{prefix}q_lora_rank is null: models without a q LoRA are not supported")
         nextn = f.get("num_nextn_predict_layers", 0) or 0
@@ -210,6 +215,14 @@ class ModelConfig:
             raise bad("first_k_dense_replace", f"exceeds num_hidden_layers={self.num_hidden_layers}")
         if self.qk_rope_head_dim % 2:
             raise bad("qk_rope_head_dim", "RoPE rotates pairs; it must be even")
+        if not math.isclose(self.rope.attention_factor, 1.0, rel_tol=1e-9):
+            r = self.rope
+            raise ConfigError(
+                f"{prefix}rope_scaling: YaRN's cos / sin multiplier mscale(factor, mscale) / mscale(factor, "
+                f"mscale_all_dim) is {r.attention_factor:.6g} (factor={r.factor}, mscale_all_dim="
+                f"{r.mscale_all_dim}); k26 implements only 1 (mscale equal to mscale_all_dim, as in every "
+                "Kimi / DeepSeek-V3 config)"
+            )
         if self.latent_norm_eps_mode not in ("config", "hf_default"):
             raise bad("latent_norm_eps_mode", "expected 'config' or 'hf_default'")
         if self.quant.int4:
@@ -274,11 +287,15 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
     r = Fields(rs, f"{prefix}{key}.")
     factor = r.float("factor", default=None)
     orig = r.int("original_max_position_embeddings")
+    mscale = r.nonnegative("mscale", default=1.0)
+    mscale_all_dim = r.nonnegative("mscale_all_dim", default=0.0)
     extra = {
         "beta_fast": r.float("beta_fast", default=32.0),
         "beta_slow": r.float("beta_slow", default=1.0),
-        "mscale": r.nonnegative("mscale", default=1.0) or 1.0,  # (0: no scaling, as 1)
-        "mscale_all_dim": r.nonnegative("mscale_all_dim", default=0.0),
+        "mscale": mscale or 1.0,  # (0: no scaling, as 1)
+        "mscale_all_dim": mscale_all_dim,
+        # (the reference's defaults and its mscale(f, m) = 1 for f <= 1, else 0.1·m·ln f + 1)
+        "attention_factor": yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim),
     }
     # Transformers' generic YaRN may re-derive the factor from the two lengths; insisting on equality
     # keeps every engine computing the same frequencies.
@@ -294,6 +311,11 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
         original_max_position=orig,
         **extra,
     )
+
+
+def yarn_mscale(factor: float, m: float) -> float:
+    """YaRN's mscale as DeepSeek's reference computes it (yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 # Kimi K2.6's text_config as released (real dimensions; quantization_config left to the caller).

@@ -139,3 +139,45 @@ def test_yarn_fields_without_the_type_are_refused_not_taken_for_plain_rope():
     rs.pop("type", None), rs.pop("rope_type", None)
     with pytest.raises(ConfigError, match="rope_scaling has YaRN's fields but no 'type'"):
         ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs})
+
+
+def test_rope_interleave_false_is_refused():
+    """transformers' DeepseekV3 rotates (x[i], x[i + P/2]) when rope_interleave is false; k26's RoPE (and its
+    kernels) rotate interleaved pairs only, so such a config must be refused (it was taken silently: on a
+    tiny checkpoint the logits differed from transformers' by 49 %)."""
+    with pytest.raises(ConfigError, match=re.escape("rope_interleave=False is not supported")):
+        ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_interleave": False})
+    assert ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_interleave": True}).rope.factor == 64
+
+
+@pytest.mark.parametrize(
+    "rope_changes,multiplier",
+    [
+        ({"mscale_all_dim": None}, 0.1 * math.log(64) + 1),  # DeepSeek's default mscale_all_dim 0
+        ({"mscale_all_dim": 0.0}, 0.1 * math.log(64) + 1),
+        ({"mscale_all_dim": 0.5}, (0.1 * math.log(64) + 1) / (0.05 * math.log(64) + 1)),
+        ({"mscale": 0.0}, 1 / (0.1 * math.log(64) + 1)),  # mscale(f, 0) is 1
+    ],
+)
+def test_yarn_cos_sin_multiplier_other_than_one_is_refused(rope_changes, multiplier):
+    """The reference YaRN multiplies RoPE's cos and sin by mscale(f, mscale) / mscale(f, mscale_all_dim)
+    (modeling_deepseek.py; transformers' attention_factor). k26 applies no multiplier (its kernels rope
+    q_pe and k_pe unscaled), so a config where it is not 1 must be refused; it was taken silently (tiny
+    checkpoint, no mscale_all_dim: logits 24 % off transformers')."""
+    rs = {k: v for k, v in (K26_TEXT_CONFIG["rope_scaling"] | rope_changes).items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(f"{multiplier:.6g}")):
+        ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs})
+
+
+@pytest.mark.parametrize(
+    "rope_changes",
+    [
+        {"mscale": 0.707, "mscale_all_dim": 0.707},  # DeepSeek-V2's: the ratio is 1
+        {"factor": 1.0, "mscale_all_dim": 0.0},  # no extension: mscale(1, m) is 1 for every m
+    ],
+)
+def test_yarn_cos_sin_multiplier_of_one_is_accepted(rope_changes):
+    rs = K26_TEXT_CONFIG["rope_scaling"] | rope_changes
+    max_pos = int(rs["factor"] * rs["original_max_position_embeddings"])
+    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs, "max_position_embeddings": max_pos})
+    assert cfg.rope.attention_factor == pytest.approx(1.0, abs=1e-12)
