@@ -1,7 +1,8 @@
 """YaRN rotary embedding as Kimi/DeepSeek-V3 use it: interleaved pairs (x[2i], x[2i+1]) rotated in place.
 
-The cos/sin multiplier is get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) = 1.0 for every Kimi
-config, so it is not applied; the YaRN mscale lives in the softmax scale instead (config.py).
+The cos/sin multiplier get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) is 1.0 for every Kimi
+config, so it is not applied (a target config where it is not 1 is refused: `ModelConfig.validate`); the
+YaRN mscale lives in the softmax scale instead (config.py).
 """
 
 from __future__ import annotations
