@@ -70,10 +70,8 @@ class Fields:
             raise ConfigError(f"{self.prefix}{key}={v!r}: expected a finite number >= 0")
         return float(v)
 
-    def bool(self, key: str, *, default: bool) -> bool:
-        v = self.d.get(key)
-        if v is None:
-            return default
+    def bool(self, key: str, *, default: bool | None = None) -> bool:
+        v = self._need(key, default)
         if not isinstance(v, bool):
             raise ConfigError(f"{self.prefix}{key}={v!r}: expected true or false")
         return v

@@ -181,3 +181,17 @@ def test_yarn_cos_sin_multiplier_of_one_is_accepted(rope_changes):
     max_pos = int(rs["factor"] * rs["original_max_position_embeddings"])
     cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs, "max_position_embeddings": max_pos})
     assert cfg.rope.attention_factor == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "field", ["n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace"]
+)
+def test_a_routing_field_left_out_is_named_not_defaulted(field):
+    # Readers disagree on these fields' defaults (transformers: n_group 8, topk_group 4, scale 2.5, 3 dense
+    # layers; DeepSeek's reference: no renormalisation, scale 1.0, no dense layer): guessing routes silently
+    # differently from one of them.
+    text = {k: v for k, v in K26_TEXT_CONFIG.items() if k != field}
+    with pytest.raises(ConfigError, match=f"{field} is missing from config.json"):
+        ModelConfig.from_dict(
+            k26_config() | {"text_config": text | {"quantization_config": quantization_config()}}
+        )
