@@ -180,12 +180,14 @@ def render(
 ) -> list[int]:
     """Prompt ids of a conversation (see the module doc); `tools`: OpenAI function declarations."""
     sp = tok.token_id
-    if isinstance(messages, (str, dict, Message)):
-        raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
+    if isinstance(messages, (str, bytes, dict, Message)) or not hasattr(messages, "__iter__"):
+        raise ValueError(  # (chat input errors are ValueError)
             f"messages is a {type(messages).__name__}; expected a list of chat messages"
         )
     _check_tools(tools)
     msgs = [Message.of(m) for m in messages]
+    if not msgs:  # (only the system turn: nothing asked, as the server's 400 says too)
+        raise ValueError("messages is empty: expected at least one chat message")
     if fmt.default_system is not None and (not msgs or msgs[0].role != "system"):
         msgs.insert(0, Message("system", fmt.default_system))
     ids: list[int] = []

@@ -29,6 +29,8 @@ def check_device(device) -> None:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N' ({e})") from None
+    if dev.type not in ("cpu", "cuda"):  # (torch knows 'mps', 'meta', 'xpu'...: k26 runs on neither)
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N'; k26 runs on no other")
     if dev.type != "cuda":
         return
     if not torch.cuda.is_available():
@@ -131,6 +133,16 @@ def check_pair(path, drafter, tp: int, dtype: torch.dtype, max_model_len, max_ba
     check_tokenizer(tokenizer, config)
     lengths, user = check_lengths(config, max_model_len, max_batch), check_buckets(buckets, max_batch)
     return Pair(config, tokenizer, lengths, user, check_drafter(drafter, config, dtype, tp))
+
+
+def check_flags(**flags) -> None:
+    """LLM's on / off arguments are bools (graphs may also be None: the default): a string such as "no" or
+    "0" (an environment variable's) would be taken for True, silently."""
+    for name, v in flags.items():
+        if not isinstance(v, bool) and not (name == "graphs" and v is None):
+            raise TypeError(
+                f"{name}={v!r}: expected True or False" + (" (or None)" if name == "graphs" else "")
+            )
 
 
 def check_path(value, name: str) -> None:

@@ -30,8 +30,12 @@ class ContinuousBatching:
         "logprobs" mode's unless `logprobs` is False: then no row may ask for logprobs) and its budget costs
         measured; then `admit`, `step` and `release` move requests through it."""
         spec = self._prepare([[0]], None, spec)[2]
-        capacity = capacity or self.cache.rows
-        if not 1 <= capacity <= self.cache.rows:
+        capacity = self.cache.rows if capacity is None else capacity  # (0 is refused, not taken for None)
+        if (
+            isinstance(capacity, bool)
+            or not isinstance(capacity, int)
+            or not 1 <= capacity <= self.cache.rows
+        ):
             raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
         check_rows_free("open_batch()", self._streaming, None)  # (a previous batch's rows: abandoned)
         self._mirror("open_batch", spec, capacity, logprobs)
@@ -43,8 +47,14 @@ class ContinuousBatching:
     def admit(self, prompts: list[list[int]], params: list[SamplingParams], wait: bool = True) -> list[int]:
         """Checked token-id prompts into free rows (between steps), prefilled now, or (`wait` False) in the
         next steps, `prefill_budget` positions per step while other rows decode; returns their slots."""
-        if len(prompts) > len(self.batch.free_slots()):
-            raise ValueError(f"{len(prompts)} prompts, {len(self.batch.free_slots())} free rows")
+        batch = self._open_batch("admit()")
+        for name, xs in (("prompts", prompts), ("params", params)):  # (a str's characters are no prompts)
+            if isinstance(xs, (str, bytes, SamplingParams)) or not isinstance(xs, (list, tuple)):
+                raise TypeError(f"admit(): {name} is a {type(xs).__name__}; expected a list, one per request")
+        if len(params) != len(prompts):  # (checked before any row is taken: none is left half admitted)
+            raise ValueError(f"admit(): {len(prompts)} prompts but {len(params)} SamplingParams; one each")
+        if len(prompts) > len(batch.free_slots()):
+            raise ValueError(f"{len(prompts)} prompts, {len(batch.free_slots())} free rows")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         params = [check_sampling(sp, self.config.vocab_size) for sp in params]
         check_rows_free("admit()", self._streaming, None)  # (the batch's own rows are its to manage)
@@ -55,6 +65,7 @@ class ContinuousBatching:
     @surfacing_rank_errors
     def step(self) -> list[int]:
         """One step of every live row of the open batch; returns the rows that stepped."""
+        self._open_batch("step()")
         check_rows_free("step()", self._streaming, None)
         self._mirror("step")
         return self.decoder.step(self.batch)
@@ -62,5 +73,14 @@ class ContinuousBatching:
     @torch.inference_mode()
     def release(self, slot: int) -> RequestOutput | None:
         """Free a row (finished, or its request cancelled); returns its output."""
+        cap = self._open_batch("release()").capacity
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cap:  # (-1: another row)
+            raise ValueError(f"release(): slot {slot!r} is not a slot of the open batch (0..{cap - 1})")
         self._mirror("release", slot)
         return self.decoder.release(self.batch, slot)
+
+    def _open_batch(self, what: str) -> BatchState:
+        """The open batch, or a one-line error naming the call made without one."""
+        if self.batch is None:
+            raise RuntimeError(f"{what}: no open batch; call open_batch() first")
+        return self.batch

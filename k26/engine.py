@@ -21,6 +21,7 @@ from .batch_state import BatchState
 from .chat import ChatFormat, Message, render
 from .checks import (
     check_device,
+    check_flags,
     check_ids,
     check_pair,
     check_path,
@@ -38,7 +39,7 @@ from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
-from .memory_plan import check_memory, plan_memory
+from .memory_plan import check_host_caches, check_memory, plan_memory
 from .model import CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
 from .outputs import RequestOutput, StreamedText
@@ -82,6 +83,10 @@ class LLM(ContinuousBatching):
         check_allreduce(allreduce)
         check_device(device)
         check_prefill(prefill_chunk, prefill_budget)
+        check_flags(
+            absorb=absorb, progress=progress, cuda_kernels=cuda_kernels, graphs=graphs, compile=compile
+        )
+        check_flags(capture=capture, prefix_cache=prefix_cache)
         self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
         self.prefill_budget = prefill_budget
         for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
@@ -163,9 +168,10 @@ class LLM(ContinuousBatching):
 
     def _check_memory(self, dcfg, max_batch: int, cuda_kernels: bool) -> None:
         """On CUDA, this rank's weights, caches and activations against its GPU's free memory, before any
-        weight is read (memory_plan.py; every rank at once under TP)."""
+        weight is read (memory_plan.py; every rank at once under TP); on the CPU its KV caches only."""
         if self.device.type != "cuda":
-            return
+            args = (self.config, dcfg, max_batch, self.max_model_len, self.dtype, self.tp_size)
+            return check_host_caches(*args)
         kernels = cuda_kernels and self.dtype == torch.bfloat16  # (the loader's condition for their layouts)
         plan = plan_memory(
             self.config,

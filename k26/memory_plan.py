@@ -5,7 +5,8 @@ for the KV caches would otherwise surface as a CUDA out-of-memory traceback afte
 Per rank: its weights at this TP size and dtype (the meta model the loader fills, so exactly what it
 allocates: int4 experts stay packed int32 words and bf16 scales), the KV caches (`cache_bytes`; the MLA
 latent cache is replicated on every rank, the drafter's K/V split by heads) and a bound on the activations
-and CUDA graph pools (`MemoryPlan.activations`). Host memory (CPU devices) is not planned.
+and CUDA graph pools (`MemoryPlan.activations`). Host memory (CPU devices) is not planned: only the KV
+caches, allocated whole after the load, are checked against it (`check_host_caches`).
 """
 
 from __future__ import annotations
@@ -288,3 +289,24 @@ def check_memory(plan: MemoryPlan, rows: int, length: int, device: torch.device,
         mine = min(everyone)  # the least free memory decides
     if why := plan.refusal(rows, length, *mine):
         raise ValueError(why)
+
+
+def check_host_caches(
+    config: ModelConfig, dcfg: DrafterConfig | None, rows: int, length: int, dtype: torch.dtype, tp: int
+) -> None:
+    """CPU: refuse, before any weight is read, KV caches (`cache_bytes`, every local rank's) larger than the
+    host's free memory, naming max_batch / max_model_len and the max_batch that fits; they would otherwise
+    fail to allocate after the load, with a traceback. (The weights and activations are not planned.)"""
+    free = free_memory(torch.device("cpu"))
+    need = tp * cache_bytes(config, dcfg, rows, length, dtype, tp)
+    if free is None or need <= free:
+        return
+    fit = cache_rows_that_fit(config, dcfg, length, dtype, free // tp, tp)
+    fits = (
+        f"at most max_batch={fit} fits at this length" if fit else "not even max_batch=1 fits at this length"
+    )
+    raise ValueError(
+        f"max_model_len={length}, max_batch={rows}: the KV caches need {_gib(need)}"
+        + (f" over {tp} ranks" if tp > 1 else "")
+        + f" and this machine has {_gib(free)} free; {fits}"
+    )

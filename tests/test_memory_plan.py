@@ -163,6 +163,29 @@ def test_cpu_devices_are_not_planned(tiny_k25, monkeypatch):
         LLM(tiny_k25, device="cpu", max_batch=8, progress=False)
 
 
+def test_cpu_caches_the_host_cannot_hold_are_refused_before_any_weight_is_read(
+    tiny_k25, drafter_dir, monkeypatch
+):
+    """On the CPU the KV caches alone are checked against the host's free memory: max_batch=10**6 failed
+    with an allocator traceback after the load. Exactly the caches' bytes free: it loads; one fewer: refused
+    in one line naming max_batch / max_model_len and the max_batch that fits."""
+    loads = _fake_cuda(monkeypatch, None)
+    kw = {"drafter": drafter_dir, "device": "cpu", "max_model_len": 1024, "progress": False}
+    need = mp.cache_bytes(
+        ModelConfig.from_dir(tiny_k25), DrafterConfig.from_dir(drafter_dir), 8, 1024, torch.bfloat16
+    )
+    monkeypatch.setattr(mp, "free_memory", lambda device: need)
+    with pytest.raises(_Loaded):
+        LLM(tiny_k25, max_batch=8, **kw)
+    monkeypatch.setattr(mp, "free_memory", lambda device: need - 1)
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_k25, max_batch=8, **kw)
+    msg = str(e.value)
+    assert msg.startswith("max_model_len=1024, max_batch=8: the KV caches need ") and "\n" not in msg
+    assert "this machine has " in msg and "at most max_batch=7 fits at this length" in msg
+    assert len(loads) == 1
+
+
 def _check(target: str) -> None:
     """This rank's check of an 8-row, 512-position plan at TP 2 on a stand-in cuda:<rank>."""
     rank = dist.get_rank()

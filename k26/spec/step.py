@@ -34,6 +34,14 @@ def _times(xs, positive: bool) -> bool:
     return ok and all(x > 0 if positive else x >= 0 for x in xs)
 
 
+def _items(x) -> tuple:
+    """x as a tuple; () when it is not iterable (5, None), so the field's own check names it."""
+    try:
+        return tuple(x)
+    except TypeError:
+        return ()
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: Literal["ar", "dflash", "ddtree"] = "ddtree"
@@ -56,22 +64,23 @@ class SpecConfig:
                 f"SpecConfig.budget={b}: a budget is DDTree's; {self.method!r} verifies "
                 + ("one token a step" if self.method == "ar" else "its one draft chain")
             )
-        c = tuple(self.candidates)
+        c = _items(self.candidates)
         if not c or not all(map(_int, c)) or list(c) != sorted(set(c)) or c[0] < 1 or c[-1] > MAX_BUDGET:
             raise ValueError(
                 f"SpecConfig.candidates={self.candidates!r}: ascending integer budgets in [1, {MAX_BUDGET}]"
             )
         object.__setattr__(self, "candidates", c)
-        k = self.costs
+        k = self.costs if self.costs is None else _items(self.costs)
         if k is not None and (len(k) != len(c) + 1 or not _times(k[:1], False) or not _times(k[1:], True)):
             raise ValueError(
-                f"SpecConfig.costs={k!r}: t_draft (>= 0) and one verify time (> 0) per candidate, "
+                f"SpecConfig.costs={self.costs!r}: t_draft (>= 0) and one verify time (> 0) per candidate, "
                 f"{len(c) + 1} finite numbers of seconds"
             )
-        s = self.cost_per_token
+        s = self.cost_per_token if self.cost_per_token is None else _items(self.cost_per_token)
         if s is not None and (self.costs is None or len(s) != len(c) or not _times(s, positive=False)):
             raise ValueError(
-                f"SpecConfig.cost_per_token={s!r}: needs `costs` and one finite value >= 0 per candidate"
+                f"SpecConfig.cost_per_token={self.cost_per_token!r}: needs `costs` and one finite value >= 0 "
+                "per candidate"
             )
 
     @property
