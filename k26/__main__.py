@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import sys
 import tempfile
 import warnings
@@ -71,6 +72,19 @@ def _out_arg(value: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {value}: cannot write in {path.parent} ({e.strerror})") from None
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{flag} {value}: not writable")
+
+
+def _listen_arg(host: str, port: int) -> None:
+    """serve's --host / --port free to listen on now, not found taken (uvicorn's one ERROR line) after minutes
+    of loading; bound as uvicorn binds (SO_REUSEADDR; IPv6 for a host with a colon). Port 0: any free one."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
 def _cache_dir_arg(value: str | None) -> None:
@@ -264,6 +278,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     _cache_dir_arg(a.cache_dir)
     check_device(a.device)
     check_args(a)
+    _listen_arg(a.host, a.port)
     return serve(a)
 
 

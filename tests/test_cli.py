@@ -388,3 +388,15 @@ def test_serve_host_that_does_not_resolve_is_refused_before_loading():
     with pytest.raises(ValueError, match="--host no-such-host.invalid: not an address"):
         check_args(build_parser().parse_args(["serve", "--host", "no-such-host.invalid"]))
     check_args(build_parser().parse_args(["serve", "--host", "127.0.0.1"]))
+
+
+def test_serve_port_taken_is_refused_before_loading(no_loading, capsys):
+    """uvicorn found it taken only after the load (its one ERROR line, exit 3, after '[k26] serving ...')."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, _, err = run(capsys, "serve", "--device", "cpu", "--port", str(port))
+    assert rc == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in err
