@@ -158,7 +158,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
         raise ValueError("--no-thinking applies to --chat on a K2.5 / K2.6 model (its think block)")
     fmt = fmt.with_thinking(False if a.no_thinking else None)
     ids = render(tok, [Message("user", a.prompt)], fmt) if a.chat else tok.encode(a.prompt)
-    if not ids:
+    if not a.prompt or not ids:  # (--chat wraps even an empty one in its turns)
         raise ValueError("--prompt is empty")
     if len(ids) >= max_len:
         raise ValueError(

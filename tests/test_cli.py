@@ -124,6 +124,7 @@ def test_fit_spec_keeps_the_candidates_that_fit():
         (["--max-model-len", "999999"], "--max-model-len 999999: must lie in (1, "),
         (["--tp", "3"], "tensor-parallel size 3 does not divide"),
         (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "", "--chat"], "--prompt is empty"),
         (["--no-thinking"], "--no-thinking applies to --chat"),
         (["--prompt", "x " * 40, "--max-model-len", "32"], "leaving no room to generate"),
         (
