@@ -108,6 +108,11 @@ class Tokenizer:
                     f"{model_file.name}, or the two files of different tokenizers?)"
                 )
             names[i] = tok["content"]
+        if not {"<|im_end|>", "[EOS]"} & set(names.values()):  # (no stop id: every answer runs to max_tokens)
+            raise TokenizerError(
+                f"{cfg_file}: added_tokens_decoder names neither <|im_end|> nor [EOS]: no end token would "
+                "stop generation (not this model's tokenizer_config.json?)"
+            )
         try:
             return cls(ranks, names)
         except TokenizerError as e:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from k26.tokenizer import KIMI_PAT_STR, NUM_SPECIAL_IDS, TextStream, Tokenizer, first_stop
+from k26.tokenizer import KIMI_PAT_STR, NUM_SPECIAL_IDS, TextStream, Tokenizer, TokenizerError, first_stop
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +94,16 @@ def test_first_stop_on_the_tail_equals_a_search_of_the_whole_text():
             assert first_stop(text, stops, len(piece)) == whole
             if whole is not None:
                 break
+
+
+@pytest.mark.parametrize("cfg", [{}, {"added_tokens_decoder": {}}])
+def test_a_tokenizer_config_without_end_tokens_is_refused(tiny_k25, tmp_path, cfg):
+    """`{}` loaded with no special token: no stop id, so every answer ran to max_tokens, silently (and the
+    chat format failed later, on its first special token)."""
+    import json
+    import shutil
+
+    shutil.copy(tiny_k25 / "tiktoken.model", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json: added_tokens_decoder names neither"):
+        Tokenizer.from_dir(tmp_path)
