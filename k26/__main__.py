@@ -41,6 +41,8 @@ def _dir_arg(value: str | None, flag: str) -> Path | None:
     """A checkpoint directory argument: a file (say .../config.json) or a missing path, named with the fix."""
     if value is None:
         return None
+    if not value:  # (an unset shell variable, --model "$MODEL": not the current directory)
+        raise ValueError(f"{flag} is empty: pass a checkpoint directory")
     p = Path(value)
     if p.is_file():
         raise ValueError(
@@ -88,7 +90,10 @@ def _listen_arg(host: str, port: int) -> None:
 
 
 def _cache_dir_arg(value: str | None) -> None:
-    """--cache-dir: created on first use, so it may be missing, but not a file."""
+    """--cache-dir: created on first use, so it may be missing, but not a file (nor empty: the current
+    directory)."""
+    if value == "":
+        raise ValueError("--cache-dir is empty: pass a directory (created on first use)")
     if value is not None and Path(value).exists() and not Path(value).is_dir():
         raise ValueError(f"--cache-dir {value}: exists and is not a directory")
 

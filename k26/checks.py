@@ -149,6 +149,8 @@ def check_path(value, name: str) -> None:
     """A directory argument: None, or a str or path."""
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name}={value!r}: expected a path (str or os.PathLike)")
+    if value == "":  # (Path("") is the current directory: an unset variable would read or write there)
+        raise ValueError(f"{name}='': an empty path; pass a directory (or None)")
 
 
 def _int(x) -> bool:

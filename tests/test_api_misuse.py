@@ -1,7 +1,7 @@
 """The Python API misused as a user might: each mistake named in one message before anything loads or any row
-is taken (devices k26 does not run on, on / off arguments that are not bools, the continuous-batching calls
-out of order or with mismatched lists, SpecConfig fields that are not sequences, chat messages that are not
-a list)."""
+is taken (devices k26 does not run on, empty paths, on / off arguments that are not bools, the
+continuous-batching calls out of order or with mismatched lists, SpecConfig fields that are not sequences,
+chat messages that are not a list)."""
 
 import pytest
 import torch
@@ -34,6 +34,14 @@ def test_a_device_k26_does_not_run_on_is_refused_before_loading(tiny_k25, no_loa
     traceback, meta with 'can't convert meta device type tensor to numpy')."""
     with pytest.raises(ValueError, match=r"device=.*: expected 'cpu', 'cuda' or 'cuda:N'"):
         LLM(tiny_k25, device=device, progress=False)
+
+
+@pytest.mark.parametrize("kw", [{"model_path": ""}, {"drafter": ""}, {"cache_dir": ""}])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(tiny_k25, no_loading, kw):
+    """Path("") is ".": an unset variable (cache_dir=os.environ.get(...) or "") read or wrote there."""
+    kw = {"model_path": tiny_k25, **kw}
+    with pytest.raises(ValueError, match=f"{next(k for k, v in kw.items() if v == '')}='': an empty path"):
+        LLM(kw.pop("model_path"), device="cpu", progress=False, **kw)
 
 
 @pytest.mark.parametrize(

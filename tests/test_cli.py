@@ -125,6 +125,8 @@ def test_fit_spec_keeps_the_candidates_that_fit():
         (["--tp", "3"], "tensor-parallel size 3 does not divide"),
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt", "", "--chat"], "--prompt is empty"),
+        (["--model", ""], "--model is empty: pass a checkpoint directory"),  # (not the current directory)
+        (["--cache-dir", ""], "--cache-dir is empty"),
         (["--no-thinking"], "--no-thinking applies to --chat"),
         (["--prompt", "x " * 40, "--max-model-len", "32"], "leaving no room to generate"),
         (
