@@ -30,8 +30,8 @@ class RopeConfig:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     # The reference YaRN's cos / sin multiplier, mscale(f, mscale) / mscale(f, mscale_all_dim)
-    # (modeling_deepseek.py; transformers' attention_factor). k26 ropes without one: the target refuses
-    # configs where it is not 1 (`ModelConfig.validate`).
+    # (modeling_deepseek.py). k26 ropes without one: the target refuses configs where it is not 1
+    # (`ModelConfig.validate`), and `parse_rope` those where transformers' differs (its attention_factor).
     attention_factor: float = 1.0
 
     @property
@@ -301,6 +301,8 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
         # (the reference's defaults and its mscale(f, m) = 1 for f <= 1, else 0.1·m·ln f + 1)
         "attention_factor": yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim),
     }
+    if math.isclose(extra["attention_factor"], 1.0, rel_tol=1e-9):  # (else validate names the multiplier)
+        check_hf_yarn(rs, factor, f"{prefix}{key}")
     # Transformers' generic YaRN may re-derive the factor from the two lengths; insisting on equality
     # keeps every engine computing the same frequencies.
     max_pos = f.int("max_position_embeddings")
@@ -315,6 +317,21 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
         original_max_position=orig,
         **extra,
     )
+
+
+def check_hf_yarn(rs: dict, factor: float, where: str) -> None:
+    """Refuse YaRN fields on which transformers' cos / sin multiplier (`_compute_yarn_parameters`: an
+    explicit attention_factor, else mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are set and
+    non-zero, else mscale(f, 1)) differs from DeepSeek's reference (defaults mscale 1, mscale_all_dim 0),
+    which `ModelConfig.validate` holds to 1: a checkpoint meaning two things is refused, not guessed."""
+    if "attention_factor" in rs and rs["attention_factor"] is not None and rs["attention_factor"] != 1:
+        raise ConfigError(f"{where}.attention_factor={rs['attention_factor']!r}: k26 implements only 1")
+    if factor > 1 and not (rs.get("mscale") and rs.get("mscale_all_dim")):
+        raise ConfigError(
+            f"{where}: mscale={rs.get('mscale')!r}, mscale_all_dim={rs.get('mscale_all_dim')!r}: with factor "
+            f"{factor} both must be set and non-zero (transformers and DeepSeek's reference default them "
+            "differently, so the cos / sin multiplier would depend on the reader)"
+        )
 
 
 def yarn_mscale(factor: float, m: float) -> float:

@@ -184,6 +184,24 @@ def test_yarn_cos_sin_multiplier_of_one_is_accepted(rope_changes):
 
 
 @pytest.mark.parametrize(
+    "rope_changes,named",
+    [
+        ({"mscale": None}, "mscale=None"),  # DeepSeek: mscale 1, ratio 1; transformers: mscale(64, 1) = 1.42
+        ({"mscale": 0.0, "mscale_all_dim": 0.0}, "mscale=0.0"),  # DeepSeek 1; transformers 1.42
+        ({"attention_factor": 2.0}, "attention_factor=2.0"),  # transformers takes it as given
+    ],
+)
+def test_yarn_fields_transformers_reads_otherwise_are_refused(rope_changes, named):
+    """Where DeepSeek's reference multiplier is 1 but transformers' (_compute_yarn_parameters) is not, the
+    checkpoint means two things: refused, naming the field (these loaded silently)."""
+    rs = {k: v for k, v in (K26_TEXT_CONFIG["rope_scaling"] | rope_changes).items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs})
+    rs_one = K26_TEXT_CONFIG["rope_scaling"] | {"attention_factor": 1.0}  # an explicit 1 is what k26 does
+    assert ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs_one}).rope.factor == 64
+
+
+@pytest.mark.parametrize(
     "field", ["n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace"]
 )
 def test_a_routing_field_left_out_is_named_not_defaulted(field):
