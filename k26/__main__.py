@@ -78,15 +78,19 @@ def _out_arg(value: str | None, flag: str) -> None:
 
 def _listen_arg(host: str, port: int) -> None:
     """serve's --host / --port free to listen on now, not found taken (uvicorn's one ERROR line) after minutes
-    of loading; bound as uvicorn binds (SO_REUSEADDR; IPv6 for a host with a colon). Port 0: any free one."""
+    of loading; bound as uvicorn's asyncio server binds: every address of the host, SO_REUSEADDR, IPv6 ones
+    v6-only. Port 0: any free one."""
     if port == 0:
         return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
 def _cache_dir_arg(value: str | None) -> None:
