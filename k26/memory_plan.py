@@ -228,17 +228,24 @@ class MemoryPlan:
         context = _largest(2, length - 1, lambda n: self.need(rows, n) <= free)
         alone = _largest(2, length - 1, lambda n: self.need(1, n) <= free)
         if not (batch or context or alone):
+            # (the load's transient buffers count too: the line must add up when they alone break it)
+            load = f", the load {_gib(w.transient)} more for a while" if w.total + w.transient > free else ""
             return (
                 f"tp={self.tp}: the weights need {_gib(w.total)} a rank"
                 + (f" (drafter {_gib(w.drafter)})" if drafter else "")
-                + f" and activations and graph pools {_gib(self.activations(1))}: {have}, no room for the KV "
-                f"caches of even max_batch=1 (asked: max_batch={rows}, max_model_len={length}); raise tp "
-                "(each rank holds 1/tp of the weights) or free GPU memory"
+                + f"{load} and activations and graph pools {_gib(self.activations(1))}: {have}, no room for "
+                f"the KV caches of even max_batch=1 (asked: max_batch={rows}, max_model_len={length}); raise "
+                "tp (each rank holds 1/tp of the weights) or free GPU memory"
             )
+        # (user buckets larger than the batch suggested would be refused with it: said here, not found next)
+        within = " with buckets within it" if batch and any(b.batch > batch for b in self.buckets) else ""
         if batch and context:
-            fits = f"at most max_batch={batch} fits at this length (or max_model_len={context} at this batch)"
+            fits = (
+                f"at most max_batch={batch}{within} fits at this length (or max_model_len={context} at this "
+                "batch)"
+            )
         elif batch:
-            fits = f"at most max_batch={batch} fits at this length"
+            fits = f"at most max_batch={batch}{within} fits at this length"
         elif context:
             fits = f"not even max_batch=1 fits at this length; at most max_model_len={context} at this batch"
         else:
@@ -265,7 +272,9 @@ def plan_memory(
     buckets: list[Bucket] | None,
 ) -> MemoryPlan:
     """The plan of `LLM`'s arguments (`kernels`: the CUDA kernels' layouts, bf16 with cuda_kernels=True).
-    Default buckets verify the default method's widest tree (DDTree "auto" with a drafter, else AR)."""
+    Default buckets verify the default method's widest tree (DDTree "auto" with a drafter, else AR): `LLM`
+    does not know the specs it will be asked for, so wider trees asked later (a larger DDTree budget, more
+    candidates) are outside the plan — their graphs' pools grow with the tree (README, memory plan)."""
     block = drafter.block_size if drafter is not None else None
     nodes = 1 if block is None else max(verify_nodes(SpecConfig("ddtree"), block), block)
     weights = weight_bytes(config, drafter, dtype, tp, kernels)

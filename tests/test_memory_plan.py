@@ -16,6 +16,7 @@ import k26.memory_plan as mp
 from k26 import LLM
 from k26.config import K26_TEXT_CONFIG, ModelConfig
 from k26.drafter_config import DrafterConfig
+from k26.graphs.buckets import Bucket
 from k26.kv_cache import DrafterCache, LatentCache
 from k26.loader import load_drafter, load_model
 from k26.model import TPInfo
@@ -91,6 +92,25 @@ def test_k26_at_tp8_with_a_262k_context_for_8_rows_is_refused_on_an_h200():
     assert plan.need(8, context) <= free < plan.need(8, context + 1)
     assert plan.refusal(batch, 262144, free, "cuda:0") is None
     assert plan.refusal(8, context, free, "cuda:0") is None
+
+
+def test_a_refusal_adds_up_when_the_loads_transient_buffers_break_it():
+    # The weights fit, the caches and activations of one row too, but not the load's read buffers and
+    # repack beside the weights: the line must name them, or its numbers add up to less than the free memory.
+    plan = _k26(4)
+    free = plan.weights.total + plan.weights.transient - 1
+    assert plan.weights.total + plan.caches(1, 4096) + plan.activations(1) <= free
+    why = plan.refusal(1, 4096, free, "cuda:0")
+    assert why.startswith("tp=4: the weights need") and "the load " in why and "more for a while" in why
+
+
+def test_a_suggested_batch_below_the_users_buckets_says_so():
+    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"quantization_config": quantization_config()})
+    kw = {"graphs": True, "kernels": True, "chunk": MAX_CHUNK}
+    wide = mp.plan_memory(cfg, None, torch.bfloat16, 8, buckets=[Bucket(8, 16)], **kw)
+    narrow = mp.plan_memory(cfg, None, torch.bfloat16, 8, buckets=[Bucket(1, 16)], **kw)
+    assert "max_batch=3 with buckets within it fits" in wide.refusal(8, 262144, 139 * GiB, "cuda:0")
+    assert "with buckets within it" not in narrow.refusal(8, 262144, 139 * GiB, "cuda:0")
 
 
 def test_weights_that_leave_no_room_name_tp():
