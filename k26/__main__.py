@@ -195,6 +195,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         device=a.device,
         dtype=getattr(torch, DTYPES[a.dtype]),
         max_model_len=a.max_model_len,
+        max_batch=1,  # one prompt: the default 8 rows of KV cache would only take memory
         tp=plan.tp,
         progress=rank0,
         cache_dir=a.cache_dir,

@@ -323,6 +323,9 @@ def llm_kwargs(monkeypatch) -> dict:
         raise _Built
 
     monkeypatch.setattr(k26, "LLM", fake_llm)
+    # serve's default --port 8000 may be taken on the test machine: these tests are about the LLM's flags
+    # (test_serve_port_taken_is_refused_before_loading tests the port check)
+    monkeypatch.setattr(k26.__main__, "_listen_arg", lambda host, port: None)
     return seen
 
 
@@ -362,6 +365,14 @@ def test_generate_start_up_flags_reach_the_llm(llm_kwargs, tmp_path):
     with pytest.raises(_Built):
         main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
     assert (llm_kwargs["cache_dir"], llm_kwargs["allreduce"]) == (str(tmp_path), "nccl")
+
+
+def test_generate_allocates_one_cache_row_for_its_one_prompt(llm_kwargs):
+    # LLM's default max_batch of 8 rows cost 8x the KV cache, and the memory plan then refused a long
+    # --max-model-len naming max_batch, which generate has no flag for
+    with pytest.raises(_Built):
+        main(["generate", "--prompt", "hi"])
+    assert llm_kwargs["max_batch"] == 1
 
 
 def test_budget_arguments_take_auto_where_documented_and_refuse_what_would_be_ignored(no_loading, capsys):
