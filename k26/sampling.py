@@ -40,7 +40,7 @@ class SamplingParams:
             return ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
 
         for name in _INT_FIELDS + _REAL_FIELDS:  # NumPy scalars (np.int64 seeds, np.float32 temperatures)
-            object.__setattr__(self, name, _builtin(getattr(self, name)))
+            object.__setattr__(self, name, builtin_number(getattr(self, name)))
         if not _real(self.temperature) or not 0 <= self.temperature < math.inf:  # (inf: uniform, silently)
             raise bad("temperature", "must be a finite number >= 0")
         if not _real(self.top_p) or not 0 < self.top_p <= 1:
@@ -56,7 +56,7 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
                 raise bad("stop_token_ids", "must be None or a list of token ids")
-            ids = tuple(_builtin(i) for i in self.stop_token_ids)
+            ids = tuple(builtin_number(i) for i in self.stop_token_ids)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
                 raise bad("stop_token_ids", "must be non-negative integers")
             object.__setattr__(self, "stop_token_ids", ids)
@@ -96,7 +96,7 @@ _INT_FIELDS = ("top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "mi
 _REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
 
-def _builtin(v):
+def builtin_number(v):
     """A non-builtin number (a NumPy scalar: np.int64, np.float32) as the builtin int / float it stands for,
     so the checks below take it as they take Python's; anything else (bools included) as it is."""
     if isinstance(v, (bool, int, float)) or not isinstance(v, numbers.Real):
@@ -114,7 +114,7 @@ def _logit_bias(lb, bad) -> tuple[tuple[int, float], ...]:
         return ()
     try:
         pairs = list(lb.items()) if isinstance(lb, Mapping) else [tuple(x) for x in lb]
-        pairs = [tuple(_builtin(v) for v in pair) for pair in pairs]
+        pairs = [tuple(builtin_number(v) for v in pair) for pair in pairs]
     except TypeError:
         raise bad("logit_bias", "expected {token id: bias} or (id, bias) pairs") from None
     for pair in pairs:

@@ -327,3 +327,28 @@ def test_only_the_filtered_step_body_sorts_the_vocabulary(llm, spec):
             graph_step(llm.decoder.ctx.models(), spec, mode, lambda b: None)(state, bucket)
         counts[mode] = sorts.n
     assert counts == {"sample": 0, "filter": 1}
+
+
+def test_spec_config_takes_numpy_numbers_as_the_builtins_they_stand_for():
+    # (as SamplingParams does: an np.int64 budget from a sweep was refused as 'not an integer', and a list
+    # of costs left the config unhashable)
+    import numpy as np
+
+    got = SpecConfig(
+        "ddtree",
+        np.int64(5),
+        candidates=np.array([1, 4, 8]),
+        costs=[np.float32(1e-3), 2e-3, 3e-3, 4e-3],
+        cost_per_token=np.zeros(3),
+    )
+    want = SpecConfig(
+        "ddtree", 5, candidates=(1, 4, 8), costs=(1e-3, 2e-3, 3e-3, 4e-3), cost_per_token=(0, 0, 0)
+    )
+    assert got.budget == 5 and type(got.budget) is int and got.candidates == (1, 4, 8)
+    assert all(type(x) is int for x in got.candidates) and all(type(x) is float for x in got.costs)
+    assert hash(got) == hash(
+        SpecConfig("ddtree", 5, candidates=(1, 4, 8), costs=got.costs, cost_per_token=(0.0,) * 3)
+    )
+    assert got.costs == pytest.approx(want.costs) and got.cost_per_token == want.cost_per_token
+    with pytest.raises(ValueError, match="SpecConfig.budget=True"):
+        SpecConfig("ddtree", True)

@@ -15,7 +15,7 @@ from ..kv_cache import DrafterCache
 from ..model import AttnBatch, KimiK2
 from ..model.drafter import DFlashDrafter, drafter_logits
 from ..penalties import penalized
-from ..sampling import RowSampling, StepLogprobs, sample_rows, token_logprobs
+from ..sampling import RowSampling, StepLogprobs, builtin_number, sample_rows, token_logprobs
 from .accept import accept_paths, accept_paths_compiled, commit_latent
 from .budget import truncate_tree
 from .timer import null_span
@@ -35,9 +35,10 @@ def _times(xs, positive: bool) -> bool:
 
 
 def _items(x) -> tuple:
-    """x as a tuple; () when it is not iterable (5, None), so the field's own check names it."""
+    """x as a tuple of builtin numbers where they are NumPy ones (an np.array of budgets); () when it is not
+    iterable (5, None), so the field's own check names it."""
     try:
-        return tuple(x)
+        return tuple(map(builtin_number, x))
     except TypeError:
         return ()
 
@@ -56,7 +57,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in ("ar", "dflash", "ddtree"):
             raise ValueError(f"SpecConfig.method={self.method!r}: expected 'ar', 'dflash' or 'ddtree'")
-        b = self.budget
+        b = builtin_number(self.budget)  # (np.int64(5) as 5, as SamplingParams takes NumPy numbers)
+        object.__setattr__(self, "budget", b)
         if b is not None and b != "auto" and (not _int(b) or not 1 <= b <= MAX_BUDGET):
             raise ValueError(f"SpecConfig.budget={b!r}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
         if _int(b) and self.method != "ddtree":  # (it was ignored, yet reported in the stats)
@@ -71,12 +73,14 @@ class SpecConfig:
             )
         object.__setattr__(self, "candidates", c)
         k = self.costs if self.costs is None else _items(self.costs)
+        object.__setattr__(self, "costs", self.costs if k is None or not k else k)
         if k is not None and (len(k) != len(c) + 1 or not _times(k[:1], False) or not _times(k[1:], True)):
             raise ValueError(
                 f"SpecConfig.costs={self.costs!r}: t_draft (>= 0) and one verify time (> 0) per candidate, "
                 f"{len(c) + 1} finite numbers of seconds"
             )
         s = self.cost_per_token if self.cost_per_token is None else _items(self.cost_per_token)
+        object.__setattr__(self, "cost_per_token", self.cost_per_token if s is None or not s else s)
         if s is not None and (self.costs is None or len(s) != len(c) or not _times(s, positive=False)):
             raise ValueError(
                 f"SpecConfig.cost_per_token={self.cost_per_token!r}: needs `costs` and one finite value >= 0 "
