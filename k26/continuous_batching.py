@@ -7,6 +7,9 @@ call) because these leave the batch open between calls, its rows coming and goin
 
 from __future__ import annotations
 
+import numbers
+import operator
+
 import torch
 
 from .batch_state import BatchState
@@ -30,13 +33,11 @@ class ContinuousBatching:
         "logprobs" mode's unless `logprobs` is False: then no row may ask for logprobs) and its budget costs
         measured; then `admit`, `step` and `release` move requests through it."""
         spec = self._prepare([[0]], None, spec)[2]
-        capacity = self.cache.rows if capacity is None else capacity  # (0 is refused, not taken for None)
-        if (
-            isinstance(capacity, bool)
-            or not isinstance(capacity, int)
-            or not 1 <= capacity <= self.cache.rows
-        ):
-            raise ValueError(f"capacity={capacity}: expected 1..{self.cache.rows} (max_batch)")
+        # (0 is refused, not taken for None; np.int64 taken as the int it is)
+        rows = self.cache.rows if capacity is None else _index(capacity)
+        if rows is None or not 1 <= rows <= self.cache.rows:
+            raise ValueError(f"capacity={capacity!r}: expected 1..{self.cache.rows} (max_batch)")
+        capacity = rows
         check_rows_free("open_batch()", self._streaming, None)  # (a previous batch's rows: abandoned)
         self._mirror("open_batch", spec, capacity, logprobs)
         self.batch = self.decoder.open(spec, capacity, MODES if logprobs else MODES[:-1])
@@ -49,8 +50,9 @@ class ContinuousBatching:
         next steps, `prefill_budget` positions per step while other rows decode; returns their slots."""
         batch = self._open_batch("admit()")
         for name, xs in (("prompts", prompts), ("params", params)):  # (a str's characters are no prompts)
-            if isinstance(xs, (str, bytes, SamplingParams)) or not isinstance(xs, (list, tuple)):
+            if isinstance(xs, (str, bytes, SamplingParams)) or not hasattr(xs, "__len__"):
                 raise TypeError(f"admit(): {name} is a {type(xs).__name__}; expected a list, one per request")
+        prompts, params = list(prompts), list(params)  # (a NumPy array or 2-d tensor of ids: one row each)
         if len(params) != len(prompts):  # (checked before any row is taken: none is left half admitted)
             raise ValueError(f"admit(): {len(prompts)} prompts but {len(params)} SamplingParams; one each")
         if len(prompts) > len(batch.free_slots()):
@@ -74,8 +76,10 @@ class ContinuousBatching:
     def release(self, slot: int) -> RequestOutput | None:
         """Free a row (finished, or its request cancelled); returns its output."""
         cap = self._open_batch("release()").capacity
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cap:  # (-1: another row)
+        index = _index(slot)
+        if index is None or not 0 <= index < cap:  # (-1 would free another row)
             raise ValueError(f"release(): slot {slot!r} is not a slot of the open batch (0..{cap - 1})")
+        slot = index
         self._mirror("release", slot)
         return self.decoder.release(self.batch, slot)
 
@@ -84,3 +88,10 @@ class ContinuousBatching:
         if self.batch is None:
             raise RuntimeError(f"{what}: no open batch; call open_batch() first")
         return self.batch
+
+
+def _index(x) -> int | None:
+    """x as a Python int if it is an integer (np.int64 too, as elsewhere in the API), no bool; else None."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        return None
+    return operator.index(x)

@@ -46,3 +46,13 @@ def test_numpy_id_arrays_in_a_list_of_prompts_are_token_ids(llm):
     assert [o.token_ids for o in mixed] == [o.token_ids for o in alone]
     with pytest.raises(TypeError, match="prompt 1: token id"):
         llm.generate(["def f", np.array([[5, 17], [8, 9]])], sp)
+
+
+def test_numpy_values_in_the_continuous_batching_calls(llm):
+    # (refused as not integers / not lists once those calls checked their arguments, 45df161)
+    batch = llm.open_batch(capacity=np.int64(2))
+    assert batch.capacity == 2
+    [slot] = llm.admit(np.array([[5, 17, 300]]), [SamplingParams(max_tokens=2, stop_token_ids=[])])
+    while batch.live:
+        llm.step()
+    assert len(llm.release(np.int64(slot)).token_ids) == 2
