@@ -83,7 +83,11 @@ def _listen_arg(host: str, port: int) -> None:
     if port == 0:
         return
     for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        with socket.socket(family, kind, proto) as s:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # (a family this kernel lacks, e.g. IPv6 off: asyncio skips it too)
+            continue
+        with sock as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

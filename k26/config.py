@@ -156,7 +156,7 @@ class ModelConfig:
         # The quantization block may sit at the top, inside text_config, or both (K2.5/K2.6).
         qraw = text.get("quantization_config", raw.get("quantization_config"))
         quant = parse_quant(qraw, prefix if "quantization_config" in text else "")
-        rope = parse_rope(f, prefix)
+        rope = parse_rope(f, prefix, target=True)
 
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -269,7 +269,7 @@ def _check_quant_blocks(raw: dict[str, Any], text: dict[str, Any], prefix: str, 
         )
 
 
-def parse_rope(f: Fields, prefix: str) -> RopeConfig:
+def parse_rope(f: Fields, prefix: str, *, target: bool = False) -> RopeConfig:
     rs = f.get("rope_scaling") or f.get("rope_parameters")
     key = "rope_scaling" if f.get("rope_scaling") else "rope_parameters"
     if rs is not None and not isinstance(rs, dict):
@@ -301,7 +301,9 @@ def parse_rope(f: Fields, prefix: str) -> RopeConfig:
         # (the reference's defaults and its mscale(f, m) = 1 for f <= 1, else 0.1·m·ln f + 1)
         "attention_factor": yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim),
     }
-    if math.isclose(extra["attention_factor"], 1.0, rel_tol=1e-9):  # (else validate names the multiplier)
+    # The target's multiplier must be read one way (else validate names it); the drafter's rope factor is
+    # its own setting (drafter_config.py: rope_attention_factor), whichever way the fields read.
+    if target and math.isclose(extra["attention_factor"], 1.0, rel_tol=1e-9):
         check_hf_yarn(rs, factor, f"{prefix}{key}")
     # Transformers' generic YaRN may re-derive the factor from the two lengths; insisting on equality
     # keeps every engine computing the same frequencies.

@@ -414,3 +414,27 @@ def test_serve_port_taken_is_refused_before_loading(no_loading, capsys):
         port = s.getsockname()[1]
         rc, _, err = run(capsys, "serve", "--device", "cpu", "--port", str(port))
     assert rc == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in err
+
+
+def test_serve_port_check_skips_an_address_family_the_kernel_lacks(monkeypatch):
+    # (IPv6 off while localhost resolves to ::1 too: socket() raised OSError out of the check, a traceback,
+    # where uvicorn's asyncio server skips the family and serves on 127.0.0.1)
+    import socket
+
+    import k26.__main__ as cli
+
+    real = socket.socket
+    v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))
+    v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [v6, v4])
+
+    def no_v6(family=-1, *a, **kw):
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real(family, *a, **kw)
+
+    monkeypatch.setattr(socket, "socket", no_v6)
+    with real(socket.AF_INET, socket.SOCK_STREAM) as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cli._listen_arg("localhost", port)  # no exception: the IPv4 address was checked, the IPv6 one skipped

@@ -213,3 +213,19 @@ def test_a_routing_field_left_out_is_named_not_defaulted(field):
         ModelConfig.from_dict(
             k26_config() | {"text_config": text | {"quantization_config": quantization_config()}}
         )
+
+
+def test_drafter_rope_fields_are_not_held_to_the_targets_reading():
+    # The drafter's YaRN factor is its own setting (rope_attention_factor, 0.1 ln f + 1 by default): its
+    # rope_scaling without mscale loaded before the target's check (2b14277) and must still
+    import json
+
+    from k26.drafter_config import DrafterConfig
+    from k26.embedded import default_drafter_dir
+
+    raw = json.loads((default_drafter_dir() / "config.json").read_text())
+    rs = raw.get("rope_scaling") or {}
+    if rs.get("factor", 1) <= 1:
+        pytest.skip("the embedded drafter has no YaRN extension")
+    raw["rope_scaling"] = {k: v for k, v in rs.items() if k != "mscale"} | {"mscale_all_dim": 1.0}
+    assert DrafterConfig.from_dict(raw).rope.factor == rs["factor"]

@@ -338,7 +338,7 @@ def test_spec_config_takes_numpy_numbers_as_the_builtins_they_stand_for():
         "ddtree",
         np.int64(5),
         candidates=np.array([1, 4, 8]),
-        costs=[np.float32(1e-3), 2e-3, 3e-3, 4e-3],
+        costs=[np.float32(1e-3), np.float64(2e-3), 3e-3, 4e-3],
         cost_per_token=np.zeros(3),
     )
     want = SpecConfig(
