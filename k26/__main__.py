@@ -319,11 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k26: error: {e}", file=sys.stderr)
             return 2
         except RuntimeError as e:
-            from .tp_driver import RankError  # (here, not at the top: `--help` stays free of torch)
+            from .graphs.runner import CaptureError  # (here, not at the top: `--help` stays free of torch)
+            from .tp_driver import RankError
 
-            if not isinstance(e, RankError):
+            if not isinstance(e, (RankError, CaptureError)):
                 raise
-            print(f"k26: error: {e}", file=sys.stderr)  # a TP rank crashed (users' errors come as themselves)
+            # a TP rank crashed (users' errors come as themselves), or a graph did not fit: its remedy is said
+            print(f"k26: error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("k26: interrupted", file=sys.stderr)

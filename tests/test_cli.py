@@ -438,3 +438,22 @@ def test_serve_port_check_skips_an_address_family_the_kernel_lacks(monkeypatch):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cli._listen_arg("localhost", port)  # no exception: the IPv4 address was checked, the IPv6 one skipped
+
+
+def test_a_graph_capture_failure_is_one_line_not_a_traceback(monkeypatch, capsys):
+    # (a DDTree budget or batch whose graphs do not fit the GPU: the capture's RuntimeError, which names
+    # the remedies, went up through main() as a traceback)
+    from k26.graphs.runner import CaptureError
+
+    def fail(*a, **kw):
+        raise CaptureError(
+            "CUDA graph capture of bucket (batch 8, nodes 256) failed: out of memory. Reduce ..."
+        )
+
+    monkeypatch.setattr(k26, "LLM", fail)
+    assert main(["generate", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("k26: error: CUDA graph capture of bucket") and err.count("\n") == 1
+    monkeypatch.setattr(k26, "LLM", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # other runtime errors still surface whole
+        main(["generate", "--prompt", "hi"])

@@ -136,7 +136,7 @@ class StepGraphs:
                 torch.cuda.synchronize(self.device)
                 _barrier()
             except Exception as e:
-                raise RuntimeError(
+                raise CaptureError(
                     f"CUDA graph capture of bucket (batch {bucket.batch}, nodes {bucket.nodes}) "
                     f"failed: {e}. "
                     "Reduce max_batch, the DDTree budget or max_model_len, or pass graphs=False"
@@ -149,6 +149,11 @@ class StepGraphs:
         with nvtx_range("replay"):
             self.graphs[bucket].replay()
         return self.states[bucket]
+
+
+class CaptureError(RuntimeError):
+    """A bucket's graph could not be captured (out of GPU memory for a large budget or batch, mostly): what
+    the user can change is in the message, so the CLI prints it in one line, not a traceback."""
 
 
 def _reserved(device: torch.device) -> int:
