@@ -13,7 +13,7 @@ import operator
 import torch
 
 from .batch_state import BatchState
-from .checks import check_rows_free, check_sampling
+from .checks import check_flags, check_rows_free, check_sampling
 from .outputs import RequestOutput
 from .sampling import MODES, SamplingParams
 from .spec.step import SpecConfig
@@ -32,6 +32,7 @@ class ContinuousBatching:
         """An empty `BatchState` of `capacity` rows (default: every cache row), its graphs captured (the
         "logprobs" mode's unless `logprobs` is False: then no row may ask for logprobs) and its budget costs
         measured; then `admit`, `step` and `release` move requests through it."""
+        check_flags(logprobs=logprobs)  # ("no" would capture the logprobs mode's graphs, silently)
         spec = self._prepare([[0]], None, spec)[2]
         # (0 is refused, not taken for None; np.int64 taken as the int it is)
         rows = self.cache.rows if capacity is None else _index(capacity)
@@ -49,6 +50,7 @@ class ContinuousBatching:
         """Checked token-id prompts into free rows (between steps), prefilled now, or (`wait` False) in the
         next steps, `prefill_budget` positions per step while other rows decode; returns their slots."""
         batch = self._open_batch("admit()")
+        check_flags(wait=wait)  # ("no" would prefill now, silently)
         for name, xs in (("prompts", prompts), ("params", params)):  # (a str's characters are no prompts)
             if isinstance(xs, (str, bytes, SamplingParams)) or not hasattr(xs, "__len__"):
                 raise TypeError(f"admit(): {name} is a {type(xs).__name__}; expected a list, one per request")

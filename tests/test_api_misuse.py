@@ -64,7 +64,7 @@ def test_continuous_batching_calls_misused_are_named_and_take_no_row(llm):
     """Without an open batch step / admit / release raised AttributeError on None; admit with fewer or more
     SamplingParams than prompts raised IndexError with a row already taken; a str of prompts was counted
     by its characters; release(-1) freed the last slot and release(5) raised IndexError; capacity=0 opened
-    every row."""
+    every row; logprobs="no" / wait="no" were taken as True."""
     assert llm.batch is None
     for call in (llm.step, lambda: llm.admit([[1, 2]], [SamplingParams()]), lambda: llm.release(0)):
         with pytest.raises(RuntimeError, match=r"(step|admit|release)\(\): no open batch; call open_batch"):
@@ -72,7 +72,11 @@ def test_continuous_batching_calls_misused_are_named_and_take_no_row(llm):
     for capacity in (0, True, 1.5):
         with pytest.raises(ValueError, match=f"capacity={capacity}: expected 1..2"):
             llm.open_batch(capacity=capacity)
+    with pytest.raises(TypeError, match="logprobs='no': expected True or False"):
+        llm.open_batch(capacity=1, logprobs="no")
     batch = llm.open_batch(capacity=1)
+    with pytest.raises(TypeError, match="wait='no': expected True or False"):
+        llm.admit([[1, 2]], [SamplingParams()], wait="no")
     for params in ([], [SamplingParams(), SamplingParams()]):
         with pytest.raises(ValueError, match=rf"admit\(\): 1 prompts but {len(params)} SamplingParams"):
             llm.admit([[1, 2]], params)
