@@ -7,15 +7,12 @@ call) because these leave the batch open between calls, its rows coming and goin
 
 from __future__ import annotations
 
-import numbers
-import operator
-
 import torch
 
 from .batch_state import BatchState
 from .checks import check_flags, check_rows_free, check_sampling
 from .outputs import RequestOutput
-from .sampling import MODES, SamplingParams
+from .sampling import MODES, SamplingParams, builtin_number
 from .spec.step import SpecConfig
 from .tp_driver import surfacing_rank_errors
 
@@ -93,7 +90,6 @@ class ContinuousBatching:
 
 
 def _index(x) -> int | None:
-    """x as a Python int if it is an integer (np.int64 too, as elsewhere in the API), no bool; else None."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        return None
-    return operator.index(x)
+    """x as a Python int if it is an integer (np.int64 too: `builtin_number`), no bool; else None."""
+    v = builtin_number(x)
+    return v if type(v) is int else None

@@ -30,8 +30,9 @@ from .stager import CHUNK
 
 GiB = 1 << 30
 # Device memory outside the planned tensors: cuBLAS workspaces, the kernel library's module, the attention
-# kernel's per-shape split workspaces, allocator rounding, and under TP the NCCL and fused all-reduce
-# buffers (mapped after the check). (The CUDA context is already outside the free memory measured.)
+# kernel's per-shape split workspaces, allocator rounding, and under TP the fused all-reduce's buffers
+# (mapped after the check). (The CUDA context and NCCL's communicator, made with the group before the check,
+# are already outside the free memory measured.)
 # Checked on one H100 (2026-12-06, TP 1: a K2.6-width target of 2 layers, one of 384 int4 experts, and a
 # 1-layer drafter of K2.5-DFlash width; every sampling mode's graphs captured, 8 and 16 rows of 600-token
 # prompts with prompt logprobs, top-p and plain sampling and greedy): the plan's weights and caches were

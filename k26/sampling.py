@@ -99,7 +99,7 @@ _REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 def builtin_number(v):
     """A non-builtin number (a NumPy scalar: np.int64, np.float32) as the builtin int / float it stands for,
     so the checks below take it as they take Python's; anything else (bools included) as it is."""
-    if type(v) in (bool, int, float) or isinstance(v, bool) or not isinstance(v, numbers.Real):
+    if type(v) in (int, float) or isinstance(v, bool) or not isinstance(v, numbers.Real):
         return v  # (np.float64 is a float subclass: converted below, as np.float32 is)
     return int(v) if isinstance(v, numbers.Integral) else float(v)
 

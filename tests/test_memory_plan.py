@@ -64,11 +64,16 @@ def test_planned_caches_are_what_llm_allocates(tiny_tp):
         assert mp.cache_bytes(cfg, None, rows, length, torch.bfloat16, tp) == latent.numel() * 2
 
 
-def _k26(tp: int) -> mp.MemoryPlan:
-    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"quantization_config": quantization_config()})
+def _llm_plan(cfg, dcfg=None, tp: int = 1, buckets=None) -> mp.MemoryPlan:
+    """LLM's own plan on CUDA in bf16: graphs and the kernels' layouts, the default chunk."""
     return mp.plan_memory(
-        cfg, None, torch.bfloat16, tp, graphs=True, kernels=True, chunk=MAX_CHUNK, buckets=None
+        cfg, dcfg, torch.bfloat16, tp, graphs=True, kernels=True, chunk=MAX_CHUNK, buckets=buckets
     )
+
+
+def _k26(tp: int, buckets=None) -> mp.MemoryPlan:
+    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"quantization_config": quantization_config()})
+    return _llm_plan(cfg, tp=tp, buckets=buckets)
 
 
 def test_k26_at_tp8_with_a_262k_context_for_8_rows_is_refused_on_an_h200():
@@ -105,10 +110,7 @@ def test_a_refusal_adds_up_when_the_loads_transient_buffers_break_it():
 
 
 def test_a_suggested_batch_below_the_users_buckets_says_so():
-    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"quantization_config": quantization_config()})
-    kw = {"graphs": True, "kernels": True, "chunk": MAX_CHUNK}
-    wide = mp.plan_memory(cfg, None, torch.bfloat16, 8, buckets=[Bucket(8, 16)], **kw)
-    narrow = mp.plan_memory(cfg, None, torch.bfloat16, 8, buckets=[Bucket(1, 16)], **kw)
+    wide, narrow = _k26(8, [Bucket(8, 16)]), _k26(8, [Bucket(1, 16)])
     assert "max_batch=3 with buckets within it fits" in wide.refusal(8, 262144, 139 * GiB, "cuda:0")
     assert "with buckets within it" not in narrow.refusal(8, 262144, 139 * GiB, "cuda:0")
 
@@ -135,11 +137,7 @@ def _fake_cuda(monkeypatch, free: int | None) -> list:
 
 
 def _plan(target, drafter) -> mp.MemoryPlan:
-    """LLM's own plan on CUDA in bf16: graphs and the kernels' layouts, default chunk and buckets."""
-    cfg, dcfg = ModelConfig.from_dir(target), DrafterConfig.from_dir(drafter)
-    return mp.plan_memory(
-        cfg, dcfg, torch.bfloat16, 1, graphs=True, kernels=True, chunk=MAX_CHUNK, buckets=None
-    )
+    return _llm_plan(ModelConfig.from_dir(target), DrafterConfig.from_dir(drafter))
 
 
 def test_llm_refuses_a_plan_the_gpu_cannot_hold_before_any_weight_is_read(tiny_k25, drafter_dir, monkeypatch):
@@ -209,16 +207,7 @@ def test_cpu_caches_the_host_cannot_hold_are_refused_before_any_weight_is_read(
 def _check(target: str) -> None:
     """This rank's check of an 8-row, 512-position plan at TP 2 on a stand-in cuda:<rank>."""
     rank = dist.get_rank()
-    plan = mp.plan_memory(
-        ModelConfig.from_dir(target),
-        None,
-        torch.bfloat16,
-        2,
-        graphs=True,
-        kernels=True,
-        chunk=MAX_CHUNK,
-        buckets=None,
-    )
+    plan = _llm_plan(ModelConfig.from_dir(target), tp=2)
     mp.check_memory(plan, 8, 512, torch.device("cuda", rank), rank, 2)
 
 
@@ -232,16 +221,7 @@ def test_tp_ranks_refuse_together_with_the_tightest_gpus_line(tiny_tp, monkeypat
     """Rank 1's GPU has room for 2 rows, rank 0's for all 8: rank 0 raises the refusal naming rank 1's GPU
     itself (the ranks share what they have free), in one line, not a rank's traceback."""
     target = str(tiny_tp[0])
-    plan = mp.plan_memory(
-        ModelConfig.from_dir(target),
-        None,
-        torch.bfloat16,
-        2,
-        graphs=True,
-        kernels=True,
-        chunk=MAX_CHUNK,
-        buckets=None,
-    )
+    plan = _llm_plan(ModelConfig.from_dir(target), tp=2)
     free = (plan.need(8, 512), plan.need(2, 512))
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent))  # the ranks import _rank from here
     monkeypatch.setattr(mp, "usable_memory", lambda device: free[0])

@@ -73,14 +73,16 @@ class SpecConfig:
             )
         object.__setattr__(self, "candidates", c)
         k = self.costs if self.costs is None else _items(self.costs)
-        object.__setattr__(self, "costs", self.costs if k is None or not k else k)
+        if k:  # (as builtin numbers; a non-iterable or empty one kept as given for its message)
+            object.__setattr__(self, "costs", k)
         if k is not None and (len(k) != len(c) + 1 or not _times(k[:1], False) or not _times(k[1:], True)):
             raise ValueError(
                 f"SpecConfig.costs={self.costs!r}: t_draft (>= 0) and one verify time (> 0) per candidate, "
                 f"{len(c) + 1} finite numbers of seconds"
             )
         s = self.cost_per_token if self.cost_per_token is None else _items(self.cost_per_token)
-        object.__setattr__(self, "cost_per_token", self.cost_per_token if s is None or not s else s)
+        if s:
+            object.__setattr__(self, "cost_per_token", s)
         if s is not None and (self.costs is None or len(s) != len(c) or not _times(s, positive=False)):
             raise ValueError(
                 f"SpecConfig.cost_per_token={self.cost_per_token!r}: needs `costs` and one finite value >= 0 "
