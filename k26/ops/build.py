@@ -160,6 +160,8 @@ VARIANTS: dict[str, list[str]] = {
     # on the 32-row body lose 1.5-7 % inside it (N = 16 at 32K 65.1 -> 68.6), at 224 registers too
     # (2026-12-06-attn-union-step-session29-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
+    # ... with each body a __noinline__ function (scheduled and allocated alone, as in its own kernel)
+    "-DK26_ATTN_UNION -DK26_ATTN_UNION_NOINLINE": ["mla_tree_attn.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
