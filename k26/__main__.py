@@ -134,6 +134,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     from .chat import ChatFormat, Message, render
     from .checks import check_device, default_max_model_len, fit_spec
     from .config import ModelConfig
+    from .dist import env_int
     from .drafter_config import DrafterConfig
     from .tokenizer import Tokenizer
 
@@ -151,7 +152,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
         stop_token_ids=() if a.ignore_eos else None,
     )
     spec = SpecConfig(method=method, budget=a.budget if a.budget is not None else "auto")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun --nproc-per-node N: one rank per process
+    world = env_int("WORLD_SIZE", 1)  # torchrun --nproc-per-node N: one rank per process
     tp = a.tp or world
     if tp < 1:
         raise ValueError(f"--tp {tp}: expected a positive number of ranks")
@@ -191,8 +192,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     import torch
 
     from . import LLM
+    from .dist import env_int
 
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = env_int("RANK", 0) == 0
     llm = LLM(
         plan.model,
         drafter=plan.drafter,

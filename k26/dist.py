@@ -91,14 +91,32 @@ def init_group(rank: int, world: int, device: str | None = None, store=None, loc
     return rank, world, dev
 
 
+def env_int(name: str, default: int) -> int:
+    """torchrun's RANK / WORLD_SIZE / LOCAL_RANK (`default` when unset): a value that is no count (say 'abc',
+    or a WORLD_SIZE of 0) is named, not int()'s "invalid literal" nor a group of 0 ranks."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    least = 1 if name == "WORLD_SIZE" else 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise ValueError(
+            f"{name}={raw!r} in the environment: expected an integer >= {least} (torchrun sets it)"
+        )
+    return value
+
+
 def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
     """torchrun: RANK / WORLD_SIZE / LOCAL_RANK from the environment; a group already made (by the rank
     driver or the user) gives its own rank and size."""
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    return init_group(rank, world, device, local=int(os.environ.get("LOCAL_RANK", str(rank))))
+        rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    return init_group(rank, world, device, local=env_int("LOCAL_RANK", rank))
 
 
 def same_checkpoint_on_every_rank(path) -> None:

@@ -1,7 +1,7 @@
 """The Python API misused as a user might: each mistake named in one message before anything loads or any row
 is taken (devices k26 does not run on, empty paths, on / off arguments that are not bools, the
 continuous-batching calls out of order or with mismatched lists, SpecConfig fields that are not sequences,
-chat messages that are not a list)."""
+chat messages that are not a list, torchrun variables that are no count)."""
 
 import pytest
 import torch
@@ -58,6 +58,22 @@ def test_on_off_arguments_that_are_not_bools_are_refused(tiny_k25, no_loading, k
     with pytest.raises(TypeError) as e:
         LLM(tiny_k25, device="cpu", progress=False, **kw)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "env", [{"WORLD_SIZE": "abc"}, {"WORLD_SIZE": "2", "RANK": "x"}, {"WORLD_SIZE": "2", "LOCAL_RANK": "1.5"}]
+)
+def test_a_torchrun_variable_that_is_no_count_is_named_before_any_group(
+    monkeypatch, tiny_k25, no_loading, env
+):
+    """int()'s "invalid literal for int() with base 10: 'abc'" named neither the variable nor the
+    environment."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    name, value = list(env.items())[-1]
+    with pytest.raises(ValueError, match=f"^{name}='{value}' in the environment: expected an integer >="):
+        LLM(tiny_k25, device="cpu", progress=False, tp=2)
+    assert not torch.distributed.is_initialized()
 
 
 def test_continuous_batching_calls_misused_are_named_and_take_no_row(llm):

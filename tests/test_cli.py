@@ -185,6 +185,18 @@ def test_argparse_rejects_non_positive_context(capsys):
     assert e.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "abc"}, {"RANK": "abc"}, {"WORLD_SIZE": "0"}])
+def test_a_torchrun_variable_that_is_no_count_is_one_line_naming_it(monkeypatch, capsys, no_loading, env):
+    # (int()'s "invalid literal for int() with base 10: 'abc'" named neither the variable nor where it came
+    # from; WORLD_SIZE=0 was blamed on a --tp 0 never passed)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc, _, err = run(capsys, "generate", "--prompt", "hi")
+    ((name, value),) = env.items()
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"k26: error: {name}={value!r} in the environment: expected an integer >=")
+
+
 def test_drafter_without_spec_decodes_with_ddtree(capsys):
     rc, _, err = run(
         capsys,
