@@ -17,7 +17,7 @@ from .graphs.buckets import Bucket
 from .loader import check_drafter_files
 from .sampling import SamplingParams
 from .spec.prefill import MAX_CHUNK
-from .spec.step import SpecConfig, verify_nodes
+from .spec.step import MAX_BUDGET, SpecConfig, verify_nodes
 from .tokenizer import Tokenizer
 
 
@@ -166,6 +166,11 @@ def check_buckets(buckets: Sequence[tuple[int, int]] | None, max_batch: int) -> 
     for b in user or []:
         if b.batch > max_batch:
             raise ValueError(f"bucket {b}: batch {b.batch} exceeds max_batch={max_batch}")
+        if b.nodes > MAX_BUDGET + 1:  # (else found only at its graph capture, after the whole load)
+            raise ValueError(
+                f"buckets: {b} has {b.nodes} verify tokens; at most {MAX_BUDGET + 1} (the tree-attention "
+                f"kernel's maximum, a DDTree budget of {MAX_BUDGET})"
+            )
     return user
 
 

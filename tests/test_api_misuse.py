@@ -76,6 +76,16 @@ def test_a_torchrun_variable_that_is_no_count_is_named_before_any_group(
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("buckets", [[(1, 257)], [(1, 4), (2, 1000)]])
+def test_a_bucket_wider_than_the_tree_kernel_is_refused_before_loading(tiny_k25, no_loading, buckets):
+    """Verify tokens past 256 (a DDTree budget of 255) were taken, and failed only at the graph capture,
+    after the whole load."""
+    with pytest.raises(ValueError, match=r"^buckets: Bucket\(.*verify tokens; at most 256 "):
+        LLM(tiny_k25, device="cpu", progress=False, max_batch=2, buckets=buckets)
+    with pytest.raises(_Loaded):  # 256 itself is the kernel's: past the checks
+        LLM(tiny_k25, device="cpu", progress=False, max_batch=2, buckets=[(2, 256)])
+
+
 def test_continuous_batching_calls_misused_are_named_and_take_no_row(llm):
     """Without an open batch step / admit / release raised AttributeError on None; admit with fewer or more
     SamplingParams than prompts raised IndexError with a row already taken; a str of prompts was counted
