@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="sweep MIN_SPLIT_KEYS on a few shapes")
     ap.add_argument("--rotary", action="store_true", help="q̃ and q_pe apart, RoPE in the kernel")
+    ap.add_argument("--shapes", default=None, help="H:N:L:B,... instead of the default shapes")
     a = ap.parse_args()
     copy_bw, mma_peak, gemm = copy_bandwidth(), mma_sync_peak(), gemm_rate()
     commit = source_commit()
@@ -111,7 +112,9 @@ def main() -> None:
         lines.append("")
     shapes = [(8, N, L, 1) for L in (1024, 4096, 32768, 131072) for N in (1, 2, 16, 64)]
     shapes += [(64, 1, 4096, 1), (64, 1, 32768, 1), (64, 16, 32768, 1), (8, 16, 4096, 4), (8, 1, 32768, 4)]
-    if a.quick:
+    if a.shapes:
+        shapes = [tuple(int(v) for v in item.split(":")) for item in a.shapes.split(",")]
+    elif a.quick:
         shapes = [
             (8, 1, 4096, 1),
             (8, 16, 4096, 1),

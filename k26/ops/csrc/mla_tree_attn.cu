@@ -53,10 +53,16 @@ constexpr size_t smem_of() {
     return Cfg<BM / 16>::SMEM;
 }
 
-// -DK26_ATTN_UNION: 32-row calls from N x H = 64 launch the union kernel (csrc/mla_tree_attn_union.cuh).
+// -DK26_ATTN_UNION: 32-row calls from N x H = K26_ATTN_UNION_MIN_ROWS launch the union kernel
+// (csrc/mla_tree_attn_union.cuh). From 64 rows (session 29) the shapes left on the 32-row body lost 1.5-7 %
+// inside it (N = 16 at 32K, H = 64 decode); N x H is known when a graph is captured, so the union can be kept
+// to the shapes where the wide body's gain is large (N = 64 at H = 8: 10-20 % from 32K).
+#ifndef K26_ATTN_UNION_MIN_ROWS
+#define K26_ATTN_UNION_MIN_ROWS 512
+#endif
 bool union_call(int N, int H) {
 #ifdef K26_ATTN_UNION
-  return tile_rows(N, H) == 32 && N * H >= 64;
+  return tile_rows(N, H) == 32 && N * H >= K26_ATTN_UNION_MIN_ROWS;
 #else
   (void)N, (void)H;
   return false;
