@@ -42,12 +42,54 @@ def poison_allocator() -> None:
 )
 def test_kernel_equals_reference(B, L, V, budget, k):
     lp, tok = topk_inputs(B, L, V, budget, seed=budget + L, k=k)
+    assert_op_equals_reference(lp, tok, budget)
+
+
+def tied_inputs(B, L, V, k, seed, steps):
+    """Log-probabilities on a grid of `steps` values (0, -0.25, ...: exact ties and -0.0 everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -(torch.randint(0, steps, (B, L, V), generator=g).float() / 4)
+    top = lp.topk(k, dim=-1)
+    return top.values.cuda(), top.indices.cuda()
+
+
+def assert_op_equals_reference(lp, tok, budget):
     want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
     poison_allocator()
     got = torch.ops.k26.ddtree_build(lp, tok, budget)
     torch.cuda.synchronize()
     for name, g, w in zip(("tokens", "parents", "depths", "valid", "words", "scores"), got, want):
         assert torch.equal(g.cpu(), w), name
+    assert torch.equal(got[5].cpu().view(torch.int64), want[5].view(torch.int64)), "score bits (-0.0)"
+
+
+# Budgets <= 64 take the warp heap (csrc/ddtree_heap.cuh): every depth 1..15, budgets 1..64, top-k narrower
+# and wider than the budget, exact ties on a grid (depth and rank tuple decide), and non-finite
+# log-probabilities (the level-by-level path instead).
+@pytest.mark.parametrize(
+    "L, budget, V, k",
+    [
+        (1, 1, 5, 1),
+        (2, 7, 3, 3),
+        (4, 16, 9, 9),
+        (7, 15, 3000, 15),
+        (7, 32, 50, 32),
+        (9, 48, 400, 60),
+        (11, 64, 2, 2),
+        (15, 16, 3000, 16),
+        (15, 64, 400, 64),
+        (15, 63, 100, 70),
+    ],
+)
+def test_small_budget_trees_equal_the_reference_with_ties_and_without(L, budget, V, k):
+    lp, tok = topk_inputs(3, L, V, budget, seed=budget * 31 + L, k=k)
+    assert_op_equals_reference(lp, tok, budget)
+    for steps in (2, 6):
+        lp, tok = tied_inputs(3, L, V, k, seed=budget + steps, steps=steps)
+        assert_op_equals_reference(lp, tok, budget)
+    lp = lp.clone()
+    lp[1, L - 1, k // 2 :] = float("-inf")  # one tree with -inf entries: the level-by-level path
+    assert_op_equals_reference(lp, tok, budget)
 
 
 @pytest.mark.parametrize("budget", [1, 24])  # budget 1: one parent, one candidate per depth

@@ -21,6 +21,8 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include "ddtree_heap.cuh"
+
 #define K26_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
@@ -61,6 +63,70 @@ __device__ void bitonic(double* s, int* lx, int* pl, int n2) {
   }
 }
 
+// One tree's outputs (the op's [B, 1 + budget(, NW)] tensors at this block's tree).
+struct Out {
+  int64_t *tok, *par, *dep, *words;
+  bool* valid;
+  double* score;
+};
+
+// Every node's defaults (padding nodes: token 0, depth 1, score -inf, the root's parent -1), `spar` to match;
+// nodes 1..n are valid. The caller writes its nodes over them after a barrier.
+__device__ void write_defaults(const Out& o, int* spar, int N, int n) {
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    o.tok[i] = 0, o.dep[i] = i == 0 ? 0 : 1, o.score[i] = i == 0 ? 0.0 : -CUDART_INF;
+    o.valid[i] = i <= n;
+    spar[i] = i == 0 ? -1 : 0;
+  }
+}
+
+// The parents and the ancestor-or-self words from `spar` (after the nodes are written and a barrier).
+// Ancestor words by walking the parents in shared memory (from global memory each step of the walk was a
+// dependent L2 round trip: up to L of them), gathered in a register and stored once, highest word first. A
+// parent precedes its child in pop order, so the walk visits falling word indices; a parent that does not
+// (log-probs > 0 or NaN: outside the op's contract) ends the walk instead of reading past `spar`.
+__device__ void write_words(const Out& o, const int* spar, int N, int NW, int n, int L) {
+  for (int i = threadIdx.x; i < N; i += blockDim.x) {
+    o.par[i] = spar[i];
+    int64_t* row = o.words + (size_t)i * NW;
+    for (int w = NW - 1; w > i / 64; --w) row[w] = 0;
+    int cw = i / 64, u = i;
+    uint64_t cur = 0;
+    for (int step = 0; step <= L && u >= 0; ++step) {
+      for (; u / 64 < cw; --cw) row[cw] = (int64_t)cur, cur = 0;
+      cur |= 1ull << (u % 64);
+      const int up = spar[u];
+      u = i > n || up >= u ? -1 : up;  // a padding node is its own only ancestor
+    }
+    for (; cw >= 0; --cw) row[cw] = (int64_t)cur, cur = 0;
+  }
+}
+
+// Budgets <= ddtree_heap::kMaxBudget with finite log-probabilities (lp [L][lds] in shared memory): warp 0's
+// best-first heap (csrc/ddtree_heap.cuh), then the block writes the outputs.
+__device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, int K, int budget, const Out& o,
+                          int* spar) {
+  constexpr int NB = ddtree_heap::kMaxBudget + 1;
+  __shared__ double nscore[NB];
+  __shared__ int npar[NB], ndep[NB], nrank[NB], s_n;
+  if (threadIdx.x < 32) {
+    const int n = ddtree_heap::build(lp, lds, L, K, budget, ddtree_heap::Nodes{nscore, npar, ndep, nrank});
+    if (threadIdx.x == 0) s_n = n;
+  }
+  __syncthreads();
+  const int n = s_n, N = 1 + budget;
+  write_defaults(o, spar, N, n);
+  __syncthreads();
+  for (int i = 1 + threadIdx.x; i <= n; i += blockDim.x) {
+    o.tok[i] = tokb[(size_t)(ndep[i] - 1) * K + nrank[i]];
+    o.dep[i] = ndep[i];
+    o.score[i] = nscore[i];
+    spar[i] = npar[i];
+  }
+  __syncthreads();
+  write_words(o, spar, N, (N + 63) / 64, n, L);
+}
+
 // Admissible children of the parent of score-rank i: j < min(K, budget / (i + 1)).
 __host__ __device__ __forceinline__ int children(int i, int K, int budget) {
   return K < budget / (i + 1) ? K : budget / (i + 1);
@@ -72,7 +138,7 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
     const float* __restrict__ lp, const int64_t* __restrict__ tok, int L, int K, int budget, int64_t* __restrict__ out_tok,
     int64_t* __restrict__ out_par, int64_t* __restrict__ out_dep, bool* __restrict__ out_valid,
     int64_t* __restrict__ out_words, double* __restrict__ out_score, char* __restrict__ scratch_base,
-    int scratch_smem, int lp_smem) {
+    int scratch_smem, int lp_smem, int heap_ok) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
   const int N = 1 + budget, NW = (N + 63) / 64;
@@ -96,6 +162,16 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
     for (int i = tid; i < L * KU; i += blockDim.x) dst[i] = lpb[(size_t)(i / KU) * K + i % KU];
     lpb = dst, lds = KU;
     __syncthreads();
+  }
+  const Out o{out_tok + (size_t)b * N, out_par + (size_t)b * N, out_dep + (size_t)b * N,
+              out_words + (size_t)b * N * NW, out_valid + (size_t)b * N, out_score + (size_t)b * N};
+  if (heap_ok) {  // budget <= 64, lp staged above: the heap unless a log-probability is not finite
+    bool bad = false;
+    for (int i = tid; i < L * KU; i += blockDim.x) bad |= !isfinite(lpb[i]);
+    if (!__syncthreads_or(bad)) {
+      heap_tree(lpb, lds, tokb, L, K, budget, o, spar);
+      return;
+    }
   }
 
   // Depth 1: the top-K tokens in rank order are already score order and lexicographic order.
@@ -222,47 +298,20 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
   int total = 0;
   for (int d = 0; d < L; ++d) total += width[d];
   const int n = min(budget, total);
-  int64_t* otok = out_tok + (size_t)b * N;
-  int64_t* opar = out_par + (size_t)b * N;
-  int64_t* odep = out_dep + (size_t)b * N;
-  bool* oval = out_valid + (size_t)b * N;
-  double* osc = out_score + (size_t)b * N;
-  for (int i = tid; i < N; i += blockDim.x) {  // defaults: padding nodes (the root's parent -1)
-    otok[i] = 0, odep[i] = i == 0 ? 0 : 1, osc[i] = i == 0 ? 0.0 : -CUDART_INF;
-    oval[i] = i <= n;
-    spar[i] = i == 0 ? -1 : 0;
-  }
+  write_defaults(o, spar, N, n);
   __syncthreads();
   for (int i = tid; i < L * budget; i += blockDim.x) {
     const int d = i / budget;
     const int r = sc.grank[i];
     if (r >= n) continue;
     const int node = r + 1;
-    otok[node] = tokb[(size_t)d * K + sc.j[i]];
-    odep[node] = d + 1;
-    osc[node] = us[i];
+    o.tok[node] = tokb[(size_t)d * K + sc.j[i]];
+    o.dep[node] = d + 1;
+    o.score[node] = us[i];
     spar[node] = d == 0 ? 0 : sc.grank[(size_t)(d - 1) * budget + sc.parent[i]] + 1;
   }
   __syncthreads();
-  // Ancestor words by walking the parents in shared memory (from global memory each step of the walk was a
-  // dependent L2 round trip: up to L of them), gathered in a register and stored once, highest word first. A
-  // parent precedes its child in pop order, so the walk visits falling word indices; a parent that does not
-  // (log-probs > 0 or NaN: outside the op's contract) ends the walk instead of reading past `spar`.
-  int64_t* ow = out_words + (size_t)b * N * NW;
-  for (int i = tid; i < N; i += blockDim.x) {
-    opar[i] = spar[i];
-    int64_t* row = ow + (size_t)i * NW;
-    for (int w = NW - 1; w > i / 64; --w) row[w] = 0;
-    int cw = i / 64, u = i;
-    uint64_t cur = 0;
-    for (int step = 0; step <= L && u >= 0; ++step) {
-      for (; u / 64 < cw; --cw) row[cw] = (int64_t)cur, cur = 0;
-      cur |= 1ull << (u % 64);
-      const int up = spar[u];
-      u = i > n || up >= u ? -1 : up;  // a padding node is its own only ancestor
-    }
-    for (; cw >= 0; --cw) row[cw] = (int64_t)cur, cur = 0;
-  }
+  write_words(o, spar, N, NW, n, L);
 }
 
 }  // namespace
@@ -294,6 +343,7 @@ K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int 
   const size_t smem = region + (in_smem ? beams : 0) + (lp_in_smem ? lps : 0);
   build_kernel<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
       lp, tok, L, K, budget, out_tok, out_par, out_dep, out_valid, out_words, out_score, static_cast<char*>(scratch),
-      in_smem ? (int)region : -1, lp_in_smem ? (int)(region + beams) : -1);
+      in_smem ? (int)region : -1, lp_in_smem ? (int)(region + beams) : -1,
+      lp_in_smem && budget <= ddtree_heap::kMaxBudget);
   return (int)cudaGetLastError();
 }

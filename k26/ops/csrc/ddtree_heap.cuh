@@ -1,0 +1,136 @@
+// DDTree construction for small budgets (<= 64 nodes) by one warp's best-first heap: the tree is the first
+// `budget` nodes a max-heap over the frontier pops, where popping node (parent p, depth d, rank r) pushes its
+// next sibling (p, d, r + 1) and its first child (node, d + 1, 0). The heap pops in the total order of
+// k26/spec/tree.py — (score desc, depth asc, rank tuple asc) — because every node's parent and previous
+// sibling come before it in that order, so the best remaining node is always on the frontier; the top
+// `budget` nodes of that order are the level-by-level reference's (k26/ops/reference.py) whenever the fp64
+// sums are exact (fp32 log-probabilities within 2^29 of one another: every input a drafter gives). Work:
+// `budget` pops, whatever the depth L (the level-by-level kernel takes L barrier-separated rounds of
+// candidate sorts: 45 µs at budget 16, depth 15, on an H200).
+//
+// The frontier (<= budget + 1 entries) lives in the warp's registers, kSlots a lane; a pop is each lane's
+// best entry, then the warp's best by __reduce_max_sync over the entry's order key, one 32-bit word at a
+// time while more than one lane is left (exact fp64 ties fall through to the depth and the rank tuple).
+// The key is integer throughout: the score's fp64 bits mapped to an unsigned order (fp64 compares run at
+// 1/64 of the fp32 rate on sm_120), then (15 - depth) and the complemented rank tuple (6 bits a depth, so
+// the smaller tuple is the larger key). fp64 arithmetic is only the two sums a pop pushes.
+//
+// Legality: warp shuffles, ballot, redux.sync (sm_80+) and shared memory only: sm_90a and sm_120a.
+
+#pragma once
+
+#include <stdint.h>
+
+namespace ddtree_heap {
+
+constexpr int kMaxBudget = 64;  // ranks < 64: 6 bits a depth, 15 depths in 90 bits
+constexpr int kSlots = (kMaxBudget + 1 + 31) / 32;  // frontier entries a lane holds
+constexpr uint64_t kLow60 = (1ull << 60) - 1, kLow30 = (1ull << 30) - 1;
+
+// The popped nodes in pop order, index 0 the root (shared memory, kMaxBudget + 1 each).
+struct Nodes {
+  double* score;
+  int* parent;
+  int* depth;
+  int* rank;
+};
+
+// fp64 order as unsigned order; -0.0 and +0.0 equal, as fp64 compares them.
+__device__ __forceinline__ uint64_t order_key(double s) {
+  uint64_t b = static_cast<uint64_t>(__double_as_longlong(s));
+  if ((b << 1) == 0) b = 0;
+  return (b >> 63) ? ~b : (b | (1ull << 63));
+}
+
+// The key's tie part: c1 = (15 - depth) << 60 | ~(ranks of depths 1..10), c2 = ~(ranks of depths 11..15).
+__device__ __forceinline__ uint64_t rank_unit(int d, bool hi) {  // rank + 1 at depth d, in c1 (hi) or c2
+  return hi ? 1ull << (6 * (10 - d)) : 1ull << (6 * (15 - d));
+}
+
+__device__ __forceinline__ bool greater(uint64_t k, uint64_t c1, uint64_t c2, uint64_t bk, uint64_t bc1,
+                                        uint64_t bc2) {
+  return k != bk ? k > bk : c1 != bc1 ? c1 > bc1 : c2 > bc2;
+}
+
+// The lane holding the warp's largest (k, c1, c2) among lanes with `has`, or -1 if none has one.
+__device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, uint64_t c2) {
+  const int lane = threadIdx.x & 31;
+  unsigned cand = __ballot_sync(~0u, has);
+  if (cand == 0) return -1;
+  const uint32_t words[6] = {uint32_t(k >> 32), uint32_t(k), uint32_t(c1 >> 32),
+                             uint32_t(c1), uint32_t(c2 >> 32), uint32_t(c2)};
+#pragma unroll
+  for (int w = 0; w < 6; ++w) {
+    if (__popc(cand) == 1) break;  // warp-uniform
+    const bool in = (cand >> lane) & 1;
+    const uint32_t m = __reduce_max_sync(~0u, in ? words[w] : 0u);
+    cand = __ballot_sync(~0u, in && words[w] == m);
+  }
+  return __ffs(cand) - 1;
+}
+
+// Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] (the first min(K, budget)
+// of each depth read, all finite) into `out` (nodes 1..n), returns n. Meta word of an entry: parent | depth << 8
+// | rank << 12, -1 for an empty slot.
+__device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
+  const int lane = threadIdx.x & 31;
+  const int KU = K < budget ? K : budget;
+  uint64_t k[kSlots], c1[kSlots], c2[kSlots];
+  double sc[kSlots];
+  int meta[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) meta[s] = -1, k[s] = c1[s] = c2[s] = 0, sc[s] = 0.0;
+  if (lane == 0) {  // depth 1, rank 0, parent the root
+    sc[0] = static_cast<double>(lp[0]);
+    k[0] = order_key(sc[0]), c1[0] = (14ull << 60) | kLow60, c2[0] = kLow30, meta[0] = 1 << 8;
+  }
+  int count = 1, n = 0;
+  while (n < budget) {
+    // This lane's best entry, its fields picked by selects (a dynamic index would put the arrays in local memory).
+    int best = -1;
+    uint64_t bk = 0, bc1 = 0, bc2 = 0;
+    double bs = 0.0;
+    int bm = -1;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+      if (meta[s] >= 0 && (best < 0 || greater(k[s], c1[s], c2[s], bk, bc1, bc2)))
+        best = s, bk = k[s], bc1 = c1[s], bc2 = c2[s], bs = sc[s], bm = meta[s];
+    const int wl = warp_argmax(best >= 0, bk, bc1, bc2);
+    if (wl < 0) break;  // every prefix popped (fewer than `budget`)
+    const int wslot = __shfl_sync(~0u, best, wl), m = __shfl_sync(~0u, bm, wl);
+    const double s = __shfl_sync(~0u, bs, wl);
+    const uint64_t t1 = __shfl_sync(~0u, bc1, wl), t2 = __shfl_sync(~0u, bc2, wl);
+    const int p = m & 0xff, d = (m >> 8) & 0xf, r = m >> 12, node = ++n;
+    if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
+    __syncwarp();  // the node's score is read back below as a later node's parent score
+    // Next sibling into the popped slot (or the slot empties); its score is the parent's plus the next rank's
+    // log-probability (depth 1: the log-probability itself, as the reference's first beam).
+    const bool sib = r + 1 < KU;
+    double ss = 0.0;
+    if (sib) {
+      const double lv = static_cast<double>(lp[(size_t)(d - 1) * lds + r + 1]);
+      ss = d == 1 ? lv : out.score[p] + lv;
+    }
+    const bool hi = d <= 10;
+    const uint64_t s1 = hi ? t1 - rank_unit(d, true) : t1, s2 = hi ? t2 : t2 - rank_unit(d, false);
+#pragma unroll
+    for (int q = 0; q < kSlots; ++q)
+      if (lane == wl && q == wslot) {
+        if (sib) sc[q] = ss, k[q] = order_key(ss), c1[q] = s1, c2[q] = s2, meta[q] = p | d << 8 | (r + 1) << 12;
+        else meta[q] = -1;
+      }
+    // First child into a fresh slot: entries only grow by one a pop, so budget + 1 slots in all.
+    if (d < L) {
+      const double cs = s + static_cast<double>(lp[(size_t)d * lds]);
+      const int cl = count & 31, cq = count >> 5;
+#pragma unroll
+      for (int q = 0; q < kSlots; ++q)
+        if (lane == cl && q == cq)
+          sc[q] = cs, k[q] = order_key(cs), c1[q] = t1 - (1ull << 60), c2[q] = t2, meta[q] = node | (d + 1) << 8;
+      ++count;
+    }
+  }
+  return n;
+}
+
+}  // namespace ddtree_heap
