@@ -188,3 +188,14 @@ def test_a_client_gone_while_its_body_arrives_is_no_server_error(served, path):
     }
     asyncio.run(app(scope, receive, send))  # (a 500 re-raises its exception here, for the server's log)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+
+
+def test_stream_null_is_the_default_a_whole_answer(served):
+    """OpenAI's `stream` is "boolean or null" (default false), as the SDK sends it for stream=None; it was a
+    400 ('stream=None: expected true or false') while every other nullable field took null."""
+    c = served["client"]
+    r = c.completions.create(model=MODEL, prompt="def main(", max_tokens=3, temperature=0, stream=None)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 3
+    ask = [{"role": "user", "content": "hi"}]
+    r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=3, temperature=0, stream=None)
+    assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"

@@ -114,7 +114,7 @@ def parse(
             raise _too_long(
                 "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{k}]", ids, max_model_len
             )
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]  # (null: OpenAI's default, false)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream={stream!r}: expected true or false", "stream")
     opts = body.get("stream_options")
