@@ -199,3 +199,14 @@ def test_stream_null_is_the_default_a_whole_answer(served):
     ask = [{"role": "user", "content": "hi"}]
     r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=3, temperature=0, stream=None)
     assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("model", [None, 5, ["k26-test"]])
+def test_a_model_null_or_not_a_string_is_a_400_not_model_not_found(served, path, model):
+    """A missing (null) or mistyped model is the request's own error (400 naming model), not a 404
+    'the model None does not exist' with code model_not_found (what a well-formed unknown name gets)."""
+    body = {"model": model, "prompt": "x"} if path == "/v1/completions" else {"model": model, "messages": []}
+    status, err = raw(served["url"], path, json.dumps(body).encode())
+    assert status == 400 and err["error"]["param"] == "model" and err["error"]["code"] is None
+    assert err["error"]["type"] == "invalid_request_error"

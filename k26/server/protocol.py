@@ -17,7 +17,7 @@ from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .chat_api import ChatTurn, parse_chat
 from .errors import APIError
-from .json_values import id_list, is_int
+from .json_values import id_list, is_int, short
 from .sampling_api import sampling_params
 
 COMMON = {
@@ -164,8 +164,10 @@ def _known(body: Any, keys: set[str], model: str) -> None:
     unknown = sorted(set(body) - keys)
     if unknown:
         raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
-    if "model" not in body:
+    if body.get("model") is None:
         raise APIError(400, "missing required parameter: 'model'", "model")
+    if not isinstance(body["model"], str):
+        raise APIError(400, f"model={short(body['model'])}: expected a string", "model")
     if body["model"] != model:
         raise APIError(
             404,
