@@ -92,6 +92,16 @@ def test_small_budget_trees_equal_the_reference_with_ties_and_without(L, budget,
     assert_op_equals_reference(lp, tok, budget)
 
 
+@pytest.mark.parametrize("budget", [16, 100, 160])  # the heap's fallback, shared-memory and global beams
+def test_non_finite_log_probs_give_the_references_invalid_nodes(budget):
+    # Two finite tokens a depth: 2 + 4 + 8 finite prefixes, the rest of the tree -inf (invalid, parent 0,
+    # seeing only itself). The level-by-level kernel marked such nodes valid with their real parents before.
+    lp, tok = topk_inputs(2, 3, 9, budget, seed=budget, k=9)
+    lp = lp.clone()
+    lp[..., 2:] = float("-inf")
+    assert_op_equals_reference(lp, tok, budget)
+
+
 @pytest.mark.parametrize("budget", [1, 24])  # budget 1: one parent, one candidate per depth
 def test_deep_tree_runs_the_reference_inside_a_graph(budget):
     L = tree_cuda.MAX_DEPTH + 2  # deeper than the kernel's beams: the front door runs the reference

@@ -63,6 +63,10 @@ __device__ void bitonic(double* s, int* lx, int* pl, int n2) {
   }
 }
 
+// `spar` of a node whose score is not finite (-inf log-probabilities): invalid, its parent 0, its words itself
+// only, as the reference's (valid = isfinite(score)); such a node comes after every finite one in pop order.
+constexpr int kInvalidNode = -2;
+
 // One tree's outputs (the op's [B, 1 + budget(, NW)] tensors at this block's tree).
 struct Out {
   int64_t *tok, *par, *dep, *words;
@@ -80,14 +84,16 @@ __device__ void write_defaults(const Out& o, int* spar, int N, int n) {
   }
 }
 
-// The parents and the ancestor-or-self words from `spar` (after the nodes are written and a barrier).
+// The parents and the ancestor-or-self words from `spar` (after the nodes are written and a barrier); nodes
+// past n and kInvalidNode ones see only themselves.
 // Ancestor words by walking the parents in shared memory (from global memory each step of the walk was a
 // dependent L2 round trip: up to L of them), gathered in a register and stored once, highest word first. A
 // parent precedes its child in pop order, so the walk visits falling word indices; a parent that does not
 // (log-probs > 0 or NaN: outside the op's contract) ends the walk instead of reading past `spar`.
 __device__ void write_words(const Out& o, const int* spar, int N, int NW, int n, int L) {
   for (int i = threadIdx.x; i < N; i += blockDim.x) {
-    o.par[i] = spar[i];
+    const bool self_only = i > n || spar[i] == kInvalidNode;
+    o.par[i] = spar[i] == kInvalidNode ? 0 : spar[i];
     int64_t* row = o.words + (size_t)i * NW;
     for (int w = NW - 1; w > i / 64; --w) row[w] = 0;
     int cw = i / 64, u = i;
@@ -96,7 +102,7 @@ __device__ void write_words(const Out& o, const int* spar, int N, int NW, int n,
       for (; u / 64 < cw; --cw) row[cw] = (int64_t)cur, cur = 0;
       cur |= 1ull << (u % 64);
       const int up = spar[u];
-      u = i > n || up >= u ? -1 : up;  // a padding node is its own only ancestor
+      u = self_only || up >= u ? -1 : up;  // a padding or invalid node is its own only ancestor
     }
     for (; cw >= 0; --cw) row[cw] = (int64_t)cur, cur = 0;
   }
@@ -309,6 +315,7 @@ __global__ void __launch_bounds__(THREADS) build_kernel(
     o.dep[node] = d + 1;
     o.score[node] = us[i];
     spar[node] = d == 0 ? 0 : sc.grank[(size_t)(d - 1) * budget + sc.parent[i]] + 1;
+    if (!isfinite(us[i])) o.valid[node] = false, spar[node] = kInvalidNode;
   }
   __syncthreads();
   write_words(o, spar, N, NW, n, L);

@@ -70,16 +70,17 @@ __device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, ui
 }
 
 // Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] (the first min(K, budget)
-// of each depth read, all finite) into `out` (nodes 1..n), returns n. Meta word of an entry: parent | depth << 8
-// | rank << 12, -1 for an empty slot.
+// of each depth read, all finite) into `out` (nodes 1..n), returns n. An entry carries its score, its parent's
+// (the next sibling's base: no shared-memory round trip inside the loop) and a meta word: parent | depth << 8 |
+// rank << 12, -1 for an empty slot.
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
   const int lane = threadIdx.x & 31;
   const int KU = K < budget ? K : budget;
   uint64_t k[kSlots], c1[kSlots], c2[kSlots];
-  double sc[kSlots];
+  double sc[kSlots], ps[kSlots];
   int meta[kSlots];
 #pragma unroll
-  for (int s = 0; s < kSlots; ++s) meta[s] = -1, k[s] = c1[s] = c2[s] = 0, sc[s] = 0.0;
+  for (int s = 0; s < kSlots; ++s) meta[s] = -1, k[s] = c1[s] = c2[s] = 0, sc[s] = ps[s] = 0.0;
   if (lane == 0) {  // depth 1, rank 0, parent the root
     sc[0] = static_cast<double>(lp[0]);
     k[0] = order_key(sc[0]), c1[0] = (14ull << 60) | kLow60, c2[0] = kLow30, meta[0] = 1 << 8;
@@ -87,46 +88,46 @@ __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes o
   int count = 1, n = 0;
   while (n < budget) {
     // This lane's best entry, its fields picked by selects (a dynamic index would put the arrays in local memory).
-    int best = -1;
+    int best = -1, bm = -1;
     uint64_t bk = 0, bc1 = 0, bc2 = 0;
-    double bs = 0.0;
-    int bm = -1;
+    double bs = 0.0, bps = 0.0;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s)
       if (meta[s] >= 0 && (best < 0 || greater(k[s], c1[s], c2[s], bk, bc1, bc2)))
-        best = s, bk = k[s], bc1 = c1[s], bc2 = c2[s], bs = sc[s], bm = meta[s];
+        best = s, bk = k[s], bc1 = c1[s], bc2 = c2[s], bs = sc[s], bps = ps[s], bm = meta[s];
     const int wl = warp_argmax(best >= 0, bk, bc1, bc2);
     if (wl < 0) break;  // every prefix popped (fewer than `budget`)
     const int wslot = __shfl_sync(~0u, best, wl), m = __shfl_sync(~0u, bm, wl);
-    const double s = __shfl_sync(~0u, bs, wl);
+    const double s = __shfl_sync(~0u, bs, wl), pscore = __shfl_sync(~0u, bps, wl);
     const uint64_t t1 = __shfl_sync(~0u, bc1, wl), t2 = __shfl_sync(~0u, bc2, wl);
     const int p = m & 0xff, d = (m >> 8) & 0xf, r = m >> 12, node = ++n;
     if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
-    __syncwarp();  // the node's score is read back below as a later node's parent score
-    // Next sibling into the popped slot (or the slot empties); its score is the parent's plus the next rank's
+    // Next sibling into the popped slot (or the slot empties): the parent's score plus the next rank's
     // log-probability (depth 1: the log-probability itself, as the reference's first beam).
     const bool sib = r + 1 < KU;
     double ss = 0.0;
     if (sib) {
       const double lv = static_cast<double>(lp[(size_t)(d - 1) * lds + r + 1]);
-      ss = d == 1 ? lv : out.score[p] + lv;
+      ss = d == 1 ? lv : pscore + lv;
     }
     const bool hi = d <= 10;
     const uint64_t s1 = hi ? t1 - rank_unit(d, true) : t1, s2 = hi ? t2 : t2 - rank_unit(d, false);
+    const uint64_t sk = order_key(ss);
 #pragma unroll
     for (int q = 0; q < kSlots; ++q)
       if (lane == wl && q == wslot) {
-        if (sib) sc[q] = ss, k[q] = order_key(ss), c1[q] = s1, c2[q] = s2, meta[q] = p | d << 8 | (r + 1) << 12;
+        if (sib) sc[q] = ss, ps[q] = pscore, k[q] = sk, c1[q] = s1, c2[q] = s2, meta[q] = p | d << 8 | (r + 1) << 12;
         else meta[q] = -1;
       }
     // First child into a fresh slot: entries only grow by one a pop, so budget + 1 slots in all.
     if (d < L) {
       const double cs = s + static_cast<double>(lp[(size_t)d * lds]);
+      const uint64_t ck = order_key(cs);
       const int cl = count & 31, cq = count >> 5;
 #pragma unroll
       for (int q = 0; q < kSlots; ++q)
         if (lane == cl && q == cq)
-          sc[q] = cs, k[q] = order_key(cs), c1[q] = t1 - (1ull << 60), c2[q] = t2, meta[q] = node | (d + 1) << 8;
+          sc[q] = cs, ps[q] = s, k[q] = ck, c1[q] = t1 - (1ull << 60), c2[q] = t2, meta[q] = node | (d + 1) << 8;
       ++count;
     }
   }
