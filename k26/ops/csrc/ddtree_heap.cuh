@@ -35,11 +35,20 @@ struct Nodes {
   int* rank;
 };
 
-// fp64 order as unsigned order; -0.0 and +0.0 equal, as fp64 compares them.
+// fp64 order as unsigned order; -0.0 and +0.0 equal, as fp64 compares them (the entry keeps a -0.0 bit).
 __device__ __forceinline__ uint64_t order_key(double s) {
   uint64_t b = static_cast<uint64_t>(__double_as_longlong(s));
   if ((b << 1) == 0) b = 0;
   return (b >> 63) ? ~b : (b | (1ull << 63));
+}
+__device__ __forceinline__ bool is_neg_zero(double s) {
+  return static_cast<uint64_t>(__double_as_longlong(s)) == (1ull << 63);
+}
+// The score back from its key (and the -0.0 bit): entries hold no double of their own (registers: sm_120a
+// spilled with one).
+__device__ __forceinline__ double key_score(uint64_t k, bool neg_zero) {
+  const uint64_t b = neg_zero ? 1ull << 63 : (k >> 63) ? k & ~(1ull << 63) : ~k;
+  return __longlong_as_double(static_cast<long long>(b));
 }
 
 // The key's tie part: c1 = (15 - depth) << 60 | ~(ranks of depths 1..10), c2 = ~(ranks of depths 11..15).
@@ -47,20 +56,19 @@ __device__ __forceinline__ uint64_t rank_unit(int d, bool hi) {  // rank + 1 at 
   return hi ? 1ull << (6 * (10 - d)) : 1ull << (6 * (15 - d));
 }
 
-__device__ __forceinline__ bool greater(uint64_t k, uint64_t c1, uint64_t c2, uint64_t bk, uint64_t bc1,
-                                        uint64_t bc2) {
+__device__ __forceinline__ bool greater(uint64_t k, uint64_t c1, uint32_t c2, uint64_t bk, uint64_t bc1,
+                                        uint32_t bc2) {
   return k != bk ? k > bk : c1 != bc1 ? c1 > bc1 : c2 > bc2;
 }
 
 // The lane holding the warp's largest (k, c1, c2) among lanes with `has`, or -1 if none has one.
-__device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, uint64_t c2) {
+__device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, uint32_t c2) {
   const int lane = threadIdx.x & 31;
   unsigned cand = __ballot_sync(~0u, has);
   if (cand == 0) return -1;
-  const uint32_t words[6] = {uint32_t(k >> 32), uint32_t(k), uint32_t(c1 >> 32),
-                             uint32_t(c1), uint32_t(c2 >> 32), uint32_t(c2)};
+  const uint32_t words[5] = {uint32_t(k >> 32), uint32_t(k), uint32_t(c1 >> 32), uint32_t(c1), c2};
 #pragma unroll
-  for (int w = 0; w < 6; ++w) {
+  for (int w = 0; w < 5; ++w) {
     if (__popc(cand) == 1) break;  // warp-uniform
     const bool in = (cand >> lane) & 1;
     const uint32_t m = __reduce_max_sync(~0u, in ? words[w] : 0u);
@@ -70,37 +78,42 @@ __device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, ui
 }
 
 // Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] (the first min(K, budget)
-// of each depth read, all finite) into `out` (nodes 1..n), returns n. An entry carries its score, its parent's
-// (the next sibling's base: no shared-memory round trip inside the loop) and a meta word: parent | depth << 8 |
-// rank << 12, -1 for an empty slot.
+// of each depth read, all finite) into `out` (nodes 1..n), returns n. An entry carries its key, its parent's
+// score (the next sibling's base: no shared-memory round trip inside the loop) and a meta word: parent |
+// depth << 8 | rank << 12 | (score is -0.0) << 18, -1 for an empty slot.
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
   const int lane = threadIdx.x & 31;
   const int KU = K < budget ? K : budget;
-  uint64_t k[kSlots], c1[kSlots], c2[kSlots];
-  double sc[kSlots], ps[kSlots];
+  uint64_t k[kSlots], c1[kSlots];
+  uint32_t c2[kSlots];
+  double ps[kSlots];
   int meta[kSlots];
 #pragma unroll
-  for (int s = 0; s < kSlots; ++s) meta[s] = -1, k[s] = c1[s] = c2[s] = 0, sc[s] = ps[s] = 0.0;
+  for (int s = 0; s < kSlots; ++s) meta[s] = -1, k[s] = c1[s] = 0, c2[s] = 0, ps[s] = 0.0;
   if (lane == 0) {  // depth 1, rank 0, parent the root
-    sc[0] = static_cast<double>(lp[0]);
-    k[0] = order_key(sc[0]), c1[0] = (14ull << 60) | kLow60, c2[0] = kLow30, meta[0] = 1 << 8;
+    const double s0 = static_cast<double>(lp[0]);
+    k[0] = order_key(s0), c1[0] = (14ull << 60) | kLow60, c2[0] = uint32_t(kLow30);
+    meta[0] = 1 << 8 | is_neg_zero(s0) << 18;
   }
   int count = 1, n = 0;
   while (n < budget) {
     // This lane's best entry, its fields picked by selects (a dynamic index would put the arrays in local memory).
     int best = -1, bm = -1;
-    uint64_t bk = 0, bc1 = 0, bc2 = 0;
-    double bs = 0.0, bps = 0.0;
+    uint64_t bk = 0, bc1 = 0;
+    uint32_t bc2 = 0;
+    double bps = 0.0;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s)
       if (meta[s] >= 0 && (best < 0 || greater(k[s], c1[s], c2[s], bk, bc1, bc2)))
-        best = s, bk = k[s], bc1 = c1[s], bc2 = c2[s], bs = sc[s], bps = ps[s], bm = meta[s];
+        best = s, bk = k[s], bc1 = c1[s], bc2 = c2[s], bps = ps[s], bm = meta[s];
     const int wl = warp_argmax(best >= 0, bk, bc1, bc2);
     if (wl < 0) break;  // every prefix popped (fewer than `budget`)
     const int wslot = __shfl_sync(~0u, best, wl), m = __shfl_sync(~0u, bm, wl);
-    const double s = __shfl_sync(~0u, bs, wl), pscore = __shfl_sync(~0u, bps, wl);
-    const uint64_t t1 = __shfl_sync(~0u, bc1, wl), t2 = __shfl_sync(~0u, bc2, wl);
-    const int p = m & 0xff, d = (m >> 8) & 0xf, r = m >> 12, node = ++n;
+    const double pscore = __shfl_sync(~0u, bps, wl);
+    const uint64_t t0 = __shfl_sync(~0u, bk, wl), t1 = __shfl_sync(~0u, bc1, wl);
+    const uint32_t t2 = __shfl_sync(~0u, bc2, wl);
+    const double s = key_score(t0, (m >> 18) & 1);
+    const int p = m & 0xff, d = (m >> 8) & 0xf, r = (m >> 12) & 0x3f, node = ++n;
     if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
     // Next sibling into the popped slot (or the slot empties): the parent's score plus the next rank's
     // log-probability (depth 1: the log-probability itself, as the reference's first beam).
@@ -111,23 +124,25 @@ __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes o
       ss = d == 1 ? lv : pscore + lv;
     }
     const bool hi = d <= 10;
-    const uint64_t s1 = hi ? t1 - rank_unit(d, true) : t1, s2 = hi ? t2 : t2 - rank_unit(d, false);
+    const uint64_t s1 = hi ? t1 - rank_unit(d, true) : t1;
+    const uint32_t s2 = hi ? t2 : t2 - uint32_t(rank_unit(d, false));
     const uint64_t sk = order_key(ss);
+    const int sm = p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18;
 #pragma unroll
     for (int q = 0; q < kSlots; ++q)
       if (lane == wl && q == wslot) {
-        if (sib) sc[q] = ss, ps[q] = pscore, k[q] = sk, c1[q] = s1, c2[q] = s2, meta[q] = p | d << 8 | (r + 1) << 12;
+        if (sib) ps[q] = pscore, k[q] = sk, c1[q] = s1, c2[q] = s2, meta[q] = sm;
         else meta[q] = -1;
       }
     // First child into a fresh slot: entries only grow by one a pop, so budget + 1 slots in all.
     if (d < L) {
       const double cs = s + static_cast<double>(lp[(size_t)d * lds]);
       const uint64_t ck = order_key(cs);
+      const int cm = node | (d + 1) << 8 | is_neg_zero(cs) << 18;
       const int cl = count & 31, cq = count >> 5;
 #pragma unroll
       for (int q = 0; q < kSlots; ++q)
-        if (lane == cl && q == cq)
-          sc[q] = cs, ps[q] = s, k[q] = ck, c1[q] = t1 - (1ull << 60), c2[q] = t2, meta[q] = node | (d + 1) << 8;
+        if (lane == cl && q == cq) ps[q] = s, k[q] = ck, c1[q] = t1 - (1ull << 60), c2[q] = t2, meta[q] = cm;
       ++count;
     }
   }
