@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops import moe_block_cuda, reference
+from ..ops import moe_block_cuda, moe_cuda, reference
 from ..ops.moe_layout import repack_experts
 from ..ops.router_cuda import router_barrier
 from .layers import MLP, TPInfo
@@ -73,14 +73,15 @@ class Router(nn.Module):
         )
 
     def route(
-        self, x_TD: torch.Tensor, shared: bool
+        self, x_TD: torch.Tensor, shared: bool, table: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(weights, ids, routing table or None): the table of `moe_w4a16_repacked` (with the shared expert's
-        slots when `shared`) from the fused kernel when it writes one, for more than one token (one token
-        routes straight from its ids in the expert op) and at most TABLE_MAX_PAIRS pairs."""
+        slots when `shared`) from the fused kernel when it writes one and the expert op wants one (`table`),
+        for more than one token (one token routes straight from its ids in the expert op) and at most
+        TABLE_MAX_PAIRS pairs."""
         M, fused = x_TD.shape[0], self.barrier is not None and x_TD.dtype == torch.bfloat16
         pairs = M * self.cfg.num_experts_per_tok
-        if not (self.writes_table and fused and M > 1 and pairs <= TABLE_MAX_PAIRS):
+        if not (table and self.writes_table and fused and M > 1 and pairs <= TABLE_MAX_PAIRS):
             return (*self(x_TD), None)
         args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self.params())
         return torch.ops.k26.moe_router_table(*args, shared)
@@ -166,6 +167,7 @@ class MoE(nn.Module):
         self.tp = tp
         inter = tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
         E, D = cfg.n_routed_experts, cfg.hidden_size
+        self.inter = inter  # this rank's expert width
         self.gate = Router(cfg, dtype)
         if cfg.quant.int4:
             self.experts: nn.Module = Int4Experts(E, D, inter, cfg.quant.group_size)
@@ -183,7 +185,7 @@ class MoE(nn.Module):
             if self.gate.serves_block(x_TD) and (fused or self.shared_experts is None):
                 y_TD = self._one_token(x_TD)
                 return y_TD.view_as(x_BND) if partial else self.tp.reduce(y_TD.view_as(x_BND))
-            w_TK, ids_TK, table = self.gate.route(x_TD, shared=fused)
+            w_TK, ids_TK, table = self.gate.route(x_TD, shared=fused, table=self._wants_table(x_TD, fused))
             y_TD = self.experts(x_TD, ids_TK, w_TK, self.shared_experts if fused else None, table)
             if self.shared_experts is not None and not fused:
                 y_TD = y_TD + self.shared_experts(x_TD)
@@ -193,6 +195,14 @@ class MoE(nn.Module):
             if self.shared_experts is not None:
                 y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view_as(x_BND) if partial else self.tp.reduce(y_TD.view_as(x_BND))
+
+    def _wants_table(self, x_TD: torch.Tensor, fused: bool) -> bool:
+        """No routing table where the expert op groups the pairs from the ids itself
+        (moe_cuda.groups_from_ids): the router kernel's last block then builds none (~3.6 µs of its tail at
+        16 tokens on an H100, profiling/debug/router_trace.py --table)."""
+        cfg = self.gate.cfg
+        M, K, E = x_TD.shape[0], cfg.num_experts_per_tok, cfg.n_routed_experts
+        return not moe_cuda.groups_from_ids(M, K, E, cfg.hidden_size, self.inter, fused)
 
     def _one_token(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The block of one token in two launches (router + gate/up, down + combine): `moe_one_token`."""

@@ -16,6 +16,10 @@ from .moe_layout import unrepack, w13_row_order
 from .reference import expert_mlp, moe_combine
 
 SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see split_down()
+# Without a routing table, where the one-launch down + combine serves (groups_from_ids): the GEMMs group the
+# pairs from the ids themselves (csrc/moe_gemm.cuh lead_group, the down + combine's own table) instead of a
+# routing launch; the model's router then writes no table either. Same bits. Read at launch, like SPLIT_DOWN.
+GROUPS_FROM_IDS = True
 
 
 @contextlib.contextmanager
@@ -34,6 +38,23 @@ def pick_nt(pairs: int, experts: int) -> int:
     """Token columns per expert group (8 per mma n-tile): wider only when experts see many tokens."""
     per_expert = pairs / experts
     return 1 if per_expert < 8 else 2 if per_expert < 16 else 4
+
+
+def groups_from_ids(M: int, topk: int, E: int, D: int, inter: int, shared: bool) -> bool:
+    """Whether the op, given no table, groups M tokens' pairs in its GEMMs from the ids (csrc/moe_w4a16.cu
+    `own`): more than one token, one 8-token column tile per group, the one-launch down + combine's limits
+    (at most 576 routed + shared slots, I <= 256, an even number of 16-row output tiles), <= 512 pairs."""
+    P, S = M * topk, M if shared else 0
+    return (
+        GROUPS_FROM_IDS
+        and not SPLIT_DOWN
+        and M > 1
+        and pick_nt(P, E) == 1
+        and P + S <= 576
+        and P <= 512
+        and inter <= 256
+        and (D // 16) % 2 == 0
+    )
 
 
 def route_table_groups(M: int, topk: int, E: int, nt: int, shared: bool) -> int:
@@ -294,8 +315,9 @@ def _moe_cuda(
         nt,
         *sp,
         None if table is None else table.data_ptr(),
-        # flags (csrc/moe_w4a16.cu): PDL (the shared expert's gate/up blocks overlap the routing), split down
-        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0),
+        # flags (csrc/moe_w4a16.cu): PDL (the shared expert's gate/up blocks overlap the routing), split down,
+        # groups from the ids
+        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0) | (4 if GROUPS_FROM_IDS else 0),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:

@@ -4,7 +4,10 @@ for M tokens after a 256 MB L2 flush, and prints when the blocks started, had th
 products, wrote their partials, passed the barrier (one token: the last block in), and had the scores and
 the top-k (µs from the first start).
 
-    python profiling/debug/router_trace.py --m 1 [--cflags "-DFOO"]
+    python profiling/debug/router_trace.py --m 1 [--table] [--cflags "-DFOO"]
+
+--table runs moe_router_table (the expert op's routing table built by the last block, the model's path for
+more than one token): its "routing table built" stamp shows what the table adds to the router's tail.
 """
 
 import argparse
@@ -21,6 +24,7 @@ ap.add_argument("--m", type=int, default=1)
 ap.add_argument("--e", type=int, default=384)
 ap.add_argument("--d", type=int, default=7168)
 ap.add_argument("--cflags", default="", help="extra nvcc flags")
+ap.add_argument("--table", action="store_true", help="moe_router_table (with the shared expert's slots)")
 a = ap.parse_args()
 os.environ["K26_OPS_LIB"] = build_traced(["moe_router.cu"], ["-DK26_ROUTER_TRACE", *a.cflags.split()])
 lib = ctypes.CDLL(os.environ["K26_OPS_LIB"])  # the op loads the same library: one trace table
@@ -35,7 +39,10 @@ for _ in range(4):  # the last launch is the one read back
     flush.sum()
     assert lib.k26_moe_router_trace_reset() == 0
     torch.cuda.synchronize()
-    out_w, out_ids = torch.ops.k26.moe_router(x, w, bias, barrier, 1, 1, 8, True, 2.827)
+    if a.table:
+        out_w, out_ids, _ = torch.ops.k26.moe_router_table(x, w, bias, barrier, 1, 1, 8, True, 2.827, True)
+    else:
+        out_w, out_ids = torch.ops.k26.moe_router(x, w, bias, barrier, 1, 1, 8, True, 2.827)
     torch.cuda.synchronize()
 ref_w, ref_ids = router_cuda.reference.moe_router(x, w, bias, 1, 1, 8, True, 2.827)
 same = (out_ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()
@@ -44,5 +51,5 @@ print(f"top-k sets equal to the reference on {same:.3f} of rows; sorted weights 
 names = {0: "start", 1: "dot done", 2: "partial written", 3: "barrier passed", 4: "scores"}
 names |= {6: "keys loaded", 7: "warp picks", 8: "candidates in", 9: "final picks", 10: "written"}
 names[5] = "top-k done"
-names[11] = "routing table built"  # moe_router_table only (this script runs moe_router: absent)
+names[11] = "routing table built"  # --table only
 print_phases(lib.k26_moe_router_trace, names, f"M={a.m} blocks")

@@ -47,16 +47,18 @@ constexpr int kDownCombineRT = 2;  // 16-row output tiles per block (and per war
 constexpr int kDownCombineMaxChunks = 4;
 
 // Dynamic shared memory of one block: y [P + S][16 RT] bf16 | sorted [P + S] | group fields [3][G] |
-// combine weights [P] (0 for an id outside [0, E)) | their validity [P].
-__host__ __device__ inline size_t down_combine_smem(int P, int S, int G) {
-  return (size_t)(P + S) * 16 * kDownCombineRT * 2 + (size_t)(P + S) * 4 + (size_t)3 * G * 4 + (size_t)P * 8;
+// combine weights [P] (0 for an id outside [0, E)) | their validity [P] | with `own` (the block builds the table
+// itself): build_route_table's scratch [3 E].
+__host__ __device__ inline size_t down_combine_smem(int P, int S, int G, int E, bool own) {
+  return (size_t)(P + S) * 16 * kDownCombineRT * 2 + (size_t)(P + S) * 4 + (size_t)3 * G * 4 + (size_t)P * 8 +
+         (own ? (size_t)3 * E * 4 : 0);
 }
 
 // One 8-token column tile per group (nt = 1: the routing table's groups hold <= 8 tokens).
 static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine_grouped(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
     int n_tiles, RouteTable tab, int G, const int64_t* __restrict__ ids, const float* __restrict__ topw, int M,
-    int topk, int E, int S, const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out) {
+    int topk, int E, int S, const __nv_bfloat16* __restrict__ sd, __nv_bfloat16* __restrict__ out, int own) {
   constexpr int RT = kDownCombineRT, ROWS = 16 * RT;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const int P = M * topk, SG = (S + 7) / 8;  // SG: the shared expert's groups, first in the table
@@ -71,11 +73,23 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   pdl_trigger();  // the next kernel waits for our completion before reading out
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int tile0 = blockIdx.x * RT, KC = I >> 6;
-  // The routing (complete at launch, see above) into shared memory: one round trip for every field.
-  const int ng = min(__ldcg(tab.num_groups), G);
-  for (int i = tid; i < P + S; i += blockDim.x) s_sorted[i] = __ldcg(tab.sorted + i);
-  for (int i = tid; i < ng; i += blockDim.x)
-    s_expert[i] = __ldcg(tab.expert + i), s_start[i] = __ldcg(tab.start + i), s_len[i] = __ldcg(tab.len + i);
+  // The routing (complete at launch, see above) into shared memory: one round trip for every field, or (own:
+  // the gate/up GEMM grouped the pairs from the ids, lead_group, and wrote act by pair) the table built here
+  // from the ids, off the critical path (this grid waits for the gate/up GEMM anyway). Which group computes a
+  // pair changes no bit: every column of an mma is its own token.
+  int ng;
+  if (own) {
+    __shared__ int s_ng;
+    build_route_table([&](int p) { return __ldcg(ids + p); }, P, E, 8, S,
+                      RouteTable{&s_ng, s_sorted, s_expert, s_start, s_len}, s_live + P);
+    __syncthreads();
+    ng = min(s_ng, G);
+  } else {
+    ng = min(__ldcg(tab.num_groups), G);
+    for (int i = tid; i < P + S; i += blockDim.x) s_sorted[i] = __ldcg(tab.sorted + i);
+    for (int i = tid; i < ng; i += blockDim.x)
+      s_expert[i] = __ldcg(tab.expert + i), s_start[i] = __ldcg(tab.start + i), s_len[i] = __ldcg(tab.len + i);
+  }
   for (int i = tid; i < P; i += blockDim.x) {
     const int64_t e = __ldcg(ids + i);
     const bool live = e >= 0 && e < E;
@@ -88,7 +102,8 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   float acc[RT][1][4];
   auto begin_group = [&](int gi) {  // act row of column g's token (nullptr: padding), zeroed accumulators
     const int st = s_start[gi], ln = s_len[gi];
-    brow[0] = g < ln ? reinterpret_cast<const uint4*>(act + (size_t)(st + g) * I) + 2 * t : nullptr;
+    const int row = g < ln ? (own ? s_sorted[st + g] : st + g) : 0;  // act by pair (own) or by table slot
+    brow[0] = g < ln ? reinterpret_cast<const uint4*>(act + (size_t)row * I) + 2 * t : nullptr;
 #pragma unroll
     for (int r = 0; r < RT; ++r)
 #pragma unroll

@@ -62,13 +62,61 @@ __device__ __forceinline__ void early_weights(const uint4* w, const uint32_t* s,
   }
 }
 
+// Groups from the ids (no routing table; the gate/up GEMM at nt = 1 when csrc/moe_w4a16.cu's launch takes
+// that path): the routed group of blockIdx.y - (shared groups) = pair j is led by j when j is an occurrence of
+// its expert ids[j] whose rank among that expert's pairs (in pair order) is a multiple of GT; the group is
+// those GT occurrences (fewer at the end). One coherent read of every id (the router's output) and two
+// barriers, where the table costs the router's last block a table build (~3.6 µs at M = 16 on an H100,
+// profiling/debug/router_trace.py --table) and this kernel two dependent reads of it. Block-uniform: true
+// with the expert in *e and the pairs in members[0, len) (members[n] = -1 past len), false for no group.
+constexpr int kLeadMaxPairs = 512;  // 64 tokens at top-8: two ids a thread of the 256-thread gate/up block
+template <int THREADS, int GT>
+__device__ __forceinline__ bool lead_group(const int64_t* __restrict__ ids, int j, int P, int E, int* members,
+                                           int* e, int* len) {
+  __shared__ unsigned bits[kLeadMaxPairs / 32];
+  constexpr int R = kLeadMaxPairs / THREADS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t idj = __ldcg(ids + j);  // every id in flight at once (coherent: the router's output)
+  int64_t id[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) id[r] = r * THREADS + tid < P ? __ldcg(ids + r * THREADS + tid) : -1;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const unsigned b = __ballot_sync(~0u, r * THREADS + tid < P && id[r] == idj);
+    if (lane == 0) bits[r * (THREADS / 32) + warp] = b;
+  }
+  __syncthreads();
+  if (idj < 0 || idj >= E) return false;
+  const int words = (P + 31) / 32;
+  int occ = __popc(bits[j >> 5] & ((1u << (j & 31)) - 1)), total = 0;
+  for (int w = 0; w < words; ++w) occ += w < (j >> 5) ? __popc(bits[w]) : 0, total += __popc(bits[w]);
+  if (occ % GT) return false;
+  if (tid < GT) {  // member tid: the (occ + tid)-th occurrence
+    int want = occ + tid, m = -1;
+    for (int w = 0; w < words && m < 0; ++w) {
+      unsigned v = bits[w];
+      const int c = __popc(v);
+      if (want >= c) {
+        want -= c;
+        continue;
+      }
+      for (int k = 0; k < want; ++k) v &= v - 1;  // drop the lower occurrences
+      m = w * 32 + __ffs(v) - 1;
+    }
+    members[tid] = m;
+  }
+  __syncthreads();
+  *e = static_cast<int>(idj), *len = min(GT, total - occ);
+  return true;
+}
+
 template <int RT, int NT, int WK, int WM, bool GATED, int MINB>
 static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
     __nv_bfloat16* __restrict__ out, int out_ld, int E, int P, int S, const __nv_bfloat16* __restrict__ sa,
-    const __nv_bfloat16* __restrict__ sb, const int64_t* __restrict__ direct) {
+    const __nv_bfloat16* __restrict__ sb, const int64_t* __restrict__ direct, const int64_t* __restrict__ lead) {
   // PDL (launched by `launch` with the attribute): the shared expert's groups come first in the table
   // (csrc/moe_route.cuh), so those blocks know their tokens without it and run the gate/up GEMM while the
   // routing (route_kernel, or a table producer that triggers early) still runs; every other block waits for the previous grid before reading
@@ -78,6 +126,10 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   const int grp = blockIdx.y, gt = 8 * NT;
   const bool shared = grp * gt < S;
   int e = E, start = P + grp * gt, len = min(gt, S - grp * gt);
+  // lead (GATED, NT = 1): the routed groups from the ids (lead_group); members[n] is column n's pair, and its
+  // act row (the down + combine kernel builds its own table: csrc/moe_down_combine.cuh).
+  __shared__ int members[GATED && NT == 1 ? 8 : 1];
+  const bool led = GATED && NT == 1 && lead != nullptr && !shared;
   if (!GATED) pdl_trigger();
   if (!shared) {
     if (GATED) pdl_wait();
@@ -88,6 +140,13 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
       const int64_t id = __ldcg(direct + j);
       if (id < 0 || id >= E) return;
       e = (int)id, start = j, len = 1;
+    } else if (led) {
+      const int j = grp - (S + gt - 1) / gt;
+      if (j >= P) return;
+      if constexpr (GATED && NT == 1)
+        if (!lead_group<32 * WK * WM, 8>(lead, j, P, E, members, &e, &len)) return;
+      start = 0;
+      if (GATED) early_weights<RT, NT, WK, WM>(w, s, e, n_tiles, K >> 6);
     } else {
       // grp < the grid's G groups, so the group's fields are in bounds: read with the count, one round trip
       const int ng = __ldcg(num_groups), ge = __ldcg(grp_expert + grp), gs = __ldcg(grp_start + grp),
@@ -115,7 +174,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     brow[nt] = nullptr;
     if (n < len) {
       const int slot = start + n;
-      const int pair = shared || direct != nullptr ? slot : __ldcg(sorted + slot);
+      const int pair = led ? members[n] : shared || direct != nullptr ? slot : __ldcg(sorted + slot);
       const size_t row = GATED ? (size_t)(shared ? slot - P : pair / topk) : (size_t)slot;
       brow[nt] = reinterpret_cast<const uint4*>(x + row * K) + 2 * t;
     }
@@ -144,7 +203,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     one_token = active && !shared && len == 1 && K <= kOneTokMaxK;
     __shared__ uint4 xs[GATED && RT == 1 && NT == 1 && WM == 1 ? kOneTokMaxK / 8 : 1];
     if (one_token) {
-      const int pair = direct != nullptr ? start : __ldcg(sorted + start);
+      const int pair = led ? members[0] : direct != nullptr ? start : __ldcg(sorted + start);
       gated_one_token(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC, wk * KC / WK,
                       (wk + 1) * KC / WK, xs, acc[0][0]);
     }
@@ -225,7 +284,8 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
             // Rows g / g+8 of the tile are gate / up of feature (tile*8 + g); reference rounding points.
             const float gate = bf16_round(acc[r][nt][h]), up = bf16_round(acc[r][nt][2 + h]);
             const float act = bf16_round(gate / (1.f + __expf(-gate)));
-            out[(size_t)(start + n) * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
+            const int row = led ? members[n] : start + n;
+            out[(size_t)row * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
           } else {
             const int pair = shared || direct != nullptr ? start + n : __ldcg(sorted + start + n);
             const size_t row = (size_t)pair * out_ld + (tile0 + r) * 16 + g;

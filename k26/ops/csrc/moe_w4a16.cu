@@ -164,17 +164,23 @@ cudaError_t launch_down_one_token(const __nv_bfloat16* act, const void* w2, cons
 template <int NT, int RT1, int RT2>
 cudaError_t launch(const void* x, const void* w13, const void* s13, const void* w2, const void* s2, const int64_t* ids,
                    const float* topw, void* out, void* ws_base, int* table, int M, int D, int I, int E, int topk,
-                   Shared sh, bool pdl, bool split_down, cudaStream_t st) {
+                   Shared sh, bool pdl, bool split_down, bool from_ids, cudaStream_t st) {
   Workspace ws;
   const int S = sh.gate ? M : 0;
   carve(ws_base, M, D, I, E, topk, NT, S, &ws);
-  const int P = M * topk;
+  const int P = M * topk, tiles2 = D / 16;
   // One token (decode) and no table given: every pair is its own group, read straight from the ids by the
   // GEMMs, so no routing launch (~3.7 µs in the TP8 M = 1 block). Exact for any ids (a repeated expert would
-  // be read twice); more tokens share experts, so they are grouped by route_kernel.
+  // be read twice); more tokens share experts, so they are grouped by route_kernel — or, where the one-launch
+  // down + combine serves and `from_ids`, by the GEMMs themselves (`own`: the gate/up blocks lead_group, the
+  // down + combine blocks their own table): no routing launch and no table from the router.
   const int64_t* direct = M == 1 && table == nullptr ? ids : nullptr;
-  const int G = direct ? (S + 8 * NT - 1) / (8 * NT) + P : route_groups(P, S, E, 8 * NT);
-  if (table == nullptr && direct == nullptr) {
+  const bool down_combine = NT == 1 && !direct && !split_down && P + S <= kDownCombineMaxSlots &&
+                            I <= 64 * kDownCombineMaxChunks && tiles2 % kDownCombineRT == 0;
+  const bool own = from_ids && table == nullptr && down_combine && P <= kLeadMaxPairs;
+  const int SG = (S + 8 * NT - 1) / (8 * NT);
+  const int G = direct || own ? SG + P : route_groups(P, S, E, 8 * NT);
+  if (table == nullptr && direct == nullptr && !own) {
     table = ws.table;
     const cudaError_t e = launch_pdl(route_kernel, dim3(1), dim3(kRouteThreads), 3 * E * sizeof(int), pdl, st, ids, P,
                                      E, 8 * NT, S, table);
@@ -191,22 +197,21 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), 0, pdl, st,
                                (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk,
                                rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.act, I, E, P, S, sh.gate,
-                               sh.up, direct);
+                               sh.up, direct, own ? ids : nullptr);
   if (err != cudaSuccess) return err;
-  const int tiles2 = D / 16;
   if (direct && topk <= kDownOneTokPairs)  // decode: down + combine in one launch
     return launch_down_one_token(ws.act, w2, s2, ids, topw, out, D, I, E, topk, sh.down, pdl, st);
-  if (NT == 1 && !direct && !split_down && P + S <= kDownCombineMaxSlots && I <= 64 * kDownCombineMaxChunks &&
-      tiles2 % kDownCombineRT == 0) {  // a few tokens: down + combine in one launch
-    const size_t smem = down_combine_smem(P, S, G);
+  if (down_combine) {  // a few tokens: down + combine in one launch
+    const int Gd = route_groups(P, S, E, 8);  // the table's groups (own: the block's own table)
+    const size_t smem = down_combine_smem(P, S, Gd, E, own);
     if (smem > 48 * 1024) {
       const cudaError_t e = cudaFuncSetAttribute(down_combine_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  (int)smem);
       if (e != cudaSuccess) return e;
     }
     return launch_pdl(down_combine_grouped, dim3(tiles2 / kDownCombineRT), dim3(32 * kDownCombineWarps), smem,
-                      pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, rt, G,
-                      ids, topw, M, topk, E, S, sh.down, (__nv_bfloat16*)out);
+                      pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, rt, Gd,
+                      ids, topw, M, topk, E, S, sh.down, (__nv_bfloat16*)out, (int)own);
   }
   // down: D/16 tiles, RT2 per warp, 8 warps per block, K = I.
   constexpr int WM2 = 8;
@@ -214,7 +219,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
                   dim3((tiles2 / RT2 + WM2 - 1) / WM2, G), 32 * WM2,
                   pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk,
                   rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.y, D, E, P, S, sh.down,
-                  (const __nv_bfloat16*)nullptr, direct);
+                  (const __nv_bfloat16*)nullptr, direct, (const int64_t*)nullptr);
   if (err != cudaSuccess) return err;
   const int threads = 128;
   return launch_on(combine_kernel, dim3((D / 8 + threads - 1) / threads, M), threads, pdl, st,
@@ -240,12 +245,13 @@ K26_EXPORT size_t k26_moe_route_table_ints(int M, int E, int topk, int nt, int s
 // shared_down [D, I] bf16 (all null: no shared expert) run as expert id E in the same grids. table: the routing
 // table of these ids for this nt and shared (csrc/moe_route.cuh), or null (routed here). flags: bit 0 launches
 // with PDL; bit 1 runs the down GEMM + combine launches where down_combine_grouped would serve (same bits: the
-// A/B and the bit-identity test).
+// A/B and the bit-identity test); bit 2, without a table where down_combine_grouped serves, groups the pairs in
+// the GEMMs from the ids (no routing launch; same bits).
 K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, const void* w2, const void* s2,
                              const int64_t* ids, const float* topw, void* out, void* workspace, int M, int D, int I,
                              int E, int topk, int nt, const void* shared_gate, const void* shared_up,
                              const void* shared_down, void* table, int flags, void* stream) {
-  const bool pdl = flags & 1, split = flags & 2;
+  const bool pdl = flags & 1, split = flags & 2, from_ids = flags & 4;
   int* tab = static_cast<int*>(table);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Shared sh{(const __nv_bfloat16*)shared_gate, (const __nv_bfloat16*)shared_up,
@@ -258,10 +264,10 @@ K26_EXPORT int k26_moe_w4a16(const void* x, const void* w13, const void* s13, co
   const bool few = M * topk <= 64;
   switch (nt) {
     case 1:
-      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st)
-                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
-    case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
-    case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, st);
+      return few ? launch<1, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, from_ids, st)
+                 : launch<1, 2, 2>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, from_ids, st);
+    case 2: return launch<2, 2, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, from_ids, st);
+    case 4: return launch<4, 1, 1>(x, w13, s13, w2, s2, ids, topw, out, workspace, tab, M, D, I, E, topk, sh, pdl, split, from_ids, st);
     default: return (int)cudaErrorInvalidValue;
   }
 }
