@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from timing import capture, graph_time_cold, mma_sync_peak
 
-from k26.ops import pdl, reference
+from k26.ops import moe_cuda, pdl, reference
 from k26.ops.router_cuda import router_barrier
 
 SHAPES = {
@@ -62,7 +62,8 @@ def block_layer(E: int, D: int, I: int, hot: int, gen: torch.Generator) -> dict:
 
 def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     """What MoE.forward runs on CUDA (bf16, repacked experts), without the TP all-reduce. mode "fused":
-    router kernel (writing the routing table for M > 1), shared expert in the expert kernel's grids;
+    router kernel (writing the routing table for M > 1 unless the expert op groups the pairs from the ids:
+    moe_cuda.groups_from_ids), shared expert in the expert kernel's grids;
     "route": for M > 1 the same but the expert op routes in its own launch (before the router wrote the
     table), for one token `moe_one_token` (the router kernel runs the gate/up GEMMs: two launches, opt-in);
     "router": router kernel, shared expert as its own three GEMMs; "unfused": the reference router (fp32
@@ -72,7 +73,9 @@ def moe_block(x: torch.Tensor, lw: dict, mode: str = "fused") -> torch.Tensor:
     if mode == "route" and M == 1:
         router = (lw["router"], lw["bias"], lw["barrier"], *ROUTE)
         return torch.ops.k26.moe_one_token(x, *router, *lw["experts"], *sh)
-    if mode == "fused" and M > 1:
+    E, D = lw["router"].shape
+    own = moe_cuda.groups_from_ids(M, ROUTE[2], E, D, lw["gate"].shape[0], True)  # as MoE._wants_table
+    if mode == "fused" and M > 1 and not own:
         route = (x, lw["router"], lw["bias"], lw["barrier"], *ROUTE, True)
         tw, ids, table = torch.ops.k26.moe_router_table(*route)
         return torch.ops.k26.moe_w4a16_repacked(x, *lw["experts"], ids, tw, *sh, table)
