@@ -204,7 +204,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   if (down_combine) {  // a few tokens: down + combine in one launch
     const int Gd = route_groups(P, S, E, 8);  // the table's groups (own: the block's own table)
     const size_t smem = down_combine_smem(P, S, Gd, E, own);
-    if (smem > 48 * 1024) {
+    if (smem + 1024 > 48 * 1024) {  // 48 KB without the opt-in, static (build_route_table's 0.5 KB) included
       const cudaError_t e = cudaFuncSetAttribute(down_combine_grouped, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  (int)smem);
       if (e != cudaSuccess) return e;
