@@ -1,5 +1,5 @@
 """The fused MoE op grouping a few tokens' pairs from the ids itself (moe_cuda.groups_from_ids: the gate/up
-GEMM's lead_group and the down + combine's own table, csrc/moe_gemm.cuh / moe_down_combine.cuh) against the
+GEMM's group_from_ids and the down + combine's own table, csrc/moe_gemm.cuh / moe_down_combine.cuh) against the
 table-driven paths, bit for bit, and the model's router writing no table where it does."""
 
 import pytest
@@ -22,7 +22,7 @@ def run(x, w, ids, tw, sh, table=None, from_ids=True, monkeypatch=None):
 
 
 # M = 9 / 16 with "same": every expert 9 / 16 times (two groups of it, led by its 1st and 9th pair); hot10:
-# ten experts in many groups; 64 tokens: 512 pairs, the most lead_group takes.
+# ten experts in many groups; 64 tokens: 512 pairs, the most group_from_ids takes.
 @pytest.mark.parametrize("M", [2, 5, 9, 16, 33, 64])
 @pytest.mark.parametrize("kind", ["uniform", "hot10", "same"])
 @pytest.mark.parametrize("with_shared", [False, True])

@@ -17,7 +17,7 @@ from .reference import expert_mlp, moe_combine
 
 SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see split_down()
 # Without a routing table, where the one-launch down + combine serves (groups_from_ids): the GEMMs group the
-# pairs from the ids themselves (csrc/moe_gemm.cuh lead_group, the down + combine's own table) instead of a
+# pairs from the ids themselves (csrc/moe_gemm.cuh group_from_ids, the down + combine's own table) instead of a
 # routing launch; the model's router then writes no table either. Same bits. Read at launch, like SPLIT_DOWN.
 GROUPS_FROM_IDS = True
 
@@ -43,7 +43,8 @@ def pick_nt(pairs: int, experts: int) -> int:
 def groups_from_ids(M: int, topk: int, E: int, D: int, inter: int, shared: bool) -> bool:
     """Whether the op, given no table, groups M tokens' pairs in its GEMMs from the ids (csrc/moe_w4a16.cu
     `own`): more than one token, one 8-token column tile per group, the one-launch down + combine's limits
-    (at most 576 routed + shared slots, I <= 256, an even number of 16-row output tiles), <= 512 pairs."""
+    (at most 576 routed + shared slots, I <= 256, an even number of 16-row output tiles), <= 512 pairs and
+    <= 512 experts."""
     P, S = M * topk, M if shared else 0
     return (
         GROUPS_FROM_IDS
@@ -52,6 +53,7 @@ def groups_from_ids(M: int, topk: int, E: int, D: int, inter: int, shared: bool)
         and pick_nt(P, E) == 1
         and P + S <= 576
         and P <= 512
+        and E <= 512
         and inter <= 256
         and (D // 16) % 2 == 0
     )

@@ -74,7 +74,7 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int tile0 = blockIdx.x * RT, KC = I >> 6;
   // The routing (complete at launch, see above) into shared memory: one round trip for every field, or (own:
-  // the gate/up GEMM grouped the pairs from the ids, lead_group, and wrote act by pair) the table built here
+  // the gate/up GEMM grouped the pairs from the ids, group_from_ids, and wrote act by pair) the table built here
   // from the ids, off the critical path (this grid waits for the gate/up GEMM anyway). Which group computes a
   // pair changes no bit: every column of an mma is its own token.
   int ng;

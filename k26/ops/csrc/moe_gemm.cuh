@@ -63,37 +63,65 @@ __device__ __forceinline__ void early_weights(const uint4* w, const uint32_t* s,
 }
 
 // Groups from the ids (no routing table; the gate/up GEMM at nt = 1 when csrc/moe_w4a16.cu's launch takes
-// that path): the routed group of blockIdx.y - (shared groups) = pair j is led by j when j is an occurrence of
-// its expert ids[j] whose rank among that expert's pairs (in pair order) is a multiple of GT; the group is
-// those GT occurrences (fewer at the end). One coherent read of every id (the router's output) and two
-// barriers, where the table costs the router's last block a table build (~3.6 µs at M = 16 on an H100,
-// profiling/debug/router_trace.py --table) and this kernel two dependent reads of it. Block-uniform: true
-// with the expert in *e and the pairs in members[0, len) (members[n] = -1 past len), false for no group.
-constexpr int kLeadMaxPairs = 512;  // 64 tokens at top-8: two ids a thread of the 256-thread gate/up block
+// that path): routed group y (blockIdx.y past the shared expert's groups) is the routing table's group y — the
+// groups in expert order, ceil(count / GT) of each expert, group j of expert e its occurrences GT j .. GT j +
+// GT - 1 in pair order — found by every block from the ids: one coherent read of every id (the router's
+// output), a shared-memory count per expert and a scan, where the table costs the router kernel's last block a
+// build (~3.6 µs of its tail at M = 16 on an H100, profiling/debug/router_trace.py --table) and this kernel two
+// dependent reads of it. The live groups keep the grid's first rows, as with the table (groups led by a pair,
+// blockIdx.y = pair, spread them over the grid: the verify N = 16 step's gate/up path 28.8 -> 34.6 µs).
+// Block-uniform: true with the expert in *e and the pairs in members[0, len), false for no such group.
+constexpr int kLeadMaxPairs = 512;    // 64 tokens at top-8: two ids a thread of the 256-thread gate/up block
+constexpr int kLeadMaxExperts = 512;  // the per-expert counts in shared memory
 template <int THREADS, int GT>
-__device__ __forceinline__ bool lead_group(const int64_t* __restrict__ ids, int j, int P, int E, int* members,
-                                           int* e, int* len) {
+__device__ __forceinline__ bool group_from_ids(const int64_t* __restrict__ ids, int y, int P, int E, int* members,
+                                               int* e, int* len) {
+  constexpr int R = kLeadMaxPairs / THREADS, EPT = kLeadMaxExperts / THREADS, NW = THREADS / 32;
+  __shared__ int cnt[kLeadMaxExperts], warp_tot[NW], s_e, s_j;
   __shared__ unsigned bits[kLeadMaxPairs / 32];
-  constexpr int R = kLeadMaxPairs / THREADS;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t idj = __ldcg(ids + j);  // every id in flight at once (coherent: the router's output)
   int64_t id[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) id[r] = r * THREADS + tid < P ? __ldcg(ids + r * THREADS + tid) : -1;
+  for (int x = tid; x < E; x += THREADS) cnt[x] = 0;
+  if (tid == 0) s_e = -1;
+  __syncthreads();
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const unsigned b = __ballot_sync(~0u, r * THREADS + tid < P && id[r] == idj);
-    if (lane == 0) bits[r * (THREADS / 32) + warp] = b;
+  for (int r = 0; r < R; ++r)
+    if (id[r] >= 0 && id[r] < E) atomicAdd(&cnt[id[r]], 1);
+  __syncthreads();
+  // Groups per expert, scanned in expert order: thread t owns experts [EPT t, EPT t + EPT).
+  int own = 0;
+#pragma unroll
+  for (int i = 0; i < EPT; ++i) own += EPT * tid + i < E ? (cnt[EPT * tid + i] + GT - 1) / GT : 0;
+  int inc = own;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(~0u, inc, o);
+    if (lane >= o) inc += v;
+  }
+  if (lane == 31) warp_tot[warp] = inc;
+  __syncthreads();
+  int pre = inc - own;
+  for (int w = 0; w < warp; ++w) pre += warp_tot[w];
+#pragma unroll
+  for (int i = 0; i < EPT; ++i) {
+    const int x = EPT * tid + i, g = x < E ? (cnt[x] + GT - 1) / GT : 0;
+    if (y >= pre && y < pre + g) s_e = x, s_j = y - pre;
+    pre += g;
   }
   __syncthreads();
-  if (idj < 0 || idj >= E) return false;
-  const int words = (P + 31) / 32;
-  int occ = __popc(bits[j >> 5] & ((1u << (j & 31)) - 1)), total = 0;
-  for (int w = 0; w < words; ++w) occ += w < (j >> 5) ? __popc(bits[w]) : 0, total += __popc(bits[w]);
-  if (occ % GT) return false;
-  if (tid < GT) {  // member tid: the (occ + tid)-th occurrence
-    int want = occ + tid, m = -1;
-    for (int w = 0; w < words && m < 0; ++w) {
+  const int ex = s_e, j = s_j;
+  if (ex < 0) return false;  // past the last group
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const unsigned b = __ballot_sync(~0u, id[r] == ex);
+    if (lane == 0) bits[r * NW + warp] = b;
+  }
+  __syncthreads();
+  if (tid < GT) {  // member tid: occurrence GT j + tid of the expert, in pair order
+    int want = GT * j + tid, m = -1;
+    for (int w = 0; w < (P + 31) / 32 && m < 0; ++w) {
       unsigned v = bits[w];
       const int c = __popc(v);
       if (want >= c) {
@@ -106,7 +134,7 @@ __device__ __forceinline__ bool lead_group(const int64_t* __restrict__ ids, int 
     members[tid] = m;
   }
   __syncthreads();
-  *e = static_cast<int>(idj), *len = min(GT, total - occ);
+  *e = ex, *len = min(GT, cnt[ex] - GT * j);
   return true;
 }
 
@@ -126,8 +154,8 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   const int grp = blockIdx.y, gt = 8 * NT;
   const bool shared = grp * gt < S;
   int e = E, start = P + grp * gt, len = min(gt, S - grp * gt);
-  // lead (GATED, NT = 1): the routed groups from the ids (lead_group); members[n] is column n's pair, and its
-  // act row (the down + combine kernel builds its own table: csrc/moe_down_combine.cuh).
+  // lead (GATED, NT = 1): the routed groups from the ids (group_from_ids); members[n] is column n's pair, and
+  // its act row (the down + combine kernel builds its own table: csrc/moe_down_combine.cuh).
   __shared__ int members[GATED && NT == 1 ? 8 : 1];
   const bool led = GATED && NT == 1 && lead != nullptr && !shared;
   if (!GATED) pdl_trigger();
@@ -141,10 +169,8 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
       if (id < 0 || id >= E) return;
       e = (int)id, start = j, len = 1;
     } else if (led) {
-      const int j = grp - (S + gt - 1) / gt;
-      if (j >= P) return;
       if constexpr (GATED && NT == 1)
-        if (!lead_group<32 * WK * WM, 8>(lead, j, P, E, members, &e, &len)) return;
+        if (!group_from_ids<32 * WK * WM, 8>(lead, grp - (S + gt - 1) / gt, P, E, members, &e, &len)) return;
       start = 0;
       if (GATED) early_weights<RT, NT, WK, WM>(w, s, e, n_tiles, K >> 6);
     } else {

@@ -172,14 +172,13 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   // One token (decode) and no table given: every pair is its own group, read straight from the ids by the
   // GEMMs, so no routing launch (~3.7 µs in the TP8 M = 1 block). Exact for any ids (a repeated expert would
   // be read twice); more tokens share experts, so they are grouped by route_kernel — or, where the one-launch
-  // down + combine serves and `from_ids`, by the GEMMs themselves (`own`: the gate/up blocks lead_group, the
+  // down + combine serves and `from_ids`, by the GEMMs themselves (`own`: the gate/up blocks group_from_ids, the
   // down + combine blocks their own table): no routing launch and no table from the router.
   const int64_t* direct = M == 1 && table == nullptr ? ids : nullptr;
   const bool down_combine = NT == 1 && !direct && !split_down && P + S <= kDownCombineMaxSlots &&
                             I <= 64 * kDownCombineMaxChunks && tiles2 % kDownCombineRT == 0;
-  const bool own = from_ids && table == nullptr && down_combine && P <= kLeadMaxPairs;
-  const int SG = (S + 8 * NT - 1) / (8 * NT);
-  const int G = direct || own ? SG + P : route_groups(P, S, E, 8 * NT);
+  const bool own = from_ids && table == nullptr && down_combine && P <= kLeadMaxPairs && E <= kLeadMaxExperts;
+  const int G = direct ? (S + 8 * NT - 1) / (8 * NT) + P : route_groups(P, S, E, 8 * NT);
   if (table == nullptr && direct == nullptr && !own) {
     table = ws.table;
     const cudaError_t e = launch_pdl(route_kernel, dim3(1), dim3(kRouteThreads), 3 * E * sizeof(int), pdl, st, ids, P,
