@@ -1,6 +1,6 @@
 """The fused MoE op grouping a few tokens' pairs from the ids itself (moe_cuda.groups_from_ids: the gate/up
-GEMM's group_from_ids and the down + combine's own table, csrc/moe_gemm.cuh / moe_down_combine.cuh) against the
-table-driven paths, bit for bit, and the model's router writing no table where it does."""
+GEMM's group_from_ids and the down + combine's own table, csrc/moe_gemm.cuh / moe_down_combine.cuh) against
+the table-driven paths, bit for bit, and the model's router writing no table where it does."""
 
 import pytest
 import torch
@@ -13,6 +13,12 @@ from k26.ops.moe_cuda import pick_nt, repacked_reference, route_table
 pytestmark = pytest.mark.gpu
 
 E, K, D, INTER = 384, 8, 7168, 256  # K2.6 at one TP8 rank
+
+
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The kernels' whole range (the default policy takes the path for the fewest pairs only)."""
+    monkeypatch.setattr(moe_cuda, "GROUPS_FROM_IDS_MAX_PAIRS", 512)
 
 
 def run(x, w, ids, tw, sh, table=None, from_ids=True, monkeypatch=None):

@@ -17,9 +17,14 @@ from .reference import expert_mlp, moe_combine
 
 SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see split_down()
 # Without a routing table, where the one-launch down + combine serves (groups_from_ids): the GEMMs group the
-# pairs from the ids themselves (csrc/moe_gemm.cuh group_from_ids, the down + combine's own table) instead of a
-# routing launch; the model's router then writes no table either. Same bits. Read at launch, like SPLIT_DOWN.
+# pairs from the ids themselves (csrc/moe_gemm.cuh group_from_ids, the down + combine's own table) instead of
+# a routing launch, and the model's router writes no table. Same bits. Up to GROUPS_FROM_IDS_MAX_PAIRS pairs:
+# measured on an H100 (bench_moe --block, TP8 shapes, 2026-12-06-moe-groups-tree-heap-session30-h100.md), 2
+# tokens 40.9 -> 38.4 µs uniform, 32.5 -> 29.0 skewed (the router's table build, ~3.6 µs, off the path), but
+# from 4 tokens slower (the count and scan in every gate/up block, wave after wave: 16 tokens 115.3 -> 117.7,
+# the verify N = 16 step 7.21 -> 7.29 ms). Read at launch, like SPLIT_DOWN; the kernels take up to 512 pairs.
 GROUPS_FROM_IDS = True
+GROUPS_FROM_IDS_MAX_PAIRS = 16
 
 
 @contextlib.contextmanager
@@ -42,9 +47,9 @@ def pick_nt(pairs: int, experts: int) -> int:
 
 def groups_from_ids(M: int, topk: int, E: int, D: int, inter: int, shared: bool) -> bool:
     """Whether the op, given no table, groups M tokens' pairs in its GEMMs from the ids (csrc/moe_w4a16.cu
-    `own`): more than one token, one 8-token column tile per group, the one-launch down + combine's limits
-    (at most 576 routed + shared slots, I <= 256, an even number of 16-row output tiles), <= 512 pairs and
-    <= 512 experts."""
+    `own`): more than one token and at most GROUPS_FROM_IDS_MAX_PAIRS pairs, one 8-token column tile per
+    group, the one-launch down + combine's limits (at most 576 routed + shared slots, I <= 256, an even number
+    of 16-row output tiles), <= 512 experts."""
     P, S = M * topk, M if shared else 0
     return (
         GROUPS_FROM_IDS
@@ -52,7 +57,7 @@ def groups_from_ids(M: int, topk: int, E: int, D: int, inter: int, shared: bool)
         and M > 1
         and pick_nt(P, E) == 1
         and P + S <= 576
-        and P <= 512
+        and P <= min(GROUPS_FROM_IDS_MAX_PAIRS, 512)
         and E <= 512
         and inter <= 256
         and (D // 16) % 2 == 0
@@ -295,6 +300,7 @@ def _moe_cuda(
     lib = _library()
     nt = pick_nt(M * topk, E)
     has_shared = shared_gate is not None
+    own = table is None and groups_from_ids(M, topk, E, x.shape[1], I, has_shared)
     ws = torch.empty(
         lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt, int(has_shared)), dtype=torch.uint8, device=x.device
     )
@@ -319,7 +325,7 @@ def _moe_cuda(
         None if table is None else table.data_ptr(),
         # flags (csrc/moe_w4a16.cu): PDL (the shared expert's gate/up blocks overlap the routing), split down,
         # groups from the ids
-        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0) | (4 if GROUPS_FROM_IDS else 0),
+        int(pdl.ENABLED) | (2 if SPLIT_DOWN else 0) | (4 if own else 0),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if err:
