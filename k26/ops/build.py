@@ -134,7 +134,9 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # x by cp.async and the table-driven gate/up's first weights prefetched,
 # 2026-12-06-moe-variants-session28-h100.md; dropped: the wide attention tile's fast whole-tile copies,
 # 2026-12-06-attn-wide-tile-session28-h100.md, and the union attention kernel's register cap (__maxnreg__
-# 224 / 232: its 32-row shapes no faster), 2026-12-06-attn-union-step-session29-h100.md.)
+# 224 / 232: its 32-row shapes no faster), 2026-12-06-attn-union-step-session29-h100.md; the union's bodies as
+# __noinline__ functions (slower on every shape: N = 16 at 4K 19.6 -> 22.4 µs, N = 64 at 128K 811 -> 910),
+# 2026-12-06-moe-groups-tree-heap-session30-h100.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -158,7 +160,9 @@ VARIANTS: dict[str, list[str]] = {
     # (csrc/mla_tree_attn_union.cuh: it wins at long contexts only, and a graph serves every length).
     # Measured 2026-12-06 (H100): N = 64 at 32K 209 -> 187 µs, N = 16 at 128K 219 -> 189, but the shapes left
     # on the 32-row body lose 1.5-7 % inside it (N = 16 at 32K 65.1 -> 68.6), at 224 registers too
-    # (2026-12-06-attn-union-step-session29-h100.md)
+    # (2026-12-06-attn-union-step-session29-h100.md). From 512 query rows only (K26_ATTN_UNION_MIN_ROWS,
+    # session 30): N = 64 at 128K 817 -> 746, B = 4 N = 64 at 32K 844 -> 733, but H = 64 N = 64 at 4K
+    # 200 -> 373 and N = 256 at 4K 115 -> 124 (2026-12-06-moe-groups-tree-heap-session30-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
     # ... with each body a __noinline__ function (scheduled and allocated alone, as in its own kernel)
     "-DK26_ATTN_UNION -DK26_ATTN_UNION_NOINLINE": ["mla_tree_attn.cu"],

@@ -11,8 +11,14 @@
 //
 // Small trees (beams + candidates <= 64 KB: budget <= 128 at depth 15) keep the beams in shared memory, large
 // ones in the caller's global scratch; the ancestor words walk the parents in shared memory.
+// Budgets <= 64 with finite log-probabilities take one warp's best-first heap instead (csrc/ddtree_heap.cuh:
+// budget pops whatever the depth, integer keys): H100, graph-replayed op (2026-12-06-moe-groups-tree-heap-
+// session30-h100.md), depth 15 budget 16 / 32 / 64: 48.0 / 66.9 / 129.3 -> 14.5 / 22.4 / 40.3 µs, depth 7 25.8 /
+// 33.6 / 56.6 -> 14.4 / 22.5 / 40.2; in the DDTree budget-15 step's kernel table 20 -> 11 µs. Nodes with a
+// non-finite score are invalid, parent 0, seeing only themselves, as the reference's.
 //
-// Legality: plain CUDA, no tensor cores; at most 64 KB + a few KB of dynamic shared memory (budget 512):
+// Legality: plain CUDA (warp shuffles, ballot, redux.sync), no tensor cores; at most 64 KB + a few KB of
+// dynamic shared memory (budget 512):
 // legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. Benchmark: profiling/bench_tree.py; H200,
 // depth 7 (2026-12-02-bench_tree-h200.md): budget 16 46.7 -> 23.5 µs a graph-replayed op, 64 103 -> 54, 512
 // 860 -> 750; in the DDTree budget-15 step the kernel 46 -> 20 µs.

@@ -28,6 +28,10 @@
 // gemm2 + combine are one launch too (csrc/moe_down_combine.cuh: a block per 32 output rows over every group,
 // one wave; TP8 block 4-20 % faster, the verify N = 16 step 7.77 -> 7.24 ms,
 // 2026-12-02-bench_moe-down-combine-h200.md). Both bit-identical to the four-launch path.
+// Groups from the ids (moe_cuda.groups_from_ids, by default up to 16 pairs: two tokens; flags bit 2): no table
+// and no routing launch where the one-launch down + combine serves; each gate/up block finds its table group
+// from the ids (csrc/moe_gemm.cuh group_from_ids) and the down + combine blocks build their own table, so the
+// router builds none (2 tokens 40.9 -> 38.4 µs, slower from 4: 2026-12-06-moe-groups-tree-heap-session30-h100.md).
 // `moe_one_token` (opt-in: measured slower) runs one token's gate/up in the router's grid instead
 // (csrc/moe_router_gate_up.cuh) and only the down + combine here (k26_moe_down_one_token): two launches a layer.
 //
