@@ -210,3 +210,13 @@ def test_a_model_null_or_not_a_string_is_a_400_not_model_not_found(served, path,
     status, err = raw(served["url"], path, json.dumps(body).encode())
     assert status == 400 and err["error"]["param"] == "model" and err["error"]["code"] is None
     assert err["error"]["type"] == "invalid_request_error"
+
+
+def test_serve_names_a_world_size_that_is_no_count(monkeypatch):
+    # (serve read WORLD_SIZE with int(): 'abc' gave "invalid literal for int() with base 10: 'abc'")
+    from k26.cli_parser import build_parser
+    from k26.server.cli import check_args
+
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='abc' in the environment: expected an integer >= 1"):
+        check_args(build_parser().parse_args(["serve"]))

@@ -8,6 +8,7 @@ import socket
 import sys
 
 from ..cli_parser import DTYPES, MAX_BUDGET
+from ..dist import env_int
 
 
 def _method(a: argparse.Namespace) -> str:
@@ -27,7 +28,7 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--budget applies to --spec ddtree, not {method}{why}")
     if a.tp is not None and a.tp < 1:
         raise ValueError(f"--tp {a.tp}: expected >= 1")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if env_int("WORLD_SIZE", 1) > 1:
         raise ValueError("serve under torchrun: run it as one process, --tp N starts the ranks itself")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port}: expected 0..65535")
