@@ -121,10 +121,8 @@ __device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, 
   constexpr int NB = ddtree_heap::kMaxBudget + 1;
   __shared__ double nscore[NB];
   __shared__ int npar[NB], ndep[NB], nrank[NB], s_n;
-  __shared__ ddtree_heap::Frontier frontier;
   if (threadIdx.x < 32) {
-    const int n =
-        ddtree_heap::build(lp, lds, L, K, budget, ddtree_heap::Nodes{nscore, npar, ndep, nrank}, frontier);
+    const int n = ddtree_heap::build(lp, lds, L, K, budget, ddtree_heap::Nodes{nscore, npar, ndep, nrank});
     if (threadIdx.x == 0) s_n = n;
   }
   __syncthreads();
@@ -148,7 +146,7 @@ __host__ __device__ __forceinline__ int children(int i, int K, int budget) {
 
 // scratch_smem: byte offset of the beams in dynamic shared memory, or -1 for the global scratch (large trees);
 // lp_smem: of the tree's usable log-probabilities (L x min(K, budget) floats, copied in first), or -1.
-__global__ void __launch_bounds__(THREADS, 1) build_kernel(
+__global__ void __launch_bounds__(THREADS) build_kernel(
     const float* __restrict__ lp, const int64_t* __restrict__ tok, int L, int K, int budget, int64_t* __restrict__ out_tok,
     int64_t* __restrict__ out_par, int64_t* __restrict__ out_dep, bool* __restrict__ out_valid,
     int64_t* __restrict__ out_words, double* __restrict__ out_score, char* __restrict__ scratch_base,

@@ -8,17 +8,14 @@
 // `budget` pops, whatever the depth L (the level-by-level kernel takes L barrier-separated rounds of
 // candidate sorts: 45 µs at budget 16, depth 15, on an H200).
 //
-// The frontier (<= budget + 1 entries) is kept sorted, best first, in shared memory (double-buffered): a pop
-// takes entry 0 and moves every other entry once, to its index - 1 + (how many of the two pushed entries beat
-// it), each lane comparing its own entries with the two new ones; the new ones go where the ballots of those
-// compares say. No warp-wide argmax a pop (the first version, a register frontier reduced by redux.sync
-// word by word, took ~0.54 µs a pop on an H100: budget 64 at depth 15 40.3 µs).
+// The frontier (<= budget + 1 entries) lives in the warp's registers, kSlots a lane; a pop is each lane's
+// best entry, then the warp's best by __reduce_max_sync over the entry's order key, one 32-bit word at a
+// time while more than one lane is left (exact fp64 ties fall through to the depth and the rank tuple).
 // The key is integer throughout: the score's fp64 bits mapped to an unsigned order (fp64 compares run at
 // 1/64 of the fp32 rate on sm_120), then (15 - depth) and the complemented rank tuple (6 bits a depth, so
-// the smaller tuple is the larger key): distinct for distinct nodes. fp64 arithmetic is only the two sums a
-// pop pushes.
+// the smaller tuple is the larger key). fp64 arithmetic is only the two sums a pop pushes.
 //
-// Legality: warp ballots and shared memory only: sm_90a and sm_120a.
+// Legality: warp shuffles, ballot, redux.sync (sm_80+) and shared memory only: sm_90a and sm_120a.
 
 #pragma once
 
@@ -27,32 +24,8 @@
 namespace ddtree_heap {
 
 constexpr int kMaxBudget = 64;  // ranks < 64: 6 bits a depth, 15 depths in 90 bits
-constexpr int kSlots = (kMaxBudget + 1 + 31) / 32;  // frontier entries a lane owns
-constexpr int kEntries = kMaxBudget + 2;              // the frontier's capacity (<= budget + 1 used)
+constexpr int kSlots = (kMaxBudget + 1 + 31) / 32;  // frontier entries a lane holds
 constexpr uint64_t kLow60 = (1ull << 60) - 1, kLow30 = (1ull << 30) - 1;
-
-// The sorted frontier, two buffers (one read, one written a pop), struct of arrays: order key (k, c1, c2),
-// parent's score, meta word (parent | depth << 8 | rank << 12 | (score is -0.0) << 18).
-struct Frontier {
-  uint64_t k[2][kEntries], c1[2][kEntries];
-  double ps[2][kEntries];
-  uint32_t c2[2][kEntries];
-  int meta[2][kEntries];
-};
-
-struct Entry {
-  uint64_t k, c1;
-  uint32_t c2;
-  double ps;
-  int meta;
-};
-
-__device__ __forceinline__ Entry load(const Frontier& f, int b, int i) {
-  return Entry{f.k[b][i], f.c1[b][i], f.c2[b][i], f.ps[b][i], f.meta[b][i]};
-}
-__device__ __forceinline__ void store(Frontier& f, int b, int i, const Entry& e) {
-  f.k[b][i] = e.k, f.c1[b][i] = e.c1, f.c2[b][i] = e.c2, f.ps[b][i] = e.ps, f.meta[b][i] = e.meta;
-}
 
 // The popped nodes in pop order, index 0 the root (shared memory, kMaxBudget + 1 each).
 struct Nodes {
@@ -71,7 +44,8 @@ __device__ __forceinline__ uint64_t order_key(double s) {
 __device__ __forceinline__ bool is_neg_zero(double s) {
   return static_cast<uint64_t>(__double_as_longlong(s)) == (1ull << 63);
 }
-// The score back from its key (and the -0.0 bit): an entry keeps no score of its own.
+// The score back from its key (and the -0.0 bit): entries hold no double of their own (registers: sm_120a
+// spilled with one).
 __device__ __forceinline__ double key_score(uint64_t k, bool neg_zero) {
   const uint64_t b = neg_zero ? 1ull << 63 : (k >> 63) ? k & ~(1ull << 63) : ~k;
   return __longlong_as_double(static_cast<long long>(b));
@@ -87,64 +61,90 @@ __device__ __forceinline__ bool greater(uint64_t k, uint64_t c1, uint32_t c2, ui
   return k != bk ? k > bk : c1 != bc1 ? c1 > bc1 : c2 > bc2;
 }
 
-__device__ __forceinline__ bool greater(const Entry& a, const Entry& b) {
-  return greater(a.k, a.c1, a.c2, b.k, b.c1, b.c2);
+// The lane holding the warp's largest (k, c1, c2) among lanes with `has`, or -1 if none has one.
+__device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, uint32_t c2) {
+  const int lane = threadIdx.x & 31;
+  unsigned cand = __ballot_sync(~0u, has);
+  if (cand == 0) return -1;
+  const uint32_t words[5] = {uint32_t(k >> 32), uint32_t(k), uint32_t(c1 >> 32), uint32_t(c1), c2};
+#pragma unroll
+  for (int w = 0; w < 5; ++w) {
+    if (__popc(cand) == 1) break;  // warp-uniform
+    const bool in = (cand >> lane) & 1;
+    const uint32_t m = __reduce_max_sync(~0u, in ? words[w] : 0u);
+    cand = __ballot_sync(~0u, in && words[w] == m);
+  }
+  return __ffs(cand) - 1;
 }
 
 // Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] (the first min(K, budget)
-// of each depth read, all finite) into `out` (nodes 1..n), returns n. Lane l owns frontier entries 1 + l + 32 q.
-__device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out, Frontier& f) {
+// of each depth read, all finite) into `out` (nodes 1..n), returns n. An entry carries its key, its parent's
+// score (the next sibling's base: no shared-memory round trip inside the loop) and a meta word: parent |
+// depth << 8 | rank << 12 | (score is -0.0) << 18, -1 for an empty slot.
+__device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
   const int lane = threadIdx.x & 31;
   const int KU = K < budget ? K : budget;
+  uint64_t k[kSlots], c1[kSlots];
+  uint32_t c2[kSlots];
+  double ps[kSlots];
+  int meta[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) meta[s] = -1, k[s] = c1[s] = 0, c2[s] = 0, ps[s] = 0.0;
   if (lane == 0) {  // depth 1, rank 0, parent the root
     const double s0 = static_cast<double>(lp[0]);
-    const int m0 = 1 << 8 | is_neg_zero(s0) << 18;
-    store(f, 0, 0, Entry{order_key(s0), (14ull << 60) | kLow60, uint32_t(kLow30), 0.0, m0});
+    k[0] = order_key(s0), c1[0] = (14ull << 60) | kLow60, c2[0] = uint32_t(kLow30);
+    meta[0] = 1 << 8 | is_neg_zero(s0) << 18;
   }
-  __syncwarp();
-  int nf = 1, n = 0, b = 0;
-  while (n < budget && nf > 0) {
-    const Entry h = load(f, b, 0);
-    Entry e[kSlots];
+  int count = 1, n = 0;
+  while (n < budget) {
+    // This lane's best entry, its fields picked by selects (a dynamic index would put the arrays in local memory).
+    int best = -1, bm = -1;
+    uint64_t bk = 0, bc1 = 0;
+    uint32_t bc2 = 0;
+    double bps = 0.0;
 #pragma unroll
-    for (int q = 0; q < kSlots; ++q)
-      if (1 + lane + 32 * q < nf) e[q] = load(f, b, 1 + lane + 32 * q);
-    const double s = key_score(h.k, (h.meta >> 18) & 1);
-    const int p = h.meta & 0xff, d = (h.meta >> 8) & 0xf, r = (h.meta >> 12) & 0x3f, node = ++n;
+    for (int s = 0; s < kSlots; ++s)
+      if (meta[s] >= 0 && (best < 0 || greater(k[s], c1[s], c2[s], bk, bc1, bc2)))
+        best = s, bk = k[s], bc1 = c1[s], bc2 = c2[s], bps = ps[s], bm = meta[s];
+    const int wl = warp_argmax(best >= 0, bk, bc1, bc2);
+    if (wl < 0) break;  // every prefix popped (fewer than `budget`)
+    const int wslot = __shfl_sync(~0u, best, wl), m = __shfl_sync(~0u, bm, wl);
+    const double pscore = __shfl_sync(~0u, bps, wl);
+    const uint64_t t0 = __shfl_sync(~0u, bk, wl), t1 = __shfl_sync(~0u, bc1, wl);
+    const uint32_t t2 = __shfl_sync(~0u, bc2, wl);
+    const double s = key_score(t0, (m >> 18) & 1);
+    const int p = m & 0xff, d = (m >> 8) & 0xf, r = (m >> 12) & 0x3f, node = ++n;
     if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
-    // Next sibling: the parent's score plus the next rank's log-probability (depth 1: the log-probability
-    // itself, as the reference's first beam); first child: this score plus the next depth's best.
-    const bool sib = r + 1 < KU, child = d < L;
-    Entry se{}, ce{};
+    // Next sibling into the popped slot (or the slot empties): the parent's score plus the next rank's
+    // log-probability (depth 1: the log-probability itself, as the reference's first beam).
+    const bool sib = r + 1 < KU;
+    double ss = 0.0;
     if (sib) {
       const double lv = static_cast<double>(lp[(size_t)(d - 1) * lds + r + 1]);
-      const double ss = d == 1 ? lv : h.ps + lv;
-      const bool hi = d <= 10;
-      const int m = p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18;
-      se = Entry{order_key(ss), hi ? h.c1 - rank_unit(d, true) : h.c1,
-                 hi ? h.c2 : h.c2 - uint32_t(rank_unit(d, false)), h.ps, m};
+      ss = d == 1 ? lv : pscore + lv;
     }
-    if (child) {
-      const double cs = s + static_cast<double>(lp[(size_t)d * lds]);
-      ce = Entry{order_key(cs), h.c1 - (1ull << 60), h.c2, s, node | (d + 1) << 8 | is_neg_zero(cs) << 18};
-    }
-    // Every other entry moves to i - 1 + (pushed entries that beat it); the pushed ones after the entries that
-    // beat them (node keys are distinct: one of any two is greater).
-    int before_sib = 0, before_child = 0;
+    const bool hi = d <= 10;
+    const uint64_t s1 = hi ? t1 - rank_unit(d, true) : t1;
+    const uint32_t s2 = hi ? t2 : t2 - uint32_t(rank_unit(d, false));
+    const uint64_t sk = order_key(ss);
+    const int sm = p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18;
 #pragma unroll
-    for (int q = 0; q < kSlots; ++q) {
-      const int i = 1 + lane + 32 * q;
-      const bool mine = i < nf;
-      const bool bs = mine && sib && greater(se, e[q]), bc = mine && child && greater(ce, e[q]);
-      before_sib += __popc(__ballot_sync(~0u, mine && sib && !bs));
-      before_child += __popc(__ballot_sync(~0u, mine && child && !bc));
-      if (mine) store(f, b ^ 1, i - 1 + bs + bc, e[q]);
+    for (int q = 0; q < kSlots; ++q)
+      if (lane == wl && q == wslot) {
+        if (sib) ps[q] = pscore, k[q] = sk, c1[q] = s1, c2[q] = s2, meta[q] = sm;
+        else meta[q] = -1;
+      }
+    // First child into a fresh slot: entries only grow by one a pop, so budget + 1 slots in all.
+    if (d < L) {
+      const double cs = s + static_cast<double>(lp[(size_t)d * lds]);
+      const uint64_t ck = order_key(cs);
+      const int cm = node | (d + 1) << 8 | is_neg_zero(cs) << 18;
+      const int cl = count & 31, cq = count >> 5;
+#pragma unroll
+      for (int q = 0; q < kSlots; ++q)
+        if (lane == cl && q == cq) ps[q] = s, k[q] = ck, c1[q] = t1 - (1ull << 60), c2[q] = t2, meta[q] = cm;
+      ++count;
     }
-    if (sib && lane == 0) store(f, b ^ 1, before_sib + (child && greater(ce, se)), se);
-    if (child && lane == 1) store(f, b ^ 1, before_child + (sib && greater(se, ce)), ce);
-    nf += sib + child - 1;
-    b ^= 1;
-    __syncwarp();  // the next pop reads what this one wrote
   }
   return n;
 }
