@@ -11,6 +11,10 @@
 // The frontier (<= budget + 1 entries) lives in the warp's registers, kSlots a lane; a pop is each lane's
 // best entry, then the warp's best by __reduce_max_sync over the entry's order key, one 32-bit word at a
 // time while more than one lane is left (exact fp64 ties fall through to the depth and the rank tuple).
+// ~0.54 µs a pop on an H100 (one warp's dependent chain). Tried and dropped (9d4e298, reverted): the frontier
+// sorted in shared memory, a pop moving every entry once by the ballots of the lanes' compares with the two
+// pushed entries — correct, but ~0.95 µs a pop (budget 64 at depth 15: 40.5 -> 67.1 µs;
+// 2026-12-06-moe-groups-tree-heap-session30-h100.md).
 // The key is integer throughout: the score's fp64 bits mapped to an unsigned order (fp64 compares run at
 // 1/64 of the fp32 rate on sm_120), then (15 - depth) and the complemented rank tuple (6 bits a depth, so
 // the smaller tuple is the larger key). fp64 arithmetic is only the two sums a pop pushes.
