@@ -170,9 +170,6 @@ VARIANTS: dict[str, list[str]] = {
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
-    # MoE: the shared expert's gate/up blocks (started under the router by PDL) L2-prefetch the shared
-    # expert's down weights, so fewer bytes stream after the routing
-    "-DK26_MOE_PREFETCH_SHARED_DOWN": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

@@ -144,8 +144,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
     __nv_bfloat16* __restrict__ out, int out_ld, int E, int P, int S, const __nv_bfloat16* __restrict__ sa,
-    const __nv_bfloat16* __restrict__ sb, const int64_t* __restrict__ direct, const int64_t* __restrict__ lead,
-    const __nv_bfloat16* __restrict__ sdown) {
+    const __nv_bfloat16* __restrict__ sb, const int64_t* __restrict__ direct, const int64_t* __restrict__ lead) {
   // PDL (launched by `launch` with the attribute): the shared expert's groups come first in the table
   // (csrc/moe_route.cuh), so those blocks know their tokens without it and run the gate/up GEMM while the
   // routing (route_kernel, or a table producer that triggers early) still runs; every other block waits for the previous grid before reading
@@ -184,17 +183,6 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     }
   } else if (GATED) {
     pdl_trigger();
-#ifdef K26_MOE_PREFETCH_SHARED_DOWN
-    // -DK26_MOE_PREFETCH_SHARED_DOWN: the shared expert's down weights ([D, I] bf16, a constant the down kernel
-    // reads after the routed gate/up) into L2 now, this block's slice of it: these blocks start under the router
-    // (PDL), while the DRAM has room; after the routing every routed weight byte is on the critical path.
-    if (sdown != nullptr) {
-      const size_t lines = (size_t)K * n_tiles * 8 * 2 / 128, nb = (size_t)gridDim.x * ((S + gt - 1) / gt);
-      const size_t me = (size_t)grp * gridDim.x + blockIdx.x, a = lines * me / nb, z = lines * (me + 1) / nb;
-      for (size_t l = a + threadIdx.x; l < z; l += blockDim.x)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(reinterpret_cast<const char*>(sdown) + l * 128));
-    }
-#endif
   }
   MOE_TRACE(GATED ? 0 : 1, 1);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -200,7 +200,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), 0, pdl, st,
                                (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk,
                                rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.act, I, E, P, S, sh.gate,
-                               sh.up, direct, own ? ids : nullptr, sh.down);
+                               sh.up, direct, own ? ids : nullptr);
   if (err != cudaSuccess) return err;
   if (direct && topk <= kDownOneTokPairs)  // decode: down + combine in one launch
     return launch_down_one_token(ws.act, w2, s2, ids, topw, out, D, I, E, topk, sh.down, pdl, st);
@@ -222,7 +222,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
                   dim3((tiles2 / RT2 + WM2 - 1) / WM2, G), 32 * WM2,
                   pdl, st, (const __nv_bfloat16*)ws.act, (const uint4*)w2, (const uint32_t*)s2, I, tiles2, topk,
                   rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.y, D, E, P, S, sh.down,
-                  (const __nv_bfloat16*)nullptr, direct, (const int64_t*)nullptr, (const __nv_bfloat16*)nullptr);
+                  (const __nv_bfloat16*)nullptr, direct, (const int64_t*)nullptr);
   if (err != cudaSuccess) return err;
   const int threads = 128;
   return launch_on(combine_kernel, dim3((D / 8 + threads - 1) / threads, M), threads, pdl, st,
