@@ -136,7 +136,8 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # 2026-12-06-attn-wide-tile-session28-h100.md, and the union attention kernel's register cap (__maxnreg__
 # 224 / 232: its 32-row shapes no faster), 2026-12-06-attn-union-step-session29-h100.md; the union's bodies as
 # __noinline__ functions (slower on every shape: N = 16 at 4K 19.6 -> 22.4 µs, N = 64 at 128K 811 -> 910),
-# 2026-12-06-moe-groups-tree-heap-session30-h100.md.)
+# and the shared expert's gate/up blocks L2-prefetching its down weights under the router (one-token block
+# 26.1 -> 26.7 µs), 2026-12-06-moe-groups-tree-heap-session30-h100.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
