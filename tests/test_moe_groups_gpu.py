@@ -65,10 +65,40 @@ def test_model_router_writes_no_table_where_the_op_groups_from_ids(tiny_k25, mon
     moe = llm.model.layers[1].mlp
     gen = torch.Generator("cuda").manual_seed(9)
     x = torch.randn(3, 10, moe.gate.weight.shape[1], generator=gen, device="cuda").to(torch.bfloat16)
+    x_TD = x.flatten(0, 1)
+    fused = moe.experts.fuses(moe.shared_experts, x_TD)
     with torch.no_grad():
-        assert not moe._wants_table(x.flatten(0, 1), True)
+        assert moe.gate.route(x_TD, shared=fused, table=moe._wants_table(x_TD, fused))[2] is None
+        own_kernels = _kernel_names(lambda: moe(x, partial=True))
         own = moe(x, partial=True)
         monkeypatch.setattr(moe_cuda, "GROUPS_FROM_IDS", False)
-        assert moe._wants_table(x.flatten(0, 1), True)
+        assert moe.gate.route(x_TD, shared=fused, table=moe._wants_table(x_TD, fused))[2] is not None
         with_table = moe(x, partial=True)
+    assert not any("route_kernel" in k for k in own_kernels), own_kernels
+    assert any("down_combine_grouped" in k for k in own_kernels), own_kernels
     assert torch.isfinite(own.float()).all() and torch.equal(own, with_table)
+
+
+# Inside a graph the ids are not checked: pairs with an id outside [0, E) add nothing and read nothing out of
+# bounds on this path too (two tokens: the default's range; 5 and 64 under the raised limit).
+@pytest.mark.parametrize("M, E", [(2, 64), (5, 64), (64, 384)])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_out_of_range_ids_inside_capture_contribute_nothing_from_the_ids(M, E, with_shared):
+    K, D, inter = 8, 512, 256
+    gen, w, sh, x, ids, tw = block_inputs(980 + M, M, E, K, D, inter, with_shared=with_shared)
+    assert moe_cuda.groups_from_ids(M, K, E, D, inter, with_shared)
+    torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)  # build / load before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)
+    bad = torch.zeros(M, K, dtype=torch.bool, device="cuda")
+    bad[:, 1], bad[-1, K - 1] = True, True
+    valid_ids = ids.clone()
+    outside = torch.where(torch.rand(M, K, generator=gen, device="cuda") < 0.5, -1, E + 3)
+    ids.copy_(torch.where(bad, outside, ids))
+    poison_allocator()
+    out.fill_(float("nan"))
+    g.replay()
+    ref = repacked_reference(x, *w, valid_ids, tw.masked_fill(bad, 0.0), *sh).float()
+    assert torch.isfinite(out.float()).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

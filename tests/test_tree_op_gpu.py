@@ -92,13 +92,25 @@ def test_small_budget_trees_equal_the_reference_with_ties_and_without(L, budget,
     assert_op_equals_reference(lp, tok, budget)
 
 
-@pytest.mark.parametrize("budget", [16, 100, 160])  # the heap's fallback, shared-memory and global beams
-def test_non_finite_log_probs_give_the_references_invalid_nodes(budget):
-    # Two finite tokens a depth: 2 + 4 + 8 finite prefixes, the rest of the tree -inf (invalid, parent 0,
-    # seeing only itself). The level-by-level kernel marked such nodes valid with their real parents before.
-    lp, tok = topk_inputs(2, 3, 9, budget, seed=budget, k=9)
+# (L, V, top-k, budget, finite tokens a depth): fewer finite prefixes than the budget, so the tree's tail is
+# -inf (invalid, parent 0, seeing only itself; the level-by-level kernel marked such nodes valid with their
+# real parents before) — budget 16 (the heap's fallback), beams in shared memory, beams in the global scratch
+# (depth 15 at 160), log-probabilities left in global memory (top-2000 at 128), the bitonic sort (512).
+@pytest.mark.parametrize(
+    "L, V, k, budget, finite",
+    [
+        (3, 9, 9, 16, 2),
+        (3, 9, 9, 100, 2),
+        (3, 9, 9, 160, 2),
+        (15, 9, 9, 160, 1),
+        (15, 3000, 2000, 128, 1),
+        (3, 600, 64, 512, 3),
+    ],
+)
+def test_non_finite_log_probs_give_the_references_invalid_nodes(L, V, k, budget, finite):
+    lp, tok = topk_inputs(2, L, V, budget, seed=budget + L, k=k)
     lp = lp.clone()
-    lp[..., 2:] = float("-inf")
+    lp[..., finite:] = float("-inf")
     assert_op_equals_reference(lp, tok, budget)
 
 

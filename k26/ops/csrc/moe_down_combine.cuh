@@ -21,7 +21,8 @@
 // weight batch before the grid-dependency wait; act (the gate/up GEMM's output) is read after it.
 //
 // Legality: as moe_w4a16.cu (mma.sync, plain loads, griddepcontrol); dynamic shared memory down_combine_smem:
-// 47.6 KB at K2.6's largest case (M = 64 with the shared expert), <= 52 KB for any E (sm_120: 99 KB).
+// 47.6 KB at K2.6's largest case (M = 64 with the shared expert; 52 KB with the block's own table, `own`),
+// <= 56 KB for any E the own table takes (<= 512; sm_120: 99 KB).
 
 #pragma once
 

@@ -76,6 +76,7 @@ constexpr int kLeadMaxExperts = 512;  // the per-expert counts in shared memory
 template <int THREADS, int GT>
 __device__ __forceinline__ bool group_from_ids(const int64_t* __restrict__ ids, int y, int P, int E, int* members,
                                                int* e, int* len) {
+  static_assert(kLeadMaxPairs % THREADS == 0 && kLeadMaxExperts % THREADS == 0, "every pair and expert owned");
   constexpr int R = kLeadMaxPairs / THREADS, EPT = kLeadMaxExperts / THREADS, NW = THREADS / 32;
   __shared__ int cnt[kLeadMaxExperts], warp_tot[NW], s_e, s_j;
   __shared__ unsigned bits[kLeadMaxPairs / 32];
