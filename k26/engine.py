@@ -39,7 +39,7 @@ from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
-from .memory_plan import check_host_caches, check_memory, plan_memory
+from .memory_plan import check_host_caches, check_memory, check_score_logits, plan_memory
 from .model import CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
 from .outputs import RequestOutput, StreamedText
@@ -318,6 +318,7 @@ class LLM(ContinuousBatching):
         """float32 logits [T, vocab] of every position of one sequence (its prefill in cache row 0, a chunk
         of positions per forward)."""
         ids = self._check_ids(token_ids, "token_ids", generating=False)
+        check_score_logits(len(ids), self.config.vocab_size, self.device)
         self._overwriting_rows("score()")
         self._mirror("score", ids)
         hs: list[torch.Tensor] = []  # each forward's new positions, in order

@@ -104,6 +104,21 @@ def usable_memory(device: torch.device) -> int:
     return free_memory(device) + cached
 
 
+def check_score_logits(tokens: int, vocab: int, device: torch.device) -> None:
+    """`LLM.score` returns float32 logits for every position ([tokens, vocab]: 21 GiB at K2.6's vocabulary and
+    32K tokens), outside the start-up plan: refused, naming the sizes, before any forward when they (with the
+    head's output they are gathered from) cannot fit what `device` has free."""
+    need = 2 * tokens * vocab * 4
+    have = usable_memory(device) if device.type == "cuda" else free_memory(device)
+    if have is not None and need > have:
+        most = max(0, have // (2 * vocab * 4))
+        raise ValueError(
+            f"score() of {tokens} tokens returns [{tokens}, {vocab}] float32 logits ({_gib(need)} with the "
+            f"head's output they come from); {device} has {_gib(have)} free: "
+            f"score at most {most} tokens at once"
+        )
+
+
 def _tensor_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 

@@ -237,3 +237,20 @@ def test_tp_ranks_refuse_together_with_the_tightest_gpus_line(tiny_tp, monkeypat
         dist.destroy_process_group()
     monkeypatch.setattr(mp, "usable_memory", lambda device: free[0])
     assert plan.refusal(8, 512, free[0], "cuda:0") is None  # rank 0 alone would have gone on
+
+
+def test_score_whose_logits_do_not_fit_is_refused_before_any_forward(tiny_k25, monkeypatch):
+    # (score returned [T, vocab] float32 logits outside the start-up plan: 21 GiB at K2.6's vocabulary and 32K
+    # tokens, an out-of-memory error mid-call)
+    llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_model_len=64, max_batch=1)
+    vocab = llm.config.vocab_size
+    monkeypatch.setattr(mp, "free_memory", lambda device: 2 * 10 * vocab * 4)  # room for 10 tokens' logits
+    monkeypatch.setattr(k26.engine, "prefill", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(
+        ValueError,
+        match=rf"score\(\) of 11 tokens returns \[11, {vocab}\] float32 logits .* "
+        r"score at most 10 tokens at once",
+    ):
+        llm.score(list(range(1, 12)))
+    monkeypatch.undo()
+    assert llm.score(list(range(1, 11))).shape == (10, vocab)
