@@ -27,39 +27,18 @@ namespace k26_attn {
 constexpr int kUnionKeysPerSplit = K26_ATTN_UNION_KEYS;
 constexpr size_t kUnionSmem = Cfg<2>::SMEM > WideCfg::SMEM ? Cfg<2>::SMEM : WideCfg::SMEM;
 
-// -DK26_ATTN_UNION_NOINLINE: each body a function of its own (a CALL from the kernel), so ptxas schedules and
-// allocates it alone, as in its own kernel, instead of one schedule over both (the inlined union loses 1.5-7 %
-// on the 32-row shapes at the 32-row kernel's own register count: 2026-12-06-attn-union-step-session29-h100.md).
-// The parameters are __grid_constant__ so the bodies take them by reference from the parameter space (a plain
-// parameter passed by reference is copied to the stack: ~300 B of local memory).
-#ifdef K26_ATTN_UNION_NOINLINE
-#define K26_UNION_BODY __device__ __noinline__
-#else
-#define K26_UNION_BODY __device__ __forceinline__
-#endif
-
-template <bool ROPE>
-K26_UNION_BODY void union_narrow(const Params& p, const Rotary& rot, int rt, int split, int b) {
-  tree_attn_body<2, ROPE>(p, rot, rt, split, b);
-}
-template <bool ROPE>
-K26_UNION_BODY void union_wide(const Params& p, const Rotary& rot, int rt, int split, int b) {
-  tree_attn_wide_body<ROPE>(p, rot, rt, split, b);
-}
-
 // p: the 32-row layout (the grid's); pw: the wide one (its RT, S_max, min_keys and workspace region).
 template <bool ROPE>
 static __global__ void __launch_bounds__(THREADS, 1)
-    tree_attn_union_kernel(const __grid_constant__ Params p, const __grid_constant__ Rotary rot,
-                           const __grid_constant__ Params pw, int wide_from) {
+    tree_attn_union_kernel(Params p, Rotary rot, Params pw, int wide_from) {
   const int b = blockIdx.z;
   if (live_keys(p, static_cast<int>(p.prefix[b])) < wide_from) {
-    union_narrow<ROPE>(p, rot, blockIdx.x, blockIdx.y, b);
+    tree_attn_body<2, ROPE>(p, rot, blockIdx.x, blockIdx.y, b);
     return;
   }
   const int linear = blockIdx.y * gridDim.x + blockIdx.x;
   const int rt = linear % pw.RT, split = linear / pw.RT;
-  if (split < pw.S_max) union_wide<ROPE>(pw, rot, rt, split, b);
+  if (split < pw.S_max) tree_attn_wide_body<ROPE>(pw, rot, rt, split, b);
 }
 
 }  // namespace k26_attn
