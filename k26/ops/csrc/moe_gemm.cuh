@@ -71,15 +71,15 @@ __device__ __forceinline__ void early_weights(const uint4* w, const uint32_t* s,
 // dependent reads of it. The live groups keep the grid's first rows, as with the table (groups led by a pair,
 // blockIdx.y = pair, spread them over the grid: the verify N = 16 step's gate/up path 28.8 -> 34.6 µs).
 // Block-uniform: true with the expert in *e and the pairs in members[0, len), false for no such group.
-constexpr int kLeadMaxPairs = 512;    // 64 tokens at top-8: two ids a thread of the 256-thread gate/up block
-constexpr int kLeadMaxExperts = 512;  // the per-expert counts in shared memory
+constexpr int kOwnMaxPairs = 512;    // 64 tokens at top-8: two ids a thread of the 256-thread gate/up block
+constexpr int kOwnMaxExperts = 512;  // the per-expert counts in shared memory
 template <int THREADS, int GT>
 __device__ __forceinline__ bool group_from_ids(const int64_t* __restrict__ ids, int y, int P, int E, int* members,
                                                int* e, int* len) {
-  static_assert(kLeadMaxPairs % THREADS == 0 && kLeadMaxExperts % THREADS == 0, "every pair and expert owned");
-  constexpr int R = kLeadMaxPairs / THREADS, EPT = kLeadMaxExperts / THREADS, NW = THREADS / 32;
-  __shared__ int cnt[kLeadMaxExperts], warp_tot[NW], s_e, s_j;
-  __shared__ unsigned bits[kLeadMaxPairs / 32];
+  static_assert(kOwnMaxPairs % THREADS == 0 && kOwnMaxExperts % THREADS == 0, "every pair and expert owned");
+  constexpr int R = kOwnMaxPairs / THREADS, EPT = kOwnMaxExperts / THREADS, NW = THREADS / 32;
+  __shared__ int cnt[kOwnMaxExperts], warp_tot[NW], s_e, s_j;
+  __shared__ unsigned bits[kOwnMaxPairs / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int64_t id[R];
 #pragma unroll
@@ -145,7 +145,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
     __nv_bfloat16* __restrict__ out, int out_ld, int E, int P, int S, const __nv_bfloat16* __restrict__ sa,
-    const __nv_bfloat16* __restrict__ sb, const int64_t* __restrict__ direct, const int64_t* __restrict__ lead) {
+    const __nv_bfloat16* __restrict__ sb, const int64_t* __restrict__ direct, const int64_t* __restrict__ own_ids) {
   // PDL (launched by `launch` with the attribute): the shared expert's groups come first in the table
   // (csrc/moe_route.cuh), so those blocks know their tokens without it and run the gate/up GEMM while the
   // routing (route_kernel, or a table producer that triggers early) still runs; every other block waits for the previous grid before reading
@@ -155,10 +155,10 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
   const int grp = blockIdx.y, gt = 8 * NT;
   const bool shared = grp * gt < S;
   int e = E, start = P + grp * gt, len = min(gt, S - grp * gt);
-  // lead (GATED, NT = 1): the routed groups from the ids (group_from_ids); members[n] is column n's pair, and
-  // its act row (the down + combine kernel builds its own table: csrc/moe_down_combine.cuh).
+  // own_ids (GATED, NT = 1): the routed groups from the ids (group_from_ids); members[n] is column n's pair,
+  // and its act row (the down + combine kernel builds its own table: csrc/moe_down_combine.cuh).
   __shared__ int members[GATED && NT == 1 ? 8 : 1];
-  const bool led = GATED && NT == 1 && lead != nullptr && !shared;
+  const bool own = GATED && NT == 1 && own_ids != nullptr && !shared;
   if (!GATED) pdl_trigger();
   if (!shared) {
     if (GATED) pdl_wait();
@@ -169,9 +169,9 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
       const int64_t id = __ldcg(direct + j);
       if (id < 0 || id >= E) return;
       e = (int)id, start = j, len = 1;
-    } else if (led) {
+    } else if (own) {
       if constexpr (GATED && NT == 1)
-        if (!group_from_ids<32 * WK * WM, 8>(lead, grp - (S + gt - 1) / gt, P, E, members, &e, &len)) return;
+        if (!group_from_ids<32 * WK * WM, 8>(own_ids, grp - (S + gt - 1) / gt, P, E, members, &e, &len)) return;
       start = 0;
       if (GATED) early_weights<RT, NT, WK, WM>(w, s, e, n_tiles, K >> 6);
     } else {
@@ -201,7 +201,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     brow[nt] = nullptr;
     if (n < len) {
       const int slot = start + n;
-      const int pair = led ? members[n] : shared || direct != nullptr ? slot : __ldcg(sorted + slot);
+      const int pair = own ? members[n] : shared || direct != nullptr ? slot : __ldcg(sorted + slot);
       const size_t row = GATED ? (size_t)(shared ? slot - P : pair / topk) : (size_t)slot;
       brow[nt] = reinterpret_cast<const uint4*>(x + row * K) + 2 * t;
     }
@@ -230,7 +230,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
     one_token = active && !shared && len == 1 && K <= kOneTokMaxK;
     __shared__ uint4 xs[GATED && RT == 1 && NT == 1 && WM == 1 ? kOneTokMaxK / 8 : 1];
     if (one_token) {
-      const int pair = led ? members[0] : direct != nullptr ? start : __ldcg(sorted + start);
+      const int pair = own ? members[0] : direct != nullptr ? start : __ldcg(sorted + start);
       gated_one_token(w, s, x + (size_t)(pair / topk) * K, K, ((size_t)e * n_tiles + tile0) * KC, wk * KC / WK,
                       (wk + 1) * KC / WK, xs, acc[0][0]);
     }
@@ -311,7 +311,7 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kern
             // Rows g / g+8 of the tile are gate / up of feature (tile*8 + g); reference rounding points.
             const float gate = bf16_round(acc[r][nt][h]), up = bf16_round(acc[r][nt][2 + h]);
             const float act = bf16_round(gate / (1.f + __expf(-gate)));
-            const int row = led ? members[n] : start + n;
+            const int row = own ? members[n] : start + n;
             out[(size_t)row * out_ld + (tile0 + r) * 8 + g] = __float2bfloat16(act * up);
           } else {
             const int pair = shared || direct != nullptr ? start + n : __ldcg(sorted + start + n);

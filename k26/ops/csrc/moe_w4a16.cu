@@ -181,7 +181,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   const int64_t* direct = M == 1 && table == nullptr ? ids : nullptr;
   const bool down_combine = NT == 1 && !direct && !split_down && P + S <= kDownCombineMaxSlots &&
                             I <= 64 * kDownCombineMaxChunks && tiles2 % kDownCombineRT == 0;
-  const bool own = from_ids && table == nullptr && down_combine && P <= kLeadMaxPairs && E <= kLeadMaxExperts;
+  const bool own = from_ids && table == nullptr && down_combine && P <= kOwnMaxPairs && E <= kOwnMaxExperts;
   const int G = direct ? (S + 8 * NT - 1) / (8 * NT) + P : route_groups(P, S, E, 8 * NT);
   if (table == nullptr && direct == nullptr && !own) {
     table = ws.table;
