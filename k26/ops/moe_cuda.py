@@ -300,7 +300,7 @@ def _moe_cuda(
     lib = _library()
     nt = pick_nt(M * topk, E)
     has_shared = shared_gate is not None
-    own = table is None and groups_from_ids(M, topk, E, x.shape[1], I, has_shared)
+    own = table is None and groups_from_ids(M, topk, E, D, I, has_shared)
     ws = torch.empty(
         lib.k26_moe_w4a16_workspace(M, D, I, E, topk, nt, int(has_shared)), dtype=torch.uint8, device=x.device
     )
