@@ -115,3 +115,14 @@ def served():
             "penalized": penalized,
         }
     engine.stop()
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fails a test that reaches the weights (the CLI tests: every check must come first)."""
+    import k26
+
+    def refuse(*a, **kw):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(k26, "LLM", refuse)

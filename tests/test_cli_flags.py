@@ -1,0 +1,158 @@
+"""The CLI's start-up flags reaching the LLM it builds, and the checks `serve` and `generate` make before
+loading (host, port, budget arguments, a failed graph capture as one line)."""
+
+import pytest
+from cli_support import TARGET, run
+
+import k26
+from k26.__main__ import main
+
+
+class _Built(Exception):
+    """Raised by `llm_kwargs`'s stand-in for LLM: the command got as far as building the model."""
+
+
+@pytest.fixture
+def llm_kwargs(monkeypatch) -> dict:
+    """The keyword arguments a command builds its LLM with (the build itself stops with _Built)."""
+    seen = {}
+
+    def fake_llm(*args, **kw):
+        seen.update(kw)
+        raise _Built
+
+    monkeypatch.setattr(k26, "LLM", fake_llm)
+    # serve's default --port 8000 may be taken on the test machine: these tests are about the LLM's flags
+    # (test_serve_port_taken_is_refused_before_loading tests the port check)
+    monkeypatch.setattr(k26.__main__, "_listen_arg", lambda host, port: None)
+    return seen
+
+
+def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, capsys):
+    """`serve --compile --capture --cache-dir D --allreduce nccl` builds the LLM with them (checked before
+    loading); a --cache-dir that is a file is refused in one line before any loading."""
+    with pytest.raises(_Built):
+        main(["serve", "--compile", "--capture", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
+    got = tuple(llm_kwargs[k] for k in ("compile", "capture", "cache_dir", "allreduce"))
+    assert got == (True, True, str(tmp_path), "nccl")
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
+    assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2
+    assert "--cache-dir" in capsys.readouterr().err
+
+
+def test_serve_prefix_cache_flags_reach_the_llm_and_a_bad_chunk_is_refused_before_loading(
+    llm_kwargs, monkeypatch, capsys
+):
+    with pytest.raises(_Built):
+        main(["serve", "--no-prefix-cache", "--prefill-chunk", "64", "--prefill-budget", "100"])
+    assert (llm_kwargs["prefix_cache"], llm_kwargs["prefill_chunk"], llm_kwargs["prefill_budget"]) == (
+        False,
+        64,
+        100,
+    )
+    with pytest.raises(_Built):
+        main(["serve"])
+    assert (llm_kwargs["prefix_cache"], llm_kwargs["prefill_chunk"]) == (True, 256)
+    monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --prefill-chunk was checked"))
+    assert main(["serve", "--prefill-chunk", "300"]) == 2
+    assert "--prefill-chunk 300" in capsys.readouterr().err
+
+
+def test_generate_start_up_flags_reach_the_llm(llm_kwargs, tmp_path):
+    """`generate --cache-dir D --allreduce nccl` builds the LLM with them."""
+    with pytest.raises(_Built):
+        main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
+    assert (llm_kwargs["cache_dir"], llm_kwargs["allreduce"]) == (str(tmp_path), "nccl")
+
+
+def test_generate_allocates_one_cache_row_for_its_one_prompt(llm_kwargs):
+    # LLM's default max_batch of 8 rows cost 8x the KV cache, and the memory plan then refused a long
+    # --max-model-len naming max_batch, which generate has no flag for
+    with pytest.raises(_Built):
+        main(["generate", "--prompt", "hi"])
+    assert llm_kwargs["max_batch"] == 1
+
+
+def test_budget_arguments_take_auto_where_documented_and_refuse_what_would_be_ignored(no_loading, capsys):
+    from k26.__main__ import plan_generate
+    from k26.cli_parser import MAX_BUDGET, build_parser
+    from k26.server.cli import check_args
+    from k26.spec.step import MAX_BUDGET as SPEC_MAX
+
+    assert MAX_BUDGET == SPEC_MAX
+    a = build_parser().parse_args(["generate", "--budget", "auto", "--prompt", "hi"])
+    assert a.budget == "auto" and plan_generate(a).spec.budget == "auto"
+    served = build_parser().parse_args(["serve", "--model", TARGET, "--budget", "5"])  # no drafter: AR
+    with pytest.raises(ValueError, match=r"--budget applies to --spec ddtree, not ar \(no --drafter"):
+        check_args(served)
+    check_args(build_parser().parse_args(["serve", "--budget", "5"]))  # the embedded pair: DDTree
+    check_args(build_parser().parse_args(["serve", "--model", TARGET, "--budget", "auto"]))  # the default
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--budget", str(MAX_BUDGET + 1)])
+    assert "expected a DDTree budget in [1, 255]" in capsys.readouterr().err
+
+
+def test_serve_host_that_does_not_resolve_is_refused_before_loading():
+    from k26.cli_parser import build_parser
+    from k26.server.cli import check_args
+
+    # (.invalid: a name RFC 2606 reserves never to resolve)
+    with pytest.raises(ValueError, match="--host no-such-host.invalid: not an address"):
+        check_args(build_parser().parse_args(["serve", "--host", "no-such-host.invalid"]))
+    check_args(build_parser().parse_args(["serve", "--host", "127.0.0.1"]))
+
+
+def test_serve_port_taken_is_refused_before_loading(no_loading, capsys):
+    """uvicorn found it taken only after the load (its one ERROR line, exit 3, after '[k26] serving ...')."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, _, err = run(capsys, "serve", "--device", "cpu", "--port", str(port))
+    assert rc == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in err
+
+
+def test_serve_port_check_skips_an_address_family_the_kernel_lacks(monkeypatch):
+    # (IPv6 off while localhost resolves to ::1 too: socket() raised OSError out of the check, a traceback,
+    # where uvicorn's asyncio server skips the family and serves on 127.0.0.1)
+    import socket
+
+    import k26.__main__ as cli
+
+    real = socket.socket
+    v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))
+    v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [v6, v4])
+
+    def no_v6(family=-1, *a, **kw):
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real(family, *a, **kw)
+
+    monkeypatch.setattr(socket, "socket", no_v6)
+    with real(socket.AF_INET, socket.SOCK_STREAM) as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cli._listen_arg("localhost", port)  # no exception: the IPv4 address was checked, the IPv6 one skipped
+
+
+def test_a_graph_capture_failure_is_one_line_not_a_traceback(monkeypatch, capsys):
+    # (a DDTree budget or batch whose graphs do not fit the GPU: the capture's RuntimeError, which names
+    # the remedies, went up through main() as a traceback)
+    from k26.graphs.runner import CaptureError
+
+    def fail(*a, **kw):
+        raise CaptureError(
+            "CUDA graph capture of bucket (batch 8, nodes 256) failed: out of memory. Reduce ..."
+        )
+
+    monkeypatch.setattr(k26, "LLM", fail)
+    assert main(["generate", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("k26: error: CUDA graph capture of bucket") and err.count("\n") == 1
+    monkeypatch.setattr(k26, "LLM", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # other runtime errors still surface whole
+        main(["generate", "--prompt", "hi"])
