@@ -73,12 +73,7 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int
         raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"its header is not JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise ValueError("its header is not a JSON object")  # noqa: TRY004  (a bad file, as the others)
+    header = _parse(raw)
     out, spans = {}, []
     for key, v in header.items():
         if key == "__metadata__":
@@ -111,6 +106,27 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int
     if 8 + n + end != size:
         raise ValueError(f"the tensors end at byte {8 + n + end} but the file has {size} (trailing bytes)")
     return out
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse(raw: bytes) -> dict:
+    """The header's JSON object as safetensors parses it: UTF-8 (json.loads would also take UTF-16 or 32),
+    no NaN / Infinity, and `__metadata__` absent, null or an object of strings. A header safetensors refuses
+    must be refused here too: the drafter's tensors are read through safetensors' own loader, which raised
+    its raw error only then, after the target's load."""
+    try:
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (JSONDecodeError is a ValueError)
+        raise ValueError(f"its header is not UTF-8 JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")  # noqa: TRY004  (a bad file, as the others)
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError(f"its __metadata__ must map names to strings, got {str(meta)[:80]}")
+    return header
 
 
 def tensor_spans(files: list[Path]) -> dict[tuple[Path, str], tuple[int, int]]:

@@ -248,3 +248,58 @@ def test_a_good_header_gives_absolute_spans(tmp_path):
         "a": ("BF16", (3,), (base, base + 6)),
         "b": ("I64", (1, 1), (base + 6, base + 14)),
     }
+
+
+def _with_header(f: Path, edit) -> None:
+    """`f` with its header's JSON text replaced by edit(header dict) (bytes), its data kept."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = edit(json.loads(raw[8 : 8 + n]))
+    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda h: json.dumps(h | {"__metadata__": {"format": 1}}).encode(), "__metadata__ must map"),
+        (lambda h: json.dumps(h | {"__metadata__": ["pt"]}).encode(), "__metadata__ must map"),
+        (lambda h: json.dumps(h).encode("utf-16"), "not UTF-8 JSON"),
+        (lambda h: json.dumps(h | {"__metadata__": {"format": float("nan")}}).encode(), "NaN is not JSON"),
+    ],
+    ids=["metadata-int", "metadata-list", "utf16", "nan"],
+)
+def test_a_header_safetensors_refuses_is_refused_by_the_reader_too(tmp_path, edit, why):
+    """Headers safetensors' own loader refuses (non-string metadata, UTF-16, NaN) were read as valid."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+
+    from k26.safetensors_file import read_header
+
+    f = tmp_path / "x.safetensors"
+    save_file({"w": torch.zeros(2, 3)}, str(f), metadata={"format": "pt"})
+    _with_header(f, edit)
+    with pytest.raises(SafetensorError), safe_open(str(f), "pt"):
+        pass
+    with pytest.raises(ValueError, match=re.escape(why)):
+        read_header(f)
+
+
+def test_a_drafter_header_safetensors_refuses_is_named_before_the_target_is_read(
+    tiny_k25, drafter_dir, tmp_path, monkeypatch
+):
+    """The drafter's tensors are copied through safetensors' loader: its header with non-string metadata
+    passed the drafter's checks and raised a raw SafetensorError after the target's whole load."""
+    import shutil
+
+    import k26.engine
+    from k26 import LLM, CheckpointError
+
+    def no_load(*a, **kw):
+        raise AssertionError("the target was read before the drafter's files were checked")
+
+    monkeypatch.setattr(k26.engine, "load_model", no_load)
+    d = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, d)
+    _with_header(d / "model.safetensors", lambda h: json.dumps(h | {"__metadata__": {"v": 1}}).encode())
+    with pytest.raises(CheckpointError, match="shard model.safetensors is corrupt .*__metadata__ must map"):
+        LLM(tiny_k25, drafter=d, device="cpu", progress=False)
