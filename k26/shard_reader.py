@@ -293,7 +293,9 @@ def read_into(
     `progress`: the "read" line (bytes, GB/s, ETA; in coordinated mode the bytes of every rank)."""
     device = torch.device(device)
     t0, io0 = time.perf_counter(), io_read_bytes()
-    spans = tensor_spans(sorted({infos[it.hf].file for it in items}, key=str))
+    # The index's spans, read with the stamps the stager checks: a header read again here raised a bare
+    # ValueError naming no file for a shard cut short or overwritten since (only span-less infos need it).
+    spans = tensor_spans(sorted({infos[it.hf].file for it in items if infos[it.hf].span is None}, key=str))
     pieces = whole_pieces(items, infos, spans)
     coordinated = group is not None and size > 1
     if not coordinated:

@@ -303,3 +303,19 @@ def test_a_drafter_header_safetensors_refuses_is_named_before_the_target_is_read
     _with_header(d / "model.safetensors", lambda h: json.dumps(h | {"__metadata__": {"v": 1}}).encode())
     with pytest.raises(CheckpointError, match="shard model.safetensors is corrupt .*__metadata__ must map"):
         LLM(tiny_k25, drafter=d, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("change", ["truncated", "overwritten"])
+def test_a_shard_cut_short_or_overwritten_after_its_header_was_read_is_named(tiny_tp, tmp_path, change):
+    """The reader read every header again before its stamp check: a shard truncated or overwritten since
+    planning raised a bare ValueError ("its header ... does not fit the file") naming no file."""
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_tp[0], d)
+    model, items, infos = planned(d, TPInfo())
+    f = max(d.glob("*.safetensors"))
+    raw = f.read_bytes()
+    f.write_bytes(raw[:5000] if change == "truncated" else b"\xff" * 64 + raw[64:])
+    with pytest.raises(ShardChangedError, match=f"shard {f.name} changed since its header was read"):
+        read_into(model, items, infos)
