@@ -35,8 +35,18 @@ def open_random(f: Path) -> int:
     """A descriptor without readahead: the kernel's window (8 MB on some disks) around every small read
     would pull in bytes nobody asked for (measured: 1.7 GB of 8.4 GB for the weight_shape checks alone)."""
     fd = os.open(f, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    if hasattr(os, "posix_fadvise"):  # (macOS has none: there the reads keep the default readahead)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
+
+
+def read_at(fd: int, view: memoryview, offset: int) -> int:
+    """Bytes read at `offset` into `view` (preadv: no copy; where os has none, as on macOS, pread + copy)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
 
 
 class Stager:
@@ -74,7 +84,7 @@ class Stager:
     def _pread(self, fd: int, view: memoryview, offset: int, f: Path) -> int:
         done = 0
         while len(view):
-            n = os.preadv(fd, [view], offset)
+            n = read_at(fd, view, offset)
             if n <= 0:
                 raise ShardChangedError(f"shard {f.name} ended at byte {offset} while loading: it changed")
             view, offset, done = view[n:], offset + n, done + n
@@ -92,7 +102,7 @@ class Stager:
         if len(pieces) <= 1:
             self.bytes_read += sum(self._pread(*p) for p in pieces)
             return
-        if self.pool is None:  # the GIL is released in preadv
+        if self.pool is None:  # the GIL is released in the reads
             self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="k26-pread")
         self.bytes_read += sum(self.pool.map(lambda p: self._pread(*p), pieces))
 

@@ -319,3 +319,14 @@ def test_a_shard_cut_short_or_overwritten_after_its_header_was_read_is_named(tin
     f.write_bytes(raw[:5000] if change == "truncated" else b"\xff" * 64 + raw[64:])
     with pytest.raises(ShardChangedError, match=f"shard {f.name} changed since its header was read"):
         read_into(model, items, infos)
+
+
+def test_the_loader_runs_where_os_has_no_posix_fadvise_or_preadv(tiny_k25, monkeypatch):
+    """macOS's os module has neither (Linux-only calls): every header read raised AttributeError, reported as
+    "shard ... is corrupt", so no checkpoint loaded there (the embedded pair's laptop CPU included)."""
+    want = load_model(tiny_k25, dtype=torch.float32, progress=False)
+    monkeypatch.delattr(os, "posix_fadvise")
+    monkeypatch.delattr(os, "preadv")
+    got = load_model(tiny_k25, dtype=torch.float32, progress=False)
+    for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
