@@ -61,17 +61,20 @@ class Tally:
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
-def check_layers(infos: dict[str, TensorInfo], path: Path, layers: int, experts: int) -> None:
+def check_layers(
+    infos: dict[str, TensorInfo], path: Path, layers: int, experts: int, where: str = "model.layers"
+) -> None:
     """The layers and routed experts the config promises must be the ones the checkpoint holds tensors for,
     checked before the model is built: an absurd count (200000 layers) was minutes of building and of
-    listing every missing tensor."""
+    listing every missing tensor. `where`: the layers' name prefix (a drafter's: "layers")."""
     held, held_experts = set(), set()
+    k = where.count(".") + 1  # the layer number's place in a name
     for name in infos:
-        parts = name.split(".", 6)
-        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdecimal():
-            held.add(int(parts[2]))
-            if parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdecimal():
-                held_experts.add(int(parts[5]))
+        parts = name.split(".", k + 4)
+        if parts[:k] == where.split(".") and len(parts) > k and parts[k].isdecimal():
+            held.add(int(parts[k]))
+            if parts[k + 1 : k + 3] == ["mlp", "experts"] and len(parts) > k + 3 and parts[k + 3].isdecimal():
+                held_experts.add(int(parts[k + 3]))
     problems = []
     if len(held) != layers or held != set(range(layers)):  # (len first: the count may be absurd)
         problems.append(

@@ -324,9 +324,9 @@ def load_drafter(
     path = Path(path)
     cfg = cfg or DrafterConfig.from_dir(path)
     cfg.check_target(target)
+    infos = _drafter_infos(path, cfg.num_hidden_layers)
     with torch.device("meta"):
         model = DFlashDrafter(cfg, dtype, tp).requires_grad_(False)
-    infos = _drafter_infos(path)
     items = plan_load(model, infos, tp, path, rule=drafter_rule)
     model.to_empty(device=device)
     fill(model, items, infos, tp)
@@ -343,14 +343,16 @@ def check_drafter_files(path: str | Path, cfg: DrafterConfig, dtype: torch.dtype
     and every unreadable shard are named now, not after the target's load."""
     from .model.drafter import DFlashDrafter
 
+    infos = _drafter_infos(Path(path), cfg.num_hidden_layers)
     with torch.device("meta"):
         model = DFlashDrafter(cfg, dtype, TPInfo(0, tp_size))
-    plan_load(model, _drafter_infos(Path(path)), TPInfo(0, tp_size), Path(path), rule=drafter_rule)
+    plan_load(model, infos, TPInfo(0, tp_size), Path(path), rule=drafter_rule)
 
 
-def _drafter_infos(path: Path) -> dict[str, TensorInfo]:
+def _drafter_infos(path: Path, layers: int | None = None) -> dict[str, TensorInfo]:
     """The drafter's tensors by module name (an optional `model.` prefix dropped); a name held both with and
-    without the prefix is refused (one copy would silently win)."""
+    without the prefix is refused (one copy would silently win); the config's `layers` must be the ones held
+    (an absurd num_hidden_layers was a long meta build, 16 s at 20000)."""
     infos: dict[str, TensorInfo] = {}
     for key, info in read_index(path).items():
         name = key.removeprefix("model.")
@@ -359,4 +361,6 @@ def _drafter_infos(path: Path) -> dict[str, TensorInfo]:
                 path, [f"tensor {name} appears twice (with and without the 'model.' prefix)"]
             )
         infos[name] = info
+    if layers is not None:  # before the meta model is built
+        check_layers(infos, path, layers, 0, where="layers")
     return infos
