@@ -133,7 +133,9 @@ class BatchState:
         self.rs = None
         # until a row goes live its idle steps write at its length (autoregressive batches): past its prompt,
         # never into what its prefill writes or what it holds afterwards
-        self.lens[torch.tensor(slots, device=dev)] = torch.tensor([len(p) for p in prompts], device=dev)
+        # (dtype given: no slots at all must still index as long, not as an empty float tensor)
+        at = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.lens[at] = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         if self.policy is not None:
             self.policy.admit([b for b, sp in zip(slots, params) if sp.max_tokens > 0])
         for b, go in zip(slots, prefilled):

@@ -144,3 +144,17 @@ def test_a_failed_admission_frees_its_rows(tiny_k25, monkeypatch, where):
     while state.live:
         llm.step()
     assert llm.release(slots[0]).token_ids == llm.generate([8, 9, 10], sp, SpecConfig("ar"))[0].token_ids
+
+
+def test_admitting_no_prompts_takes_no_row_and_returns_no_slots(tiny_k25):
+    """admit([], []) (a list of no requests) raised torch's "tensors used as indices must be long" from the
+    rows' lengths written with an empty float index; it returns no slots and the batch goes on."""
+    llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    sp = SamplingParams(max_tokens=3, stop_token_ids=[])
+    state = llm.open_batch(SpecConfig("ar"))
+    assert llm.admit([], []) == [] and len(state.free_slots()) == 2
+    slots = llm.admit([[8, 9, 10]], [sp])
+    assert llm.admit([], [], wait=False) == []
+    while state.live:
+        llm.step()
+    assert llm.release(slots[0]).token_ids == llm.generate([8, 9, 10], sp, SpecConfig("ar"))[0].token_ids
