@@ -194,7 +194,10 @@ def check_ids(
                 f"{what} is a {ids.dim()}-d {ids.dtype} tensor; expected a 1-d integer tensor of token ids"
             )
         ids = ids.tolist()
-    ids = list(ids)
+    try:
+        ids = list(ids)
+    except TypeError:  # (an int or None: Python's "'int' object is not iterable" named no argument)
+        raise TypeError(f"{what} is a {type(ids).__name__}; expected a list of token ids") from None
     if not ids:
         raise ValueError(f"{what} is empty")
     for pos, t in enumerate(ids):

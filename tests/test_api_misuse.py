@@ -149,3 +149,16 @@ def test_chat_messages_that_are_none_or_empty_are_named(tiny_k25):
     assert render(tok, iter([{"role": "user", "content": "hi"}])) == render(
         tok, [{"role": "user", "content": "hi"}]
     )
+
+
+@pytest.mark.parametrize("ids", [5, None])
+def test_token_ids_that_are_no_sequence_are_named(llm, ids):
+    """score(5) and admit([None], ...) raised Python's "'int' / 'NoneType' object is not iterable", naming
+    neither the argument nor the prompt."""
+    kind = type(ids).__name__
+    with pytest.raises(TypeError, match=rf"token_ids is a {kind}; expected a list of token ids"):
+        llm.score(ids)
+    batch = llm.open_batch(capacity=1)
+    with pytest.raises(TypeError, match=rf"prompt 0 is a {kind}; expected a list of token ids"):
+        llm.admit([ids], [SamplingParams()])
+    assert batch.free_slots() == [0]
