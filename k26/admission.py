@@ -51,7 +51,18 @@ class Admission:
         for j in self.todo:
             r = self.plans[j]
             if r.src == slot and (j not in self.now or self.job is None):
-                self.plans[j] = replace(r, keep=r.have, src=None)
+                self._copy_until(j, r.have)
+
+    def _copy_until(self, j: int, keep: int) -> None:
+        """Prompt j's row holds only positions [0, keep) of it when its wave's copies run (keep = have: no
+        copy): prompts planned after it that copy from its row in that same wave (after its copy, before its
+        forward) take only what the row holds then, and so on down such chains."""
+        r = self.plans[j]
+        self.plans[j] = replace(r, keep=keep, src=r.src if keep > r.have else None)
+        for k in self.todo:
+            q = self.plans[k]
+            if k > j and q.src == self.slots[j] and q.wave == r.wave and q.keep > keep:
+                self._copy_until(k, max(q.have, keep))
 
 
 def admit(

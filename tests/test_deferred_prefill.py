@@ -213,3 +213,26 @@ def test_a_graph_batch_repoints_its_rows_after_another_batch_parked_in_the_share
     while state.live:
         llm.step()
     assert [state.outs[s].token_ids for s in slots] == [w.token_ids for w in want]
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("ar"), SPEC], ids=str)
+def test_a_prompt_copying_from_a_row_whose_own_copy_fell_back_copies_only_what_that_row_holds(cpu_pair, spec):
+    """B and C (deferred, one admission) share A's prompt prefix X: B copies X from A's live row, C copies it
+    from B's row in the same wave (after B's copy). A leaves and D takes its row before that wave: B falls
+    back to prefilling X itself, so B's row will not hold X when C copies from it; C must not copy those
+    positions either (it copied B's never-written row and answered from garbage), and answers as fresh."""
+    llm = cpu_pair(max_batch=3, max_model_len=128)  # (a fresh LLM: its rows hold nothing yet)
+    sp = SamplingParams(max_tokens=8, stop_token_ids=[], logprobs=1)
+    x, a, b, c, d = random_prompts(5, 4, 12, seed=61)
+    x = (x * 3)[:20]
+    llm.open_batch(spec)
+    (sa,) = llm.admit([x + a], [SamplingParams(max_tokens=1, stop_token_ids=[])])
+    sb, sc = llm.admit([x + b, x + c], [sp, sp], wait=False)
+    plans = llm.batch.pending[0].plans
+    assert (plans[0].src, plans[1].src) == (sa, sb) and plans[0].wave == plans[1].wave
+    llm.release(sa)
+    (sd,) = llm.admit([d], [sp])  # D takes A's row; the pending wave runs first
+    assert sd == sa
+    outs = finish(llm, [sb, sc, sd])
+    for out, prompt in zip(outs, (x + b, x + c, d)):
+        assert_answers_as_fresh(llm, out, prompt, sp, spec)
