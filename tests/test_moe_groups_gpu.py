@@ -27,7 +27,7 @@ def run(x, w, ids, tw, sh, table=None, from_ids=True, monkeypatch=None):
     return torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh, table)
 
 
-# M = 9 / 16 with "same": every expert 9 / 16 times (two groups of it, led by its 1st and 9th pair); hot10:
+# M = 9 / 16 with "same": every expert 9 / 16 times (two groups of it: occurrences 0-7 and 8-); hot10:
 # ten experts in many groups; 64 tokens: 512 pairs, the most group_from_ids takes.
 @pytest.mark.parametrize("M", [2, 5, 9, 16, 33, 64])
 @pytest.mark.parametrize("kind", ["uniform", "hot10", "same"])
