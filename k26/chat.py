@@ -96,8 +96,8 @@ class Message:
 
     @classmethod
     def of(cls, m: Message | dict) -> Message:
-        """From a Message or a dict in OpenAI's shape (reasoning as `reasoning_content`, tool calls as
-        {id, type, function: {name, arguments}})."""
+        """From a Message or a dict in OpenAI's shape (content a string or a list of text parts, `text_of`;
+        reasoning as `reasoning_content`, tool calls as {id, type, function: {name, arguments}})."""
         if isinstance(m, Message):
             return m
         if not isinstance(m, dict):
@@ -106,12 +106,30 @@ class Message:
             )
         return cls(
             m.get("role"),
-            m.get("content") or "",
+            text_of(m.get("content")),
             m.get("name"),
             m.get("reasoning_content", m.get("reasoning")),
             tuple(ToolCall.of(c) for c in m.get("tool_calls") or ()),
             m.get("tool_call_id"),
         )
+
+
+def text_of(content):
+    """A message's content as the templates write it: a string as it is, None as empty, OpenAI's list of
+    text parts ({"type": "text", "text": ...}) as their texts one after another; a part of another kind
+    (an image: this engine reads text only) raises, named. Anything else is returned for `Message` to name."""
+    if content is None:
+        return ""
+    if not isinstance(content, (list, tuple)):
+        return content
+    for i, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            raise ValueError(
+                f"chat message content[{i}] ({kind!r}): expected a text part {{'type': 'text', 'text': str}} "
+                "(images and audio are not supported)"
+            )
+    return "".join(p["text"] for p in content)
 
 
 @dataclass(frozen=True)
