@@ -47,7 +47,7 @@ from .sampling import MODES, SamplingParams
 from .spec.prefill import MAX_CHUNK, prefill
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
-from .tp_driver import RankGroup, releasing_ranks_on_failure, surfacing_rank_errors
+from .tp_driver import RankGroup, group_found, releasing_ranks_on_failure, surfacing_rank_errors
 
 Prompt = str | Sequence[int]
 
@@ -98,7 +98,7 @@ class LLM(ContinuousBatching):
         self.path = Path(model_path)
         # The group belongs to whoever made it: an LLM that found one (torchrun + the user's own
         # init_process_group, or an earlier LLM) must not destroy it on close().
-        self._owns_group = tp > 1 and not torch.distributed.is_initialized()
+        self._owns_group = tp > 1 and not group_found()
         self._ranks: RankGroup | None = None
         pair = check_pair(self.path, drafter, tp, dtype or torch.bfloat16, max_model_len, max_batch, buckets)
         self.config, self.tokenizer, self.max_model_len = pair.config, pair.tokenizer, pair.max_model_len

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import os
 import pickle
@@ -102,6 +103,8 @@ class _Rank:
 class RankGroup:
     """Ranks 1..world-1 of a process group whose rank 0 is this process."""
 
+    driving: RankGroup | None = None  # the last group this process joined as rank 0 (`group_found`)
+
     def __init__(self, world: int, factory, args: tuple, kwargs: dict, device: str | None):
         """Start the ranks, have each build `factory(*args, **kwargs)` once joined, and join as rank 0."""
         self.world = world
@@ -129,6 +132,7 @@ class RankGroup:
             for rank in self.ranks:
                 self._expect(rank, "joining", deadline=time.monotonic() + k26_dist.timeout().total_seconds())
             k26_dist.init_group(0, world, device, store=store)
+            RankGroup.driving, self._group = self, dist.group.WORLD
         except BaseException:  # interrupted too: never leave ranks behind
             self.close(kill=True)
             raise
@@ -202,6 +206,27 @@ class RankGroup:
                 rank.proc.kill()
                 rank.proc.wait()
             rank.log.close()
+
+
+def group_found() -> bool:
+    """Whether this process is in a process group already (an `LLM(tp=N)` then uses it, starting no ranks).
+    An earlier `LLM(tp=N)` dropped without `close()` is collected first (it is unreachable only, a
+    reference cycle; its finalizer stops its ranks) and its group, which the finalizer may not tear down
+    under live CUDA graphs, destroyed here: found, it paired this LLM's collectives with ranks that had
+    left (a hang until the group's timeout). One still in use (`llm = LLM(tp=2)` run twice: the old one is
+    bound while the new one is built) holds the ranks: refused by name."""
+    old = RankGroup.driving
+    if old is not None and not old._done:
+        gc.collect()  # (an unreachable LLM's finalizer closes its ranks)
+    if old is not None and not old._done:
+        raise ValueError(
+            f"another LLM(tp={old.world}) of this process still holds its tensor-parallel ranks: "
+            "close() it before making a new one"
+        )
+    if old is not None and dist.is_initialized() and dist.group.WORLD is old._group:
+        dist.destroy_process_group()
+    RankGroup.driving = None
+    return dist.is_initialized()
 
 
 def surfacing_rank_errors(method):

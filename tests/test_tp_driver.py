@@ -122,3 +122,25 @@ def test_a_failed_tp_init_leaves_no_group_and_no_rank(tiny_tp):
         assert llm.score([1, 2, 3]).shape[0] == 3
     finally:
         llm.close()
+
+
+def test_an_llm_dropped_without_close_leaves_the_next_tp_llm_working(tiny_tp, monkeypatch):
+    """An LLM(tp=2) dropped without close() (unreachable in a reference cycle until collected; collected,
+    its finalizer stops its ranks): the next LLM(tp=2) starts its own ranks. It found the old group and
+    paired its collectives with ranks that had left or that served the old LLM (a gloo error after the
+    group's timeout). One still live (`llm = LLM(tp=2)` again: the old one is bound while the new one is
+    built) is named at once."""
+    monkeypatch.setenv("K26_DIST_TIMEOUT", "10")  # (before the fix: the hang, bounded)
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    del llm
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        assert llm.score([1, 2, 3]).shape[0] == 3
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"another LLM\(tp=2\) of this process .* close\(\) it"):
+            LLM(tiny_tp[0], tp=2, **KW)
+        assert time.monotonic() - t0 < 5
+        assert llm.score([1, 2, 3]).shape[0] == 3
+    finally:
+        llm.close()
+    assert not dist.is_initialized()
