@@ -360,7 +360,7 @@ class LLM(ContinuousBatching):
                 if new := text.push(o):
                     yield new
         except GeneratorExit:
-            if self._ranks is not None:
+            if self._ranks is not None and not self._ranks.closed:  # (closed: no rank is left to pair)
                 # The caller stopped iterating early: the ranks run the mirrored stream to its end, so this
                 # rank must too, or its next collectives would pair with their leftover ones.
                 for _ in steps:

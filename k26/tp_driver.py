@@ -61,12 +61,17 @@ class _Rank:
             env=env,
         )
         self.inbox: queue.Queue = queue.Queue()
+        self.sent = self.done = 0  # calls mirrored to this rank, and those it finished ("done")
         threading.Thread(target=self._read, daemon=True, name=f"k26-rank{rank}-reader").start()
 
     def _read(self) -> None:
         with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
             while True:
-                self.inbox.put(pickle.load(self.proc.stdout))
+                msg = pickle.load(self.proc.stdout)
+                if msg[0] == "done":
+                    self.done += 1
+                else:
+                    self.inbox.put(msg)
         self.inbox.put(("exit", None))
 
     def send(self, msg) -> None:
@@ -109,7 +114,8 @@ class RankGroup:
         """Start the ranks, have each build `factory(*args, **kwargs)` once joined, and join as rank 0."""
         self.world = world
         self.ranks: list[_Rank] = []
-        self._done = False
+        self.closed = False
+        self._left: str | None = None  # a call rank 0 left while the ranks ran it: they are out of step
         store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=k26_dist.timeout()
         )
@@ -156,9 +162,15 @@ class RankGroup:
             self._expect(rank, "ready", deadline=time.monotonic() + k26_dist.timeout().total_seconds())
 
     def mirror(self, name: str, *args, **kw) -> None:
-        """Every rank calls `name(*args, **kw)` on its object (a generator is run to its end)."""
+        """Every rank calls `name(*args, **kw)` on its object (a generator is run to its end); refused once
+        rank 0 left a call the ranks ran (their collectives would pair with that call's leftovers)."""
+        if self.closed or self._left:
+            why = "closed" if self.closed else f"out of step: {self._left}; close() it and make a new LLM"
+            raise RankError(f"this LLM's tensor-parallel ranks are {why}")
         for rank in self.ranks:
+            rank.sent += 1
             rank.send((name, args, kw))
+        self._last = name
 
     def check(self, wait: float = 0.0) -> None:
         """Raise the failure of any rank that reported one (waiting up to `wait` s for one to arrive)."""
@@ -176,10 +188,22 @@ class RankGroup:
 
     @contextlib.contextmanager
     def surface(self):
-        """A collective that failed because a rank died raises that rank's own error text instead."""
+        """A collective that failed because a rank died raises that rank's own error text instead. A call
+        that leaves (an interrupt, an error) after its ranks were told to make it leaves them out of step."""
+        sent = sum(r.sent for r in self.ranks)
         try:
             yield
-        except Exception as e:
+        except GeneratorExit:  # (a stream closed early: `LLM.stream` ran its ranks' part to the end)
+            raise
+        except BaseException as e:
+            if (
+                sum(r.sent for r in self.ranks) != sent
+                and self._left is None
+                and not isinstance(e, RankError)
+            ):
+                self._left = f"rank 0 left {self._last}() on {type(e).__name__} while the other ranks ran it"
+            if not isinstance(e, Exception):
+                raise
             # A broken collective is a RuntimeError (gloo / NCCL): give the rank's report a moment to
             # arrive. Anything else (this rank's own bad input or checkpoint error) raises as it is: a
             # rank that found the same problem first must not replace it with its own report.
@@ -188,10 +212,16 @@ class RankGroup:
             raise
 
     def close(self, kill: bool = False) -> None:
-        """Tell the ranks to leave (or kill them) and wait for them; idempotent."""
-        if self._done:
+        """Tell the ranks to leave (or kill them) and wait for them; idempotent. Ranks still in a call that
+        rank 0 left (interrupted; a stream suspended) would wait in its collectives, not read the request to
+        leave: killed after a moment for their last call to finish."""
+        if self.closed:
             return
-        self._done = True
+        self.closed = True
+        deadline = time.monotonic() + (0 if self._left else 3)
+        while not kill and not self._idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kill = kill or not self._idle()
         for rank in self.ranks:
             if kill:
                 rank.proc.kill()
@@ -207,6 +237,10 @@ class RankGroup:
                 rank.proc.wait()
             rank.log.close()
 
+    def _idle(self) -> bool:
+        """Every rank finished every call mirrored to it (or has exited)."""
+        return all(r.done >= r.sent or r.proc.poll() is not None for r in self.ranks)
+
 
 def group_found() -> bool:
     """Whether this process is in a process group already (an `LLM(tp=N)` then uses it, starting no ranks).
@@ -216,9 +250,9 @@ def group_found() -> bool:
     left (a hang until the group's timeout). One still in use (`llm = LLM(tp=2)` run twice: the old one is
     bound while the new one is built) holds the ranks: refused by name."""
     old = RankGroup.driving
-    if old is not None and not old._done:
+    if old is not None and not old.closed:
         gc.collect()  # (an unreachable LLM's finalizer closes its ranks)
-    if old is not None and not old._done:
+    if old is not None and not old.closed:
         raise ValueError(
             f"another LLM(tp={old.world}) of this process still holds its tensor-parallel ranks: "
             "close() it before making a new one"
@@ -320,6 +354,7 @@ def _serve(init: dict, out) -> int:
             # (rank 0 checked the same call's inputs: any error here is a divergence, never the user's)
             send("error", (None, traceback.format_exc()))
             return 1
+        send("done", None)
     if callable(close := getattr(obj, "close", None)):
         close()  # this rank's graphs and fused-collective workspace, before its group goes
     dist.destroy_process_group()

@@ -144,3 +144,54 @@ def test_an_llm_dropped_without_close_leaves_the_next_tp_llm_working(tiny_tp, mo
     finally:
         llm.close()
     assert not dist.is_initialized()
+
+
+def test_a_call_rank_0_left_midway_is_named_and_close_does_not_wait_for_its_ranks(tiny_tp, monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt on rank 0 alone: a notebook's interrupt, `kill -INT`) during generate():
+    the ranks run on, waiting in its collectives. The next call is refused by name (it paired its
+    collectives with that call's leftovers: a gloo error after the group's timeout) and close() kills
+    them at once (it waited 60 s for ranks that never read its request to leave)."""
+    from k26 import SamplingParams
+
+    monkeypatch.setenv("K26_DIST_TIMEOUT", "10")  # (before the fix: the next call's hang, bounded)
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    run = llm.decoder.run
+
+    def interrupted(*a, **kw):
+        steps = run(*a, **kw)
+        yield next(steps)
+        raise KeyboardInterrupt
+
+    try:
+        monkeypatch.setattr(llm.decoder, "run", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=40, stop_token_ids=[]))
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match=r"out of step: rank 0 left generate\(\) on KeyboardInterrupt"):
+            llm.score([1, 2, 3])
+        assert time.monotonic() - t0 < 1
+    finally:
+        t0 = time.monotonic()
+        llm.close()
+    assert time.monotonic() - t0 < 5
+    assert all(r.proc.poll() is not None for r in llm._ranks.ranks)
+
+
+def test_closing_with_a_stream_suspended_does_not_wait_for_its_ranks(tiny_tp):
+    """A stream() left suspended at close() (or at exit: the finalizer): its ranks run it on, waiting in its
+    collectives. close() waited 60 s before killing them; then the generator, closed later, drained its
+    steps against the dead ranks and raised 'seek of closed file' from the closed rank log."""
+    import gc
+
+    from k26 import SamplingParams
+
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    pieces = llm.stream([1, 2, 3], SamplingParams(max_tokens=40, stop_token_ids=[], min_tokens=40))
+    next(pieces)
+    t0 = time.monotonic()
+    llm.close()
+    assert time.monotonic() - t0 < 5
+    assert all(r.proc.poll() is not None for r in llm._ranks.ranks)
+    pieces.close()  # no drain against ranks that are gone
+    del pieces
+    gc.collect()
