@@ -132,7 +132,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     """Check every `generate` argument against the config files only: no weights are read."""
     from . import SamplingParams, SpecConfig
     from .chat import ChatFormat, Message, render
-    from .checks import check_device, default_max_model_len, fit_spec
+    from .checks import check_device, check_gpus, default_max_model_len, fit_spec
     from .config import ModelConfig
     from .dist import env_int
     from .drafter_config import DrafterConfig
@@ -158,6 +158,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
         raise ValueError(f"--tp {tp}: expected a positive number of ranks")
     if world > 1 and tp != world:
         raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE {world}")
+    check_gpus(a.device, tp)
     cfg = ModelConfig.from_dir(model)
     cfg.check_tp(tp)
     max_len = a.max_model_len or default_max_model_len(cfg)

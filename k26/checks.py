@@ -46,6 +46,16 @@ def check_device(device) -> None:
         raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
+def check_gpus(device, tp: int) -> None:
+    """LLM(tp=N) on CUDA starts N ranks from this process, rank r on cuda:r: N GPUs must be visible, found
+    before any rank starts (under torchrun each process brings its own). `device` already checked."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if tp > 1 and cuda and tp > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            f"tp={tp}: only {torch.cuda.device_count()} CUDA device(s) are visible (one per rank)"
+        )
+
+
 def check_precision(device: torch.device, dtype: torch.dtype, graphs: bool | None) -> bool:
     """The dtype, and whether to decode with CUDA graphs: by default for bf16 on CUDA (other dtypes run the
     reference ops, which read lengths back to the host and so cannot be captured)."""

@@ -22,6 +22,7 @@ from .chat import ChatFormat, Message, render
 from .checks import (
     check_device,
     check_flags,
+    check_gpus,
     check_ids,
     check_pair,
     check_path,
@@ -82,6 +83,7 @@ class LLM(ContinuousBatching):
         check_world(tp)
         check_allreduce(allreduce)
         check_device(device)
+        check_gpus(device, tp)
         check_prefill(prefill_chunk, prefill_budget)
         check_flags(
             absorb=absorb, progress=progress, cuda_kernels=cuda_kernels, graphs=graphs, compile=compile

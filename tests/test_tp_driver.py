@@ -195,3 +195,23 @@ def test_closing_with_a_stream_suspended_does_not_wait_for_its_ranks(tiny_tp):
     pieces.close()  # no drain against ranks that are gone
     del pieces
     gc.collect()
+
+
+def test_a_tp_size_above_the_visible_gpus_is_refused_before_any_rank(tiny_tp, monkeypatch, capsys):
+    """tp=4 with 2 GPUs: named before any rank starts (ranks 2 and 3 failed on torch.cuda.set_device, each
+    a RankError with a traceback, after every process had started)."""
+    import k26.engine
+    from k26.__main__ import main
+
+    def no_rank(*a, **kw):
+        raise AssertionError("a rank started before the TP size was checked against the GPUs")
+
+    monkeypatch.setattr(k26.engine.LLM, "_start_ranks", no_rank)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for device in (None, "cuda"):
+        with pytest.raises(ValueError, match=r"tp=4: only 2 CUDA device\(s\) are visible"):
+            LLM(tiny_tp[0], tp=4, **{**KW, "device": device})
+    assert main(["generate", "--model", str(tiny_tp[0]), "--prompt", "hi", "--tp", "4"]) == 2
+    assert "tp=4: only 2 CUDA device(s)" in capsys.readouterr().err
