@@ -12,7 +12,7 @@ from .kv_cache import HeadStash
 from .outputs import RequestOutput
 from .penalties import Penalties, RowPenalty
 from .prefix_cache import PrefixCache, cached_tokens
-from .sampling import RowSampling, SamplingParams, StepLogprobs, sampling_mode
+from .sampling import MODES, RowSampling, SamplingParams, StepLogprobs, sampling_mode
 from .spec.budget import BudgetPolicy
 from .spec.step import SpecConfig, Stepped
 from .spec.timer import PhaseTimer
@@ -40,6 +40,7 @@ class BatchState:
     vocab: int
     graph: GraphStepper | None = None
     policy: BudgetPolicy | None = None
+    modes: tuple[str, ...] = MODES  # the sampling modes its rows may need (graphs: those captured)
     outs: list[RequestOutput | None] = field(init=False)  # per slot, sized by __post_init__
     params: list[SamplingParams | None] = field(init=False)
     stops: list[frozenset[int]] = field(init=False)
@@ -88,13 +89,14 @@ class BatchState:
     ) -> None:
         """Take requests into `slots`; rows that are not `prefilled` (max_tokens 0, no prompt logprobs) finish
         at once, the others go live once their prefill ends (`admission.py`)."""
-        no_lp = self.graph is not None and "logprobs" not in self.graph.runners
-        if no_lp and any(p.logprobs is not None for p in params):
+        # (eager batches hold the same rule as graphed ones: open_batch(logprobs=False) on a CPU refused
+        # nothing and accepted a row its GPU twin refuses)
+        if "logprobs" not in self.modes and any(p.logprobs is not None for p in params):
             raise ValueError(
                 "SamplingParams.logprobs: this batch has no logprobs graphs (open_batch(logprobs=False))"
             )
         if any(p.penalized for p in params):
-            if self.graph is not None and not {"filter", "logprobs"} & set(self.graph.runners):
+            if not {"filter", "logprobs"} & set(self.modes):
                 raise ValueError(
                     "SamplingParams penalties / logit_bias: this batch has no graphs of the 'filter' "
                     "sampling mode"

@@ -77,7 +77,7 @@ class Decoder:
             nodes = graph.nodes
         if policy is not None:
             self._calibrate(spec, cap, graph)
-        return self._empty(spec, cap, nodes, graph, policy)
+        return self._empty(spec, cap, nodes, graph, policy, kinds)
 
     def _calibrate(self, spec: SpecConfig, batch: int, graph: GraphStepper | None) -> None:
         """The adaptive budget's costs of (spec, batch), timed on graph replays or eager steps."""
@@ -89,7 +89,9 @@ class Decoder:
         ats = timing_contexts(ctx.max_model_len, spec.candidates[-1], ctx.drafter.cfg.block_size)
         self.budgets.calibrate(spec, batch, time_at, ats, all_ranks=ctx.tp_size > 1)
 
-    def _empty(self, spec, cap: int, nodes: int, graph: GraphStepper | None, policy) -> BatchState:
+    def _empty(
+        self, spec, cap: int, nodes: int, graph: GraphStepper | None, policy, kinds: tuple[str, ...]
+    ) -> BatchState:
         """A batch of `cap` free rows: the graphs' static buffers (reset), else fresh tensors."""
         ctx, dev = self.ctx, self.ctx.device
         if graph is not None:
@@ -120,6 +122,7 @@ class Decoder:
             *limits,
             graph,
             policy,
+            kinds,
             timer=timer,
             stash=stash,
         )

@@ -158,3 +158,17 @@ def test_admitting_no_prompts_takes_no_row_and_returns_no_slots(tiny_k25):
     while state.live:
         llm.step()
     assert llm.release(slots[0]).token_ids == llm.generate([8, 9, 10], sp, SpecConfig("ar"))[0].token_ids
+
+
+def test_a_batch_opened_without_logprobs_refuses_a_logprobs_row_on_cpu_too(tiny_k25):
+    """open_batch(logprobs=False): no row may ask for logprobs — refused with graphs
+    (tests/test_graphs_gpu.py) but taken by an eager (CPU) batch before; penalties (the "filter" mode, kept)
+    are still taken."""
+    llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    state = llm.open_batch(SpecConfig("ar"), logprobs=False)
+    with pytest.raises(ValueError, match="SamplingParams.logprobs: this batch has no logprobs"):
+        llm.admit([[8, 9, 10]], [SamplingParams(max_tokens=3, logprobs=1)])
+    assert len(state.free_slots()) == 2  # nothing taken
+    llm.admit([[8, 9, 10]], [SamplingParams(max_tokens=3, frequency_penalty=0.5)])
+    while state.live:
+        llm.step()
