@@ -226,9 +226,11 @@ def sample_rows(logits_BNV: torch.Tensor, rs: RowSampling) -> torch.Tensor:
     if rs.greedy or rs.noise is None:  # (no noise: no row samples, say a "logprobs" batch of greedy rows)
         return best
     t = rs.temperature[:, None, None]
-    # a temperature floored at 1e-20 ([B], not another pass over the logits): 1e-40 overflowed every logit to
-    # +-inf (inf - inf: NaN probabilities, token 0); 1e-20 is greedy in effect and keeps 1e18 of headroom
-    logits = logits / torch.where(t > 0, t.clamp_min(1e-20), 1.0)
+    # a temperature clamped to [1e-20, 1e20] ([B], not another pass over the logits): 1e-40 overflowed every
+    # logit to +-inf (inf - inf: NaN probabilities, token 0); 1e-20 is greedy in effect and keeps 1e18 of
+    # headroom. A finite one beyond float32 (1e39) is inf here: every logit became 0 (top-k kept the whole
+    # vocabulary) and a -inf one NaN (the race picked a stop id min_tokens held back); 1e20: uniform in effect
+    logits = logits / torch.where(t > 0, t.clamp(1e-20, 1e20), 1.0)
     q = rs.noise[:, :N, :V]
     if not rs.filtered:  # the exponential race over the full softmax
         return torch.where(t[..., 0] > 0, (torch.softmax(logits, -1) / q).argmax(-1), best)
