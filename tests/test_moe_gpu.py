@@ -286,6 +286,14 @@ def test_out_of_range_ids_inside_capture_contribute_nothing(M, with_shared):
     nothing out of bounds — through the routing table (M = 5) and the one-token direct paths (M = 1)."""
     E, K, D, inter = 64, 8, 512, 256
     gen, w, sh, x, ids, tw = block_inputs(300 + M, M, E, K, D, inter, with_shared=with_shared)
+    assert_out_of_range_ids_contribute_nothing(gen, w, sh, x, ids, tw, E)
+
+
+def assert_out_of_range_ids_contribute_nothing(gen, w, sh, x, ids, tw, E):
+    """The op captured in a graph, then some of its ids set outside [0, E) (-1 or E + 3) before a replay into
+    poisoned memory: the output is the reference's with those pairs' weights zeroed (also
+    tests/test_moe_groups_gpu.py)."""
+    M, K = ids.shape
     torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw, *sh)  # build/load before capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

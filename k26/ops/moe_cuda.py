@@ -25,6 +25,9 @@ SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see spli
 # the verify N = 16 step 7.21 -> 7.29 ms). Read at launch, like SPLIT_DOWN; the kernels take up to 512 pairs.
 GROUPS_FROM_IDS = True
 GROUPS_FROM_IDS_MAX_PAIRS = 16
+# The kernels' limits on that path (csrc/moe_down_combine.cuh kDownCombineMaxSlots / kDownCombineMaxChunks,
+# csrc/moe_gemm.cuh kOwnMaxPairs / kOwnMaxExperts); the kernel checks them again, routing itself past them.
+DOWN_COMBINE_MAX_SLOTS, DOWN_COMBINE_MAX_INTER, OWN_MAX_PAIRS, OWN_MAX_EXPERTS = 576, 256, 512, 512
 
 
 @contextlib.contextmanager
@@ -56,10 +59,10 @@ def groups_from_ids(M: int, topk: int, E: int, D: int, inter: int, shared: bool)
         and not SPLIT_DOWN
         and M > 1
         and pick_nt(P, E) == 1
-        and P + S <= 576
-        and P <= min(GROUPS_FROM_IDS_MAX_PAIRS, 512)
-        and E <= 512
-        and inter <= 256
+        and P + S <= DOWN_COMBINE_MAX_SLOTS
+        and P <= min(GROUPS_FROM_IDS_MAX_PAIRS, OWN_MAX_PAIRS)
+        and E <= OWN_MAX_EXPERTS
+        and inter <= DOWN_COMBINE_MAX_INTER
         and (D // 16) % 2 == 0
     )
 

@@ -10,11 +10,12 @@ parallel_tool_calls = false keeps the first call of a turn.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat import ChatFormat, Message, ToolCall, render
+from ..chat import ChatFormat, Message, ToolCall, render, text_of
 from ..chat_parser import ChatParser, Piece
 from ..sampling import stop_prefix_len
 from ..tokenizer import Tokenizer
@@ -184,12 +185,10 @@ def _calls(calls: Any, where: str) -> tuple[ToolCall, ...]:
 
 
 def _content(c: Any, where: str) -> str:
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c
-    ):
-        return "".join(p["text"] for p in c)
+    """A message's content (a string or OpenAI's text parts: chat.text_of's rule), else a 400 naming it."""
+    if isinstance(c, (str, list)):
+        with contextlib.suppress(ValueError):  # (a part that is not text)
+            return text_of(c)
     raise APIError(
         400,
         f"{where}.content: expected a string or a list of text parts (images and audio are not supported)",
