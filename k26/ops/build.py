@@ -169,9 +169,6 @@ VARIANTS: dict[str, list[str]] = {
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)
     "-DK26_MOE_GU_L2AHEAD": ["moe_w4a16.cu"],
-    # MoE few tokens, one-launch down + combine: before its grid-dependency wait each block L2-prefetches the
-    # shared expert's rows and each warp's next routed groups (csrc/moe_down_combine.cuh); bit-identical
-    "-DK26_MOE_DOWN_PREFETCH": ["moe_w4a16.cu"],
     # MoE router, one token: no arrival count (partials in self-flagged 64-bit slots that block 0 polls: ~1
     # L2 round trip after the last store where the count + gather took 4), the top-k's second round by ranks;
     # bit-identical outputs (same sums, keys, tie order). Measured 2026-12-05 (H200): the router at one token

@@ -46,9 +46,6 @@ constexpr int kDownCombineRT = 2;  // 16-row output tiles per block (and per war
 // (TP1's 2048) stream K in batches per group, latency-bound here: measured slower than the down GEMM
 // (2026-12-02-bench_moe-down-combine-h200.md), so they keep it.
 constexpr int kDownCombineMaxChunks = 4;
-#ifdef K26_MOE_DOWN_PREFETCH
-constexpr int kDownPrefetchGroups = 3;  // routed groups a warp L2-prefetches (<= ~22 MB over 224 blocks)
-#endif
 
 // Dynamic shared memory of one block: y [P + S][16 RT] bf16 | sorted [P + S] | group fields [3][G] |
 // combine weights [P] (0 for an id outside [0, E)) | their validity [P] | with `own` (the block builds the table
@@ -128,13 +125,6 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
     }
   };
 
-#ifdef K26_MOE_DOWN_PREFETCH
-  // Before the grid-dependency wait (this grid launches while the gate/up GEMM's last blocks stream), the
-  // shared expert's rows of this block into L2: its warps' loads after the wait become L2 hits. Same bits.
-  if (SG > 0)
-    for (int i = tid; i < ROWS * (I / 64); i += blockDim.x)  // 128-B lines: I / 64 a bf16 row
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(sd + (size_t)(tile0 * 16 + i / (I / 64)) * I + i % (I / 64) * 64));
-#endif
   int gi = warp;
   if (gi < SG) pdl_wait();  // act comes from the gate/up GEMM
   MOE_TRACE(1, 5);
@@ -173,21 +163,6 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
   };
   int j = routed_at(0);
   if (j >= 0) load_w(s_expert[SG + j]);
-#ifdef K26_MOE_DOWN_PREFETCH
-  // ... and the warp's next kDownPrefetchGroups routed groups after the one in its registers (a warp without
-  // shared groups: before its wait).
-  for (int k = 1; k <= kDownPrefetchGroups; ++k) {
-    const int jk = routed_at(k);
-    if (jk < 0) break;
-    for (int c = 0; c < KC; ++c)
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        const size_t chunk = ((size_t)s_expert[SG + jk] * n_tiles + tile0 + r) * KC + c;
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w2 + chunk * 32 + lane));  // 512 B: 4 lines a warp
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(s2 + chunk * 16));
-      }
-  }
-#endif
   if (warp >= SG) pdl_wait();  // (after the first batch: weights are constants, in flight across the wait)
   MOE_TRACE(1, 1);
   for (int k = 1; j >= 0; ++k) {
