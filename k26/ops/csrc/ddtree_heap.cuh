@@ -11,7 +11,7 @@
 // The frontier (<= budget + 1 entries) lives in the warp's registers, kSlots a lane; a pop is each lane's
 // best entry, then the warp's best by __reduce_max_sync over the entry's order key, one 32-bit word at a
 // time while more than one lane is left (exact fp64 ties fall through to the depth and the rank tuple).
-// ~0.54 µs a pop on an H100 (one warp's dependent chain). Tried and dropped (9d4e298, reverted): the frontier
+// ~0.54 µs a pop on an H100 with branches in the pop (one warp's dependent chain); branch-free since. Tried and dropped (9d4e298, reverted): the frontier
 // sorted in shared memory, a pop moving every entry once by the ballots of the lanes' compares with the two
 // pushed entries — correct, but ~0.95 µs a pop (budget 64 at depth 15: 40.5 -> 67.1 µs;
 // 2026-12-06-moe-groups-tree-heap-session30-h100.md).
@@ -60,9 +60,16 @@ __device__ __forceinline__ uint64_t rank_unit(int d, bool hi) {  // rank + 1 at 
   return hi ? 1ull << (6 * (10 - d)) : 1ull << (6 * (15 - d));
 }
 
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+// Bitwise, not short-circuit: the pop's chain stays one basic block (selects, no reconverging branches).
 __device__ __forceinline__ bool greater(uint64_t k, uint64_t c1, uint32_t c2, uint64_t bk, uint64_t bc1,
                                         uint32_t bc2) {
-  return k != bk ? k > bk : c1 != bc1 ? c1 > bc1 : c2 > bc2;
+  return (k > bk) | ((k == bk) & ((c1 > bc1) | ((c1 == bc1) & (c2 > bc2))));
 }
 
 // The lane holding the warp's largest (k, c1, c2) among lanes with `has`, or -1 if none has one.
@@ -81,19 +88,24 @@ __device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, ui
   return __ffs(cand) - 1;
 }
 
-// Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] (the first min(K, budget)
+// Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] in shared memory (the first min(K, budget)
 // of each depth read, all finite) into `out` (nodes 1..n), returns n. An entry carries its key, its parent's
 // score (the next sibling's base: no shared-memory round trip inside the loop) and a meta word: parent |
-// depth << 8 | rank << 12 | (score is -0.0) << 18, -1 for an empty slot.
+// depth << 8 | rank << 12 | (score is -0.0) << 18. An empty slot has the all-zero key (every finite score's
+// order key is > 0), so it never wins a compare. The loop body is branch-free (selects and predicated stores):
+// the branches of the first version (a reconvergence per slot compare and per slot update) doubled a pop.
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
   const int lane = threadIdx.x & 31;
   const int KU = K < budget ? K : budget;
+  // lp through its shared-window address: a generic load (what a `const float*` compiles to) costs more
+  // latency than ld.shared, and both loads sit on the pop's chain.
+  const uint32_t lp_s = static_cast<uint32_t>(__cvta_generic_to_shared(lp));
   uint64_t k[kSlots], c1[kSlots];
   uint32_t c2[kSlots];
   double ps[kSlots];
   int meta[kSlots];
 #pragma unroll
-  for (int s = 0; s < kSlots; ++s) meta[s] = -1, k[s] = c1[s] = 0, c2[s] = 0, ps[s] = 0.0;
+  for (int s = 0; s < kSlots; ++s) meta[s] = 0, k[s] = c1[s] = 0, c2[s] = 0, ps[s] = 0.0;
   if (lane == 0) {  // depth 1, rank 0, parent the root
     const double s0 = static_cast<double>(lp[0]);
     k[0] = order_key(s0), c1[0] = (14ull << 60) | kLow60, c2[0] = uint32_t(kLow30);
@@ -102,14 +114,16 @@ __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes o
   int count = 1, n = 0;
   while (n < budget) {
     // This lane's best entry, its fields picked by selects (a dynamic index would put the arrays in local memory).
-    int best = -1, bm = -1;
+    int best = -1, bm = 0;
     uint64_t bk = 0, bc1 = 0;
     uint32_t bc2 = 0;
     double bps = 0.0;
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s)
-      if (meta[s] >= 0 && (best < 0 || greater(k[s], c1[s], c2[s], bk, bc1, bc2)))
-        best = s, bk = k[s], bc1 = c1[s], bc2 = c2[s], bps = ps[s], bm = meta[s];
+    for (int s = 0; s < kSlots; ++s) {
+      const bool take = greater(k[s], c1[s], c2[s], bk, bc1, bc2);
+      best = take ? s : best, bk = take ? k[s] : bk, bc1 = take ? c1[s] : bc1, bc2 = take ? c2[s] : bc2;
+      bps = take ? ps[s] : bps, bm = take ? meta[s] : bm;
+    }
     const int wl = warp_argmax(best >= 0, bk, bc1, bc2);
     if (wl < 0) break;  // every prefix popped (fewer than `budget`)
     const int wslot = __shfl_sync(~0u, best, wl), m = __shfl_sync(~0u, bm, wl);
@@ -118,37 +132,35 @@ __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes o
     const uint32_t t2 = __shfl_sync(~0u, bc2, wl);
     const double s = key_score(t0, (m >> 18) & 1);
     const int p = m & 0xff, d = (m >> 8) & 0xf, r = (m >> 12) & 0x3f, node = ++n;
-    if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
     // Next sibling into the popped slot (or the slot empties): the parent's score plus the next rank's
-    // log-probability (depth 1: the log-probability itself, as the reference's first beam).
+    // log-probability (depth 1: the log-probability itself, as the reference's first beam). Both loads are
+    // unconditional (indices clamped into lp): their latency overlaps instead of following a branch.
     const bool sib = r + 1 < KU;
-    double ss = 0.0;
-    if (sib) {
-      const double lv = static_cast<double>(lp[(size_t)(d - 1) * lds + r + 1]);
-      ss = d == 1 ? lv : pscore + lv;
-    }
+    const double lv = static_cast<double>(lds_f32(lp_s + 4u * ((d - 1) * lds + min(r + 1, KU - 1))));
+    const double ss = (d == 1 ? -0.0 : pscore) + lv;  // -0.0: the additive identity, -0.0 + -0.0 included
+    const bool child = d < L;
+    const double cs = s + static_cast<double>(lds_f32(lp_s + 4u * (min(d, L - 1) * lds)));
     const bool hi = d <= 10;
     const uint64_t s1 = hi ? t1 - rank_unit(d, true) : t1;
     const uint32_t s2 = hi ? t2 : t2 - uint32_t(rank_unit(d, false));
-    const uint64_t sk = order_key(ss);
+    const uint64_t sk = sib ? order_key(ss) : 0;
     const int sm = p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18;
-#pragma unroll
-    for (int q = 0; q < kSlots; ++q)
-      if (lane == wl && q == wslot) {
-        if (sib) ps[q] = pscore, k[q] = sk, c1[q] = s1, c2[q] = s2, meta[q] = sm;
-        else meta[q] = -1;
-      }
     // First child into a fresh slot: entries only grow by one a pop, so budget + 1 slots in all.
-    if (d < L) {
-      const double cs = s + static_cast<double>(lp[(size_t)d * lds]);
-      const uint64_t ck = order_key(cs);
-      const int cm = node | (d + 1) << 8 | is_neg_zero(cs) << 18;
-      const int cl = count & 31, cq = count >> 5;
+    const uint64_t ck = order_key(cs);
+    const int cm = node | (d + 1) << 8 | is_neg_zero(cs) << 18;
+    const int cl = count & 31, cq = count >> 5;
 #pragma unroll
-      for (int q = 0; q < kSlots; ++q)
-        if (lane == cl && q == cq) ps[q] = s, k[q] = ck, c1[q] = t1 - (1ull << 60), c2[q] = t2, meta[q] = cm;
-      ++count;
+    for (int q = 0; q < kSlots; ++q) {
+      const bool hs = lane == wl && q == wslot, hc = child && lane == cl && q == cq;
+      k[q] = hs ? sk : hc ? ck : k[q];
+      c1[q] = hs ? s1 : hc ? t1 - (1ull << 60) : c1[q];
+      c2[q] = hs ? s2 : hc ? t2 : c2[q];
+      ps[q] = hs ? pscore : hc ? s : ps[q];
+      meta[q] = hs ? sm : hc ? cm : meta[q];
     }
+    count += child;
+    // (After the loads above: the stores' address arithmetic stays off the pop's chain.)
+    if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
   }
   return n;
 }
