@@ -37,6 +37,7 @@ from k26.config import ModelConfig
 from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import CompiledDrafter, DFlashDrafter
+from k26.model.layers import use_linear_kernel
 from k26.model.moe import Int4Experts, MoE, Router
 from k26.ops import moe_cuda, pdl
 from k26.sampling import RowSampling
@@ -132,6 +133,11 @@ def main() -> None:
         action="store_true",
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
     )
+    ap.add_argument(
+        "--drafter-linear-kernel",
+        action="store_true",
+        help="the drafter's projections and lm_head shard in the small-M kernel (use_linear_kernel)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fused and a.variants:
@@ -180,6 +186,8 @@ def main() -> None:
     drafter.to_empty(device=dev)
     randomize(drafter, False)
     drafter.rope.reset_buffers()
+    if a.drafter_linear_kernel:
+        use_linear_kernel(drafter)
     if a.fused:
         drafter.fuse_()  # as the loader does
     if a.compile:
@@ -198,6 +206,7 @@ def main() -> None:
             f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
             f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
             f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
+            f"{' --drafter-linear-kernel' if a.drafter_linear_kernel else ''}"
             f"{' --two-launch-moe' if a.two_launch_moe else ''}"
             f"{' --seeded-tree' if a.seeded_tree else ''}"
             f"{f' --variants {a.variants}' if a.variants else ''}"
