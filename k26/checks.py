@@ -48,8 +48,15 @@ def check_device(device) -> None:
 
 def check_gpus(device, tp: int) -> None:
     """LLM(tp=N) on CUDA starts N ranks from this process, rank r on cuda:r: N GPUs must be visible, found
-    before any rank starts (under torchrun each process brings its own). `device` already checked."""
+    before any rank starts (under torchrun each process brings its own), and a device index is refused (no
+    rank would honour it). `device` already checked."""
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if tp > 1 and cuda and device is not None and torch.device(device).index is not None:
+        # (init_group puts rank r on cuda:r, or cuda:LOCAL_RANK under torchrun: the index would be ignored)
+        raise ValueError(
+            f"device={device!r} with tp={tp}: rank r runs on cuda:r (cuda:LOCAL_RANK under torchrun); pass "
+            "device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
     if tp > 1 and cuda and tp > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
         raise ValueError(
             f"tp={tp}: only {torch.cuda.device_count()} CUDA device(s) are visible (one per rank)"

@@ -215,3 +215,19 @@ def test_a_tp_size_above_the_visible_gpus_is_refused_before_any_rank(tiny_tp, mo
             LLM(tiny_tp[0], tp=4, **{**KW, "device": device})
     assert main(["generate", "--model", str(tiny_tp[0]), "--prompt", "hi", "--tp", "4"]) == 2
     assert "tp=4: only 2 CUDA device(s)" in capsys.readouterr().err
+
+
+def test_an_indexed_cuda_device_with_tp_is_refused_before_any_rank(tiny_tp, monkeypatch):
+    """LLM(tp=2, device='cuda:1') put rank 0 on cuda:0 all the same (rank r on cuda:r): the index is named.
+    (The CLI's --device takes 'cpu' or 'cuda' only.)"""
+    import k26.engine
+
+    def no_rank(*a, **kw):
+        raise AssertionError("a rank started with a device index no rank honours")
+
+    monkeypatch.setattr(k26.engine.LLM, "_start_ranks", no_rank)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"device='cuda:1' with tp=2: rank r runs on cuda:r"):
+        LLM(tiny_tp[0], tp=2, **{**KW, "device": "cuda:1"})
