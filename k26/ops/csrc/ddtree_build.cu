@@ -122,7 +122,11 @@ __device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, 
   __shared__ double nscore[NB];
   __shared__ int npar[NB], ndep[NB], nrank[NB], s_n;
   if (threadIdx.x < 32) {
-    const int n = ddtree_heap::build(lp, lds, L, K, budget, ddtree_heap::Nodes{nscore, npar, ndep, nrank});
+    const ddtree_heap::Nodes nodes{nscore, npar, ndep, nrank};
+    const int slots = ddtree_heap::slots_for(budget);
+    const int n = slots == 1   ? ddtree_heap::build<1>(lp, lds, L, K, budget, nodes)
+                  : slots == 2 ? ddtree_heap::build<2>(lp, lds, L, K, budget, nodes)
+                               : ddtree_heap::build<3>(lp, lds, L, K, budget, nodes);
     if (threadIdx.x == 0) s_n = n;
   }
   __syncthreads();

@@ -8,8 +8,8 @@
 // `budget` pops, whatever the depth L (the level-by-level kernel takes L barrier-separated rounds of
 // candidate sorts: 45 µs at budget 16, depth 15, on an H200).
 //
-// The frontier (<= budget + 1 entries) lives in the warp's registers, kSlots a lane; a pop is each lane's
-// best entry, then the warp's best by __reduce_max_sync over the entry's order key, one 32-bit word at a
+// The frontier (<= budget + 1 entries) lives in the warp's registers, slots_for(budget) a lane; a pop is each
+// lane's best entry, then the warp's best by __reduce_max_sync over the entry's order key, one 32-bit word at a
 // time while more than one lane is left (exact fp64 ties fall through to the depth and the rank tuple).
 // ~0.54 µs a pop on an H100 with branches in the pop (one warp's dependent chain); branch-free since. Tried and dropped (9d4e298, reverted): the frontier
 // sorted in shared memory, a pop moving every entry once by the ballots of the lanes' compares with the two
@@ -28,7 +28,9 @@
 namespace ddtree_heap {
 
 constexpr int kMaxBudget = 64;  // ranks < 64: 6 bits a depth, 15 depths in 90 bits
-constexpr int kSlots = (kMaxBudget + 1 + 31) / 32;  // frontier entries a lane holds
+// Frontier entries a lane holds for a budget: build<slots_for(budget)>. One slot up to budget 31 (every default
+// budget of the adaptive policy): a pop then selects nothing within a lane, ~a third of its instructions.
+__host__ __device__ constexpr int slots_for(int budget) { return (budget + 1 + 31) / 32; }
 constexpr uint64_t kLow60 = (1ull << 60) - 1, kLow30 = (1ull << 30) - 1;
 
 // The popped nodes in pop order, index 0 the root (shared memory, kMaxBudget + 1 each).
@@ -94,7 +96,9 @@ __device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, ui
 // depth << 8 | rank << 12 | (score is -0.0) << 18. An empty slot has the all-zero key (every finite score's
 // order key is > 0), so it never wins a compare. The loop body is branch-free (selects and predicated stores):
 // the branches of the first version (a reconvergence per slot compare and per slot update) doubled a pop.
+template <int kSlots>
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
+  static_assert(kSlots >= 1 && kSlots <= slots_for(kMaxBudget), "budget + 1 entries, kSlots a lane");
   const int lane = threadIdx.x & 31;
   const int KU = K < budget ? K : budget;
   // lp through its shared-window address: a generic load (what a `const float*` compiles to) costs more
