@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from http_app import serving
-from served import MODEL, PROMPTS, greedy, metric, raw
+from served import CHAT, MODEL, PROMPTS, greedy, metric, raw
 
 from k26.server import create_app
 
@@ -172,6 +172,13 @@ BAD = [
         "messages",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 96}, 400, "max_tokens"),  # > the room
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_completion_tokens": 96},
+        400,
+        "max_completion_tokens",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 2.5}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),

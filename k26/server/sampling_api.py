@@ -24,7 +24,11 @@ def sampling_params(body: dict, chat: bool, room: int, vocab: int, eos: tuple[in
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(key)
     if mt is None:
-        mt = room if chat else 16  # OpenAI's defaults: the rest of the context for chat, 16 for completions
+        mt = room if chat else min(room, 16)  # OpenAI's: the rest of the context (chat), 16 (completions)
+    elif mt > room:  # (as OpenAI and vLLM: a 400, not a completion silently cut to the context)
+        raise APIError(
+            400, f"{key}={mt}: the model's context leaves {room} tokens after this prompt; ask for fewer", key
+        )
     t = number(body, "temperature", 1.0)  # OpenAI's default
     if not 0 <= t <= 2:
         raise APIError(400, f"temperature={t!r}: must lie in [0, 2]", "temperature")
@@ -56,10 +60,10 @@ def sampling_params(body: dict, chat: bool, room: int, vocab: int, eos: tuple[in
             raise APIError(400, f"{name}={penalties[name]!r}: must lie in [-2, 2]", name)
     least = body.get("min_tokens")
     least = 0 if least is None else least
-    if not is_int(least) or not 0 <= least <= min(mt, room):
-        limit = f"max_tokens={mt}" if mt < room else f"the {room} tokens the context leaves after the prompt"
-        raise APIError(400, f"min_tokens={short(least)}: expected an integer in [0, {limit}]", "min_tokens")
-    mt = min(mt, room)
+    if not is_int(least) or not 0 <= least <= mt:
+        raise APIError(
+            400, f"min_tokens={short(least)}: expected an integer in [0, max_tokens={mt}]", "min_tokens"
+        )
     return SamplingParams(
         temperature=float(t),
         top_p=float(top_p),
