@@ -13,8 +13,9 @@
 // time while more than one lane is left (exact fp64 ties fall through to the depth and the rank tuple).
 // A pop is one warp's dependent chain, instruction-bound (ncu, budget 64: ~1,000 cycles a pop, 2026-12-06
 // session 31): ~0.54 µs on an H100 with branches in it, ~0.45 branch-free (selects), less with one slot a lane
-// (2026-12-06-session31-h100.md). Tried and dropped (9d4e298, reverted): the frontier sorted in shared memory, a pop moving every entry once by the ballots of the lanes' compares with the two
-// pushed entries — correct, but ~0.95 µs a pop (budget 64 at depth 15: 40.5 -> 67.1 µs;
+// (2026-12-06-session31-h100.md). Tried and dropped (9d4e298, reverted): the frontier sorted in shared memory,
+// a pop moving every entry once by the ballots of the lanes' compares with the two pushed entries — correct,
+// but ~0.95 µs a pop (budget 64 at depth 15: 40.5 -> 67.1 µs;
 // 2026-12-06-moe-groups-tree-heap-session30-h100.md).
 // The key is integer throughout: the score's fp64 bits mapped to an unsigned order (fp64 compares run at
 // 1/64 of the fp32 rate on sm_120), then (15 - depth) and the complemented rank tuple (6 bits a depth, so
@@ -91,12 +92,13 @@ __device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, ui
   return __ffs(cand) - 1;
 }
 
-// Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] in shared memory (the first min(K, budget)
-// of each depth read, all finite) into `out` (nodes 1..n), returns n. An entry carries its key, its parent's
-// score (the next sibling's base: no shared-memory round trip inside the loop) and a meta word: parent |
-// depth << 8 | rank << 12 | (score is -0.0) << 18. An empty slot has the all-zero key (every finite score's
-// order key is > 0), so it never wins a compare. The loop body is branch-free (selects and predicated stores):
-// the branches of the first version (a reconvergence per slot compare and per slot update) doubled a pop.
+// Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] in shared memory (the
+// first min(K, budget) of each depth read, all finite) into `out` (nodes 1..n), returns n; kSlots =
+// slots_for(budget). An entry carries its key, its parent's score (the next sibling's base: no shared-memory
+// round trip inside the loop) and a meta word: parent | depth << 8 | rank << 12 | (score is -0.0) << 18. An
+// empty slot has the all-zero key (every finite score's order key is > 0), so it never wins a compare. The
+// loop body is branch-free (selects and predicated stores): the first version's branches (a reconvergence per
+// slot compare and per slot update) cost ~20 % more a pop.
 template <int kSlots>
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
   static_assert(kSlots >= 1 && kSlots <= slots_for(kMaxBudget), "budget + 1 entries, kSlots a lane");
