@@ -12,7 +12,7 @@ from .kv_cache import HeadStash
 from .outputs import RequestOutput
 from .penalties import Penalties, RowPenalty
 from .prefix_cache import PrefixCache, cached_tokens
-from .sampling import MODES, RowSampling, SamplingParams, StepLogprobs, sampling_mode
+from .sampling import MODES, RowSampling, SamplingParams, StepLogprobs, sampling_mode, seeded_generator
 from .spec.budget import BudgetPolicy
 from .spec.step import SpecConfig, Stepped
 from .spec.timer import PhaseTimer
@@ -112,7 +112,7 @@ class BatchState:
             self.stops[b] = frozenset(
                 sp.stop_token_ids if sp.stop_token_ids is not None else self.tokenizer.stop_ids
             )
-            self.gens[b] = None if sp.seed is None else torch.Generator(device=dev).manual_seed(sp.seed)
+            self.gens[b] = None if sp.seed is None else seeded_generator(sp.seed, dev)
             self.texts[b] = TextStream(self.tokenizer) if sp.stop else None
             self.seek_from[b] = 0
             self.prefix.admitted(b)

@@ -139,6 +139,18 @@ MAX_LOGPROBS = 20  # most probable tokens a position's logprobs may list (OpenAI
 MODES = ("greedy", "sample", "filter", "logprobs")
 
 
+def seeded_generator(seed: int, device) -> torch.Generator:
+    """A request's generator for `seed` on `device`. A CPU generator (mt19937) keeps only a seed's low 32
+    bits, so seeds differing above them (7 and 7 + 2**32) drew the same tokens there: on the CPU the seed's
+    two 32-bit halves are folded together first (a seed in [0, 2**32) keeps its stream). CUDA generators take
+    all 64 bits."""
+    g = torch.Generator(device=device)
+    if g.device.type == "cpu":
+        u = seed % 2**64
+        seed = (u ^ (u >> 32)) & 0xFFFFFFFF
+    return g.manual_seed(seed)
+
+
 def sampling_mode(params) -> str:
     """The cheapest mode of `MODES` that serves every row of `params` (SamplingParams, None: a free row)."""
     params = [p for p in params if p is not None]

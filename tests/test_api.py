@@ -45,6 +45,14 @@ def test_seeded_sampling_is_reproducible(llm):
     assert a.token_ids == b.token_ids
 
 
+def test_seeds_differing_above_32_bits_sample_apart_on_cpu(llm):
+    """A CPU generator keeps a seed's low 32 bits: seeds 7 and 7 + 2**32 drew the same tokens."""
+    sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=12, seed=seed, stop_token_ids=[])
+    low, high = (llm.generate([3, 4, 5], sp(s))[0].token_ids for s in (7, 7 + 2**32))
+    assert low != high
+    assert llm.generate([3, 4, 5], sp(7 + 2**32))[0].token_ids == high  # still seeded
+
+
 def test_context_end_finishes_with_length(llm):
     out = llm.generate(list(range(1, 60)), SamplingParams(max_tokens=50, stop_token_ids=[]))[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 64
