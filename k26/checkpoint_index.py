@@ -127,6 +127,8 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
         ):
             why = "weight_map must map tensor names to shard names"
             raise CheckpointError(path, [f"{index_file.name}: {why}"])
+        if not weight_map:  # (else: 'the config says N layers, the checkpoint has tensors for 0')
+            raise CheckpointError(path, [f"{index_file.name}: weight_map is empty (it names no shard)"])
         files = sorted(set(weight_map.values()))
     else:
         weight_map = None

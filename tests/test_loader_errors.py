@@ -265,6 +265,12 @@ def test_index_whose_weight_map_is_not_names_to_shards_is_named(ckpt, weight_map
     assert "weight_map must map tensor names to shard names" in load_err(ckpt)
 
 
+def test_index_with_an_empty_weight_map_is_named(ckpt):
+    """Was reported as 'the config says 3 layers, the checkpoint has tensors for 0'."""
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    assert "model.safetensors.index.json: weight_map is empty" in load_err(ckpt)
+
+
 def test_broken_tokenizer_files_are_named(ckpt):
     """Ranks not 0..n-1 once each (tiktoken panicked on a repeat; a gap blamed the prompt later), and
     tokenizer_config.json entries of the wrong shape (tracebacks): one TokenizerError naming the file."""
