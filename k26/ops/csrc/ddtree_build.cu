@@ -150,8 +150,10 @@ __host__ __device__ __forceinline__ int children(int i, int K, int budget) {
 // SLOTS: the heap's frontier slots a lane (ddtree_heap::slots_for(budget)); a kernel each, so that the one-slot
 // heap of the default budgets does not share the registers and schedule of the three-slot one (in one kernel
 // the three-slot heap measured ~2 µs slower at budget 64).
+// (Launch bounds with one block an SM: with the thread count alone ptxas for sm_120a (1,536 threads an SM) aimed
+// at three blocks, 40 registers, and spilled; one block a sequence runs anyway.)
 template <int SLOTS>
-__global__ void __launch_bounds__(THREADS) build_kernel(
+__global__ void __launch_bounds__(THREADS, 1) build_kernel(
     const float* __restrict__ lp, const int64_t* __restrict__ tok, int L, int K, int budget, int64_t* __restrict__ out_tok,
     int64_t* __restrict__ out_par, int64_t* __restrict__ out_dep, bool* __restrict__ out_valid,
     int64_t* __restrict__ out_words, double* __restrict__ out_score, char* __restrict__ scratch_base,
