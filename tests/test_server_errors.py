@@ -49,6 +49,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 0}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "user": 42}, 400, "user"),
     (
         "/v1/completions",
         {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}},

@@ -138,6 +138,8 @@ def parse(
     echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
         raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
+    if not isinstance(body.get("user", ""), (str, type(None))):  # (OpenAI's end-user id: logged nowhere here)
+        raise APIError(400, f"user={short(body['user'])}: expected a string", "user")
     params = [sampling_params(body, chat, max_model_len - len(ids), vocab, tok.stop_ids) for ids in prompts]
     if params[0].logprobs is not None and not logprobs:
         raise APIError(400, "logprobs: this server was started with --no-logprobs", "logprobs")
