@@ -70,105 +70,76 @@ __device__ __forceinline__ float lds_f32(uint32_t addr) {
   return v;
 }
 
-// The lane holding the warp's largest entry among lanes with a best (bk != 0): by its key's two words, and only
-// while lanes tie on the whole key (an exact fp64 tie: rare) by the tie words c1 / c2 of each candidate's best
-// entry, read from shared memory (entry index best * 32 + lane). -1 if no lane has an entry.
-__device__ __forceinline__ int warp_argmax(uint64_t bk, int best, const uint64_t* e_c1, const uint32_t* e_c2) {
+// Bitwise, not short-circuit: the pop's chain stays one basic block (selects, no reconverging branches).
+__device__ __forceinline__ bool greater(uint64_t k, uint64_t c1, uint32_t c2, uint64_t bk, uint64_t bc1,
+                                        uint32_t bc2) {
+  return (k > bk) | ((k == bk) & ((c1 > bc1) | ((c1 == bc1) & (c2 > bc2))));
+}
+
+// The lane holding the warp's largest (k, c1, c2) among lanes with `has`, or -1 if none has one.
+__device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, uint32_t c2) {
   const int lane = threadIdx.x & 31;
-  const uint32_t hi = __reduce_max_sync(~0u, uint32_t(bk >> 32));
-  if (hi == 0) return -1;  // every finite score's key has a non-zero high word; an empty lane has 0
-  unsigned cand = __ballot_sync(~0u, uint32_t(bk >> 32) == hi);
-  if (__popc(cand) > 1) {  // warp-uniform
-    const bool in = (cand >> lane) & 1;
-    const uint32_t lo = __reduce_max_sync(~0u, in ? uint32_t(bk) : 0u);
-    cand = __ballot_sync(~0u, in && uint32_t(bk) == lo);
-  }
-  if (__popc(cand) > 1) {  // the same key: the depth, then the rank tuple decide
-    const bool in = (cand >> lane) & 1;
-    const uint64_t c1 = in ? e_c1[best * 32 + lane] : 0;
-    const uint32_t words[3] = {uint32_t(c1 >> 32), uint32_t(c1), in ? e_c2[best * 32 + lane] : 0u};
+  unsigned cand = __ballot_sync(~0u, has);
+  if (cand == 0) return -1;
+  const uint32_t words[5] = {uint32_t(k >> 32), uint32_t(k), uint32_t(c1 >> 32), uint32_t(c1), c2};
 #pragma unroll
-    for (int w = 0; w < 3; ++w) {
-      if (__popc(cand) == 1) break;
-      const bool still = (cand >> lane) & 1;
-      const uint32_t m = __reduce_max_sync(~0u, still ? words[w] : 0u);
-      cand = __ballot_sync(~0u, still && words[w] == m);
-    }
+  for (int w = 0; w < 5; ++w) {
+    if (__popc(cand) == 1) break;  // warp-uniform
+    const bool in = (cand >> lane) & 1;
+    const uint32_t m = __reduce_max_sync(~0u, in ? words[w] : 0u);
+    cand = __ballot_sync(~0u, in && words[w] == m);
   }
   return __ffs(cand) - 1;
 }
 
 // Warp 0 of the block: pops up to `budget` nodes from log-probabilities lp [L][lds] in shared memory (the
 // first min(K, budget) of each depth read, all finite) into `out` (nodes 1..n), returns n; kSlots =
-// slots_for(budget). Entry i of the frontier (i = slot * 32 + lane, in push order) keeps only its order key in
-// its lane's registers; its tie words, its parent's score (the next sibling's base) and a meta word (parent |
-// depth << 8 | rank << 12 | (score is -0.0) << 18) live in shared memory, written by lane 0, read by every lane
-// at the popped entry's index (a broadcast). A pop is then the lanes' best keys (an exact key tie in a lane or
-// across lanes reads the tie words: rare), the winner's fields, the two pushes: ~half the instructions of
-// holding every field in registers (selects per slot and ten shuffles a pop; ~0.45 µs a pop at three slots,
-// 2026-12-06-session31-h100.md). An empty slot has the all-zero key (every finite score's key is > 0).
+// slots_for(budget). An entry carries its key, its parent's score (the next sibling's base: no shared-memory
+// round trip inside the loop) and a meta word: parent | depth << 8 | rank << 12 | (score is -0.0) << 18. An
+// empty slot has the all-zero key (every finite score's order key is > 0), so it never wins a compare. The
+// loop body is branch-free (selects and predicated stores): the first version's branches (a reconvergence per
+// slot compare and per slot update) cost ~20 % more a pop.
 template <int kSlots>
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
   static_assert(kSlots >= 1 && kSlots <= slots_for(kMaxBudget), "budget + 1 entries, kSlots a lane");
-  constexpr int kEntries = 32 * kSlots;
-  __shared__ uint64_t e_c1[kEntries];
-  __shared__ uint32_t e_c2[kEntries];
-  __shared__ double e_ps[kEntries];
-  __shared__ int e_meta[kEntries];
   const int lane = threadIdx.x & 31;
   const int KU = K < budget ? K : budget;
   // lp through its shared-window address: a generic load (what a `const float*` compiles to) costs more
   // latency than ld.shared, and both loads sit on the pop's chain.
   const uint32_t lp_s = static_cast<uint32_t>(__cvta_generic_to_shared(lp));
-  uint64_t k[kSlots];
+  uint64_t k[kSlots], c1[kSlots];
+  uint32_t c2[kSlots];
+  double ps[kSlots];
+  int meta[kSlots];
 #pragma unroll
-  for (int s = 0; s < kSlots; ++s) k[s] = 0;
-  if (lane == 0) {  // entry 0: depth 1, rank 0, parent the root
+  for (int s = 0; s < kSlots; ++s) meta[s] = 0, k[s] = c1[s] = 0, c2[s] = 0, ps[s] = 0.0;
+  if (lane == 0) {  // depth 1, rank 0, parent the root
     const double s0 = static_cast<double>(lp[0]);
-    k[0] = order_key(s0);
-    e_c1[0] = (14ull << 60) | kLow60, e_c2[0] = uint32_t(kLow30), e_ps[0] = 0.0;
-    e_meta[0] = 1 << 8 | is_neg_zero(s0) << 18;
+    k[0] = order_key(s0), c1[0] = (14ull << 60) | kLow60, c2[0] = uint32_t(kLow30);
+    meta[0] = 1 << 8 | is_neg_zero(s0) << 18;
   }
-  __syncwarp();
   int count = 1, n = 0;
   while (n < budget) {
-    // This lane's best entry by key (selects; a dynamic index would put k in local memory).
-    int best = -1;
-    uint64_t bk = 0;
+    // This lane's best entry, its fields picked by selects (a dynamic index would put the arrays in local memory).
+    int best = -1, bm = 0;
+    uint64_t bk = 0, bc1 = 0;
+    uint32_t bc2 = 0;
+    double bps = 0.0;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
-      const bool take = k[s] > bk;
-      best = take ? s : best, bk = take ? k[s] : bk;
+      const bool take = greater(k[s], c1[s], c2[s], bk, bc1, bc2);
+      best = take ? s : best, bk = take ? k[s] : bk, bc1 = take ? c1[s] : bc1, bc2 = take ? c2[s] : bc2;
+      bps = take ? ps[s] : bps, bm = take ? meta[s] : bm;
     }
-    if constexpr (kSlots > 1) {
-      bool tie = false;  // two of the lane's entries with the same key (an exact fp64 tie): the tie words decide
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s) tie |= (s != best) & (k[s] == bk) & (bk != 0);
-      if (tie) {
-        uint64_t bc1 = 0;
-        uint32_t bc2 = 0;
-        int b2 = -1;
-#pragma unroll
-        for (int s = 0; s < kSlots; ++s) {
-          if (k[s] != bk) continue;
-          const uint64_t c1 = e_c1[s * 32 + lane];
-          const uint32_t c2 = e_c2[s * 32 + lane];
-          if (b2 < 0 || c1 > bc1 || (c1 == bc1 && c2 > bc2)) b2 = s, bc1 = c1, bc2 = c2;
-        }
-        best = b2;
-      }
-    }
-    const int wl = warp_argmax(bk, best, e_c1, e_c2);
+    const int wl = warp_argmax(best >= 0, bk, bc1, bc2);
     if (wl < 0) break;  // every prefix popped (fewer than `budget`)
-    const int e = __shfl_sync(~0u, best, wl) * 32 + wl;
-    const uint64_t t0 = __shfl_sync(~0u, bk, wl);
-    const int m = e_meta[e];
-    const double pscore = e_ps[e];
-    const uint64_t t1 = e_c1[e];
-    const uint32_t t2 = e_c2[e];
+    const int wslot = __shfl_sync(~0u, best, wl), m = __shfl_sync(~0u, bm, wl);
+    const double pscore = __shfl_sync(~0u, bps, wl);
+    const uint64_t t0 = __shfl_sync(~0u, bk, wl), t1 = __shfl_sync(~0u, bc1, wl);
+    const uint32_t t2 = __shfl_sync(~0u, bc2, wl);
     const double s = key_score(t0, (m >> 18) & 1);
     const int p = m & 0xff, d = (m >> 8) & 0xf, r = (m >> 12) & 0x3f, node = ++n;
-    // Next sibling into the popped entry (or it empties): the parent's score plus the next rank's
+    // Next sibling into the popped slot (or the slot empties): the parent's score plus the next rank's
     // log-probability (depth 1: the log-probability itself, as the reference's first beam). Both loads are
     // unconditional (indices clamped into lp): their latency overlaps instead of following a branch.
     const bool sib = r + 1 < KU;
@@ -177,28 +148,26 @@ __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes o
     const bool child = d < L;
     const double cs = s + static_cast<double>(lds_f32(lp_s + 4u * (min(d, L - 1) * lds)));
     const bool hi = d <= 10;
+    const uint64_t s1 = hi ? t1 - rank_unit(d, true) : t1;
+    const uint32_t s2 = hi ? t2 : t2 - uint32_t(rank_unit(d, false));
     const uint64_t sk = sib ? order_key(ss) : 0;
-    // First child into a fresh entry (`count`): entries only grow by one a pop, so budget + 1 in all.
+    const int sm = p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18;
+    // First child into a fresh slot: entries only grow by one a pop, so budget + 1 slots in all.
     const uint64_t ck = order_key(cs);
+    const int cm = node | (d + 1) << 8 | is_neg_zero(cs) << 18;
     const int cl = count & 31, cq = count >> 5;
 #pragma unroll
     for (int q = 0; q < kSlots; ++q) {
-      const bool hs = lane == wl && e == q * 32 + lane, hc = child && lane == cl && q == cq;
+      const bool hs = lane == wl && q == wslot, hc = child && lane == cl && q == cq;
       k[q] = hs ? sk : hc ? ck : k[q];
-    }
-    __syncwarp();     // every lane has read entry e's fields before lane 0 rewrites them
-    if (lane == 0) {  // the two entries' fields (the sibling's parent score is its entry's already)
-      if (sib) {
-        e_c1[e] = hi ? t1 - rank_unit(d, true) : t1;
-        e_c2[e] = hi ? t2 : t2 - uint32_t(rank_unit(d, false));
-        e_meta[e] = p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18;
-      }
-      if (child) e_c1[count] = t1 - (1ull << 60), e_c2[count] = t2, e_ps[count] = s,
-                 e_meta[count] = node | (d + 1) << 8 | is_neg_zero(cs) << 18;
-      out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
+      c1[q] = hs ? s1 : hc ? t1 - (1ull << 60) : c1[q];
+      c2[q] = hs ? s2 : hc ? t2 : c2[q];
+      ps[q] = hs ? pscore : hc ? s : ps[q];
+      meta[q] = hs ? sm : hc ? cm : meta[q];
     }
     count += child;
-    __syncwarp();  // the entries' fields written above are read by every lane at the next pop
+    // (After the loads above: the stores' address arithmetic stays off the pop's chain.)
+    if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
   }
   return n;
 }
