@@ -11,9 +11,10 @@
 // The frontier (<= budget + 1 entries) lives in the warp's registers, slots_for(budget) a lane; a pop is each
 // lane's best entry, then the warp's best by __reduce_max_sync over the entry's order key, one 32-bit word at a
 // time while more than one lane is left (exact fp64 ties fall through to the depth and the rank tuple).
-// A pop is one warp's dependent chain, instruction-bound (ncu, budget 64: ~1,000 cycles a pop, 2026-12-06
-// session 31): ~0.54 µs on an H100 with branches in it, ~0.45 branch-free (selects), less with one slot a lane
-// (2026-12-06-session31-h100.md). Tried and dropped (9d4e298, reverted): the frontier sorted in shared memory,
+// A pop is one warp's dependent chain (ncu, budget 64: ~1,000 cycles a pop): ~0.54 µs on an H100 with branches
+// in it, ~0.45 branch-free (selects), less with one slot a lane (2026-12-06-session31-h100.md). Also tried
+// there (261601b, reverted): only the key in registers, the other fields in shared memory (half the
+// instructions a pop) — budget 64 4 % faster, 16 and 32 not: the chain's latency, not its issue, bounds it. Tried and dropped (9d4e298, reverted): the frontier sorted in shared memory,
 // a pop moving every entry once by the ballots of the lanes' compares with the two pushed entries — correct,
 // but ~0.95 µs a pop (budget 64 at depth 15: 40.5 -> 67.1 µs;
 // 2026-12-06-moe-groups-tree-heap-session30-h100.md).
