@@ -64,12 +64,17 @@ def assert_op_equals_reference(lp, tok, budget):
 
 
 # Budgets <= 64 take the warp heap (csrc/ddtree_heap.cuh): every depth 1..15, budgets 1..64, top-k narrower
-# and wider than the budget, exact ties on a grid (depth and rank tuple decide), and non-finite
-# log-probabilities (the level-by-level path instead).
+# and wider than the budget, exact ties on a grid (depth and rank tuple decide), non-finite log-probabilities
+# (the level-by-level path instead), and trees with fewer nodes than the budget (k^1 + .. + k^L < budget: the
+# heap runs dry, its emptied slots must not be popped; one, two and three slots a lane).
 @pytest.mark.parametrize(
     "L, budget, V, k",
     [
         (1, 1, 5, 1),
+        (1, 8, 5, 4),
+        (2, 16, 3, 2),
+        (2, 40, 9, 5),
+        (3, 64, 9, 3),
         (2, 7, 3, 3),
         (4, 16, 9, 9),
         (7, 15, 3000, 15),

@@ -359,7 +359,7 @@ K26_EXPORT int k26_ddtree_prepare() {
 K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int L, int K, int budget, int64_t* out_tok,
                                 int64_t* out_par, int64_t* out_dep, bool* out_valid, int64_t* out_words,
                                 double* out_score, void* scratch, void* stream) {
-  if (budget > MAX_BUDGET || L > 15 || L < 1) return (int)cudaErrorInvalidValue;
+  if (budget > MAX_BUDGET || budget < 1 || K < 1 || L > 15 || L < 1) return (int)cudaErrorInvalidValue;
   // Candidates of one depth: at most sum_i min(K, budget / (i + 1)) (< budget * H(budget) < 4096 for budget
   // <= 512), sorted in a power of two; 16 bytes each. The union of the beams' scores reuses that region.
   size_t most = 0;

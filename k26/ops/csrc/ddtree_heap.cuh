@@ -97,8 +97,8 @@ __device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, ui
 // first min(K, budget) of each depth read, all finite) into `out` (nodes 1..n), returns n; kSlots =
 // slots_for(budget). An entry carries its key, its parent's score (the next sibling's base: no shared-memory
 // round trip inside the loop) and a meta word: parent | depth << 8 | rank << 12 | (score is -0.0) << 18. An
-// empty slot has the all-zero key (every finite score's order key is > 0), so it never wins a compare. The
-// loop body is branch-free (selects and predicated stores): the first version's branches (a reconvergence per
+// emptied slot gets the zero key (every finite score's order key is > 0): it loses every compare with a real
+// entry, and a lane with no real entry (bk == 0) takes no part in the warp's pick. The loop body is branch-free (selects and predicated stores): the first version's branches (a reconvergence per
 // slot compare and per slot update) cost ~20 % more a pop.
 template <int kSlots>
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
@@ -132,7 +132,8 @@ __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes o
       best = take ? s : best, bk = take ? k[s] : bk, bc1 = take ? c1[s] : bc1, bc2 = take ? c2[s] : bc2;
       bps = take ? ps[s] : bps, bm = take ? meta[s] : bm;
     }
-    const int wl = warp_argmax(best >= 0, bk, bc1, bc2);
+    // (bk != 0: an emptied slot keeps its stale tie words, so a lane whose slots are all empty still picks one)
+    const int wl = warp_argmax(bk != 0, bk, bc1, bc2);
     if (wl < 0) break;  // every prefix popped (fewer than `budget`)
     const int wslot = __shfl_sync(~0u, best, wl), m = __shfl_sync(~0u, bm, wl);
     const double pscore = __shfl_sync(~0u, bps, wl);
