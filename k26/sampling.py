@@ -141,13 +141,14 @@ MODES = ("greedy", "sample", "filter", "logprobs")
 
 def seeded_generator(seed: int, device) -> torch.Generator:
     """A request's generator for `seed` on `device`. A CPU generator (mt19937) keeps only a seed's low 32
-    bits, so seeds differing above them (7 and 7 + 2**32) drew the same tokens there: on the CPU the seed's
-    two 32-bit halves are folded together first (a seed in [0, 2**32) keeps its stream). CUDA generators take
-    all 64 bits."""
+    bits, so seeds differing above them (7 and 7 + 2**32) drew the same tokens there: on the CPU the high
+    half, multiplied by an odd constant, is xored into the low one first. A seed in [0, 2**32) keeps its
+    stream, seeds sharing a high half stay distinct (choice i of `n` samples with seed + i), and -1 is not 0
+    (a plain xor of the halves made -k collide with k - 1). CUDA generators take all 64 bits."""
     g = torch.Generator(device=device)
     if g.device.type == "cpu":
         u = seed % 2**64
-        seed = (u ^ (u >> 32)) & 0xFFFFFFFF
+        seed = (u ^ ((u >> 32) * 0x9E3779B1)) & 0xFFFFFFFF
     return g.manual_seed(seed)
 
 

@@ -46,10 +46,13 @@ def test_seeded_sampling_is_reproducible(llm):
 
 
 def test_seeds_differing_above_32_bits_sample_apart_on_cpu(llm):
-    """A CPU generator keeps a seed's low 32 bits: seeds 7 and 7 + 2**32 drew the same tokens."""
+    """A CPU generator keeps a seed's low 32 bits: seeds 7 and 7 + 2**32 drew the same tokens; and -1 must
+    not fold onto 0 (n = 2 with seed -1 samples seeds -1 and 0: equal choices under a plain xor of halves)."""
     sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=12, seed=seed, stop_token_ids=[])
-    low, high = (llm.generate([3, 4, 5], sp(s))[0].token_ids for s in (7, 7 + 2**32))
-    assert low != high
+    for a, b in ((7, 7 + 2**32), (-1, 0), (-2, 1)):
+        first, second = (llm.generate([3, 4, 5], sp(s))[0].token_ids for s in (a, b))
+        assert first != second, (a, b)
+    high = llm.generate([3, 4, 5], sp(7 + 2**32))[0].token_ids
     assert llm.generate([3, 4, 5], sp(7 + 2**32))[0].token_ids == high  # still seeded
 
 
