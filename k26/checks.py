@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .dist import local_rank
 from .drafter_config import DrafterConfig
 from .graphs.buckets import Bucket
 from .loader import check_drafter_files
@@ -49,14 +50,21 @@ def check_device(device) -> None:
 def check_gpus(device, tp: int) -> None:
     """LLM(tp=N) on CUDA starts N ranks from this process, rank r on cuda:r: N GPUs must be visible, found
     before any rank starts (under torchrun each process brings its own), and a device index is refused (no
-    rank would honour it). `device` already checked."""
+    rank would honour it) — under torchrun or in a group already made, one other than the rank's own
+    cuda:LOCAL_RANK. `device` already checked."""
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
-    if tp > 1 and cuda and device is not None and torch.device(device).index is not None:
-        # (init_group puts rank r on cuda:r, or cuda:LOCAL_RANK under torchrun: the index would be ignored)
-        raise ValueError(
-            f"device={device!r} with tp={tp}: rank r runs on cuda:r (cuda:LOCAL_RANK under torchrun); pass "
-            "device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES"
-        )
+    index = None if device is None else torch.device(device).index
+    if tp > 1 and cuda and index is not None:  # (init_group puts each rank on cuda:local_rank())
+        if "WORLD_SIZE" not in os.environ and not torch.distributed.is_initialized():
+            raise ValueError(
+                f"device={device!r} with tp={tp}: rank r runs on cuda:r; pass device='cuda' and choose the "
+                "GPUs with CUDA_VISIBLE_DEVICES"
+            )
+        if index != local_rank():
+            raise ValueError(
+                f"device={device!r} with tp={tp}: this rank runs on cuda:{local_rank()} (LOCAL_RANK); pass "
+                f"device='cuda' or 'cuda:{local_rank()}'"
+            )
     if tp > 1 and cuda and tp > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
         raise ValueError(
             f"tp={tp}: only {torch.cuda.device_count()} CUDA device(s) are visible (one per rank)"

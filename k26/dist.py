@@ -109,14 +109,24 @@ def env_int(name: str, default: int) -> int:
     return value
 
 
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: a group already made (by the rank driver or the user) gives
+    its own, else torchrun's RANK / WORLD_SIZE (0 and 1 without them)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+
+
+def local_rank() -> int:
+    """The GPU index this process's rank runs on: torchrun's LOCAL_RANK, else its rank."""
+    return env_int("LOCAL_RANK", rank_and_world()[0])
+
+
 def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
     """torchrun: RANK / WORLD_SIZE / LOCAL_RANK from the environment; a group already made (by the rank
     driver or the user) gives its own rank and size."""
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
-    return init_group(rank, world, device, local=env_int("LOCAL_RANK", rank))
+    rank, world = rank_and_world()
+    return init_group(rank, world, device, local=local_rank())
 
 
 def same_checkpoint_on_every_rank(path) -> None:

@@ -231,3 +231,14 @@ def test_an_indexed_cuda_device_with_tp_is_refused_before_any_rank(tiny_tp, monk
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match=r"device='cuda:1' with tp=2: rank r runs on cuda:r"):
         LLM(tiny_tp[0], tp=2, **{**KW, "device": "cuda:1"})
+
+
+def test_under_torchrun_a_ranks_own_cuda_index_is_accepted_and_another_refused(monkeypatch):
+    """A torchrun script passing device=f'cuda:{LOCAL_RANK}' ran before the index check: it still does."""
+    from k26.checks import check_gpus
+
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    check_gpus("cuda:1", 2)
+    with pytest.raises(ValueError, match=r"device=.cuda:0. with tp=2: this rank runs on cuda:1 \(LOCAL"):
+        check_gpus("cuda:0", 2)
