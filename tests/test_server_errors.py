@@ -185,6 +185,17 @@ def test_bad_input_gets_its_4xx(served, path, body, status, param):
     assert raw(served["url"], "/health")[0] == 200  # the server stays up
 
 
+def test_max_tokens_beyond_one_listed_prompts_room_names_that_prompt(served):
+    """Each prompt of a list has its own room: the 400 names the one the ask does not fit."""
+    tok, max_len = served["llm"].tokenizer, served["llm"].max_model_len
+    long = "x " * 30
+    ask = max_len - len(tok.encode(long)) + 1  # one beyond the long prompt's room, within the short one's
+    body = {"model": MODEL, "prompt": ["x", long], "max_tokens": ask}
+    got, err = raw(served["url"], "/v1/completions", json.dumps(body).encode())
+    assert got == 400 and err["error"]["param"] == "max_tokens", err
+    assert "after prompt[1]" in err["error"]["message"] and err["error"]["code"] == "context_length_exceeded"
+
+
 def test_full_queue_answers_429(served):
     engine, c = served["engine"], served["client"]
     engine.max_waiting = 0

@@ -140,7 +140,11 @@ def parse(
         raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
     if not isinstance(body.get("user", ""), (str, type(None))):  # (OpenAI's end-user id: logged nowhere here)
         raise APIError(400, f"user={short(body['user'])}: expected a string", "user")
-    params = [sampling_params(body, chat, max_model_len - len(ids), vocab, tok.stop_ids) for ids in prompts]
+    where = (lambda k: "the prompt") if len(prompts) == 1 else (lambda k: f"prompt[{k}]")
+    params = [
+        sampling_params(body, chat, max_model_len - len(ids), vocab, tok.stop_ids, where(k))
+        for k, ids in enumerate(prompts)
+    ]
     if params[0].logprobs is not None and not logprobs:
         raise APIError(400, "logprobs: this server was started with --no-logprobs", "logprobs")
     if echo and params[0].logprobs is not None:  # the prompt's tokens get theirs too

@@ -15,9 +15,12 @@ MAX_STOP_CHARS = 512  # characters a stop string may hold
 MAX_STOP_IDS = 64  # stop_token_ids a request may name
 
 
-def sampling_params(body: dict, chat: bool, room: int, vocab: int, eos: tuple[int, ...]) -> SamplingParams:
+def sampling_params(
+    body: dict, chat: bool, room: int, vocab: int, eos: tuple[int, ...], where: str = "the prompt"
+) -> SamplingParams:
     """One prompt's sampling; `room`: the positions its context leaves after it (chat's default max_tokens,
-    and the cap on max_tokens and min_tokens), `eos`: the tokenizer's end ids."""
+    and the cap on max_tokens and min_tokens), `eos`: the tokenizer's end ids, `where`: the prompt as an
+    error names it (one of a /v1/completions list: prompt[k])."""
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):  # each one given
         if body.get(key) is not None and (not is_int(body[key]) or body[key] < 0):
             raise APIError(400, f"{key}={body[key]!r}: expected an integer >= 0", key)
@@ -26,9 +29,8 @@ def sampling_params(body: dict, chat: bool, room: int, vocab: int, eos: tuple[in
     if mt is None:
         mt = room if chat else min(room, 16)  # OpenAI's: the rest of the context (chat), 16 (completions)
     elif mt > room:  # (as OpenAI and vLLM: a 400, not a completion silently cut to the context)
-        raise APIError(
-            400, f"{key}={mt}: the model's context leaves {room} tokens after this prompt; ask for fewer", key
-        )
+        msg = f"{key}={mt}: the model's context leaves {room} tokens after {where}; ask for fewer"
+        raise APIError(400, msg, key, code="context_length_exceeded")
     t = number(body, "temperature", 1.0)  # OpenAI's default
     if not 0 <= t <= 2:
         raise APIError(400, f"temperature={t!r}: must lie in [0, 2]", "temperature")
