@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument(
         "--drafter-linear-kernel",
         action="store_true",
-        help="the drafter's projections and lm_head shard in the small-M kernel (use_linear_kernel)",
+        help="the drafter's own projections in the small-M kernel (use_linear_kernel), not its logits' head",
     )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -36,6 +36,8 @@ def main() -> None:
     )
     ap.add_argument("--budgets", default="16,32,64,128,256,512")
     a = ap.parse_args()
+    if a.calls < 1:
+        ap.error(f"--calls {a.calls}: expected at least 1")
     commit = source_commit()
     lines = [
         f"# bench_tree — {datetime.date.today()}",
