@@ -140,9 +140,15 @@ def parse(
         raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
     if not isinstance(body.get("user", ""), (str, type(None))):  # (OpenAI's end-user id: logged nowhere here)
         raise APIError(400, f"user={short(body['user'])}: expected a string", "user")
-    where = (lambda k: "the prompt") if len(prompts) == 1 else (lambda k: f"prompt[{k}]")
     params = [
-        sampling_params(body, chat, max_model_len - len(ids), vocab, tok.stop_ids, where(k))
+        sampling_params(
+            body,
+            chat,
+            max_model_len - len(ids),
+            vocab,
+            tok.stop_ids,
+            "the prompt" if len(prompts) == 1 else f"prompt[{k}]",
+        )
         for k, ids in enumerate(prompts)
     ]
     if params[0].logprobs is not None and not logprobs:

@@ -123,7 +123,8 @@ __device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, 
   __shared__ double nscore[NB];
   __shared__ int npar[NB], ndep[NB], nrank[NB], s_n;
   if (threadIdx.x < 32) {
-    const int n = ddtree_heap::build<SLOTS>(lp, lds, L, K, budget, ddtree_heap::Nodes{nscore, npar, ndep, nrank});
+    const ddtree_heap::Nodes nodes{nscore, npar, ndep, nrank};
+    const int n = ddtree_heap::build<SLOTS>(lp, lds, L, K, budget, nodes);
     if (threadIdx.x == 0) s_n = n;
   }
   __syncthreads();

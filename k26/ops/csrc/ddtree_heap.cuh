@@ -14,10 +14,10 @@
 // A pop is one warp's dependent chain (ncu, budget 64: ~1,000 cycles a pop): ~0.54 µs on an H100 with branches
 // in it, ~0.45 branch-free (selects), less with one slot a lane (2026-12-06-session31-h100.md). Also tried
 // there (261601b, reverted): only the key in registers, the other fields in shared memory (half the
-// instructions a pop) — budget 64 4 % faster, 16 and 32 not: the chain's latency, not its issue, bounds it. Tried and dropped (9d4e298, reverted): the frontier sorted in shared memory,
-// a pop moving every entry once by the ballots of the lanes' compares with the two pushed entries — correct,
-// but ~0.95 µs a pop (budget 64 at depth 15: 40.5 -> 67.1 µs;
-// 2026-12-06-moe-groups-tree-heap-session30-h100.md).
+// instructions a pop) — budget 64 4 % faster, 16 and 32 not: the chain's latency, not its issue, bounds it.
+// And (9d4e298, reverted): the frontier sorted in shared memory, a pop moving every entry once by the ballots
+// of the lanes' compares with the two pushed entries — correct, but ~0.95 µs a pop (budget 64 at depth 15:
+// 40.5 -> 67.1 µs; 2026-12-06-moe-groups-tree-heap-session30-h100.md).
 // The key is integer throughout: the score's fp64 bits mapped to an unsigned order (fp64 compares run at
 // 1/64 of the fp32 rate on sm_120), then (15 - depth) and the complemented rank tuple (6 bits a depth, so
 // the smaller tuple is the larger key). fp64 arithmetic is only the two sums a pop pushes.
@@ -32,7 +32,8 @@ namespace ddtree_heap {
 
 constexpr int kMaxBudget = 64;  // ranks < 64: 6 bits a depth, 15 depths in 90 bits
 // Frontier entries a lane holds for a budget: build<slots_for(budget)>. One slot up to budget 31 (every default
-// budget of the adaptive policy): a pop then selects nothing within a lane, ~a third of its instructions.
+// budget of the adaptive policy): a pop then selects nothing within a lane (budgets 16 / 32, back to back on an
+// H100: 9.6 / 16.7 -> 8.0 / 15.6 µs).
 __host__ __device__ constexpr int slots_for(int budget) { return (budget + 1 + 31) / 32; }
 constexpr uint64_t kLow60 = (1ull << 60) - 1, kLow30 = (1ull << 30) - 1;
 
@@ -98,8 +99,9 @@ __device__ __forceinline__ int warp_argmax(bool has, uint64_t k, uint64_t c1, ui
 // slots_for(budget). An entry carries its key, its parent's score (the next sibling's base: no shared-memory
 // round trip inside the loop) and a meta word: parent | depth << 8 | rank << 12 | (score is -0.0) << 18. An
 // emptied slot gets the zero key (every finite score's order key is > 0): it loses every compare with a real
-// entry, and a lane with no real entry (bk == 0) takes no part in the warp's pick. The loop body is branch-free (selects and predicated stores): the first version's branches (a reconvergence per
-// slot compare and per slot update) cost ~20 % more a pop.
+// entry, and a lane with no real entry (bk == 0) takes no part in the warp's pick. The loop body is
+// branch-free (selects and predicated stores): the first version's branches (a reconvergence per slot compare
+// and per slot update) cost ~20 % more a pop.
 template <int kSlots>
 __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
   static_assert(kSlots >= 1 && kSlots <= slots_for(kMaxBudget), "budget + 1 entries, kSlots a lane");
