@@ -24,7 +24,14 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 def timeout() -> timedelta:
     """A rank that dies makes the others fail within this long instead of hanging (K26_DIST_TIMEOUT s)."""
-    return timedelta(seconds=float(os.environ.get("K26_DIST_TIMEOUT", "300")))
+    raw = os.environ.get("K26_DIST_TIMEOUT", "300")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):  # (float() raised on "abc"; 0, -5 or inf broke the group later)
+        raise ValueError(f"K26_DIST_TIMEOUT={raw!r} in the environment: expected a number of seconds > 0")
+    return timedelta(seconds=seconds)
 
 
 ALLREDUCE = ("fused", "calibrate", "nccl")  # LLM(allreduce=...): how the per-layer all-reduces run

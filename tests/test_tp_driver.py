@@ -242,3 +242,16 @@ def test_under_torchrun_a_ranks_own_cuda_index_is_accepted_and_another_refused(m
     check_gpus("cuda:1", 2)
     with pytest.raises(ValueError, match=r"device=.cuda:0. with tp=2: this rank runs on cuda:1 \(LOCAL"):
         check_gpus("cuda:0", 2)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf"])
+def test_a_bad_dist_timeout_is_named_before_any_rank(tiny_tp, monkeypatch, capsys, value):
+    """K26_DIST_TIMEOUT='abc' was float()'s traceback; 0, -5 or inf broke the group (timeouts, overflow)."""
+    from k26.__main__ import main
+
+    monkeypatch.setenv("K26_DIST_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"K26_DIST_TIMEOUT='{value}' in the environment: expected a number"):
+        LLM(tiny_tp[0], tp=2, **KW)
+    args = ["generate", "--model", str(tiny_tp[0]), "--prompt", "hi", "--tp", "2", "--device", "cpu"]
+    assert main(args) == 2
+    assert f"K26_DIST_TIMEOUT='{value}'" in capsys.readouterr().err
