@@ -16,6 +16,14 @@ from served import CHAT, MODEL, PROMPTS, greedy, metric, raw
 
 BAD = [
     ("/v1/completions", b'{"model": "k26-test", "prompt": ', 400, None),
+    # UTF-16 (json.loads takes it from bytes): its lone surrogate slipped past the escape check into the
+    # unknown-argument error, whose rendering then failed (500)
+    (
+        "/v1/completions",
+        '{"model": "k26-test", "prompt": "hi", "x\ud800": 1}'.encode("utf-16-le", "surrogatepass"),
+        400,
+        None,
+    ),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),

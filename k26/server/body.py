@@ -38,10 +38,15 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
 
 
 def parse_json(raw: bytes):
-    """`raw` as JSON whose every string (and key) is Unicode text; APIError 400 otherwise."""
+    """`raw` as UTF-8 JSON whose every string (and key) is Unicode text; APIError 400 otherwise."""
+    # UTF-8 only (RFC 8259): json.loads(bytes) also takes UTF-16 / -32, whose escapes the check below misses
     try:
-        body = json.loads(raw)
-    # (JSONDecodeError, UnicodeDecodeError, a 4,300+ digit integer: ValueErrors; deep nesting recurses)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not UTF-8 text: {e}") from None
+    try:
+        body = json.loads(text)
+    # (JSONDecodeError, a 4,300+ digit integer: ValueErrors; deep nesting recurses)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     # A lone surrogate can only come as a \uD800-\uDFFF escape (UTF-8 input cannot hold one): without such
