@@ -189,6 +189,22 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(tiny_k25):
                 assert r.status == 200
 
 
+def test_an_api_key_with_surrounding_whitespace_still_matches(tiny_k25, monkeypatch, capsys):
+    """' s3cret\\n' (say, read from a key file) answered 401 to every client, whose header values are trimmed;
+    a blank K26_API_KEY is refused before loading (it would have served with no key at all)."""
+    from k26.__main__ import main
+
+    tok = Tokenizer.from_dir(tiny_k25)
+    with serving(
+        create_app(ScriptedEngine(tiny_k25, tok, two_calls(tok)), MODEL, api_key=" s3cret\n")
+    ) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list()] == [MODEL]
+    monkeypatch.setenv("K26_API_KEY", "  ")
+    assert main(["serve", "--model", str(tiny_k25), "--device", "cpu"]) == 2
+    assert "K26_API_KEY in the environment is blank" in capsys.readouterr().err
+
+
 def post(url: str, path: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:

@@ -156,7 +156,7 @@ class RequireKey:
     OPEN = ("/health", "/metrics")
 
     def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+        self.app, self.key = app, key.strip().encode()  # (as the client's token: header values are trimmed)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.OPEN:

@@ -40,6 +40,11 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError("--max-batch and --max-waiting must be >= 1")
     if a.api_key is not None and not a.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option out to serve without one")
+    env_key = os.environ.get("K26_API_KEY")
+    if a.api_key is None and env_key and not env_key.strip():  # ('' is unset; '  ' a key gone wrong)
+        raise ValueError(
+            "K26_API_KEY in the environment is blank: give a key, or unset it to serve without one"
+        )
     if not 1 <= a.prefill_chunk <= 256:
         raise ValueError(
             f"--prefill-chunk {a.prefill_chunk}: expected 1..256 (the attention kernel's largest query)"
@@ -90,7 +95,9 @@ def serve(a: argparse.Namespace) -> int:
         f"on {where}",
         file=sys.stderr,
     )
-    key = a.api_key or os.environ.get("K26_API_KEY") or None  # (the environment keeps it off `ps`)
+    # (the environment keeps it off `ps`; surrounding whitespace, say a key file's newline, is no part of it:
+    # clients' header values are trimmed, so such a key could never match)
+    key = (a.api_key or os.environ.get("K26_API_KEY") or "").strip() or None
     try:
         run_server(engine, name, a.host, a.port, api_key=key, max_body_bytes=int(a.max_request_mb * 2**20))
     finally:
