@@ -45,7 +45,7 @@ class BatchState:
     params: list[SamplingParams | None] = field(init=False)
     stops: list[frozenset[int]] = field(init=False)
     texts: list[TextStream | None] = field(init=False)  # rows with stop strings: their text as it grows
-    seek_from: list[int] = field(init=False)  # where in texts[b] a stop string may begin (min_tokens)
+    seek_from: list[int] = field(init=False)  # where in texts[b] a stop string must end after (min_tokens)
     gens: list[torch.Generator | None] = field(init=False)
     live: list[int] = field(default_factory=list)
     timer: PhaseTimer | None = None
@@ -255,7 +255,7 @@ class BatchState:
                     o.logprobs.append(lps[j])
                 if (ts := self.texts[b]) is not None:
                     new_chars = len(ts.push([t]))  # only they can complete a stop string
-                    if len(o.token_ids) == sp.min_tokens:  # stop strings are sought in what follows
+                    if len(o.token_ids) == sp.min_tokens:  # stop strings must end in what follows
                         self.seek_from[b] = len(ts.text)
                     seek = len(o.token_ids) > sp.min_tokens  # (vLLM's min_tokens)
                     if (

@@ -226,10 +226,11 @@ class TextStream:
 
 
 def first_stop(text: str, stops: tuple[str, ...], new: int, lo: int = 0) -> int | None:
-    """Where the first stop string begins in `text` (at `lo` or later), given that none occurred before its
-    last `new` characters came (so any occurrence ends among them: only that tail is searched), or None."""
-    start = max(lo, len(text) - new - max(map(len, stops), default=1) + 1)
-    hits = [h for s in stops if (h := text.find(s, start)) >= 0]
+    """Where the first stop string begins in `text` among those that end in its last `new` characters and
+    after position `lo` (min_tokens: after the text the min_tokens-th token completed; it may begin before, as
+    vLLM's), given that none ended there before (so only that tail is searched), or None."""
+    end = max(lo, len(text) - new)  # an occurrence counts if it ends past here: it begins past end - len(s)
+    hits = [h for s in stops if (h := text.find(s, max(0, end - len(s) + 1))) >= 0]
     return min(hits) if hits else None
 
 

@@ -207,6 +207,21 @@ def test_min_tokens_holds_stop_strings_back(llm, least):
     assert late.token_ids == plain.token_ids[: len(late.token_ids)]
 
 
+def test_a_stop_string_begun_within_min_tokens_ends_the_answer_once_it_ends_after_them(llm):
+    """vLLM's rule: a stop string counts if it ends after the min_tokens-th token's text, wherever it began.
+    Here it is tokens 2..4's text and min_tokens = 2: the answer stops at token 4, cut before token 2's text
+    (it was never found: stop strings were sought only from that text's end on)."""
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[]))[0]
+    stop = llm.tokenizer.decode(plain.token_ids[1:4])
+    head = llm.tokenizer.decode(plain.token_ids[:1])
+    assert stop.strip() and plain.text.startswith(head + stop)  # (else the test proves nothing)
+    sp = SamplingParams(max_tokens=12, stop_token_ids=[], stop=stop, min_tokens=2)
+    out = llm.generate(PROMPT, sp)[0]
+    assert out.finish_reason == "stop" and out.token_ids == plain.token_ids[:4] and out.text == head
+    late = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[], stop=stop, min_tokens=4))[0]
+    assert late.finish_reason == "length"  # it ended with the 4th token: not after min_tokens = 4
+
+
 def test_min_tokens_beyond_int32_and_stop_ids_outside_the_vocabulary(llm):
     """A min_tokens longer than any context is no overflow; a stop id outside the vocabulary is named
     before decoding."""
