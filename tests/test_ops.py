@@ -142,8 +142,32 @@ def test_attention_lse_and_visibility():
 
 def test_attention_refuses_overflowing_cache():
     q, cache, rows, prefix, words, scale, v = attention_inputs(L=8)
-    with pytest.raises(ValueError, match="exceeds cache length"):
+    with pytest.raises(ValueError, match="exceeds the cache length"):
         reference.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
+
+
+@pytest.mark.parametrize("bad", ["row past the cache", "negative row", "negative prefix"])
+def test_cache_ops_refuse_rows_and_prefixes_outside_the_cache(bad):
+    """The references raised IndexError for a row past the cache and wrapped a negative row or prefix
+    around (writing another row); the CUDA glue kernel writes there unchecked: a ValueError, every op."""
+    import test_glue_ops
+
+    q, cache, rows, prefix, words, scale, v = attention_inputs()
+    g = test_glue_ops.inputs()
+    R = g["cache"].shape[0]
+    if bad == "row past the cache":
+        rows, g["rows"] = torch.full_like(rows, cache.shape[0]), torch.full_like(g["rows"], R)
+    elif bad == "negative row":
+        rows, g["rows"] = torch.full_like(rows, -1), torch.full_like(g["rows"], -1)
+    else:
+        prefix, g["prefix_lens"] = torch.full_like(prefix, -2), torch.full_like(g["prefix_lens"], -2)
+    with pytest.raises(ValueError, match="mla_tree_attention: prefix_lens .* or a row is outside"):
+        torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
+    with pytest.raises(ValueError, match="k26.mla_glue: prefix_lens .* or a row is outside"):
+        torch.ops.k26.mla_glue(**g)
+    latent = torch.randn(*g["kv_a"].shape[:2], g["cache"].shape[2])
+    with pytest.raises(ValueError, match="mla_write_cache: prefix_lens .* or a row is outside"):
+        torch.ops.k26.mla_write_cache(g["cache"], latent, g["rows"], g["prefix_lens"])
 
 
 # -- DDTree builder ---------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def _(x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, 
 def mla_write_cache(
     cache: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor
 ) -> None:
+    reference.check_cache_span("mla_write_cache", cache, rows, prefix_lens, latent.shape[1])
     reference.mla_write_cache(cache, latent, rows, prefix_lens)
 
 

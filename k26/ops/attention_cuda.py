@@ -191,14 +191,7 @@ def _(
         )
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()
     # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
-    capturing = torch.cuda.is_current_stream_capturing()
-    if not capturing:  # (no checks inside a captured step: they would be kernels in every replay)
-        bad = (prefix64 < 0) | (prefix64 + N > cache.shape[1]) | (rows64 < 0) | (rows64 >= cache.shape[0])
-        if bool(bad.any()):
-            raise ValueError(
-                f"mla_tree_attention: prefix_lens + {N} exceeds the cache length {cache.shape[1]}, a prefix "
-                f"length is negative, or a row is outside [0, {cache.shape[0]})"
-            )
+    reference.check_cache_span("mla_tree_attention", cache, rows64, prefix64, N)
     qc, cc, words = q.contiguous(), cache.contiguous(), mask_words.contiguous()
     pe_ptr, pe_ld, pos_ptr, freq_ptr = None, 0, None, None
     if q_pe is not None:  # rows pe_ld apart: a view into the q_b projection's output is read in place

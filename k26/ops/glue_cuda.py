@@ -54,6 +54,7 @@ def mla_glue(
     prefix_lens: torch.Tensor,
 ) -> torch.Tensor:
     check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens)
+    reference.check_cache_span("k26.mla_glue", cache, rows, prefix_lens, q_a.shape[1])
     return mla_glue_reference(
         q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
     )
@@ -84,6 +85,7 @@ def mla_glue_linear(
     weight: torch.Tensor,
 ) -> torch.Tensor:
     check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens, weight)
+    reference.check_cache_span("k26.mla_glue_linear", cache, rows, prefix_lens, q_a.shape[1])
     glue_args = (q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens)
     return mla_glue_linear_reference(*glue_args, weight=weight)
 
@@ -238,6 +240,7 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         return mla_glue_reference(
             q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
         )
+    reference.check_cache_span("k26.mla_glue", cache, rows, prefix_lens, N)  # (the kernel writes unchecked)
     ins, q_ld, kv_ld, early_ok = _kernel_inputs(
         q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
     )
@@ -291,6 +294,7 @@ def glue_linear_cuda(
     # More tokens than it measured faster at: the two ops by design (each with its kernel), nothing to say.
     if why is not None or not 0 < B * N <= min(GLUE_LINEAR_MAX_TOKENS, served):
         return torch.ops.k26.linear(torch.ops.k26.mla_glue(*glue_args), weight)
+    reference.check_cache_span("k26.mla_glue_linear", cache, rows, prefix_lens, N)
     ins, q_ld, kv_ld, early_ok = _kernel_inputs(
         q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
     )

@@ -19,6 +19,20 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def check_cache_span(op: str, cache, rows, prefix_lens, n: int) -> None:
+    """Outside a CUDA-graph capture (inside, a check would be kernels in every replay): every row inside the
+    cache and every prefix_lens .. prefix_lens + n span inside its row — the kernels write and read there
+    unchecked (a negative row wrapped around in the references). A device sync on CUDA."""
+    if capturing():
+        return
+    bad = (prefix_lens < 0) | (prefix_lens + n > cache.shape[1]) | (rows < 0) | (rows >= cache.shape[0])
+    if bool(bad.any()):
+        raise ValueError(
+            f"{op}: prefix_lens + {n} exceeds the cache length {cache.shape[1]}, a prefix length is "
+            f"negative, or a row is outside [0, {cache.shape[0]})"
+        )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF precision: normalise in fp32, round to x's dtype, then multiply by the weight (the arithmetic of
     k26.model.layers.RMSNorm and of every kernel that fuses an RMSNorm)."""
@@ -111,10 +125,8 @@ def mla_tree_attention(
     """
     q_BNHC = attention_query(q_BNHC, q_pe_BNHP, positions_BN, inv_freq)
     _, N, _, _ = q_BNHC.shape
-    if not (static or capturing()) and int(prefix_lens_B.max()) + N > cache_RLC.shape[1]:
-        raise ValueError(
-            f"mla_tree_attention: prefix + {N} new tokens exceeds cache length {cache_RLC.shape[1]}"
-        )
+    if not static:  # (the sync-free mode reads whole rows and checks nothing)
+        check_cache_span("mla_tree_attention", cache_RLC, rows_B, prefix_lens_B, N)
     keys = live_keys(prefix_lens_B, N, cache_RLC.shape[1], static)
     vis_BNL = visible_keys(prefix_lens_B, words_BNW, N, keys)
     # Slots no query sees (past a shorter row's prefix, or the whole row when static) may hold anything,
