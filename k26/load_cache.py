@@ -28,7 +28,7 @@ from .safetensors_file import DTYPES, file_stamp, read_header, tensor_spans
 from .shard_reader import Piece, ReadStats, fill_alone, io_read_bytes, staged_read
 from .stager import Stager
 
-FORMAT = 2  # 2: shard stamps with ctime and inode
+FORMAT = 3  # 2: shard stamps with ctime and inode; 3: keyed by the path in the checkpoint, not the file name
 _CODE = (
     "loader.py",
     "checkpoint_index.py",
@@ -65,7 +65,9 @@ def fingerprint(path: Path, files: list[Path], rank: int, size: int, dtype: torc
 
     shards = {}
     for f in sorted(files, key=str):
-        shards[f.name] = list(file_stamp(f))  # (an entry of FORMAT 1 held [size, mtime]: it just rebuilds)
+        # (by the path in the checkpoint: part0/model.safetensors and part1/model.safetensors share a name,
+        # and one's stamp overwrote the other's, so an edit of the first served stale weights)
+        shards[os.path.relpath(f, path)] = list(file_stamp(f))
     return {
         "format": FORMAT,
         "k26": __version__,

@@ -52,6 +52,27 @@ def test_a_changed_shard_invalidates_the_entry(ckpt, tmp_path, capsys):
     assert "made from a different shards; loading the checkpoint" in capsys.readouterr().err
 
 
+def test_same_named_shards_in_subdirectories_are_stamped_apart(ckpt, tmp_path, capsys):
+    """part0/model.safetensors and part1/model.safetensors: the entry keyed stamps by file name, so the
+    second overwrote the first's and a changed part0 still loaded from the cache (stale weights)."""
+    index_file = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    moved = {}
+    for i, name in enumerate(sorted(set(index["weight_map"].values()))):
+        (ckpt / f"part{i}").mkdir()
+        os.rename(ckpt / name, ckpt / f"part{i}" / "model.safetensors")
+        moved[name] = f"part{i}/model.safetensors"
+    index["weight_map"] = {k: moved[v] for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    shard = ckpt / "part0" / "model.safetensors"
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    m = load_model(ckpt, progress=False, cache_dir=tmp_path / "c")
+    assert not m.load_stats.from_cache
+    assert "made from a different shards; loading the checkpoint" in capsys.readouterr().err
+
+
 def test_an_in_place_edit_that_puts_size_and_mtime_back_invalidates_the_entry(ckpt, tmp_path, capsys):
     """Same size, mtime set back (a tool that keeps times, `touch -d`): the kernel's ctime still moved, so the
     entry is rebuilt and the edited bytes are what loads (the stamp was size + mtime: stale weights)."""
