@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_parser import DTYPES, build_parser
+from .cli_parser import AR_WITH_DRAFTER, DTYPES, build_parser
 from .embedded import default_drafter_dir, default_model_dir
 
 if TYPE_CHECKING:
@@ -116,10 +116,7 @@ def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
     method = a.spec or ("ddtree" if drafter is not None else "ar")
     if method == "ar":
         if a.drafter:
-            raise ValueError(
-                "--drafter with --spec ar: autoregressive decoding uses no drafter; drop --drafter "
-                "or pick --spec dflash|ddtree"
-            )
+            raise ValueError(AR_WITH_DRAFTER)
         drafter = None
     elif drafter is None:
         raise ValueError(f"--spec {method} needs --drafter DIR (a DFlash drafter trained for this model)")

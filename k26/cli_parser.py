@@ -19,6 +19,11 @@ def _positive(s: str) -> int:
 
 
 MAX_BUDGET = 255  # k26.spec.step.MAX_BUDGET (this module stays free of torch: `--help` is instant)
+# generate and serve refuse a drafter that would go unused, in the same words
+AR_WITH_DRAFTER = (
+    "--drafter with --spec ar: autoregressive decoding uses no drafter; drop --drafter or pick "
+    "--spec dflash|ddtree"
+)
 
 
 def _budget(s: str) -> int | str:

@@ -88,6 +88,9 @@ def test_budget_arguments_take_auto_where_documented_and_refuse_what_would_be_ig
         check_args(served)
     check_args(build_parser().parse_args(["serve", "--budget", "5"]))  # the embedded pair: DDTree
     check_args(build_parser().parse_args(["serve", "--model", TARGET, "--budget", "auto"]))  # the default
+    unused = build_parser().parse_args(["serve", "--model", TARGET, "--spec", "ar", "--drafter", TARGET])
+    with pytest.raises(ValueError, match="--drafter with --spec ar: autoregressive decoding uses no drafter"):
+        check_args(unused)  # (serve dropped it without a word; generate refused it)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--budget", str(MAX_BUDGET + 1)])
     assert "expected a DDTree budget in [1, 255]" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 
-from ..cli_parser import DTYPES, MAX_BUDGET
+from ..cli_parser import AR_WITH_DRAFTER, DTYPES, MAX_BUDGET
 from ..dist import env_int
 
 
@@ -22,6 +22,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--budget {a.budget}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
     if a.spec in ("dflash", "ddtree") and not a.drafter and a.model:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
+    if a.spec == "ar" and a.drafter:  # (it was dropped without a word)
+        raise ValueError(AR_WITH_DRAFTER)
     method = _method(a)
     if a.budget not in (None, "auto") and method != "ddtree":  # ('auto': the default, said aloud)
         why = "" if a.spec else " (no --drafter: autoregressive)"
