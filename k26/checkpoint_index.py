@@ -6,6 +6,7 @@ shape, byte span and the file's stamp; `CheckpointError` (every problem found, r
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,9 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(path, [f"{index_file.name}: {why}"])
         if not weight_map:  # (else: 'the config says N layers, the checkpoint has tensors for 0')
             raise CheckpointError(path, [f"{index_file.name}: weight_map is empty (it names no shard)"])
+        # One file under two spellings ('x.safetensors', './x.safetensors') is one shard, read once (else
+        # every tensor of it 'appeared twice'), as transformers takes it
+        weight_map = {k: os.path.normpath(v) for k, v in weight_map.items()}
         files = sorted(set(weight_map.values()))
     else:
         weight_map = None
@@ -140,8 +144,19 @@ def read_index(path: Path) -> dict[str, TensorInfo]:
     unreadable: set[str] = set()  # its tensors are reported once, in the shard's own line
     for fname in files:
         f = path / fname
-        if not f.is_file():
-            problems.append(f"shard {fname} named by the index is missing")
+        try:
+            present = f.is_file()
+        except OSError as e:  # (a name the file system refuses, say too long: is_file raises, not False)
+            unreadable.add(fname)
+            problems.append(f"shard {fname} cannot be read: {e.strerror or e}")
+            continue
+        if not present:
+            why = (
+                "named by the index is missing"
+                if weight_map is not None
+                else "is no regular file (a broken link?)"
+            )
+            problems.append(f"shard {fname} {why}")
             continue
         try:
             stamp = file_stamp(f)

@@ -1,0 +1,53 @@
+"""The shard index and the shards it names, read by k26.checkpoint_index.read_index: spellings of one
+shard, names the file system refuses, and a directory without an index whose shard is no regular file."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from k26 import LLM
+from k26.loader import load_model
+
+
+@pytest.fixture
+def ckpt(tiny_k25, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_k25, d)
+    return d
+
+
+def rewrite_index(d, fn):
+    index_file = d / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"] = {k: fn(i, v) for i, (k, v) in enumerate(index["weight_map"].items())}
+    index_file.write_text(json.dumps(index))
+
+
+def test_one_shard_under_two_spellings_is_read_once(ckpt, tiny_k25):
+    """'x.safetensors' and './x.safetensors' (every other entry): each tensor 'appeared twice' (hundreds of
+    problems naming the same file twice); transformers reads it as one file."""
+    rewrite_index(ckpt, lambda i, v: f"./{v}" if i % 2 else v)
+    got, want = load_model(ckpt, progress=False), load_model(tiny_k25, progress=False)
+    a, b = dict(got.named_parameters()), dict(want.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_shard_name_the_file_system_refuses_is_named_not_raised(ckpt):
+    """A 300-character shard name: Path.is_file raised OSError (ENAMETOOLONG), a traceback from LLM()."""
+    long = "x" * 300 + ".safetensors"
+    rewrite_index(ckpt, lambda i, v: long if i == 0 else v)
+    with pytest.raises(ValueError, match=f"shard {long} cannot be read: File name too long"):
+        LLM(ckpt, device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_without_an_index_a_shard_that_is_no_file_is_not_said_to_be_named_by_one(ckpt):
+    """A broken link left by an interrupted download: 'named by the index is missing', with no index."""
+    (ckpt / "model.safetensors.index.json").unlink()
+    os.symlink(ckpt / "nowhere", ckpt / "model-00004-of-00004.safetensors")
+    with pytest.raises(
+        ValueError, match=r"model-00004-of-00004.safetensors is no regular file \(a broken link"
+    ):
+        LLM(ckpt, device="cpu", dtype=torch.float32, progress=False)
