@@ -94,6 +94,7 @@ def assert_same_table(got, want):
         ({"topk": 17}, "topk=17"),
         ({"n_group": 3}, "n_group=3 must divide E=16"),
         ({"topk_group": 5}, "topk_group=5"),
+        ({"topk": 9}, "topk=9 exceeds the 8 experts of topk_group=2 groups"),  # (took dropped groups')
     ],
 )
 def test_bad_inputs_are_named(change, match):

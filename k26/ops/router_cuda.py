@@ -120,6 +120,8 @@ def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: 
         f"n_group={n_group} must divide E={E} and be <= {MAX_GROUPS}",
     )
     need(0 < topk_group <= n_group, f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    kept = topk_group * (E // n_group)  # (more would take experts of dropped groups, -inf, and weight them)
+    need(topk <= kept, f"topk={topk} exceeds the {kept} experts of topk_group={topk_group} groups")
     need(n_group == 1 or E // n_group >= 2, f"groups of {E // n_group} expert: group scores sum the best two")
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("barrier", barrier)):
         need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
