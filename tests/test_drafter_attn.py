@@ -85,6 +85,10 @@ def test_drafter_attention_opcheck():
         (lambda a: a.__setitem__(5, a[5][:1]), "rows"),
         (lambda a: a.__setitem__(6, a[6].float()), "int32 or int64"),
         (lambda a: a.__setitem__(5, a[5].bool()), "int32 or int64"),
+        # a row outside the cache: IndexError, or (negative) another row read, on the CPU path before
+        (lambda a: a.__setitem__(5, torch.full_like(a[5], a[1].shape[0])), "a row is outside the cache"),
+        (lambda a: a.__setitem__(5, torch.full_like(a[5], -1)), "a row is outside the cache"),
+        (lambda a: [a.__setitem__(i, a[i].long()) for i in range(5)], "q must be floating point"),
     ],
 )
 def test_bad_inputs_are_named(edit, match):

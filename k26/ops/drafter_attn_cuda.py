@@ -35,12 +35,22 @@ def drafter_attention(
     scale: float,
 ) -> torch.Tensor:
     check(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens)
+    check_rows(rows, cache_k)
     return reference.drafter_attention(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale)
 
 
 @drafter_attention.register_fake
 def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def check_rows(rows, cache_k) -> None:
+    """Outside a capture only (inside, a check would be kernels in every replay): every row inside the cache
+    (the kernel reads there unchecked; the reference wrapped a negative row around onto another)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    if bool(((rows < 0) | (rows >= cache_k.shape[0])).any()):
+        raise ValueError(f"drafter_attention: a row is outside the cache's [0, {cache_k.shape[0]})")
 
 
 def check(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens) -> None:
@@ -51,6 +61,7 @@ def check(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens) -> None:
             raise ValueError(f"drafter_attention: {msg}")
 
     need(q.dim() == 4, f"q must be [B, S, heads, head_dim], got {list(q.shape)}")
+    need(q.is_floating_point(), f"q must be floating point, got {q.dtype}")
     B, S, Hq, hd = q.shape
     need(cache_k.dim() == 4, f"cache_k must be [rows, T, kv_heads, head_dim], got {list(cache_k.shape)}")
     Hkv = cache_k.shape[2]
@@ -165,9 +176,7 @@ def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
         say_once(__name__, logging.INFO, f"k26.drafter_attention: {why} runs the reference")
         return reference.drafter_attention(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale)
     T, Hkv = cache_k.shape[1], cache_k.shape[2]
-    # Outside a capture only: inside, a check would be kernels in every replay.
-    if not torch.cuda.is_current_stream_capturing() and bool(((rows < 0) | (rows >= cache_k.shape[0])).any()):
-        raise ValueError(f"drafter_attention: a row is outside the cache's [0, {cache_k.shape[0]})")
+    check_rows(rows, cache_k)
     lib = _lib()
     BM = lib.block_rows
     RT = (S * (Hq // Hkv) + BM - 1) // BM
