@@ -230,3 +230,27 @@ if __name__ == "__main__":
     # after every check passed: leave without it.
     sys.stdout.flush()
     os._exit(0)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, res_dtype, w_dtype, res_rows",
+    [
+        (torch.float32, torch.bfloat16, torch.bfloat16, 3),
+        (torch.bfloat16, torch.bfloat16, torch.float32, 3),
+        (torch.float32, torch.float32, torch.float32, 1),  # a residual broadcast over x's rows
+    ],
+)
+def test_the_fused_collectives_fake_has_the_references_shapes_and_dtypes(
+    x_dtype, res_dtype, w_dtype, res_rows
+):
+    """The fake answered residual's shape and dtype whatever x's (fp32 x, bf16 residual: the reference gives
+    fp32, fp32; a one-row residual: x's rows) — torch.compile traced the wrong tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, res = torch.randn(3, 8, dtype=x_dtype), torch.randn(res_rows, 8, dtype=res_dtype)
+    w, e = torch.randn(8, dtype=w_dtype), torch.empty(0, dtype=torch.int64)
+    want = add_rmsnorm_reference(x, res, w, 1e-6)  # (the all-reduce keeps x as it is)
+    with FakeTensorMode() as mode:
+        fx, fres, fw, fe = (mode.from_tensor(t) for t in (x, res, w, e))
+        got = torch.ops.k26.allreduce_add_rmsnorm(fx, fres, fw, 1e-6, "no group", fe, fe, fe, 0, 0, 0, 0)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]

@@ -46,13 +46,18 @@ def add_rmsnorm(
     return add_rmsnorm_reference(x, residual, weight, eps)
 
 
-@add_rmsnorm.register_fake
-def _(x, residual, weight, eps):
-    # The reference's shapes and dtypes (broadcast, promoted), contiguous like the kernel's outputs.
+def add_rmsnorm_meta(x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty outputs of the reference's shapes and dtypes (broadcast, promoted), contiguous like the
+    kernels': add_rmsnorm's fake, and allreduce_add_rmsnorm's (the all-reduce keeps x's shape and dtype)."""
     shape = torch.broadcast_shapes(x.shape, residual.shape)
     h_dtype = torch.promote_types(residual.dtype, x.dtype)
     out_dtype = torch.promote_types(weight.dtype, h_dtype)
     return residual.new_empty(shape, dtype=out_dtype), residual.new_empty(shape, dtype=h_dtype)
+
+
+@add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    return add_rmsnorm_meta(x, residual, weight)
 
 
 @torch.library.custom_op("k26::allreduce_add_rmsnorm", mutates_args=())
@@ -89,7 +94,7 @@ def composition(x, residual, weight, eps: float, group) -> tuple[torch.Tensor, t
 
 @allreduce_add_rmsnorm.register_fake
 def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
-    return torch.empty_like(residual), torch.empty_like(residual)
+    return add_rmsnorm_meta(x, residual, weight)  # (was residual's shape and dtype, whatever x's)
 
 
 # ---------------------------------------------------------------- CUDA kernel
@@ -138,6 +143,15 @@ def vector_ready(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot_bytes, timeout_ns):
     if peers.numel() == 0:
         return composition(x, residual, weight, eps, _group(group_name))
+    # The kernel takes rows and D from x and reads residual and weight as alike: anything else it would read
+    # out of bounds (or as another type), so it is named here
+    D = x.shape[-1]
+    if residual.shape != x.shape or weight.shape != (D,) or not x.dtype == residual.dtype == weight.dtype:
+        raise ValueError(
+            f"allreduce_add_rmsnorm: residual must match x {list(x.shape)} {x.dtype} and weight be [{D}] of "
+            f"that dtype, got residual {list(residual.shape)} {residual.dtype}, weight {list(weight.shape)} "
+            f"{weight.dtype}"
+        )
     # The kernel moves 16-byte vectors. An unaligned view is copied, never sent down another path: whether
     # a tensor is aligned is this rank's own business, and ranks on different paths would wait on each other.
     given = weight  # read before the kernel's wait (pdl.enabled_as_given)
