@@ -51,3 +51,17 @@ def test_without_an_index_a_shard_that_is_no_file_is_not_said_to_be_named_by_one
         ValueError, match=r"model-00004-of-00004.safetensors is no regular file \(a broken link"
     ):
         LLM(ckpt, device="cpu", dtype=torch.float32, progress=False)
+
+
+def test_the_hf_state_reads_the_shards_the_index_names(ckpt, tiny_k25):
+    """`k26 bench`'s HF baseline globbed *.safetensors: shards in a subdirectory gave it no tensor at all
+    (a RuntimeError from load_state_dict after the k26 runs), and a stray shard beside them was merged in."""
+    from k26.hf_state import deepseek_v3_state
+
+    (ckpt / "sub").mkdir()
+    for f in ckpt.glob("*.safetensors"):
+        os.rename(f, ckpt / "sub" / f.name)
+    rewrite_index(ckpt, lambda i, v: f"sub/{v}")
+    shutil.copy(ckpt / "sub" / min(p.name for p in (ckpt / "sub").iterdir()), ckpt / "stray.safetensors")
+    (_, got), (_, want) = deepseek_v3_state(ckpt, torch.float32), deepseek_v3_state(tiny_k25, torch.float32)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
