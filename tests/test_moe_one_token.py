@@ -46,7 +46,7 @@ def test_one_token_opcheck():
     "change,match",
     [
         ({"x": torch.zeros(2, 64, dtype=torch.bfloat16)}, "one token, .*got M=2"),
-        ({"topk": 9}, "topk <= 8"),
+        ({"topk": 9, "n_group": 1, "topk_group": 1}, "topk <= 8"),  # (one group: the router's check passes)
         ({"weight": torch.zeros(8, 64, dtype=torch.bfloat16), "bias": torch.zeros(8)}, "scores E=8 .* 16"),
         ({"shared": (torch.zeros(3, 64, dtype=torch.bfloat16), None, None)}, "shared_gate must be bf16"),
         ({"barrier": torch.zeros(3, dtype=torch.int32)}, "barrier must be int32"),
