@@ -233,3 +233,35 @@ def test_router_table_graph_replays_follow_new_inputs():
         assert_same_table(canonical_table(table, M, K, E, nt, True), want)
         assert torch.equal(y, torch.ops.k26.moe_w4a16_repacked(x, *ew, ids, tw, *sh))
     assert barrier.tolist() == [0] * 5
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"topk": 0}, "topk=0 must be in \\[1, 16\\]"),
+        ({"topk": 17}, "topk=17 must be in \\[1, 16\\]"),
+        ({"n_group": 3}, "n_group=3 must divide E=16"),
+        ({"weight": torch.zeros(16, 32)}, "weight must be \\[E, D=64\\]"),
+        ({"bias": torch.zeros(15)}, "bias must be \\[16\\]"),
+        ({"topk": 9}, "topk=9 exceeds the 8 experts"),
+    ],
+)
+def test_the_reference_path_names_bad_inputs_too(change, match):
+    """On the CPU (any float dtype) the ops ran their reference unchecked: topk = 0 answered nothing, topk 9
+    took experts of dropped groups, the others were errors from deep inside torch."""
+    x, w, bias = router_inputs(3, 16, 64)
+    kw = {"x": x.float(), "weight": w.float(), "bias": bias, "n_group": 4, "topk_group": 2, "topk": 4}
+    kw.update(change)
+    args = (
+        kw["x"],
+        kw["weight"],
+        kw["bias"],
+        router_barrier("cpu"),
+        kw["n_group"],
+        kw["topk_group"],
+        kw["topk"],
+    )
+    with pytest.raises(ValueError, match=match):
+        torch.ops.k26.moe_router(*args, True, 1.0)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.k26.moe_router_table(*args, True, 1.0, False)

@@ -42,6 +42,7 @@ def moe_router(
     renormalize: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, kernel=False)
     return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
 
 
@@ -69,6 +70,7 @@ def moe_router_table(
     agree), the shared expert's slots when `shared`. The kernel orders the pairs inside a group arbitrarily
     and leaves the groups past the count unwritten (the expert op reads neither); the reference is
     `route_table`'s order."""
+    check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, kernel=False)
     w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
     E = weight.shape[0]
     return w, ids, route_table(ids, E, pick_nt(ids.numel(), E), shared)
@@ -88,44 +90,55 @@ def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, s
 MAX_EXPERTS, MAX_TOPK, MAX_GROUPS = 1024, 32, 32  # csrc/moe_router.cu: kMaxE, kMaxTopk, kMaxGroups
 
 
-def check_inputs(x, weight, bias, barrier, n_group: int, topk_group: int, topk: int) -> tuple[int, int, int]:
-    """Every shape/dtype/device problem of the CUDA path as a ValueError naming the argument."""
+def check_inputs(
+    x, weight, bias, barrier, n_group: int, topk_group: int, topk: int, kernel: bool = True
+) -> tuple[int, int, int]:
+    """Every shape/dtype/device problem as a ValueError naming the argument: of the CUDA path (`kernel`: bf16
+    x and weight, fp32 bias, the kernel's limits, contiguous, the barrier), or of the reference's (any float
+    dtypes and sizes; `barrier` unused), which ran with none (topk = 0 answered nothing)."""
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ValueError(f"moe_router: {msg}")
 
+    bf16 = "bf16 " if kernel else ""
     need(
-        x.dim() == 2 and x.dtype == torch.bfloat16,
-        f"x must be 2-D bf16 [M, D], got {x.dtype} {list(x.shape)}",
+        x.dim() == 2 and (x.dtype == torch.bfloat16 if kernel else x.is_floating_point()),
+        f"x must be 2-D {bf16 or 'float '}[M, D], got {x.dtype} {list(x.shape)}",
     )
     M, D = x.shape
     need(
-        weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[1] == D,
-        f"weight must be bf16 [E, D={D}], got {weight.dtype} {list(weight.shape)}",
+        weight.dim() == 2
+        and (weight.dtype == torch.bfloat16 if kernel else weight.is_floating_point())
+        and weight.shape[1] == D,
+        f"weight must be {bf16}[E, D={D}], got {weight.dtype} {list(weight.shape)}",
     )
     E = weight.shape[0]
-    need(0 < E <= MAX_EXPERTS, f"E={E} experts: the kernel holds 1..{MAX_EXPERTS}")
+    most_e, most_k, most_g = (MAX_EXPERTS, MAX_TOPK, MAX_GROUPS) if kernel else (E, E, E)
+    need(0 < E <= most_e, f"E={E} experts: the kernel holds 1..{MAX_EXPERTS}")
     need(
-        bias.shape == (E,) and bias.dtype == torch.float32,
-        f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}",
+        bias.shape == (E,) and (bias.dtype == torch.float32 if kernel else bias.is_floating_point()),
+        f"bias must be {'fp32 ' if kernel else ''}[{E}], got {bias.dtype} {list(bias.shape)}",
     )
+    if kernel:
+        need(
+            barrier.shape == (BARRIER_INTS,) and barrier.dtype == torch.int32,
+            f"barrier must be int32 [{BARRIER_INTS}] (router_barrier)",
+        )
+    need(0 < topk <= min(E, most_k), f"topk={topk} must be in [1, {min(E, most_k)}]")
     need(
-        barrier.shape == (BARRIER_INTS,) and barrier.dtype == torch.int32,
-        f"barrier must be int32 [{BARRIER_INTS}] (router_barrier)",
-    )
-    need(0 < topk <= min(E, MAX_TOPK), f"topk={topk} must be in [1, {min(E, MAX_TOPK)}]")
-    need(
-        0 < n_group <= MAX_GROUPS and E % n_group == 0,
-        f"n_group={n_group} must divide E={E} and be <= {MAX_GROUPS}",
+        0 < n_group <= most_g and E % n_group == 0,
+        f"n_group={n_group} must divide E={E} and be <= {most_g}",
     )
     need(0 < topk_group <= n_group, f"topk_group={topk_group} must be in [1, n_group={n_group}]")
     kept = topk_group * (E // n_group)  # (more would take experts of dropped groups, -inf, and weight them)
     need(topk <= kept, f"topk={topk} exceeds the {kept} experts of topk_group={topk_group} groups")
     need(n_group == 1 or E // n_group >= 2, f"groups of {E // n_group} expert: group scores sum the best two")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("barrier", barrier)):
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)) + (
+        (("barrier", barrier),) if kernel else ()
+    ):
         need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
-        need(t.is_contiguous(), f"{name} must be contiguous")
+        need(not kernel or t.is_contiguous(), f"{name} must be contiguous")
     return M, D, E
 
 
