@@ -103,3 +103,14 @@ def test_a_table_of_another_size_is_named():
         check_inputs(*args, table=torch.zeros(5, dtype=torch.int32))
     ok = route_table(args[5], 3, 1, False)
     assert check_inputs(*args, table=ok)[0] == 3
+
+
+@pytest.mark.parametrize("bad", [3, -1])
+def test_the_reference_path_refuses_an_expert_id_outside_the_experts(bad):
+    """On the CPU an id of E was an IndexError from the reference's indexing and -1 silently took the last
+    expert; the CUDA path names it (outside a capture): so does the reference now."""
+    ex = repack_experts(*experts())
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    ids, w = torch.tensor([[0, 1], [2, bad], [1, 2]]), torch.rand(3, 2)
+    with pytest.raises(ValueError, match=f"topk_ids holds {bad}, outside \\[0, 3\\)"):
+        torch.ops.k26.moe_w4a16_repacked(x, *ex, ids, w)

@@ -153,6 +153,9 @@ def moe_w4a16_repacked(
     `table`: the routing table of these ids (csrc/moe_route.cuh, `route_table(topk_ids, E, pick_nt(M * topk,
     E), shared given)`), so the kernel skips its own routing launch; the reference ignores it."""
     shared = (shared_gate, shared_up, shared_down)
+    check_ids(
+        topk_ids, w13.shape[0]
+    )  # (the reference indexed with them: an IndexError, or -1 the last expert)
     return repacked_reference(x, w13, s13, w2, s2, topk_ids, topk_weights, *shared)
 
 
@@ -171,6 +174,16 @@ def _(
     table=None,
 ):
     return x.new_empty(x.shape[0], w13.shape[2] * 64)
+
+
+def check_ids(ids: torch.Tensor, E: int) -> None:
+    """Outside a capture, every expert id in [0, E) (a ValueError naming the first that is not). Inside one
+    the kernel drops out-of-range ids safely, and a check would be kernels in every replay."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    bad = (ids < 0) | (ids >= E)
+    if bool(bad.any()):
+        raise ValueError(f"moe_w4a16_repacked: topk_ids holds {ids[bad][0].item()}, outside [0, {E})")
 
 
 def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None), table=None):
@@ -294,11 +307,7 @@ def _moe_cuda(
             out[a:b] = _moe_cuda(x[a:b], w13, s13, w2, s2, topk_ids[a:b], topk_weights[a:b], *shared)
         return out
     ids = topk_ids.to(torch.int64).contiguous()
-    if not torch.cuda.is_current_stream_capturing():
-        # The kernel drops out-of-range ids safely; outside capture we can afford to say so loudly.
-        bad = (ids < 0) | (ids >= E)
-        if bool(bad.any()):
-            raise ValueError(f"moe_w4a16_repacked: topk_ids holds {ids[bad][0].item()}, outside [0, {E})")
+    check_ids(ids, E)
     w = topk_weights.to(torch.float32).contiguous()
     lib = _library()
     nt = pick_nt(M * topk, E)
