@@ -170,6 +170,19 @@ def test_cache_ops_refuse_rows_and_prefixes_outside_the_cache(bad):
         torch.ops.k26.mla_write_cache(g["cache"], latent, g["rows"], g["prefix_lens"])
 
 
+@pytest.mark.parametrize("v_dim", [0, 41])
+def test_a_value_width_beyond_the_keys_is_refused_by_the_op_and_its_fake(v_dim):
+    """v_dim 41 on 40-wide keys: the reference gave 40 values, the fake promised 41 (0: none at all)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, cache, rows, prefix, words, scale, _ = attention_inputs()
+    with pytest.raises(ValueError, match=f"v_dim={v_dim} must be in \\[1, 40\\]"):
+        torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, scale, v_dim)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=f"v_dim={v_dim}"):
+        fq, fc, fr, fp, fw = (mode.from_tensor(t) for t in (q, cache, rows, prefix, words))
+        torch.ops.k26.mla_tree_attention(fq, fc, fr, fp, fw, scale, v_dim)
+
+
 # -- DDTree builder ---------------------------------------------------------------------------------
 def tree_inputs(B=2, L=4, V=50, budget=12, seed=2):
     lp = torch.log_softmax(torch.randn(B, L, V, generator=torch.Generator().manual_seed(seed)) * 2, -1)

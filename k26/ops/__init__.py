@@ -73,9 +73,19 @@ def mla_tree_attention(
     positions: torch.Tensor | None = None,
     inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_v_dim(v_dim, cache)
     return reference.mla_tree_attention(
         q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
     )
+
+
+def check_v_dim(v_dim: int, cache: torch.Tensor) -> None:
+    """The values are the first v_dim dims of each cached key: past its width the reference gave the whole
+    key while the fake promised v_dim (torch.compile traced the wrong shape)."""
+    if not 0 < v_dim <= cache.shape[-1]:
+        raise ValueError(
+            f"mla_tree_attention: v_dim={v_dim} must be in [1, {cache.shape[-1]}] (the keys' width)"
+        )
 
 
 @mla_tree_attention.register_fake
@@ -92,6 +102,7 @@ def _(
     positions=None,
     inv_freq=None,
 ):
+    check_v_dim(v_dim, cache)
     B, N, H, _ = q.shape
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 
