@@ -115,3 +115,23 @@ def test_block_kv_views_into_a_stacked_projection_are_read_in_place():
     heads_apart = torch.zeros(2, 2, 8, 64).transpose(1, 2)
     copy, ld = _block_tokens(heads_apart)
     assert copy.is_contiguous() and ld == 128
+
+
+def test_the_fakes_refuse_what_the_ops_refuse():
+    """A meta tensor among CPU inputs dispatches to the op's fake, which checked nothing: an argument on
+    another device passed (and a wrong shape, under torch.compile). drafter_attention, linear, mla_glue."""
+    import test_glue_ops
+
+    args = list(case())
+    args[5] = args[5].to("meta")
+    with pytest.raises(ValueError, match="drafter_attention: rows is on meta"):
+        torch.ops.k26.drafter_attention(*args, 0.125)
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="k26.linear: weight is on meta"):
+        torch.ops.k26.linear(x, w.to("meta"))
+    with pytest.raises(ValueError, match="k26.linear_grouped: x ends in"):
+        torch.ops.k26.linear_grouped(torch.randn(3, 2, 8).to("meta"), torch.randn(2, 4, 7).to("meta"))
+    g = test_glue_ops.inputs()
+    g["rows"] = g["rows"][:1].to("meta")
+    with pytest.raises(ValueError, match="k26.mla_glue: rows must be"):
+        torch.ops.k26.mla_glue(**g)

@@ -41,6 +41,9 @@ def drafter_attention(
 
 @drafter_attention.register_fake
 def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
+    check(
+        q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens
+    )  # (host-side: the fake refuses what the op refuses)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

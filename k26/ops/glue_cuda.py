@@ -62,6 +62,9 @@ def mla_glue(
 
 @mla_glue.register_fake
 def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens):
+    check(
+        q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens
+    )  # (host-side)
     return torch.empty_like(q_a, memory_format=torch.contiguous_format)
 
 
@@ -92,6 +95,7 @@ def mla_glue_linear(
 
 @mla_glue_linear.register_fake
 def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens, weight):
+    check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens, weight)
     return q_a.new_empty(*q_a.shape[:2], weight.shape[0])
 
 

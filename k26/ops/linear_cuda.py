@@ -56,6 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
 
 @linear.register_fake
 def _(x, weight, residual=None):
+    check_linear(x, weight, residual)  # (host-side: the fake refuses what the op refuses)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -67,6 +68,7 @@ def linear_grouped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @linear_grouped.register_fake
 def _(x, weight):
+    check_grouped(x, weight)
     return x.new_empty(*x.shape[:-1], weight.shape[1])
 
 
