@@ -176,11 +176,21 @@ def test_a_value_width_beyond_the_keys_is_refused_by_the_op_and_its_fake(v_dim):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, cache, rows, prefix, words, scale, _ = attention_inputs()
-    with pytest.raises(ValueError, match=f"v_dim={v_dim} must be in \\[1, 40\\]"):
+    with pytest.raises(ValueError, match=f"v_dim={v_dim} must lie in \\(0, 40\\]"):
         torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, scale, v_dim)
     with FakeTensorMode() as mode, pytest.raises(ValueError, match=f"v_dim={v_dim}"):
         fq, fc, fr, fp, fw = (mode.from_tensor(t) for t in (q, cache, rows, prefix, words))
         torch.ops.k26.mla_tree_attention(fq, fc, fr, fp, fw, scale, v_dim)
+
+
+def test_the_attention_reference_path_runs_the_cuda_paths_shape_checks():
+    """On the CPU wrong mask words or a narrower cache were errors from inside torch (the checks ran only
+    before the kernel)."""
+    q, cache, rows, prefix, words, scale, v = attention_inputs()
+    with pytest.raises(ValueError, match="mask_words must be int64"):
+        torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words[..., :0], scale, v)
+    with pytest.raises(ValueError, match="cache must be \\[rows, max_len, 40\\]"):
+        torch.ops.k26.mla_tree_attention(q, cache[..., :30], rows, prefix, words, scale, v)
 
 
 # -- DDTree builder ---------------------------------------------------------------------------------

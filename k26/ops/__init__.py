@@ -73,19 +73,12 @@ def mla_tree_attention(
     positions: torch.Tensor | None = None,
     inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_v_dim(v_dim, cache)
+    # The CUDA path's checks (any dtype): the reference ran none (a v_dim past the keys gave their width of
+    # values where the fake promised v_dim; wrong mask words or widths were errors from inside torch)
+    attention_cuda.check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     return reference.mla_tree_attention(
         q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
     )
-
-
-def check_v_dim(v_dim: int, cache: torch.Tensor) -> None:
-    """The values are the first v_dim dims of each cached key: past its width the reference gave the whole
-    key while the fake promised v_dim (torch.compile traced the wrong shape)."""
-    if not 0 < v_dim <= cache.shape[-1]:
-        raise ValueError(
-            f"mla_tree_attention: v_dim={v_dim} must be in [1, {cache.shape[-1]}] (the keys' width)"
-        )
 
 
 @mla_tree_attention.register_fake
@@ -102,14 +95,14 @@ def _(
     positions=None,
     inv_freq=None,
 ):
-    check_v_dim(v_dim, cache)
+    attention_cuda.check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     B, N, H, _ = q.shape
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 
 
 from . import (
     allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm and add_rmsnorm with their CUDA kernels)
-    attention_cuda,  # noqa: F401  (registers the CUDA kernel of mla_tree_attention)
+    attention_cuda,  # (registers the CUDA kernel of mla_tree_attention; its checks serve the reference too)
     drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
     glue_cuda,  # noqa: F401  (registers mla_glue and mla_glue_linear with their CUDA kernels)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
