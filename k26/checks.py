@@ -60,10 +60,10 @@ def check_gpus(device, tp: int) -> None:
                 f"device={device!r} with tp={tp}: rank r runs on cuda:r; pass device='cuda' and choose the "
                 "GPUs with CUDA_VISIBLE_DEVICES"
             )
-        if index != local_rank():
+        if index != (own := local_rank()):
             raise ValueError(
-                f"device={device!r} with tp={tp}: this rank runs on cuda:{local_rank()} (LOCAL_RANK); pass "
-                f"device='cuda' or 'cuda:{local_rank()}'"
+                f"device={device!r} with tp={tp}: this rank runs on cuda:{own} (LOCAL_RANK); pass "
+                f"device='cuda' or 'cuda:{own}'"
             )
     if tp > 1 and cuda and tp > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
         raise ValueError(

@@ -4,12 +4,12 @@ fused as HF stores them): for the HF oracle in the tests and the HF baseline in 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from .checkpoint_index import read_index
 from .ops.int4 import dequantize_int4
 
 
@@ -22,16 +22,10 @@ def deepseek_v3_state(path: str | Path, dtype: torch.dtype) -> tuple[dict, dict[
         for k, v in raw.get("text_config", raw).items()
         if k not in ("quantization_config", "architectures", "model_type")
     }
-    # The index's shards when there is one (they may sit in subdirectories, and a stray *.safetensors beside
-    # them is no part of the checkpoint), as k26's loader reads them; else every shard in the directory
-    index = path / "model.safetensors.index.json"
-    files = (
-        sorted({path / os.path.normpath(v) for v in json.loads(index.read_text())["weight_map"].values()})
-        if index.is_file()
-        else sorted(path.glob("*.safetensors"))
-    )
+    # The shards k26's loader reads (read_index: the index's, which may sit in subdirectories and leave a
+    # stray *.safetensors beside them out; without an index every shard in the directory)
     tensors = {}
-    for f in files:
+    for f in sorted({info.file for info in read_index(path).values()}, key=str):
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():  # noqa: SIM118  (safe_open handles have keys() but are not iterable)
                 tensors[k.removeprefix("language_model.")] = h.get_tensor(k)

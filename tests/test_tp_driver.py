@@ -197,19 +197,25 @@ def test_closing_with_a_stream_suspended_does_not_wait_for_its_ranks(tiny_tp):
     gc.collect()
 
 
-def test_a_tp_size_above_the_visible_gpus_is_refused_before_any_rank(tiny_tp, monkeypatch, capsys):
-    """tp=4 with 2 GPUs: named before any rank starts (ranks 2 and 3 failed on torch.cuda.set_device, each
-    a RankError with a traceback, after every process had started)."""
+def gpus_but_no_rank(monkeypatch, count: int, why: str) -> None:
+    """`count` visible CUDA devices, no torchrun, and a failure (`why`) if LLM starts a rank process."""
     import k26.engine
-    from k26.__main__ import main
 
     def no_rank(*a, **kw):
-        raise AssertionError("a rank started before the TP size was checked against the GPUs")
+        raise AssertionError(why)
 
     monkeypatch.setattr(k26.engine.LLM, "_start_ranks", no_rank)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def test_a_tp_size_above_the_visible_gpus_is_refused_before_any_rank(tiny_tp, monkeypatch, capsys):
+    """tp=4 with 2 GPUs: named before any rank starts (ranks 2 and 3 failed on torch.cuda.set_device, each
+    a RankError with a traceback, after every process had started)."""
+    from k26.__main__ import main
+
+    gpus_but_no_rank(monkeypatch, 2, "a rank started before the TP size was checked against the GPUs")
     for device in (None, "cuda"):
         with pytest.raises(ValueError, match=r"tp=4: only 2 CUDA device\(s\) are visible"):
             LLM(tiny_tp[0], tp=4, **{**KW, "device": device})
@@ -220,15 +226,7 @@ def test_a_tp_size_above_the_visible_gpus_is_refused_before_any_rank(tiny_tp, mo
 def test_an_indexed_cuda_device_with_tp_is_refused_before_any_rank(tiny_tp, monkeypatch):
     """LLM(tp=2, device='cuda:1') put rank 0 on cuda:0 all the same (rank r on cuda:r): the index is named.
     (The CLI's --device takes 'cpu' or 'cuda' only.)"""
-    import k26.engine
-
-    def no_rank(*a, **kw):
-        raise AssertionError("a rank started with a device index no rank honours")
-
-    monkeypatch.setattr(k26.engine.LLM, "_start_ranks", no_rank)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    gpus_but_no_rank(monkeypatch, 4, "a rank started with a device index no rank honours")
     with pytest.raises(ValueError, match=r"device='cuda:1' with tp=2: rank r runs on cuda:r"):
         LLM(tiny_tp[0], tp=2, **{**KW, "device": "cuda:1"})
 

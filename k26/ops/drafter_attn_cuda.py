@@ -50,7 +50,7 @@ def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
 def check_rows(rows, cache_k) -> None:
     """Outside a capture only (inside, a check would be kernels in every replay): every row inside the cache
     (the kernel reads there unchecked; the reference wrapped a negative row around onto another)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if reference.capturing():
         return
     if bool(((rows < 0) | (rows >= cache_k.shape[0])).any()):
         raise ValueError(f"drafter_attention: a row is outside the cache's [0, {cache_k.shape[0]})")

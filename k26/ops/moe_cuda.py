@@ -13,7 +13,7 @@ import torch
 
 from . import pdl
 from .moe_layout import unrepack, w13_row_order
-from .reference import expert_mlp, moe_combine
+from .reference import capturing, expert_mlp, moe_combine
 
 SPLIT_DOWN = False  # read at launch (so at capture), like pdl.ENABLED: see split_down()
 # Without a routing table, where the one-launch down + combine serves (groups_from_ids): the GEMMs group the
@@ -153,9 +153,8 @@ def moe_w4a16_repacked(
     `table`: the routing table of these ids (csrc/moe_route.cuh, `route_table(topk_ids, E, pick_nt(M * topk,
     E), shared given)`), so the kernel skips its own routing launch; the reference ignores it."""
     shared = (shared_gate, shared_up, shared_down)
-    check_ids(
-        topk_ids, w13.shape[0]
-    )  # (the reference indexed with them: an IndexError, or -1 the last expert)
+    # (the reference indexes with them: an IndexError, or -1 the last expert)
+    check_ids(topk_ids, w13.shape[0])
     return repacked_reference(x, w13, s13, w2, s2, topk_ids, topk_weights, *shared)
 
 
@@ -179,7 +178,7 @@ def _(
 def check_ids(ids: torch.Tensor, E: int) -> None:
     """Outside a capture, every expert id in [0, E) (a ValueError naming the first that is not). Inside one
     the kernel drops out-of-range ids safely, and a check would be kernels in every replay."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return
     bad = (ids < 0) | (ids >= E)
     if bool(bad.any()):
