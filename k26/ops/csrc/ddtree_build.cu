@@ -116,7 +116,6 @@ __device__ void write_words(const Out& o, const int* spar, int N, int NW, int n,
 
 // Budgets <= ddtree_heap::kMaxBudget with finite log-probabilities (lp [L][lds] in shared memory): warp 0's
 // best-first heap (csrc/ddtree_heap.cuh), then the block writes the outputs.
-template <int SLOTS>
 __device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, int K, int budget, const Out& o,
                           int* spar) {
   constexpr int NB = ddtree_heap::kMaxBudget + 1;
@@ -124,7 +123,7 @@ __device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, 
   __shared__ int npar[NB], ndep[NB], nrank[NB], s_n;
   if (threadIdx.x < 32) {
     const ddtree_heap::Nodes nodes{nscore, npar, ndep, nrank};
-    const int n = ddtree_heap::build<SLOTS>(lp, lds, L, K, budget, nodes);
+    const int n = ddtree_heap::build(lp, lds, L, K, budget, nodes);
     if (threadIdx.x == 0) s_n = n;
   }
   __syncthreads();
@@ -148,12 +147,8 @@ __host__ __device__ __forceinline__ int children(int i, int K, int budget) {
 
 // scratch_smem: byte offset of the beams in dynamic shared memory, or -1 for the global scratch (large trees);
 // lp_smem: of the tree's usable log-probabilities (L x min(K, budget) floats, copied in first), or -1.
-// SLOTS: the heap's frontier slots a lane (ddtree_heap::slots_for(budget)); a kernel each, so that the one-slot
-// heap of the default budgets does not share the registers and schedule of the three-slot one (in one kernel
-// the three-slot heap measured ~2 µs slower at budget 64).
 // (Launch bounds with one block an SM: with the thread count alone ptxas for sm_120a (1,536 threads an SM) aimed
 // at three blocks, 40 registers, and spilled; one block a sequence runs anyway.)
-template <int SLOTS>
 __global__ void __launch_bounds__(THREADS, 1) build_kernel(
     const float* __restrict__ lp, const int64_t* __restrict__ tok, int L, int K, int budget, int64_t* __restrict__ out_tok,
     int64_t* __restrict__ out_par, int64_t* __restrict__ out_dep, bool* __restrict__ out_valid,
@@ -189,7 +184,7 @@ __global__ void __launch_bounds__(THREADS, 1) build_kernel(
     bool bad = false;
     for (int i = tid; i < L * KU; i += blockDim.x) bad |= !isfinite(lpb[i]);
     if (!__syncthreads_or(bad)) {
-      heap_tree<SLOTS>(lpb, lds, tokb, L, K, budget, o, spar);
+      heap_tree(lpb, lds, tokb, L, K, budget, o, spar);
       return;
     }
   }
@@ -343,18 +338,8 @@ K26_EXPORT size_t k26_ddtree_scratch(int B, int L, int budget) { return (size_t)
 // device before the first launch (an attribute set on one device's context does not carry to another's).
 constexpr int kMaxSmem = 16 * 4096;  // the opt-in: 64 KB (sm_120 allows 99 KB a block)
 
-constexpr int kKernels = ddtree_heap::slots_for(ddtree_heap::kMaxBudget);  // build_kernel<1 .. kKernels>
-constexpr void (*kBuild[kKernels])(const float*, const int64_t*, int, int, int, int64_t*, int64_t*, int64_t*, bool*,
-                                   int64_t*, double*, char*, int, int, int) = {build_kernel<1>, build_kernel<2>,
-                                                                                build_kernel<3>};
-static_assert(kKernels == 3, "one build_kernel per heap slot count");
-
 K26_EXPORT int k26_ddtree_prepare() {
-  for (auto* kernel : kBuild) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-    if (e != cudaSuccess) return (int)e;
-  }
-  return 0;
+  return (int)cudaFuncSetAttribute(build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
 }
 
 K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int L, int K, int budget, int64_t* out_tok,
@@ -372,9 +357,7 @@ K26_EXPORT int k26_ddtree_build(const float* lp, const int64_t* tok, int B, int 
   const size_t lps = ((size_t)4 * L * children(0, K, budget) + 15) / 16 * 16;  // j < min(K, budget)
   const bool in_smem = region + beams <= kMaxSmem, lp_in_smem = in_smem && region + beams + lps <= kMaxSmem;
   const size_t smem = region + (in_smem ? beams : 0) + (lp_in_smem ? lps : 0);
-  // The heap's slot count picks the kernel (level by level, above the heap's budgets: any of them).
-  const int slots = budget <= ddtree_heap::kMaxBudget ? ddtree_heap::slots_for(budget) : kKernels;
-  kBuild[slots - 1]<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
+  build_kernel<<<B, THREADS, smem, static_cast<cudaStream_t>(stream)>>>(
       lp, tok, L, K, budget, out_tok, out_par, out_dep, out_valid, out_words, out_score, static_cast<char*>(scratch),
       in_smem ? (int)region : -1, lp_in_smem ? (int)(region + beams) : -1,
       lp_in_smem && budget <= ddtree_heap::kMaxBudget);
