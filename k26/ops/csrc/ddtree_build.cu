@@ -115,15 +115,18 @@ __device__ void write_words(const Out& o, const int* spar, int N, int NW, int n,
 }
 
 // Budgets <= ddtree_heap::kMaxBudget with finite log-probabilities (lp [L][lds] in shared memory): warp 0's
-// best-first heap (csrc/ddtree_heap.cuh), then the block writes the outputs.
+// best-first search (csrc/ddtree_heap.cuh) over the log-probabilities widened to fp64 first (the pop's chain
+// then loads its addends as they are summed), then the block writes the outputs.
 __device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, int K, int budget, const Out& o,
                           int* spar) {
   constexpr int NB = ddtree_heap::kMaxBudget + 1;
-  __shared__ double nscore[NB];
-  __shared__ int npar[NB], ndep[NB], nrank[NB], s_n;
+  __shared__ double nscore[NB], lpd[15 * ddtree_heap::kMaxBudget];
+  __shared__ int nmeta[NB], s_n;
+  const int KU = min(K, budget);
+  for (int i = threadIdx.x; i < L * KU; i += blockDim.x) lpd[i] = static_cast<double>(lp[(i / KU) * lds + i % KU]);
+  __syncthreads();
   if (threadIdx.x < 32) {
-    const ddtree_heap::Nodes nodes{nscore, npar, ndep, nrank};
-    const int n = ddtree_heap::build(lp, lds, L, K, budget, nodes);
+    const int n = ddtree_heap::build(lpd, KU, L, K, budget, ddtree_heap::Nodes{nscore, nmeta});
     if (threadIdx.x == 0) s_n = n;
   }
   __syncthreads();
@@ -131,10 +134,11 @@ __device__ void heap_tree(const float* lp, int lds, const int64_t* tokb, int L, 
   write_defaults(o, spar, N, n);
   __syncthreads();
   for (int i = 1 + threadIdx.x; i <= n; i += blockDim.x) {
-    o.tok[i] = tokb[(size_t)(ndep[i] - 1) * K + nrank[i]];
-    o.dep[i] = ndep[i];
+    const int m = nmeta[i], d = ddtree_heap::node_depth(m);
+    o.tok[i] = tokb[(size_t)(d - 1) * K + ddtree_heap::node_rank(m)];
+    o.dep[i] = d;
     o.score[i] = nscore[i];
-    spar[i] = npar[i];
+    spar[i] = ddtree_heap::node_parent(m);
   }
   __syncthreads();
   write_words(o, spar, N, (N + 63) / 64, n, L);

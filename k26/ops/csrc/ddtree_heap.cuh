@@ -36,13 +36,15 @@ namespace ddtree_heap {
 constexpr int kMaxBudget = 64;  // ranks < 64: 6 bits a depth, 15 depths in 90 bits; 32 lanes keep the frontier
 constexpr uint64_t kLow60 = (1ull << 60) - 1, kLow30 = (1ull << 30) - 1;
 
-// The popped nodes in pop order, index 0 the root (shared memory, kMaxBudget + 1 each).
+// The popped nodes in pop order, index 0 the root (shared memory, kMaxBudget + 1 each): the score and the
+// entry's meta word (parent | depth << 8 | rank << 12 | ...: node_parent / node_depth / node_rank).
 struct Nodes {
   double* score;
-  int* parent;
-  int* depth;
-  int* rank;
+  int* meta;
 };
+__host__ __device__ constexpr int node_parent(int m) { return m & 0xff; }
+__host__ __device__ constexpr int node_depth(int m) { return (m >> 8) & 0xf; }
+__host__ __device__ constexpr int node_rank(int m) { return (m >> 12) & 0x3f; }
 
 // fp64 order as unsigned order; -0.0 and +0.0 equal, as fp64 compares them (the entry keeps a -0.0 bit).
 __device__ __forceinline__ uint64_t order_key(double s) {
@@ -65,9 +67,9 @@ __device__ __forceinline__ uint64_t rank_unit(int d, bool hi) {  // rank + 1 at 
   return hi ? 1ull << (6 * (10 - d)) : 1ull << (6 * (15 - d));
 }
 
-__device__ __forceinline__ float lds_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+__device__ __forceinline__ double lds_f64(uint32_t addr) {
+  double v;
+  asm volatile("ld.shared.f64 %0, [%1];\n" : "=d"(v) : "r"(addr));
   return v;
 }
 
@@ -77,57 +79,60 @@ __device__ __forceinline__ bool greater(uint64_t k, uint64_t c1, uint32_t c2, ui
   return (k > bk) | ((k == bk) & ((c1 > bc1) | ((c1 == bc1) & (c2 > bc2))));
 }
 
-// A frontier entry: its key (0: empty), its tie words, its parent's score (the next sibling's base: no
-// shared-memory round trip inside the loop) and a meta word: parent | depth << 8 | rank << 12 | (score is
-// -0.0) << 18. An empty entry is all zero: it loses every compare with a real one.
+// A frontier entry: its key (0: empty), its tie words and a meta word: parent | depth << 8 | rank << 12 |
+// (score is -0.0) << 18. An empty entry is all zero: it loses every compare with a real one. (No parent's score:
+// the sibling's base is read from the popped nodes' scores, beside the log-probability, so the list moves
+// six words an entry, not eight.)
 struct Entry {
   uint64_t k, c1;
   uint32_t c2;
   int meta;
-  double ps;
 
   __device__ __forceinline__ bool operator>(const Entry& o) const { return greater(k, c1, c2, o.k, o.c1, o.c2); }
   __device__ __forceinline__ Entry shfl(int src) const {
     return {__shfl_sync(~0u, k, src), __shfl_sync(~0u, c1, src), __shfl_sync(~0u, c2, src),
-            __shfl_sync(~0u, meta, src), __shfl_sync(~0u, ps, src)};
+            __shfl_sync(~0u, meta, src)};
   }
   __device__ __forceinline__ Entry pick(bool take, const Entry& o) const {  // o if take, else this (selects)
-    return {take ? o.k : k, take ? o.c1 : c1, take ? o.c2 : c2, take ? o.meta : meta, take ? o.ps : ps};
+    return {take ? o.k : k, take ? o.c1 : c1, take ? o.c2 : c2, take ? o.meta : meta};
   }
 };
 
-// Warp 0 of the block: pops up to `budget` (<= kMaxBudget) nodes from log-probabilities lp [L][lds] in shared
-// memory (the first min(K, budget) of each depth read, all finite) into `out` (nodes 1..n), returns n. The
-// loop body is branch-free (selects and a predicated store) but for its warp-uniform exit.
-__device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes out) {
+// Warp 0 of the block: pops up to `budget` (<= kMaxBudget) nodes from log-probabilities lp [L][lds] (fp64, in
+// shared memory: no conversion on the pop's chain; the first min(K, budget) of each depth read, all finite)
+// into `out` (nodes 1..n), returns n. The loop body is branch-free (selects) but for its warp-uniform exit.
+__device__ int build(const double* lp, int lds, int L, int K, int budget, Nodes out) {
   const int lane = threadIdx.x & 31;
   const int KU = K < budget ? K : budget;
-  // lp through its shared-window address: a generic load (what a `const float*` compiles to) costs more
+  // Shared memory through its shared-window addresses: a generic load (what a pointer compiles to) costs more
   // latency than ld.shared, and both loads sit on the pop's chain.
   const uint32_t lp_s = static_cast<uint32_t>(__cvta_generic_to_shared(lp));
-  const Entry empty{0, 0, 0, 0, 0.0};
+  const uint32_t score_s = static_cast<uint32_t>(__cvta_generic_to_shared(out.score));
+  const Entry empty{0, 0, 0, 0};
   // Depth 1, rank 0, parent the root: the whole frontier, in lane 0 and as the first pop's entry.
-  const double s0 = static_cast<double>(lp[0]);
-  const Entry first{order_key(s0), (14ull << 60) | kLow60, uint32_t(kLow30), 1 << 8 | is_neg_zero(s0) << 18, 0.0};
+  const double s0 = lp[0];
+  const Entry first{order_key(s0), (14ull << 60) | kLow60, uint32_t(kLow30), 1 << 8 | is_neg_zero(s0) << 18};
   Entry e = lane == 0 ? first : empty, top = first;
   int n = 0;
   while (n < budget && top.k != 0) {  // (top.k == 0: every prefix popped, fewer than `budget`)
     const Entry second = e.shfl(1);  // the next pop's entry unless one pushed below beats it
-    const int m = top.meta, p = m & 0xff, d = (m >> 8) & 0xf, r = (m >> 12) & 0x3f, node = ++n;
+    const int m = top.meta, p = node_parent(m), d = node_depth(m), r = node_rank(m), node = ++n;
     const double s = key_score(top.k, (m >> 18) & 1);
     // Next sibling: the parent's score plus the next rank's log-probability (depth 1: the log-probability
-    // itself, as the reference's first beam). Both loads are unconditional (indices clamped into lp): their
-    // latency overlaps instead of following a branch.
+    // itself, as the reference's first beam). The loads are unconditional (indices clamped into lp): their
+    // latency overlaps instead of following a branch. The parent's score: written by this lane (every lane
+    // writes each popped score, the same value to the same word), so no warp barrier orders it.
     const bool has_sib = r + 1 < KU, has_child = d < L;
-    const double lv = static_cast<double>(lds_f32(lp_s + 4u * ((d - 1) * lds + min(r + 1, KU - 1))));
-    const double ss = (d == 1 ? -0.0 : top.ps) + lv;  // -0.0: the additive identity, -0.0 + -0.0 included
-    const double cs = s + static_cast<double>(lds_f32(lp_s + 4u * (min(d, L - 1) * lds)));
+    const double lv = lds_f64(lp_s + 8u * ((d - 1) * lds + min(r + 1, KU - 1)));
+    const double base = d == 1 ? -0.0 : lds_f64(score_s + 8u * p);  // -0.0: the additive identity
+    const double ss = base + lv, cs = s + lds_f64(lp_s + 8u * (min(d, L - 1) * lds));
     const bool hi = d <= 10;
-    const Entry sib{has_sib ? order_key(ss) : 0, hi ? top.c1 - rank_unit(d, true) : top.c1,
+    // Keys masked, not selected: `has ? order_key(x) : 0` compiled to a branch around the key.
+    const Entry sib{order_key(ss) & (0ull - has_sib), hi ? top.c1 - rank_unit(d, true) : top.c1,
                     hi ? top.c2 : top.c2 - uint32_t(rank_unit(d, false)),
-                    p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18, top.ps};
-    const Entry child{has_child ? order_key(cs) : 0, top.c1 - (1ull << 60), top.c2,
-                      node | (d + 1) << 8 | is_neg_zero(cs) << 18, s};
+                    p | d << 8 | (r + 1) << 12 | is_neg_zero(ss) << 18};
+    const Entry child{order_key(cs) & (0ull - has_child), top.c1 - (1ull << 60), top.c2,
+                      node | (d + 1) << 8 | is_neg_zero(cs) << 18};
     // Where each pushed entry goes in the list without the popped one (lane j + 1's entry is its j-th): after
     // the entries that beat it, and after the other pushed entry if that one is better. Lane 0 (the popped
     // entry) takes no part; empty lanes beat nothing.
@@ -142,7 +147,7 @@ __device__ int build(const float* lp, int lds, int L, int K, int budget, Nodes o
     const Entry moved = e.shfl(min(src, 31)).pick(src > 31, empty);
     e = moved.pick(has_child && lane == pos_c, child).pick(has_sib && lane == pos_s, sib);
     // (After the loads above: the stores' address arithmetic stays off the pop's chain.)
-    if (lane == 0) out.score[node] = s, out.parent[node] = p, out.depth[node] = d, out.rank[node] = r;
+    out.score[node] = s, out.meta[node] = m;
   }
   return n;
 }
