@@ -8,7 +8,7 @@ D=$(cd "$1" && pwd) B=${2:-64} L=${3:-15}
 OUT=${OUT:-/tmp/k26_out}; mkdir -p "$OUT"
 f="$OUT/ncu-tree-$(basename "$D")-B$B"
 (cd "$D" && PYTHONPATH=$D K26_OPS_LIB=$(ls "$D"/k26/ops/_build/*.so) timeout "${NCU_TIMEOUT:-120}" \
-  ncu --clock-control none -k regex:build_kernel -s 2 -c 1 --sampling-interval 0 --section WarpStateStats \
+  ncu --clock-control none -k regex:build_kernel -s 2 -c 1 --warp-sampling-interval 0 --section WarpStateStats \
   --section SourceCounters \
   -f -o "$f" python3 profiling/debug/tree_one.py --budget "$B" --depth "$L" > "$f.log" 2>&1)
 echo "== ncu $(cat "$D/COMMIT") budget $B depth $L (rc $?)"

@@ -14,8 +14,10 @@
 // Budgets <= 64 with finite log-probabilities take one warp's best-first heap instead (csrc/ddtree_heap.cuh:
 // budget pops whatever the depth, integer keys): H100, graph-replayed op (2026-12-06-moe-groups-tree-heap-
 // session30-h100.md), depth 15 budget 16 / 32 / 64: 48.0 / 66.9 / 129.3 -> 14.5 / 22.4 / 40.3 µs, depth 7 25.8 /
-// 33.6 / 56.6 -> 14.4 / 22.5 / 40.2; in the DDTree budget-15 step's kernel table 20 -> 11 µs. Nodes with a
-// non-finite score are invalid, parent 0, seeing only themselves, as the reference's.
+// 33.6 / 56.6 -> 14.4 / 22.5 / 40.2; in the DDTree budget-15 step's kernel table 20 -> 11 µs. Since session 32
+// the frontier a sorted list across the warp: 6.4 / 10.1 / 18.0 µs at depth 15, 20 builds back to back (the
+// header of csrc/ddtree_heap.cuh). Nodes with a non-finite score are invalid, parent 0, seeing only themselves,
+// as the reference's.
 //
 // Legality: plain CUDA (warp shuffles, ballot, redux.sync), no tensor cores; at most 64 KB + a few KB of
 // dynamic shared memory (budget 512):

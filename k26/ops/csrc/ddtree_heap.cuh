@@ -15,11 +15,15 @@
 // pushes (every lane the same), finds where each goes by one ballot of the lanes' compares with it, and moves
 // each lane's entry by one shuffle. The next pop's entry is a select of the pushed two and the old second
 // entry (broadcast at the pop's start): the shuffle that rebuilds the list runs beside the next pop's loads,
-// off the chain. The pop's chain: two shared-memory loads, an fp64 add, the key, a compare, a ballot.
-// Before (2026-12-06-session31-h100.md): the frontier as an unordered heap, budget + 1 entries over the lanes'
-// slots, a pop a warp-wide arg-max by redux.sync over the key's words (ncu, budget 64: ~1,000 cycles a pop; 8.1 /
-// 15.3 / 30.5 µs at budgets 16 / 32 / 64 back to back on an H100). Also tried before that: the frontier sorted
-// in shared memory, a pop moving every entry by the ballots of the lanes' compares (9d4e298: ~0.95 µs a pop).
+// off the chain. The pop's chain: two shared-memory loads, an fp64 add, the key, a compare, a ballot; a pop
+// issues ~190 instructions (ncu, profiling/debug/ncu_tree.sh), ~0.24 µs on an H100.
+// Measured (H100, `bench_tree.py --calls 20`, depth 15, budgets 16 / 32 / 64; 2026-12-06-tree-sorted-frontier-
+// session32-h100.md): 8.0 / 15.3 / 30.8 µs with the frontier as an unordered heap (budget + 1 entries over the
+// lanes' slots, a pop a warp-wide arg-max by redux.sync over the key's words: ~1,000 cycles a pop), 7.9 / 13.3 /
+// 24.4 with this list of eight-word entries, 6.4 / 10.1 / 18.0 with six-word entries (the parent's score read
+// from the popped nodes), the log-probabilities widened to fp64 before the pops and the keys masked, not
+// branched. Also tried before: the frontier sorted in shared memory, a pop moving every entry by the ballots of
+// the lanes' compares (9d4e298: ~0.95 µs a pop).
 // The key is integer throughout: the score's fp64 bits mapped to an unsigned order (fp64 compares run at
 // 1/64 of the fp32 rate on sm_120), then (15 - depth) and the complemented rank tuple (6 bits a depth, so
 // the smaller tuple is the larger key): keys are unique (a node's depth and rank tuple name it), so the
