@@ -66,7 +66,7 @@ def assert_op_equals_reference(lp, tok, budget):
 # Budgets <= 64 take the warp heap (csrc/ddtree_heap.cuh): every depth 1..15, budgets 1..64, top-k narrower
 # and wider than the budget, exact ties on a grid (depth and rank tuple decide), non-finite log-probabilities
 # (the level-by-level path instead), and trees with fewer nodes than the budget (k^1 + .. + k^L < budget: the
-# heap runs dry, its emptied slots must not be popped; one, two and three slots a lane).
+# heap runs dry: its empty entries must not be popped).
 @pytest.mark.parametrize(
     "L, budget, V, k",
     [
@@ -94,6 +94,37 @@ def test_small_budget_trees_equal_the_reference_with_ties_and_without(L, budget,
         assert_op_equals_reference(lp, tok, budget)
     lp = lp.clone()
     lp[1, L - 1, k // 2 :] = float("-inf")  # one tree with -inf entries: the level-by-level path
+    assert_op_equals_reference(lp, tok, budget)
+
+
+def frontier_sizes(tok, want, budget):
+    """The best-first search's frontier size after each pop, from the reference's tree: a pop removes one
+    entry and pushes the node's next sibling (rank + 1 < min(K, budget)) and its first child (depth < L)."""
+    L, K = tok.shape[1], min(tok.shape[2], budget)
+    tokens, _, depths = (x[0].tolist() for x in want[:3])
+    sizes, size = [], 1
+    for node in range(1, budget + 1):
+        d = depths[node]
+        rank = tok[0, d - 1].tolist().index(tokens[node])
+        size += (rank + 1 < K) + (d < L) - 1
+        sizes.append(size)
+    return sizes
+
+
+# The heap keeps the frontier's best 32 entries (one a lane): an entry falls off only when it can no longer be
+# popped (csrc/ddtree_heap.cuh). Near-flat log-probabilities (every depth-1 node before any depth-2 one) and
+# all-equal ones (-0.0 everywhere: depth and rank tuple decide) grow the frontier past the warp at budget 64.
+@pytest.mark.parametrize("flat", ["near", "tied"])
+def test_a_frontier_wider_than_the_warp_gives_the_references_tree(flat):
+    L, V, budget = 15, 500, 64
+    if flat == "near":
+        g = torch.Generator().manual_seed(5)
+        top = torch.log_softmax(torch.randn(1, L, V, generator=g) * 0.01, -1).topk(budget, dim=-1)
+        lp, tok = top.values.cuda(), top.indices.cuda()
+    else:
+        lp, tok = tied_inputs(1, L, V, budget, seed=3, steps=1)
+    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
+    assert max(frontier_sizes(tok.cpu(), want, budget)) > 32  # the case this test is for
     assert_op_equals_reference(lp, tok, budget)
 
 

@@ -1,6 +1,6 @@
 """One tree build at a budget, a few times: the launch Nsight Compute profiles (profiling/debug/ncu_tree.sh).
 
-    python profiling/debug/tree_one.py --budget 64 --depth 15
+python profiling/debug/tree_one.py --budget 64 --depth 15
 """
 
 import argparse
