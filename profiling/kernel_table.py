@@ -120,6 +120,23 @@ def spec_phases(kernels: list[dict]) -> list[str]:
             continue
         span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
         out.append(f"| {name} | {len(ks)} | {span:.0f} | {sum(k['dur'] for k in ks):.0f} |")
+    for name, lo, hi in (cuts[0], cuts[2]):  # the verify is the layer table's; these are the step's own
+        if hi > lo:
+            out += phase_path(kernels[lo:hi], name)
+    return out
+
+
+def phase_path(kernels: list[dict], label: str, top: int = 15) -> list[str]:
+    """Markdown: one phase's kernels by name, the most time on the replay's path first (launches, summed µs,
+    path µs: what removing them would save at most)."""
+    agg: dict[str, list[float]] = {}
+    for k in kernels:
+        a = agg.setdefault(k["name"], [0, 0.0, 0.0])
+        a[0], a[1], a[2] = a[0] + 1, a[1] + k["dur"], a[2] + k["path"]
+    out = ["", f"{label}, by path:", "", "| kernel | category | launches | µs | path µs |"]
+    out.append("|---|---|---|---|---|")
+    for name, (n, dur, path) in sorted(agg.items(), key=lambda kv: -kv[1][2])[:top]:
+        out.append(f"| `{short(name)}` | {category(name)} | {n} | {dur:.0f} | {path:.0f} |")
     return out
 
 
