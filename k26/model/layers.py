@@ -199,14 +199,14 @@ class VocabHead(nn.Module):
     def topk_logprobs(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most probable tokens under log_softmax over the whole vocabulary: (log-probs, global ids),
         sorted descending; each rank contributes its top-k and its log-sum-exp."""
-        local = self.local_logits(x)
-        lse = local.logsumexp(-1)
-        kk = min(k, self.part)
-        v, i = local.topk(kk, dim=-1)
+        # One op for the shard's log-sum-exp and top-k (torch.ops.k26.logits_topk: two kernels on CUDA where
+        # logsumexp + topk ran ~30); equal logits in column order, so a tie goes to the lower token id
+        # whatever the TP size (the ranks' candidates are gathered in rank order, i.e. id order).
+        v, i, lse = torch.ops.k26.logits_topk(self.local_logits(x), min(k, self.part))
         if self.tp.size > 1:
             v, i = self.tp.gather(v), self.tp.gather(i + self.tp.rank * self.part)
             lse = self.tp.gather(lse[..., None]).logsumexp(-1)
-            v, j = v.topk(min(k, v.shape[-1]), dim=-1)
+            v, j, _ = torch.ops.k26.logits_topk(v, min(k, v.shape[-1]))
             i = i.gather(-1, j)
         return v - lse[..., None], i
 

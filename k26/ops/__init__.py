@@ -107,6 +107,7 @@ from . import (
     glue_cuda,  # noqa: F401  (registers mla_glue and mla_glue_linear with their CUDA kernels)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
     moe_block_cuda,  # noqa: F401  (registers moe_one_token with its two launches)
+    topk_cuda,  # noqa: F401  (registers logits_topk with its CUDA kernels)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
 
@@ -121,6 +122,7 @@ OPS = (
     "linear",
     "linear_grouped",
     "ddtree_build",
+    "logits_topk",
     "mla_glue",
     "mla_glue_linear",
     "allreduce_add_rmsnorm",

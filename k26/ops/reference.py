@@ -215,6 +215,18 @@ def moe_w4a16(
     return moe_combine(x_TD, ids_TK, weights_TK, weights)
 
 
+# ------------------------------------------------ vocabulary top-k (torch.ops.k26.logits_topk)
+
+
+def logits_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of x [..., V] (as fp32), descending, and their columns (int64): equal
+    values in column order, NaN above everything, -0.0 equal to +0.0 (a stable descending sort); and each
+    row's log-sum-exp [...] (fp32). What the draft reads of its vocabulary shard."""
+    x = x.float()
+    v, i = torch.sort(x, dim=-1, descending=True, stable=True)
+    return v[..., :k].contiguous(), i[..., :k].contiguous(), torch.logsumexp(x, dim=-1)
+
+
 # ---------------------------------------------------------------- DDTree builder (torch.ops.k26.ddtree_build)
 #
 # The `budget` most probable prefixes under the product of the drafter's per-depth marginals (Prop. 2 of

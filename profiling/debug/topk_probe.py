@@ -1,6 +1,7 @@
 """The draft's vocabulary top-k (VocabHead.topk_logprobs: logsumexp + topk over this rank's logits) alone in a
 CUDA graph: replay µs and the kernels' summed µs (an idle gap inside the replay shows as replay > summed),
-torch's topk against a two-stage one (top-k of 1,024-wide chunks, then of their candidates).
+torch's topk against a two-stage one (top-k of 1,024-wide chunks, then of their candidates) and against
+torch.ops.k26.logits_topk (whose log-sum-exp comes with it: its row also runs the logsumexp, unused).
 
     python profiling/debug/topk_probe.py
 """
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+import k26.ops  # noqa: F401  (registers torch.ops.k26.logits_topk)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_table import record
@@ -21,6 +24,10 @@ def chunked_topk(x: torch.Tensor, k: int, w: int = 1024) -> tuple[torch.Tensor, 
     idx = c.indices + torch.arange(0, n, w, device=x.device)[:, None]
     v, j = c.values.flatten(-2).topk(k, dim=-1)
     return v, idx.flatten(-2).gather(-1, j)
+
+
+def k26_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.k26.logits_topk(x, k)[:2]
 
 
 def probe(x: torch.Tensor, k: int, name: str, fn) -> str:
@@ -47,6 +54,7 @@ def main() -> None:
         for k in (15, 31, 64):
             print(probe(x, k, "torch.topk", lambda x, k: x.topk(k, dim=-1)), flush=True)
             print(probe(x, k, "chunked", chunked_topk), flush=True)
+            print(probe(x, k, "k26.logits_topk", k26_topk), flush=True)
 
 
 if __name__ == "__main__":
