@@ -8,8 +8,8 @@
 //
 // 1. chunk_kernel, grid (chunks of 4,096 columns, rows): each thread holds 16 logits; the chunk's max and
 //    sum of exp (shifted by the max) and its top min(k, columns) by a block-wide radix select of the k-th
-//    largest order key (four 8-bit digit passes over shared histograms, one a warp), then, only when more
-//    keys equal that one than are needed, a binary search
+//    largest order key (four 8-bit digit passes over a shared histogram, lanes with the same digit adding
+//    once by __match_any_sync), then, only when more keys equal that one than are needed, a binary search
 //    over the column for the lowest-index ones. The candidates (key, column, value) go to the workspace.
 // 2. merge_kernel, grid (rows): the same select over the row's chunks' candidates (<= 4,096: k x chunks),
 //    the k chosen ranked by one compare each against the others (sorted output), the chunks' (shift, sum)
@@ -17,10 +17,8 @@
 // The select takes exactly the top min(k, n) of its keys whatever the order they arrive in (the compaction's
 // shared-memory slots are in arrival order, the merge does not depend on it, the final rank does not either).
 //
-// Legality: shared-memory atomics, warp shuffles and redux.sync (sm_80+), no tensor cores; ~9 KB static shared
-// memory: legal on sm_120 and sm_90; built for sm_90a and sm_120a.
-// (The first version let the lanes with one digit add once, by __match_any_sync: 22 µs a kernel at 15 rows of
-// 20,480 on an H100, the 64 matches a thread the bulk of it.)
+// Legality: shared-memory atomics, warp shuffles, redux.sync and match.any.sync (sm_80+), no tensor cores;
+// ~1.3 KB static shared memory: legal on sm_120 and sm_90; built for sm_90a and sm_120a.
 // Benchmark: profiling/debug/topk_probe.py (graph replay, against torch.topk + logsumexp).
 
 #include <cuda_runtime.h>
@@ -63,7 +61,7 @@ struct Picked {  // the selected entries, in shared memory (arrival order)
 };
 
 struct SelectSmem {
-  uint32_t hist[THREADS / 32][256];  // a histogram a warp: the first pass's few digits collide within warps only
+  uint32_t hist[256];
   uint32_t digit, above;
   int red[THREADS / 32];
 };
@@ -76,24 +74,21 @@ __device__ void select_top(const uint32_t (&key)[PER], const int (&col)[PER], co
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint32_t prefix = 0, pmask = 0;
   int kk = want;  // rank of T among the keys matching the prefix
-  uint32_t* hist = sm.hist[warp];
   for (int shift = 24; shift >= 0; shift -= 8) {
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) sm.hist[w][tid] = 0;  // THREADS == 256 bins
+    sm.hist[tid] = 0;  // THREADS == 256 bins
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < PER; ++j)
-      if (key[j] != 0 && (key[j] & pmask) == prefix) atomicAdd(&hist[(key[j] >> shift) & 255u], 1u);
+    for (int j = 0; j < PER; ++j) {
+      const bool in = key[j] != 0 && (key[j] & pmask) == prefix;
+      const uint32_t d = (key[j] >> shift) & 255u;
+      const unsigned peers = __match_any_sync(~0u, in ? d : 256u + lane);  // (out: a value no digit has)
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], (uint32_t)__popc(peers));
+    }
     __syncthreads();
     if (warp == 0) {  // lane l holds bins 255 - 8l down to 248 - 8l: lane order is descending digit order
       uint32_t c[8], sum = 0;
 #pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        c[b] = 0;
-#pragma unroll
-        for (int w = 0; w < THREADS / 32; ++w) c[b] += sm.hist[w][255 - 8 * lane - b];
-        sum += c[b];
-      }
+      for (int b = 0; b < 8; ++b) c[b] = sm.hist[255 - 8 * lane - b], sum += c[b];
       uint32_t incl = sum;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
