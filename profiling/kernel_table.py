@@ -33,7 +33,9 @@ CATEGORIES = (  # first match wins; lower-case substrings of the kernel name (Tr
     ("fused all-reduce + add + RMSNorm (k26)", ("allreduce_add_rmsnorm",)),
     ("residual add + RMSNorm (k26)", ("add_rmsnorm",)),
     ("dense projection (k26 small-M linear)", ("linear_smallm", "linear_tile")),
-    ("MLA tree attention", (ATTN, "merge")),
+    ("vocabulary top-k (k26)", ("topk_chunk", "topk_merge")),
+    ("drafter attention (k26)", ("split_kernel<", "merge_kernel<")),  # csrc/drafter_attn.cu
+    ("MLA tree attention", (ATTN,)),
     ("MoE router", ("router",)),
     ("MoE experts (int4 kernel)", ("moe", "route_kernel", "combine", "gemm_kernel")),
     ("dense projection (cuBLAS)", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "sm90_")),

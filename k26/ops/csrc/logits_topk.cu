@@ -6,12 +6,12 @@
 //               -0.0 equal to +0.0 — torch.sort(descending=True, stable=True)'s order), indices[r] their columns,
 //   lse[r]    = log sum exp x[r, :] (torch.logsumexp's convention for infinite maxima)
 //
-// 1. chunk_kernel, grid (chunks of 4,096 columns, rows): each thread holds 16 logits; the chunk's max and
+// 1. topk_chunk_kernel, grid (chunks of 4,096 columns, rows): each thread holds 16 logits; the chunk's max and
 //    sum of exp (shifted by the max) and its top min(k, columns) by a block-wide radix select of the k-th
 //    largest order key (four 8-bit digit passes over a shared histogram, lanes with the same digit adding
 //    once by __match_any_sync), then, only when more keys equal that one than are needed, a binary search
 //    over the column for the lowest-index ones. The candidates (key, column, value) go to the workspace.
-// 2. merge_kernel, grid (rows): the same select over the row's chunks' candidates (<= 4,096: k x chunks),
+// 2. topk_merge_kernel, grid (rows): the same select over the row's chunks' candidates (<= 4,096: k x chunks),
 //    the k chosen ranked by one compare each against the others (sorted output), the chunks' (shift, sum)
 //    pairs merged in chunk order by one warp (fixed shuffle tree): deterministic, no float atomics.
 // The select takes exactly the top min(k, n) of its keys whatever the order they arrive in (the compaction's
@@ -160,7 +160,7 @@ __host__ __device__ inline Work carve(void* base, int R, int C, int k) {
 
 __device__ __forceinline__ int col_bits(int n) { return n <= 1 ? 1 : 32 - __clz(n - 1); }
 
-__global__ void __launch_bounds__(THREADS) chunk_kernel(const float* __restrict__ x, int V, int k, Work w) {
+__global__ void __launch_bounds__(THREADS) topk_chunk_kernel(const float* __restrict__ x, int V, int k, Work w) {
   __shared__ SelectSmem sm;
   __shared__ Picked out;
   __shared__ float red_f[THREADS / 32];
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(THREADS) chunk_kernel(const float* __restrict_
   }
 }
 
-__global__ void __launch_bounds__(THREADS) merge_kernel(int V, int C, int k, Work w, float* __restrict__ values,
+__global__ void __launch_bounds__(THREADS) topk_merge_kernel(int V, int C, int k, Work w, float* __restrict__ values,
                                                         int64_t* __restrict__ indices, float* __restrict__ lse) {
   __shared__ SelectSmem sm;
   __shared__ Picked out;
@@ -267,7 +267,7 @@ K26_EXPORT int k26_logits_topk(const float* x, int R, int V, int k, float* value
   if (R < 1 || R > 65535 || V < 1 || k < 1 || k > MAX_K || k > V || C * k > CHUNK) return (int)cudaErrorInvalidValue;
   const Work w = carve(workspace, R, C, k);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  chunk_kernel<<<dim3(C, R), THREADS, 0, st>>>(x, V, k, w);
-  merge_kernel<<<R, THREADS, 0, st>>>(V, C, k, w, values, indices, lse);
+  topk_chunk_kernel<<<dim3(C, R), THREADS, 0, st>>>(x, V, k, w);
+  topk_merge_kernel<<<R, THREADS, 0, st>>>(V, C, k, w, values, indices, lse);
   return (int)cudaGetLastError();
 }
