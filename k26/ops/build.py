@@ -175,6 +175,11 @@ VARIANTS: dict[str, list[str]] = {
     # 7.7 µs against 6.7 by default: slower. One slot set per device: one router launch at a time (no
     # bounded spin), emptied before the next by the PDL chain's waits
     "-DK26_ROUTER_POLL": ["moe_router.cu"],
+    # vocabulary top-k: a radix histogram a warp with plain shared atomics instead of one add per digit by
+    # __match_any_sync (the default's 64 matches a thread: ~22 µs a kernel at 15 x 20,480, H100, 2026-12-06).
+    # Compiled only: the session that wrote it had no device time left (2026-12-06-tree-sorted-frontier-
+    # session32-h100.md); the next one's first A/B
+    "-DK26_TOPK_WARP_HIST": ["logits_topk.cu"],
 }
 
 

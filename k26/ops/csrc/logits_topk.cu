@@ -60,8 +60,16 @@ struct Picked {  // the selected entries, in shared memory (arrival order)
   int n;
 };
 
+// -DK26_TOPK_WARP_HIST (an A/B side, k26/ops/build.py VARIANTS): a histogram a warp and plain shared atomics in
+// place of the lanes with one digit adding once by __match_any_sync (64 matches a thread: most of the ~22 µs a
+// kernel at 15 x 20,480 on an H100). Compiled, not yet run on a GPU.
+#ifdef K26_TOPK_WARP_HIST
+constexpr int kHists = THREADS / 32;
+#else
+constexpr int kHists = 1;
+#endif
 struct SelectSmem {
-  uint32_t hist[256];
+  uint32_t hist[kHists][256];
   uint32_t digit, above;
   int red[THREADS / 32];
 };
@@ -75,20 +83,30 @@ __device__ void select_top(const uint32_t (&key)[PER], const int (&col)[PER], co
   uint32_t prefix = 0, pmask = 0;
   int kk = want;  // rank of T among the keys matching the prefix
   for (int shift = 24; shift >= 0; shift -= 8) {
-    sm.hist[tid] = 0;  // THREADS == 256 bins
+#pragma unroll
+    for (int h = 0; h < kHists; ++h) sm.hist[h][tid] = 0;  // THREADS == 256 bins
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const bool in = key[j] != 0 && (key[j] & pmask) == prefix;
       const uint32_t d = (key[j] >> shift) & 255u;
+#ifdef K26_TOPK_WARP_HIST
+      if (in) atomicAdd(&sm.hist[warp][d], 1u);
+#else
       const unsigned peers = __match_any_sync(~0u, in ? d : 256u + lane);  // (out: a value no digit has)
-      if (in && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], (uint32_t)__popc(peers));
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[0][d], (uint32_t)__popc(peers));
+#endif
     }
     __syncthreads();
     if (warp == 0) {  // lane l holds bins 255 - 8l down to 248 - 8l: lane order is descending digit order
       uint32_t c[8], sum = 0;
 #pragma unroll
-      for (int b = 0; b < 8; ++b) c[b] = sm.hist[255 - 8 * lane - b], sum += c[b];
+      for (int b = 0; b < 8; ++b) {
+        c[b] = 0;
+#pragma unroll
+        for (int h = 0; h < kHists; ++h) c[b] += sm.hist[h][255 - 8 * lane - b];
+        sum += c[b];
+      }
       uint32_t incl = sum;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
