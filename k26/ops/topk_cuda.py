@@ -1,7 +1,8 @@
 """Front door of the vocabulary top-k: `torch.ops.k26.logits_topk`, its fake, input checks before any launch
 and the CUDA kernels (csrc/logits_topk.cu: a block per 4,096-column chunk of a row, then a block per row); the
-pure-torch reference `reference.logits_topk` (the specification) on every other device and for shapes the
-kernels do not hold (k above 64, more than 4,096 / k chunks of a row, more than 65,535 rows: said once).
+pure-torch reference `reference.logits_topk` (the specification) on every other device; for shapes the kernels
+do not hold (k above 64, more than 4,096 / k chunks of a row, more than 65,535 rows: said once) `keyed_topk`,
+the reference's results by torch.topk over unique keys.
 
     logits_topk(x [..., V] float, k) -> (values [..., k] fp32, descending; indices [..., k] int64;
                                          lse [...] fp32)
@@ -48,6 +49,20 @@ def check_inputs(x: torch.Tensor, k: int) -> None:
         raise ValueError(f"logits_topk: k={k} must lie in [1, {x.shape[-1]}] (the last dimension of x)")
 
 
+def keyed_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's results by torch.topk over unique int64 keys — the value's fp32 order (NaN above all,
+    -0.0 as +0.0) above the complemented column, so equal values come in column order — instead of a whole
+    sort of each row: the shapes the kernels do not hold (k > 64: budgets above 64) at topk's cost."""
+    x = x.float()
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # the fp32 bits, unsigned
+    bits = torch.where(bits == 0x80000000, 0, bits)  # -0.0 as +0.0
+    key = torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)  # fp32 order, unsigned
+    key = torch.where(x.isnan(), 0xFFFFFFFF, key)
+    cols = torch.arange(x.shape[-1], device=x.device)
+    _, i = ((key << 31) | (0x7FFFFFFF - cols)).topk(k, dim=-1)  # 31 bits of column: V < 2^31
+    return x.gather(-1, i), i, torch.logsumexp(x, dim=-1)
+
+
 @functools.cache  # once per process, like build.library
 def _library() -> ctypes.CDLL:
     """The kernel library with this op's ctypes signatures (csrc/logits_topk.cu)."""
@@ -88,8 +103,8 @@ def _(x, k):
     lib = _library()
     why = _unsupported(lib, R, V, k)
     if why is not None:
-        say_once(__name__, logging.INFO, f"k26.logits_topk: {why} runs the reference (sort + logsumexp)")
-        return reference.logits_topk(x, k)
+        say_once(__name__, logging.INFO, f"k26.logits_topk: {why} runs torch.topk on order keys + logsumexp")
+        return keyed_topk(x, k)
     x2 = x.reshape(R, V).float().contiguous()
     values = torch.empty(R, k, dtype=torch.float32, device=x.device)
     indices = torch.empty(R, k, dtype=torch.int64, device=x.device)

@@ -19,7 +19,7 @@
 // header of csrc/ddtree_heap.cuh). Nodes with a non-finite score are invalid, parent 0, seeing only themselves,
 // as the reference's.
 //
-// Legality: plain CUDA (warp shuffles, ballot, redux.sync), no tensor cores; at most 64 KB + a few KB of
+// Legality: plain CUDA (warp shuffles, ballot), no tensor cores; at most 64 KB + a few KB of
 // dynamic shared memory (budget 512):
 // legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a. Benchmark: profiling/bench_tree.py; H200,
 // depth 7 (2026-12-02-bench_tree-h200.md): budget 16 46.7 -> 23.5 µs a graph-replayed op, 64 103 -> 54, 512

@@ -71,6 +71,9 @@ __device__ __forceinline__ uint64_t rank_unit(int d, bool hi) {  // rank + 1 at 
   return hi ? 1ull << (6 * (10 - d)) : 1ull << (6 * (15 - d));
 }
 
+// (No "memory" clobber: the popped scores it reads back were stored by this thread iterations earlier, and
+// nvcc keeps the volatile asm and the stores in program order — the GPU tests compare every bit. A clobber on
+// the score read would make that order a guarantee; left for a session that can measure its schedule.)
 __device__ __forceinline__ double lds_f64(uint32_t addr) {
   double v;
   asm volatile("ld.shared.f64 %0, [%1];\n" : "=d"(v) : "r"(addr));

@@ -7,18 +7,21 @@
 //   lse[r]    = log sum exp x[r, :] (torch.logsumexp's convention for infinite maxima)
 //
 // 1. topk_chunk_kernel, grid (chunks of 4,096 columns, rows): each thread holds 16 logits; the chunk's max and
-//    sum of exp (shifted by the max) and its top min(k, columns) by a block-wide radix select of the k-th
+//    sum of exp (shifted by that max when finite) and its top min(k, columns) by a block-wide radix select of the k-th
 //    largest order key (four 8-bit digit passes over a shared histogram, lanes with the same digit adding
 //    once by __match_any_sync), then, only when more keys equal that one than are needed, a binary search
 //    over the column for the lowest-index ones. The candidates (key, column, value) go to the workspace.
 // 2. topk_merge_kernel, grid (rows): the same select over the row's chunks' candidates (<= 4,096: k x chunks),
-//    the k chosen ranked by one compare each against the others (sorted output), the chunks' (shift, sum)
-//    pairs merged in chunk order by one warp (fixed shuffle tree): deterministic, no float atomics.
+//    the k chosen ranked by one compare each against the others (sorted output), the chunks' (max, sum)
+//    pairs merged in chunk order by one warp (fixed shuffle tree): deterministic, no float atomics. An
+//    infinite row maximum or a NaN decides the row's value as torch.logsumexp's (+-inf, NaN); a chunk with
+//    no finite logit adds nothing else (its sum is 0, or NaN).
 // The select takes exactly the top min(k, n) of its keys whatever the order they arrive in (the compaction's
 // shared-memory slots are in arrival order, the merge does not depend on it, the final rank does not either).
 //
 // Legality: shared-memory atomics, warp shuffles, redux.sync and match.any.sync (sm_80+), no tensor cores;
-// ~1.3 KB static shared memory: legal on sm_120 and sm_90; built for sm_90a and sm_120a.
+// ~1.9 KB static shared memory (~9 KB with -DK26_TOPK_WARP_HIST): legal on sm_120 and sm_90; built for sm_90a
+// and sm_120a.
 // Benchmark: profiling/debug/topk_probe.py (graph replay, against torch.topk + logsumexp).
 
 #include <cuda_runtime.h>
@@ -157,8 +160,8 @@ __device__ void select_top(const uint32_t (&key)[PER], const int (&col)[PER], co
   __syncthreads();
 }
 
-struct Work {  // [rows][chunks] (shift, sum of exp) and [rows][chunks][k] candidates
-  float *shift, *sum;
+struct Work {  // [rows][chunks] (max, sum of exp shifted by it when finite) and [rows][chunks][k] candidates
+  float *max, *sum;
   uint32_t* key;
   int* col;
   float* val;
@@ -168,7 +171,7 @@ __host__ __device__ inline Work carve(void* base, int R, int C, int k) {
   char* p = static_cast<char*>(base);
   const size_t rc = (size_t)R * C, rck = rc * k;
   Work w{};
-  w.shift = reinterpret_cast<float*>(p), p += rc * 4;
+  w.max = reinterpret_cast<float*>(p), p += rc * 4;
   w.sum = reinterpret_cast<float*>(p), p += rc * 4;
   w.key = reinterpret_cast<uint32_t*>(p), p += rck * 4;
   w.col = reinterpret_cast<int*>(p), p += rck * 4;
@@ -215,7 +218,7 @@ __global__ void __launch_bounds__(THREADS) topk_chunk_kernel(const float* __rest
     float t = 0.f;
 #pragma unroll
     for (int i = 0; i < THREADS / 32; ++i) t += red_f[i];
-    w.shift[(size_t)r * C + c] = shift, w.sum[(size_t)r * C + c] = t;
+    w.max[(size_t)r * C + c] = m, w.sum[(size_t)r * C + c] = t;
   }
   const int real = min(CHUNK, V - c * CHUNK), want = min(k, real);
   select_top(key, col, val, want, col_bits(V), sm, out);
@@ -254,16 +257,20 @@ __global__ void __launch_bounds__(THREADS) topk_merge_kernel(int V, int C, int k
     values[(size_t)r * k + rank] = out.val[tid];
     indices[(size_t)r * k + rank] = mc;
   }
-  if (tid < 32) {  // the chunks' (shift, sum) in chunk order: lane l holds chunks l, l + 32 (C <= 64 for k >= 64)
-    float g = -INFINITY;
-    for (int c = lane; c < C; c += 32) g = fmaxf(g, w.shift[(size_t)r * C + c]);
+  if (tid < 32) {  // the chunks' (max, sum) in chunk order: lane l holds chunks l, l + 32, ...
+    const float* cm = w.max + (size_t)r * C;
+    const float* cs = w.sum + (size_t)r * C;
+    float g = -INFINITY;  // the row's max (NaN ignored: a NaN logit made its chunk's sum NaN)
+    bool nan = false;
+    for (int c = lane; c < C; c += 32) g = fmaxf(g, cm[c]), nan |= isnan(cs[c]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) g = fmaxf(g, __shfl_xor_sync(~0u, g, o));
-    float s = 0.f;
-    for (int c = lane; c < C; c += 32) s += w.sum[(size_t)r * C + c] * expf(w.shift[(size_t)r * C + c] - g);
+    nan = __any_sync(~0u, nan);
+    float s = 0.f;  // (g finite: no chunk max is +inf; a chunk of -inf only adds its 0)
+    for (int c = lane; c < C; c += 32) s += isfinite(cm[c]) ? cs[c] * expf(cm[c] - g) : 0.f;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(~0u, s, o);
-    if (lane == 0) lse[r] = g + logf(s);
+    if (lane == 0) lse[r] = nan ? NAN : isfinite(g) ? g + logf(s) : g;  // torch.logsumexp's +-inf and NaN
   }
 }
 
