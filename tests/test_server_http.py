@@ -87,6 +87,24 @@ def test_a_text_prompt_longer_than_any_context_is_refused_before_it_is_encoded(s
     assert calls == [bound] and status == 400 and "tokens, but the context holds" in err["error"]["message"]
 
 
+def test_chat_messages_longer_than_any_context_are_refused_before_they_are_rendered(served, monkeypatch):
+    """(Found in a bug hunt: a 40 MB message was rendered and encoded — ~4 s of a worker — before its
+    token count was refused; a completions prompt of that size is refused by its characters.)"""
+    tok, max_len = served["llm"].tokenizer, served["llm"].max_model_len
+    calls = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: calls.append(len(text)) or real(text))
+    bound = (max_len - 1) * tok.max_token_bytes
+    half = [{"role": "user", "content": "y" * (bound // 2)}, {"role": "assistant", "content": "n"}]
+    body = {"model": MODEL, "messages": [*half, {"role": "user", "content": "y" * (bound - bound // 2)}]}
+    status, err = raw(served["url"], "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+    assert err["error"]["param"] == "messages" and calls == []  # contents summed over the messages
+    body["messages"][-1]["content"] = "y" * (bound - bound // 2 - 1)  # at the bound: rendered, then counted
+    status, err = raw(served["url"], "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and calls and "tokens, but the context holds" in err["error"]["message"]
+
+
 def test_the_model_card_route_answers_the_served_model_and_404_for_others(served):
     assert served["client"].models.retrieve(MODEL).id == MODEL
     status, err = raw(served["url"], "/v1/models/other-model")

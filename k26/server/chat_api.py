@@ -45,8 +45,12 @@ class ChatTurn:
     tools: bool = True  # tools were declared (tool_choice not "none"): the output's tool calls are read
 
 
-def parse_chat(body: dict, tok: Tokenizer, fmt: ChatFormat) -> tuple[list[int], ChatTurn]:
-    """The prompt ids of a chat request and how to read its output; every bad item named."""
+def parse_chat(
+    body: dict, tok: Tokenizer, fmt: ChatFormat, max_len: int | None = None
+) -> tuple[list[int], ChatTurn]:
+    """The prompt ids of a chat request and how to read its output; every bad item named. Messages whose
+    contents alone cannot fit `max_len` tokens are refused before the prompt is rendered and encoded (tens
+    of megabytes take seconds of a worker; completions' prompts get the same bound)."""
     kw, KW = body.get("chat_template_kwargs"), "chat_template_kwargs"
     if kw is not None and (not isinstance(kw, dict) or set(kw) - {"thinking", "preserve_thinking"}):
         raise APIError(400, f"{KW}: only 'thinking' and 'preserve_thinking' (booleans) are supported", KW)
@@ -75,7 +79,17 @@ def parse_chat(body: dict, tok: Tokenizer, fmt: ChatFormat) -> tuple[list[int], 
         msg = f"parallel_tool_calls={parallel!r}: expected true or false"
         raise APIError(400, msg, "parallel_tool_calls")
     declared = tools if choice != "none" else []
-    ids = render(tok, _messages(body), fmt, declared)
+    msgs = _messages(body)
+    chars = sum(len(m.content) for m in msgs)  # every content is rendered as text: a lower bound
+    if max_len is not None and chars > (max_len - 1) * tok.max_token_bytes:  # (bytes >= characters)
+        raise APIError(
+            400,
+            f"messages: {chars:,} characters of content, more than the {max_len} tokens of the context "
+            "(max_model_len) can hold",
+            "messages",
+            code="context_length_exceeded",
+        )
+    ids = render(tok, msgs, fmt, declared)
     return ids, ChatTurn(fmt.thinking is True, 1 if parallel is False else None, bool(declared))
 
 

@@ -105,7 +105,7 @@ def parse(
     _refuse_unserved(body)
     turn = None
     if chat:
-        ids, turn = parse_chat(body, tok, fmt)
+        ids, turn = parse_chat(body, tok, fmt, max_model_len)
         prompts = [ids]
     else:
         prompts = _prompts(body, tok, vocab, max_model_len)
