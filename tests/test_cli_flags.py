@@ -106,6 +106,23 @@ def test_serve_host_that_does_not_resolve_is_refused_before_loading():
     check_args(build_parser().parse_args(["serve", "--host", "127.0.0.1"]))
 
 
+@pytest.mark.parametrize(
+    "flags, match",
+    [  # (found in a bug hunt: both started a server — one answering 413 to every request, one renamed)
+        (["--max-request-mb", "0.0000001"], "--max-request-mb 1e-07: below 1024 bytes, no request would fit"),
+        (["--served-model-name", ""], "--served-model-name is empty"),
+        (["--served-model-name", "  "], "--served-model-name is empty"),
+    ],
+)
+def test_serve_sizes_and_names_that_serve_nothing_are_refused_before_loading(flags, match):
+    from k26.cli_parser import build_parser
+    from k26.server.cli import check_args
+
+    with pytest.raises(ValueError, match=match):
+        check_args(build_parser().parse_args(["serve", *flags]))
+    check_args(build_parser().parse_args(["serve", "--max-request-mb", "0.001", "--served-model-name", "m"]))
+
+
 def test_serve_port_taken_is_refused_before_loading(no_loading, capsys):
     """uvicorn found it taken only after the load (its one ERROR line, exit 3, after '[k26] serving ...')."""
     import socket

@@ -10,6 +10,8 @@ import sys
 from ..cli_parser import AR_WITH_DRAFTER, DTYPES, MAX_BUDGET
 from ..dist import env_int
 
+MIN_REQUEST_BYTES = 1024  # --max-request-mb's least: a short chat request with its headers' worth of JSON
+
 
 def _method(a: argparse.Namespace) -> str:
     """The decoding method: --spec, else DDTree with a drafter (the embedded pair has one), else AR."""
@@ -53,6 +55,12 @@ def check_args(a: argparse.Namespace) -> None:
         )
     if not 0 < a.max_request_mb < 2**20:
         raise ValueError(f"--max-request-mb {a.max_request_mb}: expected a positive size in MiB")
+    if a.max_request_mb * 2**20 < MIN_REQUEST_BYTES:  # (it rounded to 0 bytes: a server refusing every POST)
+        raise ValueError(
+            f"--max-request-mb {a.max_request_mb}: below {MIN_REQUEST_BYTES} bytes, no request would fit"
+        )
+    if a.served_model_name is not None and not a.served_model_name.strip():
+        raise ValueError("--served-model-name is empty: give a name, or leave the option out for the default")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
 
