@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import socket
 import sys
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_parser import AR_WITH_DRAFTER, DTYPES, build_parser
+from .cli_parser import AR_WITH_DRAFTER, DEFAULT_MAX_TOKENS, DTYPES, build_parser
 from .embedded import default_drafter_dir, default_model_dir
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
         temperature=a.temperature,
         top_p=a.top_p,
         top_k=a.top_k,
-        max_tokens=a.max_tokens,
+        max_tokens=DEFAULT_MAX_TOKENS if a.max_tokens is None else a.max_tokens,
         seed=a.seed,
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
@@ -177,6 +178,14 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
             f"--prompt has {len(ids)} tokens; the context holds {max_len} (--max-model-len), "
             "leaving no room to generate"
         )
+    room = max_len - len(ids)
+    if a.max_tokens is not None and a.max_tokens > room:  # (as the server's 400: no completion silently cut)
+        raise ValueError(
+            f"--max-tokens {a.max_tokens}: the prompt's {len(ids)} tokens leave room for {room} in the "
+            f"context of {max_len} (--max-model-len)"
+        )
+    if a.max_tokens is None and room < sp.max_tokens:  # the default: as many as the context leaves
+        sp = dataclasses.replace(sp, max_tokens=room)
     if drafter is not None:  # last: a warning about the context only once nothing else is wrong
         dcfg = DrafterConfig.from_dir(drafter)
         dcfg.check_target(cfg)

@@ -18,6 +18,7 @@ def _positive(s: str) -> int:
     return v
 
 
+DEFAULT_MAX_TOKENS = 64  # generate's --max-tokens when not given (then cut to the room the context leaves)
 MAX_BUDGET = 255  # k26.spec.step.MAX_BUDGET (this module stays free of torch: `--help` is instant)
 # generate and serve refuse a drafter that would go unused, in the same words
 AR_WITH_DRAFTER = (
@@ -119,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--no-thinking", action="store_true", help="with --chat on K2.5 / K2.6: answer without a think block"
     )
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}, or the room the context leaves)",
+    )
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

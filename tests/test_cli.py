@@ -60,11 +60,26 @@ def test_generate_echoes_the_prompt_and_streams_pieces(monkeypatch, capsys):
     "max_len,said", [("16", "DDTree budgets limited to (3, 7)"), ("8", "decoding autoregressively")]
 )
 def test_small_context_decodes_and_says_how_once(capsys, max_len, said):
-    rc, out, err = run(
-        capsys, "generate", "--prompt", "def f(x):", "--max-model-len", max_len, "--max-tokens", "4"
-    )
+    # (no --max-tokens: the default is cut to the room the small context leaves; 4 no longer fits 8)
+    rc, out, err = run(capsys, "generate", "--prompt", "def f(x):", "--max-model-len", max_len)
     assert rc == 0 and out.startswith("def f(x):")
     assert err.count(said) == 1 and "Traceback" not in err
+
+
+def test_max_tokens_beyond_the_contexts_room_is_refused_and_the_default_fits_it(no_loading, capsys):
+    """(Found in a bug hunt: --max-tokens 100000 with a 64-token context generated 61 and said finish_reason
+    'length', where the server refuses such a request with a 400.)"""
+    from k26.__main__ import plan_generate
+    from k26.cli_parser import build_parser
+
+    flags = ["generate", "--prompt", "def main(", "--max-model-len"]
+    rc, _, err = run(capsys, *flags, "64", "--max-tokens", "100000")
+    assert rc == 2 and "--max-tokens 100000: the prompt's" in err and "(--max-model-len)" in err
+    a = build_parser().parse_args([*flags, "12", "--spec", "ar"])
+    plan = plan_generate(a)
+    assert plan.sampling.max_tokens == 12 - len(plan.prompt_ids)  # the default, cut to the room left
+    a = build_parser().parse_args(["generate", "--prompt", "def main(", "--spec", "ar"])
+    assert plan_generate(a).sampling.max_tokens == 64
 
 
 def test_small_context_fixed_budget_is_refused_before_loading(no_loading, capsys):
