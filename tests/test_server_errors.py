@@ -53,6 +53,11 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**63 - 2, "n": 3}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
+    # a token-id prompt's element that is no id, named by its index (found in a bug hunt: "prompt: expected a
+    # string or a list of token ids, got list", the list itself)
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 1.5]}, 400, "prompt[1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": [True]}, 400, "prompt[0]"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [3, "a"]]}, 400, "prompt[1][1]"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 1}, 400, "echo"),

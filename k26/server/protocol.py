@@ -260,6 +260,9 @@ def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None 
         if bad:
             raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})", where)
         ids = list(p)
+    elif isinstance(p, list):  # the first element that is no token id, by its index
+        i = next(i for i, t in enumerate(p) if not is_int(t))
+        raise APIError(400, f"{where}[{i}]={short(p[i])}: expected a token id (an integer)", f"{where}[{i}]")
     else:
         raise APIError(
             400, f"{where}: expected a string or a list of token ids, got {type(p).__name__}", where
