@@ -114,6 +114,11 @@ class Message:
         )
 
 
+def is_text_part(p) -> bool:
+    """One of OpenAI's text content parts: {"type": "text", "text": str}."""
+    return isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+
+
 def text_of(content):
     """A message's content as the templates write it: a string as it is, None as empty, OpenAI's list of
     text parts ({"type": "text", "text": ...}) as their texts one after another; a part of another kind
@@ -123,7 +128,7 @@ def text_of(content):
     if not isinstance(content, (list, tuple)):
         return content
     for i, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+        if not is_text_part(p):
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             raise ValueError(
                 f"chat message content[{i}] ({kind!r}): expected a text part {{'type': 'text', 'text': str}} "

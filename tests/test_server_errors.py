@@ -112,6 +112,27 @@ BAD = [
         400,
         "messages[0].content",
     ),
+    # a part that is not text, named by its index (found in a bug hunt: only messages[0].content was named)
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {}}],
+                }
+            ],
+        },
+        400,
+        "messages[0].content[1]",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": [7]}]},
+        400,
+        "messages[0].content[0]",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of_the_rest": 1}, 400, "best_of_the_rest"),
     (
         "/v1/completions",

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat import ChatFormat, Message, ToolCall, render, text_of
+from ..chat import ChatFormat, Message, ToolCall, is_text_part, render, text_of
 from ..chat_parser import ChatParser, Piece
 from ..sampling import stop_prefix_len
 from ..tokenizer import Tokenizer
@@ -199,10 +199,17 @@ def _calls(calls: Any, where: str) -> tuple[ToolCall, ...]:
 
 
 def _content(c: Any, where: str) -> str:
-    """A message's content (a string or OpenAI's text parts: chat.text_of's rule), else a 400 naming it."""
+    """A message's content (a string or OpenAI's text parts: chat.text_of's rule), else a 400 naming it — the
+    part by its index when a list holds one that is not text."""
     if isinstance(c, (str, list)):
-        with contextlib.suppress(ValueError):  # (a part that is not text)
+        with contextlib.suppress(ValueError):  # (a part that is not text: named below)
             return text_of(c)
+    if isinstance(c, list):
+        i = next(i for i, p in enumerate(c) if not is_text_part(p))
+        kind = c[i].get("type") if isinstance(c[i], dict) else type(c[i]).__name__
+        at = f"{where}.content[{i}]"
+        msg = f"{at} ({kind!r}): expected a text part {{'type': 'text', 'text': str}} (images and audio are "
+        raise APIError(400, msg + "not supported)", at)
     raise APIError(
         400,
         f"{where}.content: expected a string or a list of text parts (images and audio are not supported)",
