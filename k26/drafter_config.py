@@ -99,6 +99,10 @@ class DrafterConfig:
             from dataclasses import replace
 
             cfg = replace(cfg, **overrides)
+        if cfg.head_dim % 2:  # (the rotary half-split: model/rope.py, model/drafter.py)
+            raise ConfigError(
+                f"drafter head_dim={cfg.head_dim}: RoPE rotates pairs of dimensions; it must be even"
+            )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ConfigError(
                 f"drafter num_attention_heads={cfg.num_attention_heads} is not a multiple of "

@@ -41,3 +41,14 @@ def test_a_drafter_config_with_fewer_layers_than_its_files_is_named(tiny_k25, dr
         match=re.escape("says 1 layers (num_hidden_layers), the checkpoint has tensors for 2"),
     ):
         LLM(tiny_k25, drafter=d, device="cpu", progress=False)
+
+
+def test_an_odd_drafter_head_dim_is_named_not_a_torch_broadcast_error(tiny_k25, tmp_path):
+    """(Found in a bug hunt: head_dim 31 passed the config and failed inside the rotary tables' build with
+    'Attempting to broadcast a dimension of length 15'.)"""
+    from k26 import ConfigError
+    from k26.tiny import write_tiny_drafter
+
+    d = write_tiny_drafter(tmp_path / "drafter", tiny_k25, head_dim=31)
+    with pytest.raises(ConfigError, match="drafter head_dim=31: RoPE rotates pairs of dimensions"):
+        LLM(tiny_k25, drafter=d, device="cpu", progress=False)
