@@ -112,13 +112,31 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
+
+
+class _DuplicateField(ValueError):
+    pass
+
+
+def _entry_pairs(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' objects: a tensor's entry with a field twice is refused, as safetensors' own parser refuses
+    it (a struct there); a name or a __metadata__ key twice is not (maps there, the last one kept)."""
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys) and set(keys) <= ENTRY_FIELDS:
+        raise _DuplicateField(next(k for i, k in enumerate(keys) if k in keys[:i]))
+    return dict(pairs)
+
+
 def _parse(raw: bytes) -> dict:
     """The header's JSON object as safetensors parses it: UTF-8 (json.loads would also take UTF-16 or 32),
     no NaN / Infinity, and `__metadata__` absent, null or an object of strings. A header safetensors refuses
     must be refused here too: the drafter's tensors are read through safetensors' own loader, which raised
     its raw error only then, after the target's load."""
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_entry_pairs)
+    except _DuplicateField as e:
+        raise ValueError(f"a tensor's entry in its header has the field {e.args[0]!r} twice") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (JSONDecodeError is a ValueError)
         raise ValueError(f"its header is not UTF-8 JSON ({e})") from e
     if not isinstance(header, dict):

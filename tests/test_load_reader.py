@@ -258,6 +258,12 @@ def _with_header(f: Path, edit) -> None:
     f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
 
 
+def twice(header: dict, key: str, value: str) -> bytes:
+    """The header's JSON with the field `"key": "value"` written two times over."""
+    pair = f'"{key}": "{value}"'
+    return json.dumps(header).replace(pair, f"{pair}, {pair}").encode()
+
+
 @pytest.mark.parametrize(
     ("edit", "why"),
     [
@@ -265,8 +271,10 @@ def _with_header(f: Path, edit) -> None:
         (lambda h: json.dumps(h | {"__metadata__": ["pt"]}).encode(), "__metadata__ must map"),
         (lambda h: json.dumps(h).encode("utf-16"), "not UTF-8 JSON"),
         (lambda h: json.dumps(h | {"__metadata__": {"format": float("nan")}}).encode(), "NaN is not JSON"),
+        # (found in a bug hunt: json.loads kept the last of the two, safetensors' parser refuses the entry)
+        (lambda h: twice(h, "dtype", "F32"), "has the field 'dtype' twice"),
     ],
-    ids=["metadata-int", "metadata-list", "utf16", "nan"],
+    ids=["metadata-int", "metadata-list", "utf16", "nan", "entry-field-twice"],
 )
 def test_a_header_safetensors_refuses_is_refused_by_the_reader_too(tmp_path, edit, why):
     """Headers safetensors' own loader refuses (non-string metadata, UTF-16, NaN) were read as valid."""
@@ -282,6 +290,22 @@ def test_a_header_safetensors_refuses_is_refused_by_the_reader_too(tmp_path, edi
         pass
     with pytest.raises(ValueError, match=re.escape(why)):
         read_header(f)
+
+
+def test_a_metadata_key_twice_is_read_as_safetensors_reads_it(tmp_path):
+    """Only a tensor entry's repeated field is refused: safetensors keeps the last of a repeated metadata key
+    (a map there), and so does the reader."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from k26.safetensors_file import read_header
+
+    f = tmp_path / "x.safetensors"
+    save_file({"w": torch.zeros(2, 3)}, str(f), metadata={"format": "pt"})
+    _with_header(f, lambda h: twice(h, "format", "pt"))
+    with safe_open(str(f), "pt") as h:
+        assert h.metadata() == {"format": "pt"}
+    assert set(read_header(f)) == {"w"}
 
 
 def test_a_drafter_header_safetensors_refuses_is_named_before_the_target_is_read(
