@@ -304,8 +304,9 @@ def check_request(
 ) -> tuple[SamplingParams, SpecConfig]:
     """A call's sampling and speculative method (defaults: SamplingParams(); DDTree with a drafter of
     `block` tokens per block, else autoregressive), checked and fitted to the context."""
-    sp = sampling or SamplingParams()
-    spec = spec or SpecConfig(method="ddtree" if block is not None else "ar")
+    # (None, not any falsy value: {} or "" are wrong types to name, not a request for the defaults)
+    sp = SamplingParams() if sampling is None else sampling
+    spec = SpecConfig(method="ddtree" if block is not None else "ar") if spec is None else spec
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a k26.SpecConfig, got {type(spec).__name__}")
     if spec.method != "ar" and block is None:

@@ -162,3 +162,12 @@ def test_token_ids_that_are_no_sequence_are_named(llm, ids):
     with pytest.raises(TypeError, match=rf"prompt 0 is a {kind}; expected a list of token ids"):
         llm.admit([ids], [SamplingParams()])
     assert batch.free_slots() == [0]
+
+
+@pytest.mark.parametrize("bad", [{}, [], "", 0])
+def test_empty_values_of_the_wrong_type_are_named_not_taken_for_the_defaults(llm, bad):
+    """(Found in a bug hunt: `sampling or SamplingParams()` took {} for the defaults: 256 tokens decoded.)"""
+    with pytest.raises(TypeError, match=f"sampling must be a k26.SamplingParams, got {type(bad).__name__}"):
+        llm.generate([1, 2, 3], bad, SpecConfig("ar"))
+    with pytest.raises(TypeError, match=f"spec must be a k26.SpecConfig, got {type(bad).__name__}"):
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=2), bad)
