@@ -130,10 +130,24 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         if skip_special:
             ids = [i for i in ids if i < self.num_base]
-        return self.enc.decode(ids, errors="replace")
+        try:
+            return self.enc.decode(ids, errors="replace")
+        except (KeyError, OverflowError) as e:  # (tiktoken's words for an id it lacks, or a negative one)
+            raise self._unknown(ids, e) from None
 
     def decode_bytes(self, ids: list[int]) -> bytes:
-        return self.enc.decode_bytes(ids)
+        try:
+            return self.enc.decode_bytes(ids)
+        except (KeyError, OverflowError) as e:
+            raise self._unknown(ids, e) from None
+
+    def _unknown(self, ids: list[int], e: Exception) -> ValueError:
+        """The error for ids tiktoken could not decode, naming the first one outside the vocabulary (looked
+        for only after a failure: decoding pays nothing for it)."""
+        n = self.enc.n_vocab
+        bad = next((i for i in ids if not 0 <= i < n), None)
+        what = f"token id {bad}" if bad is not None else f"a token id ({e})"
+        return ValueError(f"{what} is not in this tokenizer's vocabulary [0, {n})")
 
     def token_id(self, name: str) -> int:
         try:

@@ -46,6 +46,15 @@ def test_special_id_layout(tok):
     assert tok.stop_ids == (first + 2, first + 1)
 
 
+@pytest.mark.parametrize("ids", [[-1], [5, 10**6], [2**64]])
+def test_decoding_an_id_outside_the_vocabulary_names_it(tok, ids):
+    """(Found in a bug hunt: tiktoken's KeyError 'Invalid token for decoding' or an OverflowError.)"""
+    bad = next(i for i in ids if not 0 <= i < tok.enc.n_vocab)
+    for decode in (tok.decode, tok.decode_bytes):
+        with pytest.raises(ValueError, match=rf"token id {bad} is not in this tokenizer's vocabulary \[0, "):
+            decode(ids)
+
+
 def test_kimi_pattern_compiles_in_tiktoken():
     import tiktoken
 
