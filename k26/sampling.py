@@ -54,9 +54,15 @@ class SamplingParams:
         ):
             raise bad("seed", "must be None or an integer in [-2**63, 2**63)")
         if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            stops = self.stop_token_ids
+            if isinstance(stops, torch.Tensor):  # (as prompts take them: a 1-d integer tensor, as its list)
+                integer = not (stops.is_floating_point() or stops.is_complex() or stops.dtype == torch.bool)
+                if stops.dim() != 1 or not integer:
+                    raise bad("stop_token_ids", "must be None or a list of token ids (a 1-d integer tensor)")
+                stops = stops.tolist()
+            if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
                 raise bad("stop_token_ids", "must be None or a list of token ids")
-            ids = tuple(builtin_number(i) for i in self.stop_token_ids)
+            ids = tuple(builtin_number(i) for i in stops)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
                 raise bad("stop_token_ids", "must be non-negative integers")
             object.__setattr__(self, "stop_token_ids", ids)

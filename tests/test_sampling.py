@@ -52,3 +52,12 @@ def test_a_temperature_beyond_float32_still_filters_and_keeps_banned_tokens_out(
     noise = torch.empty(n, 1, V).exponential_(1.0, generator=g)
     tok = sample_rows(logits.expand(n, 1, V).clone(), RowSampling.of([sp] * n, "cpu", noise))[:, 0]
     assert set(tok.tolist()) == set(logits.topk(3).indices.tolist())
+
+
+def test_stop_token_ids_as_a_tensor_are_taken_as_prompts_are_or_named():
+    """(Found in a bug hunt: a 0-d tensor raised torch's 'iteration over a 0-d tensor'; a 1-d one was refused
+    as 'must be non-negative integers', its elements being 0-d tensors.)"""
+    assert SamplingParams(stop_token_ids=torch.tensor([7, 8])).stop_token_ids == (7, 8)
+    for bad in (torch.tensor(7), torch.tensor([1.0]), torch.tensor([[1]]), torch.tensor([True])):
+        with pytest.raises(ValueError, match=r"SamplingParams.stop_token_ids=tensor\(.*a 1-d integer tensor"):
+            SamplingParams(stop_token_ids=bad)
