@@ -28,7 +28,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # generated, without the stop token
     text: str = ""  # decoded token_ids, special tokens left out, cut before a stop string
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length"; "abort": released (cancelled) before it finished
     stats: SpecStats = field(default_factory=SpecStats)
     # SamplingParams.logprobs: one per token_ids entry (its log-probability, its position's top tokens)
     logprobs: list[TokenLogprob] | None = None

@@ -172,3 +172,20 @@ def test_a_batch_opened_without_logprobs_refuses_a_logprobs_row_on_cpu_too(tiny_
     llm.admit([[8, 9, 10]], [SamplingParams(max_tokens=3, frequency_penalty=0.5)])
     while state.live:
         llm.step()
+
+
+def test_a_row_released_before_it_finished_gives_its_text_so_far_as_aborted(tiny_k25):
+    """(Found in a bug hunt: release() of a cancelled row returned its tokens with text '' and no finish
+    reason; `text` is the tokens' decode.)"""
+    llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_batch=2)
+    state = llm.open_batch(SpecConfig("ar"))
+    slots = llm.admit(
+        [[8, 9, 10], [5, 6]], [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, stop=["zz"])]
+    )
+    llm.step()
+    llm.step()
+    for slot in slots:
+        out = llm.release(slot)
+        assert out.token_ids and out.finish_reason == "abort"
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special=True)
+    assert len(state.free_slots()) == 2
