@@ -67,7 +67,8 @@ def check_layers(
 ) -> None:
     """The layers and routed experts the config promises must be the ones the checkpoint holds tensors for,
     checked before the model is built: an absurd count (200000 layers) was minutes of building and of
-    listing every missing tensor. `where`: the layers' name prefix (a drafter's: "layers")."""
+    listing every missing tensor. `experts`: the routed experts of each MoE layer (0: the model has none);
+    `where`: the layers' name prefix (a drafter's: "layers")."""
     held, held_experts = set(), set()
     k = where.count(".") + 1  # the layer number's place in a name
     for name in infos:
@@ -82,7 +83,8 @@ def check_layers(
             f"the config says {layers} layers (num_hidden_layers), the checkpoint has tensors for "
             f"{len(held)}{_which(held, layers, 'layers')}"
         )
-    if held_experts and (len(held_experts) != experts or held_experts != set(range(experts))):
+    # (none held while the config promises some: a count like 10**6 made the load plan loop that often first)
+    if (held_experts or experts) and (len(held_experts) != experts or held_experts != set(range(experts))):
         problems.append(
             f"the config says {experts} routed experts (n_routed_experts), the checkpoint has tensors for "
             f"{len(held_experts)}{_which(held_experts, experts, 'experts')}"

@@ -254,7 +254,8 @@ def load_model(
     path = Path(path)
     cfg = cfg or ModelConfig.from_dir(path)
     infos = read_index(path)
-    check_layers(infos, path, cfg.num_hidden_layers, cfg.n_routed_experts)  # before building them
+    moe = cfg.num_hidden_layers > cfg.first_k_dense_replace  # (an all-dense model holds no expert)
+    check_layers(infos, path, cfg.num_hidden_layers, cfg.n_routed_experts if moe else 0)  # before building
     with torch.device("meta"):
         model = KimiK2(cfg, dtype=dtype, tp=tp).requires_grad_(False)
     items = plan_load(model, infos, tp, path)

@@ -1,5 +1,6 @@
 """The shard index and the shards it names, read by k26.checkpoint_index.read_index: spellings of one
-shard, names the file system refuses, and a directory without an index whose shard is no regular file."""
+shard, names the file system refuses, and a directory without an index whose shard is no regular file; the
+layers and routed experts a config promises checked against the tensors the index holds."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from k26 import LLM
+from k26 import LLM, CheckpointError
 from k26.loader import load_model
 
 
@@ -65,3 +66,20 @@ def test_the_hf_state_reads_the_shards_the_index_names(ckpt, tiny_k25):
     shutil.copy(ckpt / "sub" / min(p.name for p in (ckpt / "sub").iterdir()), ckpt / "stray.safetensors")
     (_, got), (_, want) = deepseek_v3_state(ckpt, torch.float32), deepseek_v3_state(tiny_k25, torch.float32)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_routed_experts_promised_where_the_checkpoint_holds_none_are_named_at_once(tiny_k25):
+    """(Found in a bug hunt: with no expert tensors at all the count went unchecked, and the load plan looped
+    over every promised expert first — 45 s for 10**6 — before listing them missing.)"""
+    from k26.checkpoint_index import check_layers, read_index
+    from k26.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(tiny_k25)
+    infos = {k: v for k, v in read_index(tiny_k25).items() if ".mlp.experts." not in k}
+    with pytest.raises(
+        CheckpointError,
+        match=r"the config says 1000000 routed experts \(n_routed_experts\), "
+        r"the checkpoint has tensors for 0",
+    ):
+        check_layers(infos, tiny_k25, cfg.num_hidden_layers, 10**6)
+    check_layers(infos, tiny_k25, cfg.num_hidden_layers, 0)  # no MoE layer promised: nothing to hold
