@@ -234,12 +234,17 @@ class ModelConfig:
             for name in ("hidden_size", "moe_intermediate_size"):
                 if getattr(self, name) % g:
                     raise bad(name, f"int4 experts need a multiple of the group size {g}")
-        if self.bos_token_id is not None and (
-            isinstance(self.bos_token_id, bool)
-            or not isinstance(self.bos_token_id, int)
-            or not 0 <= self.bos_token_id < self.vocab_size + 2
-        ):
+
+        def token_id(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < self.vocab_size + 2
+
+        if self.bos_token_id is not None and not token_id(self.bos_token_id):
             raise bad("bos_token_id", "outside the vocabulary")
+        if not all(map(token_id, self.eos_token_ids)):  # (config.json's eos_token_id: an id or a list of ids)
+            raise ConfigError(
+                f"{prefix}eos_token_id={list(self.eos_token_ids)!r}: expected a token id or a list of token "
+                "ids in the vocabulary"
+            )
 
 
 def _check_quant_blocks(raw: dict[str, Any], text: dict[str, Any], prefix: str, cfg: ModelConfig) -> None:

@@ -94,6 +94,11 @@ def test_k26_tp8_shapes_are_legal():
         ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor=inf"),
         ({"norm_topk_prob": "false"}, "norm_topk_prob='false'"),
         ({"bos_token_id": "1"}, "bos_token_id='1'"),
+        # (found in a bug hunt: any eos_token_id loaded and was shown as the model's)
+        ({"eos_token_id": "abc"}, "eos_token_id=['abc']: expected a token id"),
+        ({"eos_token_id": [[2]]}, "eos_token_id=[[2]]: expected a token id"),
+        ({"eos_token_id": -5}, "eos_token_id=[-5]: expected a token id"),
+        ({"eos_token_id": True}, "eos_token_id=[True]: expected a token id"),
         ({"quantization_config": "int4"}, "quantization_config='int4'"),
         ({"n_group": 64, "topk_group": 1}, "topk_group=1"),  # 6 experts a group, top-8
         (
