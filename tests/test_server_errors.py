@@ -58,6 +58,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 1.5]}, 400, "prompt[1]"),
     ("/v1/completions", {"model": MODEL, "prompt": [True]}, 400, "prompt[0]"),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [3, "a"]]}, 400, "prompt[1][1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 1.5]]}, 400, "prompt[0][1]"),  # (a list of one)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 1}, 400, "echo"),

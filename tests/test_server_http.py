@@ -103,6 +103,16 @@ def test_chat_messages_longer_than_any_context_are_refused_before_they_are_rende
     body["messages"][-1]["content"] = "y" * (bound - bound // 2 - 1)  # at the bound: rendered, then counted
     status, err = raw(served["url"], "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and calls and "tokens, but the context holds" in err["error"]["message"]
+    # the other text render always encodes counts too: a label, a tool call's arguments (found in review)
+    calls.clear()
+    call = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "y" * bound}}
+    for msg in (
+        {"role": "user", "content": "hi", "name": "y" * (bound + 1)},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "q"}, msg]}
+        status, err = raw(served["url"], "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded" and calls == [], msg
 
 
 def test_the_model_card_route_answers_the_served_model_and_404_for_others(served):

@@ -80,17 +80,26 @@ def parse_chat(
         raise APIError(400, msg, "parallel_tool_calls")
     declared = tools if choice != "none" else []
     msgs = _messages(body)
-    chars = sum(len(m.content) for m in msgs)  # every content is rendered as text: a lower bound
+    chars = sum(map(_rendered_chars, msgs))
     if max_len is not None and chars > (max_len - 1) * tok.max_token_bytes:  # (bytes >= characters)
         raise APIError(
             400,
-            f"messages: {chars:,} characters of content, more than the {max_len} tokens of the context "
+            f"messages: {chars:,} characters of text, more than the {max_len} tokens of the context "
             "(max_model_len) can hold",
             "messages",
             code="context_length_exceeded",
         )
     ids = render(tok, msgs, fmt, declared)
     return ids, ChatTurn(fmt.thinking is True, 1 if parallel is False else None, bool(declared))
+
+
+def _rendered_chars(m: Message) -> int:
+    """Characters of a message that chat.render always encodes as text — its content, its label (name), a
+    tool result's call id, its tool calls' ids and arguments; not its reasoning, kept only in some turns: a
+    lower bound on the text, so on the tokens (max_token_bytes bytes a token at most, a character a byte at
+    least)."""
+    calls = sum(len(c.id) + len(c.arguments) for c in m.tool_calls)
+    return len(m.content) + len(m.name or "") + len(m.tool_call_id or "") * (m.role == "tool") + calls
 
 
 def _tools(body: dict) -> list[dict]:

@@ -234,15 +234,26 @@ def _prompts(body: dict, tok: Tokenizer, vocab: int, max_len: int) -> list[list[
     items = p if several else [p]
     if len(items) > MAX_PROMPTS:
         raise APIError(400, f"prompt: {len(items)} prompts, at most {MAX_PROMPTS} a request", "prompt")
+    # (one prompt is "prompt" even in a list of one; its elements keep their place: prompt[0][i])
     return [
-        _prompt(x, tok, vocab, f"prompt[{k}]" if len(items) > 1 else "prompt", max_len)
+        _prompt(
+            x,
+            tok,
+            vocab,
+            f"prompt[{k}]" if len(items) > 1 else "prompt",
+            max_len,
+            f"prompt[{k}]" if several else "prompt",
+        )
         for k, x in enumerate(items)
     ]
 
 
-def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None = None) -> list[int]:
+def _prompt(
+    p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None = None, at: str | None = None
+) -> list[int]:
     """One prompt's ids; a text that cannot fit `max_len` tokens whatever it encodes to is refused before
-    it is encoded (tokenizing tens of megabytes takes seconds)."""
+    it is encoded (tokenizing tens of megabytes takes seconds). `at`: the prompt's place in the request, for
+    naming one of its elements (default `where`)."""
     if isinstance(p, str):
         if max_len is not None and len(p) > (max_len - 1) * tok.max_token_bytes:  # (bytes >= characters)
             raise APIError(
@@ -261,8 +272,8 @@ def _prompt(p: Any, tok: Tokenizer, vocab: int, where: str, max_len: int | None 
             raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab})", where)
         ids = list(p)
     elif isinstance(p, list):  # the first element that is no token id, by its index
-        i = next(i for i, t in enumerate(p) if not is_int(t))
-        raise APIError(400, f"{where}[{i}]={short(p[i])}: expected a token id (an integer)", f"{where}[{i}]")
+        i, at = next(i for i, t in enumerate(p) if not is_int(t)), at or where
+        raise APIError(400, f"{at}[{i}]={short(p[i])}: expected a token id (an integer)", f"{at}[{i}]")
     else:
         raise APIError(
             400, f"{where}: expected a string or a list of token ids, got {type(p).__name__}", where
