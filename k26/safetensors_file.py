@@ -115,17 +115,18 @@ def _no_constant(name: str):
 ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
 
 
-class _DuplicateField(ValueError):
-    pass
+class _Object(dict):
+    """A JSON object of the header with the keys it held twice (json.loads keeps the last of each)."""
+
+    twice: frozenset = frozenset()
 
 
-def _entry_pairs(pairs: list[tuple[str, object]]) -> dict:
-    """json.loads' objects: a tensor's entry with a field twice is refused, as safetensors' own parser refuses
-    it (a struct there); a name or a __metadata__ key twice is not (maps there, the last one kept)."""
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys) and set(keys) <= ENTRY_FIELDS:
-        raise _DuplicateField(next(k for i, k in enumerate(keys) if k in keys[:i]))
-    return dict(pairs)
+def _object(pairs: list[tuple[str, object]]) -> _Object:
+    out = _Object(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        out.twice = frozenset(k for k, _ in pairs if k in seen or seen.add(k))
+    return out
 
 
 def _parse(raw: bytes) -> dict:
@@ -134,13 +135,17 @@ def _parse(raw: bytes) -> dict:
     must be refused here too: the drafter's tensors are read through safetensors' own loader, which raised
     its raw error only then, after the target's load."""
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_entry_pairs)
-    except _DuplicateField as e:
-        raise ValueError(f"a tensor's entry in its header has the field {e.args[0]!r} twice") from None
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_object)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (JSONDecodeError is a ValueError)
         raise ValueError(f"its header is not UTF-8 JSON ({e})") from e
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")  # noqa: TRY004  (a bad file, as the others)
+    # A tensor's entry with one of its fields twice: safetensors' parser refuses it (a struct there); a tensor
+    # name, a metadata key or a key it ignores twice it takes (maps there, the last kept), as json.loads does.
+    for name, entry in header.items():
+        if name != "__metadata__" and isinstance(entry, _Object) and entry.twice & ENTRY_FIELDS:
+            field = min(entry.twice & ENTRY_FIELDS)
+            raise ValueError(f"tensor {name}: its header entry has the field {field!r} twice")
     meta = header.get("__metadata__")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise ValueError(f"its __metadata__ must map names to strings, got {str(meta)[:80]}")
