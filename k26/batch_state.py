@@ -155,13 +155,15 @@ class BatchState:
         if out is not None:
             held = cached_tokens(out.prompt_token_ids, out.token_ids) if self.filled[slot] else []
             self.prefix.released(slot, held)
-            if out.finish_reason is None:  # cancelled before it finished: its text so far, said as aborted
-                ts, tok = self.texts[slot], self.tokenizer
-                out.text = ts.finish() if ts is not None else tok.decode(out.token_ids, skip_special=True)
-                out.finish_reason = "abort"
+        ts = self.texts[slot]
         self.filled[slot] = False
         self.outs[slot] = self.params[slot] = self.gens[slot] = self.texts[slot] = None
         self.rs = None
+        if out is not None and out.finish_reason is None:  # cancelled before it finished (its row freed
+            # first, whatever the decode does): its text so far, said as aborted
+            tok = self.tokenizer
+            out.text = ts.finish() if ts is not None else tok.decode(out.token_ids, skip_special=True)
+            out.finish_reason = "abort"
         return out
 
     def overwritten(self) -> None:

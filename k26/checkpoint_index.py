@@ -85,9 +85,13 @@ def check_layers(
         )
     # (none held while the config promises some: a count like 10**6 made the load plan loop that often first)
     if (held_experts or experts) and (len(held_experts) != experts or held_experts != set(range(experts))):
+        which = _which(held_experts, experts, "experts")
         problems.append(
             f"the config says {experts} routed experts (n_routed_experts), the checkpoint has tensors for "
-            f"{len(held_experts)}{_which(held_experts, experts, 'experts')}"
+            f"{len(held_experts)}{which}"
+            if experts
+            else f"the config has no MoE layer, yet the checkpoint has tensors for {len(held_experts)} "
+            f"routed experts{which}"
         )
     if problems:
         raise CheckpointError(path, problems)

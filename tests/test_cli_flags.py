@@ -109,7 +109,7 @@ def test_serve_host_that_does_not_resolve_is_refused_before_loading():
 @pytest.mark.parametrize(
     "flags, match",
     [  # (found in a bug hunt: both started a server — one answering 413 to every request, one renamed)
-        (["--max-request-mb", "0.0000001"], "--max-request-mb 1e-07: below 1024 bytes, no request would fit"),
+        (["--max-request-mb", "0.0000001"], "--max-request-mb 1e-07: below the least cap, 1024 bytes"),
         (["--served-model-name", ""], "--served-model-name is empty"),
         (["--served-model-name", "  "], "--served-model-name is empty"),
     ],

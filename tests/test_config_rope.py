@@ -234,3 +234,14 @@ def test_drafter_rope_fields_are_not_held_to_the_targets_reading():
         pytest.skip("the embedded drafter has no YaRN extension")
     raw["rope_scaling"] = {k: v for k, v in rs.items() if k != "mscale"} | {"mscale_all_dim": 1.0}
     assert DrafterConfig.from_dict(raw).rope.factor == rs["factor"]
+
+
+@pytest.mark.parametrize("eos", [163585, [163585, 163586], None, []])
+def test_eos_token_ids_as_real_configs_write_them_load(tmp_path, eos):
+    """An id or a list of ids (K2: 163585; K2.5 / K2.6 lists), null or none at all: what the check takes."""
+    from k26.config import ModelConfig
+    from k26.tiny import DEFAULT_SIZES, text_config
+
+    raw = text_config(DEFAULT_SIZES | {"base_vocab": 163584}, 163584, "none") | {"eos_token_id": eos}
+    want = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    assert ModelConfig.from_dict(raw).eos_token_ids == want

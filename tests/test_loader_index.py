@@ -83,3 +83,16 @@ def test_routed_experts_promised_where_the_checkpoint_holds_none_are_named_at_on
     ):
         check_layers(infos, tiny_k25, cfg.num_hidden_layers, 10**6)
     check_layers(infos, tiny_k25, cfg.num_hidden_layers, 0)  # no MoE layer promised: nothing to hold
+
+
+def test_an_all_dense_config_promises_no_expert_and_loads(tmp_path):
+    """n_routed_experts is set in every config; only a model with an MoE layer promises its experts (the
+    check of a checkpoint holding none must not refuse a dense one)."""
+    from k26.tiny import write_tiny_checkpoint
+
+    d = write_tiny_checkpoint(tmp_path / "dense", quant="none", num_hidden_layers=2, first_k_dense_replace=2)
+    assert not any(
+        ".mlp.experts." in k
+        for k in json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+    assert load_model(d, progress=False).cfg.n_routed_experts > 0

@@ -57,7 +57,7 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-mb {a.max_request_mb}: expected a positive size in MiB")
     if a.max_request_mb * 2**20 < MIN_REQUEST_BYTES:  # (it rounded to 0 bytes: a server refusing every POST)
         raise ValueError(
-            f"--max-request-mb {a.max_request_mb}: below {MIN_REQUEST_BYTES} bytes, no request would fit"
+            f"--max-request-mb {a.max_request_mb}: below the least cap, {MIN_REQUEST_BYTES} bytes"
         )
     if a.served_model_name is not None and not a.served_model_name.strip():
         raise ValueError("--served-model-name is empty: give a name, or leave the option out for the default")
