@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 import torch
 
@@ -115,6 +117,14 @@ def served():
             "penalized": penalized,
         }
     engine.stop()
+
+
+@pytest.fixture
+def ckpt(tiny_k25, tmp_path):
+    """A copy of the tiny K2.5 checkpoint a test may damage (test_load_cache.py has its own, of tiny_tp)."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_k25, d)
+    return d
 
 
 @pytest.fixture

@@ -10,14 +10,6 @@ from safetensors.torch import load_file, save_file
 from k26 import LLM, CheckpointError, ConfigError
 from k26.loader import load_model
 from k26.model import TPInfo
-from k26.tokenizer import TokenizerError
-
-
-@pytest.fixture
-def ckpt(tiny_k25, tmp_path):
-    d = tmp_path / "ckpt"
-    shutil.copytree(tiny_k25, d)
-    return d
 
 
 def edit_shard(d, key, fn):
@@ -269,56 +261,6 @@ def test_index_with_an_empty_weight_map_is_named(ckpt):
     """Was reported as 'the config says 3 layers, the checkpoint has tensors for 0'."""
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
     assert "model.safetensors.index.json: weight_map is empty" in load_err(ckpt)
-
-
-def test_broken_tokenizer_files_are_named(ckpt):
-    """Ranks not 0..n-1 once each (tiktoken panicked on a repeat; a gap blamed the prompt later), and
-    tokenizer_config.json entries of the wrong shape (tracebacks): one TokenizerError naming the file."""
-    model, cfg = ckpt / "tiktoken.model", ckpt / "tokenizer_config.json"
-    lines = model.read_bytes().splitlines()
-    tok, _ = lines[-1].split()
-    model.write_bytes(b"\n".join([*lines[:-1], tok + b" 5000"]) + b"\n")
-    with pytest.raises(TokenizerError, match="tiktoken.model: the ranks are not 0"):
-        LLM(ckpt, device="cpu", progress=False)
-    model.write_bytes(b"\n".join(lines) + b"\n")
-    good = json.loads(cfg.read_text())
-    for bad in (
-        [1],
-        {"added_tokens_decoder": [1]},
-        {"added_tokens_decoder": {"abc": {"content": "x"}}},
-        {"added_tokens_decoder": {str(len(lines)): {"no": "content"}}},
-    ):
-        cfg.write_text(json.dumps(bad))
-        with pytest.raises(TokenizerError, match="tokenizer_config.json"):
-            LLM(ckpt, device="cpu", progress=False)
-    cfg.write_text(json.dumps(good))
-
-
-def test_a_tokenizer_missing_a_byte_or_truncated_is_named_with_its_file(ckpt):
-    """A byte without its token (tiktoken panicked on text holding it), a truncated tiktoken.model (blamed
-    on tokenizer_config.json's special ids): one TokenizerError naming tiktoken.model."""
-    import base64
-
-    model = ckpt / "tiktoken.model"
-    lines = model.read_bytes().splitlines()
-    a = next(i for i, line in enumerate(lines) if base64.b64decode(line.split()[0]) == b"a")
-    # byte "a" replaced by a longer token: ranks still 0 .. n-1 once each
-    swapped = [*lines[:a], base64.b64encode(b"zzzzqq") + b" " + lines[a].split()[1], *lines[a + 1 :]]
-    model.write_bytes(b"\n".join(swapped) + b"\n")
-    with pytest.raises(
-        TokenizerError, match=r"tiktoken.model: no token for 1 single byte\(s\) \(first 0x61\)"
-    ):
-        LLM(ckpt, device="cpu", progress=False)
-    half = len(lines) - 20  # (the last ranks: merges, not single bytes)
-    model.write_bytes(b"\n".join(lines[:half]) + b"\n")
-    with pytest.raises(TokenizerError, match=f"follows the {half} tokens of tiktoken.model .a truncated"):
-        LLM(ckpt, device="cpu", progress=False)
-
-
-def test_missing_tokenizer(ckpt):
-    (ckpt / "tiktoken.model").unlink()
-    with pytest.raises(TokenizerError, match="tiktoken.model is missing"):
-        LLM(ckpt, device="cpu", progress=False)
 
 
 def test_config_and_checkpoint_disagree(ckpt):

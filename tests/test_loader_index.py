@@ -13,13 +13,6 @@ from k26 import LLM, CheckpointError
 from k26.loader import load_model
 
 
-@pytest.fixture
-def ckpt(tiny_k25, tmp_path):
-    d = tmp_path / "ckpt"
-    shutil.copytree(tiny_k25, d)
-    return d
-
-
 def rewrite_index(d, fn):
     index_file = d / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
