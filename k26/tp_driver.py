@@ -367,7 +367,8 @@ def main() -> int:
     try:
         init = pickle.load(sys.stdin.buffer)
     except BaseException:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
-        pickle.dump(("error", traceback.format_exc()), out)
+        # (no exception object: it may be what did not unpickle; `raise_failure` wants (error, text))
+        pickle.dump(("error", (None, traceback.format_exc())), out)
         out.flush()
         return 1
     return _serve(init, out)

@@ -253,3 +253,22 @@ def test_a_bad_dist_timeout_is_named_before_any_rank(tiny_tp, monkeypatch, capsy
     args = ["generate", "--model", str(tiny_tp[0]), "--prompt", "hi", "--tp", "2", "--device", "cpu"]
     assert main(args) == 2
     assert f"K26_DIST_TIMEOUT='{value}'" in capsys.readouterr().err
+
+
+def test_a_start_message_a_rank_cannot_read_reaches_the_parent_as_its_traceback():
+    """(Found in a bug hunt: the rank sent the bare traceback text, which the parent took as (error, text) and
+    raised its first letter — "exceptions must derive from BaseException" — losing the rank's error.)"""
+    import pickle
+    import subprocess
+    import sys
+
+    from k26.tp_driver import RankError, _Rank
+
+    cmd = [sys.executable, "-m", "k26.tp_driver"]
+    p = subprocess.run(cmd, check=False, input=b"no pickle", capture_output=True, timeout=120)
+    kind, payload = pickle.loads(p.stdout)
+    assert kind == "error" and payload[0] is None and "UnpicklingError" in payload[1]
+    rank = object.__new__(_Rank)  # (only its number is read when it reports a failure it was sent)
+    rank.rank = 1
+    with pytest.raises(RankError, match="(?s)tensor-parallel rank 1 failed: .*UnpicklingError"):
+        rank.raise_failure(kind, payload)
