@@ -154,7 +154,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     tp = a.tp or world
     if tp < 1:
         raise ValueError(f"--tp {tp}: expected a positive number of ranks")
-    if world > 1 and tp != world:
+    if "WORLD_SIZE" in os.environ and tp != world:  # (WORLD_SIZE 1 with --tp 2 included)
         raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE {world}")
     check_gpus(a.device, tp)
     cfg = ModelConfig.from_dir(model)

@@ -170,3 +170,7 @@ def check_world(size: int) -> None:
         raise ValueError(f"tp={size!r}: expected a positive integer")
     if dist.is_initialized() and dist.get_world_size() != size:
         raise ValueError(f"tp={size} but the initialised process group has {dist.get_world_size()} ranks")
+    world = env_int("WORLD_SIZE", 1)
+    if size > 1 and not dist.is_initialized() and "WORLD_SIZE" in os.environ and size != world:
+        # (torchrun --nproc-per-node 1 ... tp=2: no rank would be started, and no group made)
+        raise ValueError(f"tp={size} differs from torchrun's WORLD_SIZE {world} (a rank a process)")

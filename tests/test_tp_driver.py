@@ -255,6 +255,19 @@ def test_a_bad_dist_timeout_is_named_before_any_rank(tiny_tp, monkeypatch, capsy
     assert f"K26_DIST_TIMEOUT='{value}'" in capsys.readouterr().err
 
 
+def test_a_tp_size_other_than_torchruns_world_size_one_is_named(tiny_tp, monkeypatch, capsys):
+    """torchrun --nproc-per-node 1 with tp=2 started no rank and built no group: torch's "Default process
+    group has not been initialized" (found in a bug hunt)."""
+    from k26.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="tp=2 differs from torchrun's WORLD_SIZE 1"):
+        LLM(tiny_tp[0], tp=2, **KW)
+    args = ["generate", "--model", str(tiny_tp[0]), "--prompt", "hi", "--tp", "2", "--device", "cpu"]
+    assert main(args) == 2
+    assert "--tp 2 differs from torchrun's WORLD_SIZE 1" in capsys.readouterr().err
+
+
 def test_a_start_message_a_rank_cannot_read_reaches_the_parent_as_its_traceback():
     """(Found in a bug hunt: the rank sent the bare traceback text, which the parent took as (error, text) and
     raised its first letter — "exceptions must derive from BaseException" — losing the rank's error.)"""
