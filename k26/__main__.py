@@ -243,6 +243,29 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _one_process(command: str) -> None:
+    """bench / profile / info measure one process: under torchrun each rank ran its own copy (N reports into
+    one --out, competing for the machine)."""
+    from .dist import env_int
+
+    if env_int("WORLD_SIZE", 1) > 1:
+        raise ValueError(f"{command} under torchrun: run it as one process (--tp is generate's and serve's)")
+
+
+def _tokens_arg(a: argparse.Namespace, prompt_tokens: int) -> None:
+    """--max-tokens against the room a bench / profile prompt of `prompt_tokens` leaves in the model's default
+    context: beyond it the rows stop at the context, and a report would claim tokens never generated."""
+    from .checks import default_max_model_len
+    from .config import ModelConfig
+
+    max_len = default_max_model_len(ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir()))
+    if a.max_tokens > max_len - prompt_tokens:
+        raise ValueError(
+            f"--max-tokens {a.max_tokens}: its {prompt_tokens}-token prompts leave room for "
+            f"{max_len - prompt_tokens} in the model's context of {max_len}"
+        )
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     from .config import ModelConfig
     from .kv_cache import LatentCache
@@ -250,16 +273,21 @@ def cmd_info(a: argparse.Namespace) -> int:
     for flag, value in (("--drafter", a.drafter), ("--cache-dir", a.cache_dir)):
         if value is not None and not a.startup:  # (they only matter to the start-up it runs)
             raise ValueError(f"{flag} goes with --startup")
+    if a.startup:  # its arguments checked before anything is printed
+        from .checks import check_device
+
+        _one_process("info --startup")
+        check_device(a.device)
+        _dir_arg(a.drafter, "--drafter")
+        _cache_dir_arg(a.cache_dir)
     cfg = ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir())
     for k, v in vars(cfg).items():
         print(f"{k:28s} {v}")
     print(f"{'softmax_scale':28s} {cfg.softmax_scale:.7f}")
     print(f"{'kv bytes/token (bf16)':28s} {LatentCache.bytes_per_token(cfg)}")
     if a.startup:  # start it: what the load read, the repack and each captured graph cost
-        from .checks import check_device
         from .engine import LLM
 
-        check_device(a.device)
         drafter = _dir_arg(a.drafter, "--drafter")
         llm = LLM(a.model, drafter=drafter, device=a.device, capture=True, cache_dir=a.cache_dir)
         print("start-up:", *llm.startup.lines(), sep="\n")
@@ -268,12 +296,14 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from .bench import PROMPT_TOKENS, run_bench
     from .checks import check_device
 
+    _one_process("bench")
     _pair_args(a)
     _out_arg(a.out, "--out")
     check_device(a.device)
+    _tokens_arg(a, PROMPT_TOKENS)
     text = run_bench(a)
     print(text)
     if a.out:
@@ -282,12 +312,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from .bench import run_profile
+    from .bench import PROFILE_PROMPT, run_profile
     from .checks import check_device
 
+    _one_process("profile")
     _pair_args(a)
+    if a.drafter and a.spec == "ar":  # (as generate and serve: a drafter that would go unused, and unchecked)
+        raise ValueError(AR_WITH_DRAFTER)
     _out_arg(a.out, "--out")
     check_device(a.device)
+    _tokens_arg(a, len(PROFILE_PROMPT))
     print(run_profile(a))
     print(f"[k26] torch.profiler trace written to {a.out}", file=sys.stderr)
     return 0

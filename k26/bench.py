@@ -20,6 +20,9 @@ import torch
 
 from . import LLM, SamplingParams, SpecConfig
 
+PROMPT_TOKENS = 32  # each bench prompt (the room --max-tokens has is the context less this)
+PROFILE_PROMPT = [1, 2, 3, 4]  # the traced generation's prompt
+
 
 def _timed_generate(llm: LLM, prompts, sp, spec, repeats: int = 3):
     """Tokens/s (median of `repeats` timed runs), τ, host seconds per step and the last run's outputs, after
@@ -74,11 +77,12 @@ def _hf_baseline(model_dir: Path, prompts, max_tokens: int, device) -> float | N
 def _prompts(a: argparse.Namespace, model_dir: Path) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     if a.model:  # an arbitrary checkpoint: random ids (its tokenizer's vocabulary is unknown here)
-        return [torch.randint(0, 300, (32,), generator=g).tolist() for _ in range(a.batch)]
+        return [torch.randint(0, 300, (PROMPT_TOKENS,), generator=g).tolist() for _ in range(a.batch)]
     from .tokenizer import Tokenizer  # the embedded pair: held-out text, so τ means what it says
     from .train import corpus
 
-    return corpus.windows(Tokenizer.from_dir(model_dir).encode(corpus.text("eval")), a.batch, 32, g)
+    text = Tokenizer.from_dir(model_dir).encode(corpus.text("eval"))
+    return corpus.windows(text, a.batch, PROMPT_TOKENS, g)
 
 
 def _modes(a: argparse.Namespace, graphs: bool) -> list[tuple[str, SpecConfig]]:
@@ -270,7 +274,7 @@ def run_profile(a: argparse.Namespace) -> str:
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), spec)  # capture / warm up outside the trace
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        llm.generate([[1, 2, 3, 4]], sp, spec)
+        llm.generate([PROFILE_PROMPT], sp, spec)
     prof.export_chrome_trace(a.out)
     sort = "self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=20)

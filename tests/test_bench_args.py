@@ -1,6 +1,7 @@
 """`k26 bench`'s arguments: --batch bounded by the KV cache rows the device can hold (refused in one line,
 exit 2, before the prompts are drawn or anything loads), and the report's command reruns the bench with
-every option it was given."""
+every option it was given; bench / profile / info --startup flags checked before loading (--max-tokens
+against the context, torchrun, an unused drafter, --cache-dir)."""
 
 import re
 import shlex
@@ -118,3 +119,53 @@ def test_bench_command_sets_the_kernel_environment_it_ran_with(monkeypatch):
     assert words[:2] == ["K26_OPS_DEFINES=-DK26_A -DK26_B=2", "python"] and "--compile" in words
     monkeypatch.delenv("K26_OPS_DEFINES")
     assert shlex.split(bench_command(a, torch.device("cuda")))[0] == "python"
+
+
+def test_bench_and_profile_max_tokens_beyond_the_context_are_refused_before_loading(monkeypatch, capsys):
+    """(Found in a bug hunt: bench --max-tokens 100 on a 64-token context reported "exactly 100 new tokens"
+    of rows cut at 32; profile cut silently.) The room: the model's default context less the prompt."""
+    monkeypatch.setattr(k26.bench, "LLM", _load)
+    room = default_max_model_len(ModelConfig.from_dir(TARGET)) - k26.bench.PROMPT_TOKENS
+    assert main(["bench", "--device", "cpu", "--no-hf", "--max-tokens", str(room + 1)]) == 2
+    assert f"--max-tokens {room + 1}: its 32-token prompts leave room for {room}" in capsys.readouterr().err
+    with pytest.raises(_Loaded):
+        main(["bench", "--device", "cpu", "--no-hf", "--max-tokens", str(room)])
+    out = ["--out", "/tmp/k26-unused.json"]
+    assert main(["profile", "--device", "cpu", "--max-tokens", "10000000", *out]) == 2
+    assert "--max-tokens 10000000: its 4-token prompts leave room for" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [  # (found in a bug hunt)
+        (["bench", "--no-hf"], "bench under torchrun: run it as one process"),
+        (["profile", "--out", "/tmp/k26-unused.json"], "profile under torchrun: run it as one process"),
+        (["info", "--startup"], "info --startup under torchrun: run it as one process"),
+    ],
+)
+def test_bench_profile_and_info_startup_under_torchrun_are_refused(monkeypatch, capsys, argv, said):
+    """Each rank ran its own whole bench (two reports into one --out, competing for the machine)."""
+    monkeypatch.setattr(k26.bench, "LLM", _load)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([*argv, "--device", "cpu"]) == 2
+    out = capsys.readouterr()
+    assert said in out.err and out.out == ""  # (info: before it prints the config)
+
+
+def test_profile_with_a_drafter_but_ar_is_refused_before_loading(monkeypatch, capsys):
+    """A drafter the default --spec ar would leave unused — and unchecked against the target."""
+    from k26.cli_parser import AR_WITH_DRAFTER
+
+    monkeypatch.setattr(k26.bench, "LLM", _load)
+    out = ["--out", "/tmp/k26-unused.json"]
+    assert main(["profile", "--drafter", str(DRAFTER), "--device", "cpu", *out]) == 2
+    assert AR_WITH_DRAFTER in capsys.readouterr().err
+
+
+def test_info_startup_checks_its_flags_before_printing(tmp_path, capsys):
+    """--cache-dir naming a file was a warning after a whole start-up; the config printed before any check."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["info", "--startup", "--device", "cpu", "--cache-dir", str(f)]) == 2
+    out = capsys.readouterr()
+    assert "--cache-dir" in out.err and out.out == ""
