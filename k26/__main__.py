@@ -362,13 +362,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k26: error: {e}", file=sys.stderr)
             return 2
         except RuntimeError as e:
+            from .dist import group_failure
             from .graphs.runner import CaptureError  # (here, not at the top: `--help` stays free of torch)
             from .tp_driver import RankError
 
-            if not isinstance(e, (RankError, CaptureError)):
+            said = group_failure(e)  # under torchrun: a peer that never joined, or left
+            if not isinstance(e, (RankError, CaptureError)) and said is None:
                 raise
             # a TP rank crashed (users' errors come as themselves), or a graph did not fit: its remedy is said
-            print(f"k26: error: {e}", file=sys.stderr)
+            print(f"k26: error: {said or e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("k26: interrupted", file=sys.stderr)

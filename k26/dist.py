@@ -121,7 +121,23 @@ def rank_and_world() -> tuple[int, int]:
     its own, else torchrun's RANK / WORLD_SIZE (0 and 1 without them)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    if rank >= world:  # (it waited out the store's timeout, then a torch traceback)
+        raise ValueError(f"RANK={rank} in the environment: expected below WORLD_SIZE={world}")
+    return rank, world
+
+
+def group_failure(e: BaseException) -> str | None:
+    """A line for a tensor-parallel group that failed under torchrun — a peer that never joined (the store's
+    timeout), one that left or crashed (gloo / NCCL's transport errors) — else None (not such a failure)."""
+    world = os.environ.get("WORLD_SIZE")
+    transport = any(w in str(e) for w in ("gloo", "NCCL", "nccl", "Connection closed by peer"))
+    if not isinstance(e, dist.DistError) and not (world not in (None, "1") and transport):
+        return None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    where = f"torchrun rank {os.environ.get('RANK', '?')} of {world}" if world else "this process"
+    wait = "K26_DIST_TIMEOUT: how long a peer is waited for"
+    return f"the tensor-parallel group failed ({where}): {first[:300]} ({wait})"
 
 
 def local_rank() -> int:

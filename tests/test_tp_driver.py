@@ -285,3 +285,32 @@ def test_a_start_message_a_rank_cannot_read_reaches_the_parent_as_its_traceback(
     rank.rank = 1
     with pytest.raises(RankError, match="(?s)tensor-parallel rank 1 failed: .*UnpicklingError"):
         rank.raise_failure(kind, payload)
+
+
+def test_torchrun_group_failures_are_one_line_and_a_rank_beyond_the_world_is_named(monkeypatch, capsys):
+    """(Found in a bug hunt: under torchrun a peer that never joined, one killed mid-run, or a RANK at or
+    beyond WORLD_SIZE ended in a torch traceback.)"""
+    import torch.distributed as dist
+
+    import k26
+    from k26.__main__ import main
+    from k26.dist import group_failure, rank_and_world
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "5")
+    with pytest.raises(ValueError, match="RANK=5 in the environment: expected below WORLD_SIZE=2"):
+        rank_and_world()
+    monkeypatch.setenv("RANK", "0")
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29500\nmore")
+    assert group_failure(gone).startswith("the tensor-parallel group failed (torchrun rank 0 of 2): [gloo")
+    assert group_failure(RuntimeError("a bug of ours")) is None  # (not taken for a peer's failure)
+    late = dist.DistStoreError("Timed out after 6 seconds waiting for clients. 1/2 clients joined.")
+
+    def llm(*a, **kw):
+        raise late
+
+    monkeypatch.setattr(k26, "LLM", llm)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # (generate's own checks: one process; the failure is the LLM's)
+    assert main(["generate", "--prompt", "hi", "--spec", "ar", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "1/2 clients joined. (K26_DIST_TIMEOUT" in err and len(err.strip().splitlines()) == 1
