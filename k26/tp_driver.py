@@ -1,5 +1,5 @@
 """Tensor parallel driven from one Python process: `LLM(tp=N)` becomes rank 0 and starts ranks 1..N-1 as
-`python -m k26.tp_driver` processes, each building the same object and mirroring every call made on it.
+`k26.tp_driver.run_rank` processes, each building the same object and mirroring every call made on it.
 
 Why fresh interpreters and not multiprocessing's spawn: spawn re-runs the parent's `__main__` in every
 child, which fails when the script came on standard input, from a REPL or a notebook. A rank here runs
@@ -54,7 +54,9 @@ class _Rank:
             PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "k26.tp_driver"],
+            # (-c, not -m: the package imports this module first, and runpy then warned on each rank's stderr,
+            # so at the head of every rank failure's message, that it was "found in sys.modules")
+            [sys.executable, "-c", "from k26.tp_driver import run_rank; run_rank()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -374,9 +376,14 @@ def main() -> int:
     return _serve(init, out)
 
 
-if __name__ == "__main__":
+def run_rank() -> None:
+    """A rank process's whole life (what `_Rank` starts): `main`, then exit without the interpreter's teardown
+    (module and tensor finalisation, ~0.5 s of CPU per rank): the parent waits for every rank to exit, and
+    there is nothing left to save. Messages are flushed."""
     code = main()
     sys.stdout.flush(), sys.stderr.flush()
-    # Skip the interpreter's teardown (module and tensor finalisation, ~0.5 s of CPU per rank): the
-    # parent waits for every rank to exit, and there is nothing left to save. Messages are flushed.
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run_rank()

@@ -314,3 +314,17 @@ def test_torchrun_group_failures_are_one_line_and_a_rank_beyond_the_world_is_nam
     assert main(["generate", "--prompt", "hi", "--spec", "ar", "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert "1/2 clients joined. (K26_DIST_TIMEOUT" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_rank_says_nothing_on_stderr_while_it_works(tmp_path):
+    """Started with `python -m k26.tp_driver`, every rank's stderr — the tail a RankError quotes — began with
+    runpy's RuntimeWarning that the module was "found in sys.modules" (found in a bug hunt)."""
+    group = RankGroup(2, dict, (), {}, "cpu")
+    try:
+        group.wait_ready()
+        log = group.ranks[0].log
+        log.seek(0)
+        assert log.read() == b""
+    finally:
+        group.close()
+        dist.destroy_process_group()
