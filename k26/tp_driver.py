@@ -107,6 +107,11 @@ class _Rank:
         return f"{how}" + (f"; its stderr ends:\n{tail}" if tail else " with nothing on stderr")
 
 
+def _late(rank: int, want: str) -> RankError:
+    wait = k26_dist.timeout().total_seconds()  # (a rank's start alone takes seconds: a short wait says why)
+    return RankError(f"tensor-parallel rank {rank} sent no '{want}' within {wait:g} s (K26_DIST_TIMEOUT)")
+
+
 class RankGroup:
     """Ranks 1..world-1 of a process group whose rank 0 is this process."""
 
@@ -152,7 +157,7 @@ class RankGroup:
                 kind, payload = rank.inbox.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= deadline:
-                    raise RankError(f"tensor-parallel rank {rank.rank} sent no '{want}' in time") from None
+                    raise _late(rank.rank, want) from None
                 continue
             if kind == want:
                 return

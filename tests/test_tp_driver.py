@@ -328,3 +328,11 @@ def test_a_rank_says_nothing_on_stderr_while_it_works(tmp_path):
     finally:
         group.close()
         dist.destroy_process_group()
+
+
+def test_a_rank_late_past_the_dist_timeout_names_it(tiny_tp, monkeypatch):
+    """A K26_DIST_TIMEOUT shorter than a rank's start (its interpreter and torch: seconds) said only "sent no
+    'joining' in time" (found in a bug hunt)."""
+    monkeypatch.setenv("K26_DIST_TIMEOUT", "0.2")
+    with pytest.raises(RankError, match=r"rank 1 sent no 'joining' within 0.2 s \(K26_DIST_TIMEOUT\)"):
+        LLM(tiny_tp[0], tp=2, **KW)
