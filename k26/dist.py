@@ -185,7 +185,10 @@ def check_world(size: int) -> None:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tp={size!r}: expected a positive integer")
     if dist.is_initialized() and dist.get_world_size() != size:
-        raise ValueError(f"tp={size} but the initialised process group has {dist.get_world_size()} ranks")
+        raise ValueError(
+            f"tp={size} but the initialised process group has {dist.get_world_size()} ranks (an open "
+            "tensor-parallel LLM's, or your own): close that LLM first, or give this one the group's size"
+        )
     world = env_int("WORLD_SIZE", 1)
     if size > 1 and not dist.is_initialized() and "WORLD_SIZE" in os.environ and size != world:
         # (torchrun --nproc-per-node 1 ... tp=2: no rank would be started, and no group made)

@@ -336,3 +336,13 @@ def test_a_rank_late_past_the_dist_timeout_names_it(tiny_tp, monkeypatch):
     monkeypatch.setenv("K26_DIST_TIMEOUT", "0.2")
     with pytest.raises(RankError, match=r"rank 1 sent no 'joining' within 0.2 s \(K26_DIST_TIMEOUT\)"):
         LLM(tiny_tp[0], tp=2, **KW)
+
+
+def test_a_tp_llm_beside_an_open_one_of_another_size_is_told_the_remedy(tiny_tp):
+    """(Found in a bug hunt: 'tp=1 but the initialised process group has 2 ranks', no way out said.)"""
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        with pytest.raises(ValueError, match="has 2 ranks .*: close that LLM first, or give this one"):
+            LLM(tiny_tp[0], tp=1, **KW)
+    finally:
+        llm.close()
