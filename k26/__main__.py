@@ -243,13 +243,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _one_process(command: str) -> None:
-    """bench / profile / info measure one process: under torchrun each rank ran its own copy (N reports into
-    one --out, competing for the machine)."""
-    from .dist import env_int
-
-    if env_int("WORLD_SIZE", 1) > 1:
-        raise ValueError(f"{command} under torchrun: run it as one process (--tp is generate's and serve's)")
+ONE_PROCESS = " (--tp is generate's and serve's)"  # bench / profile / info --startup under torchrun
 
 
 def _tokens_arg(a: argparse.Namespace, prompt_tokens: int) -> None:
@@ -275,8 +269,9 @@ def cmd_info(a: argparse.Namespace) -> int:
             raise ValueError(f"{flag} goes with --startup")
     if a.startup:  # its arguments checked before anything is printed
         from .checks import check_device
+        from .dist import one_process
 
-        _one_process("info --startup")
+        one_process("info --startup", ONE_PROCESS)
         check_device(a.device)
         _dir_arg(a.drafter, "--drafter")
         _cache_dir_arg(a.cache_dir)
@@ -298,8 +293,9 @@ def cmd_info(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import PROMPT_TOKENS, run_bench
     from .checks import check_device
+    from .dist import one_process
 
-    _one_process("bench")
+    one_process("bench", ONE_PROCESS)
     _pair_args(a)
     _out_arg(a.out, "--out")
     check_device(a.device)
@@ -314,8 +310,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_profile(a: argparse.Namespace) -> int:
     from .bench import PROFILE_PROMPT, run_profile
     from .checks import check_device
+    from .dist import one_process
 
-    _one_process("profile")
+    one_process("profile", ONE_PROCESS)
     _pair_args(a)
     if a.drafter and a.spec == "ar":  # (as generate and serve: a drafter that would go unused, and unchecked)
         raise ValueError(AR_WITH_DRAFTER)

@@ -127,6 +127,13 @@ def rank_and_world() -> tuple[int, int]:
     return rank, world
 
 
+def one_process(what: str, why: str) -> None:
+    """`what` runs as one process: under torchrun each rank would run its own whole copy (serve: N servers on
+    one port; bench / profile: N reports into one --out, competing for the machine)."""
+    if env_int("WORLD_SIZE", 1) > 1:
+        raise ValueError(f"{what} under torchrun: run it as one process{why}")
+
+
 def group_failure(e: BaseException) -> str | None:
     """A line for a tensor-parallel group that failed under torchrun — a peer that never joined (the store's
     timeout), one that left or crashed (gloo / NCCL's transport errors) — else None (not such a failure)."""

@@ -89,18 +89,23 @@ def paths(spans: list[tuple[float, float]]) -> list[float]:
     return out
 
 
+def _summed(kernels: list[dict]) -> dict[str, list[float]]:
+    """Per kernel name: [launches, summed µs, summed path µs] (path: 0 where the events carry none)."""
+    agg: dict[str, list[float]] = {}
+    for k in kernels:
+        a = agg.setdefault(k["name"], [0, 0.0, 0.0])
+        a[0], a[1], a[2] = a[0] + 1, a[1] + k["dur"], a[2] + k.get("path", 0.0)
+    return agg
+
+
 def by_name(kernels: list[dict], label: str, top: int = 25) -> list[str]:
     """Markdown: one replay's kernels summed by name, the most time first (launches, µs, share of the sum).
     For steps that are not a chain of identical layers (a whole speculative step, the drafter)."""
     total = sum(k["dur"] for k in kernels) or 1.0
-    agg: dict[str, list[float]] = {}
-    for k in kernels:
-        agg.setdefault(k["name"], []).append(k["dur"])
     out = ["", f"### {label}: {len(kernels)} kernels, summed {total / 1e3:.2f} ms", ""]
     out += ["| kernel | category | launches | µs | share |", "|---|---|---|---|---|"]
-    for name, ts in sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        share = 100 * sum(ts) / total
-        out.append(f"| `{short(name)}` | {category(name)} | {len(ts)} | {sum(ts):.0f} | {share:.1f}% |")
+    for name, (n, dur, _) in sorted(_summed(kernels).items(), key=lambda kv: -kv[1][1])[:top]:
+        out.append(f"| `{short(name)}` | {category(name)} | {n} | {dur:.0f} | {100 * dur / total:.1f}% |")
     return out
 
 
@@ -131,13 +136,9 @@ def spec_phases(kernels: list[dict]) -> list[str]:
 def phase_path(kernels: list[dict], label: str, top: int = 15) -> list[str]:
     """Markdown: one phase's kernels by name, the most time on the replay's path first (launches, summed µs,
     path µs: what removing them would save at most)."""
-    agg: dict[str, list[float]] = {}
-    for k in kernels:
-        a = agg.setdefault(k["name"], [0, 0.0, 0.0])
-        a[0], a[1], a[2] = a[0] + 1, a[1] + k["dur"], a[2] + k["path"]
     out = ["", f"{label}, by path:", "", "| kernel | category | launches | µs | path µs |"]
     out.append("|---|---|---|---|---|")
-    for name, (n, dur, path) in sorted(agg.items(), key=lambda kv: -kv[1][2])[:top]:
+    for name, (n, dur, path) in sorted(_summed(kernels).items(), key=lambda kv: -kv[1][2])[:top]:
         out.append(f"| `{short(name)}` | {category(name)} | {n} | {dur:.0f} | {path:.0f} |")
     return out
 

@@ -80,11 +80,20 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def _unsupported(lib, R: int, V: int, k: int) -> str | None:
-    chunks = -(-V // lib.k26_logits_topk_chunk())
-    if k > lib.k26_logits_topk_max_k():
-        return f"k={k} above the kernel's {lib.k26_logits_topk_max_k()}"
-    if chunks * k > lib.k26_logits_topk_chunk():
+@functools.cache
+def _limits() -> tuple[int, int]:
+    """The kernels' largest k and chunk width (csrc/logits_topk.cu), asked once: the draft calls the op every
+    step."""
+    lib = _library()
+    return lib.k26_logits_topk_max_k(), lib.k26_logits_topk_chunk()
+
+
+def _unsupported(R: int, V: int, k: int) -> str | None:
+    max_k, chunk = _limits()
+    chunks = -(-V // chunk)
+    if k > max_k:
+        return f"k={k} above the kernel's {max_k}"
+    if chunks * k > chunk:
         return f"{V} columns at k={k} (more candidates than one merge block holds)"
     if R > 65535:
         return f"{R} rows (the grid's limit is 65,535)"
@@ -101,7 +110,7 @@ def _(x, k):
     if R == 0 or not available():
         return reference.logits_topk(x, k)
     lib = _library()
-    why = _unsupported(lib, R, V, k)
+    why = _unsupported(R, V, k)
     if why is not None:
         say_once(__name__, logging.INFO, f"k26.logits_topk: {why} runs torch.topk on order keys + logsumexp")
         return keyed_topk(x, k)

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from ..cli_parser import AR_WITH_DRAFTER, DTYPES, MAX_BUDGET
-from ..dist import env_int
+from ..dist import one_process
 
 MIN_REQUEST_BYTES = 1024  # --max-request-mb's least: a short chat request with its headers' worth of JSON
 
@@ -32,8 +32,7 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--budget applies to --spec ddtree, not {method}{why}")
     if a.tp is not None and a.tp < 1:
         raise ValueError(f"--tp {a.tp}: expected >= 1")
-    if env_int("WORLD_SIZE", 1) > 1:
-        raise ValueError("serve under torchrun: run it as one process, --tp N starts the ranks itself")
+    one_process("serve", ", --tp N starts the ranks itself")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port}: expected 0..65535")
     try:  # (uvicorn would say so only after minutes of loading, without naming the host)
