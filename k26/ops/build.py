@@ -137,7 +137,8 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # 224 / 232: its 32-row shapes no faster), 2026-12-06-attn-union-step-session29-h100.md; the union's bodies as
 # __noinline__ functions (slower on every shape: N = 16 at 4K 19.6 -> 22.4 µs, N = 64 at 128K 811 -> 910),
 # and the shared expert's gate/up blocks L2-prefetching its down weights under the router (one-token block
-# 26.1 -> 26.7 µs), 2026-12-06-moe-groups-tree-heap-session30-h100.md.)
+# 26.1 -> 26.7 µs), 2026-12-06-moe-groups-tree-heap-session30-h100.md. Made the default: the vocabulary
+# top-k's histogram a warp, 2026-12-06-topk-warp-hist-session33-h100.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -175,11 +176,6 @@ VARIANTS: dict[str, list[str]] = {
     # 7.7 µs against 6.7 by default: slower. One slot set per device: one router launch at a time (no
     # bounded spin), emptied before the next by the PDL chain's waits
     "-DK26_ROUTER_POLL": ["moe_router.cu"],
-    # vocabulary top-k: a radix histogram a warp with plain shared atomics instead of one add per digit by
-    # __match_any_sync (the default's 64 matches a thread: ~22 µs a kernel at 15 x 20,480, H100, 2026-12-06).
-    # Compiled only: the session that wrote it had no device time left (2026-12-06-tree-sorted-frontier-
-    # session32-h100.md); the next one's first A/B
-    "-DK26_TOPK_WARP_HIST": ["logits_topk.cu"],
 }
 
 

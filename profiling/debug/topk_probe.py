@@ -1,7 +1,8 @@
 """The draft's vocabulary top-k (VocabHead.topk_logprobs: logsumexp + topk over this rank's logits) alone in a
 CUDA graph: replay µs and the kernels' summed µs (an idle gap inside the replay shows as replay > summed),
 torch's topk against a two-stage one (top-k of 1,024-wide chunks, then of their candidates) and against
-torch.ops.k26.logits_topk (whose log-sum-exp comes with it: its row also runs the logsumexp, unused).
+torch.ops.k26.logits_topk (whose log-sum-exp comes with it: its row also runs the logsumexp, unused); then
+the op's kernels alone.
 
     python profiling/debug/topk_probe.py
 """
@@ -55,6 +56,16 @@ def main() -> None:
             print(probe(x, k, "torch.topk", lambda x, k: x.topk(k, dim=-1)), flush=True)
             print(probe(x, k, "chunked", chunked_topk), flush=True)
             print(probe(x, k, "k26.logits_topk", k26_topk), flush=True)
+    # The op's own kernels, without the probe's logsumexp: an A/B of kernel variants reads these rows.
+    print("\n| vocab part | k | kernel | µs |\n|---|---|---|---|")
+    for part in (20480, 163840):
+        x = torch.randn(1, 15, part, device="cuda") * 3
+        for k in (15, 64):
+            graph = capture(lambda x=x, k=k: torch.ops.k26.logits_topk(x, k))
+            for _ in range(3):  # warm: the recorded replay is the fourth
+                graph.replay()
+            for e in record(graph.replay):
+                print(f"| {part} | {k} | {e['name'][:40]} | {e['dur']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@
 //
 // 1. topk_chunk_kernel, grid (chunks of 4,096 columns, rows): each thread holds 16 logits; the chunk's max and
 //    sum of exp (shifted by that max when finite) and its top min(k, columns) by a block-wide radix select of the k-th
-//    largest order key (four 8-bit digit passes over a shared histogram, lanes with the same digit adding
-//    once by __match_any_sync), then, only when more keys equal that one than are needed, a binary search
+//    largest order key (four 8-bit digit passes over a histogram a warp, plain shared atomics), then, only
+//    when more keys equal that one than are needed, a binary search
 //    over the column for the lowest-index ones. The candidates (key, column, value) go to the workspace.
 // 2. topk_merge_kernel, grid (rows): the same select over the row's chunks' candidates (<= 4,096: k x chunks),
 //    the k chosen ranked by one compare each against the others (sorted output), the chunks' (max, sum)
@@ -19,9 +19,8 @@
 // The select takes exactly the top min(k, n) of its keys whatever the order they arrive in (the compaction's
 // shared-memory slots are in arrival order, the merge does not depend on it, the final rank does not either).
 //
-// Legality: shared-memory atomics, warp shuffles, redux.sync and match.any.sync (sm_80+), no tensor cores;
-// ~1.9 KB static shared memory (~9 KB with -DK26_TOPK_WARP_HIST): legal on sm_120 and sm_90; built for sm_90a
-// and sm_120a.
+// Legality: shared-memory atomics, warp shuffles and redux.sync (sm_80+), no tensor cores; ~9 KB static shared
+// memory: legal on sm_120 and sm_90; built for sm_90a and sm_120a.
 // Benchmark: profiling/debug/topk_probe.py (graph replay, against torch.topk + logsumexp).
 
 #include <cuda_runtime.h>
@@ -63,14 +62,10 @@ struct Picked {  // the selected entries, in shared memory (arrival order)
   int n;
 };
 
-// -DK26_TOPK_WARP_HIST (an A/B side, k26/ops/build.py VARIANTS): a histogram a warp and plain shared atomics in
-// place of the lanes with one digit adding once by __match_any_sync (64 matches a thread: most of the ~22 µs a
-// kernel at 15 x 20,480 on an H100). Compiled, not yet run on a GPU.
-#ifdef K26_TOPK_WARP_HIST
+// A histogram a warp, plain shared atomics: the lanes of a warp adding once per digit by __match_any_sync (64
+// matches a thread) before were most of each kernel's time — 15 x 20,480 on an H100: 21.9 + 22.4 -> 11.1 + 8.9
+// µs, 15 x 163,840: 82.2 + 22.3 -> 25.1 + 9.3 (2026-12-06-topk-warp-hist-session33-h100.md).
 constexpr int kHists = THREADS / 32;
-#else
-constexpr int kHists = 1;
-#endif
 struct SelectSmem {
   uint32_t hist[kHists][256];
   uint32_t digit, above;
@@ -93,12 +88,7 @@ __device__ void select_top(const uint32_t (&key)[PER], const int (&col)[PER], co
     for (int j = 0; j < PER; ++j) {
       const bool in = key[j] != 0 && (key[j] & pmask) == prefix;
       const uint32_t d = (key[j] >> shift) & 255u;
-#ifdef K26_TOPK_WARP_HIST
       if (in) atomicAdd(&sm.hist[warp][d], 1u);
-#else
-      const unsigned peers = __match_any_sync(~0u, in ? d : 256u + lane);  // (out: a value no digit has)
-      if (in && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[0][d], (uint32_t)__popc(peers));
-#endif
     }
     __syncthreads();
     if (warp == 0) {  // lane l holds bins 255 - 8l down to 248 - 8l: lane order is descending digit order
