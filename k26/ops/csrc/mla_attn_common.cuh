@@ -38,6 +38,7 @@ constexpr int KSTEPS = DQK / 16 / KQ;
 constexpr int LDSS = BN + 4;      // fp32 partial-score row
 constexpr int LDP = BN + 8;       // bf16 P row (48 B: 16-B aligned rows for ldmatrix)
 constexpr int CHUNK_PER_ROW = DQK / 8;  // 16-byte chunks per cache row
+constexpr size_t cmax(size_t a, size_t b) { return a > b ? a : b; }
 
 // The key-loop body each row-tile kernel runs (mla_tree_attn_kernel.cuh), chosen per MT at compile time, so
 // the launch's tile choice (tile_rows: N x H) picks it: bit j of a mask set for MT = j + 1. One barrier a tile
@@ -56,17 +57,36 @@ constexpr bool kOneBarrier = (K26_ATTN_ONE_BARRIER_MT >> (MT - 1)) & 1;
 template <int MT>
 constexpr bool kRowCopies = (K26_ATTN_ROW_COPIES_MT >> (MT - 1)) & 1;
 
+// The decode tiles (MT 1) take a split of at most NSTAGE tiles (64 keys: a 4K decode's 65 splits) in one batch:
+// the scores of every tile, one softmax, P V of every tile — two barriers a split where the tile loop has two a
+// tile (mla_tree_attn_kernel.cuh). Its Q is staged in the scores' region, so every tile can go out before the
+// grid-dependency wait. -DK26_ATTN_NO_BATCH: the tile loop for every split (the A/B side).
+#ifdef K26_ATTN_NO_BATCH
+template <int MT>
+constexpr bool kBatch = false;
+#else
+template <int MT>
+constexpr bool kBatch = MT == 1;
+#endif
+constexpr int LDSB = NSTAGE * BN + 4;  // a batch's fp32 partial-score row (16-B aligned rows for float4 reads)
+constexpr int LDPB = NSTAGE * BN + 8;  // a batch's bf16 P row (16-B aligned rows for ldmatrix)
+
 template <int MT>
 struct Cfg {
   static constexpr int SBUF = kOneBarrier<MT> ? 2 : 1;
   static constexpr int BM = 16 * MT;
   static constexpr size_t K = (size_t)NSTAGE * BN * LDS * 2;
-  static constexpr size_t S1 = (size_t)KQ * BM * LDSS * 4, S = SBUF * S1;  // one buffer, all buffers
-  static constexpr size_t P1 = (size_t)BM * LDP * 2, P = SBUF * P1;
+  static constexpr size_t S1 = (size_t)KQ * BM * LDSS * 4;  // one buffer
+  static constexpr size_t QS = (size_t)BM * LDS * 2;        // Q staged (a batch kernel's Q: in this region)
+  static constexpr size_t SB = (size_t)KQ * BM * LDSB * 4;  // a batch's partial scores
+  static constexpr size_t S = kBatch<MT> ? cmax(cmax(SBUF * S1, SB), QS) : SBUF * S1;  // all buffers
+  static constexpr size_t P1 = (size_t)BM * LDP * 2;
+  static constexpr size_t P = kBatch<MT> ? cmax(SBUF * P1, (size_t)BM * LDPB * 2) : SBUF * P1;
   static constexpr size_t WORDS = (size_t)BM * 4 * 8;  // each row's ancestor words (<= 4: N <= 256)
   static constexpr size_t SMEM = K + S + P + WORDS + (SBUF + 2) * BM * 4;
   static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
-  static_assert((size_t)BM * LDS * 2 <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
+  static_assert(QS <= (size_t)MT * BN * LDS * 2, "Q staging must fit MT stages");
+  static_assert(K % 16 == 0 && S % 16 == 0 && P % 16 == 0, "16-B aligned regions (ldmatrix, float4)");
 };
 
 // One 16-key tile of the cache row kv (keys key0 .. key0 + 15, those from k1 on zero-filled) into dst by cp.async.

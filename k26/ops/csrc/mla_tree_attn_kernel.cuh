@@ -87,15 +87,19 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
+  // A split of at most NSTAGE tiles runs as one batch (kBatch, csrc/mla_attn_common.cuh): all its tiles go out
+  // at once. Otherwise the tile loop: Q is staged in the last MT stages (the batch kernel's Q in the scores'
+  // region), the first NSTAGE - MT tiles beside it. One commit group for all.
+  const bool batch = kBatch<MT> && n_tiles <= NSTAGE;
+  const int ahead = batch ? NSTAGE : NSTAGE - MT;
+  __nv_bfloat16* const sQ = kBatch<MT> ? reinterpret_cast<__nv_bfloat16*>(sS) : sK + (NSTAGE - MT) * BN * LDS;
   auto issue_tile = [&](int it, __nv_bfloat16* dst) { copy_key_tile<MT>(kv, k0 + it * BN, k1, dst, tid); };
-  // Q is staged in the last MT stages, the first NSTAGE - MT tiles beside it (one commit group for all).
   auto early = [&](int it) { return it < n_tiles && k0 + (it + 1) * BN <= L; };  // wholly prefix keys
-  for (int it = 0; it < NSTAGE - MT; ++it)
+  for (int it = 0; it < ahead; ++it)
     if (early(it)) issue_tile(it, sK + it * BN * LDS);
   pdl_wait();
   pdl_trigger();
   {  // With q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
-    __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
     for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
       const int r = i / CHUNK_PER_ROW, c = (i % CHUNK_PER_ROW) * 8;
       const size_t row = (size_t)b * p.R + min(row0 + r, p.R - 1);
@@ -105,7 +109,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       cp_async16(sQ + r * LDS + c, src, row0 + r < p.R);
     }
   }
-  for (int it = 0; it < NSTAGE - MT; ++it)
+  for (int it = 0; it < ahead; ++it)
     if (it < n_tiles && !early(it)) issue_tile(it, sK + it * BN * LDS);
   cp_commit();
   RotaryPairs<ROPE, BM> rope;  // the rotary query's pairs of this thread (empty unless ROPE)
@@ -123,20 +127,20 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   cp_wait<0>();
   __syncthreads();
   if constexpr (ROPE) {  // RoPE of the rotary dims on Q in shared memory, as the reference (reference.py: rope)
-    rope.rotate(sK + (NSTAGE - MT) * BN * LDS, p, row0, tid);
+    rope.rotate(sQ, p, row0, tid);
     __syncthreads();
   }
   {
-    const __nv_bfloat16* sQ = sK + (NSTAGE - MT) * BN * LDS;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk)
         ldsm_x4(qa[m][kk], sQ + (m * 16 + (lane & 15)) * LDS + kq * 144 + kk * 16 + (lane >> 4) * 8);
   }
-  __syncthreads();  // Q read: its stages may now take tiles
+  __syncthreads();  // Q read: its stages (or the scores' region) may now be written
   TRACE(1);
-  for (int it = NSTAGE - MT; it < NSTAGE - 1; ++it) load_tile(it);
+  if (!batch)
+    for (int it = NSTAGE - MT; it < NSTAGE - 1; ++it) load_tile(it);
 
   // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
   const int sr = tid / LPR, sc = (tid % LPR) * MT;
@@ -282,6 +286,91 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     }
   };
 
+  // One batch (kBatch): the split's n <= NSTAGE tiles, all landed with Q. Scores of every tile (independent MMA
+  // chains, this warp's key n-tile and dim quarter) -> the batch's partial scores; one barrier; the softmax of
+  // the split's <= 64 keys (this thread: row sr, keys 4 (tid % 16) .. + 3 of the batch; the row's max over its 16
+  // lanes by shuffles) -> P; one barrier; P V of every tile. No running max to rescale: O starts here. The lane
+  // roles (sr, 16 lanes a row) are the tile loop's, so the epilogue's row sums are the same code.
+  auto batch_split = [&](int n) {
+    if constexpr (kBatch<MT>) {
+      static_assert(MT == 1 && LPR == 16 && NSTAGE * BN == 4 * LPR, "a row's 64 keys: 16 lanes, 4 each");
+      float sb[NSTAGE][4];
+#pragma unroll
+      for (int j = 0; j < NSTAGE; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sb[j][i] = 0.f;
+      const __nv_bfloat16* kb = sK + (nt * 8 + (lane & 7)) * LDS + kq * 144;
+#pragma unroll
+      for (int kk = 0; kk + 1 < KSTEPS; kk += 2)
+#pragma unroll
+        for (int j = 0; j < NSTAGE; ++j) {
+          if (j >= n) continue;  // uniform: a stage without a tile of this split is never read
+          uint32_t bk[4];
+          ldsm_x4(bk, kb + j * BN * LDS + kk * 16 + (lane >> 3) * 8);
+          mma_bf16(sb[j], qa[0][kk], bk[0], bk[1]);
+          mma_bf16(sb[j], qa[0][kk + 1], bk[2], bk[3]);
+        }
+      float* sSq = sS + kq * BM * LDSB;
+#pragma unroll
+      for (int j = 0; j < NSTAGE; ++j) {
+        if (j >= n) continue;
+        uint32_t bl[2];
+        ldsm_x2(bl, kb + j * BN * LDS + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
+        mma_bf16(sb[j], qa[0][KSTEPS - 1], bl[0], bl[1]);
+        *reinterpret_cast<float2*>(sSq + g * LDSB + j * BN + nt * 8 + 2 * t) = make_float2(sb[j][0], sb[j][1]);
+        *reinterpret_cast<float2*>(sSq + (g + 8) * LDSB + j * BN + nt * 8 + 2 * t) = make_float2(sb[j][2], sb[j][3]);
+      }
+      __syncthreads();  // the partial scores (and the rows' mask words) visible
+      const int c0 = (tid % LPR) * 4;
+      float4 acc = *reinterpret_cast<const float4*>(sS + sr * LDSB + c0);
+#pragma unroll
+      for (int q4 = 1; q4 < KQ; ++q4) {
+        const float4 a = *reinterpret_cast<const float4*>(sS + (q4 * BM + sr) * LDSB + c0);
+        acc.x += a.x, acc.y += a.y, acc.z += a.z, acc.w += a.w;
+      }
+      const float a4[4] = {acc.x, acc.y, acc.z, acc.w};
+      float sv[4], mx = -CUDART_INF_F;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = k0 + c0 + j;
+        bool vis = key < k1;
+        if (vis && key >= L) {
+          const int i = key - L;
+          vis = (my_words[i >> 6] >> (i & 63)) & 1;
+        }
+        sv[j] = vis ? a4[j] * p.scale_log2 : -CUDART_INF_F;
+        mx = fmaxf(mx, sv[j]);
+      }
+#pragma unroll
+      for (int off = LPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      float pj[4], sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pj[j] = mx == -CUDART_INF_F ? 0.f : exp2f(sv[j] - mx);
+        sum += pj[j];  // unrounded, as the tile loop's
+      }
+      __nv_bfloat162* pp = reinterpret_cast<__nv_bfloat162*>(sP + sr * LDPB + c0);
+      pp[0] = __floats2bfloat162_rn(pj[0], pj[1]);
+      pp[1] = __floats2bfloat162_rn(pj[2], pj[3]);
+      l_run = sum, m_run = mx;
+      __syncthreads();  // P visible
+#pragma unroll
+      for (int j = 0; j < NSTAGE; ++j) {
+        if (j >= n) continue;
+        uint32_t pa[4];
+        ldsm_x4(pa, sP + (lane & 15) * LDPB + j * BN + (lane >> 4) * 8);
+        const __nv_bfloat16* tK = sK + j * BN * LDS;
+#pragma unroll
+        for (int n2 = 0; n2 < 4; ++n2) {
+          uint32_t vb[4];
+          ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
+          mma_bf16(o[0][2 * n2], pa, vb[0], vb[1]);
+          mma_bf16(o[0][2 * n2 + 1], pa, vb[2], vb[3]);
+        }
+      }
+    }
+  };
+
   // Software-pipelined (either body): P V of one tile and S of the next are independent, so their MMAs overlap;
   // tile 0's S and softmax run ahead of the loop (tile 0 landed with Q).
   if constexpr (kOneBarrier<MT>) {
@@ -310,6 +399,8 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     }
     __syncthreads();
     pv_tile((n_tiles - 1) % NSTAGE, (n_tiles - 1) & 1);
+  } else if (batch) {
+    batch_split(n_tiles);
   } else {
     // Two barriers a tile: P V of tile `it` and S of tile `it + 1` between them, the softmax of `it + 1` after.
     score_tile(0, 0);
