@@ -57,16 +57,16 @@ constexpr bool kOneBarrier = (K26_ATTN_ONE_BARRIER_MT >> (MT - 1)) & 1;
 template <int MT>
 constexpr bool kRowCopies = (K26_ATTN_ROW_COPIES_MT >> (MT - 1)) & 1;
 
-// The decode tiles (MT 1) take a split of at most NSTAGE tiles (64 keys: a 4K decode's 65 splits) in one batch:
-// the scores of every tile, one softmax, P V of every tile — two barriers a split where the tile loop has two a
-// tile (mla_tree_attn_kernel.cuh). Its Q is staged in the scores' region, so every tile can go out before the
-// grid-dependency wait. -DK26_ATTN_NO_BATCH: the tile loop for every split (the A/B side).
+// The decode tiles (MT 1) take their keys in batches of NSTAGE tiles (64 keys: a 4K decode's split is one): the
+// scores of every tile, one softmax, P V of every tile — four barriers a batch where the tile loop has two a
+// tile (mla_tree_attn_kernel.cuh). Q is staged in the scores' region, so the first batch's every tile can go out
+// before the grid-dependency wait. -DK26_ATTN_NO_BATCH: the tile loop (the A/B side).
 #ifdef K26_ATTN_NO_BATCH
 template <int MT>
 constexpr bool kBatch = false;
 #else
 template <int MT>
-constexpr bool kBatch = MT == 1;
+constexpr bool kBatch = MT == 1 && !kOneBarrier<MT>;
 #endif
 constexpr int LDSB = NSTAGE * BN + 4;  // a batch's fp32 partial-score row (16-B aligned rows for float4 reads)
 constexpr int LDPB = NSTAGE * BN + 8;  // a batch's bf16 P row (16-B aligned rows for ldmatrix)
