@@ -20,8 +20,11 @@
 // (2 key n-tiles x 4 dim quarters, partial sums added in shared memory), the online softmax runs on all
 // 256 threads (a row's 16 keys across 16 / MT lanes, reductions by shuffles), and O += P V has each warp
 // owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
-// Software-pipelined: P V of tile i and S of tile i + 1 share a barrier interval; two barriers a tile for the
-// 16-row (decode) tiles, one for the 32-row (verify) tiles (kOneBarrier, csrc/mla_attn_common.cuh).
+// The 32-row (verify) tiles are software-pipelined: P V of tile i and S of tile i + 1 share a barrier interval,
+// one barrier a tile (kOneBarrier, csrc/mla_attn_common.cuh). The 16-row (decode) tiles take their keys in
+// batches of the 4 stages (kBatch): S of all four tiles, one softmax step over 64 keys, P V of all four, the
+// next batch into the freed stages — four barriers a batch where a tile loop has two a tile, and a 4K decode's
+// 64-key split is one batch.
 //
 // Split-KV merge in the same launch, one level (details in csrc/mla_attn_merge.cuh): each live split writes its
 // partial to the workspace, the tile's splits meet at a kernel-owned barrier, and each merges an equal share
