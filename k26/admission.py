@@ -98,7 +98,7 @@ def admit(
         state.pending.append(adm)
         if wait:
             try:
-                advance(ctx, state, None)
+                ended = advance(ctx, state, None)
             except BaseException:  # this call raises, so its caller never learns its slots: none stays taken
                 if adm in state.pending:  # (an older admission's prefill failed before this one ran)
                     state.pending.remove(adm)
@@ -107,6 +107,7 @@ def admit(
                         state.filled[b] = False  # what its prefill wrote, if anything, is unknown
                         state.release(b)
                 raise
+            state.unreported += [b for b in ended if b not in slots]  # older admissions' rows: step says them
     return slots
 
 

@@ -53,6 +53,9 @@ class BatchState:
     penalties: Penalties | None = None  # eager: the rows' penalties, allocated with the first such row
     stash: HeadStash | None = None  # speculative batches: the parking row's first `nodes` positions
     pending: list = field(default_factory=list)  # `admission.Admission`s still being prefilled, oldest first
+    # rows of earlier admissions whose prefill ended inside a waiting `admit` (which returns only its own
+    # slots): the next `Decoder.step` reports them
+    unreported: list[int] = field(default_factory=list)
     prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
     filled: list[bool] = field(init=False)  # the slot's prompt was prefilled into its row
     row_of: list[int] | None = field(init=False)  # `rows` as the host last wrote it (eager: its own tensor)
@@ -149,6 +152,11 @@ class BatchState:
         out = self.outs[slot]
         for adm in self.pending:  # still being prefilled: it runs no further
             adm.cancel(slot)
+        # an admission with no prompt left is done (its prefill job and hidden states go with it): else a
+        # batch whose every row was released would still count as unfinished
+        self.pending[:] = [adm for adm in self.pending if adm.todo]
+        if slot in self.unreported:
+            self.unreported.remove(slot)
         if slot in self.live:
             self.live.remove(slot)
         self.alive[slot] = False

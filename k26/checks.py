@@ -367,7 +367,8 @@ def check_rows_free(what: str, streaming: bool, batch) -> None:
             f"{what}: a stream() of this LLM is still being iterated; exhaust it or call its close() first"
         )
     if batch is not None and (batch.live or batch.pending):
+        rows = len(batch.live) + sum(len(adm.todo) for adm in batch.pending)  # (an admission: its prompts)
         raise RuntimeError(
-            f"{what}: the open batch has {len(batch.live) + len(batch.pending)} unfinished row(s); step "
-            "them to the end or release() them first"
+            f"{what}: the open batch has {rows} unfinished row(s); step them to the end or release() them "
+            "first"
         )

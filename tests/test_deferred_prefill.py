@@ -90,6 +90,36 @@ def test_a_request_leaving_mid_prefill_frees_its_row_and_its_copies_fall_back(ll
     same_as_fresh(llm, out3, p[:50] + [1, 2])
 
 
+@pytest.mark.parametrize("chunks_run", [0, 1])
+def test_a_batch_whose_every_deferred_row_was_released_leaves_the_llm_free(llm, chunks_run):
+    """Released before its prefill ran, or after one chunk of it: no row is unfinished, so generate() runs
+    without a step first (it was refused: the admission stayed pending until a step dropped it)."""
+    (p,) = random_prompts(1, 40, 50, seed=45)
+    llm.open_batch(SPEC)
+    (sa,) = llm.admit([p[:12]], [SamplingParams(max_tokens=30, stop_token_ids=[])])
+    (s,) = llm.admit([p], [GREEDY], wait=False)
+    for _ in range(chunks_run):
+        llm.step()
+    assert s not in llm.batch.live and llm.batch.pending
+    llm.release(s)
+    llm.release(sa)
+    assert not llm.batch.pending and not llm.batch.live
+    assert llm.generate(p, GREEDY, SPEC)[0].token_ids
+
+
+def test_a_row_finished_inside_a_waiting_admit_is_reported_by_the_next_step(llm):
+    """A deferred one-token request ends when its prefill does; a later admit(wait=True) runs that prefill
+    and returns only its own slot, so the next step reports the other row (a driver that answers and
+    releases what step() reports would never have answered it)."""
+    a, b = random_prompts(2, 20, 30, seed=46)
+    llm.open_batch(SPEC)
+    (sa,) = llm.admit([a], [SamplingParams(max_tokens=1, stop_token_ids=[])], wait=False)
+    (sb,) = llm.admit([b], [SamplingParams(max_tokens=5, stop_token_ids=[])], wait=True)
+    assert llm.batch.outs[sa].finish_reason == "length"
+    assert sa in llm.step()
+    finish(llm, [sa, sb])
+
+
 def test_an_autoregressive_batch_writes_no_idle_row_into_a_prompt_being_prefilled(llm):
     """AR: idle rows write at their own length each step. A long prompt deferred into a row a shorter request
     left (its length was the old one) must not get that write inside its prefill; nor may a

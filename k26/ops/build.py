@@ -147,8 +147,8 @@ VARIANTS: dict[str, list[str]] = {
     # 217 without)
     "-DK26_ATTN_ONE_BARRIER_MT=0": ["mla_tree_attn.cu"],
     "-DK26_ATTN_ROW_COPIES_MT=0": ["mla_tree_attn.cu"],
-    # tree attention, 16-row (decode) tiles: the tile loop (two barriers a 16-key tile) instead of the batches of
-    # four tiles (the A/B side of the batch loop, csrc/mla_attn_common.cuh kBatch)
+    # tree attention, 16-row (decode) tiles: the tile loop (two barriers a 16-key tile) instead of the
+    # batches of four tiles (the A/B side of the batch loop, csrc/mla_attn_common.cuh kBatch)
     "-DK26_ATTN_NO_BATCH": ["mla_tree_attn.cu"],
     # tree attention: the running max moved only when a tile's max exceeds it by > 8 (O's rescale skipped):
     # measured 2026-12-05, no gain
