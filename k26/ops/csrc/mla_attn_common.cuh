@@ -57,16 +57,20 @@ constexpr bool kOneBarrier = (K26_ATTN_ONE_BARRIER_MT >> (MT - 1)) & 1;
 template <int MT>
 constexpr bool kRowCopies = (K26_ATTN_ROW_COPIES_MT >> (MT - 1)) & 1;
 
-// The decode tiles (MT 1) take their keys in batches of NSTAGE tiles (64 keys: a 4K decode's split is one): the
-// scores of every tile, one softmax, P V of every tile — four barriers a batch where the tile loop has two a
-// tile (mla_tree_attn_kernel.cuh). Q is staged in the scores' region, so the first batch's every tile can go out
-// before the grid-dependency wait. -DK26_ATTN_NO_BATCH: the tile loop (the A/B side).
+// The decode tiles (MT 1) take a split of at most NSTAGE tiles (64 keys: up to 16K decode's) in one batch: the
+// scores of every tile, one softmax, P V of every tile — two barriers a split where the tile loop has two a tile
+// (mla_tree_attn_kernel.cuh). Its Q is staged in the scores' region, so every tile can go out before the
+// grid-dependency wait. Longer splits keep the tile loop: batches of four tiles for them too (the next batch's
+// tiles issued into the freed stages, its DRAM round trip exposed) measured slower at 32K / 128K and, in the same
+// kernel, at 4K as well (H100: 27.6 -> 30.9 / 68.7 -> 74.5 µs; 2026-12-06-attn-decode-batch-session33-h100.md).
+// Measured (same file): 4K decode 10.4 -> 9.0 µs, 1K 8.8 -> 7.4, 8K 14.0 -> 12.8; 32K / 128K 27.6 / 68.7 ->
+// 27.9 / 70.1 (the larger shared memory). -DK26_ATTN_NO_BATCH: the tile loop for every split (the A/B side).
 #ifdef K26_ATTN_NO_BATCH
 template <int MT>
 constexpr bool kBatch = false;
 #else
 template <int MT>
-constexpr bool kBatch = MT == 1 && !kOneBarrier<MT>;
+constexpr bool kBatch = MT == 1 && !kOneBarrier<MT>;  // (the batch stands in for the two-barrier tile loop)
 #endif
 constexpr int LDSB = NSTAGE * BN + 4;  // a batch's fp32 partial-score row (16-B aligned rows for float4 reads)
 constexpr int LDPB = NSTAGE * BN + 8;  // a batch's bf16 P row (16-B aligned rows for ldmatrix)

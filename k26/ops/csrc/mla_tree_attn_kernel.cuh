@@ -20,11 +20,10 @@
 // (2 key n-tiles x 4 dim quarters, partial sums added in shared memory), the online softmax runs on all
 // 256 threads (a row's 16 keys across 16 / MT lanes, reductions by shuffles), and O += P V has each warp
 // owning 64 of the 512 output columns (V = the first 512 dims of the same K tile, via ldmatrix.trans).
-// The 32-row (verify) tiles are software-pipelined: P V of tile i and S of tile i + 1 share a barrier interval,
-// one barrier a tile (kOneBarrier, csrc/mla_attn_common.cuh). The 16-row (decode) tiles take their keys in
-// batches of the 4 stages (kBatch): S of all four tiles, one softmax step over 64 keys, P V of all four, the
-// next batch into the freed stages — four barriers a batch where a tile loop has two a tile, and a 4K decode's
-// 64-key split is one batch.
+// Software-pipelined: P V of tile i and S of tile i + 1 share a barrier interval; two barriers a tile for the
+// 16-row (decode) tiles, one for the 32-row (verify) tiles (kOneBarrier, csrc/mla_attn_common.cuh). A decode
+// split of at most 4 tiles (<= 64 keys: a 4K decode's 65 splits) runs as one batch instead (kBatch): S of all its
+// tiles, one softmax, P V of all — two barriers a split.
 //
 // Split-KV merge in the same launch, one level (details in csrc/mla_attn_merge.cuh): each live split writes its
 // partial to the workspace, the tile's splits meet at a kernel-owned barrier, and each merges an equal share
@@ -90,9 +89,11 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
-  // The batch loop (kBatch, csrc/mla_attn_common.cuh) issues its first batch's NSTAGE tiles here, its Q staged in
-  // the scores' region; the tile loop its first NSTAGE - MT tiles, Q in the last MT stages. One commit group.
-  const int ahead = kBatch<MT> ? NSTAGE : NSTAGE - MT;
+  // A split of at most NSTAGE tiles runs as one batch (kBatch, csrc/mla_attn_common.cuh): all its tiles go out
+  // at once. Otherwise the tile loop: Q is staged in the last MT stages (the batch kernel's Q in the scores'
+  // region), the first NSTAGE - MT tiles beside it. One commit group for all.
+  const bool batch = kBatch<MT> && n_tiles <= NSTAGE;
+  const int ahead = batch ? NSTAGE : NSTAGE - MT;
   __nv_bfloat16* const sQ = kBatch<MT> ? reinterpret_cast<__nv_bfloat16*>(sS) : sK + (NSTAGE - MT) * BN * LDS;
   auto issue_tile = [&](int it, __nv_bfloat16* dst) { copy_key_tile<MT>(kv, k0 + it * BN, k1, dst, tid); };
   auto early = [&](int it) { return it < n_tiles && k0 + (it + 1) * BN <= L; };  // wholly prefix keys
@@ -140,7 +141,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   }
   __syncthreads();  // Q read: its stages (or the scores' region) may now be written
   TRACE(1);
-  if constexpr (!kBatch<MT>)
+  if (!batch)
     for (int it = NSTAGE - MT; it < NSTAGE - 1; ++it) load_tile(it);
 
   // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
@@ -287,111 +288,86 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     }
   };
 
-  // Batches (kBatch): the split's tiles NSTAGE at a time, all of a batch in the stages at once. Scores of every
-  // tile of the batch (independent MMA chains: this warp's key n-tile and dim quarter of each) -> the batch's
-  // partial scores; one barrier; the online softmax of the batch's <= 64 keys (this thread: row sr, keys
-  // 4 (tid % 16) .. + 3; the row's max over its 16 lanes by shuffles) -> P and the rescale factor; one barrier;
-  // O rescaled and P V of every tile; one barrier, then the next batch's tiles go out into the freed stages. The
-  // lane roles (sr, 16 lanes a row) are the tile loop's, so the epilogue's row sums are the same code.
-  auto batch_loop = [&]() {
+  // One batch (kBatch): the split's n <= NSTAGE tiles, all landed with Q. Scores of every tile (independent MMA
+  // chains, this warp's key n-tile and dim quarter) -> the batch's partial scores; one barrier; the softmax of
+  // the split's <= 64 keys (this thread: row sr, keys 4 (tid % 16) .. + 3 of the batch; the row's max over its 16
+  // lanes by shuffles) -> P; one barrier; P V of every tile. No running max to rescale: O starts here. The lane
+  // roles (sr, 16 lanes a row) are the tile loop's, so the epilogue's row sums are the same code.
+  auto batch_split = [&](int n) {
     if constexpr (kBatch<MT>) {
       static_assert(MT == 1 && LPR == 16 && NSTAGE * BN == 4 * LPR, "a row's 64 keys: 16 lanes, 4 each");
-      constexpr int KB = NSTAGE * BN;  // keys a batch
-      const int batches = (n_tiles + NSTAGE - 1) / NSTAGE, c0 = (tid % LPR) * 4;
+      float sb[NSTAGE][4];
+#pragma unroll
+      for (int j = 0; j < NSTAGE; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sb[j][i] = 0.f;
       const __nv_bfloat16* kb = sK + (nt * 8 + (lane & 7)) * LDS + kq * 144;
-      for (int bt = 0; bt < batches; ++bt) {
-        const int n = min(NSTAGE, n_tiles - bt * NSTAGE), key0 = k0 + bt * KB;
-        if (bt > 0) {
-          cp_wait<0>();
-          __syncthreads();  // batch bt landed, for every thread
-        }
-        float sb[NSTAGE][4];
 #pragma unroll
-        for (int j = 0; j < NSTAGE; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) sb[j][i] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk + 1 < KSTEPS; kk += 2)
-#pragma unroll
-          for (int j = 0; j < NSTAGE; ++j) {
-            if (j >= n) continue;  // uniform: a stage without a tile of this batch is not read
-            uint32_t bk[4];
-            ldsm_x4(bk, kb + j * BN * LDS + kk * 16 + (lane >> 3) * 8);
-            mma_bf16(sb[j], qa[0][kk], bk[0], bk[1]);
-            mma_bf16(sb[j], qa[0][kk + 1], bk[2], bk[3]);
-          }
-        float* sSq = sS + kq * BM * LDSB;
+      for (int kk = 0; kk + 1 < KSTEPS; kk += 2)
 #pragma unroll
         for (int j = 0; j < NSTAGE; ++j) {
-          if (j >= n) continue;
-          uint32_t bl[2];
-          ldsm_x2(bl, kb + j * BN * LDS + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
-          mma_bf16(sb[j], qa[0][KSTEPS - 1], bl[0], bl[1]);
-          float* d = sSq + g * LDSB + j * BN + nt * 8 + 2 * t;
-          *reinterpret_cast<float2*>(d) = make_float2(sb[j][0], sb[j][1]);
-          *reinterpret_cast<float2*>(d + 8 * LDSB) = make_float2(sb[j][2], sb[j][3]);
+          if (j >= n) continue;  // uniform: a stage without a tile of this split is never read
+          uint32_t bk[4];
+          ldsm_x4(bk, kb + j * BN * LDS + kk * 16 + (lane >> 3) * 8);
+          mma_bf16(sb[j], qa[0][kk], bk[0], bk[1]);
+          mma_bf16(sb[j], qa[0][kk + 1], bk[2], bk[3]);
         }
-        __syncthreads();  // the partial scores (and, first, the rows' mask words) visible
-        float4 acc = *reinterpret_cast<const float4*>(sS + sr * LDSB + c0);
+      float* sSq = sS + kq * BM * LDSB;
 #pragma unroll
-        for (int q4 = 1; q4 < KQ; ++q4) {
-          const float4 a = *reinterpret_cast<const float4*>(sS + (q4 * BM + sr) * LDSB + c0);
-          acc.x += a.x, acc.y += a.y, acc.z += a.z, acc.w += a.w;
+      for (int j = 0; j < NSTAGE; ++j) {
+        if (j >= n) continue;
+        uint32_t bl[2];
+        ldsm_x2(bl, kb + j * BN * LDS + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
+        mma_bf16(sb[j], qa[0][KSTEPS - 1], bl[0], bl[1]);
+        *reinterpret_cast<float2*>(sSq + g * LDSB + j * BN + nt * 8 + 2 * t) = make_float2(sb[j][0], sb[j][1]);
+        *reinterpret_cast<float2*>(sSq + (g + 8) * LDSB + j * BN + nt * 8 + 2 * t) = make_float2(sb[j][2], sb[j][3]);
+      }
+      __syncthreads();  // the partial scores (and the rows' mask words) visible
+      const int c0 = (tid % LPR) * 4;
+      float4 acc = *reinterpret_cast<const float4*>(sS + sr * LDSB + c0);
+#pragma unroll
+      for (int q4 = 1; q4 < KQ; ++q4) {
+        const float4 a = *reinterpret_cast<const float4*>(sS + (q4 * BM + sr) * LDSB + c0);
+        acc.x += a.x, acc.y += a.y, acc.z += a.z, acc.w += a.w;
+      }
+      const float a4[4] = {acc.x, acc.y, acc.z, acc.w};
+      float sv[4], mx = -CUDART_INF_F;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = k0 + c0 + j;
+        bool vis = key < k1;
+        if (vis && key >= L) {
+          const int i = key - L;
+          vis = (my_words[i >> 6] >> (i & 63)) & 1;
         }
-        const float a4[4] = {acc.x, acc.y, acc.z, acc.w};
-        float sv[4], mx = -CUDART_INF_F;
+        sv[j] = vis ? a4[j] * p.scale_log2 : -CUDART_INF_F;
+        mx = fmaxf(mx, sv[j]);
+      }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int key = key0 + c0 + j;
-          bool vis = key < k1;
-          if (vis && key >= L) {
-            const int i = key - L;
-            vis = (my_words[i >> 6] >> (i & 63)) & 1;
-          }
-          sv[j] = vis ? a4[j] * p.scale_log2 : -CUDART_INF_F;
-          mx = fmaxf(mx, sv[j]);
-        }
+      for (int off = LPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      float pj[4], sum = 0.f;
 #pragma unroll
-        for (int off = LPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-        const float m_new = fmaxf(m_run, mx);
-        float pj[4], sum = 0.f;
+      for (int j = 0; j < 4; ++j) {
+        pj[j] = mx == -CUDART_INF_F ? 0.f : exp2f(sv[j] - mx);
+        sum += pj[j];  // unrounded, as the tile loop's
+      }
+      __nv_bfloat162* pp = reinterpret_cast<__nv_bfloat162*>(sP + sr * LDPB + c0);
+      pp[0] = __floats2bfloat162_rn(pj[0], pj[1]);
+      pp[1] = __floats2bfloat162_rn(pj[2], pj[3]);
+      l_run = sum, m_run = mx;
+      __syncthreads();  // P visible
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          pj[j] = m_new == -CUDART_INF_F ? 0.f : exp2f(sv[j] - m_new);
-          sum += pj[j];  // unrounded, as the tile loop's
-        }
-        const float alpha = m_new == -CUDART_INF_F ? 1.f : exp2f(m_run - m_new);  // 0 when m_run is -inf
-        l_run = l_run * alpha + sum;
-        m_run = m_new;
-        __nv_bfloat162* pp = reinterpret_cast<__nv_bfloat162*>(sP + sr * LDPB + c0);
-        pp[0] = __floats2bfloat162_rn(pj[0], pj[1]);
-        pp[1] = __floats2bfloat162_rn(pj[2], pj[3]);
-        if (tid % LPR == 0) sAlpha[sr] = alpha;
-        __syncthreads();  // P and alpha visible
-        if (bt > 0) {
-          const float al0 = sAlpha[g], al1 = sAlpha[g + 8];
+      for (int j = 0; j < NSTAGE; ++j) {
+        if (j >= n) continue;
+        uint32_t pa[4];
+        ldsm_x4(pa, sP + (lane & 15) * LDPB + j * BN + (lane >> 4) * 8);
+        const __nv_bfloat16* tK = sK + j * BN * LDS;
 #pragma unroll
-          for (int c = 0; c < 8; ++c) o[0][c][0] *= al0, o[0][c][1] *= al0, o[0][c][2] *= al1, o[0][c][3] *= al1;
-        }
-#pragma unroll
-        for (int j = 0; j < NSTAGE; ++j) {
-          if (j >= n) continue;
-          uint32_t pa[4];
-          ldsm_x4(pa, sP + (lane & 15) * LDPB + j * BN + (lane >> 4) * 8);
-          const __nv_bfloat16* tK = sK + j * BN * LDS;
-#pragma unroll
-          for (int n2 = 0; n2 < 4; ++n2) {
-            uint32_t vb[4];
-            ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
-            mma_bf16(o[0][2 * n2], pa, vb[0], vb[1]);
-            mma_bf16(o[0][2 * n2 + 1], pa, vb[2], vb[3]);
-          }
-        }
-        if (bt + 1 < batches) {
-          __syncthreads();  // every warp past this batch's stages, scores, P and alpha
-          for (int j = 0; j < NSTAGE && (bt + 1) * NSTAGE + j < n_tiles; ++j)
-            issue_tile((bt + 1) * NSTAGE + j, sK + j * BN * LDS);
-          cp_commit();
+        for (int n2 = 0; n2 < 4; ++n2) {
+          uint32_t vb[4];
+          ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
+          mma_bf16(o[0][2 * n2], pa, vb[0], vb[1]);
+          mma_bf16(o[0][2 * n2 + 1], pa, vb[2], vb[3]);
         }
       }
     }
@@ -425,8 +401,8 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     }
     __syncthreads();
     pv_tile((n_tiles - 1) % NSTAGE, (n_tiles - 1) & 1);
-  } else if (kBatch<MT>) {
-    batch_loop();
+  } else if (batch) {
+    batch_split(n_tiles);
   } else {
     // Two barriers a tile: P V of tile `it` and S of tile `it + 1` between them, the softmax of `it + 1` after.
     score_tile(0, 0);
