@@ -131,3 +131,27 @@ def test_compiled_acceptance_equals_eager():
         got = accept_paths_compiled()(tree, choice, alive)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_forward_checks_its_cache_spans_once_not_per_layer(monkeypatch):
+    """Each layer's cache ops (MLA glue, attention) check the batch's spans, a device sync on CUDA each: the
+    forward checks them once for all its layers. A span past the cache is still refused, naming the forward,
+    and an op called alone still checks."""
+    from k26.ops import reference
+
+    layers = 4
+    sizes = DEFAULT_SIZES | {"num_hidden_layers": layers, "first_k_dense_replace": layers}
+    cfg = ModelConfig.from_dict(text_config(sizes, 384, "none"))
+    model = KimiK2(cfg, torch.float32).eval()
+    cache = torch.randn(layers, 3, 32, cfg.latent_dim)
+    calls = []
+    real = reference.spans_bad
+    monkeypatch.setattr(reference, "spans_bad", lambda *a: calls.append(a) or real(*a))
+    with torch.no_grad():
+        model(torch.randint(0, 300, (2, 4)), AttnBatch.causal(torch.tensor([5, 9]), 4), cache)
+        assert len(calls) == 1
+        with pytest.raises(ValueError, match="KimiK2.forward: prefix_lens \\+ 4 exceeds the cache length 32"):
+            model(torch.randint(0, 300, (2, 4)), AttnBatch.causal(torch.tensor([5, 29]), 4), cache)
+    rows, prefix = torch.tensor([0, 1]), torch.tensor([5, 29])
+    with pytest.raises(ValueError, match="mla_write_cache"):
+        torch.ops.k26.mla_write_cache(cache[0], torch.randn(2, 4, cfg.latent_dim), rows, prefix)

@@ -264,3 +264,26 @@ def test_kernel_variant_defines_key_the_library_and_refuse_other_flags(monkeypat
         build.defines()
     monkeypatch.setenv("K26_OPS_DEFINES", "")
     assert build.library_path() == base
+
+
+def test_a_checked_forward_lets_its_ops_skip_only_the_same_unchanged_spans(monkeypatch):
+    """Inside `spans_checked` an op's check of the same tensors is skipped (no second device sync); other
+    tensors, a tensor written in place, another span length or a cache of other rows are checked again."""
+    cache, rows, prefix = torch.zeros(3, 16, 8), torch.tensor([0, 1]), torch.tensor([2, 3])
+    calls = []
+    real = reference.spans_bad
+    monkeypatch.setattr(reference, "spans_bad", lambda *a: calls.append(a) or real(*a))
+    with reference.spans_checked("forward", cache, rows, prefix, 4):
+        reference.check_cache_span("op", cache, rows, prefix, 4)
+        assert len(calls) == 1  # the forward's own check only
+        reference.check_cache_span("op", cache, rows, prefix, 5)
+        reference.check_cache_span("op", torch.zeros(4, 16, 8), rows, prefix, 4)
+        assert len(calls) == 3
+        with pytest.raises(ValueError, match="op: prefix_lens"):
+            reference.check_cache_span("op", cache, rows, torch.tensor([2, 13]), 4)
+        prefix[1] = 13  # in place: the checked key no longer holds
+        with pytest.raises(ValueError, match="op: prefix_lens"):
+            reference.check_cache_span("op", cache, rows, prefix, 4)
+    prefix[1] = 3
+    reference.check_cache_span("op", cache, rows, prefix, 4)  # after the block: checked again
+    assert len(calls) == 6

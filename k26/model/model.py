@@ -7,12 +7,14 @@ hand back the residual stream after chosen layers for the DFlash drafter.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from ..compiling import compile_static
 from ..config import ModelConfig
+from ..ops import reference
 from .batch import AttnBatch
 from .layers import MLP, RMSNorm, TPInfo, VocabEmbedding, VocabHead
 from .mla import MLA
@@ -73,11 +75,17 @@ class KimiK2(nn.Module):
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         normed = self.layers[0].input_layernorm(x) if len(self.layers) else self.norm(x)
         aux = []
-        for i, layer in enumerate(self.layers if layers is None else layers):
-            cache = None if cache_LRTC is None else cache_LRTC[i]
-            normed, x = layer(x, normed, batch, cache, self.rope, absorb, norms[i])
-            if i in aux_layers:
-                aux.append(x)
+        # The batch's cache spans checked once for every layer's cache ops (each a device sync on CUDA).
+        spans = nullcontext()
+        if cache_LRTC is not None and len(self.layers):
+            args = (cache_LRTC[0], batch.rows_B, batch.prefix_lens_B, batch.num_new)
+            spans = reference.spans_checked("KimiK2.forward", *args)
+        with spans:
+            for i, layer in enumerate(self.layers if layers is None else layers):
+                cache = None if cache_LRTC is None else cache_LRTC[i]
+                normed, x = layer(x, normed, batch, cache, self.rope, absorb, norms[i])
+                if i in aux_layers:
+                    aux.append(x)
         return normed, (torch.cat(aux, dim=-1) if aux_layers else None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

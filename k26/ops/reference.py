@@ -7,6 +7,9 @@ CUDA kernels that replace them on GPU may not.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 
@@ -19,14 +22,48 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+# The spans a forward checked once (`spans_checked`): what its per-layer ops would check again, each a device
+# sync on CUDA (a K2.6 forward: two a layer, 122 per prefill chunk). A ContextVar: scoped to the `with` block
+# of the thread / task that set it, like torch.no_grad — never a process-wide switch.
+_CHECKED: ContextVar[tuple | None] = ContextVar("k26_spans_checked", default=None)
+
+
+def _span_key(cache, rows, prefix_lens, n: int) -> tuple:
+    """The tensors as they are now: a write into rows or prefix_lens (their version) or other tensors in
+    their place (pointer, shape, strides) is a different key."""
+    t = (rows, prefix_lens)
+    return (n, tuple(cache.shape[:2])) + tuple((x.data_ptr(), x.shape, x.stride(), x._version) for x in t)
+
+
+@contextmanager
+def spans_checked(op: str, cache, rows, prefix_lens, n: int):
+    """Check every span of a forward's batch once (`check_cache_span`, as `op`); inside the block the
+    per-layer ops skip the same check of the same tensors (caches of the same rows x length)."""
+    check_cache_span(op, cache, rows, prefix_lens, n)
+    token = _CHECKED.set(None if capturing() else _span_key(cache, rows, prefix_lens, n))
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
+def spans_bad(cache, rows, prefix_lens, n: int) -> bool:
+    """A row outside the cache, a negative prefix or a span past its row (a device sync on CUDA)."""
+    bad = (prefix_lens < 0) | (prefix_lens + n > cache.shape[1]) | (rows < 0) | (rows >= cache.shape[0])
+    return bool(bad.any())
+
+
 def check_cache_span(op: str, cache, rows, prefix_lens, n: int) -> None:
     """Outside a CUDA-graph capture (inside, a check would be kernels in every replay): every row inside the
     cache and every prefix_lens .. prefix_lens + n span inside its row — the kernels write and read there
-    unchecked (a negative row wrapped around in the references). A device sync on CUDA."""
+    unchecked (a negative row wrapped around in the references). A device sync on CUDA, unless the forward
+    around the call checked these spans already (`spans_checked`)."""
     if capturing():
         return
-    bad = (prefix_lens < 0) | (prefix_lens + n > cache.shape[1]) | (rows < 0) | (rows >= cache.shape[0])
-    if bool(bad.any()):
+    done = _CHECKED.get()
+    if done is not None and done == _span_key(cache, rows, prefix_lens, n):
+        return
+    if spans_bad(cache, rows, prefix_lens, n):
         raise ValueError(
             f"{op}: prefix_lens + {n} exceeds the cache length {cache.shape[1]}, a prefix length is "
             f"negative, or a row is outside [0, {cache.shape[0]})"
