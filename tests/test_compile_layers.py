@@ -133,10 +133,11 @@ def test_compiled_acceptance_equals_eager():
             assert torch.equal(a, b)
 
 
-def test_a_forward_checks_its_cache_spans_once_not_per_layer(monkeypatch):
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_forward_checks_its_cache_spans_once_not_per_layer(monkeypatch, mode):
     """Each layer's cache ops (MLA glue, attention) check the batch's spans, a device sync on CUDA each: the
-    forward checks them once for all its layers. A span past the cache is still refused, naming the forward,
-    and an op called alone still checks."""
+    forward checks them once for all its layers (also under inference mode, the engine's: its tensors keep
+    no version). A span past the cache is still refused, naming the forward; an op alone still checks."""
     from k26.ops import reference
 
     layers = 4
@@ -147,7 +148,7 @@ def test_a_forward_checks_its_cache_spans_once_not_per_layer(monkeypatch):
     calls = []
     real = reference.spans_bad
     monkeypatch.setattr(reference, "spans_bad", lambda *a: calls.append(a) or real(*a))
-    with torch.no_grad():
+    with mode():
         model(torch.randint(0, 300, (2, 4)), AttnBatch.causal(torch.tensor([5, 9]), 4), cache)
         assert len(calls) == 1
         with pytest.raises(ValueError, match="KimiK2.forward: prefix_lens \\+ 4 exceeds the cache length 32"):

@@ -29,10 +29,13 @@ _CHECKED: ContextVar[tuple | None] = ContextVar("k26_spans_checked", default=Non
 
 
 def _span_key(cache, rows, prefix_lens, n: int) -> tuple:
-    """The tensors as they are now: a write into rows or prefix_lens (their version) or other tensors in
-    their place (pointer, shape, strides) is a different key."""
-    t = (rows, prefix_lens)
-    return (n, tuple(cache.shape[:2])) + tuple((x.data_ptr(), x.shape, x.stride(), x._version) for x in t)
+    """The tensors as they are now: other tensors in their place (pointer, shape, strides) or a write into
+    rows or prefix_lens (their version; inference-mode tensors keep none, and nothing inside a forward writes
+    its batch) is a different key."""
+    key: tuple = (n, tuple(cache.shape[:2]))
+    for x in (rows, prefix_lens):
+        key += ((x.data_ptr(), x.shape, x.stride(), -1 if x.is_inference() else x._version),)
+    return key
 
 
 @contextmanager
