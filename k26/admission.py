@@ -140,6 +140,8 @@ def advance(ctx: DecodeContext, state: BatchState, budget: int | None) -> list[i
             for i in adm.todo:
                 state.filled[adm.slots[i]] = False  # what it wrote of its row is unknown
                 state.release(adm.slots[i])
+            # rows whose prefill ended earlier in this call: this call raises, the next step reports them
+            state.unreported += [b for b in ready if state.outs[b] is not None and b not in state.unreported]
             raise
     return ready
 

@@ -145,8 +145,8 @@ class Decoder:
         """Advance every live row by one step, after a budget of pending prefill positions (all of them when
         no row is live: nothing waits on it); returns the rows whose outputs grew or that finished (and those
         a waiting `admit` readied for earlier admissions since the last step)."""
-        ready, state.unreported = state.unreported, []
         ended = advance(self.ctx, state, self.ctx.prefill_budget if state.live else None)
+        ready, state.unreported = state.unreported, []  # (after advance: a failing prefill keeps them)
         ready += [b for b in ended if b not in ready]
         if not state.live:
             return ready

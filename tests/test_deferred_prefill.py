@@ -193,6 +193,36 @@ def test_a_waiting_admit_that_fails_keeps_none_of_its_rows(llm, monkeypatch):
     assert len(state.free_slots()) == state.capacity and not state.pending and not state.live
 
 
+@pytest.mark.parametrize("readied_by", ["the failing step", "a waiting admit before it"])
+def test_rows_finished_before_a_failing_prefill_are_still_reported(llm, monkeypatch, readied_by):
+    """A one-token request ends with its prefill; a later admission's prefill then fails. The failing step
+    raises, and the next step reports the finished row (it was lost: held only by the call that raised)."""
+    from k26.spec.prefill import Prefill
+
+    a, b, c = random_prompts(3, 8, 12, seed=47)
+    one = SamplingParams(max_tokens=1, stop_token_ids=[])
+    llm.open_batch(SPEC)
+    (sa,) = llm.admit([a], [one], wait=False)
+    if readied_by == "a waiting admit before it":
+        llm.admit([c], [SamplingParams(max_tokens=20, stop_token_ids=[])], wait=True)
+        assert llm.batch.outs[sa].finish_reason == "length"
+    (sb,) = llm.admit([b], [GREEDY], wait=False)
+    forward = Prefill.forward
+
+    def failing(self):
+        if self.prompts[0] == b:
+            raise RuntimeError("injected prefill failure")
+        return forward(self)
+
+    monkeypatch.setattr(Prefill, "forward", failing)
+    with pytest.raises(RuntimeError, match="injected prefill failure"):
+        llm.step()
+    monkeypatch.undo()
+    assert llm.batch.outs[sa].finish_reason == "length" and llm.batch.outs[sb] is None
+    assert sa in llm.step()
+    finish(llm, [s for s in range(llm.batch.capacity) if llm.batch.outs[s] is not None])
+
+
 def test_prefill_budget_is_checked():
     with pytest.raises(ValueError, match="prefill_budget=0"):
         LLM(prefill_budget=0)

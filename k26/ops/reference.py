@@ -41,7 +41,8 @@ def _span_key(cache, rows, prefix_lens, n: int) -> tuple:
 @contextmanager
 def spans_checked(op: str, cache, rows, prefix_lens, n: int):
     """Check every span of a forward's batch once (`check_cache_span`, as `op`); inside the block the
-    per-layer ops skip the same check of the same tensors (caches of the same rows x length)."""
+    per-layer ops skip the same check of the same tensors (caches of the same rows x length). The block must
+    not write rows or prefix_lens in place: under inference mode (the engine's) such a write goes unseen."""
     check_cache_span(op, cache, rows, prefix_lens, n)
     token = _CHECKED.set(None if capturing() else _span_key(cache, rows, prefix_lens, n))
     try:

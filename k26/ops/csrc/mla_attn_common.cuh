@@ -59,10 +59,11 @@ constexpr bool kRowCopies = (K26_ATTN_ROW_COPIES_MT >> (MT - 1)) & 1;
 
 // The decode tiles (MT 1) take a split of at most NSTAGE tiles (64 keys: up to 16K decode's) in one batch: the
 // scores of every tile, one softmax, P V of every tile — two barriers a split where the tile loop has two a tile
-// (mla_tree_attn_kernel.cuh). Its Q is staged in the scores' region, so every tile can go out before the
-// grid-dependency wait. Longer splits keep the tile loop: batches of four tiles for them too (the next batch's
-// tiles issued into the freed stages, its DRAM round trip exposed) measured slower at 32K / 128K and, in the same
-// kernel, at 4K as well (H100: 27.6 -> 30.9 / 68.7 -> 74.5 µs; 2026-12-06-attn-decode-batch-session33-h100.md).
+// (mla_tree_attn_kernel.cuh). Its Q is staged in the scores' region, so every prefix tile can go out before the
+// grid-dependency wait (tiles with new tree keys go out after it, as in the tile loop). Longer splits keep the
+// tile loop: batches of four tiles for them too (the next batch's tiles issued into the freed stages, its DRAM
+// round trip exposed) measured slower at 32K / 128K and, in the same kernel, at 4K as well (H100: 27.6 -> 30.9 /
+// 68.7 -> 74.5 µs; 2026-12-06-attn-decode-batch-session33-h100.md).
 // Measured (same file): 4K decode 10.4 -> 9.0 µs, 1K 8.8 -> 7.4, 8K 14.0 -> 12.8; 32K / 128K 27.6 / 68.7 ->
 // 27.9 / 70.1 (the larger shared memory). -DK26_ATTN_NO_BATCH: the tile loop for every split (the A/B side).
 #ifdef K26_ATTN_NO_BATCH

@@ -66,7 +66,8 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   constexpr int LPR = 16 / MT;  // softmax lanes per query row (MT keys each)
   extern __shared__ __align__(16) uint8_t smem[];
   __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem);
-  float* sS = reinterpret_cast<float*>(smem + C::K);  // [KQ][BM][LDSS]
+  // [KQ][BM][LDSS] (the batch: Q staged here first, then [KQ][BM][LDSB])
+  float* sS = reinterpret_cast<float*>(smem + C::K);
   __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S);
   int64_t* sWords = reinterpret_cast<int64_t*>(smem + C::K + C::S + C::P);  // [BM][4]
   float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS);
@@ -90,8 +91,9 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
   // A split of at most NSTAGE tiles runs as one batch (kBatch, csrc/mla_attn_common.cuh): all its tiles go out
-  // at once. Otherwise the tile loop: Q is staged in the last MT stages (the batch kernel's Q in the scores'
-  // region), the first NSTAGE - MT tiles beside it. One commit group for all.
+  // at once (its prefix tiles before the grid-dependency wait). Otherwise the tile loop: Q is staged in the last
+  // MT stages (the batch kernel's Q in the scores' region), the first NSTAGE - MT tiles beside it. One commit
+  // group for all.
   const bool batch = kBatch<MT> && n_tiles <= NSTAGE;
   const int ahead = batch ? NSTAGE : NSTAGE - MT;
   __nv_bfloat16* const sQ = kBatch<MT> ? reinterpret_cast<__nv_bfloat16*>(sS) : sK + (NSTAGE - MT) * BN * LDS;
