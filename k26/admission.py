@@ -98,7 +98,7 @@ def admit(
         state.pending.append(adm)
         if wait:
             try:
-                ended = advance(ctx, state, None)
+                advance(ctx, state, None)
             except BaseException:  # this call raises, so its caller never learns its slots: none stays taken
                 if adm in state.pending:  # (an older admission's prefill failed before this one ran)
                     state.pending.remove(adm)
@@ -107,17 +107,18 @@ def admit(
                         state.filled[b] = False  # what its prefill wrote, if anything, is unknown
                         state.release(b)
                 raise
-            state.unreported += [b for b in ended if b not in slots]  # older admissions' rows: step says them
+            # its own rows are the caller's (returned); older admissions' rows stay for the next step
+            state.unreported = [b for b in state.unreported if b not in slots]
     return slots
 
 
-def advance(ctx: DecodeContext, state: BatchState, budget: int | None) -> list[int]:
+def advance(ctx: DecodeContext, state: BatchState, budget: int | None) -> None:
     """Prefill forwards of the pending admissions, oldest first, until `budget` positions ran (None: all of
-    them; at least one forward); returns the slots whose prefill ended (live now, or finished: prompt
-    logprobs only). A failure frees the failing admission's unfinished rows and raises."""
-    ready: list[int] = []
+    them; at least one forward); the slots whose prefill ended (live now, or finished: prompt logprobs only)
+    go to `state.unreported` as they end, for the next step to report (kept when a later forward fails). A
+    failure frees the failing admission's unfinished rows and raises."""
     if not state.pending:
-        return ready
+        return
     state.unpark()
     spent = 0
     while state.pending:
@@ -134,16 +135,13 @@ def advance(ctx: DecodeContext, state: BatchState, budget: int | None) -> list[i
                 break
             ended = adm.job.forward()
             spent += cost
-            ready += _ended(ctx, state, adm, [adm.now[j] for j in ended])
+            state.unreported += _ended(ctx, state, adm, [adm.now[j] for j in ended])
         except BaseException:  # a failed prefill (out of memory, say) must not keep its rows forever
             state.pending.remove(adm)
             for i in adm.todo:
                 state.filled[adm.slots[i]] = False  # what it wrote of its row is unknown
                 state.release(adm.slots[i])
-            # rows whose prefill ended earlier in this call: this call raises, the next step reports them
-            state.unreported += [b for b in ready if state.outs[b] is not None and b not in state.unreported]
             raise
-    return ready
 
 
 def _start_wave(ctx: DecodeContext, state: BatchState, adm: Admission) -> None:

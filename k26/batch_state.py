@@ -53,8 +53,8 @@ class BatchState:
     penalties: Penalties | None = None  # eager: the rows' penalties, allocated with the first such row
     stash: HeadStash | None = None  # speculative batches: the parking row's first `nodes` positions
     pending: list = field(default_factory=list)  # `admission.Admission`s still being prefilled, oldest first
-    # rows of earlier admissions whose prefill ended inside a waiting `admit` (which returns only its own
-    # slots): the next `Decoder.step` reports them
+    # rows whose prefill ended (`admission.advance`) not yet reported: the next `Decoder.step` reports them (a
+    # waiting `admit` takes its own out: it returns them)
     unreported: list[int] = field(default_factory=list)
     prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
     filled: list[bool] = field(init=False)  # the slot's prompt was prefilled into its row

@@ -144,10 +144,9 @@ class Decoder:
     def step(self, state: BatchState) -> list[int]:
         """Advance every live row by one step, after a budget of pending prefill positions (all of them when
         no row is live: nothing waits on it); returns the rows whose outputs grew or that finished (and those
-        a waiting `admit` readied for earlier admissions since the last step)."""
-        ended = advance(self.ctx, state, self.ctx.prefill_budget if state.live else None)
+        whose prefill ended since the last step, in a waiting `admit` for earlier admissions too)."""
+        advance(self.ctx, state, self.ctx.prefill_budget if state.live else None)
         ready, state.unreported = state.unreported, []  # (after advance: a failing prefill keeps them)
-        ready += [b for b in ended if b not in ready]
         if not state.live:
             return ready
         was = list(state.live)

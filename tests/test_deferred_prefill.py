@@ -21,6 +21,20 @@ def same_as_fresh(llm, out, prompt):
     assert_answers_as_fresh(llm, out, prompt, GREEDY, SPEC)
 
 
+def fail_prefill_of(monkeypatch, prompt):
+    """Every prefill forward whose first prompt is `prompt` raises RuntimeError (an injected failure)."""
+    from k26.spec.prefill import Prefill
+
+    forward = Prefill.forward
+
+    def failing(self):
+        if self.prompts[0] == prompt:
+            raise RuntimeError("injected prefill failure")
+        return forward(self)
+
+    monkeypatch.setattr(Prefill, "forward", failing)
+
+
 def test_a_deferred_prompt_prefills_a_budget_per_step_while_others_decode(llm):
     """60 positions at 16 a step (two forwards of 8): live after the 4th step; the decoding row emits at
     every step meanwhile; both answer as fresh runs."""
@@ -175,19 +189,10 @@ def test_a_copy_source_taken_by_a_new_request_before_the_copy_falls_back(cpu_pai
 def test_a_waiting_admit_that_fails_keeps_none_of_its_rows(llm, monkeypatch):
     """admit(wait=True) prefills the older deferred admissions first; when one of those fails the call
     raises, and its own rows (never returned to the caller) must not stay taken and decode unseen."""
-    from k26.spec.prefill import Prefill
-
     older, mine = random_prompts(2, 8, 12, seed=41)
     state = llm.open_batch(SpecConfig("ar"))
     llm.admit([older], [SamplingParams(max_tokens=4, stop_token_ids=[])], wait=False)
-    forward = Prefill.forward
-
-    def failing(self):
-        if self.prompts[0] == older:
-            raise RuntimeError("injected prefill failure")
-        return forward(self)
-
-    monkeypatch.setattr(Prefill, "forward", failing)
+    fail_prefill_of(monkeypatch, older)
     with pytest.raises(RuntimeError, match="injected prefill failure"):
         llm.admit([mine], [SamplingParams(max_tokens=4, stop_token_ids=[])], wait=True)
     assert len(state.free_slots()) == state.capacity and not state.pending and not state.live
@@ -197,8 +202,6 @@ def test_a_waiting_admit_that_fails_keeps_none_of_its_rows(llm, monkeypatch):
 def test_rows_finished_before_a_failing_prefill_are_still_reported(llm, monkeypatch, readied_by):
     """A one-token request ends with its prefill; a later admission's prefill then fails. The failing step
     raises, and the next step reports the finished row (it was lost: held only by the call that raised)."""
-    from k26.spec.prefill import Prefill
-
     a, b, c = random_prompts(3, 8, 12, seed=47)
     one = SamplingParams(max_tokens=1, stop_token_ids=[])
     llm.open_batch(SPEC)
@@ -207,14 +210,7 @@ def test_rows_finished_before_a_failing_prefill_are_still_reported(llm, monkeypa
         llm.admit([c], [SamplingParams(max_tokens=20, stop_token_ids=[])], wait=True)
         assert llm.batch.outs[sa].finish_reason == "length"
     (sb,) = llm.admit([b], [GREEDY], wait=False)
-    forward = Prefill.forward
-
-    def failing(self):
-        if self.prompts[0] == b:
-            raise RuntimeError("injected prefill failure")
-        return forward(self)
-
-    monkeypatch.setattr(Prefill, "forward", failing)
+    fail_prefill_of(monkeypatch, b)
     with pytest.raises(RuntimeError, match="injected prefill failure"):
         llm.step()
     monkeypatch.undo()

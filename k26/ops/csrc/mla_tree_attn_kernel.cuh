@@ -260,7 +260,21 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     if (tid % LPR == 0) sAlpha[buf * BM + sr] = alpha;
   };
 
-  // O = alpha * O + P V over this warp's 64 output columns, V = the tile in `stage`.
+  // O += P V over this warp's 64 output columns: P's A fragments pa, V = the first 512 dims of the key tile tK.
+  auto pv_mma = [&](const __nv_bfloat16* tK, const uint32_t (&pa)[MT][4]) {
+#pragma unroll
+    for (int n2 = 0; n2 < 4; ++n2) {
+      uint32_t vb[4];
+      ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        mma_bf16(o[m][2 * n2], pa[m], vb[0], vb[1]);
+        mma_bf16(o[m][2 * n2 + 1], pa[m], vb[2], vb[3]);
+      }
+    }
+  };
+
+  // O = alpha * O + P V, V = the tile in `stage`.
   auto pv_tile = [&](int stage, int buf) {
     const __nv_bfloat16* tK = sK + stage * BN * LDS;
     uint32_t pa[MT][4];
@@ -278,16 +292,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       }
       ldsm_x4(pa[m], sP + buf * (BM * LDP) + (m * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
     }
-#pragma unroll
-    for (int n2 = 0; n2 < 4; ++n2) {
-      uint32_t vb[4];
-      ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        mma_bf16(o[m][2 * n2], pa[m], vb[0], vb[1]);
-        mma_bf16(o[m][2 * n2 + 1], pa[m], vb[2], vb[3]);
-      }
-    }
+    pv_mma(tK, pa);
   };
 
   // One batch (kBatch): the split's n <= NSTAGE tiles, all landed with Q. Scores of every tile (independent MMA
@@ -361,16 +366,9 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
 #pragma unroll
       for (int j = 0; j < NSTAGE; ++j) {
         if (j >= n) continue;
-        uint32_t pa[4];
-        ldsm_x4(pa, sP + (lane & 15) * LDPB + j * BN + (lane >> 4) * 8);
-        const __nv_bfloat16* tK = sK + j * BN * LDS;
-#pragma unroll
-        for (int n2 = 0; n2 < 4; ++n2) {
-          uint32_t vb[4];
-          ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
-          mma_bf16(o[0][2 * n2], pa, vb[0], vb[1]);
-          mma_bf16(o[0][2 * n2 + 1], pa, vb[2], vb[3]);
-        }
+        uint32_t pa[MT][4];
+        ldsm_x4(pa[0], sP + (lane & 15) * LDPB + j * BN + (lane >> 4) * 8);
+        pv_mma(sK + j * BN * LDS, pa);
       }
     }
   };
