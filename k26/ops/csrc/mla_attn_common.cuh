@@ -73,6 +73,21 @@ constexpr bool kBatch = false;
 template <int MT>
 constexpr bool kBatch = MT == 1 && !kOneBarrier<MT>;  // (the batch stands in for the two-barrier tile loop)
 #endif
+// -DK26_ATTN_L2_AHEAD=D (an A/B side): the tile loops (not the batch) also prefetch into L2 the tile D tiles
+// beyond each cp.async they issue (D of them up front, the prefix ones before the grid-dependency wait), so a
+// stage's copy finds its keys in L2: the 4 stages hold only ~1 interval of lookahead (2 of the 32-row tile's,
+// 99 KB of sm_120's shared memory), and a 32-row tile's interval (~1 µs of ~0.3 µs of MMAs at N = 16, session
+// 18's trace) looks bound by the round trip of the tile issued one interval before. For the row tiles in the
+// mask K26_ATTN_L2_AHEAD_MT (bit MT - 1; default both).
+#ifndef K26_ATTN_L2_AHEAD
+#define K26_ATTN_L2_AHEAD 0
+#endif
+#ifndef K26_ATTN_L2_AHEAD_MT
+#define K26_ATTN_L2_AHEAD_MT 3
+#endif
+template <int MT>
+constexpr int kL2Ahead = (K26_ATTN_L2_AHEAD_MT >> (MT - 1)) & 1 ? K26_ATTN_L2_AHEAD : 0;
+
 constexpr int LDSB = NSTAGE * BN + 4;  // a batch's fp32 partial-score row (16-B aligned rows for float4 reads)
 constexpr int LDPB = NSTAGE * BN + 8;  // a batch's bf16 P row (16-B aligned rows for ldmatrix)
 

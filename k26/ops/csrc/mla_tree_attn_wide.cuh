@@ -56,9 +56,6 @@ struct WideCfg {
   static_assert(SMEM <= 101376, "sm_120 allows at most 99 KB of shared memory per block");
 };
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
 // 2^x by the SFU alone (exp2f without fast math adds a range check, a scaling and a squaring: ~80 of a tile's
 // ~380 instructions here); differs from exp2f only where the result is denormal (flushed to 0), p < 2^-126.
 // ex2.approx(-inf) = +0.

@@ -2,7 +2,7 @@
 // csrc/drafter_attn.cu): cp.async 16-byte copies into shared memory and their groups, ldmatrix (plain and
 // transposed) and the bf16 mma.sync.m16n8k16 with fp32 accumulation.
 //
-// Legality: cp.async, ldmatrix, mma.sync (sm_80+): sm_90a and sm_120a.
+// Legality: cp.async, ldmatrix, mma.sync, prefetch.global.L2 (sm_80+): sm_90a and sm_120a.
 
 #pragma once
 
@@ -19,6 +19,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N_>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_)); }
+// A hint: the 128-byte line at p into L2 (no register written, no fault; L2 is coherent, so a line prefetched
+// before its producer's write is simply rewritten there).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
