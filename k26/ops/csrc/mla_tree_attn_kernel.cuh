@@ -103,15 +103,17 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     if (early(it)) issue_tile(it, sK + it * BN * LDS);
   // -DK26_ATTN_L2_AHEAD (csrc/mla_attn_common.cuh): line tid of tile `it` into L2, its keys below `end` only.
   // Both tile loops issue tile NSTAGE - 1 first (after Q), so tiles NSTAGE - 1 .. + D go now, the rest D ahead.
+  const bool l2_ahead = kL2Ahead<MT> > 0 && !batch && n_tiles >= kL2AheadMinTiles;
   auto prefetch_tile = [&](int it, int end) {
     if constexpr (kL2Ahead<MT> > 0) {
+      if (!l2_ahead) return;
       static_assert(BN * DQK * 2 / 128 <= THREADS && DQK * 2 % 128 == 0, "a line a thread, each of one key");
       const int key = k0 + it * BN + tid * 128 / (DQK * 2);
       if (tid < BN * DQK * 2 / 128 && key < end)
         prefetch_l2(reinterpret_cast<const char*>(kv + (size_t)(k0 + it * BN) * DQK) + tid * 128);
     }
   };
-  if (kL2Ahead<MT> > 0 && !batch)
+  if (l2_ahead)
     for (int it = NSTAGE - 1; it < NSTAGE - 1 + kL2Ahead<MT>; ++it) prefetch_tile(it, min(L, k1));
   pdl_wait();
   pdl_trigger();
