@@ -73,24 +73,6 @@ constexpr bool kBatch = false;
 template <int MT>
 constexpr bool kBatch = MT == 1 && !kOneBarrier<MT>;  // (the batch stands in for the two-barrier tile loop)
 #endif
-// -DK26_ATTN_L2_AHEAD=D (an A/B side): the tile loop of a split of >= kL2AheadMinTiles tiles also prefetches into
-// L2 the tile D tiles beyond each cp.async it issues (D of them up front, the prefix ones before the
-// grid-dependency wait), so a stage's copy finds its keys in L2: the 32-row tile's 4 stages (99 KB of sm_120's
-// shared memory) hold one interval of lookahead. For the row tiles in the mask K26_ATTN_L2_AHEAD_MT (bit MT - 1;
-// default the 32-row tiles only). Measured (H100, rotary query, D = 4 for both tiles): N = 16 at 32K / 128K
-// 66.8 / 224.5 -> 64.2 / 218.3 µs, N = 64 at 32K 212.5 -> 205, N = 16 at 4K (8 tiles a split) 20.5 -> 20.8;
-// decode (16-row tiles, bandwidth-bound, 3 tiles ahead already) 28.8 / 72.6 -> 29.7 / 84.5 at 32K / 128K
-// (2026-12-06-attn-l2-ahead-session34-h100.md).
-#ifndef K26_ATTN_L2_AHEAD
-#define K26_ATTN_L2_AHEAD 0
-#endif
-#ifndef K26_ATTN_L2_AHEAD_MT
-#define K26_ATTN_L2_AHEAD_MT 2
-#endif
-template <int MT>
-constexpr int kL2Ahead = (K26_ATTN_L2_AHEAD_MT >> (MT - 1)) & 1 ? K26_ATTN_L2_AHEAD : 0;
-constexpr int kL2AheadMinTiles = 16;
-
 constexpr int LDSB = NSTAGE * BN + 4;  // a batch's fp32 partial-score row (16-B aligned rows for float4 reads)
 constexpr int LDPB = NSTAGE * BN + 8;  // a batch's bf16 P row (16-B aligned rows for ldmatrix)
 

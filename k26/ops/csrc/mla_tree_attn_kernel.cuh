@@ -101,20 +101,6 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   auto early = [&](int it) { return it < n_tiles && k0 + (it + 1) * BN <= L; };  // wholly prefix keys
   for (int it = 0; it < ahead; ++it)
     if (early(it)) issue_tile(it, sK + it * BN * LDS);
-  // -DK26_ATTN_L2_AHEAD (csrc/mla_attn_common.cuh): line tid of tile `it` into L2, its keys below `end` only.
-  // Both tile loops issue tile NSTAGE - 1 first (after Q), so tiles NSTAGE - 1 .. + D go now, the rest D ahead.
-  const bool l2_ahead = kL2Ahead<MT> > 0 && !batch && n_tiles >= kL2AheadMinTiles;
-  auto prefetch_tile = [&](int it, int end) {
-    if constexpr (kL2Ahead<MT> > 0) {
-      if (!l2_ahead) return;
-      static_assert(BN * DQK * 2 / 128 <= THREADS && DQK * 2 % 128 == 0, "a line a thread, each of one key");
-      const int key = k0 + it * BN + tid * 128 / (DQK * 2);
-      if (tid < BN * DQK * 2 / 128 && key < end)
-        prefetch_l2(reinterpret_cast<const char*>(kv + (size_t)(k0 + it * BN) * DQK) + tid * 128);
-    }
-  };
-  if (l2_ahead)
-    for (int it = NSTAGE - 1; it < NSTAGE - 1 + kL2Ahead<MT>; ++it) prefetch_tile(it, min(L, k1));
   pdl_wait();
   pdl_trigger();
   {  // With q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
@@ -407,7 +393,6 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       __syncthreads();  // S(k), P(k - 1) visible; interval k - 1 done everywhere: tile k - 2's stage is free
       issue_tile(k + 2, sK + ((k + 2) % NSTAGE) * BN * LDS);  // past the last tile: zero-fills, no reads
       cp_commit();
-      prefetch_tile(k + 2 + kL2Ahead<MT>, k1);
       pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
       float s[MT][4];
       score_mma((k + 1) % NSTAGE, (k + 1) & 1, s, false);  // past the last tile a stale stage; the result is unused
@@ -427,7 +412,6 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       cp_wait<NSTAGE - 3>();  // tile it + 1 landed
       __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
       load_tile(it + NSTAGE - 1);
-      prefetch_tile(it + NSTAGE - 1 + kL2Ahead<MT>, k1);
       pv_tile(it % NSTAGE, 0);
       score_tile((it + 1) % NSTAGE, 0);  // past the last tile this scores a stale stage; the result is unused
       __syncthreads();
