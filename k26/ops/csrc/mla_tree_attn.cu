@@ -10,13 +10,7 @@
 #ifdef K26_ATTN_WIDE
 #include "mla_tree_attn_wide.cuh"
 #endif
-#ifdef K26_ATTN_W16
-#include "mla_tree_attn_w16.cuh"
-#endif
 #ifdef K26_ATTN_UNION
-#if defined(K26_ATTN_W16)
-#error "K26_ATTN_UNION runs the 8-warp 32-row body: build it without K26_ATTN_W16"
-#endif
 #if defined(K26_ATTN_WIDE)
 #error "K26_ATTN_UNION chooses the wide tile per sequence itself: build it without K26_ATTN_WIDE"
 #endif
@@ -48,19 +42,7 @@ constexpr auto kernel_of() {
   if constexpr (BM == 64) return tree_attn_wide_kernel<ROPE>;
   else
 #endif
-#ifdef K26_ATTN_W16
-  if constexpr (BM == 32) return tree_attn_w16_kernel<ROPE>;
-  else
-#endif
     return tree_attn_kernel<BM / 16, ROPE>;
-}
-// Threads a block of kernel_of<BM>: 256, or 512 for the 16-warp 32-row tile (-DK26_ATTN_W16).
-template <int BM>
-constexpr int threads_of() {
-#ifdef K26_ATTN_W16
-  if (BM == 32) return W16_THREADS;
-#endif
-  return THREADS;
 }
 template <int BM>
 constexpr size_t smem_of() {
@@ -142,10 +124,9 @@ int wave_blocks(int* blocks) {
   if (const cudaError_t e = allow_smem<BM>(); e != cudaSuccess) return (int)e;
   int sms = 0, plain = 0, rotary = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaError_t e =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, kernel_of<BM, false>(), threads_of<BM>(), smem_of<BM>());
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, kernel_of<BM, false>(), THREADS, smem_of<BM>());
   if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&rotary, kernel_of<BM, true>(), threads_of<BM>(), smem_of<BM>());
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&rotary, kernel_of<BM, true>(), THREADS, smem_of<BM>());
   if (e != cudaSuccess) return (int)e;
   *blocks = sms * min(plain, rotary);
   if (dev < 64) cached[dev] = *blocks;
@@ -173,7 +154,7 @@ int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st)
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(p.RT, p.S_max, B), c.blockDim = dim3(threads_of<BM>()), c.dynamicSmemBytes = smem_of<BM>();
+  c.gridDim = dim3(p.RT, p.S_max, B), c.blockDim = dim3(THREADS), c.dynamicSmemBytes = smem_of<BM>();
   c.stream = st, c.attrs = attr, c.numAttrs = pdl ? 1 : 0;
   return rot.q_pe ? (int)cudaLaunchKernelEx(&c, kernel_of<BM, true>(), p, rot)
                   : (int)cudaLaunchKernelEx(&c, kernel_of<BM, false>(), p, rot);
