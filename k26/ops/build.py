@@ -154,6 +154,9 @@ VARIANTS: dict[str, list[str]] = {
     # those of <= 4 tiles the default runs as one batch (csrc/mla_attn_common.cuh kBatch). Measured 2026-12-06
     # (H100): 4K decode 10.4 µs with it, 9.0 without (2026-12-06-attn-decode-batch-session33-h100.md)
     "-DK26_ATTN_NO_BATCH": ["mla_tree_attn.cu"],
+    # tree attention: O's rescale skipped by a warp-uniform branch when no row of the warp's m-tile moved its
+    # max (bit-identical; with K26_ATTN_LAZY_RESCALE: the lazy max's skips)
+    "-DK26_ATTN_SKIP_RESCALE": ["mla_tree_attn.cu"],
     # tree attention: the running max moved only when a tile's max exceeds it by > 8 (O's rescale skipped):
     # measured 2026-12-05, no gain
     "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],
