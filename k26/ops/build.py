@@ -141,7 +141,8 @@ def _nvcc_cmd(archs: tuple[str, ...]) -> list[str]:
 # top-k's histogram a warp, 2026-12-06-topk-warp-hist-session33-h100.md. Dropped: the tree attention's tile
 # loops L2-prefetching the tile 4 or 8 beyond each copy (decode at 128K 72.6 -> 84.5 / 102 µs; the 32-row
 # tiles' 3 % at 32K-128K gone once gated to long splits), 2026-12-06-attn-l2-ahead-session34-h100.md; the
-# 32-row tile on 16 warps (5-9 % slower everywhere), 2026-12-06-attn-w16-session34-h100.md.)
+# 32-row tile on 16 warps (5-9 % slower everywhere) and O's rescale behind a warp-uniform vote (5-12 % slower:
+# the branch splits the one-basic-block interval), 2026-12-06-attn-w16-session34-h100.md.)
 VARIANTS: dict[str, list[str]] = {
     # tree attention: the key-loop bodies per row tile (csrc/mla_attn_common.cuh: bit MT - 1 of a mask; by
     # default one barrier a tile and row copies on the 32-row verify tiles only). ONE_BARRIER_MT=0: two
@@ -154,9 +155,6 @@ VARIANTS: dict[str, list[str]] = {
     # those of <= 4 tiles the default runs as one batch (csrc/mla_attn_common.cuh kBatch). Measured 2026-12-06
     # (H100): 4K decode 10.4 µs with it, 9.0 without (2026-12-06-attn-decode-batch-session33-h100.md)
     "-DK26_ATTN_NO_BATCH": ["mla_tree_attn.cu"],
-    # tree attention: O's rescale skipped by a warp-uniform branch when no row of the warp's m-tile moved its
-    # max (bit-identical; with K26_ATTN_LAZY_RESCALE: the lazy max's skips)
-    "-DK26_ATTN_SKIP_RESCALE": ["mla_tree_attn.cu"],
     # tree attention: the running max moved only when a tile's max exceeds it by > 8 (O's rescale skipped):
     # measured 2026-12-05, no gain
     "-DK26_ATTN_LAZY_RESCALE": ["mla_tree_attn.cu"],

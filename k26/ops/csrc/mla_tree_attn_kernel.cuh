@@ -281,11 +281,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       const float al0 = sAlpha[buf * BM + m * 16 + g], al1 = sAlpha[buf * BM + m * 16 + g + 8];
-#if defined(K26_ATTN_SKIP_RESCALE)
-      // Warp-uniform: the 32 (MT 1) or 64 (MT 2) multiplies a thread are skipped, not predicated, when no row of
-      // the warp's m-tile moved its max (alpha exactly 1: the product would be the same bits).
-      const bool rescale = __any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f);
-#elif defined(K26_ATTN_LAZY_RESCALE)
+#ifdef K26_ATTN_LAZY_RESCALE
       const bool rescale = al0 != 1.f || al1 != 1.f;
 #else
       constexpr bool rescale = true;
