@@ -40,7 +40,8 @@ GiB = 1 << 30
 # outside torch's allocator. TP > 1 (NCCL) was not measured: hence the rounding up.
 FIXED = 3 * GiB // 2
 # A load holds, beside the weights, the stager's device batch, a coordinated round's send and receive
-# buffers and a whole tensor read for a column slice (shard_reader.py): a few CHUNKs, before any cache.
+# buffers and a whole tensor read for a column slice (shard_reader.py): a few CHUNKs, before any cache —
+# unless one tensor is larger than a CHUNK (`load_buffer_bytes`).
 LOAD_BUFFERS = 4 * CHUNK
 # Per position of a decode step, the sampler's full-vocabulary fp32 work (every rank gathers the logits,
 # `VocabHead.forward`): the gathered logits and the gather's buffer, the noise, the sort's values and int64
@@ -155,8 +156,21 @@ def weight_bytes(
     return Weights(
         _tensor_bytes(target) + w_uk_t,
         _tensor_bytes(drafter) if drafter is not None else 0,
-        LOAD_BUFFERS + repack,
+        load_buffer_bytes(config, dtype, tp) + repack,
     )
+
+
+def load_buffer_bytes(config: ModelConfig, dtype: torch.dtype, tp: int) -> int:
+    """The read buffers a load holds beside the weights (shard_reader.py). Batches are at most a CHUNK, but a
+    larger tensor goes alone and whole — the embedding and the head, vocab x hidden (2.2 GiB at K2.6) — as the
+    stager's batch and the batch read ahead (the other of the two may be next), and under TP (coordinated
+    reads) as the round's send buffer too (every rank's slices: the whole tensor again) beside this rank's
+    slices received. The checkpoint's element size taken as at least bf16's (a float32 model's: its own)."""
+    largest = max(config.vocab_size, config.intermediate_size) * config.hidden_size * max(2, dtype.itemsize)
+    if largest <= CHUNK:
+        return LOAD_BUFFERS
+    held = 2 * largest + (largest + largest // tp if tp > 1 else 0)
+    return max(LOAD_BUFFERS, held + CHUNK)
 
 
 def layer_bytes_per_token(

@@ -20,7 +20,9 @@ from k26.graphs.buckets import Bucket
 from k26.kv_cache import DrafterCache, LatentCache
 from k26.loader import load_drafter, load_model
 from k26.model import TPInfo
+from k26.shard_reader import Piece, _part_bytes, batches
 from k26.spec.prefill import MAX_CHUNK
+from k26.stager import CHUNK
 from k26.tiny import quantization_config
 from k26.tp_driver import RankGroup
 
@@ -254,3 +256,25 @@ def test_score_whose_logits_do_not_fit_is_refused_before_any_forward(tiny_k25, m
         llm.score(list(range(1, 12)))
     monkeypatch.undo()
     assert llm.score(list(range(1, 11))).shape == (10, vocab)
+
+
+def test_the_load_plan_holds_the_read_buffers_of_a_tensor_larger_than_a_chunk():
+    # The embedding and the head (vocab x hidden bf16: 2.2 GiB each at K2.6) each go alone and whole into a
+    # batch (shard_reader.batches): the stager's batch and the one read ahead are both held, and a coordinated
+    # round (TP) adds its send buffer (every rank's slices) and this rank's slice received. The plan's
+    # transient bytes held 2.1 GiB at TP 8 (four CHUNKs and a layer's repack): a nearly full GPU passed
+    # check_memory and ran out of memory in the read.
+    cfg = ModelConfig.from_dict(K26_TEXT_CONFIG | {"quantization_config": quantization_config()})
+    v, d = cfg.vocab_size, cfg.hidden_size
+    names = ("embed_tokens.weight", "lm_head.weight")
+    pieces = [
+        Piece(n, None, Path("s"), i * v * d * 2, (i + 1) * v * d * 2, torch.bfloat16, (v, d), 0)
+        for i, n in enumerate(names)
+    ]
+    todo = batches(pieces, CHUNK)
+    assert [len(b) for b in todo] == [1, 1]
+    for tp in (1, 8):
+        held = sum(p.nbytes for b in todo for p in b)
+        if tp > 1:
+            held += pieces[0].nbytes + _part_bytes(pieces[0], 0, tp)
+        assert mp.weight_bytes(cfg, None, torch.bfloat16, tp, True).transient >= held
