@@ -34,6 +34,7 @@ _CODE = (
     "checkpoint_index.py",
     "safetensors_file.py",
     "shard_reader.py",
+    "stager.py",
     "load_cache.py",
     "config.py",
     "config_quant.py",

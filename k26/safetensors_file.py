@@ -5,6 +5,7 @@ ctime, inode). `shard_reader` plans and runs the large reads on top of this."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -82,7 +83,8 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int
             dtype, shape, (a, b) = v["dtype"], tuple(v["shape"]), v["data_offsets"]
             ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (*shape, a, b))
             ok = ints and min(shape, default=0) >= 0 and 0 <= a <= b
-            ok = ok and b - a == torch.Size(shape).numel() * _ITEMSIZE[dtype]
+            # Python integers: torch.Size's int64 count wraps (a [2^32, 2^32] tensor counted 0 bytes)
+            ok = ok and b - a == math.prod(shape) * _ITEMSIZE[dtype]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tensor {key} has a malformed header entry ({e!r})") from e
         if not ok:

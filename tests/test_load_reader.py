@@ -223,6 +223,8 @@ def _safetensors(f: Path, header: dict, data: bytes) -> Path:
     ("entry", "data", "why"),
     [
         ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}, bytes(16), "do not hold F32 [2, 2]"),
+        # an element count past int64 (safetensors refuses it; torch.Size's count wrapped to 0 bytes)
+        ({"dtype": "F32", "shape": [2**32, 2**32], "data_offsets": [0, 0]}, b"", "do not hold F32 [42949"),
         ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}, bytes(8), "past the end of the file"),
         ({"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}, bytes(1), "malformed header entry"),
         ({"shape": [2], "data_offsets": [0, 8]}, bytes(8), "malformed header entry"),
