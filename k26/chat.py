@@ -58,13 +58,19 @@ class ToolCall:
             raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
                 f"a tool call must be a dict or a k26.ToolCall, got {type(c).__name__}"
             )
-        f = c.get("function") or {}
+        f = c.get("function")
+        f = {} if f is None else f
+        if not isinstance(f, dict):
+            raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
+                f"a tool call's function must be an object {{name, arguments}}, got {type(f).__name__}"
+            )
         args = f.get("arguments", "")
-        return cls(
-            c.get("id"),
-            f.get("name"),
-            args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-        )
+        if not isinstance(args, str):
+            try:
+                args = json.dumps(args, ensure_ascii=False)
+            except (TypeError, ValueError) as e:  # a set, a circular object, ...
+                raise ValueError(f"a tool call's arguments are not JSON: {e}") from None
+        return cls(c.get("id"), f.get("name"), args)
 
     @staticmethod
     def name_of(call_id: str) -> str:
@@ -104,12 +110,17 @@ class Message:
             raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
                 f"a chat message must be a dict or a k26.Message, got {type(m).__name__}"
             )
+        calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, (list, tuple)):  # (a dict iterated its keys)
+            raise ValueError(
+                f"chat message tool_calls must be a list of tool calls, got {type(calls).__name__}"
+            )
         return cls(
             m.get("role"),
             text_of(m.get("content")),
             m.get("name"),
             m.get("reasoning_content", m.get("reasoning")),
-            tuple(ToolCall.of(c) for c in m.get("tool_calls") or ()),
+            tuple(ToolCall.of(c) for c in calls or ()),
             m.get("tool_call_id"),
         )
 
@@ -208,7 +219,12 @@ def render(
             f"messages is a {type(messages).__name__}; expected a list of chat messages"
         )
     _check_tools(tools)
-    msgs = [Message.of(m) for m in messages]
+    msgs = []
+    for i, m in enumerate(messages):
+        try:
+            msgs.append(Message.of(m))
+        except ValueError as e:  # which message, as the server's 400 names it
+            raise ValueError(f"messages[{i}]: {e}") from None
     if not msgs:  # (only the system turn: nothing asked, as the server's 400 says too)
         raise ValueError("messages is empty: expected at least one chat message")
     if fmt.default_system is not None and (not msgs or msgs[0].role != "system"):

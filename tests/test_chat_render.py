@@ -155,7 +155,34 @@ def test_bad_messages_are_named():
     [
         ("hi", None, "messages is a str; expected a list"),
         (["hi"], None, "a chat message must be a dict or a k26.Message, got str"),
-        ([{"role": "assistant", "tool_calls": [5]}], None, "a tool call must be a dict"),
+        ([{"role": "assistant", "tool_calls": [5]}], None, r"messages\[0\]: a tool call must be a dict"),
+        # (these three raised AttributeError / TypeError, or iterated a dict's keys)
+        (
+            [{"role": "assistant", "tool_calls": [{"id": "a", "function": "f"}]}],
+            None,
+            "function must be an object",
+        ),
+        ([{"role": "assistant", "tool_calls": 5}], None, "tool_calls must be a list of tool calls, got int"),
+        (
+            [{"role": "assistant", "tool_calls": {"id": "a"}}],
+            None,
+            "tool_calls must be a list of tool calls, got dict",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": {"a": {1}}}}],
+                }
+            ],
+            None,
+            "arguments are not JSON",
+        ),
+        (
+            [{"role": "user", "content": "a"}, {"role": "tool", "content": "x"}],
+            None,
+            r"messages\[1\]: a 'tool'",
+        ),
         ([{"role": "user", "content": "x"}], {"a": 1}, "tools is a dict; expected a list"),
         ([{"role": "user", "content": "x"}], [5], r"tools\[0\]: expected"),
         ([{"role": "user", "content": "x"}], [{"type": "function"}], r"tools\[0\]: expected"),
