@@ -19,8 +19,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N_>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_)); }
-// A hint: the 128-byte line at p into L2 (no register written, no fault; L2 is coherent, so a line prefetched
-// before its producer's write is simply rewritten there).
+// A hint: the 128-byte line at p (a valid global address) into L2; nothing waits on it, no register is written.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
