@@ -72,7 +72,11 @@ class SamplingParams:
                 not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS
             ):
                 raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
-        if self.stop is not None and not isinstance(self.stop, str) and not hasattr(self.stop, "__iter__"):
+        if self.stop is not None and (
+            isinstance(self.stop, torch.Tensor)  # (a 0-d one raised torch's "iteration over a 0-d tensor")
+            or not isinstance(self.stop, str)
+            and not hasattr(self.stop, "__iter__")
+        ):
             raise bad("stop", "must be a string or a list of strings")
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(x, str) and x for x in stop):

@@ -61,3 +61,10 @@ def test_stop_token_ids_as_a_tensor_are_taken_as_prompts_are_or_named():
     for bad in (torch.tensor(7), torch.tensor([1.0]), torch.tensor([[1]]), torch.tensor([True])):
         with pytest.raises(ValueError, match=r"SamplingParams.stop_token_ids=tensor\(.*a 1-d integer tensor"):
             SamplingParams(stop_token_ids=bad)
+
+
+@pytest.mark.parametrize("stop", [torch.tensor(3), torch.tensor([3]), 3])
+def test_stop_strings_that_are_not_strings_are_named(stop):
+    """(Found in a bug hunt: a 0-d tensor raised torch's 'iteration over a 0-d tensor', not a ValueError.)"""
+    with pytest.raises(ValueError, match=r"SamplingParams.stop=.*must be a string or a list of strings"):
+        SamplingParams(stop=stop)
