@@ -71,11 +71,19 @@ def check_gpus(device, tp: int) -> None:
         )
 
 
+def check_dtype(dtype) -> torch.dtype:
+    """The model's dtype (None: bf16), refused by name before anything is built with it (a drafter's meta
+    model or the TP ranks were: a string such as "bf16" reached torch.empty, a TypeError naming nothing)."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype) or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype={dtype!r}: expected torch.bfloat16, torch.float16 or torch.float32")
+    return dtype
+
+
 def check_precision(device: torch.device, dtype: torch.dtype, graphs: bool | None) -> bool:
     """The dtype, and whether to decode with CUDA graphs: by default for bf16 on CUDA (other dtypes run the
     reference ops, which read lengths back to the host and so cannot be captured)."""
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"dtype={dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
+    dtype = check_dtype(dtype)
     graphs = (device.type == "cuda" and dtype == torch.bfloat16) if graphs is None else graphs
     if graphs and device.type != "cuda":
         raise ValueError("graphs=True needs a CUDA device")
@@ -184,6 +192,8 @@ def _int(x) -> bool:
 
 def check_buckets(buckets: Sequence[tuple[int, int]] | None, max_batch: int) -> list[Bucket] | None:
     """The user's graph buckets (batch, verify tokens), each within max_batch; None: the default ones."""
+    if buckets is not None and (isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence)):
+        raise ValueError(f"buckets={buckets!r}: expected a list of (batch, verify tokens) pairs")
     for b in buckets or []:
         if not (isinstance(b, Sequence) and len(b) == 2 and all(_int(x) and x >= 1 for x in b)):
             raise ValueError(f"bucket {b!r}: expected (batch, verify tokens), two positive integers")

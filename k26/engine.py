@@ -21,6 +21,7 @@ from .batch_state import BatchState
 from .chat import ChatFormat, Message, render
 from .checks import (
     check_device,
+    check_dtype,
     check_flags,
     check_gpus,
     check_ids,
@@ -102,7 +103,8 @@ class LLM(ContinuousBatching):
         # init_process_group, or an earlier LLM) must not destroy it on close().
         self._owns_group = tp > 1 and not group_found()
         self._ranks: RankGroup | None = None
-        pair = check_pair(self.path, drafter, tp, dtype or torch.bfloat16, max_model_len, max_batch, buckets)
+        dtype = check_dtype(dtype)
+        pair = check_pair(self.path, drafter, tp, dtype, max_model_len, max_batch, buckets)
         self.config, self.tokenizer, self.max_model_len = pair.config, pair.tokenizer, pair.max_model_len
         self.user_buckets, dcfg = pair.buckets, pair.drafter  # (_load reuses the drafter's config)
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
@@ -111,7 +113,7 @@ class LLM(ContinuousBatching):
         self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size, self.allreduce = tp, allreduce
         self.device = dist_dev or torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype or torch.bfloat16
+        self.dtype = dtype
         self.graphs = check_precision(self.device, self.dtype, graphs)
         self.absorb = absorb
         self.progress = progress and self.rank == 0  # one set of progress lines, whatever the ranks were told

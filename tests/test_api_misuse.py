@@ -171,3 +171,20 @@ def test_empty_values_of_the_wrong_type_are_named_not_taken_for_the_defaults(llm
         llm.generate([1, 2, 3], bad, SpecConfig("ar"))
     with pytest.raises(TypeError, match=f"spec must be a k26.SpecConfig, got {type(bad).__name__}"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2), bad)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"dtype": "bf16"}, "dtype='bf16'"),
+        ({"dtype": torch.int8}, "dtype=torch.int8"),
+        ({"buckets": 5}, "buckets=5"),
+    ],
+)
+def test_a_dtype_or_buckets_of_the_wrong_kind_is_named_before_anything_is_built(kw, needle):
+    """(Found in a bug hunt: with the embedded pair's drafter, "bf16" raised torch.empty's TypeError and
+    torch.int8 "Only Tensors of floating point ... can require gradients" from the drafter's meta model, and
+    buckets=5 "'int' object is not iterable": none named the argument.)"""
+    with pytest.raises(ValueError) as e:
+        LLM(device="cpu", **kw)
+    assert needle in str(e.value)
