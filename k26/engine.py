@@ -214,6 +214,7 @@ class LLM(ContinuousBatching):
             return []
         kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
         self._overwriting_rows("capture()")  # warm-ups and budget timings run on the caches as scratch
+        self._prepare([[0]], None, spec)  # a bad spec refused here, not by every rank after the mirror
         self._mirror("capture", spec, greedy, sampled)
         return self._capture(spec, kinds)
 

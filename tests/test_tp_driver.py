@@ -346,3 +346,22 @@ def test_a_tp_llm_beside_an_open_one_of_another_size_is_told_the_remedy(tiny_tp)
             LLM(tiny_tp[0], tp=1, **KW)
     finally:
         llm.close()
+
+
+def test_a_spec_capture_cannot_serve_is_refused_before_the_ranks_are_asked(tiny_tp):
+    """(Found in a bug hunt: capture() mirrored the call to the ranks before checking its spec, so a spec the
+    LLM cannot serve — DFlash without a drafter — raised on rank 0 after the ranks had run the call, and every
+    later call was refused as out of step.) Only this process takes the graphs path here: on the CPU the
+    ranks have no graphs and return at once, as a rank whose capture succeeded does."""
+    from k26 import SamplingParams, SpecConfig
+
+    llm = LLM(tiny_tp[0], tp=2, **KW)
+    try:
+        llm.graphs = True
+        with pytest.raises(ValueError, match="drafter"):
+            llm.capture(SpecConfig("dflash"))
+        llm.graphs = False
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=[]))
+        assert len(out[0].token_ids) == 2
+    finally:
+        llm.close()
