@@ -227,6 +227,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 break
             if rank0:
                 print(piece, end="", flush=True)
+    except BaseException:
+        # (a closed pipe, Ctrl-C) closed before `pieces` is dropped: under TP the suspended stream, collected,
+        # would otherwise run the mirrored stream to --max-tokens to keep the ranks in step
+        llm.close()
+        raise
     finally:
         if rank0:
             print(flush=True)  # end the line, also when interrupted
