@@ -170,8 +170,8 @@ def same_checkpoint_on_every_rank(path) -> None:
         h.update(f.read_bytes() if f.is_file() else b"-")
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, h.hexdigest())
-    if len(set(digests)) > 1:
-        raise RuntimeError(
+    if len(set(digests)) > 1:  # a user's error (torchrun given another --model per rank): one line, exit 2
+        raise ValueError(
             f"tensor-parallel ranks loaded different checkpoints (digests {digests}); rank "
             f"{dist.get_rank()} has {path}"
         )

@@ -395,3 +395,18 @@ def test_a_closed_pipe_under_tp_stops_the_stream_instead_of_finishing_it(tiny_tp
     argv = ["generate", "--model", str(tiny_tp[0]), "--tp", "2", "--device", "cpu", "--dtype", "fp32"]
     assert cli.main([*argv, "--prompt", "hello", "--max-tokens", "300", "--max-model-len", "400"]) == 141
     assert 0 < len(steps) < 20
+
+
+def test_ranks_given_different_checkpoints_are_a_named_user_error(tiny_tp, monkeypatch):
+    """torchrun with another --model on one rank: the digests differ. (Found in a bug hunt: a RuntimeError,
+    which `python -m k26` re-raised as a traceback on every rank; a ValueError is its one-line exit 2.)"""
+    from k26 import dist as k26_dist
+
+    def gather(out, mine):
+        out[:] = [mine, "another"]
+
+    monkeypatch.setattr(k26_dist.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(k26_dist.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(k26_dist.dist, "all_gather_object", gather)
+    with pytest.raises(ValueError, match=r"ranks loaded different checkpoints .* rank 0 has .*"):
+        k26_dist.same_checkpoint_on_every_rank(tiny_tp[0])
