@@ -176,3 +176,14 @@ def test_a_graph_capture_failure_is_one_line_not_a_traceback(monkeypatch, capsys
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # other runtime errors still surface whole
         main(["generate", "--prompt", "hi"])
+
+
+@pytest.mark.parametrize("spec", [["--budget", "200"], ["--spec", "dflash"]])
+def test_serve_refuses_a_fixed_spec_the_context_cannot_fit_before_loading(
+    llm_kwargs, monkeypatch, capsys, spec
+):
+    """(Found in a bug hunt: the engine thread refused it after the whole load, as a traceback from the thread
+    and another from main's re-raise, exit 1.) As `generate` does: one line, exit 2, nothing loaded."""
+    monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before the spec was fitted"))
+    assert main(["serve", "--device", "cpu", "--max-model-len", "8", *spec]) == 2
+    assert "max_model_len=8" in capsys.readouterr().err

@@ -69,6 +69,9 @@ def serve(a: argparse.Namespace) -> int:
     import torch
 
     from .. import LLM, SpecConfig
+    from ..checks import default_max_model_len, fit_spec
+    from ..config import ModelConfig
+    from ..drafter_config import DrafterConfig
     from ..embedded import default_drafter_dir, default_model_dir
     from . import Engine, run_server
 
@@ -80,6 +83,13 @@ def serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--spec {spec_name} needs --drafter DIR")
     budget = "auto" if a.budget in (None, "auto") else int(a.budget)
     spec = SpecConfig(spec_name, budget if spec_name == "ddtree" else None)
+    if spec_name != "ar" and not spec.auto:
+        # A fixed budget or a DFlash chain no step fits the context: refused here, as `generate` does, not by
+        # the engine thread after the whole load (a traceback from the thread and one from main's re-raise).
+        cfg = ModelConfig.from_dir(model)
+        max_len = a.max_model_len or default_max_model_len(cfg)
+        if 1 < max_len <= cfg.max_position_embeddings:  # (else LLM refuses it, naming the value)
+            fit_spec(spec, max_len, DrafterConfig.from_dir(drafter).block_size)
     llm = LLM(
         model,
         drafter=drafter if spec_name != "ar" else None,
