@@ -103,8 +103,20 @@ def _cache_dir_arg(value: str | None) -> None:
     directory)."""
     if value == "":
         raise ValueError("--cache-dir is empty: pass a directory (created on first use)")
-    if value is not None and Path(value).exists() and not Path(value).is_dir():
+    if value is None:
+        return
+    if Path(value).exists() and not Path(value).is_dir():
         raise ValueError(f"--cache-dir {value}: exists and is not a directory")
+    base = Path(value).resolve()
+    while not base.exists():  # the directory it will be created in (found unwritable only after the load)
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"--cache-dir {value}: cannot be created, {base} is not a directory")
+    try:  # (a probe file, as _out_arg's: os.access says yes to root where nothing can be created)
+        with tempfile.NamedTemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise ValueError(f"--cache-dir {value}: cannot write in {base} ({e.strerror})") from None
 
 
 def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:

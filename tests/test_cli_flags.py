@@ -39,6 +39,10 @@ def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, c
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
     assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2
     assert "--cache-dir" in capsys.readouterr().err
+    # (found in a bug hunt: a directory below a file passed, and the load cache warned "not written" after
+    # the whole load)
+    assert main(["serve", "--cache-dir", str(tmp_path / "f" / "sub")]) == 2
+    assert "--cache-dir" in capsys.readouterr().err
 
 
 def test_serve_prefix_cache_flags_reach_the_llm_and_a_bad_chunk_is_refused_before_loading(
