@@ -270,6 +270,10 @@ def _tokens_arg(a: argparse.Namespace, prompt_tokens: int) -> None:
     from .config import ModelConfig
 
     max_len = default_max_model_len(ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir()))
+    if prompt_tokens >= max_len:  # (it said "leave room for -12")
+        raise ValueError(
+            f"the {prompt_tokens}-token prompts of this command do not fit the model's context of {max_len}"
+        )
     if a.max_tokens > max_len - prompt_tokens:
         raise ValueError(
             f"--max-tokens {a.max_tokens}: its {prompt_tokens}-token prompts leave room for "

@@ -191,3 +191,22 @@ def test_serve_refuses_a_fixed_spec_the_context_cannot_fit_before_loading(
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before the spec was fitted"))
     assert main(["serve", "--device", "cpu", "--max-model-len", "8", *spec]) == 2
     assert "max_model_len=8" in capsys.readouterr().err
+
+
+def test_bench_prompts_longer_than_the_models_context_are_named(tmp_path):
+    """(Found in a bug hunt: a model whose context is shorter than bench's prompts was told its prompts
+    "leave room for -12".)"""
+    import argparse
+    import json
+
+    from k26.__main__ import _tokens_arg
+    from k26.embedded import default_model_dir
+
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = 16
+    cfg["text_config"]["rope_scaling"]["original_max_position_embeddings"] = 4  # (YaRN factor 4: 16 / 4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match="the 20-token prompts of this command do not fit the model's context of 16"
+    ):
+        _tokens_arg(argparse.Namespace(model=str(tmp_path), max_tokens=1), 20)
