@@ -108,7 +108,13 @@ class LLM(ContinuousBatching):
         self.config, self.tokenizer, self.max_model_len = pair.config, pair.tokenizer, pair.max_model_len
         self.user_buckets, dcfg = pair.buckets, pair.drafter  # (_load reuses the drafter's config)
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-            rank_kw.update(drafter=drafter, progress=False)  # the pair as resolved; rank 0 draws
+            # the pair as resolved; rank 0 draws; paths as strings (a caller's own os.PathLike class need not
+            # unpickle in a rank's process)
+            paths = {
+                k: None if v is None else os.fspath(v)
+                for k, v in (("drafter", drafter), ("cache_dir", cache_dir))
+            }
+            rank_kw.update(paths, progress=False)
             self._start_ranks(tp, device, rank_kw)
         self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size, self.allreduce = tp, allreduce

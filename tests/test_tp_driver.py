@@ -410,3 +410,26 @@ def test_ranks_given_different_checkpoints_are_a_named_user_error(tiny_tp, monke
     monkeypatch.setattr(k26_dist.dist, "all_gather_object", gather)
     with pytest.raises(ValueError, match=r"ranks loaded different checkpoints .* rank 0 has .*"):
         k26_dist.same_checkpoint_on_every_rank(tiny_tp[0])
+
+
+class _CachePath:
+    """A caller's own os.PathLike: its class lives in this test module, which a rank cannot import."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __fspath__(self):
+        return self.path
+
+
+def test_a_path_like_of_the_callers_own_class_reaches_the_ranks(tiny_tp, tmp_path):
+    """(Found in a bug hunt: cache_dir=<a custom os.PathLike> under tp=2 failed on the ranks with a pickling
+    error ("Can't get attribute ..."), raised as a RankError carrying a rank's traceback.)"""
+    from k26 import SamplingParams
+
+    llm = LLM(tiny_tp[0], tp=2, cache_dir=_CachePath(tmp_path / "cache"), **KW)
+    try:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=[]))
+        assert len(out[0].token_ids) == 2
+    finally:
+        llm.close()
