@@ -294,8 +294,16 @@ def cmd_info(a: argparse.Namespace) -> int:
 
         one_process("info --startup", ONE_PROCESS)
         check_device(a.device)
-        _dir_arg(a.drafter, "--drafter")
         _cache_dir_arg(a.cache_dir)
+        import torch
+
+        from .checks import check_pair
+
+        model, drafter = _pair_args(a)
+        if model is None:  # the embedded pair, as LLM takes it
+            model, drafter = default_model_dir(), drafter or default_drafter_dir()
+        # the pair's files (configs, tokenizer, the drafter's) as LLM checks them, before anything is printed
+        check_pair(model, drafter, 1, torch.bfloat16, None, 8, None)
     cfg = ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir())
     for k, v in vars(cfg).items():
         print(f"{k:28s} {v}")

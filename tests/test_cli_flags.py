@@ -210,3 +210,11 @@ def test_bench_prompts_longer_than_the_models_context_are_named(tmp_path):
         ValueError, match="the 20-token prompts of this command do not fit the model's context of 16"
     ):
         _tokens_arg(argparse.Namespace(model=str(tmp_path), max_tokens=1), 20)
+
+
+def test_info_startup_refuses_a_broken_drafter_before_printing_anything(tmp_path, capsys):
+    """(Found in a bug hunt: `info --startup --drafter DIR` printed the whole config, then said DIR's
+    config.json is missing.)"""
+    assert main(["info", "--startup", "--device", "cpu", "--drafter", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "config.json" in err
