@@ -108,13 +108,7 @@ class LLM(ContinuousBatching):
         self.config, self.tokenizer, self.max_model_len = pair.config, pair.tokenizer, pair.max_model_len
         self.user_buckets, dcfg = pair.buckets, pair.drafter  # (_load reuses the drafter's config)
         if tp > 1 and not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-            # the pair as resolved; rank 0 draws; paths as strings (a caller's own os.PathLike class need not
-            # unpickle in a rank's process)
-            paths = {
-                k: None if v is None else os.fspath(v)
-                for k, v in (("drafter", drafter), ("cache_dir", cache_dir))
-            }
-            rank_kw.update(paths, progress=False)
+            rank_kw.update(drafter=drafter, progress=False)  # the pair as resolved; rank 0 draws
             self._start_ranks(tp, device, rank_kw)
         self.rank, _, dist_dev = init_from_env(str(device) if device else None) if tp > 1 else (0, 1, None)
         self.tp_size, self.allreduce = tp, allreduce
@@ -145,7 +139,8 @@ class LLM(ContinuousBatching):
 
     def _start_ranks(self, tp: int, device, kw: dict) -> None:
         """Ranks 1..tp-1 build this same LLM (`kw`) in their own processes and mirror its calls; this one
-        joins as 0."""
+        joins as 0. Paths go as strings: a caller's own os.PathLike class need not unpickle in a rank."""
+        kw = kw | {k: None if kw[k] is None else os.fspath(kw[k]) for k in ("drafter", "cache_dir")}
         self._ranks = RankGroup(tp, type(self), (str(self.path),), kw, str(device) if device else None)
         weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
 
