@@ -10,16 +10,15 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import socket
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli_args import cache_dir_arg, dir_arg, listen_arg, out_arg, pair_args, resolved_pair
 from .cli_parser import AR_WITH_DRAFTER, DEFAULT_MAX_TOKENS, DTYPES, build_parser
-from .embedded import default_drafter_dir, default_model_dir
+from .embedded import default_model_dir
 
 if TYPE_CHECKING:
     from . import SamplingParams, SpecConfig
@@ -38,94 +37,10 @@ class GeneratePlan:
     tp: int
 
 
-def _dir_arg(value: str | None, flag: str) -> Path | None:
-    """A checkpoint directory argument: a file (say .../config.json) or a missing path, named with the fix."""
-    if value is None:
-        return None
-    if not value:  # (an unset shell variable, --model "$MODEL": not the current directory)
-        raise ValueError(f"{flag} is empty: pass a checkpoint directory")
-    p = Path(value)
-    if p.is_file():
-        raise ValueError(
-            f"{flag} {value}: is a file; pass the checkpoint directory that holds it: {p.parent}"
-        )
-    if not p.is_dir():
-        raise ValueError(f"{flag} {value}: no such directory")
-    return p
-
-
-def _pair_args(a: argparse.Namespace) -> tuple[Path | None, Path | None]:
-    """--model and --drafter checked (None: not given)."""
-    return _dir_arg(a.model, "--model"), _dir_arg(a.drafter, "--drafter")
-
-
-def _out_arg(value: str | None, flag: str) -> None:
-    """An output file: writable now, not found unwritable after minutes of loading and running."""
-    if value is None:
-        return
-    path = Path(value).resolve()
-    if not path.parent.is_dir():
-        raise ValueError(f"{flag} {value}: directory {path.parent} does not exist")
-    if path.is_dir():
-        raise ValueError(f"{flag} {value}: is a directory")
-    try:  # (a probe file: os.access says yes to root even where nothing can be created, /proc say)
-        with tempfile.NamedTemporaryFile(dir=path.parent):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {value}: cannot write in {path.parent} ({e.strerror})") from None
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{flag} {value}: not writable")
-
-
-def _listen_arg(host: str, port: int) -> None:
-    """serve's --host / --port free to listen on now, not found taken (uvicorn's one ERROR line) after minutes
-    of loading; bound as uvicorn's asyncio server binds: every address of the host, SO_REUSEADDR, IPv6 ones
-    v6-only. Port 0: any free one."""
-    if port == 0:
-        return
-    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        try:
-            sock = socket.socket(family, kind, proto)
-        except OSError:  # (a family this kernel lacks, e.g. IPv6 off: asyncio skips it too)
-            continue
-        with sock as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(addr)
-            except OSError as e:
-                raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
-
-
-def _cache_dir_arg(value: str | None) -> None:
-    """--cache-dir: created on first use, so it may be missing, but not a file (nor empty: the current
-    directory)."""
-    if value == "":
-        raise ValueError("--cache-dir is empty: pass a directory (created on first use)")
-    if value is None:
-        return
-    if Path(value).exists() and not Path(value).is_dir():
-        raise ValueError(f"--cache-dir {value}: exists and is not a directory")
-    base = Path(value).resolve()
-    while not base.exists():  # the directory it will be created in (found unwritable only after the load)
-        base = base.parent
-    if not base.is_dir():
-        raise ValueError(f"--cache-dir {value}: cannot be created, {base} is not a directory")
-    try:  # (a probe file, as _out_arg's: os.access says yes to root where nothing can be created)
-        with tempfile.NamedTemporaryFile(dir=base):
-            pass
-    except OSError as e:
-        raise ValueError(f"--cache-dir {value}: cannot write in {base} ({e.strerror})") from None
-
-
 def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
     """(model dir, drafter dir or None, method). A drafter means DDTree unless --spec says otherwise: the
     embedded pair's drafter comes with it; --drafter never goes unused, --spec never lacks one."""
-    model, drafter = _pair_args(a)
-    if model is None:
-        model = default_model_dir()
-        drafter = drafter or default_drafter_dir()
+    model, drafter = resolved_pair(a)
     method = a.spec or ("ddtree" if drafter is not None else "ar")
     if method == "ar":
         if a.drafter:
@@ -149,7 +64,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     from .tokenizer import Tokenizer
 
     check_device(a.device)
-    _cache_dir_arg(a.cache_dir)
+    cache_dir_arg(a.cache_dir)
     model, drafter, method = _resolve_pair(a)
     sp = SamplingParams(
         temperature=a.temperature,
@@ -269,7 +184,7 @@ def _tokens_arg(a: argparse.Namespace, prompt_tokens: int) -> None:
     from .checks import default_max_model_len
     from .config import ModelConfig
 
-    max_len = default_max_model_len(ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir()))
+    max_len = default_max_model_len(ModelConfig.from_dir(dir_arg(a.model, "--model") or default_model_dir()))
     if prompt_tokens >= max_len:  # (it said "leave room for -12")
         raise ValueError(
             f"the {prompt_tokens}-token prompts of this command do not fit the model's context of {max_len}"
@@ -294,17 +209,15 @@ def cmd_info(a: argparse.Namespace) -> int:
 
         one_process("info --startup", ONE_PROCESS)
         check_device(a.device)
-        _cache_dir_arg(a.cache_dir)
+        cache_dir_arg(a.cache_dir)
         import torch
 
         from .checks import check_pair
 
-        model, drafter = _pair_args(a)
-        if model is None:  # the embedded pair, as LLM takes it
-            model, drafter = default_model_dir(), drafter or default_drafter_dir()
+        model, drafter = resolved_pair(a)
         # the pair's files (configs, tokenizer, the drafter's) as LLM checks them, before anything is printed
         check_pair(model, drafter, 1, torch.bfloat16, None, 8, None)
-    cfg = ModelConfig.from_dir(_dir_arg(a.model, "--model") or default_model_dir())
+    cfg = ModelConfig.from_dir(dir_arg(a.model, "--model") or default_model_dir())
     for k, v in vars(cfg).items():
         print(f"{k:28s} {v}")
     print(f"{'softmax_scale':28s} {cfg.softmax_scale:.7f}")
@@ -312,7 +225,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     if a.startup:  # start it: what the load read, the repack and each captured graph cost
         from .engine import LLM
 
-        drafter = _dir_arg(a.drafter, "--drafter")
+        drafter = dir_arg(a.drafter, "--drafter")
         llm = LLM(a.model, drafter=drafter, device=a.device, capture=True, cache_dir=a.cache_dir)
         print("start-up:", *llm.startup.lines(), sep="\n")
         llm.close()
@@ -325,8 +238,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .dist import one_process
 
     one_process("bench", ONE_PROCESS)
-    _pair_args(a)
-    _out_arg(a.out, "--out")
+    pair_args(a)
+    out_arg(a.out, "--out")
     check_device(a.device)
     _tokens_arg(a, PROMPT_TOKENS)
     text = run_bench(a)
@@ -342,10 +255,10 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .dist import one_process
 
     one_process("profile", ONE_PROCESS)
-    _pair_args(a)
+    pair_args(a)
     if a.drafter and a.spec == "ar":  # (as generate and serve: a drafter that would go unused, and unchecked)
         raise ValueError(AR_WITH_DRAFTER)
-    _out_arg(a.out, "--out")
+    out_arg(a.out, "--out")
     check_device(a.device)
     _tokens_arg(a, len(PROFILE_PROMPT))
     print(run_profile(a))
@@ -357,11 +270,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .checks import check_device
     from .server.cli import check_args, serve
 
-    _pair_args(a)
-    _cache_dir_arg(a.cache_dir)
+    pair_args(a)
+    cache_dir_arg(a.cache_dir)
     check_device(a.device)
     check_args(a)
-    _listen_arg(a.host, a.port)
+    listen_arg(a.host, a.port)
     return serve(a)
 
 

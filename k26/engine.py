@@ -133,7 +133,7 @@ class LLM(ContinuousBatching):
         self._streaming = False  # a stream() generator is suspended mid-way
         if capture and self.graphs:
             with self._surface_rank_errors(), torch.inference_mode():  # as every later capture runs
-                self._capture(None, MODES)
+                self._capture(self._prepare([[0]], None, None)[2], MODES)
         if self._ranks is not None:
             self._ranks.wait_ready()  # a rank that failed to build raises its own error here
 
@@ -215,12 +215,12 @@ class LLM(ContinuousBatching):
             return []
         kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
         self._overwriting_rows("capture()")  # warm-ups and budget timings run on the caches as scratch
-        self._prepare([[0]], None, spec)  # a bad spec refused here, not by every rank after the mirror
+        checked = self._prepare([[0]], None, spec)[2]  # a bad spec refused here, before the ranks run it
         self._mirror("capture", spec, greedy, sampled)
-        return self._capture(spec, kinds)
+        return self._capture(checked, kinds)
 
-    def _capture(self, spec: SpecConfig | None, kinds: tuple[str, ...]):
-        spec = self._prepare([[0]], None, spec)[2]
+    def _capture(self, spec: SpecConfig, kinds: tuple[str, ...]):
+        """Every batch size's buckets of `spec` (checked: `_prepare`'s), one progress line."""
         batches = sorted({b.batch for b in self.buckets_for(spec)})
         per_batch = (len(spec.candidates) if spec.auto else 1) * len(kinds)
         ctx, runners, t0 = self.decoder.ctx, self.decoder.runners, time.perf_counter()

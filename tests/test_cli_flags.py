@@ -24,7 +24,7 @@ def llm_kwargs(monkeypatch) -> dict:
     monkeypatch.setattr(k26, "LLM", fake_llm)
     # serve's default --port 8000 may be taken on the test machine: these tests are about the LLM's flags
     # (test_serve_port_taken_is_refused_before_loading tests the port check)
-    monkeypatch.setattr(k26.__main__, "_listen_arg", lambda host, port: None)
+    monkeypatch.setattr(k26.__main__, "listen_arg", lambda host, port: None)
     return seen
 
 
@@ -160,7 +160,7 @@ def test_serve_port_check_skips_an_address_family_the_kernel_lacks(monkeypatch):
     with real(socket.AF_INET, socket.SOCK_STREAM) as probe:  # a port free now
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    cli._listen_arg("localhost", port)  # no exception: the IPv4 address was checked, the IPv6 one skipped
+    cli.listen_arg("localhost", port)  # no exception: the IPv4 address was checked, the IPv6 one skipped
 
 
 def test_a_graph_capture_failure_is_one_line_not_a_traceback(monkeypatch, capsys):

@@ -1,0 +1,103 @@
+"""The CLI's directory, file, address and cache-dir arguments, each checked before any weights load
+(`python -m k26`, k26/__main__.py): a bad one is one line naming the flag, not an error after minutes of
+loading."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from .embedded import default_drafter_dir, default_model_dir
+
+
+def dir_arg(value: str | None, flag: str) -> Path | None:
+    """A checkpoint directory argument: a file (say .../config.json) or a missing path, named with the fix."""
+    if value is None:
+        return None
+    if not value:  # (an unset shell variable, --model "$MODEL": not the current directory)
+        raise ValueError(f"{flag} is empty: pass a checkpoint directory")
+    p = Path(value)
+    if p.is_file():
+        raise ValueError(
+            f"{flag} {value}: is a file; pass the checkpoint directory that holds it: {p.parent}"
+        )
+    if not p.is_dir():
+        raise ValueError(f"{flag} {value}: no such directory")
+    return p
+
+
+def pair_args(a: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """--model and --drafter checked (None: not given)."""
+    return dir_arg(a.model, "--model"), dir_arg(a.drafter, "--drafter")
+
+
+def out_arg(value: str | None, flag: str) -> None:
+    """An output file: writable now, not found unwritable after minutes of loading and running."""
+    if value is None:
+        return
+    path = Path(value).resolve()
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {value}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{flag} {value}: is a directory")
+    try:  # (a probe file: os.access says yes to root even where nothing can be created, /proc say)
+        with tempfile.NamedTemporaryFile(dir=path.parent):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {value}: cannot write in {path.parent} ({e.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {value}: not writable")
+
+
+def listen_arg(host: str, port: int) -> None:
+    """serve's --host / --port free to listen on now, not found taken (uvicorn's one ERROR line) after minutes
+    of loading; bound as uvicorn's asyncio server binds: every address of the host, SO_REUSEADDR, IPv6 ones
+    v6-only. Port 0: any free one."""
+    if port == 0:
+        return
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # (a family this kernel lacks, e.g. IPv6 off: asyncio skips it too)
+            continue
+        with sock as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+def cache_dir_arg(value: str | None) -> None:
+    """--cache-dir: created on first use, so it may be missing, but not a file (nor empty: the current
+    directory)."""
+    if value == "":
+        raise ValueError("--cache-dir is empty: pass a directory (created on first use)")
+    if value is None:
+        return
+    if Path(value).exists() and not Path(value).is_dir():
+        raise ValueError(f"--cache-dir {value}: exists and is not a directory")
+    base = Path(value).resolve()
+    while not base.exists():  # the directory it will be created in (found unwritable only after the load)
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"--cache-dir {value}: cannot be created, {base} is not a directory")
+    try:  # (a probe file, as out_arg's: os.access says yes to root where nothing can be created)
+        with tempfile.NamedTemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise ValueError(f"--cache-dir {value}: cannot write in {base} ({e.strerror})") from None
+
+
+def resolved_pair(a: argparse.Namespace) -> tuple[Path, Path | None]:
+    """--model and --drafter checked; without --model, the embedded pair (its drafter unless one is given),
+    as `LLM` takes it."""
+    model, drafter = pair_args(a)
+    if model is None:
+        model, drafter = default_model_dir(), drafter or default_drafter_dir()
+    return model, drafter
