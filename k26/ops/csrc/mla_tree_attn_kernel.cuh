@@ -48,6 +48,8 @@
 #include <math_constants.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "mla_attn_common.cuh"
 #include "mla_attn_merge.cuh"
 #include "pdl.cuh"
@@ -237,13 +239,16 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   // keys, rescaled by the row's common alpha) and is reduced over the lanes once, after the key loop: the
   // per-tile shuffles of a sum the loop never reads are off the tile's critical path (4K decode 10.0 -> 9.8 µs,
   // N = 64 at 32K 272.7 -> 265.2: 2026-12-04-attn-row-sum-session18-h200.md).
-  auto softmax_tile = [&](int key0, int buf) {
+  // `masked` (std::bool_constant): false where the caller knows every key of the tile visible (SPLIT_MASK below).
+  auto softmax_tile = [&](int key0, int buf, auto masked) {
     float sv[MT], mx = -CUDART_INF_F;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
       const int key = key0 + sc + j;
       bool vis;
-      if constexpr (kOneBarrier<MT>) {
+      if constexpr (!decltype(masked)::value) {
+        vis = true;
+      } else if constexpr (kOneBarrier<MT>) {
         // The bit without a branch (the loop body stays one basic block); i clamped to the row's N bits.
         const int i = min(max(key - L, 0), p.N - 1);
         const int64_t w = my_words[i >> 6];
@@ -413,9 +418,9 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     score_tile(0, 0);
     cp_wait<1>();  // tile 1 landed (tile 2 may still be in flight)
     __syncthreads();
-    softmax_tile(k0, 0);
+    softmax_tile(k0, 0, std::true_type{});
     score_tile(1, 1);  // n_tiles 1: a stale stage; unused
-    for (int k = 1; k < n_tiles; ++k) {
+    auto interval = [&](int k, auto masked) {
       cp_wait<0>();     // tile k + 1 landed
       __syncthreads();  // S(k), P(k - 1) visible; interval k - 1 done everywhere: tile k - 2's stage is free
 #ifdef K26_ATTN_DIET
@@ -427,9 +432,20 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
       float s[MT][4];
       score_mma((k + 1) % NSTAGE, (k + 1) & 1, s, false);  // past the last tile a stale stage; the result is unused
-      softmax_tile(k0 + k * BN, k & 1);
+      softmax_tile(k0 + k * BN, k & 1, masked);
       score_store(s, (k + 1) & 1);  // after the softmax's loads of the other buffer: the compiler keeps the order
-    }
+    };
+#ifdef K26_ATTN_SPLIT_MASK
+    // -DK26_ATTN_SPLIT_MASK: the intervals whose softmax tile is wholly visible (prefix keys below k1: tiles
+    // k < k_vis) in a loop of their own without the mask's ~25 instructions; the rest (the tree block, the
+    // split's end) in the masked loop. Two copies of the body, each one basic block.
+    const int k_vis = (min(L, k1) - k0) / BN;
+    int k = 1;
+    for (; k < min(k_vis, n_tiles); ++k) interval(k, std::false_type{});
+    for (; k < n_tiles; ++k) interval(k, std::true_type{});
+#else
+    for (int k = 1; k < n_tiles; ++k) interval(k, std::true_type{});
+#endif
     __syncthreads();
     pv_tile((n_tiles - 1) % NSTAGE, (n_tiles - 1) & 1);
   } else if (batch) {
@@ -438,7 +454,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     // Two barriers a tile: P V of tile `it` and S of tile `it + 1` between them, the softmax of `it + 1` after.
     score_tile(0, 0);
     __syncthreads();
-    softmax_tile(k0, 0);
+    softmax_tile(k0, 0, std::true_type{});
     for (int it = 0; it < n_tiles; ++it) {
       cp_wait<NSTAGE - 3>();  // tile it + 1 landed
       __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
@@ -446,7 +462,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       pv_tile(it % NSTAGE, 0);
       score_tile((it + 1) % NSTAGE, 0);  // past the last tile this scores a stale stage; the result is unused
       __syncthreads();
-      if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN, 0);
+      if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN, 0, std::true_type{});
     }
   }
   TRACE(2);
