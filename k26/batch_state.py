@@ -59,6 +59,10 @@ class BatchState:
     prefix: PrefixCache = field(init=False)  # what each cache row holds, for the next prompts
     filled: list[bool] = field(init=False)  # the slot's prompt was prefilled into its row
     row_of: list[int] | None = field(init=False)  # `rows` as the host last wrote it (eager: its own tensor)
+    # target forwards of rows since the batch opened, and the tokens they emitted (prefill's first tokens not
+    # among them): the server's tau is their ratio, as each output's SpecStats.tau
+    forward_rows: int = 0
+    forward_tokens: int = 0
 
     def __post_init__(self) -> None:
         cap = self.capacity
@@ -240,6 +244,8 @@ class BatchState:
 
     def record(self, rows: list[int], s: Stepped) -> None:
         """One step of `rows`: its stats, then its tokens (`emit`)."""
+        self.forward_rows += len(rows)
+        self.forward_tokens += sum(s.counts[b] for b in rows)
         for b in rows:
             st = self.outs[b].stats
             st.accepted_per_step.append(s.counts[b])

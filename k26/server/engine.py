@@ -199,17 +199,12 @@ class Engine:
             if slots:
                 self._publish(state, slots)  # (rows that generate nothing finish here)
             if state.live or state.pending:
-                t0 = time.perf_counter()
-                n = len(state.live)
-                stepped = llm.step()
-                m.steps, m.row_steps, m.step_seconds = (
-                    m.steps + 1,
-                    m.row_steps + n,
-                    m.step_seconds + time.perf_counter() - t0,
-                )
-                before = m.generated_tokens
+                t0, rows0, tokens0 = time.perf_counter(), state.forward_rows, state.forward_tokens
+                stepped = llm.step()  # (rows whose prefill ends in it are stepped too)
+                m.steps, m.step_seconds = m.steps + 1, m.step_seconds + time.perf_counter() - t0
+                m.row_steps += state.forward_rows - rows0
+                m.step_tokens += state.forward_tokens - tokens0
                 self._publish(state, stepped)
-                m.step_tokens += m.generated_tokens - before
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             err = Event([], error=f"{type(e).__name__}: {e}")
             for slot, req in list(self.rows.items()):
@@ -220,7 +215,9 @@ class Engine:
         m.running, m.waiting = len(state.live), self.pending
 
     def _publish(self, state: BatchState, slots: list[int]) -> None:
-        """Push each row's new tokens to its handler; finished rows leave the batch."""
+        """Push each row's new tokens to its handler; finished rows leave the batch. The metrics count a
+        row's tokens (and its end) before its handler is woken: a client that has its answer finds it in
+        /metrics."""
         m, now, total = self.metrics, time.perf_counter(), 0
         for slot in slots:
             req, out = self.rows.get(slot), state.outs[slot]
@@ -234,6 +231,7 @@ class Engine:
                 m.cached_tokens += out.cached_tokens
             req.sent += len(new)
             total += len(new)
+            m.generated_tokens += len(new)
             if new and req.first is None:
                 req.first = now
                 m.ttft.observe(now - req.arrived)
@@ -241,14 +239,13 @@ class Engine:
                 if new:
                     req.push(Event(new, logprobs=lps, prompt_logprobs=pl, cached_tokens=hit))
                 continue
-            req.push(
-                Event(new, out.finish_reason, out.text, logprobs=lps, prompt_logprobs=pl, cached_tokens=hit)
-            )
             m.e2e.observe(now - req.arrived)
             if req.first is not None and req.sent > 1:
                 m.tpot.observe((now - req.first) / (req.sent - 1))
+            m.finished += 1
+            req.push(
+                Event(new, out.finish_reason, out.text, logprobs=lps, prompt_logprobs=pl, cached_tokens=hit)
+            )
             self.llm.release(slot)
             del self.rows[slot]
-            m.finished += 1
-        m.generated_tokens += total
         m.recent.append((now, total))

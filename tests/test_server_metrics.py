@@ -1,0 +1,56 @@
+"""/metrics against what the clients received, on an autoregressive server (CPU, the embedded pair): tau is
+exactly 1 there, and a request's counters move before its client has the answer."""
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("uvicorn")
+
+from http_app import serving
+from served import MODEL, PROMPTS, metric
+
+
+@pytest.fixture(scope="module")
+def ar_url():
+    from k26 import LLM, SpecConfig
+    from k26.server import Engine, create_app
+
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=64)
+    engine = Engine(llm, SpecConfig("ar"), max_waiting=4)
+    engine.start()
+    try:
+        with serving(create_app(engine, MODEL)) as url:
+            yield url
+    finally:
+        engine.stop()
+
+
+def complete(url: str, max_tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0}
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req) as r:
+        return json.loads(r.read())
+
+
+def test_tau_is_one_token_per_forward_on_an_autoregressive_server(ar_url):
+    # Each request's prefill ends inside the step that first decodes it (admission without waiting): that
+    # step's row and its tokens count, the prompt's first token (sampled by the prefill) does not.
+    for n in (2, 1, 7):
+        complete(ar_url, n)
+    assert metric(ar_url, "k26_tau") == 1.0
+
+
+def test_a_finished_request_is_counted_before_its_client_has_the_answer(ar_url):
+    for _ in range(10):
+        finished, tokens = (
+            metric(ar_url, "k26_requests_finished_total"),
+            metric(ar_url, "k26_generation_tokens_total"),
+        )
+        n = complete(ar_url, 3)["usage"]["completion_tokens"]
+        assert metric(ar_url, "k26_requests_finished_total") == finished + 1
+        assert metric(ar_url, "k26_generation_tokens_total") == tokens + n
