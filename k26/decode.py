@@ -171,8 +171,12 @@ class Decoder:
     def run(
         self, prompts: list[list[int]], sp: SamplingParams, spec: SpecConfig
     ) -> Iterator[list[RequestOutput]]:
-        """One fixed batch from prefill to the end, yielding the outputs after every step."""
+        """One fixed batch from prefill to the end, yielding the outputs after every step. Its adaptive budget
+        starts afresh (the measured costs kept): what earlier calls taught it would change the trees, and so a
+        seeded row's tokens, from one identical call to the next."""
         state = self.open(spec, len(prompts), kinds=(sampling_mode([sp]),))
+        if state.policy is not None:
+            state.policy.reset()
         slots = self.admit(state, prompts, [sp] * len(prompts))
         outs = [state.outs[b] for b in slots]
         yield outs

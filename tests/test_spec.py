@@ -95,6 +95,17 @@ def test_spec_sampling_is_seeded(llm):
     assert a == b and len(a) == 12
 
 
+def test_auto_budget_seeded_sampling_repeats_across_calls():
+    # The adaptive budget learns across a call's steps; a one-shot call starts it afresh, so what ran before
+    # (here: the same call) does not change which trees a seeded row verifies, hence its tokens. The embedded
+    # (trained) pair: its drafter's confidence moves the budget, the random tiny pair's barely does.
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=128)
+    sp = SamplingParams(temperature=1.0, max_tokens=40, seed=1234)
+    prompt = "import os\nimport sys\n\nclass Foo:\n    def __init__(self"
+    runs = {tuple(llm.generate(prompt, sp, SpecConfig("ddtree"))[0].token_ids) for _ in range(3)}
+    assert len(runs) == 1
+
+
 def test_stop_token_inside_accepted_block(llm, monkeypatch):
     sp = SamplingParams(max_tokens=30, stop_token_ids=[])
     ar = llm.generate([[4, 5, 6]], sp, SpecConfig("ar"))[0].token_ids
