@@ -135,37 +135,6 @@ __device__ __forceinline__ void copy_key_tile(const __nv_bfloat16* kv, int key0,
   }
 }
 
-// copy_key_tile's row copies (kRowCopies) for a loop that issues tile after tile of one split (-DK26_ATTN_DIET):
-// this thread's source and shared-memory addresses are set once and advanced by the tile index, so an
-// interval's copies cost a few adds instead of the clamped 64-bit address arithmetic of two keys. A key past k1
-// is zero-filled with the row's key 0 as its source address (every offset below stays inside it; nothing is
-// read).
-struct RowCopies {
-  const __nv_bfloat16* src;  // key 2w of tile 0, this lane's first chunk
-  const __nv_bfloat16* key0;  // key 0 of the row, the same chunk
-  uint32_t dst;               // key 2w's chunk in stage 0
-  int r0, c;
-
-  __device__ __forceinline__ RowCopies(const __nv_bfloat16* kv, int k0, const __nv_bfloat16* sK, int tid)
-      : r0(2 * (tid >> 5)), c((tid & 31) * 8) {
-    key0 = kv + c;
-    src = kv + (size_t)(k0 + r0) * DQK + c;
-    dst = smem_u32(sK + r0 * LDS + c);
-  }
-  __device__ __forceinline__ void issue(int it, int k0, int k1) const {
-    const int key = k0 + it * BN + r0;
-    const bool v0 = key < k1, v1 = key + 1 < k1, a = c < 64;
-    const __nv_bfloat16* s0 = v0 ? src + (size_t)it * (BN * DQK) : key0;
-    const __nv_bfloat16* s1 = v1 ? src + (size_t)it * (BN * DQK) + DQK : key0;
-    const uint32_t d0 = dst + (it % NSTAGE) * (BN * LDS * 2), d1 = d0 + LDS * 2;
-    cp_async16_s(d0, s0, v0);
-    cp_async16_s(d0 + 512, s0 + 256, v0);
-    cp_async16_s(a ? d0 + 1024 : d1 - 128, a ? s0 + 512 : s1 - 64, a ? v0 : v1);
-    cp_async16_s(d1 + 384, s1 + 192, v1);
-    if (c < 128) cp_async16_s(d1 + 896, s1 + 448, v1);
-  }
-};
-
 // The splits' o partials in the workspace are fp32. (bf16 partials — half the bytes written before the merge's
 // barrier and read after it — measured slower on every shape and missed the 3e-3 bound on one test:
 // profiling/results/2026-12-04-variants-session17-h200.md. The merge is latency-, not byte-bound.)

@@ -48,8 +48,6 @@
 #include <math_constants.h>
 #include <stdint.h>
 
-#include <type_traits>
-
 #include "mla_attn_common.cuh"
 #include "mla_attn_merge.cuh"
 #include "pdl.cuh"
@@ -127,20 +125,8 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     cp_commit();  // always commit, so the group count per iteration stays uniform
   };
 
-  // S-phase role: key n-tile nt (with kWarpRows the m-tile), dim quarter kq.
-  const int nt = warp & 1, kq = warp >> 1;
-  // -DK26_ATTN_WARP_ROWS (one-barrier tiles of 32 rows): a warp scores 16 rows x both key n-tiles instead of 32
-  // rows x one, so it holds one m-tile of Q (36 registers, not 72) and reads twice the key fragments.
-#ifdef K26_ATTN_WARP_ROWS
-  constexpr bool kWarpRows = MT == 2 && kOneBarrier<MT>;
-#else
-  constexpr bool kWarpRows = false;
-#endif
-  constexpr int QM = kWarpRows ? 1 : MT, KB = kWarpRows ? MT : 1;  // Q m-tiles held, key fragments a k-step
-  // Sub-tile j of the warp's scores: this lane's first row, its key n-tile.
-  auto s_row = [&](int j) { return (kWarpRows ? nt : j) * 16 + g; };
-  auto s_nt = [&](int j) { return kWarpRows ? j : nt; };
-  uint32_t qa[QM][KSTEPS][4];
+  const int nt = warp & 1, kq = warp >> 1;  // S-phase role: key n-tile, dim quarter
+  uint32_t qa[MT][KSTEPS][4];
   rope.cos_sin();
   cp_wait<0>();
   __syncthreads();
@@ -150,10 +136,10 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   }
   {
 #pragma unroll
-    for (int m = 0; m < QM; ++m)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int kk = 0; kk < KSTEPS; ++kk)
-        ldsm_x4(qa[m][kk], sQ + ((kWarpRows ? nt : m) * 16 + (lane & 15)) * LDS + kq * 144 + kk * 16 + (lane >> 4) * 8);
+        ldsm_x4(qa[m][kk], sQ + (m * 16 + (lane & 15)) * LDS + kq * 144 + kk * 16 + (lane >> 4) * 8);
   }
   __syncthreads();  // Q read: its stages (or the scores' region) may now be written
   TRACE(1);
@@ -184,32 +170,28 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[m][i] = s2[m][i] = 0.f;
-    const __nv_bfloat16* kb = tK + ((kWarpRows ? 0 : nt) * 8 + (lane & 7)) * LDS + kq * 144;
+    const __nv_bfloat16* kb = tK + (nt * 8 + (lane & 7)) * LDS + kq * 144;
 #pragma unroll
     for (int kk = 0; kk + 1 < KSTEPS; kk += 2) {
-      uint32_t bk[KB][4];
-#pragma unroll
-      for (int jb = 0; jb < KB; ++jb) ldsm_x4(bk[jb], kb + jb * 8 * LDS + kk * 16 + (lane >> 3) * 8);
+      uint32_t bk[4];
+      ldsm_x4(bk, kb + kk * 16 + (lane >> 3) * 8);
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        const uint32_t(&b)[4] = bk[kWarpRows ? m : 0];
-        const uint32_t(&a)[KSTEPS][4] = qa[kWarpRows ? 0 : m];
-        mma_bf16(s[m], a[kk], b[0], b[1]);
-        mma_bf16(MT == 1 ? s[m] : s2[m], a[kk + 1], b[2], b[3]);  // MT 1: registers are at the cap
+        mma_bf16(s[m], qa[m][kk], bk[0], bk[1]);
+        mma_bf16(MT == 1 ? s[m] : s2[m], qa[m][kk + 1], bk[2], bk[3]);  // MT 1: registers are at the cap
       }
     }
-    uint32_t bl[KB][2];
-#pragma unroll
-    for (int jb = 0; jb < KB; ++jb) ldsm_x2(bl[jb], kb + jb * 8 * LDS + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
+    uint32_t bl[2];
+    ldsm_x2(bl, kb + (KSTEPS - 1) * 16 + ((lane >> 3) & 1) * 8);
     float* sSq = sS + buf * (KQ * BM * LDSS) + kq * BM * LDSS;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      mma_bf16(s[m], qa[kWarpRows ? 0 : m][KSTEPS - 1], bl[kWarpRows ? m : 0][0], bl[kWarpRows ? m : 0][1]);
+      mma_bf16(s[m], qa[m][KSTEPS - 1], bl[0], bl[1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[m][i] += s2[m][i];
       if (store) {
-        *reinterpret_cast<float2*>(sSq + s_row(m) * LDSS + s_nt(m) * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
-        *reinterpret_cast<float2*>(sSq + (s_row(m) + 8) * LDSS + s_nt(m) * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
+        *reinterpret_cast<float2*>(sSq + (m * 16 + g) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
+        *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
       }
     }
   };
@@ -221,34 +203,23 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     float* sSq = sS + buf * (KQ * BM * LDSS) + kq * BM * LDSS;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      *reinterpret_cast<float2*>(sSq + s_row(m) * LDSS + s_nt(m) * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
-      *reinterpret_cast<float2*>(sSq + (s_row(m) + 8) * LDSS + s_nt(m) * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
+      *reinterpret_cast<float2*>(sSq + (m * 16 + g) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][0], s[m][1]);
+      *reinterpret_cast<float2*>(sSq + (m * 16 + g + 8) * LDSS + nt * 8 + 2 * t) = make_float2(s[m][2], s[m][3]);
     }
   };
-
-#ifdef K26_ATTN_DIET
-  // -DK26_ATTN_DIET: the one-barrier tiles' exponentials by the SFU alone (ex2_approx: exp2f's range handling
-  // is ~10 instructions an interval) and their key copies from addresses advanced a tile at a time.
-  auto exp2_tile = [](float x) { return kOneBarrier<MT> ? ex2_approx(x) : exp2f(x); };
-#else
-  auto exp2_tile = [](float x) { return exp2f(x); };
-#endif
 
   // Online softmax of the tile starting at key0: this thread's MT scores of row sr, the max over its LPR lanes
   // by shuffles; P -> sP (bf16), the rescale factor -> sAlpha. The row sum stays per lane (l_run: this lane's
   // keys, rescaled by the row's common alpha) and is reduced over the lanes once, after the key loop: the
   // per-tile shuffles of a sum the loop never reads are off the tile's critical path (4K decode 10.0 -> 9.8 µs,
   // N = 64 at 32K 272.7 -> 265.2: 2026-12-04-attn-row-sum-session18-h200.md).
-  // `masked` (std::bool_constant): false where the caller knows every key of the tile visible (SPLIT_MASK below).
-  auto softmax_tile = [&](int key0, int buf, auto masked) {
+  auto softmax_tile = [&](int key0, int buf) {
     float sv[MT], mx = -CUDART_INF_F;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
       const int key = key0 + sc + j;
       bool vis;
-      if constexpr (!decltype(masked)::value) {
-        vis = true;
-      } else if constexpr (kOneBarrier<MT>) {
+      if constexpr (kOneBarrier<MT>) {
         // The bit without a branch (the loop body stays one basic block); i clamped to the row's N bits.
         const int i = min(max(key - L, 0), p.N - 1);
         const int64_t w = my_words[i >> 6];
@@ -279,11 +250,11 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     float alpha = 1.f, sum = 0.f;
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
-      const float pj = m_new == -CUDART_INF_F ? 0.f : exp2_tile(sv[j] - m_new);
+      const float pj = m_new == -CUDART_INF_F ? 0.f : exp2f(sv[j] - m_new);
       sP[buf * (BM * LDP) + sr * LDP + sc + j] = __float2bfloat16(pj);
       sum += pj;  // unrounded, as FlashAttention does: keeps the log-sum-exp fp32-accurate
     }
-    if (m_new != -CUDART_INF_F) alpha = exp2_tile(m_run - m_new);  // 0 when m_run is -inf
+    if (m_new != -CUDART_INF_F) alpha = exp2f(m_run - m_new);  // 0 when m_run is -inf
     l_run = l_run * alpha + sum;
     m_run = m_new;
     if (tid % LPR == 0) sAlpha[buf * BM + sr] = alpha;
@@ -412,40 +383,22 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     // tile k + 2 goes out in interval k into the stage of tile k - 2 and has one interval to land.
     // Same arithmetic in the same order as the default: bit-identical.
     static_assert(NSTAGE == 4, "stages of tiles k - 1 .. k + 2");
-#ifdef K26_ATTN_DIET
-    const RowCopies copy_rows(kv, k0, sK, tid);
-#endif
     score_tile(0, 0);
     cp_wait<1>();  // tile 1 landed (tile 2 may still be in flight)
     __syncthreads();
-    softmax_tile(k0, 0, std::true_type{});
+    softmax_tile(k0, 0);
     score_tile(1, 1);  // n_tiles 1: a stale stage; unused
-    auto interval = [&](int k, auto masked) {
+    for (int k = 1; k < n_tiles; ++k) {
       cp_wait<0>();     // tile k + 1 landed
       __syncthreads();  // S(k), P(k - 1) visible; interval k - 1 done everywhere: tile k - 2's stage is free
-#ifdef K26_ATTN_DIET
-      copy_rows.issue(k + 2, k0, k1);  // past the last tile: zero-fills, no reads
-#else
       issue_tile(k + 2, sK + ((k + 2) % NSTAGE) * BN * LDS);  // past the last tile: zero-fills, no reads
-#endif
       cp_commit();
       pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
       float s[MT][4];
       score_mma((k + 1) % NSTAGE, (k + 1) & 1, s, false);  // past the last tile a stale stage; the result is unused
-      softmax_tile(k0 + k * BN, k & 1, masked);
+      softmax_tile(k0 + k * BN, k & 1);
       score_store(s, (k + 1) & 1);  // after the softmax's loads of the other buffer: the compiler keeps the order
-    };
-#ifdef K26_ATTN_SPLIT_MASK
-    // -DK26_ATTN_SPLIT_MASK: the intervals whose softmax tile is wholly visible (prefix keys below k1: tiles
-    // k < k_vis) in a loop of their own without the mask's ~25 instructions; the rest (the tree block, the
-    // split's end) in the masked loop. Two copies of the body, each one basic block.
-    const int k_vis = (min(L, k1) - k0) / BN;
-    int k = 1;
-    for (; k < min(k_vis, n_tiles); ++k) interval(k, std::false_type{});
-    for (; k < n_tiles; ++k) interval(k, std::true_type{});
-#else
-    for (int k = 1; k < n_tiles; ++k) interval(k, std::true_type{});
-#endif
+    }
     __syncthreads();
     pv_tile((n_tiles - 1) % NSTAGE, (n_tiles - 1) & 1);
   } else if (batch) {
@@ -454,7 +407,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     // Two barriers a tile: P V of tile `it` and S of tile `it + 1` between them, the softmax of `it + 1` after.
     score_tile(0, 0);
     __syncthreads();
-    softmax_tile(k0, 0, std::true_type{});
+    softmax_tile(k0, 0);
     for (int it = 0; it < n_tiles; ++it) {
       cp_wait<NSTAGE - 3>();  // tile it + 1 landed
       __syncthreads();        // P(it) visible; everyone finished tile it - 1, so its stage is free
@@ -462,7 +415,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       pv_tile(it % NSTAGE, 0);
       score_tile((it + 1) % NSTAGE, 0);  // past the last tile this scores a stale stage; the result is unused
       __syncthreads();
-      if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN, 0, std::true_type{});
+      if (it + 1 < n_tiles) softmax_tile(k0 + (it + 1) * BN, 0);
     }
   }
   TRACE(2);
