@@ -98,12 +98,6 @@ struct Cfg {
 template <int MT>
 __device__ __forceinline__ void copy_key_tile(const __nv_bfloat16* kv, int key0, int k1, __nv_bfloat16* dst,
                                               int tid) {
-#ifdef K26_ATTN_HOT_PROBE
-  // Diagnostic only (wrong results): every tile read from the row's first 64 keys, which stay in L2, so a key
-  // loop's time without the DRAM round trip of its copies shows.
-  key0 &= 63;
-  k1 = 64;
-#endif
   if constexpr (kRowCopies<MT>) {
     // Warp w copies keys 2w and 2w + 1 (144 16-byte chunks: lane l takes chunks l + 32 k of the pair, k = 0..4,
     // the last only for l < 16), so each copy's row and column follow from the lane without the division by
