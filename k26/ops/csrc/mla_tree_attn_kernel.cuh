@@ -143,17 +143,8 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   }
   __syncthreads();  // Q read: its stages (or the scores' region) may now be written
   TRACE(1);
-#ifdef K26_ATTN_EARLY_V
-  // -DK26_ATTN_EARLY_V (the one-barrier loop of the 32-row tiles): interval k issues tile k + 3, not k + 2, into
-  // the stage of tile k - 1 — its rotary dims (read by S(k - 1), done) first, then each warp its own 64 value
-  // columns right after its own P V of tile k - 1, the only reader of those bytes in the interval, so no
-  // barrier is added — and every tile has two intervals to land instead of one. The prologue issues tile 3 too.
-  constexpr bool kEarlyV = kOneBarrier<MT> && MT == 2;
-#else
-  constexpr bool kEarlyV = false;
-#endif
   if (!batch)
-    for (int it = NSTAGE - MT; it < NSTAGE - (kEarlyV ? 0 : 1); ++it) load_tile(it);
+    for (int it = NSTAGE - MT; it < NSTAGE - 1; ++it) load_tile(it);
 
   // Softmax role: row sr, keys sc .. sc + MT - 1 of each tile; the row's mask words.
   const int sr = tid / LPR, sc = (tid % LPR) * MT;
@@ -393,38 +384,16 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     // Same arithmetic in the same order as the default: bit-identical.
     static_assert(NSTAGE == 4, "stages of tiles k - 1 .. k + 2");
     score_tile(0, 0);
-    cp_wait<kEarlyV ? 2 : 1>();  // tile 1 landed (tile 2 (and 3) may still be in flight)
+    cp_wait<1>();  // tile 1 landed (tile 2 may still be in flight)
     __syncthreads();
     softmax_tile(k0, 0);
     score_tile(1, 1);  // n_tiles 1: a stale stage; unused
-    // kEarlyV: this thread's copies of tile it's value columns (this warp's 64) and rotary dims (threads < 128),
-    // keys from k1 on zero-filled.
-    auto copy_part = [&](int it, bool values) {
-      const int key0 = k0 + it * BN;
-      __nv_bfloat16* dst = sK + (it % NSTAGE) * BN * LDS;
-      if (values) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = (lane >> 3) + 4 * j, c = warp * 64 + (lane & 7) * 8;
-          cp_async16(dst + r * LDS + c, kv + (size_t)min(key0 + r, k1 - 1) * DQK + c, key0 + r < k1);
-        }
-      } else if (tid < BN * 8) {
-        const int r = tid >> 3, c = DV + (tid & 7) * 8;
-        cp_async16(dst + r * LDS + c, kv + (size_t)min(key0 + r, k1 - 1) * DQK + c, key0 + r < k1);
-      }
-    };
     for (int k = 1; k < n_tiles; ++k) {
-      cp_wait<kEarlyV ? 1 : 0>();  // tile k + 1 landed (kEarlyV: tile k + 2 may still be in flight)
+      cp_wait<0>();     // tile k + 1 landed
       __syncthreads();  // S(k), P(k - 1) visible; interval k - 1 done everywhere: tile k - 2's stage is free
-      if constexpr (kEarlyV) {
-        copy_part(k + 3, false);  // past the last tile: zero-fills, no reads
-        pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
-        copy_part(k + 3, true);  // after this warp's P V of the same stage
-      } else {
-        issue_tile(k + 2, sK + ((k + 2) % NSTAGE) * BN * LDS);  // past the last tile: zero-fills, no reads
-      }
+      issue_tile(k + 2, sK + ((k + 2) % NSTAGE) * BN * LDS);  // past the last tile: zero-fills, no reads
       cp_commit();
-      if constexpr (!kEarlyV) pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
+      pv_tile((k - 1) % NSTAGE, (k - 1) & 1);
       float s[MT][4];
       score_mma((k + 1) % NSTAGE, (k + 1) & 1, s, false);  // past the last tile a stale stage; the result is unused
       softmax_tile(k0 + k * BN, k & 1);
