@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,9 +100,20 @@ def main() -> None:
         help="distil the target's distributions (default) or fit the text's tokens",
     )
     a = ap.parse_args()
-    dev, out = torch.device(a.device), Path(a.out)
+    if a.seq <= a.block:
+        ap.error(f"--seq {a.seq} leaves no room for a block of {a.block} after an anchor: give more")
+    if a.anchors < 1:
+        ap.error(f"--anchors {a.anchors}: a sequence needs at least one block")
+    # The drafter starts in a scratch folder: OUT (and a drafter already there) is written once training is
+    # done, so a run that stops early leaves no random drafter behind that would load without complaint.
+    with tempfile.TemporaryDirectory() as scratch:
+        train(a, Path(scratch), Path(a.out))
+
+
+def train(a: argparse.Namespace, init: Path, out: Path) -> None:
+    dev = torch.device(a.device)
     write_tiny_drafter(
-        out,
+        init,
         a.target,
         layers=a.layers,
         block_size=a.block,
@@ -109,7 +123,7 @@ def main() -> None:
         intermediate=a.intermediate,
     )
     target = load_model(a.target, device=dev, dtype=torch.float32, progress=False, cuda_kernels=False)
-    drafter = load_drafter(out, target.cfg, device=dev, dtype=torch.float32).requires_grad_(True)
+    drafter = load_drafter(init, target.cfg, device=dev, dtype=torch.float32).requires_grad_(True)
     tok = Tokenizer.from_dir(a.target)
     train_ids = torch.tensor(tok.encode(corpus.text("train")))
     eval_ids = torch.tensor(tok.encode(corpus.text("eval")))
@@ -149,11 +163,15 @@ def main() -> None:
                 flush=True,
             )
         step += 1
+    out.mkdir(parents=True, exist_ok=True)
     save_file(
         {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in drafter.named_parameters()},
-        str(out / "model.safetensors"),
+        str(init / "model.safetensors"),
         metadata={"format": "pt"},
     )
+    for name in ("config.json", "model.safetensors"):  # each file whole or not at all
+        shutil.copyfile(init / name, out / f".{name}.part")  # (default permissions, not the scratch copy's)
+        os.replace(out / f".{name}.part", out / name)
     (out / "train_log.md").write_text(
         f"# train_drafter — {time.strftime('%Y-%m-%d')}\n\n- device: {dev}; {step} steps in {a.minutes} min; "
         f"block {S}, {a.layers} layers, labels: {a.labels}; top-1 = agreement with the target's argmax\n\n"
