@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .config import ModelConfig
 from .ops.int4 import quantize_int4
 from .tokenizer import SPECIAL_OFFSETS, save_tokenizer
 
@@ -222,7 +223,12 @@ def write_tiny_checkpoint(
     unknown = set(sizes) - set(DEFAULT_SIZES)
     if unknown:
         raise ValueError(f"unknown size flags {sorted(unknown)}; known: {sorted(DEFAULT_SIZES)}")
+    if shards < 1:
+        raise ValueError(f"shards {shards}: a checkpoint needs at least one")
     s = DEFAULT_SIZES | sizes
+    # The config these sizes make, read as the loader reads it, before anything is written: each bad size a
+    # ConfigError naming its field (the tokenizer's first special id, not known yet, only sets vocab_size).
+    ModelConfig.from_dict(text_config(s, s["base_vocab"], quant))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     first_special = write_tokenizer(out, s["base_vocab"])
@@ -249,6 +255,8 @@ def save_checkpoint(
     extra: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """config.json (K2.5/K2.6 nesting or K2-Thinking flat), shards and index for HF-named text tensors."""
+    if shards < 1:
+        raise ValueError(f"shards {shards}: a checkpoint needs at least one")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     first_special = text["vocab_size"] - 256

@@ -20,9 +20,12 @@ def main() -> None:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
     a = vars(ap.parse_args())
     sizes = {k: a[k] for k in DEFAULT_SIZES}
-    path = write_tiny_checkpoint(
-        a["out"], flavour=a["flavour"], quant=a["quant"], shards=a["shards"], seed=a["seed"], **sizes
-    )
+    try:
+        path = write_tiny_checkpoint(
+            a["out"], flavour=a["flavour"], quant=a["quant"], shards=a["shards"], seed=a["seed"], **sizes
+        )
+    except ValueError as e:  # (ConfigError too) a bad size or shard count, named, before anything is written
+        ap.error(str(e))
     print(f"wrote {path}")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k26.config import ModelConfig
+from k26.config import ConfigError, ModelConfig
 from k26.model import KimiK2
 from k26.model.moe import MoE
 from k26.tiny import DEFAULT_SIZES, save_checkpoint, text_config
@@ -51,22 +51,6 @@ def main() -> None:
     ap.add_argument("--tokenizer", help="reuse this directory's tiktoken.model instead of training a new BPE")
     a = ap.parse_args()
     out = Path(a.out)
-    torch.manual_seed(a.seed)
-    dev = torch.device(a.device)
-
-    t0 = time.time()
-    if a.tokenizer:  # the BPE is deterministic for a corpus; retraining it only costs minutes
-        first = save_tokenizer(out, read_ranks(Path(a.tokenizer) / "tiktoken.model"))
-    else:
-        first = save_tokenizer(out, bpe.train_bpe(corpus.text("train"), a.vocab))
-    tok = Tokenizer.from_dir(out)
-    train_ids = torch.tensor(tok.encode(corpus.text("train")), dtype=torch.long)
-    eval_ids = torch.tensor(tok.encode(corpus.text("eval")), dtype=torch.long)
-    print(
-        f"tokenizer {a.vocab} in {time.time() - t0:.0f}s; "
-        f"{len(train_ids)} train / {len(eval_ids)} eval tokens"
-    )
-
     heads = max(2, a.hidden // 64)
     sizes = DEFAULT_SIZES | {
         "hidden_size": a.hidden,
@@ -85,6 +69,26 @@ def main() -> None:
         "max_position_embeddings": 4096,
         "original_max_position_embeddings": 1024,
     }
+    try:  # the exported (int4) config checked before anything is written or trained (vocab: a placeholder)
+        ModelConfig.from_dict(text_config(sizes, a.vocab, "int4"))
+    except ConfigError as e:
+        ap.error(str(e))
+    torch.manual_seed(a.seed)
+    dev = torch.device(a.device)
+
+    t0 = time.time()
+    if a.tokenizer:  # the BPE is deterministic for a corpus; retraining it only costs minutes
+        first = save_tokenizer(out, read_ranks(Path(a.tokenizer) / "tiktoken.model"))
+    else:
+        first = save_tokenizer(out, bpe.train_bpe(corpus.text("train"), a.vocab))
+    tok = Tokenizer.from_dir(out)
+    train_ids = torch.tensor(tok.encode(corpus.text("train")), dtype=torch.long)
+    eval_ids = torch.tensor(tok.encode(corpus.text("eval")), dtype=torch.long)
+    print(
+        f"tokenizer {a.vocab} in {time.time() - t0:.0f}s; "
+        f"{len(train_ids)} train / {len(eval_ids)} eval tokens"
+    )
+
     cfg_train = ModelConfig.from_dict(text_config(sizes, first, "none"))
     model = KimiK2(cfg_train, dtype=torch.float32).to(dev)
     for n, p in model.named_parameters():  # init: the loader normally fills these

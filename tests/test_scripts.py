@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "k26" / "default" / "target"
 DRAFTER = ROOT / "k26" / "default" / "drafter"
@@ -44,3 +46,23 @@ def test_an_interrupted_drafter_training_leaves_the_drafter_in_out_untouched(tmp
     finally:
         proc.kill()
     assert proc.returncode != 0 and digest(out) == before
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--shards", 0], "shards 0"),
+        (["--hidden-size", 100], "hidden_size=100"),
+        (["--first-k-dense-replace", 5], "first_k_dense_replace=5"),
+    ],
+)
+def test_make_tiny_checkpoint_refuses_bad_sizes_before_writing(tmp_path, flags, named):
+    r = script("make_tiny_checkpoint.py", tmp_path / "out", *flags)
+    assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_tiny_refuses_sizes_the_int4_export_cannot_take_before_training(tmp_path):
+    r = script("train_tiny.py", tmp_path / "out", "--hidden", 200, "--minutes", 5, "--tokenizer", TARGET)
+    assert r.returncode == 2 and "hidden_size=200" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
