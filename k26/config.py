@@ -33,6 +33,9 @@ class RopeConfig:
     # (modeling_deepseek.py). k26 ropes without one: the target refuses configs where it is not 1
     # (`ModelConfig.validate`), and `parse_rope` those where transformers' differs (its attention_factor).
     attention_factor: float = 1.0
+    # Transformers' multiplier for the same fields (`check_hf_yarn` says how it reads them): what a drafter
+    # trained with it applies (drafter_config.py, rope_attention_factor "config").
+    hf_attention_factor: float = 1.0
 
     @property
     def is_yarn(self) -> bool:
@@ -305,6 +308,7 @@ def parse_rope(f: Fields, prefix: str, *, target: bool = False) -> RopeConfig:
         "mscale_all_dim": mscale_all_dim,
         # (the reference's defaults and its mscale(f, m) = 1 for f <= 1, else 0.1·m·ln f + 1)
         "attention_factor": yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim),
+        "hf_attention_factor": hf_yarn_factor(rs, factor),
     }
     # The target's multiplier must be read one way (else validate names it); the drafter's rope factor is
     # its own setting (drafter_config.py: rope_attention_factor), whichever way the fields read.
@@ -324,6 +328,16 @@ def parse_rope(f: Fields, prefix: str, *, target: bool = False) -> RopeConfig:
         original_max_position=orig,
         **extra,
     )
+
+
+def hf_yarn_factor(rs: dict, factor: float) -> float:
+    """Transformers' YaRN cos / sin multiplier (`_compute_yarn_parameters`): an explicit attention_factor,
+    else mscale(f, mscale) / mscale(f, mscale_all_dim) when both are set and non-zero, else mscale(f, 1)."""
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return yarn_mscale(factor, float(rs["mscale"])) / yarn_mscale(factor, float(rs["mscale_all_dim"]))
+    return yarn_mscale(factor, 1.0)
 
 
 def check_hf_yarn(rs: dict, factor: float, where: str) -> None:

@@ -28,7 +28,8 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     # The public Kimi drafters were trained with the legacy YaRN attention factor 0.1·ln(f) + 1 on cos
-    # and sin; "config" honours mscale / mscale_all_dim (1.0 for Kimi) as current transformers does.
+    # and sin; "config" reads rope_scaling as current transformers does (RopeConfig.hf_attention_factor:
+    # 1.0 for Kimi's mscale = mscale_all_dim = 1).
     rope_attention_factor: Literal["legacy", "config"] = "legacy"
     # The layer count of the target it was trained against (DFlash's config states it), when given
     num_target_layers: int | None = None
@@ -40,11 +41,7 @@ class DrafterConfig:
             return 1.0
         if self.rope_attention_factor == "legacy":
             return 0.1 * math.log(r.factor) + 1.0
-
-        def mscale(scale: float, m: float) -> float:
-            return 0.1 * m * math.log(scale) + 1.0
-
-        return mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim) if r.mscale_all_dim else 1.0
+        return r.hf_attention_factor
 
     @classmethod
     def from_dir(cls, path: str | Path, **overrides: Any) -> DrafterConfig:

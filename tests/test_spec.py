@@ -181,6 +181,38 @@ def test_drafter_rope_factor_switch(drafter_dir):
 
 
 @pytest.mark.parametrize(
+    "fields",
+    [
+        {},  # neither mscale: transformers' 0.1 ln f + 1
+        {"mscale_all_dim": 1.0},  # one of the two: the same
+        {"mscale": 1.0, "mscale_all_dim": 1.0},  # Kimi's: 1
+        {"mscale": 0.707, "mscale_all_dim": 1.0},
+        {"attention_factor": 1.3},  # explicit: as given
+    ],
+)
+def test_drafter_config_rope_factor_reads_rope_scaling_as_transformers(fields):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from k26.drafter_config import DrafterConfig
+    from k26.embedded import default_drafter_dir
+
+    raw = json.loads((default_drafter_dir() / "config.json").read_text())
+    orig = raw["max_position_embeddings"] // 4
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": orig} | fields
+    ours = DrafterConfig.from_dict(raw, rope_attention_factor="config").attention_factor
+    hf_cfg = transformers.Qwen3Config(
+        hidden_size=raw["hidden_size"],
+        num_attention_heads=raw["num_attention_heads"],
+        head_dim=raw["head_dim"],
+        max_position_embeddings=raw["max_position_embeddings"],
+        rope_theta=raw["rope_theta"],
+        rope_scaling=raw["rope_scaling"] | {"rope_type": "yarn"},
+    )
+    assert ours == pytest.approx(ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")[1], rel=1e-12)
+
+
+@pytest.mark.parametrize(
     "edit,needle",
     [
         (lambda c: c.update(hidden_size=64), "hidden_size 64 != target hidden_size 128"),
