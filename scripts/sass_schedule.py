@@ -3,13 +3,15 @@ has in flight before it first waits on them is ptxas's choice, not the source's 
 may be pipelined three deep), and it decides a streaming kernel's speed.
 
     python scripts/sass_schedule.py k26/ops/csrc/moe_w4a16.cu gemm_kernelILi1ELi1ELi8 [--arch A] [-D N] [-I D]
+    python scripts/sass_schedule.py k26/ops/csrc/mla_tree_attn.cu tree_attn_kernelILi2ELb1E --loop
 
 Compiles the file to a cubin with nvcc (k26/ops/build.py's flags, plus -D defines), disassembles it with the
 cuobjdump that Triton ships (triton/backends/nvidia/bin; the CUDA toolkit here has none) and prints, for each
 kernel whose mangled name contains the pattern, its instruction stream reduced to the scheduling events —
 global loads (by cache policy), shared loads / stores, cp.async, L2 prefetches (CCTL), mma, barriers,
 branches — with repeats counted: "8 LDG.E.EF.128" then "32 HMMA" is a round of 8 weight loads issued before
-the first multiply.
+the first multiply. `--loop`: the hot loop's instruction count and opcode mix (`hot_loop`), e.g. a key-loop
+interval's cost of a kernel variant (-D), before any device time goes to it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -52,10 +55,31 @@ def schedule(sass: str) -> list[str]:
     return [f"{n:4d} {op}" for n, op in out]
 
 
-def kernel_schedules(
-    source: Path, pattern: str, arch: str = "sm_90a", defines=(), includes=()
-) -> dict[str, list[str]]:
-    """{mangled kernel name: schedule} of the kernels of `source` whose name contains `pattern`, compiled with
+def hot_loop(sass: str) -> tuple[int, int, Counter]:
+    """The loop of one function's SASS (a backward branch and its body) holding the most mma.sync:
+    (instructions, HMMA among them, opcode counts without modifiers); padding (NOP, @!PT) left out. What a
+    key-loop interval costs in instructions, counted on the CPU machine before a variant goes to a GPU."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if m and m.group(3) != "NOP" and (m.group(2) or "").strip() not in ("@!PT", "@!UPT"):
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    at = {addr: i for i, (addr, _, _) in enumerate(ins)}
+    best = (0, 0, Counter())
+    for i, (addr, op, args) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        j = at.get(int(target.group(1), 16)) if target else None
+        if j is None or j > i:
+            continue
+        body = ins[j : i + 1]
+        hmma = sum(op.startswith("HMMA") for _, op, _ in body)
+        if hmma > best[1] or (hmma == best[1] and len(body) > best[0]):
+            best = (len(body), hmma, Counter(op.split(".")[0] for _, op, _ in body))
+    return best
+
+
+def kernel_sass(source: Path, pattern: str, arch: str = "sm_90a", defines=(), includes=()) -> dict[str, str]:
+    """{mangled kernel name: SASS} of the kernels of `source` whose name contains `pattern`, compiled with
     nvcc for `arch` with `defines` and the -I folders `includes`; raises RuntimeError when nvcc fails."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -69,8 +93,15 @@ def kernel_schedules(
     for f in re.split(r"\n\s*Function : ", dump.stdout)[1:]:
         name, body = f.split("\n", 1)
         if pattern in name:
-            out[name.strip()] = schedule(body)
+            out[name.strip()] = body
     return out
+
+
+def kernel_schedules(
+    source: Path, pattern: str, arch: str = "sm_90a", defines=(), includes=()
+) -> dict[str, list[str]]:
+    """{mangled kernel name: schedule} of the kernels `kernel_sass` finds."""
+    return {k: schedule(v) for k, v in kernel_sass(source, pattern, arch, defines, includes).items()}
 
 
 def main() -> None:
@@ -82,18 +113,26 @@ def main() -> None:
     ap.add_argument(
         "-I", dest="includes", action="append", default=[], help="an include folder, as nvcc's -I"
     )
+    ap.add_argument("--loop", action="store_true", help="the hot loop's instruction count and mix instead")
     a = ap.parse_args()
     if not a.source.exists():
         sys.exit(f"no such source: {a.source}")
     try:
-        found = kernel_schedules(a.source, a.pattern, a.arch, a.defines, a.includes)
+        found = kernel_sass(a.source, a.pattern, a.arch, a.defines, a.includes)
     except RuntimeError as e:
         sys.exit(str(e))
     if not found:
         sys.exit(f"no kernel name of {a.source} contains {a.pattern!r}")
-    for name, events in found.items():
+    for name, sass in found.items():
         print(f"== {name}")
-        print("\n".join(events))
+        if a.loop:
+            n, hmma, mix = hot_loop(sass)
+            print(
+                f"hot loop: {n} instructions, {hmma} HMMA\n  "
+                + ", ".join(f"{k} {v}" for k, v in mix.most_common())
+            )
+        else:
+            print("\n".join(schedule(sass)))
 
 
 if __name__ == "__main__":

@@ -100,3 +100,12 @@ def test_no_kernel_reads_a_vector_through_the_nc_path_before_its_wait(every_kern
         early = loads_before_wait(events)
         assert not {"LDG.E.128.CONSTANT", "LDG.E.64.CONSTANT"} & set(early), (arch, src, kernel, early)
     assert waits >= 40, waits  # every PDL kernel of both builds was looked at
+
+
+def test_the_hot_loop_of_the_verify_tile_holds_its_key_intervals_mmas():
+    # A 16-key interval of the 32-row tile: S over the warp's dim quarter for two m-tiles (2 x 9 mma) and
+    # P V over its 64 value columns for two m-tiles (2 x 8): 34, and nothing else of the kernel is a loop
+    # with more.
+    (sass,) = sass_schedule.kernel_sass(CSRC / "mla_tree_attn.cu", "tree_attn_kernelILi2ELb1E").values()
+    n, hmma, mix = sass_schedule.hot_loop(sass)
+    assert hmma == 34 and mix["HMMA"] == 34 and mix["BAR"] == 1 and 34 < n < 1000
