@@ -301,6 +301,8 @@ def parse_rope(f: Fields, prefix: str, *, target: bool = False) -> RopeConfig:
     orig = r.int("original_max_position_embeddings")
     mscale = r.nonnegative("mscale", default=1.0)
     mscale_all_dim = r.nonnegative("mscale_all_dim", default=0.0)
+    if rs.get("attention_factor") is not None:  # (named here if malformed: hf_yarn_factor reads it raw)
+        r.float("attention_factor")
     extra = {
         "beta_fast": r.float("beta_fast", default=32.0),
         "beta_slow": r.float("beta_slow", default=1.0),

@@ -104,6 +104,8 @@ def main() -> None:
         ap.error(f"--seq {a.seq} leaves no room for a block of {a.block} after an anchor: give more")
     if a.anchors < 1:
         ap.error(f"--anchors {a.anchors}: a sequence needs at least one block")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        ap.error(f"{a.out} is a file: OUT is the drafter's folder")
     # The drafter starts in a scratch folder: OUT (and a drafter already there) is written once training is
     # done, so a run that stops early leaves no random drafter behind that would load without complaint.
     with tempfile.TemporaryDirectory() as scratch:

@@ -30,6 +30,12 @@ def test_train_drafter_refuses_a_sequence_without_room_for_a_block_before_writin
     assert not (tmp_path / "out").exists()
 
 
+def test_train_drafter_refuses_a_file_as_out_before_training(tmp_path):
+    (tmp_path / "out").write_text("not a folder")
+    r = script("train_drafter.py", tmp_path / "out", "--target", TARGET)
+    assert r.returncode == 2 and "is a file" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_an_interrupted_drafter_training_leaves_the_drafter_in_out_untouched(tmp_path):
     out = tmp_path / "drafter"
     shutil.copytree(DRAFTER, out)

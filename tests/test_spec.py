@@ -212,6 +212,16 @@ def test_drafter_config_rope_factor_reads_rope_scaling_as_transformers(fields):
     assert ours == pytest.approx(ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")[1], rel=1e-12)
 
 
+def test_a_malformed_drafter_attention_factor_is_named():
+    from k26.drafter_config import DrafterConfig
+    from k26.embedded import default_drafter_dir
+
+    raw = json.loads((default_drafter_dir() / "config.json").read_text())
+    raw["rope_scaling"] = dict(raw["rope_scaling"], attention_factor="abc")
+    with pytest.raises(ConfigError, match="rope_scaling.attention_factor='abc'"):
+        DrafterConfig.from_dict(raw)
+
+
 @pytest.mark.parametrize(
     "edit,needle",
     [
