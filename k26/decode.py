@@ -171,11 +171,12 @@ class Decoder:
     def run(
         self, prompts: list[list[int]], sp: SamplingParams, spec: SpecConfig
     ) -> Iterator[list[RequestOutput]]:
-        """One fixed batch from prefill to the end, yielding the outputs after every step. Its adaptive budget
-        starts afresh (the measured costs kept): what earlier calls taught it would change the trees, and so a
-        seeded row's tokens, from one identical call to the next."""
+        """One fixed batch from prefill to the end, yielding the outputs after every step. Seeded sampling
+        starts the adaptive budget afresh (the measured costs kept): what earlier calls taught it would change
+        the trees, and so the seeded tokens, from one identical call to the next. Other calls keep learning
+        (greedy tokens do not depend on the trees; `k26 bench` times a budget warmed by its first run)."""
         state = self.open(spec, len(prompts), kinds=(sampling_mode([sp]),))
-        if state.policy is not None:
+        if state.policy is not None and sp.seed is not None and sp.temperature > 0:
             state.policy.reset()
         slots = self.admit(state, prompts, [sp] * len(prompts))
         outs = [state.outs[b] for b in slots]

@@ -37,11 +37,11 @@ class DrafterConfig:
     @property
     def attention_factor(self) -> float:
         r = self.rope
-        if not r.is_yarn or r.factor <= 1:
+        if not r.is_yarn:
             return 1.0
         if self.rope_attention_factor == "legacy":
-            return 0.1 * math.log(r.factor) + 1.0
-        return r.hf_attention_factor
+            return 0.1 * math.log(r.factor) + 1.0 if r.factor > 1 else 1.0
+        return r.hf_attention_factor  # (an explicit attention_factor applies at any factor, as transformers')
 
     @classmethod
     def from_dir(cls, path: str | Path, **overrides: Any) -> DrafterConfig:

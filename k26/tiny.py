@@ -213,9 +213,9 @@ def random_tensors(s: dict, vocab: int, quant: str, gen: torch.Generator) -> dic
     return t
 
 
-def write_tiny_checkpoint(
-    out: str | Path, *, flavour: str = "k25", quant: str = "int4", shards: int = 3, seed: int = 0, **sizes
-) -> Path:
+def check_tiny(*, flavour: str = "k25", quant: str = "int4", shards: int = 3, **sizes) -> dict:
+    """`write_tiny_checkpoint`'s arguments checked before anything is written, each bad one a ValueError
+    naming it (a size: the ConfigError of the config it makes, read as the loader reads it); all the sizes."""
     if flavour not in ("k25", "k2-thinking"):
         raise ValueError(f"flavour {flavour!r}: expected 'k25' or 'k2-thinking'")
     if quant not in ("int4", "none"):
@@ -226,9 +226,17 @@ def write_tiny_checkpoint(
     if shards < 1:
         raise ValueError(f"shards {shards}: a checkpoint needs at least one")
     s = DEFAULT_SIZES | sizes
-    # The config these sizes make, read as the loader reads it, before anything is written: each bad size a
-    # ConfigError naming its field (the tokenizer's first special id, not known yet, only sets vocab_size).
+    if s["base_vocab"] < 256:
+        raise ValueError(f"base_vocab {s['base_vocab']}: a byte-level BPE needs at least the 256 bytes")
+    # (the tokenizer's first special id, not known before it is trained, only sets vocab_size)
     ModelConfig.from_dict(text_config(s, s["base_vocab"], quant))
+    return s
+
+
+def write_tiny_checkpoint(
+    out: str | Path, *, flavour: str = "k25", quant: str = "int4", shards: int = 3, seed: int = 0, **sizes
+) -> Path:
+    s = check_tiny(flavour=flavour, quant=quant, shards=shards, **sizes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     first_special = write_tokenizer(out, s["base_vocab"])

@@ -6,7 +6,7 @@ python scripts/make_tiny_checkpoint.py OUT_DIR [--flavour k25|k2-thinking] [--qu
 
 import argparse
 
-from k26.tiny import DEFAULT_SIZES, write_tiny_checkpoint
+from k26.tiny import DEFAULT_SIZES, check_tiny, write_tiny_checkpoint
 
 
 def main() -> None:
@@ -20,12 +20,12 @@ def main() -> None:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
     a = vars(ap.parse_args())
     sizes = {k: a[k] for k in DEFAULT_SIZES}
+    kw = {"flavour": a["flavour"], "quant": a["quant"], "shards": a["shards"], **sizes}
     try:
-        path = write_tiny_checkpoint(
-            a["out"], flavour=a["flavour"], quant=a["quant"], shards=a["shards"], seed=a["seed"], **sizes
-        )
+        check_tiny(**kw)
     except ValueError as e:  # (ConfigError too) a bad size or shard count, named, before anything is written
         ap.error(str(e))
+    path = write_tiny_checkpoint(a["out"], seed=a["seed"], **kw)
     print(f"wrote {path}")
 
 

@@ -55,26 +55,34 @@ def schedule(sass: str) -> list[str]:
     return [f"{n:4d} {op}" for n, op in out]
 
 
-def hot_loop(sass: str) -> tuple[int, int, Counter]:
-    """The loop of one function's SASS (a backward branch and its body) holding the most mma.sync:
-    (instructions, HMMA among them, opcode counts without modifiers); padding (NOP, @!PT) left out. What a
-    key-loop interval costs in instructions, counted on the CPU machine before a variant goes to a GPU."""
+def loops(sass: str) -> list[list[str]]:
+    """Every loop of one function's SASS (a backward branch and the instructions from its target to it), each
+    as its opcodes in address order; padding (NOP, @!PT) left out. Nested loops are listed apart and again
+    inside the loops around them."""
     ins = []
     for line in sass.splitlines():
         m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
         if m and m.group(3) != "NOP" and (m.group(2) or "").strip() not in ("@!PT", "@!UPT"):
             ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
     at = {addr: i for i, (addr, _, _) in enumerate(ins)}
-    best = (0, 0, Counter())
-    for i, (addr, op, args) in enumerate(ins):
+    out = []
+    for i, (_, op, args) in enumerate(ins):
         target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
         j = at.get(int(target.group(1), 16)) if target else None
-        if j is None or j > i:
-            continue
-        body = ins[j : i + 1]
-        hmma = sum(op.startswith("HMMA") for _, op, _ in body)
-        if hmma > best[1] or (hmma == best[1] and len(body) > best[0]):
-            best = (len(body), hmma, Counter(op.split(".")[0] for _, op, _ in body))
+        if j is not None and j <= i:
+            out.append([o for _, o, _ in ins[j : i + 1]])
+    return out
+
+
+def hot_loop(sass: str) -> tuple[int, int, Counter]:
+    """The innermost loop holding the most mma.sync (of those with as many, the fewest instructions: a loop
+    around it holds its MMAs too): (instructions, HMMA among them, opcode counts without modifiers). What a
+    key-loop interval costs in instructions, counted on the CPU machine before a variant goes to a GPU."""
+    best = (0, 0, Counter())
+    for body in loops(sass):
+        hmma = sum(op.startswith("HMMA") for op in body)
+        if hmma > best[1] or (hmma == best[1] and (best[0] == 0 or len(body) < best[0])):
+            best = (len(body), hmma, Counter(op.split(".")[0] for op in body))
     return best
 
 

@@ -109,3 +109,19 @@ def test_the_hot_loop_of_the_verify_tile_holds_its_key_intervals_mmas():
     (sass,) = sass_schedule.kernel_sass(CSRC / "mla_tree_attn.cu", "tree_attn_kernelILi2ELb1E").values()
     n, hmma, mix = sass_schedule.hot_loop(sass)
     assert hmma == 34 and mix["HMMA"] == 34 and mix["BAR"] == 1 and 34 < n < 1000
+
+
+def test_the_hot_loop_is_the_innermost_of_those_holding_the_most_mmas():
+    # The one-token MoE gate/up kernels nest their mma loop in another: the hot loop is the inner one.
+    found = sass_schedule.kernel_sass(CSRC / "moe_w4a16.cu", "gemm_kernel")
+    nested = 0
+    for sass in found.values():
+        bodies = [(len(b), sum(op.startswith("HMMA") for op in b)) for b in sass_schedule.loops(sass)]
+        most = max((h for _, h in bodies), default=0)
+        if most == 0:
+            continue
+        n, hmma, _ = sass_schedule.hot_loop(sass)
+        same = sorted(length for length, h in bodies if h == most)
+        assert (n, hmma) == (same[0], most)
+        nested += len(same) > 1
+    assert nested, "no kernel of moe_w4a16.cu nests its mma loop: the test checks nothing"

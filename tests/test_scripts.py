@@ -60,6 +60,7 @@ def test_an_interrupted_drafter_training_leaves_the_drafter_in_out_untouched(tmp
         (["--shards", 0], "shards 0"),
         (["--hidden-size", 100], "hidden_size=100"),
         (["--first-k-dense-replace", 5], "first_k_dense_replace=5"),
+        (["--base-vocab", 10], "base_vocab 10"),
     ],
 )
 def test_make_tiny_checkpoint_refuses_bad_sizes_before_writing(tmp_path, flags, named):
