@@ -111,7 +111,7 @@ def test_auto_budget_keeps_learning_across_unseeded_calls(llm):
     spec = SpecConfig("ddtree")
     sp = SamplingParams(max_tokens=6, stop_token_ids=[])
     llm.generate([[1, 2, 3]], sp, spec)
-    (policy,) = [p for (s, _), p in llm.decoder.budgets.policies.items() if s == spec]
+    policy = llm.decoder.budgets.policies[(spec, 1)]  # (eager: a batch of one prompt's policy)
     steps = int(policy.steps)
     llm.generate([[1, 2, 3]], sp, spec)
     assert steps > 0 and int(policy.steps) > steps
