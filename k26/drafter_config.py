@@ -3,13 +3,13 @@ config.json with Qwen3 fields, `block_size` and `dflash_config` {target_layer_id
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import ModelConfig, RopeConfig, parse_rope
+from .config import ModelConfig
 from .config_fields import ConfigError, Fields, expect, read_config_json
+from .config_rope import RopeConfig, parse_rope, yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class DrafterConfig:
         if not r.is_yarn:
             return 1.0
         if self.rope_attention_factor == "legacy":
-            return 0.1 * math.log(r.factor) + 1.0 if r.factor > 1 else 1.0
+            return yarn_mscale(r.factor, 1.0)
         return r.hf_attention_factor  # (an explicit attention_factor applies at any factor, as transformers')
 
     @classmethod

@@ -38,6 +38,7 @@ _CODE = (
     "load_cache.py",
     "config.py",
     "config_quant.py",
+    "config_rope.py",
     "model/*.py",
     "ops/int4.py",
 )

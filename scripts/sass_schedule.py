@@ -40,14 +40,23 @@ def cuobjdump() -> Path:
     return tool
 
 
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    """One function's SASS as (address, opcode, operands), ptxas's padding left out (NOP, and @!PT / @!UPT:
+    never executed)."""
+    out = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if m and m.group(3) != "NOP" and (m.group(2) or "").strip() not in ("@!PT", "@!UPT"):
+            out.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    return out
+
+
 def schedule(sass: str) -> list[str]:
     """The scheduling events of one function's SASS, consecutive repeats counted ("8 LDG.E.EF.128")."""
     out: list[tuple[int, str]] = []
-    for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if not m or not EVENTS.match(m.group(2)) or (m.group(1) or "").strip() in ("@!PT", "@!UPT"):
-            continue  # (@!PT / @!UPT: never executed, ptxas's padding)
-        op = m.group(2)
+    for _, op, _ in instructions(sass):
+        if not EVENTS.match(op):
+            continue
         if out and out[-1][1] == op:
             out[-1] = (out[-1][0] + 1, op)
         else:
@@ -57,13 +66,9 @@ def schedule(sass: str) -> list[str]:
 
 def loops(sass: str) -> list[list[str]]:
     """Every loop of one function's SASS (a backward branch and the instructions from its target to it), each
-    as its opcodes in address order; padding (NOP, @!PT) left out. Nested loops are listed apart and again
-    inside the loops around them."""
-    ins = []
-    for line in sass.splitlines():
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
-        if m and m.group(3) != "NOP" and (m.group(2) or "").strip() not in ("@!PT", "@!UPT"):
-            ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    as its opcodes in address order (`instructions`). Nested loops are listed apart and again inside the loops
+    around them."""
+    ins = instructions(sass)
     at = {addr: i for i, (addr, _, _) in enumerate(ins)}
     out = []
     for i, (_, op, args) in enumerate(ins):

@@ -166,14 +166,15 @@ def train(a: argparse.Namespace, init: Path, out: Path) -> None:
             )
         step += 1
     out.mkdir(parents=True, exist_ok=True)
+    parts = {name: out / f".{name}.part" for name in ("config.json", "model.safetensors")}
+    shutil.copyfile(init / "config.json", parts["config.json"])  # (default permissions, not the scratch's)
     save_file(
         {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in drafter.named_parameters()},
-        str(init / "model.safetensors"),
+        str(parts["model.safetensors"]),
         metadata={"format": "pt"},
     )
-    for name in ("config.json", "model.safetensors"):  # each file whole or not at all
-        shutil.copyfile(init / name, out / f".{name}.part")  # (default permissions, not the scratch copy's)
-        os.replace(out / f".{name}.part", out / name)
+    for name, part in parts.items():  # each file whole or not at all
+        os.replace(part, out / name)
     (out / "train_log.md").write_text(
         f"# train_drafter — {time.strftime('%Y-%m-%d')}\n\n- device: {dev}; {step} steps in {a.minutes} min; "
         f"block {S}, {a.layers} layers, labels: {a.labels}; top-1 = agreement with the target's argmax\n\n"

@@ -15,9 +15,12 @@ TARGET = ROOT / "k26" / "default" / "target"
 DRAFTER = ROOT / "k26" / "default" / "drafter"
 
 
-def script(name: str, *args, **kw) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, **kw)
+def command(name: str, *args) -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / name), *map(str, args)]
+
+
+def script(name: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(command(name, *args), check=False, capture_output=True, text=True, timeout=300)
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -40,8 +43,8 @@ def test_an_interrupted_drafter_training_leaves_the_drafter_in_out_untouched(tmp
     out = tmp_path / "drafter"
     shutil.copytree(DRAFTER, out)
     before = digest(out)
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_drafter.py"), str(out), "--target", str(TARGET)]
-    cmd += ["--minutes", "5", "--seq", "32", "--batch", "1", "--anchors", "1"]
+    args = ("--target", TARGET, "--minutes", 5, "--seq", 32, "--batch", 1, "--anchors", 1)
+    cmd = command("train_drafter.py", out, *args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stdout:  # training has begun (the drafter it starts from exists by now)

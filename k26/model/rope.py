@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import RopeConfig
+from ..config_rope import RopeConfig
 from ..ops.reference import rope
 
 
