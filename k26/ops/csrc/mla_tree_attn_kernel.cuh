@@ -74,6 +74,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   float* sM = sAlpha + C::SBUF * BM;
   float* sL = sM + BM;
 
+  TRACE(8);  // resident (trace builds: profiling/debug/attn_step_trace.py)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int row0 = rt * BM;
   // PDL: the launch and the blocks' set-up overlap the kernel before (the query's projection). That kernel
@@ -102,6 +103,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   for (int it = 0; it < ahead; ++it)
     if (early(it)) issue_tile(it, sK + it * BN * LDS);
   pdl_wait();
+  TRACE(9);
   pdl_trigger();
   {  // With q_pe the latent dims come from q (512 per row) and the rotary ones from q_pe, rotated below.
     for (int i = tid; i < BM * CHUNK_PER_ROW; i += THREADS) {
