@@ -135,3 +135,15 @@ def test_the_fakes_refuse_what_the_ops_refuse():
     g["rows"] = g["rows"][:1].to("meta")
     with pytest.raises(ValueError, match="k26.mla_glue: rows must be"):
         torch.ops.k26.mla_glue(**g)
+
+
+@pytest.mark.parametrize("past_the_end", [False, True])
+def test_the_cuda_door_refuses_a_row_outside_the_cache_before_its_reference_fallback(past_the_end):
+    """A float32 drafter runs the reference from the CUDA door: a row outside the cache is refused there
+    too (the reference read row R - 1 for row -1)."""
+    from k26.ops.drafter_attn_cuda import cuda_drafter_attention
+
+    args = [t.float() if t.is_floating_point() else t for t in case(Hq=6, Hkv=2)]
+    args[5] = torch.full_like(args[5], args[1].shape[0] if past_the_end else -1)
+    with pytest.raises(ValueError, match="a row is outside the cache"):
+        cuda_drafter_attention(*args, 0.125)

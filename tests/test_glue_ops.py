@@ -287,3 +287,21 @@ def test_fused_mla_runs_o_proj_in_the_small_m_kernel():
         assert _op_calls(model, ids, batch, cache.clone()) == L
         h1, _ = model(ids, batch, cache.clone())
     torch.testing.assert_close(h0.float(), h1.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("field, value", [("rows", -1), ("prefix_lens", -2), ("prefix_lens", 18)])
+def test_the_cuda_door_refuses_a_span_outside_the_cache_before_its_reference_fallback(field, value):
+    """A float32 model's glue runs the reference from the CUDA door: a negative row or prefix (which the
+    reference wraps onto another sequence's slots) or a span past the row is refused there too, the cache
+    untouched."""
+    from k26.ops.glue_cuda import cuda_mla_glue
+
+    a = {
+        k: v.float() if k in ("q_a", "kv_a", "q_norm_weight", "kv_norm_weight", "cache") else v
+        for k, v in inputs().items()
+    }
+    a[field] = torch.full_like(a[field], value)
+    before = a["cache"].clone()
+    with pytest.raises(ValueError, match="k26.mla_glue: prefix_lens"):
+        cuda_mla_glue(**a)
+    assert torch.equal(a["cache"], before)

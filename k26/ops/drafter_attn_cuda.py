@@ -171,15 +171,15 @@ def _unsupported(q, cache_k, cache_v) -> str | None:
 
 
 @torch.library.register_kernel("k26::drafter_attention", "cuda")
-def _(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
+def cuda_drafter_attention(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale):
     check(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens)
     B, S, Hq, hd = q.shape
+    check_rows(rows, cache_k)  # before either path: the reference would wrap a negative row onto another
     why = _unsupported(q, cache_k, cache_v) or (None if B * S * Hq else "an empty batch")
     if why is not None:
         say_once(__name__, logging.INFO, f"k26.drafter_attention: {why} runs the reference")
         return reference.drafter_attention(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, scale)
     T, Hkv = cache_k.shape[1], cache_k.shape[2]
-    check_rows(rows, cache_k)
     lib = _lib()
     BM = lib.block_rows
     RT = (S * (Hq // Hkv) + BM - 1) // BM

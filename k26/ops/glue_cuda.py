@@ -231,11 +231,16 @@ def _kernel_inputs(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq
 
 
 @torch.library.register_kernel("k26::mla_glue", "cuda")
-def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens):
+def cuda_mla_glue(
+    q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
+):
     check(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, cache, rows, prefix_lens)
     B, N, Q = q_a.shape
     R = kv_norm_weight.shape[0]
     P = kv_a.shape[2] - R
+    # Before either path: the kernel writes unchecked, and the reference would wrap a negative row or
+    # prefix onto another sequence's slots.
+    reference.check_cache_span("k26.mla_glue", cache, rows, prefix_lens, N)
     why = _unsupported(q_a, cache, q_norm_weight, kv_norm_weight, R, P) or (
         None if B * N else "an empty batch"
     )
@@ -244,7 +249,6 @@ def _(q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache,
         return mla_glue_reference(
             q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, eps, cache, rows, prefix_lens
         )
-    reference.check_cache_span("k26.mla_glue", cache, rows, prefix_lens, N)  # (the kernel writes unchecked)
     ins, q_ld, kv_ld, early_ok = _kernel_inputs(
         q_a, kv_a, q_norm_weight, kv_norm_weight, positions, inv_freq, rows, prefix_lens
     )
