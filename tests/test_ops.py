@@ -287,3 +287,40 @@ def test_a_checked_forward_lets_its_ops_skip_only_the_same_unchanged_spans(monke
     prefix[1] = 3
     reference.check_cache_span("op", cache, rows, prefix, 4)  # after the block: checked again
     assert len(calls) == 6
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda a: a.__setitem__(7, torch.full_like(a[7], -1)), "topk_ids holds -1, outside"),
+        (lambda a: a.__setitem__(7, torch.full_like(a[7], 4)), "topk_ids holds 4, outside"),
+        (lambda a: a.__setitem__(7, a[7][:3]), "topk_ids must be integer"),
+        (lambda a: a.__setitem__(8, a[8][:, :1]), "topk_weights must be float"),
+        (lambda a: a.__setitem__(0, a[0][:, :32]), "gate_packed holds D=64, x has D=32"),
+        (lambda a: a.__setitem__(3, a[3][:3]), "up_packed must be"),
+        (lambda a: a.__setitem__(6, a[6][..., :1].expand(*a[6].shape[:2], 3)), "down_scale must be"),
+    ],
+)
+def test_moe_w4a16_names_a_bad_argument_before_any_work(edit, needle):
+    """The reference-only op checked nothing: expert id -1 ran expert E - 1, an id of E was an IndexError
+    from inside torch, a short ids tensor broadcast."""
+    args = list(moe_inputs())
+    edit(args)
+    with pytest.raises(ValueError, match=f"moe_w4a16: {needle}"):
+        torch.ops.k26.moe_w4a16(*args)
+
+
+@pytest.mark.parametrize(
+    "latent, rows, needle",
+    [
+        ((1, 4, 8), [2, 0], r"latent must be \[B=2, N, 8\]"),  # was broadcast over both rows
+        ((2, 4, 1), [2, 0], r"latent must be \[B=2, N, 8\]"),  # was broadcast over the width
+        ((2, 4, 7), [2, 0], r"latent must be \[B=2, N, 8\]"),  # was a RuntimeError from torch
+        ((2, 4, 8), [[2], [0]], "rows must be integer"),
+    ],
+)
+def test_write_cache_names_a_latent_or_rows_of_the_wrong_shape(latent, rows, needle):
+    cache = torch.zeros(3, 12, 8)
+    with pytest.raises(ValueError, match=f"mla_write_cache: {needle}"):
+        torch.ops.k26.mla_write_cache(cache, torch.randn(*latent), torch.tensor(rows), torch.tensor([3, 8]))
+    assert not cache.any()

@@ -10,6 +10,7 @@ import torch
 
 from . import moe_cuda, reference, router_cuda  # noqa: F401  (moe_cuda, router_cuda register their ops)
 from .int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from .ref_checks import check_moe_w4a16, check_write_cache
 from .reference import causal_words, tree_mask_to_words, words_to_tree_mask
 
 __all__ = [
@@ -36,6 +37,9 @@ def moe_w4a16(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
+    check_moe_w4a16(
+        x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, topk_ids, topk_weights
+    )
     return reference.moe_w4a16(
         x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, topk_ids, topk_weights
     )
@@ -50,6 +54,7 @@ def _(x, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, 
 def mla_write_cache(
     cache: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor
 ) -> None:
+    check_write_cache(cache, latent, rows, prefix_lens)
     reference.check_cache_span("mla_write_cache", cache, rows, prefix_lens, latent.shape[1])
     reference.mla_write_cache(cache, latent, rows, prefix_lens)
 

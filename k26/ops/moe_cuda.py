@@ -175,14 +175,14 @@ def _(
     return x.new_empty(x.shape[0], w13.shape[2] * 64)
 
 
-def check_ids(ids: torch.Tensor, E: int) -> None:
+def check_ids(ids: torch.Tensor, E: int, op: str = "moe_w4a16_repacked") -> None:
     """Outside a capture, every expert id in [0, E) (a ValueError naming the first that is not). Inside one
     the kernel drops out-of-range ids safely, and a check would be kernels in every replay."""
     if capturing():
         return
     bad = (ids < 0) | (ids >= E)
     if bool(bad.any()):
-        raise ValueError(f"moe_w4a16_repacked: topk_ids holds {ids[bad][0].item()}, outside [0, {E})")
+        raise ValueError(f"{op}: topk_ids holds {ids[bad][0].item()}, outside [0, {E})")
 
 
 def check_inputs(x, w13, s13, w2, s2, topk_ids, topk_weights, shared=(None, None, None), table=None):
