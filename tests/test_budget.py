@@ -367,3 +367,28 @@ def test_a_step_with_no_live_row_teaches_the_policy_nothing(tiny_k25, drafter_di
     with torch.inference_mode():
         graph_step(llm.decoder.ctx.models(), spec, "greedy", lambda b: pol)(state, bucket)
     assert int(pol.steps) == 0 and float(pol.seconds) == 0.0 and pol.stats.abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "spec, want",
+    [
+        (SpecConfig("dflash"), None),
+        (SpecConfig("ar"), None),
+        (SpecConfig("ddtree", 6), 6),
+        (SpecConfig(), None),
+    ],
+)
+def test_graph_batches_report_the_budgets_the_eager_step_reports(cpu_pair, spec, want):
+    """Graph decoding reported each bucket's width less one as the step's budget: a DFlash step 15 (eager:
+    none), a fixed budget 12 padded to a user bucket of 16 nodes 15. Its per-bucket rule is the eager one."""
+    from k26.spec.step import reported_budgets
+
+    sp = SamplingParams(max_tokens=8, stop_token_ids=[])
+    out = cpu_pair(max_batch=1).generate([[1, 2, 3, 4, 5]], sp, spec)[0]
+    if spec.auto:
+        assert reported_budgets(spec) == list(spec.candidates)
+        assert out.stats.budgets and set(out.stats.budgets) <= set(spec.candidates)
+    else:
+        assert reported_budgets(spec) == [want]
+        assert out.stats.budgets == ([] if want is None else [want] * len(out.stats.budgets))
+        assert (want is None) == (not out.stats.budgets)

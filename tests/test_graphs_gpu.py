@@ -123,6 +123,17 @@ def test_auto_budget_in_graphs_is_lossless(pair):
     assert sum(int(p.steps) for p in graphed.decoder.policies.values()) >= max(o.stats.steps for o in auto)
 
 
+@pytest.mark.parametrize(
+    "spec, want", [(SpecConfig("dflash"), []), (SpecConfig("ddtree", 12), [12])], ids=str
+)
+def test_graph_steps_report_the_budget_they_verify(pair, spec, want):
+    """A DFlash graph step reported its chain's width less one (15) as a DDTree budget, and a fixed budget
+    its bucket's padded width: the stats now say what the eager step says (none; the budget)."""
+    graphed, _ = pair
+    out = graphed.generate(prompts(2, seed=12), SamplingParams(max_tokens=24, stop_token_ids=[]), spec)
+    assert all(o.stats.steps > 0 and set(o.stats.budgets) == set(want) for o in out)
+
+
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 12)], ids=str)
 def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, drafter_dir, spec):
     """compile=True with a drafter: the captured steps run the compiled drafter (forward, context K/V) and

@@ -17,7 +17,7 @@ import torch
 
 from ..sampling import MODES, RowSampling, StepLogprobs
 from ..spec.budget import BudgetPolicy
-from ..spec.step import SpecConfig, StepModels, Stepped, ar_step, speculative_step
+from ..spec.step import SpecConfig, StepModels, Stepped, ar_step, reported_budgets, speculative_step
 from .buckets import Bucket
 from .runner import StepGraphs, StepState
 
@@ -81,8 +81,11 @@ class GraphStepper:
     reads the step's tokens back, and follows the adaptive budget's choice to the next bucket (one step
     late: a graph cannot branch on its own draft)."""
 
-    def __init__(self, runners: dict[str, StepGraphs], buckets: list[Bucket]):
+    def __init__(self, runners: dict[str, StepGraphs], buckets: list[Bucket], budgets: list[int | None]):
+        """`budgets`: what a step of each bucket reports as verified (spec.step.reported_budgets), not the
+        bucket's width (a DFlash chain, a fixed budget padded up to a user bucket)."""
         self.runners, self.buckets = runners, buckets
+        self.budget_of = dict(zip(buckets, budgets, strict=True))
         self.bucket = buckets[-1]  # adaptive: start with the largest, then follow each step's choice
         self.state = next(iter(runners.values())).states[self.bucket]
         self.host_em = torch.empty_like(self.state.emitted, device="cpu").pin_memory()
@@ -123,7 +126,7 @@ class GraphStepper:
         return Stepped(
             [e[:n] for e, n in zip(emitted, counts)],
             counts,
-            bucket.nodes - 1 if bucket.nodes > 1 else None,
+            self.budget_of[bucket],
             lp,
         )
 
@@ -196,4 +199,4 @@ class DecodeGraphs:
         runners = {g: self.runner(spec, g) for g in kinds}
         for r in runners.values():
             r.capture(buckets, progress=progress)
-        return GraphStepper(runners, buckets)
+        return GraphStepper(runners, buckets, reported_budgets(spec))

@@ -155,6 +155,14 @@ def verify_nodes(spec: SpecConfig, block_size: int) -> int:
     return 1 + (spec.candidates[-1] if spec.auto else spec.budget or block_size - 1)
 
 
+def reported_budgets(spec: SpecConfig) -> list[int | None]:
+    """The budget a step reports as verified (`Stepped.budget`, a request's `stats.budgets`), per bucket
+    a graph batch captures for `spec`: each candidate under "auto", a fixed DDTree budget, else None
+    (DFlash and AR verify no tree) — the eager step's rule (speculative_step), never the width of the
+    bucket it runs in."""
+    return list(spec.candidates) if spec.auto else [spec.budget if isinstance(spec.budget, int) else None]
+
+
 @dataclass(frozen=True)
 class StepModels:
     """What a decode step runs on: the target (compiled or plain), the drafter and both caches."""
