@@ -59,6 +59,20 @@ def _check(out, res, parts, residual, weight, what: str) -> None:
     assert worst <= 2, f"{what}: normed output {worst:.1f} bf16 ulps from the reference"
 
 
+def _assert_the_op_refuses_what_its_kernel_cannot_take(ar, rank: int, weight: torch.Tensor) -> None:
+    """The op's CUDA door (no launch: every rank refuses alike, no peer waits): a float32 x was read and
+    written as bf16, and more than `cap` elements were pushed past the peers' workspaces."""
+    args = (ar.group_name, ar.peers, ar.ctl, ar.err, rank, ar.cap, ar.two_shot_bytes, ar.timeout_ns)
+    big = torch.randn(ar.cap // D + 1, D, device=weight.device).bfloat16()
+    for x, w in ((big[:2].float(), weight.float()), (big, weight)):
+        try:
+            torch.ops.k26.allreduce_add_rmsnorm(x, torch.zeros_like(x), w, EPS, *args)
+        except ValueError as e:
+            assert "allreduce_add_rmsnorm: the kernel takes bf16" in str(e), e
+        else:
+            raise AssertionError(f"{x.dtype} {list(x.shape)} (cap {ar.cap}) was launched")
+
+
 def worker(rank: int, world: int, port: int, out_dir: str, replays: int, devices: bool) -> None:
     import torch.distributed as dist
 
@@ -76,6 +90,8 @@ def worker(rank: int, world: int, port: int, out_dir: str, replays: int, devices
     for two_shot_bytes in (1 << 40, 0):
         ar = FusedAllReduce(device=dev, timeout_s=60, two_shot_bytes=two_shot_bytes, max_bytes=4 << 20)
         assert ar.p2p, ar.why
+        if two_shot_bytes:
+            _assert_the_op_refuses_what_its_kernel_cannot_take(ar, rank, weight)
         for step, rows in enumerate((1, 3, world, 2 * world + 1, 17, 64)):
             parts, residual = _inputs(step, rows, world, dev)
             out = ar(parts[rank], residual, weight, EPS)

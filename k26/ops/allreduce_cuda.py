@@ -152,6 +152,18 @@ def _(x, residual, weight, eps, group_name, peers, ctl, err, rank, cap, two_shot
             f"that dtype, got residual {list(residual.shape)} {residual.dtype}, weight {list(weight.shape)} "
             f"{weight.dtype}"
         )
+    # Nor does it check the type, the width or its peers' capacity: a float32 x was read and written as bf16,
+    # and rows past `cap` elements were pushed past the peers' workspaces.
+    max_ranks, max_dim = limits()
+    if x.dtype != torch.bfloat16 or D % BLOCK_DIM_ALIGN or D > max_dim or x.numel() > cap:
+        raise ValueError(
+            f"allreduce_add_rmsnorm: the kernel takes bf16 x of width a multiple of {BLOCK_DIM_ALIGN} up to "
+            f"{max_dim} and at most cap={cap} elements, got {x.dtype} {list(x.shape)}"
+        )
+    if not 1 <= peers.numel() <= max_ranks or not 0 <= rank < peers.numel():
+        raise ValueError(
+            f"allreduce_add_rmsnorm: rank {rank} of {peers.numel()} peers (the kernel: <= {max_ranks})"
+        )
     # The kernel moves 16-byte vectors. An unaligned view is copied, never sent down another path: whether
     # a tensor is aligned is this rank's own business, and ranks on different paths would wait on each other.
     given = weight  # read before the kernel's wait (pdl.enabled_as_given)
