@@ -165,3 +165,27 @@ def test_model_with_the_kernel_matches_cublas(tiny_k25):
     assert use_linear_kernel(llm.model) > 0 and llm.model.layers[0].self_attn.q_b_proj.use_kernel
     a = llm.score(ids)  # 40 tokens: every projection within the kernel's M <= 64
     assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_weight_the_door_copies_is_launched_without_pdl(monkeypatch, grouped):
+    """The kernel loads weights before its grid-dependency wait: a weight the front door had to copy (a
+    strided view) is the copy kernel's output, still being written under PDL, so that launch goes without
+    PDL; the caller's own weight keeps it. Both equal the reference on fresh inputs."""
+    from k26.ops import linear_cuda
+
+    seen = []
+    monkeypatch.setattr(linear_cuda.pdl, "ENABLED", True)
+    real = linear_cuda.launch
+    monkeypatch.setattr(linear_cuda, "launch", lambda *a, **k: (seen.append(k["pdl_on"]), real(*a, **k)))
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    G, N, K = (4, 96, 256) if grouped else (1, 384, 512)
+    x = rand(3, G, K, gen=gen) if grouped else rand(3, K, gen=gen)
+    stacked = rand(G, N, 2 * K, gen=gen, scale=K**-0.5)
+    for w in (stacked[..., ::2], stacked[..., ::2].contiguous()):  # a strided view (copied), then its own
+        w = w if grouped else w[0]
+        ref = linear_grouped_reference(x, w) if grouped else linear_reference(x, w)
+        poison_allocator()
+        got = torch.ops.k26.linear_grouped(x, w) if grouped else torch.ops.k26.linear(x, w)
+        close(got, ref)
+    assert seen == [False, True]

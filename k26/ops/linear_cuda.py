@@ -184,15 +184,18 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
 
 
-def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = None) -> None:
+def launch(
+    x2, w, residual, y, *, groups: int, strides, splits: int | None = None, pdl_on: bool = True
+) -> None:
     """Run the kernel: x2 [M, ...], w rows of K, y [M, ...]; strides (x_ld, x_gs, w_ld, w_gs, y_ld, y_gs).
-    More than MAX_M rows (tile mode only): one launch per MAX_M rows, the same bits as one launch."""
+    More than MAX_M rows (tile mode only): one launch per MAX_M rows, the same bits as one launch. `pdl_on`
+    False: without PDL (the kernel loads weights before its wait: off when w is a copy the door just made)."""
     if x2.shape[0] > MAX_M:
         if splits:
             raise ValueError(f"k26.linear: split-K serves at most {MAX_M} rows, got {x2.shape[0]}")
         for a in range(0, x2.shape[0], MAX_M):
             r = residual[a : a + MAX_M] if residual is not None else None
-            launch(x2[a : a + MAX_M], w, r, y[a : a + MAX_M], groups=groups, strides=strides)
+            launch(x2[a : a + MAX_M], w, r, y[a : a + MAX_M], groups=groups, strides=strides, pdl_on=pdl_on)
         return
     M, K = x2.shape[0], w.shape[-1]
     N = w.shape[-2]
@@ -214,7 +217,7 @@ def launch(x2, w, residual, y, *, groups: int, strides, splits: int | None = Non
         *strides,
         S,
         per,
-        int(pdl.ENABLED),
+        int(pdl.ENABLED and pdl_on),
         torch.cuda.current_stream(x2.device).cuda_stream,
     )
     if err:
@@ -250,7 +253,8 @@ def _(x, weight, residual=None):
     w = weight if weight.stride(1) == 1 and _aligned(weight, weight.stride(0)) else weight.contiguous()
     r2 = residual.reshape(M, N).contiguous() if residual is not None else None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    launch(x2, w, r2, y, groups=1, strides=(x2.stride(0), 0, w.stride(0), 0, N, 0))
+    strides = (x2.stride(0), 0, w.stride(0), 0, N, 0)
+    launch(x2, w, r2, y, groups=1, strides=strides, pdl_on=pdl.enabled_as_given((w, weight)))
     return y.view(*x.shape[:-1], N)
 
 
@@ -272,5 +276,6 @@ def _(x, weight):
         else weight.contiguous()
     )
     y = torch.empty(M, G, N, dtype=x.dtype, device=x.device)
-    launch(x3, w, None, y, groups=G, strides=(x3.stride(0), x3.stride(1), w.stride(1), w.stride(0), G * N, N))
+    strides = (x3.stride(0), x3.stride(1), w.stride(1), w.stride(0), G * N, N)
+    launch(x3, w, None, y, groups=G, strides=strides, pdl_on=pdl.enabled_as_given((w, weight)))
     return y.view(*x.shape[:-1], N)
