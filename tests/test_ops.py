@@ -324,3 +324,32 @@ def test_write_cache_names_a_latent_or_rows_of_the_wrong_shape(latent, rows, nee
     with pytest.raises(ValueError, match=f"mla_write_cache: {needle}"):
         torch.ops.k26.mla_write_cache(cache, torch.randn(*latent), torch.tensor(rows), torch.tensor([3, 8]))
     assert not cache.any()
+
+
+@pytest.mark.parametrize(
+    "shapes, needle",
+    [
+        (((3, 8), (1, 8), (8,)), r"residual \[1, 8\] must have x's shape"),  # was broadcast over the rows
+        (((3, 8), (3, 8), (7,)), r"weight must be \[8\]"),  # was a RuntimeError from inside torch
+        (((4,), (4,), (1, 4)), r"weight must be \[4\]"),  # its fake said [4] where the op gave [1, 4]
+    ],
+)
+def test_add_rmsnorm_and_its_fake_name_a_bad_shape(shapes, needle):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, residual, weight = (torch.randn(*s).bfloat16() for s in shapes)
+    with pytest.raises(ValueError, match=f"k26.add_rmsnorm: {needle}"):
+        torch.ops.k26.add_rmsnorm(x, residual, weight, 1e-6)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=f"k26.add_rmsnorm: {needle}"):
+        torch.ops.k26.add_rmsnorm(*(mode.from_tensor(t) for t in (x, residual, weight)), 1e-6)
+
+
+def test_attention_of_an_empty_batch_is_empty_unless_static_too():
+    """The reference's live length took max() of no lengths (a RuntimeError) where the fake and the kernel
+    return empty outputs."""
+    q, cache, rows, prefix, words, scale, v = attention_inputs()
+    for static in (False, True):
+        out, lse = torch.ops.k26.mla_tree_attention(
+            q[:0], cache, rows[:0], prefix[:0], words[:0], scale, v, static
+        )
+        assert out.shape == (0, *q.shape[1:3], v) and lse.shape == (0, *q.shape[1:3])

@@ -43,7 +43,23 @@ def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + x) * weight, residual + x), the reference's rounding points."""
+    check_add_rmsnorm(x, residual, weight)
     return add_rmsnorm_reference(x, residual, weight, eps)
+
+
+def check_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    """residual of x's shape, weight [D] (x's last dim), one device: a ValueError naming the argument (torch
+    broadcast a residual of one row over every row, and a wrong weight was a RuntimeError from inside it)."""
+    if x.dim() < 1 or residual.shape != x.shape:
+        raise ValueError(
+            f"k26.add_rmsnorm: residual {list(residual.shape)} must have x's shape {list(x.shape)}"
+        )
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"k26.add_rmsnorm: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}"
+        )
+    if not x.device == residual.device == weight.device:
+        raise ValueError(f"k26.add_rmsnorm: residual and weight must be on x's device {x.device}")
 
 
 def add_rmsnorm_meta(x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +73,7 @@ def add_rmsnorm_meta(x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 @add_rmsnorm.register_fake
 def _(x, residual, weight, eps):
+    check_add_rmsnorm(x, residual, weight)
     return add_rmsnorm_meta(x, residual, weight)
 
 
@@ -213,6 +230,7 @@ def add_rmsnorm_served(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 @torch.library.register_kernel("k26::add_rmsnorm", "cuda")
 def _(x, residual, weight, eps):
+    check_add_rmsnorm(x, residual, weight)
     if not add_rmsnorm_served(x, residual, weight):
         return add_rmsnorm_reference(x, residual, weight, eps)
     given = weight  # read before the kernel's wait (pdl.enabled_as_given)

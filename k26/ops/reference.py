@@ -86,6 +86,8 @@ def live_keys(lengths: torch.Tensor, extra: int, capacity: int, static: bool = F
     caller's sync-free mode, see `AttnBatch.static`) or inside a CUDA-graph capture."""
     if static or capturing():
         return capacity
+    if not lengths.numel():  # an empty batch reads nothing (max() of nothing is an error)
+        return min(capacity, extra)
     return min(capacity, int(lengths.max()) + extra)
 
 
