@@ -118,6 +118,8 @@ def test_attention_front_door_names_why_it_runs_the_reference():
     assert "key width 64" in _unsupported(bf[..., :64], 64, 32, None)
     assert "rotary query of 448 + 128" in _unsupported(bf[..., :448], 576, 512, bf[..., :128])
     assert _unsupported(bf, 576, 512, bf[..., :64]) is None
+    # more new tokens than the kernel holds: the reference (as the CPU op and the fake), not a ValueError
+    assert "257 new tokens a sequence" in _unsupported(bf.expand(1, 257, 8, 512), 576, 512, None)
 
 
 def test_write_cache_opcheck():

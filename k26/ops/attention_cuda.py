@@ -156,6 +156,8 @@ def _unsupported(q, C: int, v_dim: int, q_pe) -> str | None:
         return f"key width {C} / value width {v_dim} (not {DQK} / {DV})"
     if q_pe is not None and q.shape[3] != DV:
         return f"a rotary query of {q.shape[3]} + {q_pe.shape[3]} (not {DV} + {DQK - DV})"
+    if q.shape[1] > MAX_NEW_TOKENS:  # (the engine's prefill chunks stay within it: checks.check_prefill)
+        return f"{q.shape[1]} new tokens a sequence (the kernel takes up to {MAX_NEW_TOKENS})"
     return None
 
 
@@ -185,10 +187,6 @@ def _(
         )
     if B * N * H == 0:  # nothing to attend (the launch plan divides by the row tiles)
         return q.new_empty(B, N, H, DV), q.new_empty(B, N, H, dtype=torch.float32)
-    if N > MAX_NEW_TOKENS:
-        raise ValueError(
-            f"mla_tree_attention: N={N} new tokens exceeds the kernel's maximum {MAX_NEW_TOKENS}"
-        )
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()
     # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
     reference.check_cache_span("mla_tree_attention", cache, rows64, prefix64, N)
