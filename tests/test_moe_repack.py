@@ -114,3 +114,21 @@ def test_the_reference_path_refuses_an_expert_id_outside_the_experts(bad):
     ids, w = torch.tensor([[0, 1], [2, bad], [1, 2]]), torch.rand(3, 2)
     with pytest.raises(ValueError, match=f"topk_ids holds {bad}, outside \\[0, 3\\)"):
         torch.ops.k26.moe_w4a16_repacked(x, *ex, ids, w)
+
+
+@pytest.mark.parametrize("E, ok", [(4000, True), (4053, False)])
+def test_the_expert_count_limit_is_what_the_routing_launch_can_take(E, ok):
+    """The routing kernel's 3 ints an expert of shared memory (no opt-in) beside its static bytes fit 48 KB
+    up to 4,052 experts: 4,053-4,096 passed the check and failed at launch."""
+    D, I = 64, 64
+    x = torch.zeros(1, D, dtype=torch.bfloat16, device="meta")
+    w13 = torch.zeros(E, I // 8, D // 64, 32, 4, dtype=torch.int32, device="meta")
+    s13 = torch.zeros(E, I // 8, D // 64, 16, 2, dtype=torch.bfloat16, device="meta")
+    w2 = torch.zeros(E, D // 16, I // 64, 32, 4, dtype=torch.int32, device="meta")
+    s2 = torch.zeros(E, D // 16, I // 64, 16, 2, dtype=torch.bfloat16, device="meta")
+    ids, w = torch.zeros(1, 2, dtype=torch.long, device="meta"), torch.zeros(1, 2, device="meta")
+    if ok:
+        assert check_inputs(x, w13, s13, w2, s2, ids, w)[3] == E
+    else:
+        with pytest.raises(ValueError, match="E=4053 experts exceeds the routing kernel's 4000"):
+            check_inputs(x, w13, s13, w2, s2, ids, w)
