@@ -47,19 +47,17 @@ def add_rmsnorm(
     return add_rmsnorm_reference(x, residual, weight, eps)
 
 
-def check_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+def check_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, op: str = "k26.add_rmsnorm"
+) -> None:
     """residual of x's shape, weight [D] (x's last dim), one device: a ValueError naming the argument (torch
     broadcast a residual of one row over every row, and a wrong weight was a RuntimeError from inside it)."""
     if x.dim() < 1 or residual.shape != x.shape:
-        raise ValueError(
-            f"k26.add_rmsnorm: residual {list(residual.shape)} must have x's shape {list(x.shape)}"
-        )
+        raise ValueError(f"{op}: residual {list(residual.shape)} must have x's shape {list(x.shape)}")
     if weight.shape != (x.shape[-1],):
-        raise ValueError(
-            f"k26.add_rmsnorm: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}"
-        )
+        raise ValueError(f"{op}: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
     if not x.device == residual.device == weight.device:
-        raise ValueError(f"k26.add_rmsnorm: residual and weight must be on x's device {x.device}")
+        raise ValueError(f"{op}: residual and weight must be on x's device {x.device}")
 
 
 def add_rmsnorm_meta(x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:

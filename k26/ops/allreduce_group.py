@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .allreduce_cuda import BLOCK_DIM_ALIGN, composition, cuda_error, library, limits
+from .allreduce_cuda import BLOCK_DIM_ALIGN, check_add_rmsnorm, composition, cuda_error, library, limits
 from .log import say_once
 
 _log = logging.getLogger(__name__)
@@ -33,13 +33,10 @@ CROSSOVERS = {2: (4 << 20, 4 << 20), 4: (84 << 10, 768 << 10), 8: (112 << 10, 76
 
 def check_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     op = "k26.allreduce_add_rmsnorm"
-    if x.dim() < 1 or x.shape != residual.shape:
-        raise ValueError(f"{op}: residual {list(residual.shape)} must have x's shape {list(x.shape)}")
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"{op}: weight must be [{x.shape[-1]}] (x's last dim), got {list(weight.shape)}")
-    for name, t in (("residual", residual), ("weight", weight)):
-        if t.device != x.device or t.dtype != x.dtype:
-            raise ValueError(f"{op}: {name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device}")
+    check_add_rmsnorm(x, residual, weight, op)
+    for name, t in (("residual", residual), ("weight", weight)):  # (the kernel reads all three alike)
+        if t.dtype != x.dtype:
+            raise ValueError(f"{op}: {name} is {t.dtype}, x {x.dtype}")
 
 
 def crossovers(sizes: list[int], times: list, nccl_bytes: int) -> tuple[int, int]:
