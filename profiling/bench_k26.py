@@ -30,7 +30,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from k26_scale import K26_TEXT, drafter_config, randomize, seed_draft_topk, token_ids
-from kernel_table import VARIANTS, by_name, category, experts_touched, record, run_variants, spec_phases
+from kernel_table import (
+    VARIANTS,
+    by_name,
+    category,
+    experts_touched,
+    param_bytes,
+    record,
+    run_variants,
+    spec_phases,
+    step_gb,
+)
 from timing import copy_bandwidth, events_time, source_commit
 
 from k26.config import ModelConfig
@@ -67,15 +77,6 @@ def graph_step_time(fn, reset, kernels: list | None = None) -> float:
     if kernels is not None:
         kernels += record(replay)
     return max(t - t_reset, 0.0)  # the graph and its memory pool are freed on return
-
-
-def param_bytes(model, routed: bool) -> int:
-    tot = 0
-    for m in model.modules():
-        own = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
-        if isinstance(m, Int4Experts) == routed:
-            tot += own
-    return tot
 
 
 def main() -> None:
@@ -201,27 +202,17 @@ def main() -> None:
         f"# bench_k26 — {datetime.date.today()}",
         "",
         f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}; commit {commit}",
-        (
-            f"- command: `python profiling/bench_k26.py --tp {a.tp} --layers {a.layers} --ctx {a.ctx} "
-            f"--nodes {a.nodes}{' --skew' if a.skew else ''}{' --compile' if a.compile else ''}"
-            f"{' --no-pdl' if a.no_pdl else ''}{' --fused' if a.fused else ''}"
-            f"{' --split-down' if a.split_down else ''}{' --route-launch' if a.route_launch else ''}"
-            f"{' --drafter-linear-kernel' if a.drafter_linear_kernel else ''}"
-            f"{' --two-launch-moe' if a.two_launch_moe else ''}"
-            f"{' --seeded-tree' if a.seeded_tree else ''}"
-            f"{f' --variants {a.variants}' if a.variants else ''}"
-            f"{f' --table-nodes {a.table_nodes}' if a.table_nodes else ''}`"
-        ),
+        f"- command: `python profiling/bench_k26.py {' '.join(sys.argv[1:])}`",  # as run, every flag
         (
             f"- shapes: rank 0 of TP {a.tp}; {cfg.num_hidden_layers} layers; "
-            f"non-routed {nonrouted / 1e9:.2f} GB, "
+            f"non-routed {nonrouted / 1e9:.2f} GB (embedding table aside: a step reads its rows), "
             f"routed {routed_all / 1e9:.1f} GB ({per_expert / 1e6:.2f} MB per expert per layer); drafter "
             f"{sum(p.numel() * p.element_size() for p in drafter.parameters()) / 1e9:.2f} GB"
         ),
         f"- copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read+write bytes)",
         (
             "- collectives excluded (no-op group); bytes = non-routed params + touched experts "
-            "(counted from this step's routing) + latent KV"
+            "(counted from this step's routing) + the prefix's latent KV + the tokens' embedding rows"
         ),
         "",
         "| step | ctx L | verify N | time ms | experts/layer | GB read | GB/s | % copy BW |",
@@ -268,7 +259,7 @@ def main() -> None:
 
             experts = experts_touched(verify, counter)
             t = graph_step_time(verify, lambda: None)
-            gb = (nonrouted + experts * per_expert * moe_layers + kv_bytes) / 1e9
+            gb = step_gb(nonrouted, experts * per_expert * moe_layers, kv_bytes, N, cfg)
             lines.append(
                 f"| {'decode' if N == 1 else 'verify'} | {L} | {N} | {t * 1e3:.2f} | {experts:.0f} | "
                 f"{gb:.2f} | {gb / t:.0f} | {100 * gb * 1e9 / t / copy_bw:.0f}% |"

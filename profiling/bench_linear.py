@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import build_cu, events_time, source_commit
+from timing import build_cu, copy_bandwidth, events_time, source_commit
 
 from k26.ops import pdl
 from k26.ops.linear_cuda import launch, plan_splits
@@ -89,7 +89,7 @@ def shapes(tp: int) -> list[tuple[str, int, int, int]]:
         ("dense gate+up", 1, 2 * INTER // tp, H),
         ("dense down", 1, H, INTER // tp),
         ("lm_head shard", 1, VOCAB // tp, H),
-        ("drafter fc", 1, H, 6 * H),
+        ("drafter fc", 1, H, 6 * H // tp),  # row-parallel: its input (6 target layers' states) split
         ("drafter q+k+v", 1, (64 // tp + 2 * max(1, 8 // tp)) * 128, H),
         ("drafter o", 1, H, 64 // tp * 128),
         ("drafter gate+up", 1, 2 * INTER // tp, H),
@@ -126,17 +126,9 @@ def chain_us(step, R: int) -> float:
     return t / R * 1e6
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = events_time(lambda: dst.copy_(src), reps=5)
-    return 2 * src.numel() / t
-
-
 def bench_shape(name, G, N, K, ms, lib, copy_bw, sweep):
     nbytes = G * N * K * 2
-    R = max(2, min(128, math.ceil(320e6 / nbytes)))
+    R = max(2, math.ceil(320e6 / nbytes))  # (capped at 128 until 2026-12-06: 1 MB matrices chained 134 MB)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # W_UV reads each head's second half of kv_b's rows: the same strided view the model passes.
     base = torch.randn(R, G, 2 * N if "W_UV" in name else N, K, device="cuda").to(torch.bfloat16) * K**-0.5

@@ -88,10 +88,7 @@ def main() -> None:
         "",
         f"- device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}",
         f"- commit: {commit or 'unknown'}",
-        (
-            "- command: `python profiling/bench_tree_attn.py"
-            f"{' --quick' * a.quick}{' --tune' * a.tune}{' --rotary' * a.rotary}`"
-        ),
+        f"- command: `python profiling/bench_tree_attn.py {' '.join(sys.argv[1:])}`",  # as run, every flag
         (
             f"- ceilings in this run: copy {copy_bw / 1e12:.2f} TB/s (eager, read+write), mma.sync bf16 "
             f"{mma_peak / 1e12:.0f} TFLOP/s, cuBLAS bf16 GEMM {gemm / 1e12:.0f} TFLOP/s"

@@ -201,10 +201,16 @@ def table(
         out.append(
             row(c, len(ts), sum(t for t, _ in ts), layer_bytes.get(c, 0), copy_bw, sum(p for _, p in ts))
         )
-    dense = [t for c, ts in by_cat.items() if c.startswith("dense projection") for t in ts]
+    # The dense bytes include q_b's, which one token's fused path runs inside the glue kernel: its time then
+    # counts here too (the row's label says so), not only under the glue's category.
+    dense = [
+        (med[j], path[j])
+        for j, k in enumerate(segs[0])
+        if category(k["name"]).startswith("dense projection") or "glue_linear" in k["name"]
+    ]
     out.append(
         row(
-            "all dense projections of the layer",
+            "all dense projections of the layer (q_b's glue + linear kernel included where it runs)",
             len(dense),
             sum(t for t, _ in dense),
             layer_bytes["dense"],
@@ -256,6 +262,28 @@ def experts_touched(verify, counter) -> float:
     return statistics.mean(touched) if touched else 0
 
 
+def step_gb(nonrouted: int, routed: float, kv_bytes: int, N: int, cfg) -> float:
+    """GB one step must read: the non-routed parameters (the embedding table left out: `param_bytes`), the
+    touched experts, the latent KV of the prefix, and the N embedding rows the step gathers."""
+    return (nonrouted + routed + kv_bytes + N * cfg.hidden_size * 2) / 1e9
+
+
+def param_bytes(model, routed: bool) -> int:
+    """Bytes of the routed int4 experts (routed) or of every other parameter but the embedding table, of
+    which a step reads only its tokens' rows (counted by `step_gb`)."""
+    from k26.model.layers import VocabEmbedding
+    from k26.model.moe import Int4Experts
+
+    tot = 0
+    for m in model.modules():
+        if isinstance(m, VocabEmbedding):
+            continue
+        own = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        if isinstance(m, Int4Experts) == routed:
+            tot += own
+    return tot
+
+
 def run_variants(model, cfg, a, L, nodes, counter, sizes, graph_step_time) -> list[str]:
     """Step time of each variant at each N, and its per-kernel table at --table-nodes."""
     nonrouted, per_expert, copy_bw = sizes
@@ -284,7 +312,7 @@ def run_variants(model, cfg, a, L, nodes, counter, sizes, graph_step_time) -> li
             experts = experts_touched(verify, counter)
             kernels: list | None = [] if N in table_nodes else None
             t = graph_step_time(verify, lambda: None, kernels)
-            gb = (nonrouted + experts * per_expert * moe_layers + kv_bytes) / 1e9
+            gb = step_gb(nonrouted, experts * per_expert * moe_layers, kv_bytes, N, cfg)
             rows_out.append(
                 f"| {name} | {L} | {N} | {t * 1e3:.2f} | {experts:.0f} | {gb:.2f} | {gb / t:.0f} | "
                 f"{100 * gb * 1e9 / t / copy_bw:.0f}% |"

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 FLUSH_BYTES = 256 << 20
+SPIN_CYCLES = 1 << 20  # ~0.5 ms at the H200's clocks: longer than a 61-layer graph's launch on the host
 
 
 def source_commit() -> str:
@@ -112,10 +113,13 @@ def gemm_rate() -> float:
 
 
 def events_time(fn, reps: int = 20) -> float:
-    """Median seconds of fn() measured with CUDA events."""
+    """Median seconds of fn() measured with CUDA events. A spin kernel ahead of the start event keeps the GPU
+    busy while the host submits fn's work (a graph launch's host time fell inside the window on an idle
+    stream; graph_time_cold's flush does the same for its replays)."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         a.record()
         fn()
         b.record()

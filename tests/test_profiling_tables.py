@@ -78,3 +78,33 @@ def test_dense_path_variants_switch_the_projections_they_name():
         ValueError, match="'glue' after a fused one"
     ):  # its rows would measure the stacked q_a
         kernel_table.apply_variant(model, "glue")
+
+
+def test_a_step_reads_its_tokens_embedding_rows_not_the_embedding_table():
+    """bench_k26's GB read counted the whole embedding shard (294 MB at K2.6's TP8 shapes, 2-5 % of a step's
+    bytes) where a step gathers N rows of it."""
+    from k26.config import ModelConfig
+    from k26.model import KimiK2
+    from k26.tiny import DEFAULT_SIZES, text_config
+
+    cfg = ModelConfig.from_dict(text_config(DEFAULT_SIZES | {"num_hidden_layers": 2}, 384, "none"))
+    model = KimiK2(cfg, torch.bfloat16).eval()
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embed_tokens.weight.numel() * 2
+    assert kernel_table.param_bytes(model, routed=False) + kernel_table.param_bytes(model, True) == (
+        everything - table
+    )
+    nonrouted = kernel_table.param_bytes(model, False)
+    assert kernel_table.step_gb(nonrouted, 0, 0, 16, cfg) * 1e9 == nonrouted + 16 * cfg.hidden_size * 2
+
+
+def test_the_dense_row_counts_q_bs_glue_kernel_where_one_token_runs_it_there():
+    """At one token q_b runs inside mla_glue_linear: its bytes were in the dense row, its time was not."""
+    names = ["k26_attn::tree_attn_kernel<1, true>", "linear_tile_kernel<1>", "mla_glue_linear_kernel<1>"]
+    kernels = []
+    for layer in range(4):  # attention kernels delimit the layers' segments
+        for j, name in enumerate(names):
+            kernels.append({"name": name, "grid": (1,), "dur": 2.0 + j, "path": 1.0 + j})
+    out = kernel_table.table(kernels, 1e-3, 4, {"dense": 6e6}, 3e12, "t")
+    row = next(r for r in out if r.startswith("| all dense projections of the layer"))
+    assert "| 2 | 7.0 |" in row  # the linear (3.0 µs) and the glue + q_b kernel (4.0 µs)
