@@ -469,8 +469,16 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
 }
 
+// Two 16-row blocks an SM where they fit (sm_90: 2 x 96 KB); on sm_120 (100 KB an SM) one, so no register cap
+// for a second (124 -> 130 registers, sm_120a).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int kMinBlocks16 = 1;
+#else
+constexpr int kMinBlocks16 = 2;
+#endif
 template <int MT, bool ROPE>
-static __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1) tree_attn_kernel(Params p, Rotary rot) {
+static __global__ void __launch_bounds__(THREADS, MT == 1 ? kMinBlocks16 : 1)
+    tree_attn_kernel(Params p, Rotary rot) {
   tree_attn_body<MT, ROPE>(p, rot, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 

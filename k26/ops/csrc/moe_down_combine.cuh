@@ -6,7 +6,9 @@
 // table (csrc/moe_route.cuh), in place of the down GEMM (one block per (group, 128 output rows): a grid of the
 // table's bound on groups, mostly empty blocks when tokens share experts, in several waves) and the combine.
 //
-// One block per RT 16-row output tiles (D / (16 RT) blocks: one wave on an H200 or an RTX PRO 6000), over the
+// One block per RT 16-row output tiles (D / (16 RT) blocks: one wave on an H200, and on an RTX PRO 6000 while
+// two blocks fit its 100 KB an SM — K2.6's largest case, 64 tokens with the shared expert, leaves ~0.9 KB; with
+// more experts or slots it runs two waves, only slower), over the
 // nt = 1 table (groups of <= 8 tokens); its 8 warps share the table's groups, each with all of K = I of its RT
 // tiles in flight: the shared expert's groups (first in the table, from their bf16 rows) by warps 0, 1, ..., the
 // routed ones dealt so those warps take theirs last (routed_at below: the verify N = 16 step 6.90 -> 6.87 ms,

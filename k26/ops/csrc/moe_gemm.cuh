@@ -29,12 +29,13 @@ template <int RT, int NT, bool GATED>
 constexpr int kRoundChunks = GATED && RT == 2 && NT == 1 && kGateUpThreePerSM ? 3 : NT <= 1 ? 4 : 2;
 
 // MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
-// gate/up blocks: one wave on 132 SMs), and the two-tile gate/up GEMM (kGateUpThreePerSM); sm_120's register
-// file would spill, so it keeps 1 there.
+// gate/up blocks: one wave on 132 SMs), and the two-tile gate/up GEMM (kGateUpThreePerSM). On sm_120 the
+// two-tile gate/up GEMM keeps 1 (with 4 chunks a round it would spill at 3); the one-token-tile kernels keep
+// their 3 (78 registers, no spills, sm_120a; at 1 they took 84-92 registers: 2 blocks an SM).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define K26_MINB(m) 1
+#define K26_MINB(m, two_tile_gated) ((two_tile_gated) ? 1 : (m))
 #else
-#define K26_MINB(m) (m)
+#define K26_MINB(m, two_tile_gated) (m)
 #endif
 
 // Table-driven gate/up blocks: the first round of the warp's weight and scale chunks (the loop's U chunks of
@@ -140,7 +141,7 @@ __device__ __forceinline__ bool group_from_ids(const int64_t* __restrict__ ids, 
 }
 
 template <int RT, int NT, int WK, int WM, bool GATED, int MINB>
-static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB)) gemm_kernel(
+static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB, RT == 2 && GATED)) gemm_kernel(
     const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ w, const uint32_t* __restrict__ s, int K,
     int n_tiles, int topk, const int* __restrict__ sorted, const int* __restrict__ grp_expert,
     const int* __restrict__ grp_start, const int* __restrict__ grp_len, const int* __restrict__ num_groups,
