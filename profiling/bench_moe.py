@@ -6,7 +6,7 @@ For each shape (K2.6 at one TP8 rank: E 384, D 7168, I 256, top-8; and at TP1: I
 routing (uniform; skewed = Zipf(1.2) expert popularity):
   - k26: `torch.ops.k26.moe_w4a16_repacked` inside a CUDA graph that runs it over L distinct layers in
     a row (so the touched experts never sit in L2 between calls, as in a real forward); time = replay / L,
-    median of replays.
+    median of replays, each after a 256 MB read (cold L2: the first layer's experts too).
   - bf16 grouped_mm: bf16 weights through `torch._grouped_mm` (sort by expert, two grouped GEMMs,
     weighted index_add), also graph-captured; what a user without an int4 kernel would run.
   - reference: the pure-torch op on the checkpoint layout (dequantise touched experts, matmul), eager.
@@ -40,7 +40,7 @@ from k26.ops.moe_cuda import pick_nt
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe_block import SHAPES, block_main, expert_bytes
-from timing import copy_bandwidth, events_time, gemm_rate, graph_time, source_commit
+from timing import copy_bandwidth, events_time, gemm_rate, graph_time_cold, source_commit
 
 
 def routing(kind: str, M: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -117,14 +117,14 @@ def bench_shape(name: str, shp: dict, ms: list[int], copy_bw: float, rows: list[
                 for w in layers:
                     torch.ops.k26.moe_w4a16_repacked(x, *w, ids, tw)
 
-            t = graph_time(k26_all, L)
+            t = graph_time_cold(k26_all, L)  # cold L2 before each replay, as every weight-streaming bench
 
             def bf_all(x=x, ids=ids, tw=tw):
                 for w13, w2 in bf_layers:
                     grouped_mm_moe(x, w13, w2, ids, tw)
 
             try:
-                t_bf = graph_time(bf_all, len(bf_layers))
+                t_bf = graph_time_cold(bf_all, len(bf_layers))
             except Exception as e:  # noqa: BLE001  (report, do not hide, a peer that cannot run)
                 print(f"grouped_mm failed at M={M}: {e}", file=sys.stderr)
                 t_bf = float("nan")
