@@ -134,6 +134,16 @@ def test_graph_steps_report_the_budget_they_verify(pair, spec, want):
     assert all(o.stats.steps > 0 and set(o.stats.budgets) == set(want) for o in out)
 
 
+def test_a_fixed_budget_padded_into_a_user_bucket_reports_its_own_budget(tiny_k25, drafter_dir):
+    """Budget 12 runs in a user bucket of 16 nodes: its steps reported 15 (the bucket's width less one)."""
+    kw = {"drafter": drafter_dir, "device": "cuda", "progress": False, "max_batch": 2, "max_model_len": 256}
+    llm = LLM(tiny_k25, graphs=True, buckets=[(2, 16)], **kw)
+    sp = SamplingParams(max_tokens=16, stop_token_ids=[])
+    out = llm.generate(prompts(2, seed=13), sp, SpecConfig("ddtree", 12))
+    assert all(o.stats.steps > 0 and set(o.stats.budgets) == {12} for o in out)
+    llm.close()
+
+
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 12)], ids=str)
 def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, drafter_dir, spec):
     """compile=True with a drafter: the captured steps run the compiled drafter (forward, context K/V) and

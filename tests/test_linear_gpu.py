@@ -182,10 +182,13 @@ def test_a_weight_the_door_copies_is_launched_without_pdl(monkeypatch, grouped):
     G, N, K = (4, 96, 256) if grouped else (1, 384, 512)
     x = rand(3, G, K, gen=gen) if grouped else rand(3, K, gen=gen)
     stacked = rand(G, N, 2 * K, gen=gen, scale=K**-0.5)
-    for w in (stacked[..., ::2], stacked[..., ::2].contiguous()):  # a strided view (copied), then its own
+    flat = stacked.flatten()[4 : 4 + G * N * K].view(G, N, K)  # contiguous at 8 bytes past a 16-byte line
+    assert flat.is_contiguous() and flat.data_ptr() % 16 == 8
+    # a strided view and a misaligned one (both copied), then the caller's own packed weight
+    for w in (stacked[..., ::2], flat, stacked[..., ::2].contiguous()):
         w = w if grouped else w[0]
         ref = linear_grouped_reference(x, w) if grouped else linear_reference(x, w)
         poison_allocator()
         got = torch.ops.k26.linear_grouped(x, w) if grouped else torch.ops.k26.linear(x, w)
         close(got, ref)
-    assert seen == [False, True]
+    assert seen == [False, False, True]

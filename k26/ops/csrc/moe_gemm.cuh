@@ -31,7 +31,8 @@ constexpr int kRoundChunks = GATED && RT == 2 && NT == 1 && kGateUpThreePerSM ? 
 // MINB 3 keeps the one-token-tile kernels at 3 blocks per SM on sm_90 (M = 1 with the shared expert is 288
 // gate/up blocks: one wave on 132 SMs), and the two-tile gate/up GEMM (kGateUpThreePerSM). On sm_120 the
 // two-tile gate/up GEMM keeps 1 (with 4 chunks a round it would spill at 3); the one-token-tile kernels keep
-// their 3 (78 registers, no spills, sm_120a; at 1 they took 84-92 registers: 2 blocks an SM).
+// their 3 (78 registers, no spills, sm_120a; at 1 they took 84-92 registers: 2 blocks an SM), and the two-tile
+// down GEMM its 2 (124 registers, no spills).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define K26_MINB(m, two_tile_gated) ((two_tile_gated) ? 1 : (m))
 #else
