@@ -128,8 +128,10 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
-        if skip_special:
-            ids = [i for i in ids if i < self.num_base]
+        if (
+            skip_special
+        ):  # (only the special tokens: an id past the vocabulary still reaches tiktoken, refused)
+            ids = [i for i in ids if not self.num_base <= i < self.n_words]
         try:
             return self.enc.decode(ids, errors="replace")
         except (KeyError, OverflowError) as e:  # (tiktoken's words for an id it lacks, or a negative one)
@@ -229,7 +231,8 @@ class TextStream:
     def push(self, ids: list[int]) -> str:
         """Append tokens; returns the text they completed."""
         self.ids += len(ids)
-        new = self._utf8.decode(self.tok.decode_bytes([i for i in ids if i < self.tok.num_base]))
+        tok = self.tok
+        new = self._utf8.decode(tok.decode_bytes([i for i in ids if not tok.num_base <= i < tok.n_words]))
         self.text += new
         return new
 

@@ -116,3 +116,15 @@ def test_a_tokenizer_config_without_end_tokens_is_refused(tiny_k25, tmp_path, cf
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(TokenizerError, match=r"tokenizer_config.json: added_tokens_decoder names neither"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_skipping_special_tokens_still_refuses_an_id_past_the_vocabulary(tok):
+    """decode(skip_special=True) and the text stream dropped every id >= num_base, so an id past the whole
+    vocabulary vanished instead of being named as decode names it without the flag."""
+    im_end = tok.special_ids["<|im_end|>"]
+    assert tok.decode(tok.encode("ok") + [im_end], skip_special=True) == "ok"
+    for bad in (tok.n_words, 2**40):
+        with pytest.raises(ValueError, match=f"token id {bad} is not in this tokenizer's vocabulary"):
+            tok.decode([bad], skip_special=True)
+        with pytest.raises(ValueError, match=f"token id {bad} is not in this tokenizer's vocabulary"):
+            TextStream(tok).push([bad])
