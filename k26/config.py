@@ -127,7 +127,11 @@ class ModelConfig:
         expect(f, "attention_bias", False)
         expect(f, "tie_word_embeddings", False)
         expect(f, "moe_layer_freq", 1)
-        expect(f, "rope_interleave", True)  # (false: transformers rotates (x[i], x[i + P/2]) pairs)
+        # (false, and null too — transformers tests its truth — rotate (x[i], x[i + P/2]) pairs there)
+        if "rope_interleave" in f.d and not f.d["rope_interleave"]:
+            raise ConfigError(
+                f"{prefix}rope_interleave={f.d['rope_interleave']!r} is not supported; k26 implements True"
+            )
         if f.get("q_lora_rank") is None:
             raise ConfigError(f"{prefix}q_lora_rank is null: models without a q LoRA are not supported")
         nextn = f.get("num_nextn_predict_layers", 0) or 0

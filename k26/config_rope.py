@@ -53,6 +53,12 @@ def parse_rope(f: Fields, prefix: str, *, target: bool = False) -> RopeConfig:
     if kind != "yarn":
         raise ConfigError(f"{prefix}{key}.type={kind!r} is not supported; Kimi models use 'yarn'")
     r = Fields(rs, f"{prefix}{key}.")
+    if (
+        r.get("truncate", True) is not True
+    ):  # transformers' YaRN then skips the correction range's floor / ceil
+        raise ConfigError(
+            f"{prefix}{key}.truncate={r.get('truncate')!r} is not supported; k26 implements true"
+        )
     factor = r.float("factor", default=None)
     orig = r.int("original_max_position_embeddings")
     mscale = r.nonnegative("mscale", default=1.0)

@@ -165,9 +165,13 @@ def plan_load(
             used.add(hf)
             if info.shape != tuple(full):
                 problems.append(f"tensor {hf} has shape {list(info.shape)}, expected {full}")
-            want = {"I32"} if p.dtype == torch.int32 else _FLOAT
+            # int4 scales stay bf16 in the model (the kernels' layout): a checkpoint's F32 / F16 scales would
+            # be rounded, dequantising other weights than compressed-tensors does
+            scale = hf.endswith(".weight_scale")
+            want = {"I32"} if p.dtype == torch.int32 else {"BF16"} if scale else _FLOAT
             if info.dtype not in want:
-                problems.append(f"tensor {hf} has dtype {info.dtype}, expected one of {sorted(want)}")
+                why = " (int4 scales are kept in bf16)" if scale else ""
+                problems.append(f"tensor {hf} has dtype {info.dtype}, expected one of {sorted(want)}{why}")
             items.append(_Item(pname, hf, e, dim if tp.size > 1 else None))
             if hf.endswith(".weight_packed"):
                 problems += _check_weight_shape(infos, hf, full, used, missing)

@@ -146,13 +146,28 @@ def test_yarn_fields_without_the_type_are_refused_not_taken_for_plain_rope():
         ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs})
 
 
-def test_rope_interleave_false_is_refused():
-    """transformers' DeepseekV3 rotates (x[i], x[i + P/2]) when rope_interleave is false; k26's RoPE (and its
-    kernels) rotate interleaved pairs only, so such a config must be refused (it was taken silently: on a
-    tiny checkpoint the logits differed from transformers' by 49 %)."""
-    with pytest.raises(ConfigError, match=re.escape("rope_interleave=False is not supported")):
-        ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_interleave": False})
+@pytest.mark.parametrize("value", [False, None])
+def test_rope_interleave_false_is_refused(value):
+    """transformers' DeepseekV3 rotates (x[i], x[i + P/2]) when rope_interleave is false, or null (it tests
+    the field's truth); k26's RoPE (and its kernels) rotate interleaved pairs only, so such a config must be
+    refused (false was taken silently until a fix, null until 2026-12-06: on a tiny checkpoint the logits
+    differed from transformers' by 46-49 %)."""
+    with pytest.raises(ConfigError, match=re.escape(f"rope_interleave={value!r} is not supported")):
+        ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_interleave": value})
     assert ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_interleave": True}).rope.factor == 64
+    no_key = {k: v for k, v in K26_TEXT_CONFIG.items() if k != "rope_interleave"}
+    assert ModelConfig.from_dict(no_key).rope.factor == 64  # absent: transformers' default, True
+
+
+@pytest.mark.parametrize("value", [False, None, 0])
+def test_a_yarn_without_truncation_is_refused(value):
+    """rope_scaling.truncate false makes transformers' YaRN skip the correction range's floor / ceil, which
+    k26 always applies (the field was ignored: 0.5 % off transformers' logits on a tiny checkpoint)."""
+    rs = dict(K26_TEXT_CONFIG["rope_scaling"], truncate=value)
+    with pytest.raises(ConfigError, match=re.escape(f"rope_scaling.truncate={value!r} is not supported")):
+        ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs})
+    rs["truncate"] = True
+    assert ModelConfig.from_dict(K26_TEXT_CONFIG | {"rope_scaling": rs}).rope.factor == 64
 
 
 @pytest.mark.parametrize(
