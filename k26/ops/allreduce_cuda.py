@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import pdl
+from .packed import packed
 from .reference import rms_norm
 
 BLOCK_DIM_ALIGN = 8  # the kernel moves 16-byte vectors: D and the region size are multiples of 8 bf16
@@ -141,6 +142,7 @@ def cuda_error(e: int) -> str:
     return library().k26_ar_error_string(e).decode()
 
 
+@functools.cache  # compile-time constants of the library: read once, not on every op call
 def limits() -> tuple[int, int]:
     """(most ranks, largest D) the kernel serves."""
     r, d = ctypes.c_int(), ctypes.c_int()
@@ -150,8 +152,7 @@ def limits() -> tuple[int, int]:
 
 def vector_ready(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors as the kernels read them: contiguous, at 16-byte aligned addresses (copied if not)."""
-    ts = tuple(t.contiguous() for t in ts)
-    return tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in ts)
+    return tuple(map(packed, ts))
 
 
 @torch.library.register_kernel("k26::allreduce_add_rmsnorm", "cuda")

@@ -17,6 +17,7 @@ import torch
 
 from . import pdl, reference
 from .log import say_once
+from .packed import packed
 
 # Keys per split at least: a split's fixed cost (Q load, pipeline fill, the partial's write and merge) is a
 # couple of 64-key tiles' worth.
@@ -137,13 +138,6 @@ def _cache_rows_ok(c: torch.Tensor) -> bool:
     )
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t packed with a 16-byte aligned start (the kernel's cp.async reads 16-byte chunks): itself, or a copy
-    (a view at an odd offset, or not packed)."""
-    c = t.contiguous()
-    return c if c.data_ptr() % 16 == 0 else c.clone()
-
-
 def _block_tokens(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Block K or V [B, S, Hkv, hd] as the kernel reads it: (tensor, elements between tokens). Tokens may lie
     any 16-byte multiple apart, so a view into the stacked qkv projection's output is read in place;
@@ -153,7 +147,7 @@ def _block_tokens(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     tokens_packed = B == 1 or st[0] == S * st[1]
     if st[3] == 1 and st[2] == hd and tokens_packed and st[1] % 8 == 0 and t.data_ptr() % 16 == 0:
         return t, st[1]
-    return _aligned(t), Hkv * hd
+    return packed(t), Hkv * hd
 
 
 def _unsupported(q, cache_k, cache_v) -> str | None:
@@ -184,7 +178,7 @@ def cuda_drafter_attention(q, cache_k, cache_v, k_blk, v_blk, rows, ctx_lens, sc
     BM = lib.block_rows
     RT = (S * (Hq // Hkv) + BM - 1) // BM
     S_max = _splits(q.device, hd, B * Hkv * RT)
-    qc = _aligned(q)
+    qc = packed(q)  # (cp.async reads 16-byte chunks)
     (kb, ldk), (vb, ldv) = _block_tokens(k_blk), _block_tokens(v_blk)
     rows64, lens64 = rows.to(torch.int64).contiguous(), ctx_lens.to(torch.int64).contiguous()
     out = torch.empty_like(qc)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from . import pdl
 from .log import say_once
+from .packed import packed
 
 MAX_M = 64  # rows per launch (the kernel's token tiles)
 # Rows served in launches of MAX_M (tile mode is batch-invariant, so chunks change no bit): every decode /
@@ -184,13 +185,6 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
 
 
-def _packed(t: torch.Tensor) -> torch.Tensor:
-    """t contiguous at a 16-byte aligned address, copied only if it is not (`.contiguous()` alone keeps a
-    contiguous view at an odd offset, which the kernel's 16-byte loads cannot read)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def launch(
     x2, w, residual, y, *, groups: int, strides, splits: int | None = None, pdl_on: bool = True
 ) -> None:
@@ -256,9 +250,9 @@ def _(x, weight, residual=None):
         return linear_reference(x, weight, residual)
     x2 = x.reshape(M, K)
     if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
-        x2 = _packed(x2)  # a copy, not a fallback: the kernel reads 16-byte rows
-    w = weight if weight.stride(1) == 1 and _aligned(weight, weight.stride(0)) else _packed(weight)
-    r2 = _packed(residual.reshape(M, N)) if residual is not None else None
+        x2 = packed(x2)  # a copy, not a fallback: the kernel reads 16-byte rows
+    w = weight if weight.stride(1) == 1 and _aligned(weight, weight.stride(0)) else packed(weight)
+    r2 = packed(residual.reshape(M, N)) if residual is not None else None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     strides = (x2.stride(0), 0, w.stride(0), 0, N, 0)
     launch(x2, w, r2, y, groups=1, strides=strides, pdl_on=pdl.enabled_as_given((w, weight)))
@@ -276,11 +270,11 @@ def _(x, weight):
         return linear_grouped_reference(x, weight)
     x3 = x.reshape(M, G, K)
     if x3.stride(2) != 1 or not _aligned(x3, x3.stride(0), x3.stride(1)):
-        x3 = _packed(x3)
+        x3 = packed(x3)
     w = (
         weight
         if weight.stride(2) == 1 and _aligned(weight, weight.stride(0), weight.stride(1))
-        else _packed(weight)
+        else packed(weight)
     )
     y = torch.empty(M, G, N, dtype=x.dtype, device=x.device)
     strides = (x3.stride(0), x3.stride(1), w.stride(1), w.stride(0), G * N, N)

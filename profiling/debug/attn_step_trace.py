@@ -18,6 +18,7 @@ from phases import print_table, read_tables
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k26_scale import K26_TEXT, randomize, token_ids
+from timing import capture
 
 from k26.config import ModelConfig
 from k26.model import AttnBatch, KimiK2, TPInfo
@@ -64,19 +65,6 @@ batch = AttnBatch.tree(start, anc, rows, static=True)
 def step():
     h, _ = model(ids, batch, cache)
     model.logits(h)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 # The op alone: the last layer's own arguments, recorded in one eager step (before compiling: the op is
