@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .config_fields import read_config_json
+from .drafter_config import DrafterConfig
 from .ops.int4 import quantize_int4
 from .tokenizer import SPECIAL_OFFSETS, save_tokenizer
 
@@ -301,8 +303,7 @@ def save_checkpoint(
     return out
 
 
-def write_tiny_drafter(
-    out: str | Path,
+def tiny_drafter_config(
     target_dir: str | Path,
     *,
     layers: int = 1,
@@ -311,16 +312,16 @@ def write_tiny_drafter(
     kv_heads: int = 2,
     head_dim: int = 32,
     intermediate: int = 256,
-    seed: int = 0,
     target_layer_ids: tuple[int, ...] | None = None,
-) -> Path:
-    """A random DFlash drafter in the Kimi DFlash format for the tiny target at `target_dir`."""
-    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+) -> dict:
+    """The config.json of `write_tiny_drafter` for the target at `target_dir` (as written: unchecked, so a
+    test can write a bad one; `check_tiny_drafter` reads it as the loader will)."""
+    tcfg = read_config_json(target_dir, "target checkpoint")
     text = tcfg.get("text_config", tcfg)
     D, L = text["hidden_size"], text["num_hidden_layers"]
     ids = list(target_layer_ids) if target_layer_ids is not None else sorted({min(1, L - 1), L - 1})
     first_special = text["vocab_size"] - 256
-    cfg = {
+    return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": D,
@@ -341,6 +342,49 @@ def write_tiny_drafter(
         "dflash_config": {"target_layer_ids": ids, "mask_token_id": first_special + SPECIAL_OFFSETS["[UNK]"]},
         "torch_dtype": "bfloat16",
     }
+
+
+def check_tiny_drafter(target_dir: str | Path, **kw) -> None:
+    """`write_tiny_drafter`'s arguments as the loader will read what it writes: a ValueError (ConfigError)
+    naming the bad one, before anything is written; the target's own errors start with 'target: '."""
+    try:
+        target = ModelConfig.from_dict(read_config_json(target_dir, "target checkpoint"))
+    except ValueError as e:
+        raise type(e)(f"target: {e}") from e
+    DrafterConfig.from_dict(tiny_drafter_config(target_dir, **kw)).check_target(target)
+
+
+def check_out_dir(out: str | Path) -> None:
+    """An output directory that is a file already is refused by name (mkdir would raise FileExistsError)."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"OUT {str(out)!r} is a file; give a directory (new or existing)")
+
+
+def write_tiny_drafter(
+    out: str | Path,
+    target_dir: str | Path,
+    *,
+    layers: int = 1,
+    block_size: int = 8,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate: int = 256,
+    seed: int = 0,
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> Path:
+    """A random DFlash drafter in the Kimi DFlash format for the tiny target at `target_dir`."""
+    cfg = tiny_drafter_config(
+        target_dir,
+        layers=layers,
+        block_size=block_size,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        target_layer_ids=target_layer_ids,
+    )
+    D, ids = cfg["hidden_size"], cfg["dflash_config"]["target_layer_ids"]
     gen = torch.Generator().manual_seed(seed)
 
     def w(o: int, i: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ python scripts/make_tiny_checkpoint.py OUT_DIR [--flavour k25|k2-thinking] [--qu
 
 import argparse
 
-from k26.tiny import DEFAULT_SIZES, check_tiny, write_tiny_checkpoint
+from k26.tiny import DEFAULT_SIZES, check_out_dir, check_tiny, write_tiny_checkpoint
 
 
 def main() -> None:
@@ -22,8 +22,9 @@ def main() -> None:
     sizes = {k: a[k] for k in DEFAULT_SIZES}
     kw = {"flavour": a["flavour"], "quant": a["quant"], "shards": a["shards"], **sizes}
     try:
+        check_out_dir(a["out"])
         check_tiny(**kw)
-    except ValueError as e:  # (ConfigError too) a bad size or shard count, named, before anything is written
+    except ValueError as e:  # (ConfigError too) OUT, a size or the shards, named, before any write
         ap.error(str(e))
     path = write_tiny_checkpoint(a["out"], seed=a["seed"], **kw)
     print(f"wrote {path}")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from k26.loader import load_drafter, load_model
-from k26.tiny import write_tiny_drafter
+from k26.tiny import check_out_dir, write_tiny_drafter
 from k26.tokenizer import Tokenizer
 from k26.train import corpus
 
@@ -104,8 +104,10 @@ def main() -> None:
         ap.error(f"--seq {a.seq} leaves no room for a block of {a.block} after an anchor: give more")
     if a.anchors < 1:
         ap.error(f"--anchors {a.anchors}: a sequence needs at least one block")
-    if Path(a.out).exists() and not Path(a.out).is_dir():
-        ap.error(f"{a.out} is a file: OUT is the drafter's folder")
+    try:
+        check_out_dir(a.out)
+    except ValueError as e:
+        ap.error(str(e))
     # The drafter starts in a scratch folder: OUT (and a drafter already there) is written once training is
     # done, so a run that stops early leaves no random drafter behind that would load without complaint.
     with tempfile.TemporaryDirectory() as scratch:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k26.config import ConfigError, ModelConfig
+from k26.config import ModelConfig
 from k26.model import KimiK2
 from k26.model.moe import MoE
-from k26.tiny import DEFAULT_SIZES, save_checkpoint, text_config
+from k26.tiny import DEFAULT_SIZES, check_out_dir, save_checkpoint, text_config
 from k26.tokenizer import Tokenizer, read_ranks, save_tokenizer
 from k26.train import bpe, corpus
 from k26.train.export import hf_tensors
@@ -69,9 +69,10 @@ def main() -> None:
         "max_position_embeddings": 4096,
         "original_max_position_embeddings": 1024,
     }
-    try:  # the exported (int4) config checked before anything is written or trained (vocab: a placeholder)
+    try:  # OUT and the exported (int4) config checked before any write or training (vocab: a placeholder)
+        check_out_dir(out)
         ModelConfig.from_dict(text_config(sizes, a.vocab, "int4"))
-    except ConfigError as e:
+    except ValueError as e:  # (ConfigError too)
         ap.error(str(e))
     torch.manual_seed(a.seed)
     dev = torch.device(a.device)

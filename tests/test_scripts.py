@@ -76,3 +76,39 @@ def test_train_tiny_refuses_sizes_the_int4_export_cannot_take_before_training(tm
     r = script("train_tiny.py", tmp_path / "out", "--hidden", 200, "--minutes", 5, "--tokenizer", TARGET)
     assert r.returncode == 2 and "hidden_size=200" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["make_tiny_checkpoint.py", "make_tiny_drafter.py", "train_tiny.py"])
+def test_the_writing_scripts_refuse_a_file_as_out_in_one_line(tmp_path, name):
+    (tmp_path / "out").write_text("not a folder")
+    extra = ["--target", TARGET] if name == "make_tiny_drafter.py" else []
+    r = script(name, tmp_path / "out", *extra)
+    assert r.returncode == 2 and "is a file" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "target, named", [("missing", "does not exist"), ("empty", "config.json is missing")]
+)
+def test_make_tiny_drafter_names_a_target_without_a_checkpoint(tmp_path, target, named):
+    (tmp_path / "empty").mkdir()
+    r = script("make_tiny_drafter.py", tmp_path / "out", "--target", tmp_path / target)
+    assert r.returncode == 2 and "--target" in r.stderr and named in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [(["--block-size", 0], "block_size=0"), (["--block-size", -3], "block_size=-3"), (["--layers", 0], "=0")],
+)
+def test_make_tiny_drafter_refuses_what_the_loader_would_refuse_before_writing(tmp_path, flags, named):
+    r = script("make_tiny_drafter.py", tmp_path / "out", "--target", TARGET, *flags)
+    assert r.returncode == 2 and named in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_make_tiny_drafter_writes_a_drafter_the_loader_takes(tmp_path):
+    from k26.drafter_config import DrafterConfig
+
+    r = script("make_tiny_drafter.py", tmp_path / "out", "--target", TARGET, "--block-size", 4)
+    assert r.returncode == 0, r.stderr
+    assert DrafterConfig.from_dir(tmp_path / "out").block_size == 4
