@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_args import cache_dir_arg, dir_arg, listen_arg, out_arg, pair_args, resolved_pair
-from .cli_parser import AR_WITH_DRAFTER, DEFAULT_MAX_TOKENS, DTYPES, build_parser
+from .cli_args import cache_dir_arg, context_args, dir_arg, listen_arg, out_arg, pair_args, resolved_pair
+from .cli_parser import AR_WITH_DRAFTER, DEFAULT_MAX_TOKENS, DTYPES, parse_args
 from .embedded import default_model_dir
 
 if TYPE_CHECKING:
@@ -57,25 +57,29 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     """Check every `generate` argument against the config files only: no weights are read."""
     from . import SamplingParams, SpecConfig
     from .chat import ChatFormat, Message, render
-    from .checks import check_device, check_gpus, default_max_model_len, fit_spec
+    from .checks import check_device, check_gpus, fit_spec
     from .config import ModelConfig
     from .dist import env_int
     from .drafter_config import DrafterConfig
+    from .sampling import SamplingError
     from .tokenizer import Tokenizer
 
     check_device(a.device)
     cache_dir_arg(a.cache_dir)
     model, drafter, method = _resolve_pair(a)
-    sp = SamplingParams(
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        max_tokens=DEFAULT_MAX_TOKENS if a.max_tokens is None else a.max_tokens,
-        seed=a.seed,
-        presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty,
-        stop_token_ids=() if a.ignore_eos else None,
-    )
+    try:
+        sp = SamplingParams(
+            temperature=a.temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            max_tokens=DEFAULT_MAX_TOKENS if a.max_tokens is None else a.max_tokens,
+            seed=a.seed,
+            presence_penalty=a.presence_penalty,
+            frequency_penalty=a.frequency_penalty,
+            stop_token_ids=() if a.ignore_eos else None,
+        )
+    except SamplingError as e:  # named by its flag (every field set here is one: --top-p for top_p)
+        raise ValueError(f"--{e.field.replace('_', '-')} {e.value}: {e.why}") from None
     spec = SpecConfig(method=method, budget=a.budget if a.budget is not None else "auto")
     world = env_int("WORLD_SIZE", 1)  # torchrun --nproc-per-node N: one rank per process
     tp = a.tp or world
@@ -85,13 +89,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
         raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE {world}")
     check_gpus(a.device, tp)
     cfg = ModelConfig.from_dir(model)
-    cfg.check_tp(tp)
-    max_len = a.max_model_len or default_max_model_len(cfg)
-    if not 1 < max_len <= cfg.max_position_embeddings:
-        raise ValueError(
-            f"--max-model-len {max_len}: must lie in (1, {cfg.max_position_embeddings}] "
-            "(the model's max_position_embeddings)"
-        )
+    max_len = context_args(cfg, tp, a.max_model_len, a.allreduce)
     tok = Tokenizer.from_dir(model)
     fmt = ChatFormat.of_checkpoint(model, cfg.model_type)
     if a.no_thinking and (not a.chat or fmt.thinking is None):
@@ -139,7 +137,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         tp=plan.tp,
         progress=rank0,
         cache_dir=a.cache_dir,
-        allreduce=a.allreduce,
+        allreduce=a.allreduce or "fused",
     )
     out = None
     try:
@@ -292,7 +290,7 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(argv)
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning  # restored on exit: main() also runs in-process (tests)
         try:

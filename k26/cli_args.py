@@ -9,8 +9,12 @@ import os
 import socket
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .embedded import default_drafter_dir, default_model_dir
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 
 def dir_arg(value: str | None, flag: str) -> Path | None:
@@ -101,3 +105,24 @@ def resolved_pair(a: argparse.Namespace) -> tuple[Path, Path | None]:
     if model is None:
         model, drafter = default_model_dir(), drafter or default_drafter_dir()
     return model, drafter
+
+
+def context_args(cfg: ModelConfig, tp: int, max_model_len: int | None, allreduce: str | None) -> int:
+    """generate's and serve's --tp, --max-model-len and --allreduce against the model's config (read, no
+    weights): the context length, each bad value named by its flag."""
+    from .checks import default_max_model_len
+    from .config import ConfigError
+
+    try:
+        cfg.check_tp(tp)
+    except ConfigError as e:
+        raise ValueError(f"--tp {tp}: {e}") from None
+    if allreduce is not None and tp == 1:  # (as an unused --budget or --drafter: said, not ignored)
+        raise ValueError(f"--allreduce {allreduce}: applies to tensor-parallel runs (--tp > 1)")
+    max_len = max_model_len or default_max_model_len(cfg)
+    if not 1 < max_len <= cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_len}: must lie in (1, {cfg.max_position_embeddings}] "
+            "(the model's max_position_embeddings)"
+        )
+    return max_len

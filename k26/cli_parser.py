@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype's names -> torch dtypes
+ALLREDUCE = ["fused", "calibrate", "nccl"]  # --allreduce (LLM(allreduce=...)); not given: fused
 
 
 def _positive(s: str) -> int:
@@ -99,8 +100,8 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--prefill-budget", type=_positive, default=512, help="deferred prefill positions a step")
     sv.add_argument(
         "--allreduce",
-        choices=["fused", "calibrate", "nccl"],
-        default="fused",
+        choices=ALLREDUCE,
+        default=None,
         help="TP all-reduces: fused with add + RMSNorm (default), fused with measured crossovers, or NCCL",
     )
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="k26", description="Kimi K2.6 inference with DDTree speculative decoding"
     )
     ap.add_argument("--version", action="version", version=f"k26 {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="command")
     g = sub.add_parser("generate", help="continue a prompt, streaming the text as it is accepted")
     g.add_argument("--model", help="checkpoint directory (default: the embedded tiny model and its drafter)")
     g.add_argument("--prompt", required=True)
@@ -156,26 +157,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--cache-dir", default=None, help="load cache: a later start reads only its own bytes")
     g.add_argument(
-        "--allreduce", choices=["fused", "calibrate", "nccl"], default="fused", help="TP all-reduces"
+        "--allreduce", choices=ALLREDUCE, default=None, help="TP all-reduces (default fused; --tp > 1)"
     )
     _info_parser(sub)
     bn = sub.add_parser("bench", help="tokens/s of AR eager / AR graphs / DFlash / DDTree / HF generate()")
-    bn.add_argument("--model")
-    bn.add_argument("--drafter")
+    bn.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
+    bn.add_argument("--drafter", help="DFlash drafter directory (default with no --model: the embedded one)")
     bn.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    bn.add_argument("--batch", type=_positive, default=1)
-    bn.add_argument("--max-tokens", type=_positive, default=128)
-    bn.add_argument("--budget", type=_fixed_budget, default=12)
-    bn.add_argument("--compile", action="store_true")
-    bn.add_argument("--no-hf", action="store_true")
-    bn.add_argument("--out")
+    bn.add_argument("--batch", type=_positive, default=1, help="prompts decoded together (default 1)")
+    bn.add_argument("--max-tokens", type=_positive, default=128, help="tokens a prompt (default 128)")
+    bn.add_argument("--budget", type=_fixed_budget, default=12, help="DDTree budget (default 12)")
+    bn.add_argument("--compile", action="store_true", help="torch.compile the decoder layers")
+    bn.add_argument("--no-hf", action="store_true", help="leave out the transformers generate() row")
+    bn.add_argument("--out", help="also write the table to this Markdown file")
     pr = sub.add_parser("profile", help="write a torch.profiler trace of a short generation")
-    pr.add_argument("--model", help="checkpoint directory (default: the embedded pair, drafter included)")
-    pr.add_argument("--drafter")
+    pr.add_argument("--model", help="checkpoint directory (default: the embedded pair)")
+    pr.add_argument("--drafter", help="DFlash drafter directory (for --spec dflash / ddtree)")
     pr.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    pr.add_argument("--spec", choices=["ar", "dflash", "ddtree"], default="ar")
+    pr.add_argument(
+        "--spec", choices=["ar", "dflash", "ddtree"], default="ar", help="decoding method (default ar)"
+    )
     pr.add_argument("--budget", type=_fixed_budget, default=None, help="DDTree budget (default 12)")
-    pr.add_argument("--max-tokens", type=_positive, default=32)
-    pr.add_argument("--out", default="k26-trace.json")
+    pr.add_argument("--max-tokens", type=_positive, default=32, help="tokens to generate (default 32)")
+    pr.add_argument("--out", default="k26-trace.json", help="the trace file (default k26-trace.json)")
     _serve_parser(sub)
+    for cmd in sub.choices.values():  # parse_args: an unknown flag is said with its command's usage
+        cmd.set_defaults(command_parser=cmd)
     return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """`python -m k26`'s arguments; an unrecognised one exits 2 with its subcommand's usage (the top-level
+    parser printed `k26 [-h] [--version] command ...`, no help for `generate --bogus`)."""
+    a, extra = build_parser().parse_known_args(argv)
+    if extra:
+        a.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return a

@@ -12,6 +12,14 @@ import torch
 from .penalties import Penalties
 
 
+class SamplingError(ValueError):
+    """A bad SamplingParams field, carrying which one (a front end names its own spelling: the CLI's flag)."""
+
+    def __init__(self, field: str, value, why: str) -> None:
+        super().__init__(f"SamplingParams.{field}={value!r}: {why}")
+        self.field, self.value, self.why = field, value, why
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -37,7 +45,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+            return SamplingError(field, getattr(self, field), why)
 
         for name in _INT_FIELDS + _REAL_FIELDS:  # NumPy scalars (np.int64 seeds, np.float32 temperatures)
             object.__setattr__(self, name, builtin_number(getattr(self, name)))

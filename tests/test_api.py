@@ -182,7 +182,7 @@ def test_cli_reports_bad_input(tiny_k25, capsys):
         )
         == 2
     )
-    assert "max_tokens=-1" in capsys.readouterr().err
+    assert "--max-tokens -1" in capsys.readouterr().err
 
 
 def test_every_name_the_readme_uses_is_exported():

@@ -106,10 +106,10 @@ def test_fit_spec_keeps_the_candidates_that_fit():
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["--temperature", "-1"], "temperature=-1.0"),
-        (["--top-p", "0"], "top_p=0.0"),
-        (["--top-k", "-2"], "top_k=-2"),
-        (["--max-tokens", "-1"], "max_tokens=-1"),
+        (["--temperature", "-1"], "--temperature -1.0: must be"),
+        (["--top-p", "0"], "--top-p 0.0: must lie"),
+        (["--top-k", "-2"], "--top-k -2: must be"),
+        (["--max-tokens", "-1"], "--max-tokens -1: must be"),
         (["--budget", "0"], "budget=0"),
         (["--spec", "dflash", "--budget", "3"], "--budget applies to --spec ddtree"),
         (["--spec", "ar", "--budget", "3"], "--budget applies to --spec ddtree"),
@@ -120,7 +120,7 @@ def test_fit_spec_keeps_the_candidates_that_fit():
         (["--drafter", TARGET + "/config.json"], f"pass the checkpoint directory that holds it: {TARGET}"),
         (["--model", DRAFTER], "model_type 'qwen3' is not supported"),  # a drafter is not a target
         (["--max-model-len", "999999"], "--max-model-len 999999: must lie in (1, "),
-        (["--tp", "3"], "tensor-parallel size 3 does not divide"),
+        (["--tp", "3"], "--tp 3: tensor-parallel size 3 does not divide"),
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt", "", "--chat"], "--prompt is empty"),
         (["--model", ""], "--model is empty: pass a checkpoint directory"),  # (not the current directory)
@@ -142,10 +142,10 @@ def test_bad_arguments_refused_before_loading(no_loading, capsys, argv, needle):
 
 @pytest.mark.parametrize("extra,thinking", [([], True), (["--no-thinking"], False)])
 def test_chat_prompt_is_the_models_chat_format(no_loading, extra, thinking):
-    from k26.__main__ import build_parser, plan_generate
+    from k26.__main__ import parse_args, plan_generate
     from k26.chat import ChatFormat, Message, render
 
-    plan = plan_generate(build_parser().parse_args(["generate", "--prompt", "hi", "--chat", *extra]))
+    plan = plan_generate(parse_args(["generate", "--prompt", "hi", "--chat", *extra]))
     fmt = ChatFormat.for_model("kimi_k25").with_thinking(thinking)  # the embedded target is K2.6-format
     assert plan.prompt_ids == render(k26.Tokenizer.from_dir(TARGET), [Message("user", "hi")], fmt)
 
@@ -153,9 +153,9 @@ def test_chat_prompt_is_the_models_chat_format(no_loading, extra, thinking):
 @pytest.mark.parametrize("extra,stops", [([], None), (["--ignore-eos"], ())])
 def test_ignore_eos_leaves_no_stop_id(no_loading, extra, stops):
     """`generate --ignore-eos`: no id ends the answer (None: the tokenizer's end ids do)."""
-    from k26.__main__ import build_parser, plan_generate
+    from k26.__main__ import parse_args, plan_generate
 
-    plan = plan_generate(build_parser().parse_args(["generate", "--prompt", "hi", *extra]))
+    plan = plan_generate(parse_args(["generate", "--prompt", "hi", *extra]))
     assert plan.sampling.stop_token_ids == stops
 
 

@@ -29,10 +29,22 @@ def llm_kwargs(monkeypatch) -> dict:
 
 
 def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, capsys):
-    """`serve --compile --capture --cache-dir D --allreduce nccl` builds the LLM with them (checked before
-    loading); a --cache-dir that is a file is refused in one line before any loading."""
+    """`serve --compile --capture --cache-dir D --tp 2 --allreduce nccl` builds the LLM with them (checked
+    before loading); a --cache-dir that is a file is refused in one line before any loading."""
     with pytest.raises(_Built):
-        main(["serve", "--compile", "--capture", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
+        main(
+            [
+                "serve",
+                "--compile",
+                "--capture",
+                "--cache-dir",
+                str(tmp_path),
+                "--tp",
+                "2",
+                "--allreduce",
+                "nccl",
+            ]
+        )
     got = tuple(llm_kwargs[k] for k in ("compile", "capture", "cache_dir", "allreduce"))
     assert got == (True, True, str(tmp_path), "nccl")
     (tmp_path / "f").write_text("x")
@@ -64,10 +76,35 @@ def test_serve_prefix_cache_flags_reach_the_llm_and_a_bad_chunk_is_refused_befor
 
 
 def test_generate_start_up_flags_reach_the_llm(llm_kwargs, tmp_path):
-    """`generate --cache-dir D --allreduce nccl` builds the LLM with them."""
+    """`generate --cache-dir D --tp 2 --allreduce nccl` builds the LLM with them; no --allreduce: fused."""
     with pytest.raises(_Built):
-        main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--allreduce", "nccl"])
+        main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--tp", "2", "--allreduce", "nccl"])
     assert (llm_kwargs["cache_dir"], llm_kwargs["allreduce"]) == (str(tmp_path), "nccl")
+    with pytest.raises(_Built):
+        main(["generate", "--prompt", "hi"])
+    assert llm_kwargs["allreduce"] == "fused"
+
+
+@pytest.mark.parametrize("cmd", [["generate", "--prompt", "hi"], ["serve"]])
+def test_an_allreduce_flag_without_tensor_parallel_ranks_is_refused_before_loading(cmd, llm_kwargs, capsys):
+    # (it was taken and ignored at TP 1, where an unused --budget or --drafter is refused)
+    assert main([*cmd, "--allreduce", "calibrate"]) == 2
+    assert "--allreduce calibrate" in capsys.readouterr().err and not llm_kwargs
+
+
+@pytest.mark.parametrize("cmd", [["generate", "--prompt", "hi"], ["serve"]])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--tp", "3"], "--tp 3: tensor-parallel size 3"),
+        (["--max-model-len", "99999"], "--max-model-len 99999"),
+    ],
+)
+def test_tp_and_context_flags_are_named_by_generate_and_serve_before_loading(
+    cmd, flags, named, llm_kwargs, capsys
+):
+    assert main([*cmd, *flags]) == 2
+    assert named in capsys.readouterr().err and not llm_kwargs
 
 
 def test_generate_allocates_one_cache_row_for_its_one_prompt(llm_kwargs):
@@ -218,3 +255,13 @@ def test_info_startup_refuses_a_broken_drafter_before_printing_anything(tmp_path
     assert main(["info", "--startup", "--device", "cpu", "--drafter", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "config.json" in err
+
+
+def test_an_unknown_flag_is_said_with_its_commands_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: k26 generate" in err and "unrecognized arguments: --bogus" in err
+    with pytest.raises(SystemExit):
+        main([])
+    assert "required: command" in capsys.readouterr().err

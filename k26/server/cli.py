@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 
+from ..cli_args import context_args
 from ..cli_parser import AR_WITH_DRAFTER, DTYPES, MAX_BUDGET
 from ..dist import one_process
 
@@ -69,7 +70,7 @@ def serve(a: argparse.Namespace) -> int:
     import torch
 
     from .. import LLM, SpecConfig
-    from ..checks import default_max_model_len, fit_spec
+    from ..checks import fit_spec
     from ..config import ModelConfig
     from ..drafter_config import DrafterConfig
     from ..embedded import default_drafter_dir, default_model_dir
@@ -83,13 +84,11 @@ def serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--spec {spec_name} needs --drafter DIR")
     budget = "auto" if a.budget in (None, "auto") else int(a.budget)
     spec = SpecConfig(spec_name, budget if spec_name == "ddtree" else None)
+    max_len = context_args(ModelConfig.from_dir(model), a.tp or 1, a.max_model_len, a.allreduce)
     if spec_name != "ar" and not spec.auto:
         # A fixed budget or a DFlash chain no step fits the context: refused here, as `generate` does, not by
         # the engine thread after the whole load (a traceback from the thread and one from main's re-raise).
-        cfg = ModelConfig.from_dir(model)
-        max_len = a.max_model_len or default_max_model_len(cfg)
-        if 1 < max_len <= cfg.max_position_embeddings:  # (else LLM refuses it, naming the value)
-            fit_spec(spec, max_len, DrafterConfig.from_dir(drafter).block_size)
+        fit_spec(spec, max_len, DrafterConfig.from_dir(drafter).block_size)
     llm = LLM(
         model,
         drafter=drafter if spec_name != "ar" else None,
@@ -101,7 +100,7 @@ def serve(a: argparse.Namespace) -> int:
         compile=a.compile,
         capture=a.capture,
         cache_dir=a.cache_dir,
-        allreduce=a.allreduce,
+        allreduce=a.allreduce or "fused",
         prefix_cache=not a.no_prefix_cache,
         prefill_chunk=a.prefill_chunk,
         prefill_budget=a.prefill_budget,
