@@ -220,6 +220,29 @@ def test_bad_input_gets_its_4xx(served, path, body, status, param):
     assert raw(served["url"], "/health")[0] == 200  # the server stays up
 
 
+@pytest.mark.parametrize(
+    "path, body, quoted",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": True}, "max_tokens=true"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "10"}, 'max_tokens="10"'),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": {"a": 1}}, 'stop={"a": 1}'),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": None, "echo": 1.5}, "echo=1.5"),
+        ("/v1/completions", {"model": "m" * 1000, "prompt": "x"}, '"mmm'),
+    ],
+)
+def test_a_bad_value_is_quoted_in_json_as_the_client_sent_it(served, path, body, quoted):
+    # (it was Python's repr: max_tokens=True, stop={'a': 1}; a long value is cut, not echoed whole)
+    _, err = raw(served["url"], path, json.dumps(body).encode())
+    message = err["error"]["message"]
+    assert quoted in message and len(message) < 300, message
+
+
+def test_detokenize_names_a_missing_tokens_field_as_every_endpoint_does(served):
+    status, err = raw(served["url"], "/detokenize", json.dumps({"model": MODEL}).encode())
+    assert (status, err["error"]["param"]) == (400, "tokens")
+    assert err["error"]["message"] == "missing required parameter: 'tokens'"
+
+
 def test_max_tokens_beyond_one_listed_prompts_room_names_that_prompt(served):
     """Each prompt of a list has its own room: the 400 names the one the ask does not fit."""
     tok, max_len = served["llm"].tokenizer, served["llm"].max_model_len

@@ -25,6 +25,7 @@ from .chat_api import ChatStream, ChatTurn, message, read_whole
 from .engine import Engine, EngineDown, Event, QueueFull
 from .engine import Request as EngineRequest
 from .errors import APIError
+from .json_values import short
 from .logprobs import Logprobs, cut_at
 from .metrics import prometheus
 from .protocol import parse, prompt_ids, token_ids
@@ -86,7 +87,7 @@ def create_app(
         if model != model_name:
             raise APIError(
                 404,
-                f"model {model!r} does not exist (this server serves {model_name!r})",
+                f"model {short(model)} does not exist (this server serves {short(model_name)})",
                 "model",
                 code="model_not_found",
             )

@@ -20,6 +20,7 @@ from ..chat_parser import ChatParser, Piece
 from ..sampling import stop_prefix_len
 from ..tokenizer import Tokenizer
 from .errors import APIError
+from .json_values import short
 
 MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; also keeps "." and ":" out of Kimi call ids
@@ -57,7 +58,7 @@ def parse_chat(
     on, keep = (kw or {}).get("thinking"), (kw or {}).get("preserve_thinking")
     for name, v in (("thinking", on), ("preserve_thinking", keep)):
         if v is not None and not isinstance(v, bool):
-            raise APIError(400, f"{KW}.{name}={v!r}: expected true or false", KW)
+            raise APIError(400, f"{KW}.{name}={short(v)}: expected true or false", KW)
     try:
         fmt = fmt.with_thinking(on, keep)
     except ValueError as e:
@@ -76,7 +77,7 @@ def parse_chat(
         raise APIError(400, "tool_choice 'auto' is only allowed when tools are specified", "tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        msg = f"parallel_tool_calls={parallel!r}: expected true or false"
+        msg = f"parallel_tool_calls={short(parallel)}: expected true or false"
         raise APIError(400, msg, "parallel_tool_calls")
     declared = tools if choice != "none" else []
     msgs = _messages(body)
@@ -120,9 +121,10 @@ def _tools(body: dict) -> list[dict]:
             )
         name = f.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            raise APIError(400, f"{where}.function.name={name!r}: expected 1-64 of a-z A-Z 0-9 _ -", where)
+            msg = f"{where}.function.name={short(name)}: expected 1-64 of a-z A-Z 0-9 _ -"
+            raise APIError(400, msg, where)
         if name in names:
-            raise APIError(400, f"{where}.function.name={name!r}: declared twice", where)
+            raise APIError(400, f"{where}.function.name={short(name)}: declared twice", where)
         names.add(name)
         if _depth(f.get("parameters")) > MAX_DEPTH:
             raise APIError(400, f"{where}.function.parameters: nested deeper than {MAX_DEPTH}", where)
@@ -159,7 +161,7 @@ def _messages(body: dict) -> list[Message]:
         if not isinstance(role, str) or role not in ROLE_KEYS:
             raise APIError(
                 400,
-                f"{where}.role={role!r}: expected 'system', 'developer', 'user', 'assistant' or 'tool'",
+                f"{where}.role={short(role)}: expected 'system', 'developer', 'user', 'assistant' or 'tool'",
                 f"{where}.role",
             )
         extra = sorted(
@@ -217,8 +219,8 @@ def _content(c: Any, where: str) -> str:
         i = next(i for i, p in enumerate(c) if not is_text_part(p))
         kind = c[i].get("type") if isinstance(c[i], dict) else type(c[i]).__name__
         at = f"{where}.content[{i}]"
-        msg = f"{at} ({kind!r}): expected a text part {{'type': 'text', 'text': str}} (images and audio are "
-        raise APIError(400, msg + "not supported)", at)
+        msg = f"{at} ({short(kind)}): expected a text part {{'type': 'text', 'text': str}} (images and audio "
+        raise APIError(400, msg + "are not supported)", at)
     raise APIError(
         400,
         f"{where}.content: expected a string or a list of text parts (images and audio are not supported)",

@@ -3,14 +3,19 @@ counts as an integer, a token-id list or a number field, and how a bad value is 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .errors import APIError
 
 
 def short(x: Any, limit: int = 80) -> str:
-    """repr(x), cut to `limit` characters (an error message never echoes a megabyte back)."""
-    r = repr(x)
+    """x as the client spelled it in JSON (true, "10", {"a": 1}: not Python's True, '10', {'a': 1}), cut to
+    `limit` characters (an error message never echoes a megabyte back)."""
+    try:
+        r = json.dumps(x, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):  # (not from JSON: a value the server derived)
+        r = repr(x)
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 

@@ -116,7 +116,7 @@ def parse(
             )
     stream = False if body.get("stream") is None else body["stream"]  # (null: OpenAI's default, false)
     if not isinstance(stream, bool):
-        raise APIError(400, f"stream={stream!r}: expected true or false", "stream")
+        raise APIError(400, f"stream={short(stream)}: expected true or false", "stream")
     opts = body.get("stream_options")
     bad = (
         not isinstance(opts, dict)
@@ -128,16 +128,16 @@ def parse(
     n = body.get("n")
     n = 1 if n is None else n
     if not is_int(n) or not 1 <= n <= MAX_N:
-        raise APIError(400, f"n={body.get('n')!r}: expected an integer in [1, {MAX_N}]", "n")
+        raise APIError(400, f"n={short(body.get('n'))}: expected an integer in [1, {MAX_N}]", "n")
     best_of = body.get("best_of")
     # more candidates than choices (ranked by logprobs): not served
     if best_of is not None and (not is_int(best_of) or best_of != n):
         raise APIError(
-            400, f"best_of={best_of!r} is not supported by this server (only best_of = n)", "best_of"
+            400, f"best_of={short(best_of)} is not supported by this server (only best_of = n)", "best_of"
         )
     echo = False if body.get("echo") is None else body["echo"]
     if not isinstance(echo, bool):
-        raise APIError(400, f"echo={echo!r}: expected true or false", "echo")
+        raise APIError(400, f"echo={short(echo)}: expected true or false", "echo")
     if not isinstance(body.get("user", ""), (str, type(None))):  # (OpenAI's end-user id: logged nowhere here)
         raise APIError(400, f"user={short(body['user'])}: expected a string", "user")
     params = [
@@ -183,7 +183,7 @@ def _known(body: Any, keys: set[str], model: str) -> None:
     if body["model"] != model:
         raise APIError(
             404,
-            f"the model {body['model']!r} does not exist; this server serves {model!r}",
+            f"the model {short(body['model'])} does not exist; this server serves {short(model)}",
             "model",
             code="model_not_found",
         )
@@ -206,6 +206,8 @@ def token_ids(body: Any, vocab: int, *, model: str) -> list[int]:
     """/detokenize: `tokens`, ids of this vocabulary."""
     _known(body, {"model", "tokens"}, model)
     ids = body.get("tokens")
+    if ids is None:  # (as every endpoint says a missing field)
+        raise APIError(400, "missing required parameter: 'tokens'", "tokens")
     if not id_list(ids, vocab):
         raise APIError(400, f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
     return ids
@@ -215,10 +217,10 @@ def _refuse_unserved(body: dict) -> None:
     """Parameters that ask for what this server does not do, refused by name."""
     for name, ok in NEUTRAL.items():
         if name in body and body[name] not in ok:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
+            raise APIError(400, f"{name}={short(body[name])} is not supported by this server", name)
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
-        raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+        raise APIError(400, 'response_format: only {"type": "text"} is supported', "response_format")
 
 
 def _prompts(body: dict, tok: Tokenizer, vocab: int, max_len: int) -> list[list[int]]:

@@ -23,7 +23,7 @@ def sampling_params(
     error names it (one of a /v1/completions list: prompt[k])."""
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):  # each one given
         if body.get(key) is not None and (not is_int(body[key]) or body[key] < 0):
-            raise APIError(400, f"{key}={body[key]!r}: expected an integer >= 0", key)
+            raise APIError(400, f"{key}={short(body[key])}: expected an integer >= 0", key)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(key)
     if mt is None:
@@ -33,18 +33,18 @@ def sampling_params(
         raise APIError(400, msg, key, code="context_length_exceeded")
     t = number(body, "temperature", 1.0)  # OpenAI's default
     if not 0 <= t <= 2:
-        raise APIError(400, f"temperature={t!r}: must lie in [0, 2]", "temperature")
+        raise APIError(400, f"temperature={short(t)}: must lie in [0, 2]", "temperature")
     top_p = number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
-        raise APIError(400, f"top_p={top_p!r}: must lie in (0, 1]", "top_p")
+        raise APIError(400, f"top_p={short(top_p)}: must lie in (0, 1]", "top_p")
     top_k = body.get("top_k", 0)
     if top_k is None or top_k == -1:
         top_k = 0  # vLLM's "off"
     if not is_int(top_k) or not 0 <= top_k < 2**31:
-        raise APIError(400, f"top_k={top_k!r}: expected an integer in [0, 2**31) (0 or -1: off)", "top_k")
+        raise APIError(400, f"top_k={short(top_k)}: expected an integer in [0, 2**31) (0, -1: off)", "top_k")
     seed = body.get("seed")
     if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**63):
-        raise APIError(400, f"seed={seed!r}: expected an integer in [-2**63, 2**63)", "seed")
+        raise APIError(400, f"seed={short(seed)}: expected an integer in [-2**63, 2**63)", "seed")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
@@ -59,7 +59,7 @@ def sampling_params(
     for name in ("presence_penalty", "frequency_penalty"):
         penalties[name] = number(body, name, 0.0)
         if not -2 <= penalties[name] <= 2:
-            raise APIError(400, f"{name}={penalties[name]!r}: must lie in [-2, 2]", name)
+            raise APIError(400, f"{name}={short(penalties[name])}: must lie in [-2, 2]", name)
     least = body.get("min_tokens")
     least = 0 if least is None else least
     if not is_int(least) or not 0 <= least <= mt:
@@ -129,13 +129,14 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if not chat:
         if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
-            raise APIError(400, f"logprobs={lp!r}: expected an integer in [0, {MAX_LOGPROBS}]", "logprobs")
+            msg = f"logprobs={short(lp)}: expected an integer in [0, {MAX_LOGPROBS}]"
+            raise APIError(400, msg, "logprobs")
         return lp
     if lp is not None and not isinstance(lp, bool):
-        raise APIError(400, f"logprobs={lp!r}: expected true or false", "logprobs")
+        raise APIError(400, f"logprobs={short(lp)}: expected true or false", "logprobs")
     if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
         raise APIError(
-            400, f"top_logprobs={top!r}: expected an integer in [0, {MAX_LOGPROBS}]", "top_logprobs"
+            400, f"top_logprobs={short(top)}: expected an integer in [0, {MAX_LOGPROBS}]", "top_logprobs"
         )
     if top is not None and not lp:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
