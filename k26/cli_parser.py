@@ -106,7 +106,8 @@ def _serve_parser(sub) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: dict | None = None) -> argparse.ArgumentParser:
+    """The parser; `commands`, when given, receives each subcommand's own parser by name."""
     from . import __version__
 
     ap = argparse.ArgumentParser(
@@ -181,15 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-tokens", type=_positive, default=32, help="tokens to generate (default 32)")
     pr.add_argument("--out", default="k26-trace.json", help="the trace file (default k26-trace.json)")
     _serve_parser(sub)
-    for cmd in sub.choices.values():  # parse_args: an unknown flag is said with its command's usage
-        cmd.set_defaults(command_parser=cmd)
+    if commands is not None:  # (parse_args: an unknown flag is said with its command's usage)
+        commands.update(sub.choices)
     return ap
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """`python -m k26`'s arguments; an unrecognised one exits 2 with its subcommand's usage (the top-level
     parser printed `k26 [-h] [--version] command ...`, no help for `generate --bogus`)."""
-    a, extra = build_parser().parse_known_args(argv)
+    commands: dict[str, argparse.ArgumentParser] = {}
+    a, extra = build_parser(commands).parse_known_args(argv)
     if extra:
-        a.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        commands[a.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     return a
