@@ -89,7 +89,7 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
         raise ValueError(f"--tp {tp} differs from torchrun's WORLD_SIZE {world}")
     check_gpus(a.device, tp)
     cfg = ModelConfig.from_dir(model)
-    max_len = context_args(cfg, tp, a.max_model_len, a.allreduce)
+    max_len = context_args(cfg, tp, a.max_model_len, a.allreduce, "--tp" if a.tp else "torchrun's WORLD_SIZE")
     tok = Tokenizer.from_dir(model)
     fmt = ChatFormat.of_checkpoint(model, cfg.model_type)
     if a.no_thinking and (not a.chat or fmt.thinking is None):

@@ -107,16 +107,19 @@ def resolved_pair(a: argparse.Namespace) -> tuple[Path, Path | None]:
     return model, drafter
 
 
-def context_args(cfg: ModelConfig, tp: int, max_model_len: int | None, allreduce: str | None) -> int:
+def context_args(
+    cfg: ModelConfig, tp: int, max_model_len: int | None, allreduce: str | None, tp_from: str = "--tp"
+) -> int:
     """generate's and serve's --tp, --max-model-len and --allreduce against the model's config (read, no
-    weights): the context length, each bad value named by its flag."""
+    weights): the context length, each bad value named by its flag (`tp_from`: where the rank count came
+    from, torchrun's WORLD_SIZE when no --tp was given)."""
     from .checks import default_max_model_len
     from .config import ConfigError
 
     try:
         cfg.check_tp(tp)
     except ConfigError as e:
-        raise ValueError(f"--tp {tp}: {e}") from None
+        raise ValueError(f"{tp_from} {tp}: {e}") from None
     if allreduce is not None and tp == 1:  # (as an unused --budget or --drafter: said, not ignored)
         raise ValueError(f"--allreduce {allreduce}: applies to tensor-parallel runs (--tp > 1)")
     max_len = max_model_len or default_max_model_len(cfg)

@@ -19,6 +19,9 @@ class SamplingError(ValueError):
         super().__init__(f"SamplingParams.{field}={value!r}: {why}")
         self.field, self.value, self.why = field, value, why
 
+    def __reduce__(self):  # (pickled across TP ranks, copied: the default passes only the message back)
+        return type(self), (self.field, self.value, self.why)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -265,3 +265,12 @@ def test_an_unknown_flag_is_said_with_its_commands_usage(capsys):
     with pytest.raises(SystemExit):
         main([])
     assert "required: command" in capsys.readouterr().err
+
+
+def test_a_rank_count_from_torchrun_is_named_as_such(llm_kwargs, monkeypatch, capsys):
+    # (it said --tp 3 with no --tp on the command line)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["generate", "--prompt", "hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun's WORLD_SIZE 3: tensor-parallel size 3" in err and "--tp" not in err and not llm_kwargs

@@ -68,3 +68,15 @@ def test_stop_strings_that_are_not_strings_are_named(stop):
     """(Found in a bug hunt: a 0-d tensor raised torch's 'iteration over a 0-d tensor', not a ValueError.)"""
     with pytest.raises(ValueError, match=r"SamplingParams.stop=.*must be a string or a list of strings"):
         SamplingParams(stop=stop)
+
+
+def test_a_sampling_error_survives_pickling_with_its_field():
+    # (a TP rank's exception is pickled back to rank 0; the default reduce passed only the message)
+    import pickle
+
+    from k26.sampling import SamplingError
+
+    with pytest.raises(SamplingError) as e:
+        SamplingParams(top_p=2.0)
+    back = pickle.loads(pickle.dumps(e.value))
+    assert (type(back), back.field, back.value, str(back)) == (SamplingError, "top_p", 2.0, str(e.value))

@@ -237,6 +237,16 @@ def test_a_bad_value_is_quoted_in_json_as_the_client_sent_it(served, path, body,
     assert quoted in message and len(message) < 300, message
 
 
+def test_a_quoted_value_renders_only_what_the_message_shows():
+    from k26.server.json_values import short
+
+    big = list(range(3_000_000))
+    assert short(big).startswith("[0, 1, 2") and len(short(big)) == 80
+    assert short("x" * (64 << 20)) == '"' + "x" * 76 + "..."
+    assert short([[[[[[1]]]]]]) == '[[[["..."]]]]' and short({"a": True}) == '{"a": true}'
+    assert short(float("nan")) == "NaN" and short(object()).startswith("<object")
+
+
 def test_detokenize_names_a_missing_tokens_field_as_every_endpoint_does(served):
     status, err = raw(served["url"], "/detokenize", json.dumps({"model": MODEL}).encode())
     assert (status, err["error"]["param"]) == (400, "tokens")

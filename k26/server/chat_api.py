@@ -217,9 +217,9 @@ def _content(c: Any, where: str) -> str:
             return text_of(c)
     if isinstance(c, list):
         i = next(i for i, p in enumerate(c) if not is_text_part(p))
-        kind = c[i].get("type") if isinstance(c[i], dict) else type(c[i]).__name__
         at = f"{where}.content[{i}]"
-        msg = f"{at} ({short(kind)}): expected a text part {{'type': 'text', 'text': str}} (images and audio "
+        got = f"type {short(c[i].get('type'))}" if isinstance(c[i], dict) else short(c[i])
+        msg = f'{at} ({got}): expected a text part {{"type": "text", "text": "..."}} (images and audio '
         raise APIError(400, msg + "are not supported)", at)
     raise APIError(
         400,
