@@ -8,7 +8,7 @@ import torch
 from k26 import SamplingParams
 from k26.sampling import RowSampling, sample_rows
 from k26.spec.accept import accept_walk, commit_latent
-from k26.spec.tree import build_ddtree, build_ddtree_heap, chain_tree
+from k26.spec.tree import build_ddtree, build_ddtree_heap, chain_tree, pad_tree
 
 
 # -- tree ---------------------------------------------------------------------------------------
@@ -31,6 +31,22 @@ def test_tree_pads_when_fewer_prefixes_than_budget():
     tree = build_ddtree(lp, 20)
     assert tree.num_nodes == 21 and int(tree.valid.sum()) == 13
     assert not tree.ancestors[0, 13:, 0].any()  # padding never sees the root
+
+
+@pytest.mark.parametrize("budget, nodes", [(12, 16), (5, 64), (40, 64), (60, 70), (3, 130)])
+def test_a_tree_padded_into_a_bucket_keeps_its_nodes_and_its_padding_sees_only_itself(budget, nodes):
+    # (pad_tree failed for every tree of one node or more: the padding rows' words came from a square-mask
+    # conversion; found by the GPU test of a fixed budget in a larger user bucket)
+    lp = torch.log_softmax(torch.randn(2, 4, 50), -1)
+    tree = build_ddtree(lp, budget)
+    n0 = tree.num_nodes
+    padded = pad_tree(tree, nodes)
+    assert padded.num_nodes == nodes and padded.words.shape == (2, nodes, (nodes + 63) // 64)
+    want = torch.zeros(2, nodes, nodes, dtype=torch.bool)
+    want[:, :n0, :n0] = tree.ancestors
+    want[:, n0:, n0:] = torch.eye(nodes - n0, dtype=torch.bool)
+    assert torch.equal(padded.ancestors, want)
+    assert torch.equal(padded.tokens[:, :n0], tree.tokens) and not padded.valid[:, n0:].any()
 
 
 def test_tree_scores_and_visibility():

@@ -92,10 +92,11 @@ def live_keys(lengths: torch.Tensor, extra: int, capacity: int, static: bool = F
 
 
 def tree_mask_to_words(mask_BNN: torch.Tensor) -> torch.Tensor:
-    """Bool ancestor mask [B, N, N] -> int64 words [B, N, ceil(N / 64)]."""
-    B, N, _ = mask_BNN.shape
-    W = (N + WORD_BITS - 1) // WORD_BITS
-    padded = F.pad(mask_BNN, (0, W * WORD_BITS - N)).view(B, N, W, WORD_BITS).long()
+    """Bool ancestor mask [B, N, K] (K = N: a whole tree; K > N: some rows of one) -> int64 words
+    [B, N, ceil(K / 64)]."""
+    B, N, K = mask_BNN.shape
+    W = (K + WORD_BITS - 1) // WORD_BITS
+    padded = F.pad(mask_BNN, (0, W * WORD_BITS - K)).view(B, N, W, WORD_BITS).long()
     shifts = torch.arange(WORD_BITS, device=mask_BNN.device, dtype=torch.long)
     # Distinct powers of two: the sum is the OR, and bit 63 lands in the sign bit as intended.
     return (padded << shifts).sum(-1)
