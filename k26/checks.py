@@ -113,7 +113,7 @@ def default_max_model_len(cfg: ModelConfig) -> int:
 def check_lengths(config: ModelConfig, max_model_len: int | None, max_batch: int) -> int:
     """The context length (`default_max_model_len` when None), checked with the batch size."""
     for name, v in (("max_model_len", max_model_len), ("max_batch", max_batch)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        if (v is not None or name == "max_batch") and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"{name}={v!r}: expected an integer")
     max_model_len = default_max_model_len(config) if max_model_len is None else max_model_len
     if not 1 < max_model_len <= config.max_position_embeddings:
@@ -265,8 +265,11 @@ def prompt_list(prompts) -> list:
             f"prompts is {type(prompts).__name__ if prompts is not None else 'None'}; expected a string, a "
             "list of token ids, or a list of those"
         )
+    if isinstance(prompts, memoryview):  # (a Sequence of ints: its bytes were taken for token ids)
+        raise TypeError("prompts is a memoryview; expected a str or token ids: decode it, bytes(m).decode()")
+    # One prompt: a string, a tensor, or ids (a float among them is then named as one, not as a prompt)
     if isinstance(prompts, (str, bytes, bytearray, torch.Tensor)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Real)
     ):
         prompts = [prompts]
     if not prompts:
@@ -370,8 +373,8 @@ def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfi
 
 def check_rows_free(what: str, streaming: bool, batch) -> None:
     """`score` / `generate` / `stream` / `open_batch` write cache rows: refused while a suspended `stream()`
-    or (`batch`, not for open_batch: it abandons the old batch) an open batch's live or still prefilling rows
-    need theirs, which would go on from what the call wrote, silently wrong."""
+    or (`batch`) an open batch's live or still prefilling rows need theirs, which would go on from what the
+    call wrote, silently wrong (a new open batch would drop them, their slots then naming its rows)."""
     if streaming:
         raise RuntimeError(
             f"{what}: a stream() of this LLM is still being iterated; exhaust it or call its close() first"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .batch_state import BatchState
+from .call_guard import one_at_a_time
 from .checks import check_flags, check_rows_free, check_sampling
 from .outputs import RequestOutput
 from .sampling import MODES, SamplingParams, builtin_number
@@ -23,6 +24,7 @@ class ContinuousBatching:
 
     batch: BatchState | None
 
+    @one_at_a_time
     @torch.inference_mode()
     @surfacing_rank_errors
     def open_batch(self, spec: SpecConfig | None = None, capacity: int | None = None, logprobs=True):
@@ -36,11 +38,12 @@ class ContinuousBatching:
         if rows is None or not 1 <= rows <= self.cache.rows:
             raise ValueError(f"capacity={capacity!r}: expected 1..{self.cache.rows} (max_batch)")
         capacity = rows
-        check_rows_free("open_batch()", self._streaming, None)  # (a previous batch's rows: abandoned)
+        check_rows_free("open_batch()", self._streaming, self.batch)  # (a previous batch's live rows too)
         self._mirror("open_batch", spec, capacity, logprobs)
         self.batch = self.decoder.open(spec, capacity, MODES if logprobs else MODES[:-1])
         return self.batch
 
+    @one_at_a_time
     @torch.inference_mode()
     @surfacing_rank_errors
     def admit(self, prompts: list[list[int]], params: list[SamplingParams], wait: bool = True) -> list[int]:
@@ -55,13 +58,14 @@ class ContinuousBatching:
         if len(params) != len(prompts):  # (checked before any row is taken: none is left half admitted)
             raise ValueError(f"admit(): {len(prompts)} prompts but {len(params)} SamplingParams; one each")
         if len(prompts) > len(batch.free_slots()):
-            raise ValueError(f"{len(prompts)} prompts, {len(batch.free_slots())} free rows")
+            raise ValueError(f"admit(): {len(prompts)} prompts, {len(batch.free_slots())} free rows")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         params = [check_sampling(sp, self.config.vocab_size) for sp in params]
         check_rows_free("admit()", self._streaming, None)  # (the batch's own rows are its to manage)
         self._mirror("admit", prompts, params, wait)
         return self.decoder.admit(self.batch, prompts, params, wait)
 
+    @one_at_a_time
     @torch.inference_mode()
     @surfacing_rank_errors
     def step(self) -> list[int]:
@@ -71,6 +75,7 @@ class ContinuousBatching:
         self._mirror("step")
         return self.decoder.step(self.batch)
 
+    @one_at_a_time
     @torch.inference_mode()
     def release(self, slot: int) -> RequestOutput | None:
         """Free a row (finished, or its request cancelled); returns its output."""

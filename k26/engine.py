@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .batch_state import BatchState
+from .call_guard import CallGuard, one_at_a_time
 from .chat import ChatFormat, Message, render
 from .checks import (
     check_device,
@@ -81,6 +82,7 @@ class LLM(ContinuousBatching):
     ):
         # Ranks 1..tp-1 build this same LLM: every keyword argument travels (a new one too), see below.
         rank_kw = {k: v for k, v in locals().items() if k not in ("self", "model_path")}
+        self._calls = CallGuard()  # one call at a time, none after close()
         check_world(tp)
         check_allreduce(allreduce)
         check_device(device)
@@ -205,6 +207,7 @@ class LLM(ContinuousBatching):
             cache_dir=cache_dir,  # the optional load cache (k26/load_cache.py)
         )
 
+    @one_at_a_time
     @torch.inference_mode()
     @surfacing_rank_errors
     def capture(self, spec: SpecConfig | None = None, greedy: bool = True, sampled: bool = True):
@@ -279,7 +282,9 @@ class LLM(ContinuousBatching):
 
     def close(self) -> None:
         """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
-        graphs hangs), and stop the ranks it started."""
+        graphs hangs), and stop the ranks it started; every later call is refused."""
+        if hasattr(self, "_calls"):
+            self._calls.closed = True
         if hasattr(self, "decoder"):
             for runner in self.decoder.runners.values():
                 runner.graphs.clear()  # an open batch's stepper holds the same runners: free their graphs
@@ -318,6 +323,7 @@ class LLM(ContinuousBatching):
         return render(self.tokenizer, messages, fmt, tools)
 
     # -- forward -------------------------------------------------------------------------------
+    @one_at_a_time
     @torch.inference_mode()
     @surfacing_rank_errors
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -345,20 +351,27 @@ class LLM(ContinuousBatching):
         encoded = encode_prompts(prompts, self.tokenizer, self.config.vocab_size, self.max_model_len)
         return encoded, sp, spec
 
-    @torch.inference_mode()
-    @surfacing_rank_errors
+    @one_at_a_time
     def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None
     ) -> Generator[str, None, RequestOutput]:
         """Yield text increments of one prompt as tokens are accepted (whole UTF-8 characters only); the
-        generator returns the finished `RequestOutput`."""
+        generator returns the finished `RequestOutput`. The arguments are checked here, at the call; the
+        decoding starts at the first `next()`."""
         encoded, sp, spec = self._prepare(prompt, sampling, spec)
         if len(encoded) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
-        self._overwriting_rows("stream()")
-        self._mirror("stream", encoded[0], sp, spec)
+        check_rows_free("stream()", self._streaming, self.batch)
+        return self._stream(encoded[0], sp, spec)
+
+    @one_at_a_time(name="stream")
+    @torch.inference_mode()
+    @surfacing_rank_errors
+    def _stream(self, ids: list[int], sp: SamplingParams, spec: SpecConfig):
+        self._overwriting_rows("stream()")  # (again: a call since stream() may have taken the rows)
+        self._mirror("stream", ids, sp, spec)  # here, not at stream(): the ranks run calls in rank 0's order
         text, o = StreamedText(self.tokenizer, sp.stop), None
-        steps = self.decoder.run(encoded, sp, spec)
+        steps = self.decoder.run([ids], sp, spec)
         self._streaming = True  # until this generator ends: nothing else may write its row meanwhile
         try:
             for outs in steps:
@@ -376,6 +389,7 @@ class LLM(ContinuousBatching):
             self._streaming = False
         return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
 
+    @one_at_a_time
     @torch.inference_mode()
     @surfacing_rank_errors
     def generate(

@@ -71,7 +71,7 @@ class SamplingParams:
                 if stops.dim() != 1 or not integer:
                     raise bad("stop_token_ids", "must be None or a list of token ids (a 1-d integer tensor)")
                 stops = stops.tolist()
-            if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            if isinstance(stops, (str, bytes, Mapping)) or not hasattr(stops, "__iter__"):  # (dict: its keys)
                 raise bad("stop_token_ids", "must be None or a list of token ids")
             ids = tuple(builtin_number(i) for i in stops)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -84,8 +84,8 @@ class SamplingParams:
             ):
                 raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.stop is not None and (
-            isinstance(self.stop, torch.Tensor)  # (a 0-d one raised torch's "iteration over a 0-d tensor")
-            or not isinstance(self.stop, str)
+            isinstance(self.stop, (torch.Tensor, Mapping))  # (a 0-d tensor raised torch's "iteration over a
+            or not isinstance(self.stop, str)  # 0-d tensor"; a dict was taken as its keys)
             and not hasattr(self.stop, "__iter__")
         ):
             raise bad("stop", "must be a string or a list of strings")

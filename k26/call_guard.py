@@ -1,0 +1,81 @@
+"""`LLM`'s calls one at a time, and none after `close()`.
+
+An LLM owns one set of cache rows and one decoder: two calls running together (a `generate()` from each of
+two threads, or a thread's `step()` under another's `generate()`) would write the same rows and return
+plausible, wrong tokens. A call that finds another running on the same LLM is a RuntimeError naming both;
+the same thread may nest calls (a re-entrant lock). Serialising them is the caller's choice (its own lock,
+or the batch API / server, whose one engine thread drives the LLM).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+
+
+class CallGuard:
+    """The running call's name and a re-entrant lock; `closed` once the LLM is closed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.running: str | None = None
+        self.closed = False
+
+    def enter(self, what: str) -> bool:
+        """Hold the guard for `what` (True: the outermost hold, which `leave` ends), or raise."""
+        if self.closed:
+            raise RuntimeError(f"LLM.{what}: this LLM is closed; make a new one")
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"LLM.{what}: LLM.{self.running} is running on this LLM in another thread; an LLM runs one "
+                "call at a time (serialise the calls, or drive one open batch from one thread)"
+            )
+        outer = self.running is None
+        if outer:
+            self.running = what
+        return outer
+
+    def leave(self, outer: bool) -> None:
+        if outer:
+            self.running = None
+        self._lock.release()
+
+
+def one_at_a_time(method=None, *, name: str | None = None):
+    """A method of an object with a `_calls` CallGuard run holding it (`name`: the call as the user made it,
+    default the method's). A generator method holds it while it runs up to each yield, not while suspended
+    (a suspended stream is refused by its own flag, `LLM._streaming`); closing it closes the method's."""
+    if method is None:
+        return functools.partial(one_at_a_time, name=name)
+    what = f"{name or method.__name__}()"
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def gen(self, *args, **kw):
+            inner = method(self, *args, **kw)
+            try:
+                sent = None
+                while True:
+                    outer = self._calls.enter(what)
+                    try:
+                        value = inner.send(sent)
+                    except StopIteration as done:
+                        return done.value
+                    finally:
+                        self._calls.leave(outer)
+                    sent = yield value
+            finally:
+                inner.close()  # (abandoned: the method's own GeneratorExit handling runs)
+
+        return gen
+
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        outer = self._calls.enter(what)
+        try:
+            return method(self, *args, **kw)
+        finally:
+            self._calls.leave(outer)
+
+    return call
