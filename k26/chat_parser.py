@@ -5,6 +5,7 @@ format itself and the prompt side: `chat.py`."""
 from __future__ import annotations
 
 import codecs
+import numbers
 from dataclasses import dataclass, field
 
 from .chat import ToolCall
@@ -47,7 +48,11 @@ class ChatParser:
     not; text between calls is content. A call is returned only once its id has text."""
 
     def __init__(self, tok: Tokenizer, thinking: bool, tools: bool = True):
+        for name, v in (("thinking", thinking), ("tools", tools)):  # ("no" was taken for True)
+            if not isinstance(v, bool):
+                raise TypeError(f"ChatParser: {name}={v!r}: expected True or False")
         self.tok = tok
+        self.finished = False
         names = MARKERS if tools else MARKERS[:2]
         self.sp = {tok.special_ids[n]: n for n in names if n in tok.special_ids}
         self.parts: list[Part] = [Part("reasoning" if thinking else "content", -1, 0)]
@@ -63,6 +68,18 @@ class ChatParser:
 
     # -- input -------------------------------------------------------------------------------
     def push(self, ids: list[int]) -> None:
+        """More output ids: token ids of this tokenizer's vocabulary (another id was dropped unsaid)."""
+        if self.finished:
+            raise RuntimeError("ChatParser.push: the output was finished (finish() was called)")
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"ChatParser.push: ids is a {type(ids).__name__}; expected a list of token ids")
+        ids, n = list(ids), self.tok.n_words
+        for at, t in enumerate(ids):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < n:
+                raise ValueError(
+                    f"ChatParser.push: ids[{at}] = {t!r} is not a token id of this vocabulary [0, {n})"
+                )
+        ids = [int(t) for t in ids]  # (NumPy integers as the ints they are)
         run: list[int] = []
         for t in ids:
             if t < self.tok.num_base:
@@ -77,6 +94,9 @@ class ChatParser:
 
     def finish(self, cut: int | None = None) -> None:
         """The output is complete; `cut`: its plain text ends there (a stop string began there)."""
+        if cut is not None and (not isinstance(cut, numbers.Integral) or isinstance(cut, bool) or cut < 0):
+            raise ValueError(f"ChatParser.finish: cut={cut!r}: expected None or a character offset >= 0")
+        self.finished = True
         self._text(self._utf8.decode(b"", final=True))
         if cut is not None and cut < len(self.plain):
             self.plain = self.plain[:cut]
