@@ -240,3 +240,26 @@ def test_parser_stream_equals_whole_on_random_marker_soup(tok, seed):
         assert got["reasoning"] == (whole.reasoning() or "") and got["content"] == whole.content()
         calls = [ToolCall(c[0], c[1], c[2]) for _, c in sorted(got["calls"].items())]
         assert calls == whole.tool_calls(limit)
+
+
+def test_the_parser_names_what_it_cannot_read(tok):
+    # (a str raised a comparison TypeError, an out-of-vocabulary id was dropped unsaid, thinking="no" was taken
+    # for True, a push after finish() went on, a negative cut emptied the content)
+    with pytest.raises(TypeError, match="thinking='no'"):
+        ChatParser(tok, thinking="no")
+    p = ChatParser(tok, thinking=False)
+    for ids, error, needle in [
+        ("hello", TypeError, "ids is a str"),
+        (5, TypeError, "ids is a int"),
+        ([1, 10**9], ValueError, r"ids\[1\] = 1000000000 is not a token id"),
+        ([1.0], ValueError, r"ids\[0\] = 1.0"),
+    ]:
+        with pytest.raises(error, match=needle):
+            p.push(ids)
+    with pytest.raises(ValueError, match="cut=-1"):
+        p.finish(-1)
+    p.push(tok.encode("abc"))
+    p.finish()
+    assert p.content() == "abc"
+    with pytest.raises(RuntimeError, match="finished"):
+        p.push([41])
