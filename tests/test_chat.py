@@ -243,8 +243,8 @@ def test_parser_stream_equals_whole_on_random_marker_soup(tok, seed):
 
 
 def test_the_parser_names_what_it_cannot_read(tok):
-    # (a str raised a comparison TypeError, an out-of-vocabulary id was dropped unsaid, thinking="no" was taken
-    # for True, a push after finish() went on, a negative cut emptied the content)
+    # (a str raised a comparison TypeError, an out-of-vocabulary id was dropped unsaid, thinking="no" was
+    # taken for True, a push after finish() went on, a negative cut emptied the content)
     with pytest.raises(TypeError, match="thinking='no'"):
         ChatParser(tok, thinking="no")
     p = ChatParser(tok, thinking=False)
