@@ -88,10 +88,8 @@ class LLM(ContinuousBatching):
         check_device(device)
         check_gpus(device, tp)
         check_prefill(prefill_chunk, prefill_budget)
-        check_flags(
-            absorb=absorb, progress=progress, cuda_kernels=cuda_kernels, graphs=graphs, compile=compile
-        )
-        check_flags(capture=capture, prefix_cache=prefix_cache)
+        check_flags(absorb=absorb, progress=progress, cuda_kernels=cuda_kernels, graphs=graphs)
+        check_flags(compile=compile, capture=capture, prefix_cache=prefix_cache)
         self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
         self.prefill_budget = prefill_budget
         for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
