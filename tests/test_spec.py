@@ -318,21 +318,39 @@ def test_spec_config_takes_numpy_numbers_as_the_builtins_they_stand_for():
     # of costs left the config unhashable)
     import numpy as np
 
+    fixed = SpecConfig("ddtree", np.int64(5))
+    assert fixed.budget == 5 and type(fixed.budget) is int
     got = SpecConfig(
         "ddtree",
-        np.int64(5),
+        "auto",
         candidates=np.array([1, 4, 8]),
         costs=[np.float32(1e-3), np.float64(2e-3), 3e-3, 4e-3],
         cost_per_token=np.zeros(3),
     )
     want = SpecConfig(
-        "ddtree", 5, candidates=(1, 4, 8), costs=(1e-3, 2e-3, 3e-3, 4e-3), cost_per_token=(0, 0, 0)
+        "ddtree", "auto", candidates=(1, 4, 8), costs=(1e-3, 2e-3, 3e-3, 4e-3), cost_per_token=(0, 0, 0)
     )
-    assert got.budget == 5 and type(got.budget) is int and got.candidates == (1, 4, 8)
+    assert got.candidates == (1, 4, 8)
     assert all(type(x) is int for x in got.candidates) and all(type(x) is float for x in got.costs)
     assert hash(got) == hash(
-        SpecConfig("ddtree", 5, candidates=(1, 4, 8), costs=got.costs, cost_per_token=(0.0,) * 3)
+        SpecConfig("ddtree", "auto", candidates=(1, 4, 8), costs=got.costs, cost_per_token=(0.0,) * 3)
     )
     assert got.costs == pytest.approx(want.costs) and got.cost_per_token == want.cost_per_token
     with pytest.raises(ValueError, match="SpecConfig.budget=True"):
         SpecConfig("ddtree", True)
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        ({"method": "ar", "candidates": (1, 2)}, "candidates"),
+        ({"method": "ddtree", "budget": 5, "costs": (0.1, 1, 1, 1, 1)}, "costs"),
+        ({"method": "dflash", "costs": (0.1, 1, 1, 1, 1), "cost_per_token": (0, 0, 0, 0)}, "costs"),
+    ],
+)
+def test_spec_config_refuses_budget_choices_its_method_would_ignore(kw, named):
+    # (taken and ignored, where a budget with "ar" is refused); a fixed spec made from "auto" carries none
+    with pytest.raises(ValueError, match=f"SpecConfig.{named}: picks among DDTree budgets"):
+        SpecConfig(**kw)
+    auto = SpecConfig("ddtree", "auto", (3, 7), (0.1, 1.0, 2.0))
+    assert auto.fixed(7) == SpecConfig("ddtree", 7)

@@ -43,13 +43,16 @@ def _items(x) -> tuple:
         return ()
 
 
+DEFAULT_CANDIDATES = (3, 7, 15, 31)  # "auto"'s budgets to pick among
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: Literal["ar", "dflash", "ddtree"] = "ddtree"
     # DDTree nodes besides the root: an integer, or "auto" (the default) to pick among `candidates` each
     # step by expected tokens per second (spec/budget.py); None means block_size - 1 (the chain's count).
     budget: int | Literal["auto"] | None = "auto"
-    candidates: tuple[int, ...] = (3, 7, 15, 31)
+    candidates: tuple[int, ...] = DEFAULT_CANDIDATES
     costs: tuple[float, ...] | None = None  # (t_draft, t_verify per candidate) in seconds; None: measured
     # with `costs`: seconds per context token per candidate (the tree-attention term); None: 0
     cost_per_token: tuple[float, ...] | None = None
@@ -80,6 +83,13 @@ class SpecConfig:
                 f"SpecConfig.costs={self.costs!r}: t_draft (>= 0) and one verify time (> 0) per candidate, "
                 f"{len(c) + 1} finite numbers of seconds"
             )
+        given = (("candidates", c != DEFAULT_CANDIDATES), ("costs", k is not None))
+        ignored = [n for n, on in (*given, ("cost_per_token", self.cost_per_token is not None)) if on]
+        if ignored and not self.auto:  # (taken and ignored, as a budget with "ar" would be)
+            raise ValueError(
+                f"SpecConfig.{ignored[0]}: picks among DDTree budgets (budget 'auto'); "
+                f"method {self.method!r} with budget {self.budget!r} would ignore it"
+            )
         s = self.cost_per_token if self.cost_per_token is None else _items(self.cost_per_token)
         if s:
             object.__setattr__(self, "cost_per_token", s)
@@ -94,7 +104,7 @@ class SpecConfig:
         return self.method == "ddtree" and self.budget == "auto"
 
     def fixed(self, budget: int) -> SpecConfig:
-        return SpecConfig(self.method, budget, self.candidates, self.costs, self.cost_per_token)
+        return SpecConfig(self.method, budget)  # (candidates and costs choose a budget: no fixed one's)
 
 
 @dataclass
