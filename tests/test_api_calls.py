@@ -116,3 +116,14 @@ def test_a_dict_is_no_list_of_stops(kw):
 def test_max_batch_none_is_named(tiny_k25):
     with pytest.raises(ValueError, match="max_batch=None: expected an integer"):
         k26.LLM(tiny_k25, device="cpu", max_batch=None, progress=False)
+
+
+def test_a_context_warning_names_the_users_line():
+    # (it named k26/engine.py, so Python's once-per-location filter showed it once for every call site)
+    small = LLM(device="cpu", dtype=torch.float32, progress=False, max_model_len=24)  # the embedded pair
+    try:
+        with pytest.warns(UserWarning, match="DDTree budgets limited to") as got:
+            small.generate([5, 6], SamplingParams(max_tokens=2))
+        assert got[0].filename == __file__
+    finally:
+        small.close()
