@@ -95,7 +95,10 @@ def plan_generate(a: argparse.Namespace) -> GeneratePlan:
     if a.no_thinking and (not a.chat or fmt.thinking is None):
         raise ValueError("--no-thinking applies to --chat on a K2.5 / K2.6 model (its think block)")
     fmt = fmt.with_thinking(False if a.no_thinking else None)
-    ids = render(tok, [Message("user", a.prompt)], fmt) if a.chat else tok.encode(a.prompt)
+    try:  # (bytes that are not UTF-8 reach argv as lone surrogates)
+        ids = render(tok, [Message("user", a.prompt)], fmt) if a.chat else tok.encode(a.prompt)
+    except ValueError as e:
+        raise ValueError(f"--prompt: {e} (not valid UTF-8?)") from None
     if not a.prompt or not ids:  # (--chat wraps even an empty one in its turns)
         raise ValueError("--prompt is empty")
     if len(ids) >= max_len:

@@ -285,7 +285,10 @@ def encode_prompts(prompts, tokenizer: Tokenizer, vocab: int, max_model_len: int
         if hasattr(prompt, "__array__") and not isinstance(prompt, torch.Tensor):  # NumPy ids
             prompt = prompt.tolist()
         if isinstance(prompt, str):
-            prompt = tokenizer.encode(prompt)
+            try:
+                prompt = tokenizer.encode(prompt)
+            except ValueError as e:  # (a lone surrogate)
+                raise ValueError(f"prompt {i}: {e}") from None
         elif not isinstance(prompt, (Sequence, torch.Tensor)):
             raise TypeError(
                 f"prompt {i} is a {type(prompt).__name__}; expected a string or a list of token ids"

@@ -120,7 +120,12 @@ class Tokenizer:
 
     # -- text ---------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Ordinary text to ids; special-token strings inside `text` stay plain text."""
+        """Ordinary text to ids; special-token strings inside `text` stay plain text. A lone UTF-16 surrogate
+        (no UTF-8 form: tiktoken encoded it as U+FFFD, silently) is a ValueError naming its position."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text holds an unpaired UTF-16 surrogate at character {e.start}") from None
         ids: list[int] = []
         for start in range(0, len(text), _MAX_CHUNK_CHARS):
             for piece in _split_long_runs(text[start : start + _MAX_CHUNK_CHARS]):

@@ -127,3 +127,10 @@ def test_a_context_warning_names_the_users_line():
         assert got[0].filename == __file__
     finally:
         small.close()
+
+
+def test_a_lone_surrogate_in_a_prompt_is_named_not_replaced(llm):
+    # (it was encoded as U+FFFD, ids [239, 191, 189], silently; the server refuses such a body with a 400)
+    with pytest.raises(ValueError, match="prompt 1: text holds an unpaired UTF-16 surrogate at character 2"):
+        llm.generate(["ok", "ab\ud800c"])
+    assert llm.tokenizer.encode("a\U0001f916b") == llm.tokenizer.encode("a🤖b")  # (a pair is one character)

@@ -122,6 +122,7 @@ def test_fit_spec_keeps_the_candidates_that_fit():
         (["--max-model-len", "999999"], "--max-model-len 999999: must lie in (1, "),
         (["--tp", "3"], "--tp 3: tensor-parallel size 3 does not divide"),
         (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "ab\udcffc"], "--prompt: text holds an unpaired UTF-16 surrogate"),  # (argv: 0xff)
         (["--prompt", "", "--chat"], "--prompt is empty"),
         (["--model", ""], "--model is empty: pass a checkpoint directory"),  # (not the current directory)
         (["--cache-dir", ""], "--cache-dir is empty"),
