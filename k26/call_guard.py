@@ -1,4 +1,4 @@
-"""`LLM`'s calls one at a time, and none after `close()`.
+"""`LLM`'s calls one at a time, and none after `close()`; `user_stacklevel`: where the user's call is.
 
 An LLM owns one set of cache rows and one decoder: two calls running together (a `generate()` from each of
 two threads, or a thread's `step()` under another's `generate()`) would write the same rows and return
@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 import threading
+
+import torch
 
 
 class CallGuard:
@@ -79,3 +83,16 @@ def one_at_a_time(method=None, *, name: str | None = None):
             self._calls.leave(outer)
 
     return call
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel, for its caller, of the first frame outside k26 and torch (whose decorators
+    wrap the public calls): the warning names the user's line, and Python's once-per-location filter then
+    shows it again for another call site, not once per k26 line."""
+    frame, level = sys._getframe(2), 2  # warn's caller's caller: stacklevel 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numbers
 import os
-import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .call_guard import user_stacklevel
 from .config import ModelConfig
 from .dist import local_rank
 from .drafter_config import DrafterConfig
@@ -332,19 +332,6 @@ def check_request(
     return sp, spec if spec.method == "ar" else fit_spec(spec, max_model_len, block)
 
 
-_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
-
-
-def _caller_level() -> int:
-    """warnings.warn's stacklevel, for its caller, of the first frame outside k26 and torch (whose decorators
-    wrap the public calls): the warning names the user's line, and Python's once-per-location filter then
-    shows it again for another call site, not once per k26 line."""
-    frame, level = sys._getframe(2), 2  # warn's caller's caller: stacklevel 2
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfig:
     """The speculative method as it fits the context. A step writes its whole verify tree past the sequence
     (the drafter its block), and the adaptive budget times its largest candidate at start-up, so a budget B
@@ -361,7 +348,7 @@ def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfi
                 f"max_model_len={max_model_len} leaves no room for a DDTree step (the smallest candidate "
                 f"budget {spec.candidates[0]} + drafter block {block_size} + 1 > {max_model_len}): "
                 "decoding autoregressively",
-                stacklevel=_caller_level(),
+                stacklevel=user_stacklevel(),
             )
             return SpecConfig("ar")
         n = len(fit)
@@ -370,7 +357,7 @@ def fit_spec(spec: SpecConfig, max_model_len: int, block_size: int) -> SpecConfi
         warnings.warn(
             f"max_model_len={max_model_len}: DDTree budgets limited to {fit} of {spec.candidates} "
             f"(a budget B needs B + drafter block {block_size} + 1 context tokens)",
-            stacklevel=_caller_level(),
+            stacklevel=user_stacklevel(),
         )
         return SpecConfig("ddtree", "auto", fit, costs, per_token)
     nodes = verify_nodes(spec, block_size)

@@ -360,30 +360,12 @@ def check_out_dir(out: str | Path) -> None:
         raise ValueError(f"OUT {str(out)!r} is a file; give a directory (new or existing)")
 
 
-def write_tiny_drafter(
-    out: str | Path,
-    target_dir: str | Path,
-    *,
-    layers: int = 1,
-    block_size: int = 8,
-    heads: int = 4,
-    kv_heads: int = 2,
-    head_dim: int = 32,
-    intermediate: int = 256,
-    seed: int = 0,
-    target_layer_ids: tuple[int, ...] | None = None,
-) -> Path:
-    """A random DFlash drafter in the Kimi DFlash format for the tiny target at `target_dir`."""
-    cfg = tiny_drafter_config(
-        target_dir,
-        layers=layers,
-        block_size=block_size,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=intermediate,
-        target_layer_ids=target_layer_ids,
-    )
+def write_tiny_drafter(out: str | Path, target_dir: str | Path, *, seed: int = 0, **sizes) -> Path:
+    """A random DFlash drafter in the Kimi DFlash format for the tiny target at `target_dir` (`sizes`:
+    `tiny_drafter_config`'s)."""
+    cfg = tiny_drafter_config(target_dir, **sizes)
+    layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, intermediate = cfg["head_dim"], cfg["intermediate_size"]
     D, ids = cfg["hidden_size"], cfg["dflash_config"]["target_layer_ids"]
     gen = torch.Generator().manual_seed(seed)
 
