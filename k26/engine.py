@@ -1,9 +1,10 @@
-"""`LLM`: load a checkpoint directory, score token sequences, and generate autoregressively.
+"""`LLM`: load a checkpoint directory (and its drafter) onto one device or a TP group, plan the memory,
+compile and capture; its calls are mixins.
 
 Prompts of one call are prefilled together (a chunk of positions per forward, from where a cache row
 already holds their prefix: `prefix_cache.py`) and then decoded a step at a time for the whole batch, each
-sequence in its own cache row. The continuous-batching calls (`open_batch`, `admit`, `step`, `release`)
-are continuous_batching.py's.
+sequence in its own cache row. The one-shot calls (`score`, `generate`, `stream`) are one_shot.py's, the
+continuous-batching calls (`open_batch`, `admit`, `step`, `release`) continuous_batching.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import os
 import time
 import weakref
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -30,9 +31,6 @@ from .checks import (
     check_path,
     check_precision,
     check_prefill,
-    check_request,
-    check_rows_free,
-    encode_prompts,
 )
 from .continuous_batching import ContinuousBatching
 from .decode import Decoder
@@ -42,20 +40,18 @@ from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
-from .memory_plan import check_host_caches, check_memory, check_score_logits, plan_memory
+from .memory_plan import check_host_caches, check_memory, plan_memory
 from .model import CompiledLayers, KimiK2
 from .model.drafter import CompiledDrafter
-from .outputs import RequestOutput, StreamedText
-from .sampling import MODES, SamplingParams
-from .spec.prefill import MAX_CHUNK, prefill
+from .one_shot import OneShotCalls
+from .sampling import MODES
+from .spec.prefill import MAX_CHUNK
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
 from .tp_driver import RankGroup, group_found, releasing_ranks_on_failure, surfacing_rank_errors
 
-Prompt = str | Sequence[int]
 
-
-class LLM(ContinuousBatching):
+class LLM(OneShotCalls, ContinuousBatching):
     @releasing_ranks_on_failure
     def __init__(
         self,
@@ -319,93 +315,3 @@ class LLM(ContinuousBatching):
         think block, None its default). The answer's ids read back: `chat_parser.ChatParser`."""
         fmt = ChatFormat.of_checkpoint(self.path, self.config.model_type).with_thinking(thinking)
         return render(self.tokenizer, messages, fmt, tools)
-
-    # -- forward -------------------------------------------------------------------------------
-    @one_at_a_time
-    @torch.inference_mode()
-    @surfacing_rank_errors
-    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """float32 logits [T, vocab] of every position of one sequence (its prefill in cache row 0, a chunk
-        of positions per forward)."""
-        ids = self._check_ids(token_ids, "token_ids", generating=False)
-        check_score_logits(len(ids), self.config.vocab_size, self.device)
-        self._overwriting_rows("score()")
-        self._mirror("score", ids)
-        hs: list[torch.Tensor] = []  # each forward's new positions, in order
-        m = self.decoder.ctx.models()
-        prefill(m, [ids], [0], False, chunk=self.prefill_chunk, each=lambda _i, h, _at: hs.append(h))
-        return self.model.logits(torch.cat(hs))
-
-    def _overwriting_rows(self, what: str) -> None:
-        """score / generate / stream write cache rows: refused while a suspended stream or an open batch's
-        unfinished rows need theirs; an open batch's prefix cache forgets what its rows held."""
-        check_rows_free(what, self._streaming, self.batch)
-        if self.batch is not None:
-            self.batch.overwritten()
-
-    def _prepare(self, prompts, sampling, spec):
-        block = None if self.drafter is None else self.drafter.cfg.block_size
-        sp, spec = check_request(sampling, spec, block, self.max_model_len, self.config.vocab_size)
-        encoded = encode_prompts(prompts, self.tokenizer, self.config.vocab_size, self.max_model_len)
-        return encoded, sp, spec
-
-    @one_at_a_time
-    def stream(
-        self, prompt: Prompt, sampling: SamplingParams | None = None, spec: SpecConfig | None = None
-    ) -> Generator[str, None, RequestOutput]:
-        """Yield text increments of one prompt as tokens are accepted (whole UTF-8 characters only); the
-        generator returns the finished `RequestOutput`. The arguments are checked here, at the call; the
-        decoding starts at the first `next()`."""
-        encoded, sp, spec = self._prepare(prompt, sampling, spec)
-        if len(encoded) != 1:
-            raise ValueError(f"stream() takes one prompt, got {len(encoded)}")
-        check_rows_free("stream()", self._streaming, self.batch)
-        return self._stream(encoded[0], sp, spec)
-
-    @one_at_a_time(name="stream")
-    @torch.inference_mode()
-    @surfacing_rank_errors
-    def _stream(self, ids: list[int], sp: SamplingParams, spec: SpecConfig):
-        self._overwriting_rows("stream()")  # (again: a call since stream() may have taken the rows)
-        self._mirror("stream", ids, sp, spec)  # here, not at stream(): the ranks run calls in rank 0's order
-        text, o = StreamedText(self.tokenizer, sp.stop), None
-        steps = self.decoder.run([ids], sp, spec)
-        self._streaming = True  # until this generator ends: nothing else may write its row meanwhile
-        try:
-            for outs in steps:
-                o = outs[0]
-                if new := text.push(o):
-                    yield new
-        except GeneratorExit:
-            if self._ranks is not None and not self._ranks.closed:  # (closed: no rank is left to pair)
-                # The caller stopped iterating early: the ranks run the mirrored stream to its end, so this
-                # rank must too, or its next collectives would pair with their leftover ones.
-                for _ in steps:
-                    pass
-            raise
-        finally:
-            self._streaming = False
-        return o  # the finished RequestOutput (stats, finish_reason): StopIteration.value
-
-    @one_at_a_time
-    @torch.inference_mode()
-    @surfacing_rank_errors
-    def generate(
-        self,
-        prompts: Prompt | list[Prompt],
-        sampling: SamplingParams | None = None,
-        spec: SpecConfig | None = None,
-    ) -> list[RequestOutput]:
-        """One output per prompt; a single string or id list counts as one prompt. `spec` picks the decoding
-        method (default: DDTree with a drafter loaded, else autoregressive)."""
-        encoded, sp, spec = self._prepare(prompts, sampling, spec)
-        self._overwriting_rows("generate()")
-        self._mirror("generate", encoded, sp, spec)
-        outs: list[RequestOutput] = []
-        for start in range(0, len(encoded), self.cache.rows):
-            last = None
-            for last in self.decoder.run(encoded[start : start + self.cache.rows], sp, spec):
-                pass
-            outs += last
-        self._check_workers()
-        return outs
