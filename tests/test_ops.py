@@ -268,6 +268,22 @@ def test_kernel_variant_defines_key_the_library_and_refuse_other_flags(monkeypat
     assert build.library_path() == base
 
 
+def test_a_read_only_install_builds_its_library_in_the_users_cache(monkeypatch, tmp_path):
+    """A wheel in a read-only site-packages caches the library under the user's cache directory; a writable
+    package keeps it beside the sources; K26_OPS_BUILD wins over both."""
+    from k26.ops import build
+
+    monkeypatch.delenv("K26_OPS_BUILD", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    pkg = tmp_path / "site-packages" / "k26" / "ops"
+    pkg.mkdir(parents=True)
+    assert build.default_build_dir(pkg) == pkg / "_build"
+    monkeypatch.setattr(build.os, "access", lambda path, mode: False)  # (root may write anywhere)
+    assert build.default_build_dir(pkg) == tmp_path / "cache" / "k26" / "ops"
+    monkeypatch.setenv("K26_OPS_BUILD", str(tmp_path / "mine"))
+    assert build.default_build_dir(pkg) == tmp_path / "mine"
+
+
 def test_a_checked_forward_lets_its_ops_skip_only_the_same_unchanged_spans(monkeypatch):
     """Inside `spans_checked` an op's check of the same tensors is skipped (no second device sync); other
     tensors, a tensor written in place, another span length or a cache of other rows are checked again."""

@@ -5,7 +5,8 @@ also on machines without a GPU), report registers / shared memory / spills per k
 
 Fails on any register spill and on more than 99 KB (101,376 B) of static shared memory for sm_120a,
 sm_120's per-block limit; kernels with dynamic shared memory static_assert the same limit in source.
-The library is cached under k26/ops/_build/ keyed by the sources' hash.
+The library is cached under k26/ops/_build/ keyed by the sources' hash (a read-only install: the user's cache,
+~/.cache/k26/ops; K26_OPS_BUILD overrides both).
 
 K26_OPS_DEFINES (environment, e.g. "-DK26_MY_VARIANT"): preprocessor defines for a kernel variant's
 A/B — part of the library's hash, so a variant builds to its own file and loads only where the variable is
@@ -28,7 +29,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-BUILD_DIR = Path(os.environ.get("K26_OPS_BUILD", Path(__file__).parent / "_build"))
+
+
+def default_build_dir(pkg: Path = Path(__file__).parent) -> Path:
+    """Where the library is cached: K26_OPS_BUILD, else `_build` beside the sources (a checkout or a user
+    install), else the user's cache when the installed package is read-only (a system site-packages), so a
+    wheel builds on first use instead of failing on a permission error."""
+    if env := os.environ.get("K26_OPS_BUILD"):
+        return Path(env)
+    local = pkg / "_build"
+    if os.access(local if local.exists() else pkg, os.W_OK):
+        return local
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k26" / "ops"
+
+
+BUILD_DIR = default_build_dir()
 ARCHS = ("sm_90a", "sm_120a")
 SM120_SMEM_LIMIT = 101_376  # 99 KB: the largest shared-memory block sm_120 can launch
 
