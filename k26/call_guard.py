@@ -4,11 +4,13 @@ An LLM owns one set of cache rows and one decoder: two calls running together (a
 two threads, or a thread's `step()` under another's `generate()`) would write the same rows and return
 plausible, wrong tokens. A call that finds another running on the same LLM is a RuntimeError naming both;
 the same thread may nest calls (a re-entrant lock). Serialising them is the caller's choice (its own lock,
-or the batch API / server, whose one engine thread drives the LLM).
+or the batch API / server, whose one engine thread drives the LLM). `close()` waits for a running call, then
+refuses every later one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -44,6 +46,15 @@ class CallGuard:
         if outer:
             self.running = None
         self._lock.release()
+
+    @contextlib.contextmanager
+    def closing(self):
+        """close()'s hold: it waits for a call running in another thread to return (the server's shutdown
+        closes the LLM its engine thread may still be stepping), then marks the LLM closed and tears down
+        with no call able to start meanwhile."""
+        with self._lock:
+            self.closed = True
+            yield
 
 
 def one_at_a_time(method=None, *, name: str | None = None):

@@ -276,9 +276,12 @@ class LLM(OneShotCalls, ContinuousBatching):
 
     def close(self) -> None:
         """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
-        graphs hangs), and stop the ranks it started; every later call is refused."""
-        if hasattr(self, "_calls"):
-            self._calls.closed = True
+        graphs hangs), and stop the ranks it started; every later call is refused. A call running in another
+        thread is waited for: its graphs are not freed under its replay."""
+        with self._calls.closing() if hasattr(self, "_calls") else contextlib.nullcontext():
+            self._close()
+
+    def _close(self) -> None:
         if hasattr(self, "decoder"):
             for runner in self.decoder.runners.values():
                 runner.graphs.clear()  # an open batch's stepper holds the same runners: free their graphs

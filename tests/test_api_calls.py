@@ -46,6 +46,34 @@ def test_a_call_from_another_thread_while_one_runs_is_refused_by_name(llm, monke
     assert first and first[0][0].token_ids == llm.generate([5, 6, 7], sp, SpecConfig("ar"))[0].token_ids
 
 
+def test_close_waits_for_a_call_running_in_another_thread(llm, monkeypatch):
+    # (close() from another thread returned at once, freeing graphs under the running call's replay)
+    inside, go_on = threading.Event(), threading.Event()
+    run = llm.decoder.run
+
+    def held(*a, **kw):
+        inside.set()
+        assert go_on.wait(30)
+        yield from run(*a, **kw)
+
+    monkeypatch.setattr(llm.decoder, "run", held)
+    out: list = []
+    sp = SamplingParams(max_tokens=3)
+    caller = threading.Thread(target=lambda: out.append(llm.generate([5, 6, 7], sp)))
+    caller.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=llm.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # waiting: nothing is torn down under the call
+    go_on.set()
+    caller.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and len(out[0][0].token_ids) == 3
+    with pytest.raises(RuntimeError, match=r"LLM.generate\(\): this LLM is closed"):
+        llm.generate([1, 2])
+
+
 def test_every_call_after_close_is_refused(llm):
     # (a closed single-process LLM went on decoding; with TP ranks it said the ranks were closed)
     llm.close()
