@@ -84,12 +84,18 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-batch", type=_positive, default=8, help="rows decoded together")
     sv.add_argument(
-        "--max-waiting", type=_positive, default=64, help="queued requests (a row per choice); beyond: 429"
+        "--max-waiting",
+        type=_positive,
+        default=64,
+        help="queued rows (one per prompt and choice); beyond: 429, a request of more rows: 400",
     )
     sv.add_argument("--max-model-len", type=_positive, default=None)
-    sv.add_argument("--served-model-name", default=None, help="model id clients send (default: dir name)")
+    sv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send (default: the model directory's name; k26-embedded without --model)",
+    )
     sv.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (CUDA graphs)")
-    sv.add_argument("--capture", action="store_true", help="capture every CUDA graph before serving")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or env K26_API_KEY)")
     sv.add_argument("--no-logprobs", action="store_true", help="no logprobs graphs; logprobs requests: 400")
     sv.add_argument("--cache-dir", default=None, help="load cache: sliced, repacked weights, compile cache")

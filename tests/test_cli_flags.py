@@ -29,14 +29,14 @@ def llm_kwargs(monkeypatch) -> dict:
 
 
 def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, capsys):
-    """`serve --compile --capture --cache-dir D --tp 2 --allreduce nccl` builds the LLM with them (checked
-    before loading); a --cache-dir that is a file is refused in one line before any loading."""
+    """`serve --compile --cache-dir D --tp 2 --allreduce nccl` builds the LLM with them (checked before
+    loading) and no start-up capture of its own (the engine's open batch captures what it serves); a
+    --cache-dir that is a file is refused in one line before any loading."""
     with pytest.raises(_Built):
         main(
             [
                 "serve",
                 "--compile",
-                "--capture",
                 "--cache-dir",
                 str(tmp_path),
                 "--tp",
@@ -45,8 +45,8 @@ def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, c
                 "nccl",
             ]
         )
-    got = tuple(llm_kwargs[k] for k in ("compile", "capture", "cache_dir", "allreduce"))
-    assert got == (True, True, str(tmp_path), "nccl")
+    got = tuple(llm_kwargs.get(k, False) for k in ("compile", "capture", "cache_dir", "allreduce"))
+    assert got == (True, False, str(tmp_path), "nccl")
     (tmp_path / "f").write_text("x")
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
     assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2

@@ -98,7 +98,6 @@ def serve(a: argparse.Namespace) -> int:
         max_batch=a.max_batch,
         tp=a.tp or 1,
         compile=a.compile,
-        capture=a.capture,
         cache_dir=a.cache_dir,
         allreduce=a.allreduce or "fused",
         prefix_cache=not a.no_prefix_cache,
