@@ -1,4 +1,4 @@
-"""Command line: `python -m k26 generate|info|bench|profile ...`.
+"""Command line: `python -m k26 generate|info|bench|profile|serve ...`.
 
 Every argument is checked before any weights load (minutes for a real checkpoint), and what a user can
 cause ends in one line, never a traceback: bad input exits 2, Ctrl-C 130, a closed pipe (`| head`) 141.

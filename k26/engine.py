@@ -52,6 +52,13 @@ from .tp_driver import RankGroup, group_found, releasing_ranks_on_failure, surfa
 
 
 class LLM(OneShotCalls, ContinuousBatching):
+    """A loaded Kimi K2.x checkpoint (default: the embedded tiny pair) with its drafter, caches and graphs.
+
+    `LLM(model_path, drafter=..., device=..., dtype=..., tp=..., max_model_len=..., max_batch=...)`; then
+    `generate(prompts, SamplingParams, SpecConfig)`, `stream(prompt, ...)`, `score(token_ids)`, the batch API
+    (`open_batch`, `admit`, `step`, `release`), `chat_ids(messages)` and `close()`. One call at a time; every
+    argument is checked before any weights load (README, "Use")."""
+
     @releasing_ranks_on_failure
     def __init__(
         self,

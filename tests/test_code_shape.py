@@ -37,3 +37,18 @@ def test_the_length_check_sees_a_long_method():
     body = "\n".join(f"        x{i} = {i}" for i in range(81))
     src = f"class A:\n    def short(self):\n        pass\n\n    def long(self):\n{body}\n"
     assert long_functions(src, MAX_FUNCTION) == [("long", 82)]
+
+
+def test_every_source_file_has_its_row_in_docs_structure():
+    """docs/structure.md names every module, script and kernel source (one line per module): a file added
+    without its row is a layout nobody can find."""
+    root = K26.parent
+    doc = (root / "docs" / "structure.md").read_text()
+    files = [
+        p.relative_to(root).as_posix()
+        for top in ("k26", "profiling", "scripts")
+        for p in sorted((root / top).rglob("*"))
+        if p.suffix in (".py", ".sh", ".cu", ".cuh") and "results" not in p.parts and "_build" not in p.parts
+    ]
+    missing = [f for f in files if f"`{f}`" not in doc and f"{f.rsplit('/', 1)[-1]}`" not in doc]
+    assert files and not missing, missing

@@ -1,4 +1,4 @@
-"""Build every CUDA source of k26 into one shared library with plain nvcc (no torch headers: seconds,
+"""Build every CUDA source of k26 into one shared library with plain nvcc (no torch headers; a minute or two,
 also on machines without a GPU), report registers / shared memory / spills per kernel, and load it.
 
     python -m k26.ops.build [--arch sm_90a,sm_120a] [--out DIR] [--variants]

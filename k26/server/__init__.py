@@ -1,7 +1,7 @@
 """`python -m k26 serve`: an OpenAI-compatible HTTP server over one `LLM` with continuous batching.
 
-protocol.py validates OpenAI requests and shapes responses; engine.py is the thread that owns the model
-and schedules rows at step boundaries; app.py is the FastAPI app the handlers live in.
+protocol.py validates OpenAI requests, responses.py shapes the answers; engine.py is the thread that owns
+the model and schedules rows at step boundaries; app.py is the FastAPI app the handlers live in.
 """
 
 from __future__ import annotations
