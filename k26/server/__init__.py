@@ -6,6 +6,8 @@ the model and schedules rows at step boundaries; app.py is the FastAPI app the h
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 
 from .app import create_app
@@ -27,8 +29,26 @@ def run_server(
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> None:
     """Start the engine thread, then serve HTTP until interrupted (blocking); `api_key`, `max_body_bytes`:
-    see `create_app`."""
+    see `create_app`. SIGINT and SIGTERM shut down alike: the engine first (requests still running or
+    waiting are answered 503 within the grace period, none cut off), then the HTTP server."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            engine.stop_soon()  # (uvicorn would otherwise cancel the handlers mid-answer after its grace)
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    # uvicorn re-raises a captured SIGTERM once it has shut down, which kills the process
+                    # before the engine and the LLM (CUDA graphs, TP ranks) are closed: dropped here, so a
+                    # terminated server exits as a stopped one does (SIGINT still ends in KeyboardInterrupt).
+                    captured = getattr(self, "_captured_signals", [])
+                    captured[:] = [sig for sig in captured if sig != signal.SIGTERM]
 
     engine.start()
     try:
@@ -39,6 +59,6 @@ def run_server(
             log_level=log_level,
             timeout_graceful_shutdown=5,
         )
-        uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+        Server(config).run(sockets=[sock] if sock is not None else None)
     finally:
         engine.stop()

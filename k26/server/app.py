@@ -213,7 +213,8 @@ async def generate(s: Served, request: Request, chat: bool):
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
     except EngineDown as e:
-        raise APIError(503, str(e), type="server_error", code="engine_down") from None
+        code = "server_shutting_down" if s.engine.stopping else "engine_down"
+        raise APIError(503, str(e), type="server_error", code=code) from None
     if p.stream:
         return StreamingResponse(
             stream(s, a),
@@ -259,6 +260,13 @@ class Answer:
         return out
 
 
+def engine_error(ev: Event) -> APIError:
+    """A request's error event as the HTTP error its client gets (503: the server is shutting down)."""
+    return APIError(
+        ev.status, ev.error, type="server_error", code="server_shutting_down" if ev.status == 503 else None
+    )
+
+
 async def whole(s: Served, request: Request, a: Answer):
     """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
     ids: list[list[int]] = [[] for _ in a.reqs]
@@ -283,7 +291,7 @@ async def whole(s: Served, request: Request, a: Answer):
                 continue
             if ev.error is not None:
                 a.cancel()
-                raise APIError(500, ev.error, type="server_error")
+                raise engine_error(ev)
             if a.echo and last[i] is None:
                 echoed[i] = _echo(s, a, i, ev, lps[i])
             ids[i] += ev.token_ids
@@ -330,7 +338,7 @@ async def stream(s: Served, a: Answer):
         while open_:
             i, ev = await a.events.get()
             if ev.error is not None:
-                yield _sse(APIError(500, ev.error, type="server_error").body())
+                yield _sse(engine_error(ev).body())
                 break
             tokens += len(ev.token_ids)
             hits[i] += ev.cached_tokens

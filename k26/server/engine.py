@@ -47,6 +47,10 @@ class Event:
     logprobs: list | None = None  # the new tokens' `TokenLogprob`s (the request asked for logprobs)
     prompt_logprobs: list | None = None  # the first event of a request that asked: its prompt tokens
     cached_tokens: int = 0  # the first event: prompt tokens its row already held (usage's cached_tokens)
+    status: int = 500  # an error's HTTP status (503: the server is shutting down)
+
+
+SHUTTING_DOWN = "the server is shutting down; retry the request"
 
 
 @dataclass(eq=False)  # identity: the engine looks requests up among its rows
@@ -91,6 +95,7 @@ class Engine:
         self.metrics = Metrics()
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.stopping = False  # told to stop: new requests refused, the rest answered when the loop ends
         self.thread = threading.Thread(target=self._main, name="k26-engine", daemon=True)
         self.rows: dict[int, Request] = {}
 
@@ -100,6 +105,8 @@ class Engine:
         # Under the lock, as the engine thread records its failure: a request is either refused here or in
         # the inbox before the failing thread drains it (and answers it), never put after the drain unheard.
         with self.lock:
+            if self.stopping:
+                raise EngineDown(SHUTTING_DOWN)
             if self.error is not None or (self.ready.is_set() and not self.thread.is_alive()):
                 raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
             if self.pending + len(reqs) > self.max_waiting:
@@ -119,8 +126,17 @@ class Engine:
         if self.error is not None:
             raise RuntimeError(f"the engine failed to start: {self.error}") from self.error
 
+    def stop_soon(self) -> None:
+        """Refuse new requests and end the loop at the next step boundary, where every request still running
+        or waiting is answered with a 503 (the server's shutdown: its handlers then answer their clients
+        within the grace period instead of being cancelled mid-answer)."""
+        with self.lock:  # (submit: nothing enters the inbox after the stop)
+            if not self.stopping:
+                self.stopping = True
+                self.inbox.put(None)
+
     def stop(self) -> None:
-        self.inbox.put(None)
+        self.stop_soon()
         self.thread.join(timeout=30)
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -136,15 +152,20 @@ class Engine:
             with self.lock:  # (submit: nothing enters the inbox after this)
                 self.error = e
             self.ready.set()
-            left = []  # requests still in the inbox hear it too: nothing else would ever answer them
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    item = self.inbox.get_nowait()
-                    if item is not None:
-                        left.append(item)
-            for req in list(self.rows.values()) + list(self.waiting) + left:
-                req.push(Event([], error=f"engine failed: {e}"))
+            self._answer_left(Event([], error=f"engine failed: {e}"))
             raise
+        self._answer_left(Event([], error=SHUTTING_DOWN, status=503))  # told to stop
+
+    def _answer_left(self, ev: Event) -> None:
+        """Every request still running, waiting or in the inbox hears `ev`: nothing else would answer it."""
+        left = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self.inbox.get_nowait()
+                if item is not None:
+                    left.append(item)
+        for req in list(self.rows.values()) + list(self.waiting) + left:
+            req.push(ev)
 
     def _take(self, block: bool) -> bool:
         """Move submitted requests into the waiting queue; False once told to stop."""

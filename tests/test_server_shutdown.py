@@ -1,0 +1,82 @@
+"""`python -m k26 serve` stopped by SIGTERM or SIGINT with requests in flight: every client gets an answer in
+OpenAI's shape (503 `server_shutting_down`, or a stream's error chunk and `[DONE]`), none a reset connection
+or a cut stream, and the process exits as a stopped server (0 after SIGTERM, 130 after Ctrl-C's SIGINT) after
+closing its engine and LLM, with no traceback."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHUTDOWN = {"message": "the server is shutting down; retry the request", "type": "server_error"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, stream: bool, out: dict, key: str) -> None:
+    body = {"model": "k26-embedded", "prompt": "def main(", "max_tokens": 400, "stream": stream}
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body | {"ignore_eos": True}),
+        {"Content-Type": "application/json"},
+    )
+    r = c.getresponse()
+    out[key] = (r.status, r.read().decode())  # (a reset or a cut chunked body raises here: no entry)
+
+
+@pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_stopped_server_answers_its_requests_in_flight_and_exits_cleanly(sig, rc):
+    port = free_port()
+    cmd = [sys.executable, "-m", "k26", "serve", "--device", "cpu", "--dtype", "fp32", "--spec", "ar"]
+    cmd += ["--port", str(port), "--max-batch", "2", "--max-model-len", "512"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.1)
+        got: dict = {}
+        # two streams decode; the third request waits for a row (max_batch 2)
+        clients = [threading.Thread(target=post, args=(port, i < 2, got, f"c{i}")) for i in range(3)]
+        for t in clients:
+            t.start()
+        time.sleep(2.0)
+        proc.send_signal(sig)
+        for t in clients:
+            t.join(60)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == rc, err
+    assert "Traceback" not in err and "Exception" not in err, err
+    assert sorted(got) == ["c0", "c1", "c2"]
+    status, text = got["c2"]
+    assert status == 503 and json.loads(text)["error"] | SHUTDOWN == json.loads(text)["error"]
+    assert json.loads(text)["error"]["code"] == "server_shutting_down"
+    for key in ("c0", "c1"):
+        status, text = got[key]
+        chunks = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert status == 200 and chunks[-1] == "[DONE]"
+        assert json.loads(chunks[-2])["error"]["code"] == "server_shutting_down"
