@@ -47,6 +47,21 @@ def test_a_body_above_the_cap_gets_413_and_one_below_is_served(served):
         assert raw(url, "/v1/completions", small)[0] == 200
 
 
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_declared_as_anything_but_json_gets_415(served, ctype):
+    # (any Content-Type was parsed as JSON: a web page's form or text/plain POST, which browsers send to any
+    # address without a CORS preflight, ran requests on a server without --api-key)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    status, _, out = _request(served["url"], "POST", "/v1/completions", body, {"Content-Type": ctype})
+    assert status == 415 and ctype in json.loads(out)["error"]["message"]
+    for ok in (
+        {"Content-Type": "application/json; charset=utf-8"},
+        {"Content-Type": "application/vnd.x+json"},
+        {},
+    ):
+        assert _request(served["url"], "POST", "/v1/completions", body, ok)[0] == 200, ok
+
+
 def test_requests_are_parsed_where_no_event_loop_runs(served, monkeypatch):
     where = []
 

@@ -20,8 +20,10 @@ MAX_BODY_BYTES = 64 << 20
 
 
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
-    """The body as JSON; APIError 413 above `limit` bytes (by Content-Length before reading, or as the
-    chunks arrive), 400 for what is not JSON or not text, 499 for a client gone before the body ended."""
+    """The body as JSON; APIError 415 for a Content-Type other than JSON (none is taken as JSON), 413 above
+    `limit` bytes (by Content-Length before reading, or as the chunks arrive), 400 for what is not JSON or
+    not text, 499 for a client gone before the body ended."""
+    check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
@@ -35,6 +37,18 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
     except ClientDisconnect:  # the client left before its body came whole: its doing, not a 500 of ours
         raise APIError(499, "client closed the request") from None
     return await asyncio.to_thread(parse_json, b"".join(chunks))
+
+
+def check_content_type(value: str | None) -> None:
+    """A body declared as something else than JSON is refused, not parsed as JSON anyway: a browser page may
+    POST text/plain or a form to any address without asking (no CORS preflight), and would spend this
+    server's compute when it runs without --api-key; `curl -d` without -H sends a form type too."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(
+            415,
+            f"Content-Type {value[:100]!r}: the request body must be JSON (Content-Type: application/json)",
+        )
 
 
 def parse_json(raw: bytes):
