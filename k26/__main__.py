@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_args import cache_dir_arg, context_args, dir_arg, listen_arg, out_arg, pair_args, resolved_pair
+from .cli_args import (
+    budget_arg,
+    cache_dir_arg,
+    context_args,
+    dir_arg,
+    listen_arg,
+    out_arg,
+    pair_args,
+    resolved_pair,
+)
 from .cli_parser import AR_WITH_DRAFTER, DEFAULT_MAX_TOKENS, DTYPES, parse_args
 from .embedded import default_model_dir
 
@@ -40,6 +49,7 @@ class GeneratePlan:
 def _resolve_pair(a: argparse.Namespace) -> tuple[Path, Path | None, str]:
     """(model dir, drafter dir or None, method). A drafter means DDTree unless --spec says otherwise: the
     embedded pair's drafter comes with it; --drafter never goes unused, --spec never lacks one."""
+    budget_arg(a.budget)
     model, drafter = resolved_pair(a)
     method = a.spec or ("ddtree" if drafter is not None else "ar")
     if method == "ar":

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli_parser import MAX_BUDGET
 from .embedded import default_drafter_dir, default_model_dir
 
 if TYPE_CHECKING:
@@ -75,6 +76,12 @@ def listen_arg(host: str, port: int) -> None:
                 s.bind(addr)
             except OSError as e:
                 raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+def budget_arg(budget: int | str | None) -> None:
+    """--budget (generate and serve): 'auto' or a DDTree budget in [1, MAX_BUDGET], named by its flag."""
+    if budget not in (None, "auto") and not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"--budget {budget}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
 
 
 def cache_dir_arg(value: str | None) -> None:

@@ -7,8 +7,8 @@ import os
 import socket
 import sys
 
-from ..cli_args import context_args
-from ..cli_parser import AR_WITH_DRAFTER, DTYPES, MAX_BUDGET
+from ..cli_args import budget_arg, context_args
+from ..cli_parser import AR_WITH_DRAFTER, DTYPES
 from ..dist import one_process
 
 MIN_REQUEST_BYTES = 1024  # --max-request-mb's least: a short chat request with its headers' worth of JSON
@@ -21,8 +21,7 @@ def _method(a: argparse.Namespace) -> str:
 
 def check_args(a: argparse.Namespace) -> None:
     """Every argument, before minutes of loading a real checkpoint."""
-    if a.budget not in (None, "auto") and not 1 <= a.budget <= MAX_BUDGET:
-        raise ValueError(f"--budget {a.budget}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
+    budget_arg(a.budget)
     if a.spec in ("dflash", "ddtree") and not a.drafter and a.model:
         raise ValueError(f"--spec {a.spec} needs --drafter DIR")
     if a.spec == "ar" and a.drafter:  # (it was dropped without a word)
