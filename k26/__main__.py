@@ -211,7 +211,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     from .config import ModelConfig
     from .kv_cache import LatentCache
 
-    for flag, value in (("--drafter", a.drafter), ("--cache-dir", a.cache_dir)):
+    for flag, value in (("--drafter", a.drafter), ("--cache-dir", a.cache_dir), ("--device", a.device)):
         if value is not None and not a.startup:  # (they only matter to the start-up it runs)
             raise ValueError(f"{flag} goes with --startup")
     if a.startup:  # its arguments checked before anything is printed

@@ -56,7 +56,7 @@ def _info_parser(sub) -> None:
     i.add_argument(
         "--drafter", help="with --startup: a drafter directory (default with no --model: embedded)"
     )
-    i.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    i.add_argument("--device", choices=["cpu", "cuda"], default=None, help="with --startup: where it starts")
     i.add_argument("--cache-dir", default=None, help="with --startup: the load cache (LLM(cache_dir=...))")
 
 

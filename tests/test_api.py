@@ -274,9 +274,12 @@ def test_version(capsys):
 
 
 def test_info_refuses_startup_flags_without_startup(tiny_k25, capsys):
-    """--drafter / --cache-dir only matter to the start-up `info --startup` runs (they were ignored)."""
+    """--drafter / --cache-dir / --device only matter to the start-up `info --startup` runs (they were
+    ignored)."""
     assert main(["info", "--model", str(tiny_k25), "--drafter", str(tiny_k25)]) == 2
     assert "--drafter goes with --startup" in capsys.readouterr().err
+    assert main(["info", "--model", str(tiny_k25), "--device", "cpu"]) == 2
+    assert "--device goes with --startup" in capsys.readouterr().err
 
 
 def test_a_suspended_stream_refuses_other_calls_and_then_goes_on_unharmed(llm):
