@@ -268,8 +268,9 @@ def test_full_queue_answers_429(served):
     engine, c = served["engine"], served["client"]
     engine.max_waiting = 0
     try:
-        with pytest.raises(openai.RateLimitError, match="capacity"):
+        with pytest.raises(openai.RateLimitError, match="capacity") as e:
             c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.response.headers["retry-after"] == "1"  # (the client's own retries wait that long)
     finally:
         engine.max_waiting = 64
     assert c.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1

@@ -131,7 +131,10 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        # (a full queue frees within steps: clients honouring Retry-After, OpenAI's among them, wait a second)
+        return JSONResponse(
+            e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 429 else None
+        )
 
     @app.exception_handler(404)
     async def not_found(request: Request, _):
