@@ -62,6 +62,24 @@ def test_a_body_declared_as_anything_but_json_gets_415(served, ctype):
         assert _request(served["url"], "POST", "/v1/completions", body, ok)[0] == 200, ok
 
 
+def test_a_stalled_body_gets_408_instead_of_holding_its_connection(served, monkeypatch):
+    # (a body shorter than its Content-Length held the connection until the client gave up)
+    import socket
+
+    import k26.server.body as body_module
+
+    monkeypatch.setattr(body_module, "BODY_STALL_S", 0.5)
+    u = urllib.parse.urlsplit(served["url"])
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall((head + "Content-Length: 100\r\n\r\n" + '{"model": ').encode())
+        reply = b""
+        while b"stalled" not in reply and (part := sock.recv(65536)):
+            reply += part
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 408") and "stalled: nothing for 0.5 s after 10 bytes" in reply, reply
+
+
 def test_requests_are_parsed_where_no_event_loop_runs(served, monkeypatch):
     where = []
 

@@ -17,25 +17,35 @@ from .errors import APIError
 # allowed) may exceed it, and go as several requests. Parsing holds the GIL: a body near the cap pauses the
 # other streams for about a second (tokenizing does not: tiktoken releases it). `serve --max-request-mb`.
 MAX_BODY_BYTES = 64 << 20
+# A body whose next bytes take longer than this is dropped (408): a client that declares more than it sends
+# would otherwise hold its connection and the bytes so far for as long as it likes.
+BODY_STALL_S = 30.0
 
 
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
     """The body as JSON; APIError 415 for a Content-Type other than JSON (none is taken as JSON), 413 above
-    `limit` bytes (by Content-Length before reading, or as the chunks arrive), 400 for what is not JSON or
-    not text, 499 for a client gone before the body ended."""
+    `limit` bytes (by Content-Length before reading, or as the chunks arrive), 408 for a body stalled for
+    BODY_STALL_S, 400 for what is not JSON or not text, 499 for a client gone before the body ended."""
     check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    chunks, size = [], 0
+    chunks, size, stall = [], 0, BODY_STALL_S
+    parts = request.stream()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(parts), stall)
+            except StopAsyncIteration:
+                break
             size += len(chunk)
             if size > limit:
                 raise _too_large(size, limit)
             chunks.append(chunk)
     except ClientDisconnect:  # the client left before its body came whole: its doing, not a 500 of ours
         raise APIError(499, "client closed the request") from None
+    except TimeoutError:
+        raise APIError(408, f"the request body stalled: nothing for {stall:g} s after {size} bytes") from None
     return await asyncio.to_thread(parse_json, b"".join(chunks))
 
 
