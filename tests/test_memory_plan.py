@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import k26.engine
 import k26.memory_plan as mp
+import k26.one_shot
 from k26 import LLM
 from k26.config import K26_TEXT_CONFIG, ModelConfig
 from k26.drafter_config import DrafterConfig
@@ -247,7 +248,7 @@ def test_score_whose_logits_do_not_fit_is_refused_before_any_forward(tiny_k25, m
     llm = LLM(tiny_k25, device="cpu", dtype=torch.float32, progress=False, max_model_len=64, max_batch=1)
     vocab = llm.config.vocab_size
     monkeypatch.setattr(mp, "free_memory", lambda device: 2 * 10 * vocab * 4)  # room for 10 tokens' logits
-    monkeypatch.setattr(k26.engine, "prefill", lambda *a, **k: pytest.fail("a forward ran"))
+    monkeypatch.setattr(k26.one_shot, "prefill", lambda *a, **k: pytest.fail("a forward ran"))
     with pytest.raises(
         ValueError,
         match=rf"score\(\) of 11 tokens returns \[11, {vocab}\] float32 logits .* "
