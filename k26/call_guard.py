@@ -48,13 +48,18 @@ class CallGuard:
         self._lock.release()
 
     @contextlib.contextmanager
-    def closing(self):
+    def closing(self, wait: float | None = None):
         """close()'s hold: it waits for a call running in another thread to return (the server's shutdown
-        closes the LLM its engine thread may still be stepping), then marks the LLM closed and tears down
-        with no call able to start meanwhile."""
-        with self._lock:
+        closes the LLM its engine thread may still be stepping), at most `wait` seconds if given (then it
+        tears down regardless: a process on its way out), then marks the LLM closed and tears down with no
+        call able to start meanwhile."""
+        held = self._lock.acquire(timeout=-1 if wait is None else wait)
+        try:
             self.closed = True
             yield
+        finally:
+            if held:
+                self._lock.release()
 
 
 def one_at_a_time(method=None, *, name: str | None = None):

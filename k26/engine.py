@@ -281,11 +281,11 @@ class LLM(OneShotCalls, ContinuousBatching):
         """A collective that failed because a rank died raises that rank's own error instead."""
         return self._ranks.surface() if self._ranks is not None else contextlib.nullcontext()
 
-    def close(self) -> None:
+    def close(self, wait: float | None = None) -> None:
         """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
         graphs hangs), and stop the ranks it started; every later call is refused. A call running in another
-        thread is waited for: its graphs are not freed under its replay."""
-        with self._calls.closing() if hasattr(self, "_calls") else contextlib.nullcontext():
+        thread is waited for (its graphs are not freed under its replay), at most `wait` seconds if given."""
+        with self._calls.closing(wait) if hasattr(self, "_calls") else contextlib.nullcontext():
             self._close()
 
     def _close(self) -> None:
@@ -303,6 +303,18 @@ class LLM(OneShotCalls, ContinuousBatching):
         if getattr(self, "_owns_group", False) and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
             self._owns_group = False
+
+    @property
+    def broken(self) -> str | None:
+        """Why this LLM can run no further call (closed; its TP ranks failed or fell out of step), else None:
+        a server's engine ends on it instead of stepping a batch that can only fail."""
+        if self._calls.closed:
+            return "this LLM is closed"
+        return (
+            None
+            if self._ranks is None
+            else self._ranks.broken and f"its tensor-parallel ranks {self._ranks.broken}"
+        )
 
     def _check_workers(self) -> None:
         """Raise the error of a rank that reported one."""

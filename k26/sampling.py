@@ -92,7 +92,9 @@ class SamplingParams:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(x, str) and x for x in stop):
             raise bad("stop", "must be non-empty strings")
-        object.__setattr__(self, "stop", stop)
+        # plain str: a subclass (a user's, or numpy.str_) compares alike but must not travel to TP ranks,
+        # which may not be able to import its class
+        object.__setattr__(self, "stop", tuple(str.__str__(x) for x in stop))
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _real(v) or not -2 <= v <= 2:

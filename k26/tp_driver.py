@@ -1,5 +1,5 @@
 """Tensor parallel driven from one Python process: `LLM(tp=N)` becomes rank 0 and starts ranks 1..N-1 as
-`k26.tp_driver.run_rank` processes, each building the same object and mirroring every call made on it.
+`k26.tp_rank.run_rank` processes, each building the same object and mirroring every call made on it.
 
 Why fresh interpreters and not multiprocessing's spawn: spawn re-runs the parent's `__main__` in every
 child, which fails when the script came on standard input, from a REPL or a notebook. A rank here runs
@@ -28,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -52,11 +51,12 @@ class _Rank:
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])),
+            K26_PARENT_PID=str(os.getpid()),  # (the rank leaves with its parent: `_tied_to_parent`)
         )
         self.proc = subprocess.Popen(
             # (-c, not -m: the package imports this module first, and runpy then warned on each rank's stderr,
             # so at the head of every rank failure's message, that it was "found in sys.modules")
-            [sys.executable, "-c", "from k26.tp_driver import run_rank; run_rank()"],
+            [sys.executable, "-c", "from k26.tp_rank import run_rank; run_rank()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -77,8 +77,11 @@ class _Rank:
         self.inbox.put(("exit", None))
 
     def send(self, msg) -> None:
+        self.send_bytes(pickle.dumps(msg))
+
+    def send_bytes(self, data: bytes) -> None:
         try:
-            pickle.dump(msg, self.proc.stdin)
+            self.proc.stdin.write(data)
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the rank is gone: its exit is reported by `failure`
@@ -123,6 +126,8 @@ class RankGroup:
         self.ranks: list[_Rank] = []
         self.closed = False
         self._left: str | None = None  # a call rank 0 left while the ranks ran it: they are out of step
+        self._failed: str | None = None  # the first rank failure seen: the group can run no further call
+        self._last = ""  # the last call mirrored
         store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=k26_dist.timeout()
         )
@@ -171,13 +176,27 @@ class RankGroup:
     def mirror(self, name: str, *args, **kw) -> None:
         """Every rank calls `name(*args, **kw)` on its object (a generator is run to its end); refused once
         rank 0 left a call the ranks ran (their collectives would pair with that call's leftovers)."""
-        if self.closed or self._left:
-            why = "closed" if self.closed else f"out of step: {self._left}; close() it and make a new LLM"
-            raise RankError(f"this LLM's tensor-parallel ranks are {why}")
+        if why := self.broken:
+            raise RankError(f"this LLM's tensor-parallel ranks {why}")
+        try:  # (once, before any rank is told: a call no rank can take leaves them all in step)
+            data = pickle.dumps((name, args, kw))
+        except Exception as e:  # noqa: BLE001  (pickling raises PicklingError, AttributeError, TypeError...)
+            raise TypeError(
+                f"{name}(): an argument cannot be sent to the tensor-parallel ranks: {e}"
+            ) from None
         for rank in self.ranks:
             rank.sent += 1
-            rank.send((name, args, kw))
+            rank.send_bytes(data)
         self._last = name
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group can run no further call (closed, out of step, a rank failed), else None."""
+        if self.closed:
+            return "are closed"
+        if self._failed or self._left:
+            return f"{self._failed or 'are out of step: ' + self._left}; close() it and make a new LLM"
+        return None
 
     def check(self, wait: float = 0.0) -> None:
         """Raise the failure of any rank that reported one (waiting up to `wait` s for one to arrive)."""
@@ -203,6 +222,10 @@ class RankGroup:
         except GeneratorExit:  # (a stream closed early: `LLM.stream` ran its ranks' part to the end)
             raise
         except BaseException as e:
+            if isinstance(e, RankError) and self._failed is None:
+                self._failed = (
+                    str(e).split("\n", 1)[0].removeprefix("tensor-parallel ")
+                )  # "rank 1 failed: ..."
             if (
                 sum(r.sent for r in self.ranks) != sent
                 and self._left is None
@@ -307,88 +330,3 @@ def releasing_ranks_on_failure(init):
             raise
 
     return wrapper
-
-
-def _report(e: BaseException, rank: int) -> tuple:
-    """A rank's failure to build its object, for rank 0: a user's error (a ValueError: a bad checkpoint,
-    config or TP size) as itself, to be raised there as rank 0's own would be (its traceback in a note);
-    anything else as its traceback."""
-    user = e if isinstance(e, ValueError) else None
-    if user is not None:
-        user.add_note(f"(raised on tensor-parallel rank {rank}; its traceback:)\n{traceback.format_exc()}")
-    if user is not None:
-        try:
-            pickle.loads(pickle.dumps(user))
-        except Exception:  # noqa: BLE001  (an exception that does not survive pickling: its text)
-            user = None
-    return user, traceback.format_exc()
-
-
-def _serve(init: dict, out) -> int:
-    """A rank's life: join, build, then mirror calls until told to stop."""
-
-    def send(*msg) -> None:
-        pickle.dump(msg, out)
-        out.flush()
-
-    try:
-        if not (init["device"] or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
-            torch.set_num_threads(init["threads"])  # N ranks on one CPU: share its cores, not oversubscribe
-        store = dist.TCPStore(
-            "127.0.0.1", init["port"], init["world"], is_master=False, timeout=k26_dist.timeout()
-        )
-        send("joining", None)
-        k26_dist.init_group(init["rank"], init["world"], init["device"], store=store)
-        obj = init["factory"](*init["args"], **init["kwargs"])
-    except BaseException as e:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
-        send("error", _report(e, init["rank"]))
-        return 1
-    send("ready", None)
-    while True:
-        try:
-            msg = pickle.load(sys.stdin.buffer)
-        except EOFError:  # the parent is gone
-            return 0
-        if msg is None:
-            break
-        name, args, kw = msg
-        try:
-            result = getattr(obj, name)(*args, **kw)
-            if name == "stream":
-                for _ in result:
-                    pass
-        except BaseException:  # noqa: BLE001  out of step with the others: report, leave, break their collectives
-            # (rank 0 checked the same call's inputs: any error here is a divergence, never the user's)
-            send("error", (None, traceback.format_exc()))
-            return 1
-        send("done", None)
-    if callable(close := getattr(obj, "close", None)):
-        close()  # this rank's graphs and fused-collective workspace, before its group goes
-    dist.destroy_process_group()
-    return 0
-
-
-def main() -> int:
-    out = os.fdopen(os.dup(1), "wb")  # the message pipe; prints from here on go to stderr, not into it
-    os.dup2(2, 1)
-    try:
-        init = pickle.load(sys.stdin.buffer)
-    except BaseException:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
-        # (no exception object: it may be what did not unpickle; `raise_failure` wants (error, text))
-        pickle.dump(("error", (None, traceback.format_exc())), out)
-        out.flush()
-        return 1
-    return _serve(init, out)
-
-
-def run_rank() -> None:
-    """A rank process's whole life (what `_Rank` starts): `main`, then exit without the interpreter's teardown
-    (module and tensor finalisation, ~0.5 s of CPU per rank): the parent waits for every rank to exit, and
-    there is nothing left to save. Messages are flushed."""
-    code = main()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    run_rank()

@@ -4,6 +4,7 @@ arguments at the call, an open batch's unfinished rows kept from a new open_batc
 quietly reinterpreted (float ids as prompts, a memoryview's bytes, a dict's keys as stops) named."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -72,6 +73,31 @@ def test_close_waits_for_a_call_running_in_another_thread(llm, monkeypatch):
     assert not closer.is_alive() and len(out[0][0].token_ids) == 3
     with pytest.raises(RuntimeError, match=r"LLM.generate\(\): this LLM is closed"):
         llm.generate([1, 2])
+
+
+def test_close_with_a_wait_gives_up_on_a_running_call(llm, monkeypatch):
+    # (the server's Ctrl-C during a start-up capture: its close must not wait minutes for the engine thread)
+    inside, go_on = threading.Event(), threading.Event()
+    run = llm.decoder.run
+
+    def held(*a, **kw):
+        inside.set()
+        assert go_on.wait(30)
+        yield from run(*a, **kw)
+
+    monkeypatch.setattr(llm.decoder, "run", held)
+    caller = threading.Thread(target=lambda: llm.generate([5, 6, 7], SamplingParams(max_tokens=2)))
+    caller.start()
+    try:
+        assert inside.wait(30)
+        t0 = time.monotonic()
+        llm.close(wait=0.3)
+        assert 0.25 <= time.monotonic() - t0 < 10
+        with pytest.raises(RuntimeError, match="this LLM is closed"):
+            llm.score([1, 2])
+    finally:
+        go_on.set()
+        caller.join(30)
 
 
 def test_every_call_after_close_is_refused(llm):

@@ -80,3 +80,13 @@ def test_a_sampling_error_survives_pickling_with_its_field():
         SamplingParams(top_p=2.0)
     back = pickle.loads(pickle.dumps(e.value))
     assert (type(back), back.field, back.value, str(back)) == (SamplingError, "top_p", 2.0, str(e.value))
+
+
+def test_stop_strings_are_held_as_plain_str():
+    # (a str subclass of the user's __main__ travelled to the TP ranks, which could not unpickle it: the rank
+    # died and the LLM was out of step for good)
+    class S(str):
+        pass
+
+    sp = SamplingParams(stop=[S("ab"), "cd"])
+    assert sp.stop == ("ab", "cd") and all(type(s) is str for s in sp.stop)

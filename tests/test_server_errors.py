@@ -350,3 +350,42 @@ def test_a_refused_admission_fails_only_its_own_request(served, monkeypatch):
     t.join(timeout=60)
     assert not isinstance(long_answer["r"], Exception), long_answer["r"]
     assert long_answer["r"].usage.completion_tokens > 0
+
+
+def test_a_step_that_breaks_the_llm_ends_the_engine_and_health_says_so(monkeypatch):
+    # (a dead TP rank: the engine stepped the broken batch forever at 100 % CPU, answering nothing, while
+    # /health said ok; and the first request's error carried the rank's traceback, file paths included)
+    import torch
+    from http_app import serving
+
+    from k26 import LLM, SpecConfig
+    from k26.server import Engine, create_app
+    from k26.tp_driver import RankError
+
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=64)
+    engine = Engine(llm, SpecConfig("ar"), max_waiting=4)
+    engine.start()
+    why = "its tensor-parallel ranks rank 1 failed: killed by SIGKILL; close() it and make a new LLM"
+
+    def dead(*a, **k):
+        monkeypatch.setattr(LLM, "broken", property(lambda self: why))
+        trace = 'Traceback (most recent call last):\n  File "/x/k26/decode.py", line 1\nRuntimeError: gloo'
+        raise RankError(f"tensor-parallel rank 1 failed: killed by SIGKILL; its stderr ends:\n{trace}")
+
+    monkeypatch.setattr(llm, "step", dead)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4}).encode()
+    try:
+        with serving(create_app(engine, MODEL)) as url:
+            status, err = raw(url, "/v1/completions", body)
+            assert status == 503 and err["error"]["code"] == "engine_down", err
+            assert "rank 1 failed: killed by SIGKILL" in err["error"]["message"]
+            assert "File " not in err["error"]["message"]
+            engine.thread.join(10)
+            status, health = raw(url, "/health")
+            assert status == 503 and "rank 1 failed" in health["error"] and not engine.thread.is_alive()
+            status, err = raw(url, "/v1/completions", body)
+            assert status == 503 and err["error"]["code"] == "engine_down", err
+    finally:
+        engine.stop()
+        monkeypatch.undo()
+        llm.close()

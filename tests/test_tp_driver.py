@@ -206,7 +206,7 @@ def test_a_start_message_a_rank_cannot_read_reaches_the_parent_as_its_traceback(
 
     from k26.tp_driver import RankError, _Rank
 
-    cmd = [sys.executable, "-m", "k26.tp_driver"]
+    cmd = [sys.executable, "-m", "k26.tp_rank"]
     p = subprocess.run(cmd, check=False, input=b"no pickle", capture_output=True, timeout=120)
     kind, payload = pickle.loads(p.stdout)
     assert kind == "error" and payload[0] is None and "UnpicklingError" in payload[1]
@@ -333,3 +333,90 @@ def test_a_path_like_of_the_callers_own_class_reaches_the_ranks(tiny_tp, tmp_pat
         assert len(out[0].token_ids) == 2
     finally:
         llm.close()
+
+
+def test_an_argument_no_rank_can_take_is_named_and_leaves_the_ranks_in_step():
+    # (a local class in a call's arguments: the pickle failed after rank 0 had counted the call as sent: the
+    # user saw "'RankGroup' object has no attribute '_last'" and every close() waited, then killed the ranks)
+    class Local:
+        pass
+
+    group = RankGroup(2, dict, (), {}, "cpu")
+    try:
+        group.wait_ready()
+        with pytest.raises(
+            TypeError, match=r"update\(\): an argument cannot be sent to the tensor-parallel ranks"
+        ):
+            group.mirror("update", {"x": Local()})
+        group.mirror("update", {"x": 1})
+        deadline = time.monotonic() + 30
+        while not group._idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group._idle() and group.broken is None
+    finally:
+        group.close()
+        dist.destroy_process_group()
+
+
+def test_a_failed_rank_is_named_by_every_later_call_and_breaks_the_group():
+    # (after a rank died, later calls said "rank 0 left generate() on RuntimeError while the other ranks ran
+    # it", and a server's engine stepped the broken group forever while /health said ok)
+    group = RankGroup(2, dict, (), {}, "cpu")
+    try:
+        group.wait_ready()
+        with pytest.raises(RankError), group.surface():
+            group.mirror("update", {"x": 1})
+            raise RankError(
+                "tensor-parallel rank 1 failed: killed by SIGKILL; its stderr ends:\nTraceback ..."
+            )
+        assert (
+            group.broken
+            == "rank 1 failed: killed by SIGKILL; its stderr ends:; close() it and make a new LLM"
+        )
+        with pytest.raises(RankError, match="ranks rank 1 failed: killed by SIGKILL"):
+            group.mirror("update", {"x": 2})
+    finally:
+        group.close(kill=True)
+        dist.destroy_process_group()
+
+
+def test_a_rank_ignores_the_terminals_ctrl_c_and_dies_with_its_parent(tmp_path):
+    """Ctrl-C at a terminal reaches every process of its group: ranks died mid-step, and a server's clients
+    got rank 1's traceback instead of the shutdown's 503. A rank whose parent died before it joined waited
+    in the rendezvous for the whole timeout (minutes), an orphan."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    group = RankGroup(2, dict, (), {}, "cpu")
+    try:
+        group.wait_ready()
+        os.kill(group.ranks[0].proc.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert group.ranks[0].proc.poll() is None
+    finally:
+        group.close()
+        dist.destroy_process_group()
+    # a parent that starts a rank, tells it to join a rendezvous nobody serves, then dies by SIGKILL
+    script = (
+        "import socket, sys, time\nfrom k26.tp_driver import _Rank\nr = _Rank(1)\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]\n"
+        "r.send({'rank': 1, 'world': 2, 'port': port, 'device': 'cpu', 'threads': 1, 'factory': dict, "
+        "'args': (), 'kwargs': {}})\nprint(r.proc.pid, flush=True)\ntime.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    rank_pid = int(parent.stdout.readline())
+    time.sleep(1.0)  # (the rank is in the rendezvous now)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(rank_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(rank_pid, signal.SIGKILL)
+        pytest.fail("the rank outlived its parent")

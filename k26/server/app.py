@@ -22,7 +22,7 @@ from ..sampling import stop_prefix_len
 from ..tokenizer import TextStream
 from .body import MAX_BODY_BYTES, read_json
 from .chat_api import ChatStream, ChatTurn, message, read_whole
-from .engine import Engine, EngineDown, Event, QueueFull
+from .engine import Engine, EngineDown, Event, QueueFull, brief
 from .engine import Request as EngineRequest
 from .errors import APIError
 from .json_values import short
@@ -66,7 +66,8 @@ def create_app(
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health(request: Request):
         if engine.error is not None or not engine.thread.is_alive():
-            return JSONResponse({"status": "error", "error": str(engine.error)}, status_code=503)
+            why = brief(engine.error) if engine.error is not None else "the engine has stopped"
+            return JSONResponse({"status": "error", "error": why}, status_code=503)
         return Response(status_code=200) if request.method == "HEAD" else {"status": "ok"}
 
     def card() -> dict:
@@ -264,10 +265,8 @@ class Answer:
 
 
 def engine_error(ev: Event) -> APIError:
-    """A request's error event as the HTTP error its client gets (503: the server is shutting down)."""
-    return APIError(
-        ev.status, ev.error, type="server_error", code="server_shutting_down" if ev.status == 503 else None
-    )
+    """A request's error event as the HTTP error its client gets (503: shutting down, the engine stopped)."""
+    return APIError(ev.status, ev.error, type="server_error", code=ev.code)
 
 
 async def whole(s: Served, request: Request, a: Answer):

@@ -117,5 +117,7 @@ def serve(a: argparse.Namespace) -> int:
     try:
         run_server(engine, name, a.host, a.port, api_key=key, max_body_bytes=int(a.max_request_mb * 2**20))
     finally:
-        llm.close()  # CUDA graphs, then the TP ranks this LLM started
+        # CUDA graphs, then the TP ranks this LLM started; an engine thread still capturing at start-up
+        # (Ctrl-C then) is not waited for minutes: the process is on its way out
+        llm.close(wait=10)
     return 0

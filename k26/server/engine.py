@@ -15,6 +15,7 @@ import collections
 import contextlib
 import itertools
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,16 @@ from ..decode import BatchState
 from ..sampling import SamplingParams
 from ..spec.step import SpecConfig
 from .metrics import Metrics
+
+
+def brief(e: BaseException) -> str:
+    """An error as a client may read it: its type and first line, then its last line when it has more (a TP
+    rank's failure carries that rank's traceback, whose paths are no client's business)."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += f" ... {lines[-1].strip()}"
+    return f"{type(e).__name__}: {text}"
 
 
 class QueueFull(Exception):
@@ -47,7 +58,8 @@ class Event:
     logprobs: list | None = None  # the new tokens' `TokenLogprob`s (the request asked for logprobs)
     prompt_logprobs: list | None = None  # the first event of a request that asked: its prompt tokens
     cached_tokens: int = 0  # the first event: prompt tokens its row already held (usage's cached_tokens)
-    status: int = 500  # an error's HTTP status (503: the server is shutting down)
+    status: int = 500  # an error's HTTP status and OpenAI error code (503: the server is shutting down, or
+    code: str | None = None  # its engine has stopped)
 
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"
@@ -108,7 +120,7 @@ class Engine:
             if self.stopping:
                 raise EngineDown(SHUTTING_DOWN)
             if self.error is not None or (self.ready.is_set() and not self.thread.is_alive()):
-                raise EngineDown(f"the engine has stopped ({self.error}); restart the server")
+                raise EngineDown(f"the engine has stopped ({brief(self.error)}); restart the server")
             if self.pending + len(reqs) > self.max_waiting:
                 self.metrics.rejected += len(reqs)
                 raise QueueFull(
@@ -148,13 +160,17 @@ class Engine:
                 self.ready.set()
                 while self._take(block=not state.live and not state.pending and not self.waiting):
                     self._boundary(state)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - recorded: start() raises it, /health and submit say it
             with self.lock:  # (submit: nothing enters the inbox after this)
                 self.error = e
             self.ready.set()
-            self._answer_left(Event([], error=f"engine failed: {e}"))
-            raise
-        self._answer_left(Event([], error=SHUTTING_DOWN, status=503))  # told to stop
+            self._answer_left(Event([], error=f"engine failed: {brief(e)}", status=503, code="engine_down"))
+            if not self.stopping:  # (one line, not the thread's traceback: a dead rank's text is in it)
+                print(f"k26: the engine stopped: {brief(e)}", file=sys.stderr)
+            return
+        self._answer_left(
+            Event([], error=SHUTTING_DOWN, status=503, code="server_shutting_down")
+        )  # told to stop
 
     def _answer_left(self, ev: Event) -> None:
         """Every request still running, waiting or in the inbox hears `ev`: nothing else would answer it."""
@@ -210,7 +226,7 @@ class Engine:
                 # does not stall the streams already running
                 slots = llm.admit([r.prompt_ids for r in admit], [r.params for r in admit], wait=False)
             except Exception as e:  # noqa: BLE001 - refused, or rolled back (admission.admit): these rows only
-                err = Event([], error=f"{type(e).__name__}: {e}")
+                err = Event([], error=brief(e))
                 for req in admit:
                     req.push(err)
                 admit = []
@@ -226,8 +242,10 @@ class Engine:
                 m.row_steps += state.forward_rows - rows0
                 m.step_tokens += state.forward_tokens - tokens0
                 self._publish(state, stepped)
-        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
-            err = Event([], error=f"{type(e).__name__}: {e}")
+        except Exception as e:  # a failed step fails its requests, not the server...
+            if llm.broken:  # ...unless no later step can succeed (a TP rank died): the engine ends (503s)
+                raise
+            err = Event([], error=brief(e))
             for slot, req in list(self.rows.items()):
                 req.push(err)
                 with contextlib.suppress(Exception):  # the row goes whatever state the batch is in
