@@ -310,11 +310,8 @@ class LLM(OneShotCalls, ContinuousBatching):
         a server's engine ends on it instead of stepping a batch that can only fail."""
         if self._calls.closed:
             return "this LLM is closed"
-        return (
-            None
-            if self._ranks is None
-            else self._ranks.broken and f"its tensor-parallel ranks {self._ranks.broken}"
-        )
+        why = self._ranks.broken if self._ranks is not None else None
+        return f"its tensor-parallel ranks {why}" if why else None
 
     def _check_workers(self) -> None:
         """Raise the error of a rank that reported one."""

@@ -195,7 +195,8 @@ class RankGroup:
         if self.closed:
             return "are closed"
         if self._failed or self._left:
-            return f"{self._failed or 'are out of step: ' + self._left}; close() it and make a new LLM"
+            why = f"failed ({self._failed})" if self._failed else f"are out of step: {self._left}"
+            return f"{why}; close() it and make a new LLM"
         return None
 
     def check(self, wait: float = 0.0) -> None:
@@ -223,9 +224,9 @@ class RankGroup:
             raise
         except BaseException as e:
             if isinstance(e, RankError) and self._failed is None:
-                self._failed = (
-                    str(e).split("\n", 1)[0].removeprefix("tensor-parallel ")
-                )  # "rank 1 failed: ..."
+                # (the first line, without its stderr: "rank 1: killed by SIGKILL")
+                head = str(e).split("\n", 1)[0].split("; its stderr ends", 1)[0]
+                self._failed = head.removeprefix("tensor-parallel ").replace(" failed: ", ": ", 1)
             if (
                 sum(r.sent for r in self.ranks) != sent
                 and self._left is None

@@ -365,7 +365,7 @@ def test_a_step_that_breaks_the_llm_ends_the_engine_and_health_says_so(monkeypat
     llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=64)
     engine = Engine(llm, SpecConfig("ar"), max_waiting=4)
     engine.start()
-    why = "its tensor-parallel ranks rank 1 failed: killed by SIGKILL; close() it and make a new LLM"
+    why = "its tensor-parallel ranks failed (rank 1: killed by SIGKILL); close() it and make a new LLM"
 
     def dead(*a, **k):
         monkeypatch.setattr(LLM, "broken", property(lambda self: why))
