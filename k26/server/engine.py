@@ -58,8 +58,9 @@ class Event:
     logprobs: list | None = None  # the new tokens' `TokenLogprob`s (the request asked for logprobs)
     prompt_logprobs: list | None = None  # the first event of a request that asked: its prompt tokens
     cached_tokens: int = 0  # the first event: prompt tokens its row already held (usage's cached_tokens)
-    status: int = 500  # an error's HTTP status and OpenAI error code (503: the server is shutting down, or
-    code: str | None = None  # its engine has stopped)
+    # an error's HTTP status and OpenAI code (503: the server is shutting down, or its engine has stopped)
+    status: int = 500
+    code: str | None = None
 
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"
@@ -168,9 +169,8 @@ class Engine:
             if not self.stopping:  # (one line, not the thread's traceback: a dead rank's text is in it)
                 print(f"k26: the engine stopped: {brief(e)}", file=sys.stderr)
             return
-        self._answer_left(
-            Event([], error=SHUTTING_DOWN, status=503, code="server_shutting_down")
-        )  # told to stop
+        # told to stop (stop_soon): the server is shutting down
+        self._answer_left(Event([], error=SHUTTING_DOWN, status=503, code="server_shutting_down"))
 
     def _answer_left(self, ev: Event) -> None:
         """Every request still running, waiting or in the inbox hears `ev`: nothing else would answer it."""
