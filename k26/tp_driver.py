@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -156,7 +157,8 @@ class RankGroup:
             raise
         self._store = store  # the group's rendezvous lives in this process: keep it as long as the group
 
-    def _expect(self, rank: _Rank, want: str, deadline: float) -> None:
+    def _expect(self, rank: _Rank, want: str, deadline: float):
+        """The payload of `rank`'s next `want` message (raising the rank's failure, or lateness, instead)."""
         while True:
             try:
                 kind, payload = rank.inbox.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
@@ -165,13 +167,17 @@ class RankGroup:
                     raise _late(rank.rank, want) from None
                 continue
             if kind == want:
-                return
+                return payload
             rank.raise_failure(kind, payload)
 
     def wait_ready(self) -> None:
-        """Every rank has built its object (raises the first rank's failure)."""
+        """Every rank has built its object (raises the first rank's failure); k26's warnings on a rank while
+        it built (a load cache it could not write: every start re-reads the checkpoint) are warned here too,
+        where the user sees them, not left in the rank's stderr file."""
         for rank in self.ranks:
-            self._expect(rank, "ready", deadline=time.monotonic() + k26_dist.timeout().total_seconds())
+            said = self._expect(rank, "ready", deadline=time.monotonic() + k26_dist.timeout().total_seconds())
+            for text in said or ():
+                warnings.warn(f"tensor-parallel rank {rank.rank}: {text}", UserWarning, stacklevel=2)
 
     def mirror(self, name: str, *args, **kw) -> None:
         """Every rank calls `name(*args, **kw)` on its object (a generator is run to its end); refused once

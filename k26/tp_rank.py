@@ -12,11 +12,14 @@ import pickle
 import signal
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from . import dist as k26_dist
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _report(e: BaseException, rank: int) -> tuple:
@@ -49,11 +52,14 @@ def _serve(init: dict, out) -> int:
         )
         send("joining", None)
         k26_dist.init_group(init["rank"], init["world"], init["device"], store=store)
-        obj = init["factory"](*init["args"], **init["kwargs"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # (once per place, as rank 0 shows them)
+            obj = init["factory"](*init["args"], **init["kwargs"])
     except BaseException as e:  # noqa: BLE001  (any failure, exits included, is the parent's to raise)
         send("error", _report(e, init["rank"]))
         return 1
-    send("ready", None)
+    # k26's own warnings go to rank 0 (this rank's stderr is a file read only when it fails)
+    send("ready", [str(w.message) for w in caught if w.filename.startswith(_PACKAGE_DIR)])
     while True:
         try:
             msg = pickle.load(sys.stdin.buffer)

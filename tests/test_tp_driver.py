@@ -417,3 +417,17 @@ def test_a_rank_ignores_the_terminals_ctrl_c_and_dies_with_its_parent(tmp_path):
     else:
         os.kill(rank_pid, signal.SIGKILL)
         pytest.fail("the rank outlived its parent")
+
+
+def test_k26s_warnings_on_a_rank_while_it_builds_are_warned_on_rank_0():
+    # (a rank's load cache it could not write warned into the rank's private stderr file only: every start
+    # re-read the whole checkpoint without a word; rank 0's own said "k26: warning: load cache ..."
+    import warnings
+
+    group = RankGroup(2, warnings.warn, ("load cache D not written (EISDIR)",), {}, "cpu")
+    try:
+        with pytest.warns(UserWarning, match=r"tensor-parallel rank 1: load cache D not written \(EISDIR\)"):
+            group.wait_ready()
+    finally:
+        group.close()
+        dist.destroy_process_group()
