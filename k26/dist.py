@@ -159,8 +159,10 @@ def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
     return init_group(rank, world, device, local=local_rank())
 
 
-def same_checkpoint_on_every_rank(path) -> None:
-    """Every rank must load the same checkpoint: compare a digest of config.json and the tensor index."""
+def same_setup_on_every_rank(path, settings: dict) -> None:
+    """Every rank must load the same checkpoint (a digest of config.json and the tensor index) with the same
+    settings (context length, batch rows, dtype...): torchrun starts each rank from its own command line,
+    and ranks that differ would pair their collectives wrongly (a hang or wrong tokens), not fail."""
     import hashlib
     from pathlib import Path
 
@@ -168,13 +170,21 @@ def same_checkpoint_on_every_rank(path) -> None:
     for name in ("config.json", "model.safetensors.index.json"):
         f = Path(path) / name
         h.update(f.read_bytes() if f.is_file() else b"-")
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, h.hexdigest())
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (h.hexdigest(), settings))
+    digests = [d for d, _ in seen]
     if len(set(digests)) > 1:  # a user's error (torchrun given another --model per rank): one line, exit 2
         raise ValueError(
             f"tensor-parallel ranks loaded different checkpoints (digests {digests}); rank "
             f"{dist.get_rank()} has {path}"
         )
+    for key in settings:
+        values = [theirs.get(key) for _, theirs in seen]
+        if any(v != values[0] for v in values):
+            raise ValueError(
+                f"tensor-parallel ranks were started with different {key}: {values} (rank by rank); start "
+                "every rank with the same arguments"
+            )
 
 
 def shared_seed(device: torch.device) -> int:

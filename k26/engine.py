@@ -35,7 +35,7 @@ from .checks import (
 from .continuous_batching import ContinuousBatching
 from .decode import Decoder
 from .decode_context import DecodeContext
-from .dist import check_allreduce, check_world, init_from_env, same_checkpoint_on_every_rank, tp_info
+from .dist import check_allreduce, check_world, init_from_env, same_setup_on_every_rank, tp_info
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
@@ -153,7 +153,7 @@ class LLM(OneShotCalls, ContinuousBatching):
         self._check_memory(dcfg, max_batch, cuda_kernels)
         if tp > 1:
             with self._surface_rank_errors():
-                same_checkpoint_on_every_rank(self.path)
+                same_setup_on_every_rank(self.path, self._settings(drafter, max_batch, cuda_kernels))
         with self._surface_rank_errors():  # a rank failing mid-load (all-to-all) raises its own error
             self.model: KimiK2 = self._load_target(progress, cuda_kernels, cache_dir)
             self.startup = StartupReport.gather(self.model.load_stats, tp)  # every rank's bytes, here
@@ -173,6 +173,24 @@ class LLM(OneShotCalls, ContinuousBatching):
             self.dcache = DrafterCache.allocate(
                 self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
             )
+
+    def _settings(self, drafter, max_batch: int, cuda_kernels: bool) -> dict:
+        """What every TP rank must agree on besides the checkpoint (torchrun starts each from its own
+        arguments)."""
+        return {
+            "max_model_len": self.max_model_len,
+            "max_batch": max_batch,
+            "dtype": str(self.dtype),
+            "drafter": drafter is not None,
+            "absorb": self.absorb,
+            "cuda_kernels": cuda_kernels,
+            "graphs": self.graphs,
+            "allreduce": self.allreduce,
+            "prefix_cache": self.prefix_cache,
+            "prefill_chunk": self.prefill_chunk,
+            "prefill_budget": self.prefill_budget,
+            "buckets": [tuple(b) for b in self.user_buckets or ()],
+        }
 
     def _check_memory(self, dcfg, max_batch: int, cuda_kernels: bool) -> None:
         """On CUDA, this rank's weights, caches and activations against its GPU's free memory, before any

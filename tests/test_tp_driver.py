@@ -297,19 +297,31 @@ def test_a_closed_pipe_under_tp_stops_the_stream_instead_of_finishing_it(tiny_tp
     assert 0 < len(steps) < 20
 
 
-def test_ranks_given_different_checkpoints_are_a_named_user_error(tiny_tp, monkeypatch):
+def test_ranks_given_different_checkpoints_or_settings_are_a_named_user_error(tiny_tp, monkeypatch):
     """torchrun with another --model on one rank: the digests differ. (Found in a bug hunt: a RuntimeError,
-    which `python -m k26` re-raised as a traceback on every rank; a ValueError is its one-line exit 2.)"""
+    which `python -m k26` re-raised as a traceback on every rank; a ValueError is its one-line exit 2.) With
+    another --max-model-len on one rank (found by a TP review: unnoticed, the ranks' collectives diverge)."""
     from k26 import dist as k26_dist
 
+    other: list = []  # what rank 1 says: (digest, settings)
+
     def gather(out, mine):
-        out[:] = [mine, "another"]
+        out[:] = [mine, other[0](mine)]
 
     monkeypatch.setattr(k26_dist.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(k26_dist.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(k26_dist.dist, "all_gather_object", gather)
+    settings = {"max_model_len": 512, "max_batch": 8}
+    other.append(lambda mine: ("another", mine[1]))
     with pytest.raises(ValueError, match=r"ranks loaded different checkpoints .* rank 0 has .*"):
-        k26_dist.same_checkpoint_on_every_rank(tiny_tp[0])
+        k26_dist.same_setup_on_every_rank(tiny_tp[0], settings)
+    other[0] = lambda mine: mine
+    k26_dist.same_setup_on_every_rank(tiny_tp[0], settings)  # alike: no error
+    other[0] = lambda mine: (mine[0], mine[1] | {"max_model_len": 4096})
+    with pytest.raises(
+        ValueError, match=r"started with different max_model_len: \[512, 4096\] \(rank by rank\)"
+    ):
+        k26_dist.same_setup_on_every_rank(tiny_tp[0], settings)
 
 
 class _CachePath:
