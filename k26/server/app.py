@@ -18,8 +18,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..chat import ChatFormat
-from ..sampling import stop_prefix_len
-from ..tokenizer import TextStream
 from .body import MAX_BODY_BYTES, read_json
 from .chat_api import ChatStream, ChatTurn, message, read_whole
 from .engine import Engine, EngineDown, Event, QueueFull, brief
@@ -29,7 +27,7 @@ from .json_values import short
 from .logprobs import Logprobs, cut_at
 from .metrics import prometheus
 from .protocol import parse, prompt_ids, token_ids
-from .responses import choice, completion_body, usage
+from .responses import TextPieces, choice, completion_body, usage
 
 
 @dataclass
@@ -264,11 +262,6 @@ class Answer:
         return out
 
 
-def engine_error(ev: Event) -> APIError:
-    """A request's error event as the HTTP error its client gets (503: shutting down, the engine stopped)."""
-    return APIError(ev.status, ev.error, type="server_error", code=ev.code)
-
-
 async def whole(s: Served, request: Request, a: Answer):
     """The whole answer once every choice finishes; a client gone meanwhile cancels them all."""
     ids: list[list[int]] = [[] for _ in a.reqs]
@@ -293,7 +286,7 @@ async def whole(s: Served, request: Request, a: Answer):
                 continue
             if ev.error is not None:
                 a.cancel()
-                raise engine_error(ev)
+                raise ev.http_error()
             if a.echo and last[i] is None:
                 echoed[i] = _echo(s, a, i, ev, lps[i])
             ids[i] += ev.token_ids
@@ -327,7 +320,7 @@ async def stream(s: Served, a: Answer):
     cancelled."""
     tok, n = s.llm.tokenizer, len(a.reqs)
     readers = [
-        ChatStream(tok, a.turn, r.params.stop) if a.turn is not None else _TextStream(tok, r.params.stop)
+        ChatStream(tok, a.turn, r.params.stop) if a.turn is not None else TextPieces(tok, r.params.stop)
         for r in a.reqs
     ]
     lps = a.logprobs(tok)
@@ -340,7 +333,7 @@ async def stream(s: Served, a: Answer):
         while open_:
             i, ev = await a.events.get()
             if ev.error is not None:
-                yield _sse(engine_error(ev).body())
+                yield _sse(ev.http_error().body())
                 break
             tokens += len(ev.token_ids)
             hits[i] += ev.cached_tokens
@@ -379,25 +372,6 @@ def _echo(s: Served, a: Answer, i: int, first: Event, lp: Logprobs | None) -> tu
     if lp is None:
         return s.llm.tokenizer.decode(ids, skip_special=True), None
     return lp.echo(ids, first.prompt_logprobs), lp.take()  # (every prompt token: nothing else is pushed yet)
-
-
-class _TextStream:
-    """One choice of a streamed completion: its text as it grows, in whole UTF-8 characters; what may
-    begin a stop string waits for the next tokens."""
-
-    def __init__(self, tok, stops: tuple[str, ...]):
-        self.ts, self.stops, self.sent = TextStream(tok), stops, 0
-
-    def push(self, ids: list[int], finish: str | None, text: str | None) -> list[str]:
-        """The text that is safe to send now (`sent`: where it ends)."""
-        self.ts.push(ids)
-        text = text if text is not None else self.ts.text  # a finished row's event carries its text
-        end = len(text) if finish is not None else len(text) - stop_prefix_len(text, self.stops)
-        piece, self.sent = text[self.sent : end], max(self.sent, end)
-        return [piece] if piece else []
-
-    def finish_reason(self, reason: str) -> str:
-        return reason
 
 
 _NONE = {

@@ -25,6 +25,7 @@ import torch
 from ..decode import BatchState
 from ..sampling import SamplingParams
 from ..spec.step import SpecConfig
+from .errors import APIError
 from .metrics import Metrics
 
 
@@ -61,6 +62,10 @@ class Event:
     # an error's HTTP status and OpenAI code (503: the server is shutting down, or its engine has stopped)
     status: int = 500
     code: str | None = None
+
+    def http_error(self) -> APIError:
+        """This error event as the HTTP error its client gets."""
+        return APIError(self.status, self.error, type="server_error", code=self.code)
 
 
 SHUTTING_DOWN = "the server is shutting down; retry the request"

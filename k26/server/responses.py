@@ -1,8 +1,12 @@
-"""OpenAI response shapes: usage, one choice, and a whole response or one streamed chunk around choices."""
+"""OpenAI response shapes: usage, one choice, a whole response or one streamed chunk around choices; a
+streamed completion's text pieces (`TextPieces`)."""
 
 from __future__ import annotations
 
 import time
+
+from ..sampling import stop_prefix_len
+from ..tokenizer import TextStream
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> dict:
@@ -50,3 +54,22 @@ def completion_body(
     if use is not None:
         body["usage"] = use
     return body
+
+
+class TextPieces:
+    """One choice of a streamed completion: its text as it grows, in whole UTF-8 characters; what may
+    begin a stop string waits for the next tokens."""
+
+    def __init__(self, tok, stops: tuple[str, ...]):
+        self.ts, self.stops, self.sent = TextStream(tok), stops, 0
+
+    def push(self, ids: list[int], finish: str | None, text: str | None) -> list[str]:
+        """The text that is safe to send now (`sent`: where it ends)."""
+        self.ts.push(ids)
+        text = text if text is not None else self.ts.text  # a finished row's event carries its text
+        end = len(text) if finish is not None else len(text) - stop_prefix_len(text, self.stops)
+        piece, self.sent = text[self.sent : end], max(self.sent, end)
+        return [piece] if piece else []
+
+    def finish_reason(self, reason: str) -> str:
+        return reason
