@@ -5,12 +5,12 @@ over the message pipe. Tied to rank 0: ignores the terminal's Ctrl-C and dies wi
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 import warnings
 
@@ -100,13 +100,20 @@ def main() -> int:
 def _tied_to_parent() -> None:
     """Rank 0 drives: a rank ignores the terminal's Ctrl-C (rank 0 ends its calls and tells it to leave, or
     kills it) and dies with rank 0, even before it has joined (a rank waiting for the rendezvous reads no
-    pipe and would outlive a killed parent for the whole timeout)."""
+    pipe and would outlive a killed parent for the whole timeout). A watcher thread, not prctl's
+    PR_SET_PDEATHSIG: that fires when the *thread* that started the rank ends (an LLM built in a worker
+    thread lost its ranks at once)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):  # (Linux only: prctl's PR_SET_PDEATHSIG)
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     parent = os.environ.get("K26_PARENT_PID")
-    if parent and os.getppid() != int(parent):  # gone before the prctl took
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):  # (reparented once the parent is gone)
+            time.sleep(0.5)
         os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="k26-parent-watch").start()
 
 
 def run_rank() -> None:

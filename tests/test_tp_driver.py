@@ -443,3 +443,27 @@ def test_k26s_warnings_on_a_rank_while_it_builds_are_warned_on_rank_0():
     finally:
         group.close()
         dist.destroy_process_group()
+
+
+def test_ranks_started_from_a_thread_outlive_that_thread():
+    # (prctl's PR_SET_PDEATHSIG, tried first, killed the ranks when the thread that built the LLM ended: an
+    # LLM(tp=N) built in a worker thread lost its ranks at once)
+    import threading
+
+    made: list = []
+    t = threading.Thread(target=lambda: made.append(RankGroup(2, dict, (), {}, "cpu")))
+    t.start()
+    t.join(120)
+    group = made[0]
+    try:
+        group.wait_ready()
+        time.sleep(1.5)  # (the parent watcher looks twice a second)
+        assert group.ranks[0].proc.poll() is None
+        group.mirror("update", {"x": 1})
+        deadline = time.monotonic() + 30
+        while not group._idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group._idle() and group.ranks[0].proc.poll() is None
+    finally:
+        group.close()
+        dist.destroy_process_group()
