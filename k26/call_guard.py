@@ -33,6 +33,8 @@ class CallGuard:
         if self.closed:
             raise RuntimeError(f"LLM.{what}: this LLM is closed; make a new one")
         if not self._lock.acquire(blocking=False):
+            if self.closed:  # (close() waits for the running call, then holds the guard while it tears down)
+                raise RuntimeError(f"LLM.{what}: this LLM is closed; make a new one")
             raise RuntimeError(
                 f"LLM.{what}: LLM.{self.running} is running on this LLM in another thread; an LLM runs one "
                 "call at a time (serialise the calls, or drive one open batch from one thread)"
@@ -53,9 +55,9 @@ class CallGuard:
         closes the LLM its engine thread may still be stepping), at most `wait` seconds if given (then it
         tears down regardless: a process on its way out), then marks the LLM closed and tears down with no
         call able to start meanwhile."""
+        self.closed = True  # first: a call that finds the guard held from here on is told it is closed
         held = self._lock.acquire(timeout=-1 if wait is None else wait)
         try:
-            self.closed = True
             yield
         finally:
             if held:

@@ -229,24 +229,34 @@ class RankGroup:
         except GeneratorExit:  # (a stream closed early: `LLM.stream` ran its ranks' part to the end)
             raise
         except BaseException as e:
-            if isinstance(e, RankError) and self._failed is None:
-                # (the first line, without its stderr: "rank 1: killed by SIGKILL")
-                head = str(e).split("\n", 1)[0].split("; its stderr ends", 1)[0]
-                self._failed = head.removeprefix("tensor-parallel ").replace(" failed: ", ": ", 1)
-            if (
-                sum(r.sent for r in self.ranks) != sent
-                and self._left is None
-                and not isinstance(e, RankError)
-            ):
-                self._left = f"rank 0 left {self._last}() on {type(e).__name__} while the other ranks ran it"
-            if not isinstance(e, Exception):
-                raise
+            found = e if isinstance(e, RankError) else None
             # A broken collective is a RuntimeError (gloo / NCCL): give the rank's report a moment to
             # arrive. Anything else (this rank's own bad input or checkpoint error) raises as it is: a
             # rank that found the same problem first must not replace it with its own report.
-            if isinstance(e, RuntimeError) and not isinstance(e, RankError):
-                self.check(wait=5.0)
+            if isinstance(e, RuntimeError) and found is None:
+                try:
+                    self.check(wait=5.0)
+                except RankError as reported:
+                    found = reported
+            if found is not None:
+                self._note_failure(found)
+            elif sum(r.sent for r in self.ranks) != sent and self._left is None:
+                self._left = f"rank 0 left {self._last}() on {type(e).__name__} while the other ranks ran it"
+            if found is not None and found is not e:
+                raise found from e
             raise
+
+    def _note_failure(self, e: RankError) -> None:
+        """The first rank failure, said in a line ("rank 1: killed by SIGKILL", "rank 1: RuntimeError: ...");
+        a refusal of this group's own (already broken) is none."""
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if self._failed is not None or not lines or not lines[0].startswith("tensor-parallel rank "):
+            return
+        head = lines[0].split("; its stderr ends", 1)[0].removeprefix("tensor-parallel ")
+        rank, failed, why = head.partition(" failed: ")
+        if failed and why.startswith("Traceback"):  # a rank's own exception: its last line says it
+            why = lines[-1]
+        self._failed = f"{rank}: {why}" if failed else head
 
     def close(self, kill: bool = False) -> None:
         """Tell the ranks to leave (or kill them) and wait for them; idempotent. Ranks still in a call that

@@ -100,6 +100,29 @@ def test_close_with_a_wait_gives_up_on_a_running_call(llm, monkeypatch):
         caller.join(30)
 
 
+def test_a_call_racing_close_is_told_the_llm_is_closed(llm):
+    # (a call that found the guard held by close() said "LLM.None is running on this LLM in another thread")
+    said: list[str] = []
+    started = threading.Event()
+
+    def calls():
+        while True:
+            try:
+                started.set()
+                llm.score([1, 2])
+            except RuntimeError as e:
+                said.append(str(e))
+                return
+
+    t = threading.Thread(target=calls)
+    t.start()
+    assert started.wait(30)
+    time.sleep(0.05)
+    llm.close()
+    t.join(30)
+    assert len(said) == 1 and "this LLM is closed" in said[0], said
+
+
 def test_every_call_after_close_is_refused(llm):
     # (a closed single-process LLM went on decoding; with TP ranks it said the ranks were closed)
     llm.close()

@@ -92,6 +92,15 @@ def test_a_rank_killed_after_joining_fails_the_parent_fast(tiny_tp):
         with pytest.raises(RankError, match="rank 1 failed: killed by SIGKILL"):
             llm.score([1, 2, 3])
         assert time.monotonic() - t0 < 10
+        # every later call names the dead rank (it said "rank 0 left score() on RuntimeError ... out of step",
+        # then nested its own refusals)
+        why = llm.broken
+        assert why.startswith("its tensor-parallel ranks failed (rank 1: killed by SIGKILL")
+        assert why.endswith("); close() it and make a new LLM") and "out of step" not in why
+        for _ in range(2):
+            with pytest.raises(RankError) as e:
+                llm.generate([1, 2, 3])
+            assert str(e.value) == "this LLM's " + why.removeprefix("its ")
     finally:
         llm.close()
     assert not dist.is_initialized()
