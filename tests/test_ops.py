@@ -1,5 +1,7 @@
 """Every torch.ops.k26 op has a schema, a fake and a reference that agree (torch.library.opcheck)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from oracles import random_int4_experts
@@ -282,6 +284,30 @@ def test_a_read_only_install_builds_its_library_in_the_users_cache(monkeypatch, 
     assert build.default_build_dir(pkg) == tmp_path / "cache" / "k26" / "ops"
     monkeypatch.setenv("K26_OPS_BUILD", str(tmp_path / "mine"))
     assert build.default_build_dir(pkg) == tmp_path / "mine"
+
+
+def test_a_read_only_install_loads_the_library_built_beside_its_sources(monkeypatch, tmp_path):
+    """(A diff review: a read-only install whose library was built when installed rebuilt it per user in
+    ~/.cache, needing nvcc and minutes.)"""
+    from k26.ops import build
+
+    monkeypatch.delenv("K26_OPS_LIB", raising=False)
+    monkeypatch.setattr(build, "BUILD_DIR", tmp_path / "cache")  # (the user's cache: nothing built there)
+    shipped = Path(build.__file__).parent / "_build" / build.library_path().name
+    made = not shipped.exists()
+    shipped.parent.mkdir(exist_ok=True)
+    shipped.touch()
+    loaded = []
+    monkeypatch.setattr(build.ctypes, "CDLL", lambda path: loaded.append(path))
+    monkeypatch.setattr(build, "build", lambda **kw: pytest.fail("rebuilt"))
+    build.library.cache_clear()
+    try:
+        build.library()
+    finally:
+        build.library.cache_clear()
+        if made:
+            shipped.unlink()
+    assert loaded == [str(shipped)]
 
 
 def test_a_checked_forward_lets_its_ops_skip_only_the_same_unchanged_spans(monkeypatch):

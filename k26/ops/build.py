@@ -246,6 +246,9 @@ def build(archs: tuple[str, ...] = ARCHS, out: Path | None = None, verbose: bool
 def library() -> ctypes.CDLL:
     """The loaded kernel library, built on first use if no cached build matches the sources."""
     path = Path(os.environ["K26_OPS_LIB"]) if "K26_OPS_LIB" in os.environ else library_path()
+    shipped = Path(__file__).parent / "_build" / path.name  # (a read-only install's, built when installed)
+    if not path.exists() and "K26_OPS_LIB" not in os.environ and shipped.exists():
+        path = shipped
     if not path.exists():
         # TP ranks start together: one builds under the lock, the others find its library afterwards.
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from ..decode import BatchState
 from ..sampling import SamplingParams
 from ..spec.step import SpecConfig
+from ..tp_driver import RankError
 from .errors import APIError
 from .metrics import Metrics
 
@@ -171,8 +173,12 @@ class Engine:
                 self.error = e
             self.ready.set()
             self._answer_left(Event([], error=f"engine failed: {brief(e)}", status=503, code="engine_down"))
-            if not self.stopping:  # (one line, not the thread's traceback: a dead rank's text is in it)
+            if self.stopping:  # (a shutdown's own casualties: nothing to report)
+                return
+            if isinstance(e, RankError):  # one line, not the thread's traceback: the rank's is in it
                 print(f"k26: the engine stopped: {brief(e)}", file=sys.stderr)
+            else:  # a bug of ours: its traceback, once
+                traceback.print_exception(e, file=sys.stderr)
             return
         # told to stop (stop_soon): the server is shutting down
         self._answer_left(Event([], error=SHUTTING_DOWN, status=503, code="server_shutting_down"))
