@@ -6,6 +6,7 @@ an OpenAI-shaped 500 for a bug of ours, and the body's Unicode check on a deeply
 import asyncio
 import http.client
 import json
+import time
 import urllib.parse
 
 import pytest
@@ -78,6 +79,28 @@ def test_a_stalled_body_gets_408_instead_of_holding_its_connection(served, monke
             reply += part
         reply = reply.decode()
     assert reply.startswith("HTTP/1.1 408") and "stalled: nothing for 0.5 s after 10 bytes" in reply, reply
+
+
+def test_a_body_still_uploading_at_shutdown_gets_503(served):
+    # (a diff review: its handler waited in the body until uvicorn's grace ended, then was cancelled: a
+    # plain-text 500 and a CancelledError traceback)
+    import socket
+
+    engine = served["engine"]
+    u = urllib.parse.urlsplit(served["url"])
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall((head + "Content-Length: 100\r\n\r\n" + '{"model": ').encode())
+        time.sleep(0.3)
+        engine.stopping = True  # (what stop_soon sets; the shared engine itself goes on)
+        try:
+            reply = b""
+            while b"shutting down" not in reply and (part := sock.recv(65536)):
+                reply += part
+        finally:
+            engine.stopping = False
+    reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 503") and "server_shutting_down" in reply, reply
 
 
 def test_requests_are_parsed_where_no_event_loop_runs(served, monkeypatch):

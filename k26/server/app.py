@@ -48,6 +48,10 @@ class Served:
     def llm(self):
         return self.engine.llm
 
+    def stopping(self) -> bool:
+        """The server is shutting down (a body still uploading is answered 503, not cancelled)."""
+        return self.engine.stopping
+
 
 def create_app(
     engine: Engine, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
@@ -108,7 +112,7 @@ def create_app(
     async def tokenize(request: Request):
         """A prompt's ids as /v1/completions (`prompt`) or /v1/chat/completions (`messages`, `tools`,
         `chat_template_kwargs`) would build them, with their count and the context they go into."""
-        body = await read_json(request, s.max_body_bytes)
+        body = await read_json(request, s.max_body_bytes, s.stopping)
         llm = s.llm  # (tokenizing a long prompt in a worker thread: the other clients' streams go on)
         ids = await asyncio.to_thread(
             prompt_ids, body, llm.tokenizer, llm.config.vocab_size, s.fmt, model=s.model
@@ -117,7 +121,7 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await read_json(request, s.max_body_bytes)
+        body = await read_json(request, s.max_body_bytes, s.stopping)
         ids = token_ids(body, s.llm.config.vocab_size, model=s.model)
         return {"prompt": s.llm.tokenizer.decode(ids)}
 
@@ -178,7 +182,7 @@ class RequireKey:
 
 async def generate(s: Served, request: Request, chat: bool):
     """Validate, queue for the engine (a row per choice), then answer whole or as a stream."""
-    body = await read_json(request, s.max_body_bytes)
+    body = await read_json(request, s.max_body_bytes, s.stopping)
     llm = s.llm
     p = await asyncio.to_thread(  # (tokenizing in a worker thread: the other clients' streams go on)
         parse,

@@ -11,7 +11,7 @@ import re
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from .errors import APIError
+from .errors import SHUTTING_DOWN, APIError
 
 # A 256K-token prompt is ~1 MB of text or ~2 MB of ids; many such prompts in one request (up to 64 are
 # allowed) may exceed it, and go as several requests. Parsing holds the GIL: a body near the cap pauses the
@@ -22,10 +22,11 @@ MAX_BODY_BYTES = 64 << 20
 BODY_STALL_S = 30.0
 
 
-async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
+async def read_json(request: Request, limit: int = MAX_BODY_BYTES, stopping=lambda: False):
     """The body as JSON; APIError 415 for a Content-Type other than JSON (none is taken as JSON), 413 above
     `limit` bytes (by Content-Length before reading, or as the chunks arrive), 408 for a body stalled for
-    BODY_STALL_S, 400 for what is not JSON or not text, 499 for a client gone before the body ended."""
+    BODY_STALL_S, 503 once `stopping()` (the server shuts down while the body uploads: an answer, not a
+    cancelled handler), 400 for what is not JSON or not text, 499 for a client gone before the body ended."""
     check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -33,11 +34,7 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
     chunks, size, stall = [], 0, BODY_STALL_S
     parts = request.stream()
     try:
-        while True:
-            try:
-                chunk = await asyncio.wait_for(anext(parts), stall)
-            except StopAsyncIteration:
-                break
+        while (chunk := await _next_part(parts, stall, stopping)) is not None:
             size += len(chunk)
             if size > limit:
                 raise _too_large(size, limit)
@@ -47,6 +44,31 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES):
     except TimeoutError:
         raise APIError(408, f"the request body stalled: nothing for {stall:g} s after {size} bytes") from None
     return await asyncio.to_thread(parse_json, b"".join(chunks))
+
+
+async def _next_part(parts, stall: float, stopping) -> bytes | None:
+    """The body's next chunk (None at its end), looking at `stopping` every second while it waits;
+    TimeoutError after `stall` seconds without one."""
+
+    async def take():
+        try:
+            return await anext(parts)
+        except StopAsyncIteration:
+            return None
+
+    task, waited = asyncio.ensure_future(take()), 0.0
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=min(1.0, stall - waited))
+            if done:
+                return task.result()
+            waited += min(1.0, stall - waited)
+            if stopping():
+                raise APIError(503, SHUTTING_DOWN, type="server_error", code="server_shutting_down")
+            if waited >= stall:
+                raise TimeoutError
+    finally:
+        task.cancel()
 
 
 def check_content_type(value: str | None) -> None:

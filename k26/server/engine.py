@@ -27,7 +27,7 @@ from ..decode import BatchState
 from ..sampling import SamplingParams
 from ..spec.step import SpecConfig
 from ..tp_driver import RankError
-from .errors import APIError
+from .errors import SHUTTING_DOWN, APIError
 from .metrics import Metrics
 
 
@@ -68,9 +68,6 @@ class Event:
     def http_error(self) -> APIError:
         """This error event as the HTTP error its client gets."""
         return APIError(self.status, self.error, type="server_error", code=self.code)
-
-
-SHUTTING_DOWN = "the server is shutting down; retry the request"
 
 
 @dataclass(eq=False)  # identity: the engine looks requests up among its rows

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+SHUTTING_DOWN = "the server is shutting down; retry the request"  # (503 server_shutting_down)
+
 
 class APIError(Exception):
     def __init__(
