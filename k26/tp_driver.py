@@ -40,7 +40,12 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # so a rank imports
 
 
 class RankError(RuntimeError):
-    """A tensor-parallel rank process failed; the message carries that rank's own error text."""
+    """A tensor-parallel rank process failed; the message carries that rank's own error text, `summary` the
+    failure in a line ("rank 1: killed by SIGKILL"; None for a group's refusal of a further call)."""
+
+    def __init__(self, message: str, summary: str | None = None):
+        super().__init__(message)
+        self.summary = summary
 
 
 class _Rank:
@@ -92,11 +97,13 @@ class _Rank:
         be raised; anything else as a RankError carrying the rank's traceback or exit."""
         if kind == "error" and payload[0] is not None:
             raise payload[0]
-        raise RankError(f"tensor-parallel rank {self.rank} failed: {self.failure(kind, payload)}")
+        line, text = self.failure(kind, payload)
+        raise RankError(f"tensor-parallel rank {self.rank} failed: {text}", f"rank {self.rank}: {line}")
 
-    def failure(self, kind: str, payload) -> str:
-        if kind == "error":
-            return payload[1]  # (the rank's error, its traceback text)
+    def failure(self, kind: str, payload) -> tuple[str, str]:
+        """(the failure in a line, its whole text)."""
+        if kind == "error":  # (the rank's error, its traceback text): its last line says it
+            return payload[1].strip().splitlines()[-1].strip(), payload[1]
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -108,12 +115,15 @@ class _Rank:
         )
         self.log.seek(0)
         tail = b"".join(self.log.readlines()[-25:]).decode(errors="replace").rstrip()
-        return f"{how}" + (f"; its stderr ends:\n{tail}" if tail else " with nothing on stderr")
+        if not tail:
+            return f"{how} with nothing on stderr", f"{how} with nothing on stderr"
+        return how, f"{how}; its stderr ends:\n{tail}"
 
 
 def _late(rank: int, want: str) -> RankError:
     wait = k26_dist.timeout().total_seconds()  # (a rank's start alone takes seconds: a short wait says why)
-    return RankError(f"tensor-parallel rank {rank} sent no '{want}' within {wait:g} s (K26_DIST_TIMEOUT)")
+    late = f"rank {rank} sent no '{want}' within {wait:g} s (K26_DIST_TIMEOUT)"
+    return RankError(f"tensor-parallel {late}", late)
 
 
 class RankGroup:
@@ -239,24 +249,12 @@ class RankGroup:
                 except RankError as reported:
                     found = reported
             if found is not None:
-                self._note_failure(found)
+                self._failed = self._failed or found.summary  # (the group's own refusals have none)
             elif sum(r.sent for r in self.ranks) != sent and self._left is None:
                 self._left = f"rank 0 left {self._last}() on {type(e).__name__} while the other ranks ran it"
             if found is not None and found is not e:
                 raise found from e
             raise
-
-    def _note_failure(self, e: RankError) -> None:
-        """The first rank failure, said in a line ("rank 1: killed by SIGKILL", "rank 1: RuntimeError: ...");
-        a refusal of this group's own (already broken) is none."""
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        if self._failed is not None or not lines or not lines[0].startswith("tensor-parallel rank "):
-            return
-        head = lines[0].split("; its stderr ends", 1)[0].removeprefix("tensor-parallel ")
-        rank, failed, why = head.partition(" failed: ")
-        if failed and why.startswith("Traceback"):  # a rank's own exception: its last line says it
-            why = lines[-1]
-        self._failed = f"{rank}: {why}" if failed else head
 
     def close(self, kill: bool = False) -> None:
         """Tell the ranks to leave (or kill them) and wait for them; idempotent. Ranks still in a call that

@@ -20,8 +20,9 @@ def llm(tiny_k25):
     m.close()
 
 
-def test_a_call_from_another_thread_while_one_runs_is_refused_by_name(llm, monkeypatch):
-    # (four threads' generate() calls each returned plausible tokens, none its own)
+def hold_decoding(llm, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The next decoding call on `llm` sets `inside`, then waits for `go_on` before it decodes: a call held
+    running in its thread while the test acts from another."""
     inside, go_on = threading.Event(), threading.Event()
     run = llm.decoder.run
 
@@ -31,6 +32,12 @@ def test_a_call_from_another_thread_while_one_runs_is_refused_by_name(llm, monke
         yield from run(*a, **kw)
 
     monkeypatch.setattr(llm.decoder, "run", held)
+    return inside, go_on
+
+
+def test_a_call_from_another_thread_while_one_runs_is_refused_by_name(llm, monkeypatch):
+    # (four threads' generate() calls each returned plausible tokens, none its own)
+    inside, go_on = hold_decoding(llm, monkeypatch)
     sp = SamplingParams(max_tokens=3)
     first: list = []
     t = threading.Thread(target=lambda: first.append(llm.generate([5, 6, 7], sp, SpecConfig("ar"))))
@@ -49,15 +56,7 @@ def test_a_call_from_another_thread_while_one_runs_is_refused_by_name(llm, monke
 
 def test_close_waits_for_a_call_running_in_another_thread(llm, monkeypatch):
     # (close() from another thread returned at once, freeing graphs under the running call's replay)
-    inside, go_on = threading.Event(), threading.Event()
-    run = llm.decoder.run
-
-    def held(*a, **kw):
-        inside.set()
-        assert go_on.wait(30)
-        yield from run(*a, **kw)
-
-    monkeypatch.setattr(llm.decoder, "run", held)
+    inside, go_on = hold_decoding(llm, monkeypatch)
     out: list = []
     sp = SamplingParams(max_tokens=3)
     caller = threading.Thread(target=lambda: out.append(llm.generate([5, 6, 7], sp)))
@@ -77,15 +76,7 @@ def test_close_waits_for_a_call_running_in_another_thread(llm, monkeypatch):
 
 def test_close_with_a_wait_gives_up_on_a_running_call(llm, monkeypatch):
     # (the server's Ctrl-C during a start-up capture: its close must not wait minutes for the engine thread)
-    inside, go_on = threading.Event(), threading.Event()
-    run = llm.decoder.run
-
-    def held(*a, **kw):
-        inside.set()
-        assert go_on.wait(30)
-        yield from run(*a, **kw)
-
-    monkeypatch.setattr(llm.decoder, "run", held)
+    inside, go_on = hold_decoding(llm, monkeypatch)
     caller = threading.Thread(target=lambda: llm.generate([5, 6, 7], SamplingParams(max_tokens=2)))
     caller.start()
     try:

@@ -356,6 +356,14 @@ def test_a_path_like_of_the_callers_own_class_reaches_the_ranks(tiny_tp, tmp_pat
         llm.close()
 
 
+def _idle_soon(group: RankGroup, within: float = 30.0) -> bool:
+    """Whether every rank finishes the calls mirrored to it within `within` seconds."""
+    deadline = time.monotonic() + within
+    while not group._idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return group._idle()
+
+
 def test_an_argument_no_rank_can_take_is_named_and_leaves_the_ranks_in_step():
     # (a local class in a call's arguments: the pickle failed after rank 0 had counted the call as sent: the
     # user saw "'RankGroup' object has no attribute '_last'" and every close() waited, then killed the ranks)
@@ -370,10 +378,7 @@ def test_an_argument_no_rank_can_take_is_named_and_leaves_the_ranks_in_step():
         ):
             group.mirror("update", {"x": Local()})
         group.mirror("update", {"x": 1})
-        deadline = time.monotonic() + 30
-        while not group._idle() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert group._idle() and group.broken is None
+        assert _idle_soon(group) and group.broken is None
     finally:
         group.close()
         dist.destroy_process_group()
@@ -387,8 +392,9 @@ def test_a_failed_rank_is_named_by_every_later_call_and_breaks_the_group():
         group.wait_ready()
         with pytest.raises(RankError), group.surface():
             group.mirror("update", {"x": 1})
-            raise RankError(
-                "tensor-parallel rank 1 failed: killed by SIGKILL; its stderr ends:\nTraceback ..."
+            raise RankError(  # (as _Rank.raise_failure makes it)
+                "tensor-parallel rank 1 failed: killed by SIGKILL; its stderr ends:\nTraceback ...",
+                "rank 1: killed by SIGKILL",
             )
         assert group.broken == "failed (rank 1: killed by SIGKILL); close() it and make a new LLM"
         with pytest.raises(RankError, match=r"ranks failed \(rank 1: killed by SIGKILL\); close\(\) it"):
@@ -469,10 +475,7 @@ def test_ranks_started_from_a_thread_outlive_that_thread():
         time.sleep(1.5)  # (the parent watcher looks twice a second)
         assert group.ranks[0].proc.poll() is None
         group.mirror("update", {"x": 1})
-        deadline = time.monotonic() + 30
-        while not group._idle() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert group._idle() and group.ranks[0].proc.poll() is None
+        assert _idle_soon(group) and group.ranks[0].proc.poll() is None
     finally:
         group.close()
         dist.destroy_process_group()
