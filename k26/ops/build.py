@@ -199,6 +199,10 @@ VARIANTS: dict[str, list[str]] = {
     # 7.7 µs against 6.7 by default: slower. One slot set per device: one router launch at a time (no
     # bounded spin), emptied before the next by the PDL chain's waits
     "-DK26_ROUTER_POLL": ["moe_router.cu"],
+    # tree attention, a probe (wrong outputs: never a library anything but a bench loads): the splits store
+    # their partials and leave, no barrier, no merge; the step's time then bounds what moving the merge into
+    # W_UV's kernel (behind the kernel boundary the step pays anyway) could save
+    "-DK26_ATTN_PROBE_NO_MERGE": ["mla_tree_attn.cu"],
 }
 
 

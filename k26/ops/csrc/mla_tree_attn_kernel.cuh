@@ -464,6 +464,9 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       __stcg(lp + split * BM + tid, l);
   }
   if (active == 1) return;
+#ifdef K26_ATTN_PROBE_NO_MERGE
+  return;  // measurement only, wrong output: the step's time without the barrier + merge (an upper bound)
+#endif
   tile_barrier(bar, gen, active, split == 0);
   TRACE(3);
   merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
