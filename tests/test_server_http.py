@@ -81,6 +81,29 @@ def test_a_stalled_body_gets_408_instead_of_holding_its_connection(served, monke
     assert reply.startswith("HTTP/1.1 408") and "stalled: nothing for 0.5 s after 10 bytes" in reply, reply
 
 
+def test_a_trickling_body_gets_408_at_its_deadline(served, monkeypatch):
+    # (a byte every few seconds, each within the stall limit, held a connection for as long as it liked)
+    import socket
+
+    import k26.server.body as body_module
+
+    monkeypatch.setattr(body_module, "BODY_DEADLINE_S", 1.0)
+    u = urllib.parse.urlsplit(served["url"])
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall((head + "Content-Length: 100\r\n\r\n").encode())
+        sock.settimeout(0.2)
+        reply, t0 = b"", time.monotonic()
+        while b"uploading" not in reply and time.monotonic() - t0 < 20:
+            try:
+                sock.sendall(b" ")
+                reply += sock.recv(65536)
+            except (TimeoutError, BrokenPipeError, ConnectionResetError):
+                pass
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 408") and "still uploading after 1 s (" in reply, reply
+
+
 def test_a_body_still_uploading_at_shutdown_gets_503(served):
     # (a diff review: its handler waited in the body until uvicorn's grace ended, then was cancelled: a
     # plain-text 500 and a CancelledError traceback)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -20,21 +21,25 @@ MAX_BODY_BYTES = 64 << 20
 # A body whose next bytes take longer than this is dropped (408): a client that declares more than it sends
 # would otherwise hold its connection and the bytes so far for as long as it likes.
 BODY_STALL_S = 30.0
+# ... and one that trickles in (a byte every 29 s) is dropped once its upload has taken this long: 64 MB (the
+# default cap) at 1 MB/s takes ~64 s.
+BODY_DEADLINE_S = 300.0
 
 
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES, stopping=lambda: False):
     """The body as JSON; APIError 415 for a Content-Type other than JSON (none is taken as JSON), 413 above
     `limit` bytes (by Content-Length before reading, or as the chunks arrive), 408 for a body stalled for
-    BODY_STALL_S, 503 once `stopping()` (the server shuts down while the body uploads: an answer, not a
-    cancelled handler), 400 for what is not JSON or not text, 499 for a client gone before the body ended."""
+    BODY_STALL_S or still uploading after BODY_DEADLINE_S, 503 once `stopping()` (the server shuts down while
+    the body uploads: an answer, not a cancelled handler), 400 for what is not JSON or not text, 499 for a
+    client gone before the body ended."""
     check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    chunks, size, stall = [], 0, BODY_STALL_S
-    parts = request.stream()
+    chunks, size, stall, deadline = [], 0, BODY_STALL_S, BODY_DEADLINE_S
+    parts, end = request.stream(), time.monotonic() + deadline
     try:
-        while (chunk := await _next_part(parts, stall, stopping)) is not None:
+        while (chunk := await _next_part(parts, min(stall, end - time.monotonic()), stopping)) is not None:
             size += len(chunk)
             if size > limit:
                 raise _too_large(size, limit)
@@ -42,7 +47,11 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES, stopping=lamb
     except ClientDisconnect:  # the client left before its body came whole: its doing, not a 500 of ours
         raise APIError(499, "client closed the request") from None
     except TimeoutError:
-        raise APIError(408, f"the request body stalled: nothing for {stall:g} s after {size} bytes") from None
+        if time.monotonic() >= end:
+            why = f"still uploading after {deadline:g} s ({size} bytes so far)"
+        else:
+            why = f"stalled: nothing for {stall:g} s after {size} bytes"
+        raise APIError(408, f"the request body {why}") from None
     return await asyncio.to_thread(parse_json, b"".join(chunks))
 
 
@@ -59,14 +68,14 @@ async def _next_part(parts, stall: float, stopping) -> bytes | None:
     task, waited = asyncio.ensure_future(take()), 0.0
     try:
         while True:
+            if waited >= stall:
+                raise TimeoutError
             done, _ = await asyncio.wait({task}, timeout=min(1.0, stall - waited))
             if done:
                 return task.result()
             waited += min(1.0, stall - waited)
             if stopping():
                 raise APIError(503, SHUTTING_DOWN, type="server_error", code="server_shutting_down")
-            if waited >= stall:
-                raise TimeoutError
     finally:
         task.cancel()
 
