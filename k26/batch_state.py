@@ -91,25 +91,29 @@ class BatchState:
         lengths = (len(self.outs[b].prompt_token_ids) + len(self.outs[b].token_ids) for b in self.live)
         return max(lengths, default=0) <= self.room
 
-    def add(
-        self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams], prefilled: list[bool]
-    ) -> None:
-        """Take requests into `slots`; rows that are not `prefilled` (max_tokens 0, no prompt logprobs) finish
-        at once, the others go live once their prefill ends (`admission.py`)."""
+    def check_params(self, params: list[SamplingParams]) -> None:
+        """ValueError for a request this batch's sampling modes cannot serve, before any row or rank acts on
+        it (under TP a refusal after the ranks were told left them out of step)."""
         # (eager batches hold the same rule as graphed ones: open_batch(logprobs=False) on a CPU refused
         # nothing and accepted a row its GPU twin refuses)
         if "logprobs" not in self.modes and any(p.logprobs is not None for p in params):
             raise ValueError(
                 "SamplingParams.logprobs: this batch has no logprobs graphs (open_batch(logprobs=False))"
             )
-        if any(p.penalized for p in params):
-            if not {"filter", "logprobs"} & set(self.modes):
-                raise ValueError(
-                    "SamplingParams penalties / logit_bias: this batch has no graphs of the 'filter' "
-                    "sampling mode"
-                )
-            if self.graph is None and self.penalties is None:
-                self.penalties = Penalties.allocate(self.capacity, self.vocab, self.lens.device)
+        if any(p.penalized for p in params) and not {"filter", "logprobs"} & set(self.modes):
+            raise ValueError(
+                "SamplingParams penalties / logit_bias: this batch has no graphs of the 'filter' "
+                "sampling mode"
+            )
+
+    def add(
+        self, slots: list[int], prompts: list[list[int]], params: list[SamplingParams], prefilled: list[bool]
+    ) -> None:
+        """Take requests into `slots`; rows that are not `prefilled` (max_tokens 0, no prompt logprobs) finish
+        at once, the others go live once their prefill ends (`admission.py`)."""
+        self.check_params(params)
+        if any(p.penalized for p in params) and self.graph is None and self.penalties is None:
+            self.penalties = Penalties.allocate(self.capacity, self.vocab, self.lens.device)
         dev = self.lens.device
         for adm in self.pending:  # copies still to come from these rows read what they held: not any more
             for b in slots:

@@ -61,6 +61,7 @@ class ContinuousBatching:
             raise ValueError(f"admit(): {len(prompts)} prompts, {len(batch.free_slots())} free rows")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         params = [check_sampling(sp, self.config.vocab_size) for sp in params]
+        batch.check_params(params)  # (here, not on the ranks: a refusal there leaves them out of step)
         check_rows_free("admit()", self._streaming, None)  # (the batch's own rows are its to manage)
         self._mirror("admit", prompts, params, wait)
         return self.decoder.admit(self.batch, prompts, params, wait)

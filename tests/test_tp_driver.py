@@ -301,3 +301,21 @@ def test_a_path_like_of_the_callers_own_class_reaches_the_ranks(tiny_tp, tmp_pat
         assert len(out[0].token_ids) == 2
     finally:
         llm.close()
+
+
+def test_an_admit_the_open_batch_refuses_leaves_a_tp_llm_working(tiny_tp):
+    # (found by a review: the batch's own refusal, logprobs without logprobs graphs, came on every rank after
+    # the call was mirrored; a rank's error on a mirrored call means "out of step": the LLM was broken)
+    from k26 import SamplingParams, SpecConfig
+
+    llm = LLM(tiny_tp[0], tp=2, **{**KW, "max_batch": 2})
+    try:
+        llm.open_batch(SpecConfig("ar"), logprobs=False)
+        with pytest.raises(ValueError, match="this batch has no logprobs graphs"):
+            llm.admit([[5, 6, 7]], [SamplingParams(max_tokens=3, logprobs=1)])
+        (slot,) = llm.admit([[5, 6, 7]], [SamplingParams(max_tokens=3, stop_token_ids=[])])
+        while llm.batch.live:
+            llm.step()
+        assert len(llm.release(slot).token_ids) == 3 and llm.broken is None
+    finally:
+        llm.close()
