@@ -7,7 +7,7 @@ import numbers
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -301,6 +301,7 @@ def check_sampling(sp: SamplingParams, vocab: int) -> SamplingParams:
     """What SamplingParams cannot check alone: its logit_bias and stop_token_ids ids lie in the vocabulary."""
     if not isinstance(sp, SamplingParams):
         raise TypeError(f"sampling must be a k26.SamplingParams, got {type(sp).__name__}")
+    sp = as_exact(sp, SamplingParams)
     for name, ids in (
         ("logit_bias", [i for i, _ in sp.logit_bias]),
         ("stop_token_ids", sp.stop_token_ids or ()),
@@ -310,6 +311,15 @@ def check_sampling(sp: SamplingParams, vocab: int) -> SamplingParams:
                 f"SamplingParams.{name}: token id {bad[0]} is not below the vocabulary size {vocab}"
             )
     return sp
+
+
+def as_exact(obj, cls):
+    """`obj`, an instance of the dataclass `cls` or of a subclass, as `cls` itself with the same fields: the
+    tensor-parallel ranks unpickle a call's arguments in their own interpreter, where a subclass the user's
+    script defined does not exist (the rank died at the load)."""
+    if type(obj) is cls:
+        return obj
+    return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if f.init})
 
 
 def check_request(
@@ -326,9 +336,10 @@ def check_request(
     spec = SpecConfig(method="ddtree" if block is not None else "ar") if spec is None else spec
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a k26.SpecConfig, got {type(spec).__name__}")
+    spec = as_exact(spec, SpecConfig)
     if spec.method != "ar" and block is None:
         raise ValueError(f"spec method {spec.method!r} needs a drafter: LLM(..., drafter=DIR)")
-    check_sampling(sp, vocab)
+    sp = check_sampling(sp, vocab)
     return sp, spec if spec.method == "ar" else fit_spec(spec, max_model_len, block)
 
 

@@ -236,9 +236,9 @@ class LLM(OneShotCalls, ContinuousBatching):
         if not self.graphs or not (greedy or sampled):  # (neither: no sampling mode, nothing to capture)
             return []
         kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
-        self._overwriting_rows("capture()")  # warm-ups and budget timings run on the caches as scratch
         checked = self._prepare([[0]], None, spec)[2]  # a bad spec refused here, before the ranks run it
-        self._mirror("capture", spec, greedy, sampled)
+        # warm-ups and budget timings run on the caches as scratch
+        self._overwriting_rows("capture()", "capture", checked, greedy, sampled)
         return self._capture(checked, kinds)
 
     def _capture(self, spec: SpecConfig, kinds: tuple[str, ...]):

@@ -35,17 +35,20 @@ class OneShotCalls:
         of positions per forward)."""
         ids = self._check_ids(token_ids, "token_ids", generating=False)
         check_score_logits(len(ids), self.config.vocab_size, self.device)
-        self._overwriting_rows("score()")
-        self._mirror("score", ids)
+        self._overwriting_rows("score()", "score", ids)
         hs: list[torch.Tensor] = []  # each forward's new positions, in order
         m = self.decoder.ctx.models()
         prefill(m, [ids], [0], False, chunk=self.prefill_chunk, each=lambda _i, h, _at: hs.append(h))
         return self.model.logits(torch.cat(hs))
 
-    def _overwriting_rows(self, what: str) -> None:
-        """score / generate / stream write cache rows: refused while a suspended stream or an open batch's
-        unfinished rows need theirs; an open batch's prefix cache forgets what its rows held."""
+    def _overwriting_rows(self, what: str, name: str, *args) -> None:
+        """score / generate / stream / capture write cache rows: refused while a suspended stream or an open
+        batch's unfinished rows need theirs; then the ranks are told (`name(*args)`, mirrored) and an open
+        batch's prefix cache forgets what its rows held. In that order: a call no rank can take (an argument
+        pickle refuses) changes nothing, where a rank 0 that had forgotten its prefixes alone would later
+        prefill other positions than its ranks (their collectives mismatched)."""
         check_rows_free(what, self._streaming, self.batch)
+        self._mirror(name, *args)
         if self.batch is not None:
             self.batch.overwritten()
 
@@ -72,8 +75,9 @@ class OneShotCalls:
     @torch.inference_mode()
     @surfacing_rank_errors
     def _stream(self, ids: list[int], sp: SamplingParams, spec: SpecConfig):
-        self._overwriting_rows("stream()")  # (again: a call since stream() may have taken the rows)
-        self._mirror("stream", ids, sp, spec)  # here, not at stream(): the ranks run calls in rank 0's order
+        # (the rows checked again: a call since stream() may have taken them; mirrored here, not at stream():
+        # the ranks run calls in rank 0's order)
+        self._overwriting_rows("stream()", "stream", ids, sp, spec)
         text, o = StreamedText(self.tokenizer, sp.stop), None
         steps = self.decoder.run([ids], sp, spec)
         self._streaming = True  # until this generator ends: nothing else may write its row meanwhile
@@ -105,8 +109,7 @@ class OneShotCalls:
         """One output per prompt; a single string or id list counts as one prompt. `spec` picks the decoding
         method (default: DDTree with a drafter loaded, else autoregressive)."""
         encoded, sp, spec = self._prepare(prompts, sampling, spec)
-        self._overwriting_rows("generate()")
-        self._mirror("generate", encoded, sp, spec)
+        self._overwriting_rows("generate()", "generate", encoded, sp, spec)
         outs: list[RequestOutput] = []
         for start in range(0, len(encoded), self.cache.rows):
             last = None

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k26 import LLM
+from k26 import LLM, SamplingParams, SpecConfig
 from k26.tp_driver import RankError
 
 KW = {"device": "cpu", "dtype": torch.float32, "progress": False, "max_batch": 1, "max_model_len": 64}
@@ -317,5 +317,61 @@ def test_an_admit_the_open_batch_refuses_leaves_a_tp_llm_working(tiny_tp):
         while llm.batch.live:
             llm.step()
         assert len(llm.release(slot).token_ids) == 3 and llm.broken is None
+    finally:
+        llm.close()
+
+
+class _CallersSampling(SamplingParams):  # (defined by the caller: the ranks' interpreters do not have it)
+    pass
+
+
+class _CallersSpec(SpecConfig):
+    pass
+
+
+def test_sampling_and_spec_subclasses_of_the_callers_reach_the_ranks(tiny_tp):
+    # (found by a review: a rank could not unpickle the caller's own class and died: the LLM was broken)
+    llm = LLM(tiny_tp[0], tp=2, **{**KW, "max_batch": 2})
+    try:
+        plain = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, stop_token_ids=[]), SpecConfig("ar"))
+        mine = llm.generate(
+            [[1, 2, 3]], _CallersSampling(max_tokens=3, stop_token_ids=[]), _CallersSpec("ar")
+        )
+        assert mine[0].token_ids == plain[0].token_ids
+        llm.open_batch(_CallersSpec("ar"))
+        (slot,) = llm.admit([[1, 2, 3]], [_CallersSampling(max_tokens=3, stop_token_ids=[])])
+        while llm.batch.live:
+            llm.step()
+        assert llm.release(slot).token_ids == plain[0].token_ids and llm.broken is None
+    finally:
+        llm.close()
+
+
+def test_a_call_refused_at_the_mirror_leaves_the_open_batchs_prefixes(tiny_tp, monkeypatch):
+    # (found by a review: generate() forgot the open batch's prefixes on rank 0 before its argument was
+    # refused at the mirror; the ranks still held them, and the next admit prefilled other positions on rank 0
+    # than on rank 1: mismatched collectives, rank 1 killed by SIGABRT)
+    llm = LLM(tiny_tp[0], tp=2, **{**KW, "max_batch": 2})
+    greedy = SamplingParams(max_tokens=2, stop_token_ids=[])
+    try:
+        llm.open_batch(SpecConfig("ar"))
+        prompt = list(range(1, 41))
+        (slot,) = llm.admit([prompt], [greedy])
+        while llm.batch.live:
+            llm.step()
+        llm.release(slot)
+        mirror = llm._ranks.mirror
+
+        def refuse(name, *args, **kw):
+            raise TypeError(f"{name}(): an argument cannot be sent to the tensor-parallel ranks")
+
+        monkeypatch.setattr(llm._ranks, "mirror", refuse)
+        with pytest.raises(TypeError, match="cannot be sent"):
+            llm.generate([[1, 2, 3]], greedy)
+        monkeypatch.setattr(llm._ranks, "mirror", mirror)
+        (slot,) = llm.admit([[*prompt, 7]], [greedy])
+        while llm.batch.live:
+            llm.step()
+        assert llm.release(slot).cached_tokens == 40 and llm.broken is None
     finally:
         llm.close()
