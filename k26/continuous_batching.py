@@ -20,7 +20,7 @@ from .tp_driver import surfacing_rank_errors
 
 class ContinuousBatching:
     """`open_batch`, `admit`, `step`, `release`: mixed into `LLM`, whose state they use (`decoder`, `cache`,
-    `config`, `batch`, `_streaming`) with its `_prepare`, `_check_ids` and `_mirror`."""
+    `config`, `batch`, `_streaming`) with its `_prepare`, `_check_ids`, `_check_bucket` and `_mirror`."""
 
     batch: BatchState | None
 
@@ -38,6 +38,7 @@ class ContinuousBatching:
         if rows is None or not 1 <= rows <= self.cache.rows:
             raise ValueError(f"capacity={capacity!r}: expected 1..{self.cache.rows} (max_batch)")
         capacity = rows
+        self._check_bucket(spec, capacity)
         check_rows_free("open_batch()", self._streaming, self.batch)  # (a previous batch's live rows too)
         self._mirror("open_batch", spec, capacity, logprobs)
         self.batch = self.decoder.open(spec, capacity, MODES if logprobs else MODES[:-1])

@@ -189,7 +189,7 @@ class LLM(OneShotCalls, ContinuousBatching):
             "prefix_cache": self.prefix_cache,
             "prefill_chunk": self.prefill_chunk,
             "prefill_budget": self.prefill_budget,
-            "buckets": [tuple(b) for b in self.user_buckets or ()],
+            "buckets": [(b.batch, b.nodes) for b in self.user_buckets or ()],
         }
 
     def _check_memory(self, dcfg, max_batch: int, cuda_kernels: bool) -> None:
@@ -237,6 +237,7 @@ class LLM(OneShotCalls, ContinuousBatching):
             return []
         kinds = tuple(m for m in MODES if (m == "greedy" and greedy) or (m != "greedy" and sampled))
         checked = self._prepare([[0]], None, spec)[2]  # a bad spec refused here, before the ranks run it
+        self._check_bucket(checked, max(b.batch for b in self.buckets_for(checked)))
         # warm-ups and budget timings run on the caches as scratch
         self._overwriting_rows("capture()", "capture", checked, greedy, sampled)
         return self._capture(checked, kinds)

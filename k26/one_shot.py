@@ -11,11 +11,12 @@ import torch
 
 from .call_guard import one_at_a_time
 from .checks import check_request, check_rows_free, encode_prompts
+from .graphs.buckets import pick_bucket
 from .memory_plan import check_score_logits
 from .outputs import RequestOutput, StreamedText
 from .sampling import SamplingParams
 from .spec.prefill import prefill
-from .spec.step import SpecConfig
+from .spec.step import SpecConfig, verify_nodes
 from .tp_driver import surfacing_rank_errors
 
 Prompt = str | Sequence[int]
@@ -56,7 +57,14 @@ class OneShotCalls:
         block = None if self.drafter is None else self.drafter.cfg.block_size
         sp, spec = check_request(sampling, spec, block, self.max_model_len, self.config.vocab_size)
         encoded = encode_prompts(prompts, self.tokenizer, self.config.vocab_size, self.max_model_len)
+        self._check_bucket(spec, min(len(encoded), self.cache.rows))
         return encoded, sp, spec
+
+    def _check_bucket(self, spec: SpecConfig, rows: int) -> None:
+        """With graphs, a bucket must hold `rows` sequences at `spec`'s verify width (the user's `buckets`
+        may not): refused here, before the ranks are told (the decoder's own refusal came on every rank)."""
+        if self.graphs:
+            pick_bucket(self.buckets_for(spec), rows, verify_nodes(spec, self.decoder.ctx.block))
 
     @one_at_a_time
     def stream(

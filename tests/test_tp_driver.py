@@ -375,3 +375,29 @@ def test_a_call_refused_at_the_mirror_leaves_the_open_batchs_prefixes(tiny_tp, m
         assert llm.release(slot).cached_tokens == 40 and llm.broken is None
     finally:
         llm.close()
+
+
+def test_a_batch_no_graph_bucket_holds_is_refused_before_the_ranks_are_told(tiny_tp, monkeypatch):
+    # (found by a review: the decoder's pick_bucket refused it on every rank, after the call was mirrored;
+    # graphs need CUDA, so rank 0 alone is told it has them: its check must come before anything is sent)
+    llm = LLM(tiny_tp[0], drafter=tiny_tp[1], tp=2, **{**KW, "max_batch": 2}, buckets=[(1, 1)])
+    try:
+        told: list[str] = []
+        mirror = llm._ranks.mirror
+        monkeypatch.setattr(
+            llm._ranks, "mirror", lambda name, *a, **k: (told.append(name), mirror(name, *a, **k))
+        )
+        monkeypatch.setattr(llm, "graphs", True)
+        greedy = SamplingParams(max_tokens=2, stop_token_ids=[])
+        for call in (
+            lambda: llm.generate([[1, 2], [3, 4]], greedy, SpecConfig("ar")),
+            lambda: llm.open_batch(SpecConfig("ar"), capacity=2),
+            lambda: llm.generate([[1, 2]], greedy, SpecConfig("dflash")),
+        ):
+            with pytest.raises(ValueError, match="no graph bucket holds batch"):
+                call()
+        assert told == []
+        monkeypatch.setattr(llm, "graphs", False)
+        assert len(llm.generate([[1, 2], [3, 4]], greedy, SpecConfig("ar"))) == 2 and llm.broken is None
+    finally:
+        llm.close()
