@@ -163,15 +163,8 @@ def same_setup_on_every_rank(path, settings: dict) -> None:
     """Every rank must load the same checkpoint (a digest of config.json and the tensor index) with the same
     settings (context length, batch rows, dtype...): torchrun starts each rank from its own command line,
     and ranks that differ would pair their collectives wrongly (a hang or wrong tokens), not fail."""
-    import hashlib
-    from pathlib import Path
-
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json"):
-        f = Path(path) / name
-        h.update(f.read_bytes() if f.is_file() else b"-")
     seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (h.hexdigest(), settings))
+    dist.all_gather_object(seen, (checkpoint_digest(path), builtin_values(settings)))
     digests = [d for d, _ in seen]
     if len(set(digests)) > 1:  # a user's error (torchrun given another --model per rank): one line, exit 2
         raise ValueError(
@@ -185,6 +178,41 @@ def same_setup_on_every_rank(path, settings: dict) -> None:
                 f"tensor-parallel ranks were started with different {key}: {values} (rank by rank); start "
                 "every rank with the same arguments"
             )
+
+
+def builtin_values(x):
+    """`x` (a constructor argument, a setting) as built-in values another rank can unpickle: a caller's own
+    subclass of str or int (an IntEnum, a str path type), os.PathLike, or tuple (a namedtuple bucket) exists
+    only in the caller's interpreter, and the rank died at the load. Booleans, None, dtypes and devices pass
+    as they are."""
+    if x is None or isinstance(x, (bool, torch.dtype, torch.device)):
+        return x
+    if isinstance(x, os.PathLike):
+        return str(os.fspath(x))
+    for kind in (str, int, float):
+        if isinstance(x, kind):
+            return kind(x)
+    if isinstance(x, (list, tuple, range)):
+        return [builtin_values(v) for v in x]
+    if isinstance(x, dict):
+        return {builtin_values(k): builtin_values(v) for k, v in x.items()}
+    return x
+
+
+def checkpoint_digest(path) -> str:
+    """A digest of a checkpoint directory that ranks holding their own copies of it agree on: config.json,
+    the tensor index, and each weight file's name and size (a single-file checkpoint has no index: a drafter
+    of other weights but the same config would pass on the config alone)."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = Path(path) / name
+        h.update(f.read_bytes() if f.is_file() else b"-")
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size};".encode())
+    return h.hexdigest()
 
 
 def shared_seed(device: torch.device) -> int:

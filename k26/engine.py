@@ -35,7 +35,15 @@ from .checks import (
 from .continuous_batching import ContinuousBatching
 from .decode import Decoder
 from .decode_context import DecodeContext
-from .dist import check_allreduce, check_world, init_from_env, same_setup_on_every_rank, tp_info
+from .dist import (
+    builtin_values,
+    check_allreduce,
+    check_world,
+    checkpoint_digest,
+    init_from_env,
+    same_setup_on_every_rank,
+    tp_info,
+)
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
 from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
@@ -48,7 +56,12 @@ from .sampling import MODES
 from .spec.prefill import MAX_CHUNK
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
-from .tp_driver import RankGroup, group_found, releasing_ranks_on_failure, surfacing_rank_errors
+from .tp_driver import (
+    RankGroup,
+    group_found,
+    releasing_ranks_on_failure,
+    surfacing_rank_errors,
+)
 
 
 class LLM(OneShotCalls, ContinuousBatching):
@@ -94,7 +107,7 @@ class LLM(OneShotCalls, ContinuousBatching):
         check_flags(absorb=absorb, progress=progress, cuda_kernels=cuda_kernels, graphs=graphs)
         check_flags(compile=compile, capture=capture, prefix_cache=prefix_cache)
         self.prefix_cache, self.prefill_chunk = prefix_cache, prefill_chunk
-        self.prefill_budget = prefill_budget
+        self.prefill_budget, self.capture_at_start = prefill_budget, capture
         for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
             check_path(value, name)
         if model_path is None:  # the embedded pair
@@ -142,8 +155,9 @@ class LLM(OneShotCalls, ContinuousBatching):
 
     def _start_ranks(self, tp: int, device, kw: dict) -> None:
         """Ranks 1..tp-1 build this same LLM (`kw`) in their own processes and mirror its calls; this one
-        joins as 0. Paths go as strings: a caller's own os.PathLike class need not unpickle in a rank."""
-        kw = kw | {k: None if kw[k] is None else os.fspath(kw[k]) for k in ("drafter", "cache_dir")}
+        joins as 0. The arguments go as built-in values (paths as strings): a caller's own classes need not
+        unpickle in a rank."""
+        kw = {k: builtin_values(v) for k, v in kw.items()}
         self._ranks = RankGroup(tp, type(self), (str(self.path),), kw, str(device) if device else None)
         weakref.finalize(self, self._ranks.close)  # also at exit; an LLM whose __init__ fails frees its ranks
 
@@ -181,10 +195,11 @@ class LLM(OneShotCalls, ContinuousBatching):
             "max_model_len": self.max_model_len,
             "max_batch": max_batch,
             "dtype": str(self.dtype),
-            "drafter": drafter is not None,
+            "drafter": None if drafter is None else checkpoint_digest(drafter),
             "absorb": self.absorb,
             "cuda_kernels": cuda_kernels,
             "graphs": self.graphs,
+            "capture": self.capture_at_start,
             "allreduce": self.allreduce,
             "prefix_cache": self.prefix_cache,
             "prefill_chunk": self.prefill_chunk,

@@ -253,56 +253,6 @@ def test_a_closed_pipe_under_tp_stops_the_stream_instead_of_finishing_it(tiny_tp
     assert 0 < len(steps) < 20
 
 
-def test_ranks_given_different_checkpoints_or_settings_are_a_named_user_error(tiny_tp, monkeypatch):
-    """torchrun with another --model on one rank: the digests differ. (Found in a bug hunt: a RuntimeError,
-    which `python -m k26` re-raised as a traceback on every rank; a ValueError is its one-line exit 2.) With
-    another --max-model-len on one rank (found by a TP review: unnoticed, the ranks' collectives diverge)."""
-    from k26 import dist as k26_dist
-
-    other: list = []  # what rank 1 says: (digest, settings)
-
-    def gather(out, mine):
-        out[:] = [mine, other[0](mine)]
-
-    monkeypatch.setattr(k26_dist.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(k26_dist.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(k26_dist.dist, "all_gather_object", gather)
-    settings = {"max_model_len": 512, "max_batch": 8}
-    other.append(lambda mine: ("another", mine[1]))
-    with pytest.raises(ValueError, match=r"ranks loaded different checkpoints .* rank 0 has .*"):
-        k26_dist.same_setup_on_every_rank(tiny_tp[0], settings)
-    other[0] = lambda mine: mine
-    k26_dist.same_setup_on_every_rank(tiny_tp[0], settings)  # alike: no error
-    other[0] = lambda mine: (mine[0], mine[1] | {"max_model_len": 4096})
-    with pytest.raises(
-        ValueError, match=r"started with different max_model_len: \[512, 4096\] \(rank by rank\)"
-    ):
-        k26_dist.same_setup_on_every_rank(tiny_tp[0], settings)
-
-
-class _CachePath:
-    """A caller's own os.PathLike: its class lives in this test module, which a rank cannot import."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __fspath__(self):
-        return self.path
-
-
-def test_a_path_like_of_the_callers_own_class_reaches_the_ranks(tiny_tp, tmp_path):
-    """(Found in a bug hunt: cache_dir=<a custom os.PathLike> under tp=2 failed on the ranks with a pickling
-    error ("Can't get attribute ..."), raised as a RankError carrying a rank's traceback.)"""
-    from k26 import SamplingParams
-
-    llm = LLM(tiny_tp[0], tp=2, cache_dir=_CachePath(tmp_path / "cache"), **KW)
-    try:
-        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=[]))
-        assert len(out[0].token_ids) == 2
-    finally:
-        llm.close()
-
-
 def test_an_admit_the_open_batch_refuses_leaves_a_tp_llm_working(tiny_tp):
     # (found by a review: the batch's own refusal, logprobs without logprobs graphs, came on every rank after
     # the call was mirrored; a rank's error on a mirrored call means "out of step": the LLM was broken)
@@ -317,32 +267,6 @@ def test_an_admit_the_open_batch_refuses_leaves_a_tp_llm_working(tiny_tp):
         while llm.batch.live:
             llm.step()
         assert len(llm.release(slot).token_ids) == 3 and llm.broken is None
-    finally:
-        llm.close()
-
-
-class _CallersSampling(SamplingParams):  # (defined by the caller: the ranks' interpreters do not have it)
-    pass
-
-
-class _CallersSpec(SpecConfig):
-    pass
-
-
-def test_sampling_and_spec_subclasses_of_the_callers_reach_the_ranks(tiny_tp):
-    # (found by a review: a rank could not unpickle the caller's own class and died: the LLM was broken)
-    llm = LLM(tiny_tp[0], tp=2, **{**KW, "max_batch": 2})
-    try:
-        plain = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, stop_token_ids=[]), SpecConfig("ar"))
-        mine = llm.generate(
-            [[1, 2, 3]], _CallersSampling(max_tokens=3, stop_token_ids=[]), _CallersSpec("ar")
-        )
-        assert mine[0].token_ids == plain[0].token_ids
-        llm.open_batch(_CallersSpec("ar"))
-        (slot,) = llm.admit([[1, 2, 3]], [_CallersSampling(max_tokens=3, stop_token_ids=[])])
-        while llm.batch.live:
-            llm.step()
-        assert llm.release(slot).token_ids == plain[0].token_ids and llm.broken is None
     finally:
         llm.close()
 
