@@ -314,9 +314,8 @@ def check_sampling(sp: SamplingParams, vocab: int) -> SamplingParams:
 
 
 def as_exact(obj, cls):
-    """`obj`, an instance of the dataclass `cls` or of a subclass, as `cls` itself with the same fields: the
-    tensor-parallel ranks unpickle a call's arguments in their own interpreter, where a subclass the user's
-    script defined does not exist (the rank died at the load)."""
+    """`obj` (of the dataclass `cls` or a subclass) as `cls` itself, same fields: TP ranks unpickle a call's
+    arguments in their own interpreter, where the caller's subclass does not exist (the rank died)."""
     if type(obj) is cls:
         return obj
     return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if f.init})

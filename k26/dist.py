@@ -160,7 +160,7 @@ def init_from_env(device: str | None = None) -> tuple[int, int, torch.device]:
 
 
 def same_setup_on_every_rank(path, settings: dict) -> None:
-    """Every rank must load the same checkpoint (a digest of config.json and the tensor index) with the same
+    """Every rank must load the same checkpoint (`checkpoint_digest`) with the same
     settings (context length, batch rows, dtype...): torchrun starts each rank from its own command line,
     and ranks that differ would pair their collectives wrongly (a hang or wrong tokens), not fail."""
     seen: list = [None] * dist.get_world_size()
@@ -189,9 +189,9 @@ def builtin_values(x):
         return x
     if isinstance(x, os.PathLike):
         return str(os.fspath(x))
-    for kind in (str, int, float):
+    for kind in (str, int, float):  # (kind.__str__ etc.: a str Enum's own __str__ says "AR.FUSED")
         if isinstance(x, kind):
-            return kind(x)
+            return {str: str.__str__, int: int.__int__, float: float.__float__}[kind](x)
     if isinstance(x, (list, tuple, range)):
         return [builtin_values(v) for v in x]
     if isinstance(x, dict):
@@ -201,8 +201,9 @@ def builtin_values(x):
 
 def checkpoint_digest(path) -> str:
     """A digest of a checkpoint directory that ranks holding their own copies of it agree on: config.json,
-    the tensor index, and each weight file's name and size (a single-file checkpoint has no index: a drafter
-    of other weights but the same config would pass on the config alone)."""
+    the tensor index, and each weight file's name and size (a single-file checkpoint has no index). Not the
+    weights' values: reading them costs minutes at K2.6's size, so two checkpoints of the same shapes and
+    config pass as one."""
     import hashlib
     from pathlib import Path
 

@@ -56,12 +56,7 @@ from .sampling import MODES
 from .spec.prefill import MAX_CHUNK
 from .spec.step import SpecConfig, verify_nodes
 from .startup import StartupReport, phase_bar
-from .tp_driver import (
-    RankGroup,
-    group_found,
-    releasing_ranks_on_failure,
-    surfacing_rank_errors,
-)
+from .tp_driver import RankGroup, group_found, releasing_ranks_on_failure, surfacing_rank_errors
 
 
 class LLM(OneShotCalls, ContinuousBatching):
@@ -167,7 +162,8 @@ class LLM(OneShotCalls, ContinuousBatching):
         self._check_memory(dcfg, max_batch, cuda_kernels)
         if tp > 1:
             with self._surface_rank_errors():
-                same_setup_on_every_rank(self.path, self._settings(drafter, max_batch, cuda_kernels))
+                settings = self._settings(drafter, max_batch, cuda_kernels, cache_dir)
+                same_setup_on_every_rank(self.path, settings)
         with self._surface_rank_errors():  # a rank failing mid-load (all-to-all) raises its own error
             self.model: KimiK2 = self._load_target(progress, cuda_kernels, cache_dir)
             self.startup = StartupReport.gather(self.model.load_stats, tp)  # every rank's bytes, here
@@ -188,7 +184,7 @@ class LLM(OneShotCalls, ContinuousBatching):
                 self.drafter.cfg, max_batch, self.max_model_len, self.dtype, self.device, tp_size=tp
             )
 
-    def _settings(self, drafter, max_batch: int, cuda_kernels: bool) -> dict:
+    def _settings(self, drafter, max_batch: int, cuda_kernels: bool, cache_dir) -> dict:
         """What every TP rank must agree on besides the checkpoint (torchrun starts each from its own
         arguments)."""
         return {
@@ -200,6 +196,7 @@ class LLM(OneShotCalls, ContinuousBatching):
             "cuda_kernels": cuda_kernels,
             "graphs": self.graphs,
             "capture": self.capture_at_start,
+            "load_cache": cache_dir is not None,  # (its own collectives in the load; the path may differ)
             "allreduce": self.allreduce,
             "prefix_cache": self.prefix_cache,
             "prefill_chunk": self.prefill_chunk,

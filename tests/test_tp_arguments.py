@@ -3,6 +3,7 @@ int / str subclasses, os.PathLike, namedtuples) arrive as k26's or built-in valu
 (torchrun) must share the checkpoints and settings (the rank driver itself: tests/test_tp_driver.py)."""
 
 import os
+from enum import Enum
 
 import pytest
 import torch
@@ -70,6 +71,10 @@ class _Dir(str):
     pass
 
 
+class _Reduce(str, Enum):  # (its own __str__ says "_Reduce.FUSED")
+    FUSED = "fused"
+
+
 def test_constructor_values_of_the_callers_own_classes_reach_the_ranks(tiny_tp):
     # (found by a review: an int / str subclass or a namedtuple bucket of the caller's script failed every
     # rank at its start: "Can't get attribute ..."; only os.PathLike paths were converted)
@@ -84,6 +89,7 @@ def test_constructor_values_of_the_callers_own_classes_reach_the_ranks(tiny_tp):
     finally:
         llm.close()
     mine = {"max_batch": _Count(2), "max_model_len": _Count(64), "prefill_chunk": _Count(4)}
+    mine |= {"allreduce": _Reduce.FUSED}
     llm = LLM(tiny_tp[0], drafter=_Dir(tiny_tp[1]), tp=2, **(kw | mine), buckets=[pair(2, 4)])
     try:
         assert llm.generate([[1, 2, 3]], greedy, spec)[0].token_ids == plain
@@ -121,7 +127,7 @@ def test_sampling_and_spec_subclasses_of_the_callers_reach_the_ranks(tiny_tp):
             [[1, 2, 3]], _CallersSampling(max_tokens=3, stop_token_ids=[]), _CallersSpec("ar")
         )
         assert mine[0].token_ids == plain[0].token_ids
-        llm.open_batch(_CallersSpec("ar"))
+        llm.open_batch(_CallersSpec(_Dir("ar")))  # (a str subclass in a field too)
         (slot,) = llm.admit([[1, 2, 3]], [_CallersSampling(max_tokens=3, stop_token_ids=[])])
         while llm.batch.live:
             llm.step()
@@ -130,9 +136,10 @@ def test_sampling_and_spec_subclasses_of_the_callers_reach_the_ranks(tiny_tp):
         llm.close()
 
 
-def test_torchrun_ranks_given_different_drafters_are_a_named_user_error(tiny_tp, tmp_path):
-    # (found by a review: the ranks compared only "a drafter or none"; their first step hung in mismatched
-    # collectives until K26_DIST_TIMEOUT)
+@pytest.mark.parametrize("differs", ["drafter", "load_cache"])
+def test_torchrun_ranks_started_apart_must_share_drafter_and_load_cache(tiny_tp, tmp_path, differs):
+    # (found by reviews: the ranks compared only "a drafter or none", and not whether a load cache is used,
+    # which has collectives of its own: a hang in mismatched collectives until K26_DIST_TIMEOUT)
     import socket
     import subprocess
     import sys
@@ -146,10 +153,12 @@ def test_torchrun_ranks_given_different_drafters_are_a_named_user_error(tiny_tp,
     script = (
         "import sys, torch\nfrom k26 import LLM\n"
         "LLM(sys.argv[1], drafter=sys.argv[2], tp=2, device='cpu', dtype=torch.float32, progress=False, "
-        "max_batch=1, max_model_len=64)\n"
+        "max_batch=1, max_model_len=64, cache_dir=sys.argv[3] or None)\n"
     )
     procs = []
-    for rank, drafter in enumerate((tiny_tp[1], other)):
+    for rank in range(2):
+        drafter = other if rank == 1 and differs == "drafter" else tiny_tp[1]
+        cache = str(tmp_path / "cache") if rank == 0 and differs == "load_cache" else ""
         env = {
             **os.environ,
             "RANK": str(rank),
@@ -159,9 +168,11 @@ def test_torchrun_ranks_given_different_drafters_are_a_named_user_error(tiny_tp,
             "MASTER_PORT": str(port),
             "K26_DIST_TIMEOUT": "60",  # (before: a hang until it)
         }
-        cmd = [sys.executable, "-c", script, str(tiny_tp[0]), str(drafter)]
+        cmd = [sys.executable, "-c", script, str(tiny_tp[0]), str(drafter), cache]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         procs.append(subprocess.Popen(cmd, env=env, text=True, **pipes))
     for p in procs:
         _, err = p.communicate(timeout=240)
-        assert p.returncode != 0 and "tensor-parallel ranks were started with different drafter" in err, err
+        assert p.returncode != 0 and f"tensor-parallel ranks were started with different {differs}" in err, (
+            err
+        )

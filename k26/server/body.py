@@ -21,22 +21,23 @@ MAX_BODY_BYTES = 64 << 20
 # A body whose next bytes take longer than this is dropped (408): a client that declares more than it sends
 # would otherwise hold its connection and the bytes so far for as long as it likes.
 BODY_STALL_S = 30.0
-# ... and one that trickles in (a byte every 29 s) is dropped once its upload has taken this long: 64 MB (the
-# default cap) at 1 MB/s takes ~64 s.
+# ... and one that trickles in (a byte every 29 s) is dropped once its upload has taken this long per 64 MB
+# of the size cap (`serve --max-request-mb`): the default cap's 64 MB at 1 MB/s takes ~64 s.
 BODY_DEADLINE_S = 300.0
 
 
 async def read_json(request: Request, limit: int = MAX_BODY_BYTES, stopping=lambda: False):
     """The body as JSON; APIError 415 for a Content-Type other than JSON (none is taken as JSON), 413 above
     `limit` bytes (by Content-Length before reading, or as the chunks arrive), 408 for a body stalled for
-    BODY_STALL_S or still uploading after BODY_DEADLINE_S, 503 once `stopping()` (the server shuts down while
-    the body uploads: an answer, not a cancelled handler), 400 for what is not JSON or not text, 499 for a
-    client gone before the body ended."""
+    BODY_STALL_S or still uploading after BODY_DEADLINE_S per 64 MB of `limit`, 503 once `stopping()` (the
+    server shuts down while the body uploads: an answer, not a cancelled handler), 400 for what is not JSON or
+    not text, 499 for a client gone before the body ended."""
     check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    chunks, size, stall, deadline = [], 0, BODY_STALL_S, BODY_DEADLINE_S
+    chunks, size, stall = [], 0, BODY_STALL_S
+    deadline = BODY_DEADLINE_S * max(1.0, limit / MAX_BODY_BYTES)
     parts, end = request.stream(), time.monotonic() + deadline
     try:
         while (chunk := await _next_part(parts, min(stall, end - time.monotonic()), stopping)) is not None:
@@ -68,14 +69,15 @@ async def _next_part(parts, stall: float, stopping) -> bytes | None:
     task, waited = asyncio.ensure_future(take()), 0.0
     try:
         while True:
-            if waited >= stall:
-                raise TimeoutError
-            done, _ = await asyncio.wait({task}, timeout=min(1.0, stall - waited))
+            step = max(0.0, min(1.0, stall - waited))  # (0 past the deadline: one look, then 408)
+            done, _ = await asyncio.wait({task}, timeout=step)
             if done:
                 return task.result()
-            waited += min(1.0, stall - waited)
             if stopping():
                 raise APIError(503, SHUTTING_DOWN, type="server_error", code="server_shutting_down")
+            waited += step
+            if waited >= stall:
+                raise TimeoutError
     finally:
         task.cancel()
 

@@ -60,7 +60,11 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in ("ar", "dflash", "ddtree"):
             raise ValueError(f"SpecConfig.method={self.method!r}: expected 'ar', 'dflash' or 'ddtree'")
-        b = builtin_number(self.budget)  # (np.int64(5) as 5, as SamplingParams takes NumPy numbers)
+        # (a str subclass or str Enum of the caller's as the plain str: TP ranks cannot unpickle the caller's
+        # classes; np.int64(5) as 5, as SamplingParams takes NumPy numbers)
+        object.__setattr__(self, "method", str.__str__(self.method))
+        b = builtin_number(self.budget)
+        b = "auto" if isinstance(b, str) and b == "auto" else b
         object.__setattr__(self, "budget", b)
         if b is not None and b != "auto" and (not _int(b) or not 1 <= b <= MAX_BUDGET):
             raise ValueError(f"SpecConfig.budget={b!r}: expected 'auto' or an integer in [1, {MAX_BUDGET}]")
