@@ -7,13 +7,13 @@ import numbers
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from .call_guard import user_stacklevel
 from .config import ModelConfig
-from .dist import local_rank
+from .dist import as_exact, local_rank
 from .drafter_config import DrafterConfig
 from .graphs.buckets import Bucket
 from .loader import check_drafter_files
@@ -311,14 +311,6 @@ def check_sampling(sp: SamplingParams, vocab: int) -> SamplingParams:
                 f"SamplingParams.{name}: token id {bad[0]} is not below the vocabulary size {vocab}"
             )
     return sp
-
-
-def as_exact(obj, cls):
-    """`obj` (of the dataclass `cls` or a subclass) as `cls` itself, same fields: TP ranks unpickle a call's
-    arguments in their own interpreter, where the caller's subclass does not exist (the rank died)."""
-    if type(obj) is cls:
-        return obj
-    return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if f.init})
 
 
 def check_request(

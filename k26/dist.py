@@ -8,6 +8,7 @@ same seed, so every rank builds the same tree and accepts the same tokens with n
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from datetime import timedelta
 
 import torch
@@ -197,6 +198,14 @@ def builtin_values(x):
     if isinstance(x, dict):
         return {builtin_values(k): builtin_values(v) for k, v in x.items()}
     return x
+
+
+def as_exact(obj, cls):
+    """`obj` (of the dataclass `cls` or a subclass) as `cls` itself, same fields: TP ranks unpickle a call's
+    arguments in their own interpreter, where the caller's subclass does not exist (the rank died)."""
+    if type(obj) is cls:
+        return obj
+    return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if f.init})
 
 
 def checkpoint_digest(path) -> str:

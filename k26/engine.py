@@ -201,7 +201,7 @@ class LLM(OneShotCalls, ContinuousBatching):
             "prefix_cache": self.prefix_cache,
             "prefill_chunk": self.prefill_chunk,
             "prefill_budget": self.prefill_budget,
-            "buckets": [(b.batch, b.nodes) for b in self.user_buckets or ()],
+            "buckets": self.user_buckets,  # (Buckets: k26's own class, compared as values)
         }
 
     def _check_memory(self, dcfg, max_batch: int, cuda_kernels: bool) -> None:
