@@ -54,6 +54,9 @@ class MLA(nn.Module):
         self.register_buffer("qkv_a", None, persistent=False)
         self.register_buffer("w_uk_t", None, persistent=False)
         self.kernel_max_m = self.short_k_max_m = 0
+        # Where o_proj runs in the small-M kernel, the attention kernel prefetches its weight into L2 under
+        # its own latency-bound tail (csrc/mla_attn_common.cuh L2Ahead); benchmarks turn it off for the A/B.
+        self.l2_ahead = True
 
     @torch.no_grad()
     def fuse_(self, kernel_max_m: int = KERNEL_MAX_M, short_k_max_m: int = SHORT_K_MAX_M) -> None:
@@ -135,6 +138,8 @@ class MLA(nn.Module):
             else:
                 q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
             # q_pe's RoPE and the concatenation [q̃, rope(q_pe)] run inside the attention kernel.
+            w_o = self.o_proj.weight
+            ahead = w_o if short and self.l2_ahead and w_o.is_contiguous() else None
             o_lat, _ = torch.ops.k26.mla_tree_attention(
                 q_lat,
                 cache_RLC,
@@ -147,6 +152,7 @@ class MLA(nn.Module):
                 q_pe_raw,
                 batch.positions_BN,
                 rope.inv_freq,
+                ahead,
             )
             if self.kv_b_proj.use_kernel or short:  # W_UV per head: kv_b's rows as a strided view, no copy
                 o_BNHV = torch.ops.k26.linear_grouped(o_lat.to(x_BND.dtype), w_kv[:, nope:])
