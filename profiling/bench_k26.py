@@ -48,7 +48,6 @@ from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import CompiledDrafter, DFlashDrafter
 from k26.model.layers import use_linear_kernel
-from k26.model.mla import MLA
 from k26.model.moe import Int4Experts, MoE, Router
 from k26.ops import moe_cuda, pdl
 from k26.sampling import RowSampling
@@ -140,11 +139,6 @@ def main() -> None:
         action="store_true",
         help="the drafter's own projections in the small-M kernel (use_linear_kernel), not its logits' head",
     )
-    ap.add_argument(
-        "--no-l2-ahead",
-        action="store_true",
-        help="the MLA attention does not prefetch o_proj's weight into L2 (MLA.l2_ahead off: the A/B)",
-    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fused and a.variants:
@@ -180,9 +174,6 @@ def main() -> None:
             m.one_token_block = a.two_launch_moe
     if a.fused:
         model.fuse_dense_()
-    for m in model.modules():
-        if isinstance(m, MLA):
-            m.l2_ahead = not a.no_l2_ahead
     if a.compile:
         torch._dynamo.config.cache_size_limit = 64  # a body per (variant, N, dense / MoE layer)
         torch._dynamo.config.accumulated_cache_size_limit = (

@@ -187,35 +187,6 @@ def test_a_value_width_beyond_the_keys_is_refused_by_the_op_and_its_fake(v_dim):
         torch.ops.k26.mla_tree_attention(fq, fc, fr, fp, fw, scale, v_dim)
 
 
-def test_attention_opcheck_with_an_l2_prefetch_region():
-    """The hint tensor (the next projection's weight) is an input of the schema the fake accepts too."""
-    args = (*rotary_inputs(), torch.randn(64, 8))
-    torch.library.opcheck(
-        torch.ops.k26.mla_tree_attention.default, args, test_utils=("test_schema", "test_faketensor")
-    )
-
-
-def test_an_l2_prefetch_region_takes_no_part_in_the_values():
-    args = rotary_inputs()
-    want = torch.ops.k26.mla_tree_attention(*args)
-    got = torch.ops.k26.mla_tree_attention(*args, torch.randn(64, 8))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-@pytest.mark.parametrize(
-    "region, message",
-    [
-        (torch.randn(8, 16).t(), "l2_ahead must be contiguous and a multiple of 16 bytes"),
-        (torch.randn(3), "l2_ahead must be contiguous and a multiple of 16 bytes"),
-        (torch.randn(8, device="meta"), "l2_ahead is on meta, q on cpu"),
-    ],
-    ids=["strided", "12_bytes", "other_device"],
-)
-def test_a_bad_l2_prefetch_region_is_refused_naming_it(region, message):
-    with pytest.raises(ValueError, match=message):
-        torch.ops.k26.mla_tree_attention(*rotary_inputs(), region)
-
-
 def test_the_attention_reference_path_runs_the_cuda_paths_shape_checks():
     """On the CPU wrong mask words or a narrower cache were errors from inside torch (the checks ran only
     before the kernel)."""

@@ -91,36 +91,6 @@ def test_results_are_bitwise_deterministic():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("N, L", [(1, 10), (1, 4096), (1, 70000), (16, 4096), (16, 30011), (64, 2000)])
-def test_an_l2_prefetch_region_changes_no_bit_and_its_bytes_stay_as_they_were(N, L):
-    """l2_ahead (the next projection's weight, prefetched into L2 by every block: the idle splits at once,
-    the live ones after their partials) is a hint: the outputs equal the call without it bit for bit, in a
-    graph too, and the region is only read."""
-    q, cache, rows, prefix, words = case(1, N, 8, [L], seed=31 + N + L)
-    positions, inv_freq = rope_args(prefix, N)
-    args = (q[..., :512].contiguous(), cache, rows, prefix, words, 0.1, 512, False, q[..., 512:], positions)
-    w = torch.randn(7168, 1024 + 4, device="cuda").to(torch.bfloat16)  # o_proj-sized, a ragged last 4 KB
-    kept = w.clone()
-    want = torch.ops.k26.mla_tree_attention(*args, inv_freq)
-    poison()
-    got = torch.ops.k26.mla_tree_attention(*args, inv_freq, w)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, lse = torch.ops.k26.mla_tree_attention(*args, inv_freq, w)
-    out.fill_(float("nan"))
-    g.replay()
-    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    assert torch.equal(w, kept)
-
-
-def test_an_unaligned_l2_prefetch_region_is_refused_before_launch():
-    q, cache, rows, prefix, words = case(1, 1, 8, [100], seed=33)
-    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
-    with pytest.raises(ValueError, match="l2_ahead must start 16-byte aligned"):
-        torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, 0.1, 512, l2_ahead=w[1:2049])
-
-
 def test_many_graph_replays_with_changing_lengths_stay_exact():
     """The merge counters live in a reused workspace and are reset by the kernel: every replay is checked."""
     q, cache, rows, prefix, words = case(2, 4, 8, [30000, 20000], seed=22)

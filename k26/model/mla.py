@@ -54,9 +54,6 @@ class MLA(nn.Module):
         self.register_buffer("qkv_a", None, persistent=False)
         self.register_buffer("w_uk_t", None, persistent=False)
         self.kernel_max_m = self.short_k_max_m = 0
-        # Where o_proj runs in the small-M kernel, the attention kernel prefetches its weight into L2 under
-        # its own latency-bound tail (csrc/mla_attn_common.cuh L2Ahead); benchmarks turn it off for the A/B.
-        self.l2_ahead = True
 
     @torch.no_grad()
     def fuse_(self, kernel_max_m: int = KERNEL_MAX_M, short_k_max_m: int = SHORT_K_MAX_M) -> None:
@@ -138,34 +135,27 @@ class MLA(nn.Module):
             else:
                 q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
             # q_pe's RoPE and the concatenation [q̃, rope(q_pe)] run inside the attention kernel.
-            o_lat = self._attend_cache(q_lat, q_pe_raw, batch, cache_RLC, rope, short).to(x_BND.dtype)
+            o_lat, _ = torch.ops.k26.mla_tree_attention(
+                q_lat,
+                cache_RLC,
+                batch.rows_B,
+                batch.prefix_lens_B,
+                batch.mask_words_BNW,
+                cfg.softmax_scale,
+                r,
+                batch.static,
+                q_pe_raw,
+                batch.positions_BN,
+                rope.inv_freq,
+            )
             if self.kv_b_proj.use_kernel or short:  # W_UV per head: kv_b's rows as a strided view, no copy
-                o_BNHV = torch.ops.k26.linear_grouped(o_lat, w_kv[:, nope:])
+                o_BNHV = torch.ops.k26.linear_grouped(o_lat.to(x_BND.dtype), w_kv[:, nope:])
             else:
-                o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat, w_kv[:, nope:])
+                o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
         else:
             o_BNHV = self._naive(q_nope, q_pe, batch, cache_RLC)
         o_BNO = o_BNHV.reshape(B, N, H * cfg.v_head_dim)
         return reduce(torch.ops.k26.linear(o_BNO, self.o_proj.weight) if short else self.o_proj(o_BNO))
-
-    def _attend_cache(self, q_lat, q_pe_raw, batch: AttnBatch, cache_RLC, rope: Rope, short: bool):
-        """The absorbed attention's latent output over the cache. Where o_proj runs in the small-M kernel
-        (`short`), the attention kernel prefetches its weight into L2 under its own latency-bound tail
-        (`l2_ahead`: a hint, no value depends on it)."""
-        w_o = self.o_proj.weight
-        ahead = w_o if short and self.l2_ahead and w_o.is_contiguous() else None
-        args = (batch.rows_B, batch.prefix_lens_B, batch.mask_words_BNW, self.cfg.softmax_scale)
-        return torch.ops.k26.mla_tree_attention(
-            q_lat,
-            cache_RLC,
-            *args,
-            self.cfg.kv_lora_rank,
-            batch.static,
-            q_pe_raw,
-            batch.positions_BN,
-            rope.inv_freq,
-            ahead,
-        )[0]
 
     def _naive(self, q_nope, q_pe, batch: AttnBatch, cache_RLC):
         """Expand every visible latent row of the cache into per-head k_nope / v and attend as plain MHA."""

@@ -77,15 +77,10 @@ def mla_tree_attention(
     q_pe: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     inv_freq: torch.Tensor | None = None,
-    l2_ahead: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The CUDA path's checks (any dtype): the reference ran none (a v_dim past the keys gave their width of
-    # values where the fake promised v_dim; wrong mask words or widths were errors from inside torch).
-    # l2_ahead: a tensor the kernel prefetches into L2 (the next projection's weight); a hint, no value
-    # depends on it, so the reference takes no part of it.
-    attention_cuda.check_inputs(
-        q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq, l2_ahead
-    )
+    # values where the fake promised v_dim; wrong mask words or widths were errors from inside torch)
+    attention_cuda.check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     return reference.mla_tree_attention(
         q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
     )
@@ -104,11 +99,8 @@ def _(
     q_pe=None,
     positions=None,
     inv_freq=None,
-    l2_ahead=None,
 ):
-    attention_cuda.check_inputs(
-        q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq, l2_ahead
-    )
+    attention_cuda.check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     B, N, H, _ = q.shape
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 

@@ -83,18 +83,13 @@ def _bind(lib) -> None:
     # q_pe, pe_ld, positions, inv_freq
     rotary = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p]
     lib.k26_mla_tree_attn.argtypes = (
-        [ctypes.c_void_p] * 8
-        + ints
-        + [ctypes.c_float]
-        + rotary
-        + [ctypes.c_int]
-        + [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p]  # l2_ahead, its bytes; the stream
+        [ctypes.c_void_p] * 8 + ints + [ctypes.c_float] + rotary + [ctypes.c_int, ctypes.c_void_p]
     )
     lib._k26_attn_bound = True
 
 
 def check_inputs(
-    q, cache, rows, prefix_lens, mask_words, v_dim, q_pe=None, positions=None, inv_freq=None, l2_ahead=None
+    q, cache, rows, prefix_lens, mask_words, v_dim, q_pe=None, positions=None, inv_freq=None
 ) -> int:
     """Every shape / dtype / device problem as a ValueError naming the argument; returns the key width
     (q's, plus q_pe's when the query comes split)."""
@@ -149,13 +144,6 @@ def check_inputs(
         ("mask_words", mask_words),
     ):
         need(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
-    if l2_ahead is not None:  # the kernel prefetches its bytes in 16-byte multiples (csrc L2Ahead)
-        need(l2_ahead.device == q.device, f"l2_ahead is on {l2_ahead.device}, q on {q.device}")
-        need(
-            l2_ahead.is_contiguous() and l2_ahead.nbytes % 16 == 0,
-            f"l2_ahead must be contiguous and a multiple of 16 bytes "
-            f"(got {list(l2_ahead.shape)} {l2_ahead.dtype}, strides {list(l2_ahead.stride())})",
-        )
     return C
 
 
@@ -186,11 +174,10 @@ def _(
     q_pe=None,
     positions=None,
     inv_freq=None,
-    l2_ahead=None,
 ):
     from .build import available, library  # lazily: `python -m k26.ops.build` must not import itself first
 
-    C = check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq, l2_ahead)
+    C = check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     B, N, H, _ = q.shape
     why = _unsupported(q, C, v_dim, q_pe) or (None if available() else "no kernel library")
     if why is not None:
@@ -200,8 +187,6 @@ def _(
         )
     if B * N * H == 0:  # nothing to attend (the launch plan divides by the row tiles)
         return q.new_empty(B, N, H, DV), q.new_empty(B, N, H, dtype=torch.float32)
-    if l2_ahead is not None and l2_ahead.data_ptr() % 16:  # (a fake tensor has no address: checked here)
-        raise ValueError("mla_tree_attention: l2_ahead must start 16-byte aligned")
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()
     # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
     reference.check_cache_span("mla_tree_attention", cache, rows64, prefix64, N)
@@ -244,8 +229,6 @@ def _(
         pos_ptr,
         freq_ptr,
         int(early_ok),
-        None if l2_ahead is None else l2_ahead.data_ptr(),
-        0 if l2_ahead is None else l2_ahead.nbytes,
         torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:

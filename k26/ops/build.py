@@ -204,9 +204,6 @@ VARIANTS: dict[str, list[str]] = {
     # W_UV's kernel (behind the kernel boundary the step pays anyway) could save. Measured 2026-12-07 (H100):
     # the 4K decode step 4.36 -> 4.07 ms, 4.8 µs a layer at most (2026-12-07-session39-h100.md)
     "-DK26_ATTN_PROBE_NO_MERGE": ["mla_tree_attn.cu"],
-    # tree attention: the L2 prefetch of the next projection's weight (L2Ahead, csrc/mla_attn_common.cuh) as
-    # one prefetch.global.L2 a 128-byte line instead of 4 KB bulk requests (the A/B side of the request kind)
-    "-DK26_ATTN_L2_AHEAD_LINES": ["mla_tree_attn.cu"],
 }
 
 

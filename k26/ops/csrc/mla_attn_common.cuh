@@ -168,33 +168,6 @@ struct Rotary {
   long long pe_ld;
 };
 
-// The next projection's weight (o_proj's, after W_UV), prefetched into L2 by this kernel's blocks once their
-// own memory traffic is issued: the blocks past a sequence's live splits at once, the live ones after their
-// partial stores, so the prefetch runs under the barrier + merge (~5 µs at a 4K decode, the memory system
-// idle) and W_UV, and the projection reads its bytes from L2. Each block of the grid prefetches one equal share
-// (`part` of `parts`) in 4 KB bulk requests. A hint: no value depends on it; null `ptr`: nothing.
-struct L2Ahead {
-  const char* ptr;  // 16-byte aligned (the front door checks)
-  long long bytes;  // a multiple of 16
-};
-
-__device__ __forceinline__ void l2_ahead_share(const L2Ahead& a, long long part, long long parts) {
-  if (a.ptr == nullptr) return;
-  constexpr int kChunk = 4096;
-  const long long chunks = (a.bytes + kChunk - 1) / kChunk, per = (chunks + parts - 1) / parts;
-  const long long c1 = min(chunks, (part + 1) * per);
-  for (long long c = part * per + threadIdx.x; c < c1; c += blockDim.x) {
-    const long long off = c * kChunk;
-#ifdef K26_ATTN_L2_AHEAD_LINES  // an A/B side: a prefetch.global.L2 a 128-byte line instead of bulk requests
-    for (int i = 0; i < kChunk && off + i < a.bytes; i += 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(a.ptr + off + i));
-#else
-    const int n = static_cast<int>(min(static_cast<long long>(kChunk), a.bytes - off));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.ptr + off), "r"(n));
-#endif
-  }
-}
-
 // Split geometry, identical in every block of a sequence: chunk (keys per split, a multiple of BN) and
 // the active split count for T = live keys.
 __device__ __forceinline__ void split_geometry(const Params& p, int T, int& chunk, int& active) {

@@ -145,7 +145,7 @@ int plan(int B, int N, int H, int* splits) {
 // More splits than one wave holds would leave the merge's barrier waiting for splits that cannot start:
 // refused (the front door always launches the plan's count).
 template <int BM>
-int launch(const Params& p, const Rotary& rot, const L2Ahead& ahead, int B, bool pdl, cudaStream_t st) {
+int launch(const Params& p, const Rotary& rot, int B, bool pdl, cudaStream_t st) {
   if (const cudaError_t e = allow_smem<BM>(); e != cudaSuccess) return (int)e;
   int blocks = 0;
   if (const int e = wave_blocks<BM>(&blocks)) return e;
@@ -156,8 +156,8 @@ int launch(const Params& p, const Rotary& rot, const L2Ahead& ahead, int B, bool
   cudaLaunchConfig_t c = {};
   c.gridDim = dim3(p.RT, p.S_max, B), c.blockDim = dim3(THREADS), c.dynamicSmemBytes = smem_of<BM>();
   c.stream = st, c.attrs = attr, c.numAttrs = pdl ? 1 : 0;
-  return rot.q_pe ? (int)cudaLaunchKernelEx(&c, kernel_of<BM, true>(), p, rot, ahead)
-                  : (int)cudaLaunchKernelEx(&c, kernel_of<BM, false>(), p, rot, ahead);
+  return rot.q_pe ? (int)cudaLaunchKernelEx(&c, kernel_of<BM, true>(), p, rot)
+                  : (int)cudaLaunchKernelEx(&c, kernel_of<BM, false>(), p, rot);
 }
 
 #ifdef K26_ATTN_UNION
@@ -220,14 +220,12 @@ K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits) {
 
 // Returns a cudaError_t. Shapes are validated by the Python front door (k26/ops/attention_cuda.py).
 // q_pe (null: q holds all 576 dims): the rotary dims before RoPE, rows pe_ld apart, rotated by positions [B, N]
-// and inv_freq [32] in the kernel; q then holds the 512 latent dims per row. ahead (null: none), ahead_bytes: a
-// region the blocks prefetch into L2 once their own traffic is issued (L2Ahead: the next projection's weight;
-// 16-byte aligned, a multiple of 16 bytes; the union variant ignores it).
+// and inv_freq [32] in the kernel; q then holds the 512 latent dims per row.
 K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t* rows, const int64_t* prefix,
                                  const int64_t* words, void* out, float* lse, void* workspace, int B, int N, int H,
                                  int W, int max_len, int S_max, int min_keys, float scale, const void* q_pe,
                                  long long pe_ld, const int64_t* positions, const float* inv_freq, int pdl,
-                                 const void* ahead, long long ahead_bytes, void* stream) {
+                                 void* stream) {
   if (S_max < 1) return (int)cudaErrorInvalidValue;
   const Layout w = layout(B, N, H, S_max);
   char* ws = static_cast<char*>(workspace);
@@ -241,7 +239,6 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   p.scale_log2 = scale * 1.4426950408889634f;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Rotary rot{(const __nv_bfloat16*)q_pe, positions, inv_freq, pe_ld};
-  const L2Ahead l2{static_cast<const char*>(ahead), ahead ? ahead_bytes : 0};
 #ifdef K26_ATTN_UNION
   if (w.Sw) {  // the wide layout: its own region, half the row tiles, the plain split minimum
     Params pw = p;
@@ -252,10 +249,10 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   }
 #endif
   switch (w.BM) {
-    case 16: return launch<16>(p, rot, l2, B, pdl != 0, st);
+    case 16: return launch<16>(p, rot, B, pdl != 0, st);
 #ifdef K26_ATTN_WIDE
-    case 64: return launch<64>(p, rot, l2, B, pdl != 0, st);
+    case 64: return launch<64>(p, rot, B, pdl != 0, st);
 #endif
-    default: return launch<32>(p, rot, l2, B, pdl != 0, st);
+    default: return launch<32>(p, rot, B, pdl != 0, st);
   }
 }

@@ -34,9 +34,8 @@
 // early tiles: 4K decode 16.8 -> 13.7 µs alone, the decode step 4.70 -> 4.635 ms
 // (2026-12-02-bench_tree_attn-early-keys-h200.md).
 //
-// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, cp.async.bulk.prefetch.L2 (L2Ahead: sm_90 and sm_120
-// both have the bulk-copy unit's prefetch), griddepcontrol, ld.acquire and atomics (no warpgroup MMA, TMA
-// tensor maps, tensor memory or clusters); <= 99,840 B shared memory per block (Cfg; under sm_120's 101,376):
+// Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, ld.acquire and atomics (no warpgroup
+// MMA, TMA, tensor memory or clusters); <= 99,840 B shared memory per block (Cfg; under sm_120's 101,376):
 // legal on sm_120 (99 KB) and sm_90; built for sm_90a and sm_120a.
 // Launch planning, workspace and the exports: csrc/mla_tree_attn.cu.
 // Benchmark: profiling/bench_tree_attn.py (cold L2, graph replay; --rotary: the rotary query), results in
@@ -61,8 +60,7 @@ namespace k26_attn {
 // The block's work for row tile rt, split `split` of sequence b (the kernel below, or the union kernel of
 // csrc/mla_tree_attn_union.cuh, which maps its blocks onto this body or the wide one per sequence).
 template <int MT, bool ROPE>
-__device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& rot, int rt, int split, int b,
-                                               const L2Ahead& l2) {
+__device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& rot, int rt, int split, int b) {
   using C = Cfg<MT>;
   constexpr int BM = C::BM;
   constexpr int LPR = 16 / MT;  // softmax lanes per query row (MT keys each)
@@ -89,12 +87,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   const int T = live_keys(p, L);
   int chunk, active;
   split_geometry(p, T, chunk, active);
-  const long long part = ((long long)b * gridDim.y + split) * gridDim.x + rt;
-  const long long parts = (long long)gridDim.x * gridDim.y * gridDim.z;
-  if (split >= active) {  // no keys for this split at this length: it takes no part in the merge
-    l2_ahead_share(l2, part, parts);
-    return;
-  }
+  if (split >= active) return;  // no keys for this split at this length: it takes no part in the merge
   const int k0 = split * chunk, k1 = min(T, k0 + chunk);
   const __nv_bfloat16* kv = p.cache + (size_t)p.rows[b] * p.max_len * DQK;
   const int n_tiles = (k1 - k0 + BN - 1) / BN;
@@ -470,7 +463,6 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     else
       __stcg(lp + split * BM + tid, l);
   }
-  l2_ahead_share(l2, part, parts);
   if (active == 1) return;
 #ifdef K26_ATTN_PROBE_NO_MERGE
   // measurement only, wrong output: the step's time without the barrier + merge (an upper bound). A
@@ -491,8 +483,8 @@ constexpr int kMinBlocks16 = 2;
 #endif
 template <int MT, bool ROPE>
 static __global__ void __launch_bounds__(THREADS, MT == 1 ? kMinBlocks16 : 1)
-    tree_attn_kernel(Params p, Rotary rot, L2Ahead l2) {
-  tree_attn_body<MT, ROPE>(p, rot, blockIdx.x, blockIdx.y, blockIdx.z, l2);
+    tree_attn_kernel(Params p, Rotary rot) {
+  tree_attn_body<MT, ROPE>(p, rot, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 }  // namespace k26_attn

@@ -33,7 +33,7 @@ static __global__ void __launch_bounds__(THREADS, 1)
     tree_attn_union_kernel(Params p, Rotary rot, Params pw, int wide_from) {
   const int b = blockIdx.z;
   if (live_keys(p, static_cast<int>(p.prefix[b])) < wide_from) {
-    tree_attn_body<2, ROPE>(p, rot, blockIdx.x, blockIdx.y, b, L2Ahead{nullptr, 0});  // (no L2 prefetch)
+    tree_attn_body<2, ROPE>(p, rot, blockIdx.x, blockIdx.y, b);
     return;
   }
   const int linear = blockIdx.y * gridDim.x + blockIdx.x;

@@ -266,8 +266,7 @@ __device__ __forceinline__ void tree_attn_wide_body(const Params& p, const Rotar
 }
 
 template <bool ROPE>
-static __global__ void __launch_bounds__(THREADS, 1) tree_attn_wide_kernel(Params p, Rotary rot, L2Ahead) {
-  // (an A/B side: the L2 prefetch hint is not taken)
+static __global__ void __launch_bounds__(THREADS, 1) tree_attn_wide_kernel(Params p, Rotary rot) {
   tree_attn_wide_body<ROPE>(p, rot, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
