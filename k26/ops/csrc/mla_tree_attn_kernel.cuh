@@ -32,7 +32,10 @@
 // Programmatic dependent launch (csrc/pdl.cuh): launched before the query's projection has finished, every
 // block issues its first prefix key tiles, waits for it, then lets W_UV's launch start (see the kernel). The
 // early tiles: 4K decode 16.8 -> 13.7 µs alone, the decode step 4.70 -> 4.635 ms
-// (2026-12-02-bench_tree_attn-early-keys-h200.md).
+// (2026-12-02-bench_tree_attn-early-keys-h200.md). Tried and dropped: the blocks prefetching o_proj's weight into
+// L2 (idle splits at once, live ones after their partials) — o_proj gained 1.2 µs a layer, the attention lost 3.4
+// (the prefetch queued ahead of the keys and the merge's L2 reads): the decode step 4.39 -> 4.53 ms on an H100
+// (2026-12-07-l2-ahead-session40-h100.md).
 //
 // Legality: mma.sync.m16n8k16 bf16, ldmatrix, cp.async, griddepcontrol, ld.acquire and atomics (no warpgroup
 // MMA, TMA, tensor memory or clusters); <= 99,840 B shared memory per block (Cfg; under sm_120's 101,376):
