@@ -201,4 +201,6 @@ def test_a_lone_surrogate_in_a_prompt_is_named_not_replaced(llm):
     # (it was encoded as U+FFFD, ids [239, 191, 189], silently; the server refuses such a body with a 400)
     with pytest.raises(ValueError, match="prompt 1: text holds an unpaired UTF-16 surrogate at character 2"):
         llm.generate(["ok", "ab\ud800c"])
-    assert llm.tokenizer.encode("a\U0001f916b") == llm.tokenizer.encode("a🤖b")  # (a pair is one character)
+    with pytest.raises(ValueError, match="prompt 0: text holds an unpaired UTF-16 surrogate at character 1"):
+        llm.generate(["🤖\ud800"])  # (an astral character before it is one character, not a pair)
+    assert llm.tokenizer.decode(llm.tokenizer.encode("a🤖b")) == "a🤖b"  # a valid astral character is text

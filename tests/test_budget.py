@@ -87,12 +87,22 @@ def test_measured_costs_have_a_context_slope(tiny_k25):
         tiny_k25, drafter=d, device="cpu", dtype=torch.float32, progress=False, max_batch=1, max_model_len=512
     )
     spec = SpecConfig("ddtree", "auto", candidates=(3, 15))
+    budgets, seen = llm.decoder.budgets, []
+    calibrate = budgets.calibrate
+
+    def recording(spec, batch, time_at, ats, **kw):
+        seen.append(tuple(ats))
+        return calibrate(spec, batch, time_at, ats, **kw)
+
+    budgets.calibrate = recording
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop_token_ids=[]), spec)
     pol = llm.decoder.policies[(spec, 1)]
     assert min(pol.t_verify) > 0
     assert pol.cost.tolist() != [1.0, 1.0]  # measured, not the placeholders
-    # 512 tokens leave room for a short and a long timing context: the line through both is fitted
-    assert len(timing_contexts(512, 15, llm.drafter.cfg.block_size)) == 2
+    # 512 tokens leave room for a short and a long timing context: the costs are timed at both (the line
+    # through them is the slope; fit_costs' own test below checks the fit)
+    ats = timing_contexts(512, 15, llm.drafter.cfg.block_size)
+    assert len(ats) == 2 and seen == [tuple(ats)]
 
 
 def test_fitted_costs_follow_the_context_slope():

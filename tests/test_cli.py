@@ -290,14 +290,21 @@ def test_profile_ddtree_without_model_has_phase_ranges(tmp_path, capsys):
     assert {"prefill", "draft", "tree", "verify", "accept"} <= names
 
 
-def test_nvtx_range_shows_in_torch_profiler_only_while_recording():
+def test_nvtx_range_shows_in_torch_profiler_only_while_recording(monkeypatch):
     from torch.profiler import profile
 
     with profile() as prof, nvtx_range("k26-phase"):
         torch.ones(4).sum()
     assert "k26-phase" in {e.name for e in prof.events()}
-    with nvtx_range("outside"):  # no profiler: no record_function, nothing raised
+    import k26.profiling
+
+    entered, real = [], k26.profiling.record_function
+    monkeypatch.setattr(k26.profiling, "record_function", lambda name: entered.append(name) or real(name))
+    with nvtx_range("outside"):  # no profiler: no record_function (~5 µs a call), nothing raised
         pass
+    with profile(), nvtx_range("inside"):
+        pass
+    assert entered == ["inside"]
 
 
 def test_bench_report_lists_every_captured_graph():

@@ -45,8 +45,8 @@ def test_serve_start_up_flags_reach_the_llm(llm_kwargs, monkeypatch, tmp_path, c
                 "nccl",
             ]
         )
-    got = tuple(llm_kwargs.get(k, False) for k in ("compile", "capture", "cache_dir", "allreduce"))
-    assert got == (True, False, str(tmp_path), "nccl")
+    got = tuple(llm_kwargs.get(k, False) for k in ("compile", "capture", "cache_dir", "allreduce", "tp"))
+    assert got == (True, False, str(tmp_path), "nccl", 2)
     (tmp_path / "f").write_text("x")
     monkeypatch.setattr(k26, "LLM", lambda *a, **kw: pytest.fail("loaded before --cache-dir was checked"))
     assert main(["serve", "--cache-dir", str(tmp_path / "f")]) == 2
@@ -79,7 +79,7 @@ def test_generate_start_up_flags_reach_the_llm(llm_kwargs, tmp_path):
     """`generate --cache-dir D --tp 2 --allreduce nccl` builds the LLM with them; no --allreduce: fused."""
     with pytest.raises(_Built):
         main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path), "--tp", "2", "--allreduce", "nccl"])
-    assert (llm_kwargs["cache_dir"], llm_kwargs["allreduce"]) == (str(tmp_path), "nccl")
+    assert (llm_kwargs["cache_dir"], llm_kwargs["allreduce"], llm_kwargs["tp"]) == (str(tmp_path), "nccl", 2)
     with pytest.raises(_Built):
         main(["generate", "--prompt", "hi"])
     assert llm_kwargs["allreduce"] == "fused"
@@ -137,14 +137,12 @@ def test_budget_arguments_take_auto_where_documented_and_refuse_what_would_be_ig
     assert "expected a DDTree budget in [1, 255]" in capsys.readouterr().err
 
 
-def test_serve_host_that_does_not_resolve_is_refused_before_loading():
-    from k26.cli_parser import build_parser
-    from k26.server.cli import check_args
-
+def test_serve_host_that_does_not_resolve_is_refused_before_loading(llm_kwargs, capsys):
     # (.invalid: a name RFC 2606 reserves never to resolve)
-    with pytest.raises(ValueError, match="--host no-such-host.invalid: not an address"):
-        check_args(build_parser().parse_args(["serve", "--host", "no-such-host.invalid"]))
-    check_args(build_parser().parse_args(["serve", "--host", "127.0.0.1"]))
+    assert main(["serve", "--host", "no-such-host.invalid"]) == 2
+    assert "--host no-such-host.invalid: not an address" in capsys.readouterr().err and not llm_kwargs
+    with pytest.raises(_Built):
+        main(["serve", "--host", "127.0.0.1"])
 
 
 @pytest.mark.parametrize(
@@ -155,13 +153,13 @@ def test_serve_host_that_does_not_resolve_is_refused_before_loading():
         (["--served-model-name", "  "], "--served-model-name is empty"),
     ],
 )
-def test_serve_sizes_and_names_that_serve_nothing_are_refused_before_loading(flags, match):
-    from k26.cli_parser import build_parser
-    from k26.server.cli import check_args
-
-    with pytest.raises(ValueError, match=match):
-        check_args(build_parser().parse_args(["serve", *flags]))
-    check_args(build_parser().parse_args(["serve", "--max-request-mb", "0.001", "--served-model-name", "m"]))
+def test_serve_sizes_and_names_that_serve_nothing_are_refused_before_loading(
+    flags, match, llm_kwargs, capsys
+):
+    assert main(["serve", *flags]) == 2
+    assert match in capsys.readouterr().err and not llm_kwargs
+    with pytest.raises(_Built):
+        main(["serve", "--max-request-mb", "0.001", "--served-model-name", "m"])
 
 
 def test_serve_port_taken_is_refused_before_loading(no_loading, capsys):

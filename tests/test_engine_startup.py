@@ -98,6 +98,7 @@ def test_report_lines_name_every_phase():
     )
     text = "\n".join(r.lines())
     assert "1.00 GB" in text and "0.50 GB/s" in text and "repack    0.50 s" in text
+    assert "capture   3.00 s" in text
     assert "graph ar greedy batch 4 nodes 1: 1.50 s, pool +2.0 MB" in text
 
 

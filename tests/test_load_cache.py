@@ -266,6 +266,18 @@ def test_the_compile_cache_is_written_whole_or_not_at_all(tmp_path, monkeypatch)
     f = tmp_path / "c" / "compile.bin"
     save_compile_cache(f)
     assert f.read_bytes() == b"artifacts" and [p.name for p in f.parent.iterdir()] == ["compile.bin"]
+    real_write = type(f).write_bytes
+
+    def torn(self, data):  # a disk that fills halfway through the write
+        real_write(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(f), "write_bytes", torn)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"newer artifacts", None))
+    with pytest.warns(UserWarning, match="not written"):
+        save_compile_cache(f)
+    assert f.read_bytes() == b"artifacts" and [p.name for p in f.parent.iterdir()] == ["compile.bin"]
+    monkeypatch.setattr(type(f), "write_bytes", real_write)
     blocked = tmp_path / "file"
     blocked.write_text("x")  # a file where the directory should be: the write fails
     with pytest.warns(UserWarning, match="not written"):

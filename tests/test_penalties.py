@@ -2,6 +2,8 @@
 generated so far, at every verify-tree node with its path counted (speculative decoding stays lossless),
 nothing changed for rows without them, and bad values named."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -76,6 +78,8 @@ def test_set_row_clears_the_slots_previous_request():
     assert p.held[0] == 2 and p.stops[0].tolist() == [True, False, False, True, False, False]
     p.count([0, 0, 0], [1, 1, 1])
     assert p.held[0] == 0  # (never below)
+    p.set_row(0, RowPenalty(min_tokens=5, stop_ids=frozenset({3})))
+    assert p.held[0] == 5  # a request still holding its stop ids back when the slot is given again
     p.set_row(0, RowPenalty())
     assert not p.counts[0].any() and not p.bias[0].any() and p.frequency[0] == 0 and p.presence[0] == 0
     assert p.held[0] == 0 and not p.stops[0].any()
@@ -247,6 +251,9 @@ def test_penalised_sampling_is_seeded_and_stays_in_the_vocabulary(llm):
     a = llm.generate(PROMPT, sp, SpecConfig("ddtree", 6))[0].token_ids
     assert a == llm.generate(PROMPT, sp, SpecConfig("ddtree", 6))[0].token_ids
     assert len(a) == 10 and all(0 <= t < llm.config.vocab_size for t in a)
+    spec = SpecConfig("ddtree", 6)
+    others = [llm.generate(PROMPT, replace(sp, seed=s), spec)[0].token_ids for s in (10, 11)]
+    assert any(o != a for o in others)  # the seed, not a fixed stream, decides the tokens
 
 
 def test_a_penalised_neighbour_and_a_reused_slot_change_nothing(llm):

@@ -118,6 +118,9 @@ def test_idle_slots_park_in_a_free_row_holding_least_and_stay_there():
     assert pc.park(idle=[0, 1, 2, 3], free=[1, 2, 3]) == 2
     assert pc.known[2] == [1, 2]  # kept: the batch saves the row's head meanwhile (kv_cache.HeadStash)
     assert pc.park(idle=[1, 2, 3], free=[1, 2, 3]) == 2  # it stays while idle
+    pc.admitted(3)
+    pc.released(3, [])  # row 3 now holds least: the parked row stays anyway (its head is stashed)
+    assert pc.park(idle=[1, 2, 3], free=[1, 2, 3]) == 2
     pc.admitted(2)
     assert pc.park(idle=[1, 3], free=[1, 3]) == 3
     assert pc.park(idle=[0], free=[]) == 0  # finished, not yet released: still a place to park

@@ -45,9 +45,20 @@ def test_a_live_rows_prefix_is_copied_into_a_new_row(llm, spec):
     llm.step()
     second = llm.admit([shared + tail], [GREEDY])
     assert second != first and llm.batch.outs[second[0]].cached_tokens == len(shared)
+    assert_rows_hold_the_same_prefix(llm, first[0], second[0], len(shared), spec)
     a, b = finish(llm, first + second)
     same_as_fresh(llm, a, shared + [1, 2], spec)
     same_as_fresh(llm, b, shared + tail, spec)
+
+
+def assert_rows_hold_the_same_prefix(llm, src: int, dst: int, n: int, spec) -> None:
+    """The copied row's first n positions equal its source's in the target's latent cache and, for a
+    drafting method, in the drafter's context cache (lossless verification would hide a stale drafter
+    context in the tokens: only the drafts, not the outputs, would change)."""
+    assert torch.equal(llm.cache.kv_LRTC[:, dst, :n], llm.cache.kv_LRTC[:, src, :n])
+    if spec.method != "ar":
+        assert torch.equal(llm.dcache.k[:, dst, :n], llm.dcache.k[:, src, :n])
+        assert torch.equal(llm.dcache.v[:, dst, :n], llm.dcache.v[:, src, :n])
 
 
 def test_n_copies_of_a_prompt_prefill_it_once(llm):
@@ -60,6 +71,8 @@ def test_n_copies_of_a_prompt_prefill_it_once(llm):
     llm.batch.prefix.min_wave = 64
     slots = llm.admit([p, p, p], [GREEDY] * 3)
     assert sorted(llm.batch.outs[s].cached_tokens for s in slots) == [0, len(p) - 1, len(p) - 1]
+    for s in slots[1:]:
+        assert_rows_hold_the_same_prefix(llm, slots[0], s, len(p) - 1, spec)
     outs = finish(llm, slots)
     for out in outs:
         same_as_fresh(llm, out, p, spec)

@@ -93,6 +93,8 @@ def test_stop_string_and_seeded_sampling(served):
     ) as ex:  # the seed is the request's own: its neighbours in the batch do not matter
         together = list(ex.map(lambda _: c.completions.create(**kw).choices[0].text, range(4)))
     assert together == [a] * 4
+    others = [c.completions.create(**{**kw, "seed": s}).choices[0].text for s in (8, 9, 10)]
+    assert any(o != a for o in others)  # the request's seed, not a fixed stream, decides the tokens
 
 
 def test_eight_concurrent_streams_each_equal_alone(served):
@@ -132,6 +134,15 @@ def test_a_whole_answer_whose_client_left_frees_its_row(served, monkeypatch, key
         while time.time() < deadline and metric(url, "k26_requests_cancelled_total") < before + 1:
             time.sleep(0.1)
         assert metric(url, "k26_requests_cancelled_total") == before + 1
+        assert_every_row_free(llm)
+
+
+def assert_every_row_free(llm):
+    """The batch's rows all come back (a cancelled request's row released, not just counted)."""
+    deadline = time.time() + 10
+    while time.time() < deadline and len(llm.batch.free_slots()) < llm.batch.capacity:
+        time.sleep(0.05)
+    assert len(llm.batch.free_slots()) == llm.batch.capacity
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -155,6 +166,7 @@ def test_dropped_client_frees_its_rows(served, n):
         time.sleep(0.1)
     assert metric(url, "k26_requests_cancelled_total") == before + n
     assert metric(url, "k26_requests_running") == 0
+    assert_every_row_free(served["llm"])
     later = c.completions.create(model=MODEL, prompt=PROMPTS[2], **greedy())
     assert later.usage.completion_tokens > 0
 

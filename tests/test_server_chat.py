@@ -182,8 +182,18 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(tiny_k25):
             else:
                 with pytest.raises(openai.AuthenticationError):
                     c.chat.completions.create(**ASK)
-        status, r = post(url, "/tokenize", {"model": MODEL, "prompt": "x"})  # no key at all
-        assert status == 401 and r["error"]["code"] == "invalid_api_key"
+        routes = [
+            ("GET", "/v1/models", None),
+            ("GET", f"/v1/models/{MODEL}", None),
+            ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+            ("POST", "/v1/chat/completions", ASK),
+            ("POST", "/tokenize", {"model": MODEL, "prompt": "x"}),
+            ("POST", "/detokenize", {"model": MODEL, "tokens": [1]}),
+        ]
+        for method, path, body in routes:  # no key at all, and a wrong one
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                status, r = call(url, method, path, body, headers)
+                assert status == 401 and r["error"]["code"] == "invalid_api_key", (method, path, headers)
         for path in ("/health", "/metrics"):
             with urllib.request.urlopen(url + path, timeout=10) as r:
                 assert r.status == 200
@@ -206,7 +216,13 @@ def test_an_api_key_with_surrounding_whitespace_still_matches(tiny_k25, monkeypa
 
 
 def post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return call(url, "POST", path, body)
+
+
+def call(url: str, method: str, path: str, body: dict | None, headers: dict | None = None) -> tuple:
+    data = None if body is None else json.dumps(body).encode()
+    head = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url + path, data, head, method=method)
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())

@@ -238,6 +238,10 @@ def test_the_unicode_check_walks_a_body_deeper_than_the_recursion_limit():
     for _ in range(50_000):
         deep = [deep]
     assert unpaired_surrogate({"a": deep}) is None
+    bottom: list = ["ok", "\ud800"]  # the same depth with a lone surrogate at the bottom: found and named
+    for _ in range(50_000):
+        bottom = [bottom]
+    assert unpaired_surrogate({"a": bottom}) == "a" + "[0]" * 50_000 + "[1]"
     assert unpaired_surrogate({"a": ["x", {"b": ["y", "\ud800"]}], "c": "\udc00"}) == "a[1].b[1]"
     assert unpaired_surrogate({"\ud800": 1}) == "\ud800"
 

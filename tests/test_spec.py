@@ -2,6 +2,8 @@
 stops inside an accepted block, drafter exactness, bad specs refused, the context end. The tree builder and
 the acceptance walk alone: tests/test_spec_tree.py; the drafter's config: tests/test_drafter_config.py."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,10 @@ def test_spec_sampling_is_seeded(llm):
     a = llm.generate([[1, 2, 3]], sp, SpecConfig("ddtree", 8))[0].token_ids
     b = llm.generate([[1, 2, 3]], sp, SpecConfig("ddtree", 8))[0].token_ids
     assert a == b and len(a) == 12
+    others = [
+        llm.generate([[1, 2, 3]], replace(sp, seed=s), SpecConfig("ddtree", 8))[0].token_ids for s in (12, 13)
+    ]
+    assert any(o != a for o in others)  # the seed, not a fixed stream, decides the tokens
 
 
 def test_auto_budget_seeded_sampling_repeats_across_calls():

@@ -108,6 +108,11 @@ def test_the_checkpoint_digest_tells_drafters_apart_and_copies_alike(tiny_tp, tm
     copy = shutil.copytree(tiny_tp[1], tmp_path / "copy")
     other = write_tiny_drafter(tmp_path / "other", tiny_tp[0], layers=2, seed=2, heads=4, kv_heads=4)
     assert checkpoint_digest(copy) == checkpoint_digest(tiny_tp[1]) != checkpoint_digest(other)
+    # the same config and index over weight files of another size (say, another export's shards): apart
+    shard = min(copy.glob("*.safetensors"))
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 64)
+    assert checkpoint_digest(copy) != checkpoint_digest(tiny_tp[1])
 
 
 class _CallersSampling(SamplingParams):  # (defined by the caller: the ranks' interpreters do not have it)

@@ -135,19 +135,27 @@ def unpaired_surrogate(x) -> str | None:
         return "" if bad(x) else None
     if not isinstance(x, (dict, list)):
         return None
-    stack = [(entries(x), "")]
+    # Each open container's iterator and the key it sits under; the path is spelled only once found (built
+    # level by level it cost quadratic time in the depth)
+    stack = [(entries(x), None)]
     while stack:
-        it, path = stack[-1]
-        for k, item in it:
-            at = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else k
+        for k, item in stack[-1][0]:
             if (isinstance(k, str) and bad(k)) or (isinstance(item, str) and bad(item)):
-                return at
+                return _path([key for _, key in stack[1:]] + [k])
             if isinstance(item, (dict, list)):
-                stack.append((entries(item), at))
+                stack.append((entries(item), k))
                 break
         else:
             stack.pop()
     return None
+
+
+def _path(keys: list) -> str:
+    """The path "messages[0].content" from the keys ["messages", 0, "content"]."""
+    out = ""
+    for k in keys:
+        out += f"[{k}]" if isinstance(k, int) else f".{k}" if out else k
+    return out
 
 
 def _too_large(size: int, limit: int) -> APIError:
