@@ -204,16 +204,20 @@ def test_prompts_longer_than_the_kernels_query_prefill_in_chunks_on_the_gpu(k2_l
     sp = SamplingParams(max_tokens=8, stop_token_ids=[])
     prompts = random_prompts(2, 300, 301, seed=17) + random_prompts(1, 700, 701, seed=18)
     cpu = LLM(k2_latent, device="cpu", dtype=torch.float32, progress=False, max_model_len=1024)
+    bf16 = LLM(k2_latent, device="cpu", dtype=torch.bfloat16, progress=False, max_model_len=1024)
     want = cpu.generate(prompts, sp, SpecConfig("ar"))
     gpu = LLM(k2_latent, device="cuda", progress=False, max_model_len=1024)
     got = gpu.generate(prompts, sp, SpecConfig("ar"))
-    assert_diverges_only_at_near_ties(cpu, prompts, want, got)
+    # (bf16 against float32: a difference is allowed where bf16 rounding itself moves the two best logits
+    # past each other — measured 2026-12-07: the CPU's bf16 reference ops flip the same share of positions)
+    assert_diverges_only_at_near_ties(cpu, prompts, want, got, rounded=bf16)
     gpu.open_batch(SpecConfig("ar"))
     first = finish(gpu, gpu.admit([prompts[2]], [sp]))[0]
     follow = prompts[2] + first.token_ids + [7, 8, 9]
     again = finish(gpu, gpu.admit([follow], [sp]))[0]
     assert again.cached_tokens == len(prompts[2]) + len(first.token_ids) - 1
-    assert_diverges_only_at_near_ties(cpu, [follow], cpu.generate(follow, sp, SpecConfig("ar")), [again])
+    want = cpu.generate(follow, sp, SpecConfig("ar"))
+    assert_diverges_only_at_near_ties(cpu, [follow], want, [again], rounded=bf16)
 
 
 @pytest.mark.gpu
