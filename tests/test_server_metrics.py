@@ -54,3 +54,30 @@ def test_a_finished_request_is_counted_before_its_client_has_the_answer(ar_url):
         n = complete(ar_url, 3)["usage"]["completion_tokens"]
         assert metric(ar_url, "k26_requests_finished_total") == finished + 1
         assert metric(ar_url, "k26_generation_tokens_total") == tokens + n
+
+
+def test_a_request_still_prefilling_counts_as_running():
+    """A row admitted and still prefilling is in the batch, from its admission on: /metrics showed an idle
+    server (running 0, waiting 0) through a long prompt's prefill (a review: > 3.6 s for 2.7K tokens)."""
+    import asyncio
+    import time
+
+    from k26 import LLM, SamplingParams, SpecConfig
+    from k26.server import Engine
+    from k26.server.engine import Request
+
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128)
+    engine = Engine(llm, SpecConfig("ar"))
+    seen, step = [], llm.step
+    llm.step = lambda: (seen.append(engine.metrics.running), step())[1]  # as the boundary before left it
+    loop = asyncio.new_event_loop()
+    engine.start()
+    try:  # max_tokens 1: the prefill samples the only token, the row is never a decoding one
+        engine.submit([Request(list(range(5, 65)), SamplingParams(max_tokens=1), loop)])
+        deadline = time.time() + 60
+        while engine.metrics.finished < 1 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+        loop.close()
+    assert engine.metrics.finished == 1 and seen == [1] and engine.metrics.running == 0

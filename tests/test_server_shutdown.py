@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -80,3 +81,62 @@ def test_a_stopped_server_answers_its_requests_in_flight_and_exits_cleanly(sig, 
         chunks = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert status == 200 and chunks[-1] == "[DONE]"
         assert json.loads(chunks[-2])["error"]["code"] == "server_shutting_down"
+
+
+def test_the_grace_period_starts_once_the_engine_has_answered(monkeypatch):
+    """Told to stop, the engine answers its requests (503) at its next step boundary: uvicorn's shutdown,
+    whose grace period cancels handlers still running after 5 s, starts only once the engine's loop has ended
+    (a review found a > 5 s prefill step leaving clients a cut stream or a plain-text 500)."""
+    import asyncio
+
+    import uvicorn
+
+    import k26.server
+
+    step = threading.Thread(target=time.sleep, args=(1.0,))  # the engine's loop, still inside a step
+    engine = SimpleNamespace(thread=step, start=step.start, stop_soon=lambda: None, stop=step.join)
+    seen = []
+
+    async def uvicorn_shutdown(self, sockets=None):
+        seen.append(engine.thread.is_alive())
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", uvicorn_shutdown)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: asyncio.run(self.shutdown()))
+    monkeypatch.setattr(k26.server, "create_app", lambda *args: None)
+    k26.server.run_server(engine, "m")
+    assert seen == [False]
+
+
+def test_a_second_ctrl_c_does_not_wait_for_the_engine():
+    import asyncio
+
+    from k26.server import wait_answered
+
+    stuck = threading.Event()
+    engine = SimpleNamespace(thread=threading.Thread(target=stuck.wait, daemon=True))
+    engine.thread.start()
+    t0 = time.monotonic()
+    asyncio.run(wait_answered(engine, lambda: True))
+    asyncio.run(wait_answered(engine, lambda: False, limit=0.3))
+    assert time.monotonic() - t0 < 2.0 and engine.thread.is_alive()
+    stuck.set()
+
+
+def test_ctrl_c_at_start_up_leaves_at_once_while_the_engine_thread_still_captures(monkeypatch):
+    """An engine thread still inside torch's C++ code (a graph capture) when the interpreter exits aborts the
+    process (SIGABRT, a review found, instead of the interrupted status 130): the CLI leaves with os._exit."""
+    from k26.server import cli
+
+    exits, closed = [], []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    stuck = threading.Event()
+    engine = SimpleNamespace(thread=threading.Thread(target=stuck.wait, daemon=True))
+    engine.thread.start()
+    llm = SimpleNamespace(close=lambda wait: closed.append(wait))
+    cli.close_after(llm, engine, interrupted=True)
+    assert closed == [10] and exits == [130]
+    cli.close_after(llm, engine, interrupted=False)  # not interrupted: no early exit
+    stuck.set()
+    engine.thread.join()
+    cli.close_after(llm, engine, interrupted=True)  # the thread has ended: the interrupt propagates as usual
+    assert exits == [130]

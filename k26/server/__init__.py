@@ -6,9 +6,11 @@ the model and schedules rows at step boundaries; app.py is the FastAPI app the h
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
+import time
 
 from .app import create_app
 from .body import MAX_BODY_BYTES
@@ -16,6 +18,18 @@ from .engine import Engine
 from .errors import APIError
 
 __all__ = ["APIError", "Engine", "create_app", "run_server"]
+
+ANSWER_WAIT_S = 60.0  # at most this long for the engine's step to end and answer its requests at shutdown
+
+
+async def wait_answered(engine: Engine, forced, limit: float = ANSWER_WAIT_S) -> None:
+    """Until the engine's loop has ended (told to stop, it answers every request still running or waiting with
+    a 503 at its next step boundary), at most `limit` seconds or until `forced()` (a second Ctrl-C). uvicorn's
+    grace period then counts from there: a step longer than it (a prefill of several long prompts on a CPU)
+    left the handlers cancelled mid-answer, their clients a cut stream or a plain-text 500."""
+    deadline = time.monotonic() + limit
+    while engine.thread.is_alive() and not forced() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def run_server(
@@ -36,6 +50,7 @@ def run_server(
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             engine.stop_soon()  # (uvicorn would otherwise cancel the handlers mid-answer after its grace)
+            await wait_answered(engine, lambda: self.force_exit)
             await super().shutdown(sockets)
 
         @contextlib.contextmanager

@@ -114,10 +114,27 @@ def serve(a: argparse.Namespace) -> int:
     # (the environment keeps it off `ps`; surrounding whitespace, say a key file's newline, is no part of it:
     # clients' header values are trimmed, so such a key could never match)
     key = (a.api_key or os.environ.get("K26_API_KEY") or "").strip() or None
+    interrupted = False
     try:
         run_server(engine, name, a.host, a.port, api_key=key, max_body_bytes=int(a.max_request_mb * 2**20))
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        # CUDA graphs, then the TP ranks this LLM started; an engine thread still capturing at start-up
-        # (Ctrl-C then) is not waited for minutes: the process is on its way out
-        llm.close(wait=10)
+        close_after(llm, engine, interrupted)
     return 0
+
+
+def close_after(llm, engine, interrupted: bool) -> None:
+    """CUDA graphs, then the TP ranks this LLM started. An engine thread still capturing at start-up (Ctrl-C
+    then) is not waited for minutes; if it is still inside torch's C++ code after that, the interpreter's exit
+    would abort under it (SIGABRT, "terminate called without an active exception"), so the process leaves at
+    once with the interrupted status (130) instead."""
+    try:
+        llm.close(wait=10)
+    except KeyboardInterrupt:  # a second Ctrl-C while closing
+        interrupted = True
+    if interrupted and engine.thread.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
