@@ -81,3 +81,42 @@ def test_a_request_still_prefilling_counts_as_running():
         engine.stop()
         loop.close()
     assert engine.metrics.finished == 1 and seen == [1] and engine.metrics.running == 0
+
+
+def test_a_prompt_prefilling_beside_a_decoding_row_counts_through_its_steps():
+    """A long prompt admitted beside a decoding row prefills over several steps (the prefill budget's
+    positions each): it counts as running through all of them, not only in the step it was admitted in."""
+    import asyncio
+    import time
+
+    from k26 import LLM, SamplingParams, SpecConfig
+    from k26.server import Engine
+    from k26.server.engine import Request
+
+    llm = LLM(
+        device="cpu",
+        dtype=torch.float32,
+        progress=False,
+        max_batch=2,
+        max_model_len=128,
+        prefill_chunk=8,
+        prefill_budget=8,
+    )
+    engine = Engine(llm, SpecConfig("ar"))
+    seen, step = [], llm.step
+    llm.step = lambda: (seen.append(engine.metrics.running), step())[1]
+    loop = asyncio.new_event_loop()
+    engine.start()
+    try:
+        decoding = SamplingParams(max_tokens=40, stop_token_ids=[])
+        engine.submit([Request([5, 6, 7], decoding, loop)])
+        deadline = time.time() + 60
+        while len(seen) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        engine.submit([Request(list(range(5, 65)), SamplingParams(max_tokens=1), loop)])
+        while engine.metrics.finished < 2 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+        loop.close()
+    assert engine.metrics.finished == 2 and seen.count(2) >= 3  # 60 positions at 8 a step: >= 7 steps

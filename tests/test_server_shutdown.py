@@ -122,21 +122,61 @@ def test_a_second_ctrl_c_does_not_wait_for_the_engine():
     stuck.set()
 
 
-def test_ctrl_c_at_start_up_leaves_at_once_while_the_engine_thread_still_captures(monkeypatch):
-    """An engine thread still inside torch's C++ code (a graph capture) when the interpreter exits aborts the
-    process (SIGABRT, a review found, instead of the interrupted status 130): the CLI leaves with os._exit."""
+def test_an_engine_thread_still_running_at_the_end_makes_the_process_leave_at_once(monkeypatch, capsys):
+    """An engine thread still inside torch's C++ code (a graph capture at start-up, a step that outlived the
+    shutdown's waits) when the interpreter exits aborts the process (SIGABRT, a review found, instead of 130):
+    the CLI leaves with os._exit and the status it was ending with, closing nothing under the thread."""
     from k26.server import cli
 
+    class Left(BaseException):  # os._exit does not return
+        pass
+
     exits, closed = [], []
-    monkeypatch.setattr(cli.os, "_exit", exits.append)
+
+    def leave(code):
+        exits.append(code)
+        raise Left
+
+    monkeypatch.setattr(cli.os, "_exit", leave)
     stuck = threading.Event()
     engine = SimpleNamespace(thread=threading.Thread(target=stuck.wait, daemon=True))
     engine.thread.start()
     llm = SimpleNamespace(close=lambda wait: closed.append(wait))
-    cli.close_after(llm, engine, interrupted=True)
-    assert closed == [10] and exits == [130]
-    cli.close_after(llm, engine, interrupted=False)  # not interrupted: no early exit
+    for interrupted in (True, False):
+        with pytest.raises(Left):
+            cli.close_after(llm, engine, interrupted)
+    assert exits == [130, 0] and closed == []
+    assert "k26: interrupted (the engine was still inside a step or a capture)" in capsys.readouterr().err
     stuck.set()
     engine.thread.join()
-    cli.close_after(llm, engine, interrupted=True)  # the thread has ended: the interrupt propagates as usual
-    assert exits == [130]
+    cli.close_after(llm, engine, interrupted=True)  # the thread has ended: closed, the interrupt goes on
+    assert exits == [130, 0] and closed == [10]
+
+
+def test_a_second_ctrl_c_waits_for_nothing(monkeypatch):
+    """uvicorn's force exit (a second Ctrl-C): neither the engine's answers nor its thread are waited for."""
+    import asyncio
+
+    import uvicorn
+
+    import k26.server
+
+    stuck = threading.Event()
+    step = threading.Thread(target=stuck.wait, daemon=True)
+    waits = []
+    engine = SimpleNamespace(thread=step, start=step.start, stop_soon=lambda: None, stop=waits.append)
+
+    async def uvicorn_shutdown(self, sockets=None):
+        pass
+
+    def run(self, sockets=None):
+        self.force_exit = True
+        asyncio.run(self.shutdown())
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", uvicorn_shutdown)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(k26.server, "create_app", lambda *args: None)
+    t0 = time.monotonic()
+    k26.server.run_server(engine, "m")
+    assert time.monotonic() - t0 < 1.0 and waits == [0.0]
+    stuck.set()

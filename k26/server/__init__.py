@@ -66,6 +66,7 @@ def run_server(
                     captured[:] = [sig for sig in captured if sig != signal.SIGTERM]
 
     engine.start()
+    server = None
     try:
         config = uvicorn.Config(
             create_app(engine, model_name, api_key, max_body_bytes),
@@ -74,6 +75,7 @@ def run_server(
             log_level=log_level,
             timeout_graceful_shutdown=5,
         )
-        Server(config).run(sockets=[sock] if sock is not None else None)
+        server = Server(config)
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
-        engine.stop()
+        engine.stop(0.0 if server is not None and server.force_exit else 30.0)  # (a second Ctrl-C: no wait)

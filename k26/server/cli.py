@@ -126,15 +126,14 @@ def serve(a: argparse.Namespace) -> int:
 
 
 def close_after(llm, engine, interrupted: bool) -> None:
-    """CUDA graphs, then the TP ranks this LLM started. An engine thread still capturing at start-up (Ctrl-C
-    then) is not waited for minutes; if it is still inside torch's C++ code after that, the interpreter's exit
-    would abort under it (SIGABRT, "terminate called without an active exception"), so the process leaves at
-    once with the interrupted status (130) instead."""
-    try:
-        llm.close(wait=10)
-    except KeyboardInterrupt:  # a second Ctrl-C while closing
-        interrupted = True
-    if interrupted and engine.thread.is_alive():
+    """CUDA graphs, then the TP ranks this LLM started. An engine thread still running (Ctrl-C during the
+    start-up's graph capture, a step that outlived the shutdown's waits, a second Ctrl-C) is inside torch's
+    C++ code: closing under it could fail, and the interpreter's exit would abort (SIGABRT, "terminate called
+    without an active exception"). The process then leaves at once, with the status it was ending with (130
+    after Ctrl-C); the driver frees the device, and the TP ranks die with their parent."""
+    if engine.thread.is_alive():
+        why = "interrupted" if interrupted else "stopped"
+        print(f"k26: {why} (the engine was still inside a step or a capture)", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        os._exit(130 if interrupted else 0)
+    llm.close(wait=10)

@@ -152,9 +152,10 @@ class Engine:
                 self.stopping = True
                 self.inbox.put(None)
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 30.0) -> None:
         self.stop_soon()
-        self.thread.join(timeout=30)
+        if self.thread.is_alive():
+            self.thread.join(timeout=wait)
 
     # -- engine thread ----------------------------------------------------------------------------
     def _main(self) -> None:
