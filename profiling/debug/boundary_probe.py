@@ -5,8 +5,11 @@ kernel would replace each boundary by a barrier or a flag).
 Chain: K kernels of G blocks x 256 threads in one CUDA graph, each doing nothing but (with PDL) trigger its
 dependents, wait for its predecessor, and (`dep`) have one thread read the word the previous kernel wrote and
 write it + 1 — the smallest real dependency. Per kernel = replay / K (median). Persistent: one kernel of G
-blocks (all resident) passing K grid barriers (an arrival count and a spin on it, as csrc/mla_attn_merge.cuh's
-tile barrier), with the same one-word dependency across each; per barrier = kernel time / K.
+blocks (all resident) passing K grid barriers, with the same one-word dependency across each; per barrier =
+kernel time / K; two barriers: csrc/mla_attn_merge.cuh's tile-barrier protocol (a fence, a returning atomic,
+every block's thread 0 spinning on the word) and a lean one (a release reduction, acquire polls with a 20 ns
+back-off). The kernel chain is a floor: empty kernels that trigger before they wait (the next grid resident
+early) and end together (no drain).
 
     python profiling/debug/boundary_probe.py [--k 200]
 """
@@ -32,7 +35,7 @@ __global__ void link(int* word, int dep, int pdl) {
     *(volatile int*)word = v + 1;
   }
 }
-__global__ void persistent(int* bar, int* word, int phases) {
+__global__ void persistent(int* bar, int* word, int phases, int lean) {
   for (int p = 0; p < phases; ++p) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {  // the dependency: one word, read and written across a barrier
       const int v = *(volatile int*)word;
@@ -40,13 +43,22 @@ __global__ void persistent(int* bar, int* word, int phases) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(bar, 1);
       const int target = (p + 1) * (int)gridDim.x;
       int seen;
-      do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
-      } while (seen < target);
+      if (lean) {  // a release reduction (no full fence, no value back), polls with a short back-off
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(bar) : "memory");
+        for (;;) {
+          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
+          if (seen >= target) break;
+          __nanosleep(20);
+        }
+      } else {  // the tile barrier's protocol: a fence, then the arrival, every block spinning
+        __threadfence();
+        atomicAdd(bar, 1);
+        do {
+          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
+        } while (seen < target);
+      }
     }
     __syncthreads();
   }
@@ -62,9 +74,9 @@ extern "C" int chain(int* word, int k, int grid, int dep, int pdl, void* stream)
     if (cudaLaunchKernelEx(&c, link, word, dep, pdl) != cudaSuccess) return 1;
   return (int)cudaGetLastError();
 }
-extern "C" int run_persistent(int* bar, int* word, int k, int grid, void* stream) {
+extern "C" int run_persistent(int* bar, int* word, int k, int grid, int lean, void* stream) {
   cudaMemsetAsync(bar, 0, sizeof(int), (cudaStream_t)stream);
-  persistent<<<grid, 256, 0, (cudaStream_t)stream>>>(bar, word, k);
+  persistent<<<grid, 256, 0, (cudaStream_t)stream>>>(bar, word, k, lean);
   return (int)cudaGetLastError();
 }
 """
@@ -88,22 +100,17 @@ def main() -> None:
     a = ap.parse_args()
     lib = build_cu(PROBE_CU, "boundary_probe")
     lib.chain.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p]
-    lib.run_persistent.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
+    lib.run_persistent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int] * 3, ctypes.c_void_p]
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     word, bar = torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
     print(f"device: {torch.cuda.get_device_name(dev)} ({sms} SMs); {a.k} kernels / barriers a graph, µs each")
     print(
         "| grid (blocks of 256) | kernel, no PDL | kernel, PDL | kernel, PDL + one-word dependency | "
-        "persistent grid barrier + one-word dependency |"
+        "persistent: fence + atomic + spin, + the dependency | persistent: release add + acquire polls with "
+        "back-off, + the dependency |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for grid in (1, sms, 2 * sms, 4 * sms):
         row = []
         for dep, pdl in ((0, 0), (0, 1), (1, 1)):
@@ -111,10 +118,11 @@ def main() -> None:
                 word.data_ptr(), a.k, grid, dep, pdl, torch.cuda.current_stream().cuda_stream
             )
             row.append(replay_us(capture(st)) / a.k)
-        run = lambda grid=grid: lib.run_persistent(
-            bar.data_ptr(), word.data_ptr(), a.k, grid, torch.cuda.current_stream().cuda_stream
-        )
-        row.append(replay_us(capture(run)) / a.k)
+        for lean in (0, 1):
+            run = lambda grid=grid, lean=lean: lib.run_persistent(
+                bar.data_ptr(), word.data_ptr(), a.k, grid, lean, torch.cuda.current_stream().cuda_stream
+            )
+            row.append(replay_us(capture(run)) / a.k)
         print(f"| {grid} | " + " | ".join(f"{t:.2f}" for t in row) + " |")
 
 

@@ -1,6 +1,7 @@
 """How much faster a dense projection runs when its weight is already in L2: the question behind letting a
 latency-bound kernel (the MLA attention's barrier + merge, ~5 µs of an idle memory system a layer) prefetch
-the next projection's weight. Each case is one graph replay of [256 MB write (cold L2), warm-up, projection];
+the next projection's weight. Each case is one graph replay of [256 MB read (cold L2; `--flush write` leaves
+dirty lines the projection's reads then write back), warm-up, a ~10 µs spin (prefetches land), projection];
 the projection kernel's own duration comes from torch.profiler (CUPTI reports the kernels of a replay), median
 over the replays. Warm-ups: none; `prefetch.global.L2` every 128 B / every 32 B of the weight (is a prefetch a
 whole line or a sector?); `cp.async.bulk.prefetch.L2` of 16 KB chunks; a full read (16-byte loads).
@@ -89,6 +90,7 @@ def kernel_times(graph: torch.cuda.CUDAGraph, reps: int, match: str) -> tuple[fl
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--flush", choices=("read", "write"), default="read")
     a = ap.parse_args()
     dev = torch.device("cuda")
     lib = build_cu(WARM_CU, "l2_hot_probe")
@@ -124,10 +126,11 @@ def main() -> None:
             for mode in MODES:
 
                 def step(mode=mode, x=x, w=w):
-                    flush.fill_(1)
+                    flush.fill_(1) if a.flush == "write" else flush.max()
                     if mode:
                         st = torch.cuda.current_stream().cuda_stream
                         assert lib.warm(w.data_ptr(), w.numel() * 2, mode, sms * 4, sink.data_ptr(), st) == 0
+                    torch.cuda._sleep(20_000)
                     return torch.ops.k26.linear(x, w)
 
                 step()
