@@ -121,6 +121,11 @@ def rewrite_header(shard, fn, tail: bytes = b""):
     shard.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :] + tail)
 
 
+def last_tensor(header) -> dict:
+    """The entry whose bytes end the data section."""
+    return max((v for k, v in header.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][1])
+
+
 def two_same_tensors(header) -> tuple[str, str]:
     """Two tensors of one dtype and shape (one may take the other's offsets and still match its size)."""
     seen = {}
@@ -159,8 +164,14 @@ def two_same_tensors(header) -> tuple[str, str]:
             "do not hold",
         ),
         (lambda h: None, b"\0" * 16, "trailing bytes"),
+        # the last tensor moved 16 bytes on (the file grown to hold it): a gap no tensor covers
+        (
+            lambda h: last_tensor(h).update(data_offsets=[x + 16 for x in last_tensor(h)["data_offsets"]]),
+            b"\0" * 16,
+            "leaves a hole of 16 bytes before it",
+        ),
     ],
-    ids=["overlap", "float-shape", "float-offsets", "trailing"],
+    ids=["overlap", "float-shape", "float-offsets", "trailing", "hole"],
 )
 def test_a_header_that_does_not_tile_its_data_is_named(ckpt, change, tail, needle):
     shard = ckpt / "model-00002-of-00003.safetensors"

@@ -137,17 +137,23 @@ def test_write_cache_opcheck():
 def test_attention_lse_and_visibility():
     q, cache, rows, prefix, words, scale, v = attention_inputs()
     out, lse = torch.ops.k26.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
-    # Query n of sequence 1 sees cache row 0 slots [0, 3 + n]; check one by hand.
-    keys = cache[0, : 3 + 2 + 1]
-    s = (q[1, 2] @ keys.T) * scale
-    assert torch.allclose(lse[1, 2], torch.logsumexp(s, -1), atol=1e-5)
-    assert torch.allclose(out[1, 2], torch.softmax(s, -1) @ keys[:, :v], atol=1e-5)
+    # (causal words) query n of sequence b sees its cache row's slots [0, prefix + n]: every one by hand, the
+    # longest row's last query included
+    for b in range(q.shape[0]):
+        for n in range(q.shape[1]):
+            keys = cache[rows[b], : int(prefix[b]) + n + 1]
+            s = (q[b, n] @ keys.T) * scale
+            assert torch.allclose(lse[b, n], torch.logsumexp(s, -1), atol=1e-5), (b, n)
+            assert torch.allclose(out[b, n], torch.softmax(s, -1) @ keys[:, :v], atol=1e-5), (b, n)
 
 
 def test_attention_refuses_overflowing_cache():
-    q, cache, rows, prefix, words, scale, v = attention_inputs(L=8)
+    # sequence 0: prefix 6 + 5 new tokens = 11 slots: a row of 10 is one too short, one of 11 holds it
+    q, cache, rows, prefix, words, scale, v = attention_inputs(L=10)
     with pytest.raises(ValueError, match="exceeds the cache length"):
         reference.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
+    q, cache, rows, prefix, words, scale, v = attention_inputs(L=11)
+    reference.mla_tree_attention(q, cache, rows, prefix, words, scale, v)
 
 
 @pytest.mark.parametrize("bad", ["row past the cache", "negative row", "negative prefix"])

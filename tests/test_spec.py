@@ -265,6 +265,20 @@ def test_phase_timer_holds_a_bounded_number_of_spans():
             pass
     assert timer.held() <= PhaseTimer.HELD and len(timer.totals) == 1
     assert 0 < timer.total("draft") < 1.0  # n empty spans
+    # the CUDA path (event pairs, folded once more than HELD wait), with stand-in events of 1 ms each
+
+    class Event:
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 1.0
+
+    timer.cuda = True
+    for _ in range(n):
+        timer.add("verify", (Event(), Event()))
+        assert timer.held() <= PhaseTimer.HELD + 1
+    assert timer.total("verify") == pytest.approx(n * 1e-3) and timer.held() == 0
 
 
 # -- sampling modes of the captured step ---------------------------------------------------------------

@@ -50,9 +50,14 @@ def test_a_tree_padded_into_a_bucket_keeps_its_nodes_and_its_padding_sees_only_i
 
 
 def test_tree_scores_and_visibility():
-    lp = torch.log_softmax(torch.randn(2, 4, 50), -1)
+    # peaked log-probs: the tree reaches the last depth (with flat ones it stopped at 1-2 of 4, and a node at
+    # the deepest level never had its visibility checked)
+    g = torch.Generator().manual_seed(5)
+    lp = torch.log_softmax(torch.randn(2, 4, 50, generator=g) * 4, -1)
     tree = build_ddtree(lp, 24)
+    assert tree.depths.amax(-1).tolist() == [4, 4]
     for b in range(2):
+        assert tree.ancestors[b, 0].tolist() == [True] + [False] * 24  # the root sees itself only
         for i in range(1, 25):
             p = int(tree.parents[b, i])
             assert p < i and tree.depths[b, i] == tree.depths[b, p] + 1
@@ -68,6 +73,12 @@ def test_chain_is_top1_tree():
     top1 = lp.argmax(-1)
     assert torch.equal(chain.tokens[:, 1:], top1) and chain.parents[0].tolist() == list(range(-1, 7))
     assert set(tree.tokens[0, 1:].tolist()) >= {int(top1[0, 0])}
+    # each node sees the root and every node above it (causal), at its own depth, scored by its path's sum
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert torch.equal(chain.ancestors, causal.expand(2, -1, -1))
+    assert chain.depths[0].tolist() == list(range(8))
+    path = torch.cat([torch.zeros(2, 1, dtype=torch.float64), lp.amax(-1).double().cumsum(-1)], 1)
+    assert torch.allclose(chain.scores.double(), path)
 
 
 # -- acceptance ---------------------------------------------------------------------------------
