@@ -95,6 +95,8 @@ def test_a_request_leaving_mid_prefill_frees_its_row_and_its_copies_fall_back(ll
     assert llm.batch.outs[s1].finish_reason is None and s1 not in llm.batch.live
     llm.release(s1)
     assert llm.batch.prefix.known[s1] == []
+    plan = llm.batch.pending[0].plans[1]  # the copy falls back at the release, before a new request takes s1
+    assert plan.src is None and plan.keep == plan.have
     (s3,) = llm.admit([p[:50] + [1, 2]], [GREEDY], wait=False)
     out2 = finish(llm, [s2])[0]
     assert out2.cached_tokens == 0

@@ -244,6 +244,8 @@ def test_prefill_above_64_rows_leaves_the_small_m_kernel():
         (2, 20, True, True),
         (1, 80, False, True),
         (1, 80, True, False),
+        (1, 64, True, True),  # the edge: 64 rows of prefill still in the kernel, 65 not
+        (1, 65, True, False),
     ):
         ids = torch.randint(0, cfg.vocab_size, (B, N))
         batch = AttnBatch.causal(torch.zeros(B, dtype=torch.long), N, prefill=prefill)

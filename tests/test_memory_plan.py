@@ -65,6 +65,12 @@ def test_planned_caches_are_what_llm_allocates(tiny_tp):
         real = sum(t.numel() * t.element_size() for t in (latent, d.k, d.v))
         assert mp.cache_bytes(cfg, dcfg, rows, length, torch.bfloat16, tp) == real
         assert mp.cache_bytes(cfg, None, rows, length, torch.bfloat16, tp) == latent.numel() * 2
+    # and what an LLM holds: its own caches against the plan for its rows and context
+    from k26 import LLM
+
+    llm = LLM(target, drafter=drafter, device="cpu", progress=False, max_batch=rows, max_model_len=length)
+    held = sum(t.numel() * t.element_size() for t in (llm.cache.kv_LRTC, llm.dcache.k, llm.dcache.v))
+    assert mp.cache_bytes(cfg, dcfg, rows, length, llm.dtype, 1) == held
 
 
 def _llm_plan(cfg, dcfg=None, tp: int = 1, buckets=None) -> mp.MemoryPlan:

@@ -26,8 +26,12 @@ def router_inputs(M, E, D, device="cpu", seed=0, hot=0):
     return x, w, bias
 
 
-def test_reference_keeps_only_the_best_groups():
+@pytest.mark.parametrize("shift", [0.0, -5.0], ids=["positive_scores", "negative_scores"])
+def test_reference_keeps_only_the_best_groups(shift):
+    """Experts outside the best groups never win, also where every biased score is negative (so the dropped
+    groups' scores must become -inf, not 0)."""
     x, w, bias = router_inputs(64, 64, 128, seed=1)
+    bias = bias + shift
     n_group, topk_group, topk = 8, 3, 6
     tw, ids = reference.moe_router(x, w, bias, n_group, topk_group, topk, True, 2.5)
     choice = torch.sigmoid(x.float() @ w.float().T) + bias
