@@ -56,42 +56,65 @@ def test_a_finished_request_is_counted_before_its_client_has_the_answer(ar_url):
         assert metric(ar_url, "k26_generation_tokens_total") == tokens + n
 
 
-def test_a_request_still_prefilling_counts_as_running():
-    """A row admitted and still prefilling is in the batch, from its admission on: /metrics showed an idle
-    server (running 0, waiting 0) through a long prompt's prefill (a review: > 3.6 s for 2.7K tokens)."""
+def run_engine(llm, script) -> tuple:
+    """An autoregressive engine over `llm`, `script(engine, submit, seen)` run while it serves (`submit`
+    queues one row; `seen`: the running gauge at each step's start, as the boundary before left it); the
+    engine and `seen` once it has stopped."""
     import asyncio
-    import time
 
-    from k26 import LLM, SamplingParams, SpecConfig
+    from k26 import SpecConfig
     from k26.server import Engine
     from k26.server.engine import Request
 
-    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128)
     engine = Engine(llm, SpecConfig("ar"))
     seen, step = [], llm.step
-    llm.step = lambda: (seen.append(engine.metrics.running), step())[1]  # as the boundary before left it
+    llm.step = lambda: (seen.append(engine.metrics.running), step())[1]
     loop = asyncio.new_event_loop()
     engine.start()
-    try:  # max_tokens 1: the prefill samples the only token, the row is never a decoding one
-        engine.submit([Request(list(range(5, 65)), SamplingParams(max_tokens=1), loop)])
-        deadline = time.time() + 60
-        while engine.metrics.finished < 1 and time.time() < deadline:
-            time.sleep(0.01)
+    try:
+        script(engine, lambda ids, sp: engine.submit([Request(ids, sp, loop)]), seen)
     finally:
         engine.stop()
         loop.close()
+    return engine, seen
+
+
+def wait_until(cond, deadline: float) -> None:
+    import time
+
+    while not cond() and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_request_still_prefilling_counts_as_running():
+    """A row admitted and still prefilling is in the batch, from its admission on: /metrics showed an idle
+    server (running 0, waiting 0) through a long prompt's prefill (a review: > 3.6 s for 2.7K tokens)."""
+    import time
+
+    from k26 import LLM, SamplingParams
+
+    def script(engine, submit, seen):  # max_tokens 1: the prefill samples the only token, no decoding row
+        submit(list(range(5, 65)), SamplingParams(max_tokens=1))
+        wait_until(lambda: engine.metrics.finished >= 1, time.time() + 60)
+
+    llm = LLM(device="cpu", dtype=torch.float32, progress=False, max_batch=2, max_model_len=128)
+    engine, seen = run_engine(llm, script)
     assert engine.metrics.finished == 1 and seen == [1] and engine.metrics.running == 0
 
 
 def test_a_prompt_prefilling_beside_a_decoding_row_counts_through_its_steps():
     """A long prompt admitted beside a decoding row prefills over several steps (the prefill budget's
     positions each): it counts as running through all of them, not only in the step it was admitted in."""
-    import asyncio
     import time
 
-    from k26 import LLM, SamplingParams, SpecConfig
-    from k26.server import Engine
-    from k26.server.engine import Request
+    from k26 import LLM, SamplingParams
+
+    def script(engine, submit, seen):
+        deadline = time.time() + 60
+        submit([5, 6, 7], SamplingParams(max_tokens=40, stop_token_ids=[]))
+        wait_until(lambda: len(seen) >= 3, deadline)
+        submit(list(range(5, 65)), SamplingParams(max_tokens=1))
+        wait_until(lambda: engine.metrics.finished >= 2, deadline)
 
     llm = LLM(
         device="cpu",
@@ -102,21 +125,5 @@ def test_a_prompt_prefilling_beside_a_decoding_row_counts_through_its_steps():
         prefill_chunk=8,
         prefill_budget=8,
     )
-    engine = Engine(llm, SpecConfig("ar"))
-    seen, step = [], llm.step
-    llm.step = lambda: (seen.append(engine.metrics.running), step())[1]
-    loop = asyncio.new_event_loop()
-    engine.start()
-    try:
-        decoding = SamplingParams(max_tokens=40, stop_token_ids=[])
-        engine.submit([Request([5, 6, 7], decoding, loop)])
-        deadline = time.time() + 60
-        while len(seen) < 3 and time.time() < deadline:
-            time.sleep(0.01)
-        engine.submit([Request(list(range(5, 65)), SamplingParams(max_tokens=1), loop)])
-        while engine.metrics.finished < 2 and time.time() < deadline:
-            time.sleep(0.01)
-    finally:
-        engine.stop()
-        loop.close()
+    engine, seen = run_engine(llm, script)
     assert engine.metrics.finished == 2 and seen.count(2) >= 3  # 60 positions at 8 a step: >= 7 steps

@@ -83,16 +83,37 @@ def test_a_stopped_server_answers_its_requests_in_flight_and_exits_cleanly(sig, 
         assert json.loads(chunks[-2])["error"]["code"] == "server_shutting_down"
 
 
-def test_the_grace_period_starts_once_the_engine_has_answered(monkeypatch):
-    """Told to stop, the engine answers its requests (503) at its next step boundary: uvicorn's shutdown,
-    whose grace period cancels handlers still running after 5 s, starts only once the engine's loop has ended
-    (a review found a > 5 s prefill step leaving clients a cut stream or a plain-text 500)."""
+def stuck_thread() -> tuple[threading.Thread, threading.Event]:
+    """A started thread that runs until the event is set (an engine inside a step or a capture)."""
+    stuck = threading.Event()
+    thread = threading.Thread(target=stuck.wait, daemon=True)
+    thread.start()
+    return thread, stuck
+
+
+def serve_then_stop(monkeypatch, engine, shutdown, force_exit: bool = False) -> None:
+    """run_server over a stand-in engine, uvicorn reduced to its shutdown (`shutdown`: uvicorn's own part,
+    after k26's override; `force_exit`: a second Ctrl-C came first)."""
     import asyncio
 
     import uvicorn
 
     import k26.server
 
+    def run(self, sockets=None):
+        self.force_exit = force_exit
+        asyncio.run(self.shutdown())
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", shutdown)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(k26.server, "create_app", lambda *args: None)
+    k26.server.run_server(engine, "m")
+
+
+def test_the_grace_period_starts_once_the_engine_has_answered(monkeypatch):
+    """Told to stop, the engine answers its requests (503) at its next step boundary: uvicorn's shutdown,
+    whose grace period cancels handlers still running after 5 s, starts only once the engine's loop has ended
+    (a review found a > 5 s prefill step leaving clients a cut stream or a plain-text 500)."""
     step = threading.Thread(target=time.sleep, args=(1.0,))  # the engine's loop, still inside a step
     engine = SimpleNamespace(thread=step, start=step.start, stop_soon=lambda: None, stop=step.join)
     seen = []
@@ -100,10 +121,7 @@ def test_the_grace_period_starts_once_the_engine_has_answered(monkeypatch):
     async def uvicorn_shutdown(self, sockets=None):
         seen.append(engine.thread.is_alive())
 
-    monkeypatch.setattr(uvicorn.Server, "shutdown", uvicorn_shutdown)
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: asyncio.run(self.shutdown()))
-    monkeypatch.setattr(k26.server, "create_app", lambda *args: None)
-    k26.server.run_server(engine, "m")
+    serve_then_stop(monkeypatch, engine, uvicorn_shutdown)
     assert seen == [False]
 
 
@@ -112,9 +130,8 @@ def test_a_second_ctrl_c_does_not_wait_for_the_engine():
 
     from k26.server import wait_answered
 
-    stuck = threading.Event()
-    engine = SimpleNamespace(thread=threading.Thread(target=stuck.wait, daemon=True))
-    engine.thread.start()
+    thread, stuck = stuck_thread()
+    engine = SimpleNamespace(thread=thread)
     t0 = time.monotonic()
     asyncio.run(wait_answered(engine, lambda: True))
     asyncio.run(wait_answered(engine, lambda: False, limit=0.3))
@@ -138,9 +155,8 @@ def test_an_engine_thread_still_running_at_the_end_makes_the_process_leave_at_on
         raise Left
 
     monkeypatch.setattr(cli.os, "_exit", leave)
-    stuck = threading.Event()
-    engine = SimpleNamespace(thread=threading.Thread(target=stuck.wait, daemon=True))
-    engine.thread.start()
+    thread, stuck = stuck_thread()
+    engine = SimpleNamespace(thread=thread)
     llm = SimpleNamespace(close=lambda wait: closed.append(wait))
     for interrupted in (True, False):
         with pytest.raises(Left):
@@ -155,28 +171,14 @@ def test_an_engine_thread_still_running_at_the_end_makes_the_process_leave_at_on
 
 def test_a_second_ctrl_c_waits_for_nothing(monkeypatch):
     """uvicorn's force exit (a second Ctrl-C): neither the engine's answers nor its thread are waited for."""
-    import asyncio
-
-    import uvicorn
-
-    import k26.server
-
-    stuck = threading.Event()
-    step = threading.Thread(target=stuck.wait, daemon=True)
+    thread, stuck = stuck_thread()
     waits = []
-    engine = SimpleNamespace(thread=step, start=step.start, stop_soon=lambda: None, stop=waits.append)
+    engine = SimpleNamespace(thread=thread, start=lambda: None, stop_soon=lambda: None, stop=waits.append)
 
     async def uvicorn_shutdown(self, sockets=None):
         pass
 
-    def run(self, sockets=None):
-        self.force_exit = True
-        asyncio.run(self.shutdown())
-
-    monkeypatch.setattr(uvicorn.Server, "shutdown", uvicorn_shutdown)
-    monkeypatch.setattr(uvicorn.Server, "run", run)
-    monkeypatch.setattr(k26.server, "create_app", lambda *args: None)
     t0 = time.monotonic()
-    k26.server.run_server(engine, "m")
+    serve_then_stop(monkeypatch, engine, uvicorn_shutdown, force_exit=True)
     assert time.monotonic() - t0 < 1.0 and waits == [0.0]
     stuck.set()

@@ -241,7 +241,7 @@ class Engine:
                 admit = []
             self.rows.update(zip(slots, admit))
             m.prompt_tokens += sum(len(r.prompt_ids) for r in admit)
-            m.running, m.waiting = len(self.rows), self.pending  # before the step: it may be a long prefill
+            self._count_rows()  # before the step: it may be a long prefill
         try:
             if slots:
                 self._publish(state, slots)  # (rows that generate nothing finish here)
@@ -261,7 +261,11 @@ class Engine:
                 with contextlib.suppress(Exception):  # the row goes whatever state the batch is in
                     llm.release(slot)
                 del self.rows[slot]
-        m.running, m.waiting = len(self.rows), self.pending  # (a row still prefilling is in the batch too)
+        self._count_rows()
+
+    def _count_rows(self) -> None:
+        """The gauges: rows in the batch (from admission on, still prefilling included) and rows waiting."""
+        self.metrics.running, self.metrics.waiting = len(self.rows), self.pending
 
     def _publish(self, state: BatchState, slots: list[int]) -> None:
         """Push each row's new tokens to its handler; finished rows leave the batch. The metrics count a
