@@ -1,7 +1,7 @@
 """Benchmark `torch.ops.k26.mla_tree_attention` against its roofline, with the ceilings measured in the
 same run (profiling/timing.py): eager copy bandwidth, the mma.sync bf16 peak, cuBLAS's bf16 GEMM rate.
 
-    python profiling/bench_tree_attn.py [--out FILE.md] [--quick] [--tune] [--rotary]
+    python profiling/bench_tree_attn.py [--out FILE.md] [--quick] [--tune] [--rotary] [--uv]
 
 Per shape: graph replay, cold L2 (256 MB read before every replay), median; small shapes capture
 several calls on distinct inputs in one graph and report per call (the graph launch is amortised, every
@@ -9,7 +9,8 @@ call still reads its KV from HBM). Bytes = the latent KV read once (B x (L + N) 
 FLOPs = 2 x (576 + 512) per (query row, visible key). roofline = max(bytes / copy BW, FLOPs / mma.sync
 peak); "x roofline" = time / roofline. `--tune` sweeps the minimum keys per split. `--rotary`: the query as
 the model passes it, q̃ [.., 512] and q_pe before RoPE (a strided view of a q_b-like output), rotated in the
-kernel.
+kernel. `--uv`: the attention followed by W_UV at one-tile decode shapes, as two ops (mla_tree_attention +
+linear_grouped) and as `mla_tree_attention_uv` (W_UV's kernel merging short decode's splits).
 """
 
 from __future__ import annotations
@@ -72,6 +73,40 @@ def measure(B, N, H, L, gen, rotary=False) -> tuple[float, float, float]:
     return t, bytes_, 2 * (576 + 512) * B * H * visible
 
 
+def measure_uv(H, N, L, gen) -> tuple[float, float]:
+    """(seconds for attention + W_UV as two ops, seconds as mla_tree_attention_uv) per call, B = 1."""
+    copies = max(1, min(16, math.ceil((64 << 20) / ((L + N) * 1152))))
+    sets = []
+    for _ in range(copies):
+        args, extra, _ = inputs(1, N, H, L, gen, rotary=True)
+        kv_b = torch.randn(H, 256, 512, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.05
+        sets.append((args, extra, kv_b[:, 128:]))
+
+    def pair():
+        for args, extra, w_uv in sets:
+            o, _ = torch.ops.k26.mla_tree_attention(*args, SCALE, 512, *extra)
+            torch.ops.k26.linear_grouped(o, w_uv)
+
+    def fused():
+        for args, extra, w_uv in sets:
+            torch.ops.k26.mla_tree_attention_uv(*args, SCALE, w_uv, *extra)
+
+    return graph_time_cold(pair, calls=copies), graph_time_cold(fused, calls=copies)
+
+
+def uv_table(gen) -> list[str]:
+    lines = [
+        "| H | N | L | attention + W_UV, two ops µs | mla_tree_attention_uv µs | saved µs |",
+        "|---|---|---|---|---|---|",
+    ]
+    shapes = [(8, 1, L) for L in (1024, 4096, 8191, 8192, 32768, 131072)] + [(16, 1, 4096), (8, 2, 4096)]
+    for H, N, L in shapes:
+        t2, t1 = measure_uv(H, N, L, gen)
+        lines.append(f"| {H} | {N} | {L} | {t2 * 1e6:.1f} | {t1 * 1e6:.1f} | {(t2 - t1) * 1e6:.1f} |")
+        print(lines[-1], flush=True)
+    return [*lines, ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -79,6 +114,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep MIN_SPLIT_KEYS on a few shapes")
     ap.add_argument("--rotary", action="store_true", help="q̃ and q_pe apart, RoPE in the kernel")
     ap.add_argument("--shapes", default=None, help="H:N:L:B,... instead of the default shapes")
+    ap.add_argument("--uv", action="store_true", help="only the attention + W_UV table (one-tile decode)")
     a = ap.parse_args()
     copy_bw, mma_peak, gemm = copy_bandwidth(), mma_sync_peak(), gemm_rate()
     commit = source_commit()
@@ -97,6 +133,13 @@ def main() -> None:
         "",
     ]
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if a.uv:
+        lines += uv_table(gen)
+        print("\n".join(lines))
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return
     if a.tune:
         lines += ["| min keys/split | H | N | L | µs |", "|---|---|---|---|---|"]
         for mk in (32, 64, 128, 256):

@@ -135,23 +135,16 @@ class MLA(nn.Module):
             else:
                 q_lat = torch.einsum("bnhd,hdr->bnhr", q_nope, w_kv[:, :nope])
             # q_pe's RoPE and the concatenation [q̃, rope(q_pe)] run inside the attention kernel.
-            o_lat, _ = torch.ops.k26.mla_tree_attention(
-                q_lat,
-                cache_RLC,
-                batch.rows_B,
-                batch.prefix_lens_B,
-                batch.mask_words_BNW,
-                cfg.softmax_scale,
-                r,
-                batch.static,
-                q_pe_raw,
-                batch.positions_BN,
-                rope.inv_freq,
-            )
-            if self.kv_b_proj.use_kernel or short:  # W_UV per head: kv_b's rows as a strided view, no copy
-                o_BNHV = torch.ops.k26.linear_grouped(o_lat.to(x_BND.dtype), w_kv[:, nope:])
+            words, scale = batch.mask_words_BNW, cfg.softmax_scale
+            attn = (q_lat, cache_RLC, batch.rows_B, batch.prefix_lens_B, words, scale)
+            rot = (batch.static, q_pe_raw, batch.positions_BN, rope.inv_freq)
+            w_uv = w_kv[:, nope:]  # W_UV per head: kv_b's rows as a strided view, no copy
+            if (self.kv_b_proj.use_kernel or short) and q_lat.dtype == w_uv.dtype:
+                # one op: on CUDA W_UV's kernel merges short decode's attention splits (attention_uv_cuda)
+                o_BNHV = torch.ops.k26.mla_tree_attention_uv(*attn, w_uv, *rot)
             else:
-                o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_kv[:, nope:])
+                o_lat, _ = torch.ops.k26.mla_tree_attention(*attn, r, *rot)
+                o_BNHV = torch.einsum("bnhr,hvr->bnhv", o_lat.to(x_BND.dtype), w_uv)
         else:
             o_BNHV = self._naive(q_nope, q_pe, batch, cache_RLC)
         o_BNO = o_BNHV.reshape(B, N, H * cfg.v_head_dim)

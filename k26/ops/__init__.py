@@ -105,9 +105,49 @@ def _(
     return q.new_empty(B, N, H, v_dim), q.new_empty(B, N, H, dtype=torch.float32)
 
 
+@torch.library.custom_op("k26::mla_tree_attention_uv", mutates_args=())
+def mla_tree_attention_uv(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    mask_words: torch.Tensor,
+    scale: float,
+    w_uv: torch.Tensor,
+    static: bool = False,
+    q_pe: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+) -> torch.Tensor:
+    attention_uv_cuda.check_inputs(q, cache, rows, prefix_lens, mask_words, w_uv, q_pe, positions, inv_freq)
+    return reference.mla_tree_attention_uv(
+        q, cache, rows, prefix_lens, mask_words, scale, w_uv, static, q_pe, positions, inv_freq
+    )
+
+
+@mla_tree_attention_uv.register_fake
+def _(
+    q,
+    cache,
+    rows,
+    prefix_lens,
+    mask_words,
+    scale,
+    w_uv,
+    static=False,
+    q_pe=None,
+    positions=None,
+    inv_freq=None,
+):
+    attention_uv_cuda.check_inputs(q, cache, rows, prefix_lens, mask_words, w_uv, q_pe, positions, inv_freq)
+    B, N, H, _ = q.shape
+    return q.new_empty(B, N, H, w_uv.shape[1])
+
+
 from . import (
     allreduce_cuda,  # noqa: F401  (registers allreduce_add_rmsnorm and add_rmsnorm with their CUDA kernels)
     attention_cuda,  # (registers the CUDA kernel of mla_tree_attention; its checks serve the reference too)
+    attention_uv_cuda,  # (registers mla_tree_attention_uv's two launches; its checks serve the reference too)
     drafter_attn_cuda,  # noqa: F401  (registers drafter_attention with its CUDA kernel)
     glue_cuda,  # noqa: F401  (registers mla_glue and mla_glue_linear with their CUDA kernels)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
@@ -124,6 +164,7 @@ OPS = (
     "moe_one_token",
     "mla_write_cache",
     "mla_tree_attention",
+    "mla_tree_attention_uv",
     "linear",
     "linear_grouped",
     "ddtree_build",

@@ -9,6 +9,7 @@ dtypes (the tiny test models, float32 scoring) run the op's pure-torch reference
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 
 import torch
@@ -83,7 +84,15 @@ def _bind(lib) -> None:
     # q_pe, pe_ld, positions, inv_freq
     rotary = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p]
     lib.k26_mla_tree_attn.argtypes = (
-        [ctypes.c_void_p] * 8 + ints + [ctypes.c_float] + rotary + [ctypes.c_int, ctypes.c_void_p]
+        [ctypes.c_void_p] * 8 + ints + [ctypes.c_float] + rotary + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+    )
+    lib.k26_mla_merge_uv.restype = ctypes.c_int
+    lib.k26_mla_merge_uv.argtypes = (
+        [ctypes.c_void_p] * 4
+        + [ctypes.c_longlong] * 2
+        + [ctypes.c_void_p]
+        + [ctypes.c_int] * 9
+        + [ctypes.c_void_p]
     )
     lib._k26_attn_bound = True
 
@@ -161,6 +170,21 @@ def _unsupported(q, C: int, v_dim: int, q_pe) -> str | None:
     return None
 
 
+def library_bound():
+    """The kernel library with this module's ctypes signatures set."""
+    from .build import library  # lazily: `python -m k26.ops.build` must not import itself first
+
+    lib = library()
+    _bind(lib)
+    return lib
+
+
+def fallback_reason(q, C: int, v_dim: int, q_pe) -> str | None:
+    from .build import available  # lazily: `python -m k26.ops.build` must not import itself first
+
+    return _unsupported(q, C, v_dim, q_pe) or (None if available() else "no kernel library")
+
+
 @torch.library.register_kernel("k26::mla_tree_attention", "cuda")
 def _(
     q,
@@ -175,18 +199,39 @@ def _(
     positions=None,
     inv_freq=None,
 ):
-    from .build import available, library  # lazily: `python -m k26.ops.build` must not import itself first
-
     C = check_inputs(q, cache, rows, prefix_lens, mask_words, v_dim, q_pe, positions, inv_freq)
     B, N, H, _ = q.shape
-    why = _unsupported(q, C, v_dim, q_pe) or (None if available() else "no kernel library")
-    if why is not None:
+    if (why := fallback_reason(q, C, v_dim, q_pe)) is not None:
         say_once(__name__, logging.INFO, f"k26.mla_tree_attention: {why} runs the reference")
         return reference.mla_tree_attention(
             q, cache, rows, prefix_lens, mask_words, scale, v_dim, static, q_pe, positions, inv_freq
         )
     if B * N * H == 0:  # nothing to attend (the launch plan divides by the row tiles)
         return q.new_empty(B, N, H, DV), q.new_empty(B, N, H, dtype=torch.float32)
+    launch = attend(q, cache, rows, prefix_lens, mask_words, scale, q_pe, positions, inv_freq, 0)
+    return launch.out, launch.lse
+
+
+@dataclasses.dataclass
+class _Launch:
+    """One attention launch: its outputs, and what the merging W_UV launch after it needs."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    workspace: torch.Tensor
+    prefix: torch.Tensor  # int64, what the kernel read
+    splits: int
+    min_keys: int
+    early_ok: bool  # PDL: the kernel's early inputs are the caller's own
+
+
+def attend(
+    q, cache, rows, prefix_lens, mask_words, scale, q_pe, positions, inv_freq, defer_max: int, out=None
+) -> _Launch:
+    """Launch the kernel on checked, served inputs (at least one query row); `defer_max`: the split counts up
+    to which it leaves the merge to W_UV's kernel (attention_uv_cuda; 0: none); `out`: the output buffer
+    (tests: a poisoned one shows which sequences the kernel left unmerged), else a new one."""
+    B, N, H, _ = q.shape
     rows64, prefix64 = rows.to(torch.int64).contiguous(), prefix_lens.to(torch.int64).contiguous()
     # Inside a graph the kernel clamps reads to the cache row; outside it we can afford to refuse.
     reference.check_cache_span("mla_tree_attention", cache, rows64, prefix64, N)
@@ -198,12 +243,11 @@ def _(
             q_pe = q_pe.contiguous()
         pos64, freq = positions.to(torch.int64).contiguous(), inv_freq.contiguous()
         pe_ptr, pe_ld, pos_ptr, freq_ptr = q_pe.data_ptr(), q_pe.stride(2), pos64.data_ptr(), freq.data_ptr()
-    out = torch.empty(B, N, H, DV, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, N, H, DV, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(B, N, H, dtype=torch.float32, device=q.device)
     # Under PDL the kernel reads rows, prefix_lens and the prefix keys before its grid-dependency wait.
     early_ok = pdl.enabled_as_given((rows64, rows), (prefix64, prefix_lens), (cc, cache))
-    lib = library()
-    _bind(lib)
+    lib = library_bound()
     S = PLANS.plan(lib, q.device, B, N, H)
     ws = PLANS.workspace(lib, q.device, B, N, H, S)
     min_keys = min_split_keys(lib.k26_mla_tree_attn_tile_rows(N, H))
@@ -228,9 +272,10 @@ def _(
         pe_ld,
         pos_ptr,
         freq_ptr,
+        defer_max,
         int(early_ok),
         torch.cuda.current_stream(q.device).cuda_stream,
     )
     if err:
         raise RuntimeError(f"mla_tree_attention: CUDA launch failed with error {err}")
-    return out, lse
+    return _Launch(out, lse, ws, prefix64, S, min_keys, early_ok)

@@ -184,6 +184,37 @@ def mla_tree_attention(
     return out.to(q_BNHC.dtype), lse_BNH
 
 
+def mla_tree_attention_uv(
+    q_BNHC,
+    cache_RLC,
+    rows_B,
+    prefix_lens_B,
+    words_BNW,
+    scale: float,
+    w_uv_HVR,
+    static: bool = False,
+    q_pe_BNHP=None,
+    positions_BN=None,
+    inv_freq=None,
+):
+    """`mla_tree_attention`'s output (in q's dtype, as the model would hold it) through each head's value
+    up-projection: y[b, n, h] = W_UV[h] o[b, n, h]. Returns [B, N, H, V]."""
+    o_BNHR, _ = mla_tree_attention(
+        q_BNHC,
+        cache_RLC,
+        rows_B,
+        prefix_lens_B,
+        words_BNW,
+        scale,
+        w_uv_HVR.shape[2],
+        static,
+        q_pe_BNHP,
+        positions_BN,
+        inv_freq,
+    )
+    return torch.einsum("bnhr,hvr->bnhv", o_BNHR, w_uv_HVR).contiguous()
+
+
 def gqa_attention(q_BSHD, k_BLKD, v_BLKD, visible_BSL: torch.Tensor, scale: float) -> torch.Tensor:
     """Grouped-query attention, fp32 scores and softmax, the probabilities rounded to v's dtype before P V:
     query head h reads KV head h // (H / K). visible_BSL: [B, S or 1, L] keys each query sees (each query

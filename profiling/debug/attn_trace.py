@@ -65,6 +65,7 @@ for _ in range(4):
         0,
         None,
         None,
+        0,  # the merge in the kernel (defer_max)
         0,  # no programmatic dependent launch
         torch.cuda.current_stream().cuda_stream,
     )

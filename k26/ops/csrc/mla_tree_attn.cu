@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "mla_merge_uv.cuh"
 #include "mla_tree_attn_kernel.cuh"
 #ifdef K26_ATTN_WIDE
 #include "mla_tree_attn_wide.cuh"
@@ -224,10 +225,11 @@ K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits) {
 K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t* rows, const int64_t* prefix,
                                  const int64_t* words, void* out, float* lse, void* workspace, int B, int N, int H,
                                  int W, int max_len, int S_max, int min_keys, float scale, const void* q_pe,
-                                 long long pe_ld, const int64_t* positions, const float* inv_freq, int pdl,
-                                 void* stream) {
+                                 long long pe_ld, const int64_t* positions, const float* inv_freq, int defer_max,
+                                 int pdl, void* stream) {
   if (S_max < 1) return (int)cudaErrorInvalidValue;
   const Layout w = layout(B, N, H, S_max);
+  if (defer_max && !(w.BM == 16 && w.RT == 1)) return (int)cudaErrorInvalidValue;  // what k26_mla_merge_uv reads
   char* ws = static_cast<char*>(workspace);
   Params p;
   p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
@@ -237,6 +239,7 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
   p.N = N, p.H = H, p.W = W, p.R = N * H, p.RT = w.RT, p.max_len = max_len, p.S_max = S_max,
   p.min_keys = min_keys < BN ? BN : min_keys;
   p.scale_log2 = scale * 1.4426950408889634f;
+  p.defer_max = defer_max;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const Rotary rot{(const __nv_bfloat16*)q_pe, positions, inv_freq, pe_ld};
 #ifdef K26_ATTN_UNION
@@ -255,4 +258,21 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
 #endif
     default: return launch<32>(p, rot, B, pdl != 0, st);
   }
+}
+
+// W_UV after a k26_mla_tree_attn call of the same (B, N, H, max_len, S_max, min_keys, defer_max) on this stream, its
+// workspace and its output `out`: y [B, N, H, V] = W_UV[h] . o (csrc/mla_merge_uv.cuh), merging the splits of the
+// sequences the attention left unmerged. w: head h's row v at w + h * w_h + v * w_v (512 contiguous bf16, 16-B
+// aligned). Returns a cudaError_t; the front door (k26/ops/attention_cuda.py) checks shapes.
+K26_EXPORT int k26_mla_merge_uv(const void* workspace, const void* out, const int64_t* prefix, const void* w,
+                                long long w_h, long long w_v, void* y, int B, int N, int H, int V, int max_len,
+                                int S_max, int min_keys, int defer_max, int pdl, void* stream) {
+  const Layout lay = layout(B, N, H, S_max);
+  if (S_max < 1 || V % UV_ROWS || !(lay.BM == 16 && lay.RT == 1)) return (int)cudaErrorInvalidValue;
+  const char* ws = static_cast<const char*>(workspace);
+  MergeUV m{reinterpret_cast<const float*>(ws + lay.lse), reinterpret_cast<const PartT*>(ws + lay.o),
+            (const __nv_bfloat16*)out, prefix, (const __nv_bfloat16*)w, w_h, w_v, (__nv_bfloat16*)y,
+            N, H, N * H, V, max_len, S_max, min_keys < BN ? BN : min_keys, defer_max};
+  return (int)launch_pdl(merge_uv_kernel, dim3(N * H, V / UV_ROWS, B), dim3(UV_THREADS), 0, pdl != 0,
+                         static_cast<cudaStream_t>(stream), m);
 }

@@ -467,6 +467,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       __stcg(lp + split * BM + tid, l);
   }
   if (active == 1) return;
+  if (MT == 1 && active <= p.defer_max) return;  // merged by W_UV's kernel (csrc/mla_merge_uv.cuh)
 #ifdef K26_ATTN_PROBE_NO_MERGE
   // measurement only, wrong output: the step's time without the barrier + merge (an upper bound). A
   // condition the compiler cannot decide keeps the merge's code, and so the register allocation, of the default

@@ -1,0 +1,140 @@
+// The MLA value up-projection (W_UV) with the tree attention's split-KV merge in its prologue, for short decode:
+//
+//   y[b, r, v] = sum_d W_UV[h][v, d] * o[b, r, d]        (r = n H + h; o = the attention's bf16 output)
+//
+// where o comes either from the attention kernel (its in-kernel merge, or a sequence of one split) or, for a
+// sequence whose live split count is in (1, defer_max], from the splits' partials in the attention's workspace,
+// merged here: the attention's blocks of such a call store their partials and leave (no barrier, no merge).
+// Both kernels derive a sequence's split count from its length alone (split_geometry), so they agree without a
+// flag and one CUDA graph serves every length (long contexts keep the merge spread over all the splits).
+//
+// Why: at 4K decode the attention's barrier and merge are ~4-5 µs of its ~12 µs in the step, latency of two
+// grid-wide round trips (2026-12-07-session39-h100.md: the probe without them took the decode step 4.36 -> 4.07
+// ms). Here the kernel boundary to W_UV is the barrier (~0.8 µs, boundary_probe.py), and the merge is one round
+// of loads per block: a block owns one query row (its head's 512-dim latent) and V / J of its outputs, merges
+// the row's partials into shared memory (4 slices of the splits x 128 float4 columns, LOADS loads in flight a
+// thread, the online log-sum-exp of csrc/mla_attn_merge.cuh), rounds the merged row to bf16 as the attention's
+// output would be, and multiplies it by its W_UV rows, which it loaded before its grid-dependency wait.
+//
+// Bits: the merge combines the splits in a fixed order (a slice's splits in order, then the slices in order),
+// the dot products in a fixed lane order: the same bits on every run. They differ from the in-kernel merge +
+// linear_grouped composition by rounding only (tests/test_attention_uv_gpu.py: against the fp32 reference).
+//
+// Legality: plain and .cg loads, shuffles, 25 KB of static shared memory, griddepcontrol: sm_90a and sm_120a.
+
+#pragma once
+
+#include "mla_attn_common.cuh"
+#include "mla_attn_merge.cuh"  // Lse4
+#include "pdl.cuh"
+
+namespace k26_attn {
+
+constexpr int UV_THREADS = 512;           // 16 warps
+constexpr int UV_COLS = DV / 4;           // float4 columns of a latent row
+constexpr int UV_SLICES = UV_THREADS / UV_COLS;  // 4: thread t merges splits t / 128 + 4 i of column t % 128
+constexpr int UV_LOADS = 17;              // (partial, lse) loads in flight a thread: 68 splits in one round
+constexpr int UV_ROWS = 32;               // W_UV rows (outputs) a block: 2 a warp
+constexpr int UV_ROWS_PER_WARP = UV_ROWS / (UV_THREADS / 32);
+
+struct MergeUV {
+  const float* lse_part;     // [B, S_max, 16]       the attention's workspace (one 16-row tile a sequence)
+  const PartT* o_part;       // [B, S_max, 16, 512]
+  const __nv_bfloat16* out;  // [B, R, 512]          the attention's output where it merged (or had one split)
+  const int64_t* prefix;     // [B]
+  const __nv_bfloat16* w;    // W_UV: head h's row v at w + h * w_h + v * w_v, 512 contiguous values
+  long long w_h, w_v;
+  __nv_bfloat16* y;          // [B, R, V]
+  int N, H, R, V, max_len, S_max, min_keys, defer_max;
+};
+
+// The sequence's split geometry as the attention kernel computes it (Params carries the same fields).
+__device__ __forceinline__ int uv_active_splits(const MergeUV& m, int L) {
+  Params p{};
+  p.N = m.N, p.max_len = m.max_len, p.S_max = m.S_max, p.min_keys = m.min_keys;
+  int chunk, active;
+  split_geometry(p, live_keys(p, L), chunk, active);
+  return active;
+}
+
+// grid (R, V / UV_ROWS, B): block (r, j, b) writes y[b, r, j UV_ROWS .. +UV_ROWS).
+static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) {
+  __shared__ float s_m[UV_SLICES][UV_COLS], s_s[UV_SLICES][UV_COLS];
+  __shared__ float4 s_acc[UV_SLICES][UV_COLS];
+  __shared__ __align__(16) __nv_bfloat16 s_o[DV];
+  const int r = blockIdx.x, b = blockIdx.z, h = r % m.H, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int v0 = blockIdx.y * UV_ROWS + warp * UV_ROWS_PER_WARP;
+  // This warp's W_UV rows, lane l holding dims [8 l, +8) and [256 + 8 l, +8): constants, loaded (coherently:
+  // csrc/pdl.cuh) before the wait, so their DRAM round trip overlaps the attention's tail.
+  uint4 wv[UV_ROWS_PER_WARP][2];
+#pragma unroll
+  for (int i = 0; i < UV_ROWS_PER_WARP; ++i) {
+    const __nv_bfloat16* row = m.w + h * m.w_h + (long long)(v0 + i) * m.w_v;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) wv[i][k] = __ldcg(reinterpret_cast<const uint4*>(row + k * 256 + lane * 8));
+  }
+  const int L = static_cast<int>(m.prefix[b]);  // final before this step (the attention read it early too)
+  pdl_wait();
+  pdl_trigger();
+  const int active = uv_active_splits(m, L);
+  if (active > 1 && active <= m.defer_max) {
+    const int c = tid % UV_COLS, sl = tid / UV_COLS;
+    const float* lp = m.lse_part + (size_t)b * m.S_max * 16 + r;
+    const PartT* op = m.o_part + ((size_t)b * m.S_max * 16 + r) * DV + 4 * c;
+    Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+    for (int k0 = sl; k0 < active; k0 += UV_SLICES * UV_LOADS) {
+      float l[UV_LOADS];
+      float4 v[UV_LOADS];
+#pragma unroll
+      for (int j = 0; j < UV_LOADS; ++j) {
+        const int k = k0 + j * UV_SLICES;
+        l[j] = k < active ? __ldcg(lp + k * 16) : -CUDART_INF_F;
+        if (k < active) v[j] = load_part4(op + (size_t)k * 16 * DV);
+      }
+#pragma unroll
+      for (int j = 0; j < UV_LOADS; ++j)
+        if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);  // an empty partial adds nothing
+    }
+    s_m[sl][c] = st.m, s_s[sl][c] = st.s, s_acc[sl][c] = st.acc;
+    __syncthreads();
+    if (sl == 0) {
+#pragma unroll
+      for (int k = 1; k < UV_SLICES; ++k) st.add(s_m[k][c], s_s[k][c], s_acc[k][c]);
+      const float inv = st.s > 0.f ? 1.f / st.s : 0.f;
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(s_o + 4 * c);
+      o[0] = __floats2bfloat162_rn(st.acc.x * inv, st.acc.y * inv);
+      o[1] = __floats2bfloat162_rn(st.acc.z * inv, st.acc.w * inv);
+    }
+  } else if (tid < DV / 8) {
+    reinterpret_cast<uint4*>(s_o)[tid] = __ldcg(reinterpret_cast<const uint4*>(m.out + ((size_t)b * m.R + r) * DV) + tid);
+  }
+  __syncthreads();
+  float acc[UV_ROWS_PER_WARP] = {};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint4 ov = reinterpret_cast<const uint4*>(s_o + k * 256)[lane];
+    const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&ov);
+#pragma unroll
+    for (int i = 0; i < UV_ROWS_PER_WARP; ++i) {
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[i][k]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 a = __bfloat1622float2(o2[e]), w = __bfloat1622float2(w2[e]);
+        acc[i] = fmaf(a.x, w.x, fmaf(a.y, w.y, acc[i]));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < UV_ROWS_PER_WARP; ++i) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
+  }
+  if (lane < UV_ROWS_PER_WARP) {
+    float a = acc[0];
+#pragma unroll
+    for (int i = 1; i < UV_ROWS_PER_WARP; ++i) a = lane == i ? acc[i] : a;
+    m.y[((size_t)b * m.R + r) * m.V + v0 + lane] = __float2bfloat16_rn(a);
+  }
+}
+
+}  // namespace k26_attn
