@@ -36,6 +36,7 @@ CATEGORIES = (  # first match wins; lower-case substrings of the kernel name (Tr
     ("vocabulary top-k (k26)", ("topk_chunk", "topk_merge")),
     ("drafter attention (k26)", ("split_kernel<", "merge_kernel<")),  # csrc/drafter_attn.cu
     ("MLA tree attention", (ATTN,)),
+    ("MLA W_UV + split merge (k26)", ("merge_uv",)),  # csrc/mla_merge_uv.cuh
     ("MoE router", ("router",)),
     ("MoE experts (int4 kernel)", ("moe", "route_kernel", "combine", "gemm_kernel")),
     ("dense projection (cuBLAS)", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "splitk", "sm90_")),
