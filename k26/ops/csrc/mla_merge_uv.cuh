@@ -28,12 +28,20 @@
 #include "mla_attn_merge.cuh"  // Lse4
 #include "pdl.cuh"
 
+#ifdef K26_UV_CLUSTER
+#include <cooperative_groups.h>
+#endif
+
 namespace k26_attn {
 
 constexpr int UV_THREADS = 512;           // 16 warps
 constexpr int UV_COLS = DV / 4;           // float4 columns of a latent row
 constexpr int UV_SLICES = UV_THREADS / UV_COLS;  // 4: thread t merges splits t / 128 + 4 i of column t % 128
 constexpr int UV_LOADS = 17;              // (partial, lse) loads in flight a thread: 68 splits in one round
+// Variants for an A/B (k26/ops/build.py VARIANTS): -DK26_UV_LATE_TRIGGER (o_proj's blocks start once the merge
+// has its loads back, not while they are in flight); -DK26_UV_CLUSTER (the V / UV_ROWS blocks of a row form a
+// cluster: each merges its share of the 512 dims and reads the others' through distributed shared memory, a
+// quarter of the bytes a block).
 constexpr int UV_ROWS = 32;               // W_UV rows (outputs) a block: 2 a warp
 constexpr int UV_ROWS_PER_WARP = UV_ROWS / (UV_THREADS / 32);
 
@@ -48,6 +56,14 @@ struct MergeUV {
   int N, H, R, V, max_len, S_max, min_keys, defer_max;
 };
 
+// A merged row's 4 values in bf16, the attention's output rounding.
+__device__ __forceinline__ void store_merged(const Lse4& st, __nv_bfloat16* o4) {
+  const float inv = st.s > 0.f ? 1.f / st.s : 0.f;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(o4);
+  o[0] = __floats2bfloat162_rn(st.acc.x * inv, st.acc.y * inv);
+  o[1] = __floats2bfloat162_rn(st.acc.z * inv, st.acc.w * inv);
+}
+
 // The sequence's split geometry as the attention kernel computes it (Params carries the same fields).
 __device__ __forceinline__ int uv_active_splits(const MergeUV& m, int L) {
   Params p{};
@@ -57,10 +73,85 @@ __device__ __forceinline__ int uv_active_splits(const MergeUV& m, int L) {
   return active;
 }
 
-// grid (R, V / UV_ROWS, B): block (r, j, b) writes y[b, r, j UV_ROWS .. +UV_ROWS).
-static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) {
+// Row r's partials merged into s_o (bf16, as the attention would have written it): thread t takes float4 column
+// t % 128 of splits t / 128 + 4 i, UV_LOADS loads in flight; the 4 slices' states then combine in order.
+__device__ __forceinline__ void merge_row(const MergeUV& m, int b, int r, int active, __nv_bfloat16* s_o) {
   __shared__ float s_m[UV_SLICES][UV_COLS], s_s[UV_SLICES][UV_COLS];
   __shared__ float4 s_acc[UV_SLICES][UV_COLS];
+  const int tid = threadIdx.x, c = tid % UV_COLS, sl = tid / UV_COLS;
+  const float* lp = m.lse_part + (size_t)b * m.S_max * 16 + r;
+  const PartT* op = m.o_part + ((size_t)b * m.S_max * 16 + r) * DV + 4 * c;
+  Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+  for (int k0 = sl; k0 < active; k0 += UV_SLICES * UV_LOADS) {
+    float l[UV_LOADS];
+    float4 v[UV_LOADS];
+#pragma unroll
+    for (int j = 0; j < UV_LOADS; ++j) {
+      const int k = k0 + j * UV_SLICES;
+      l[j] = k < active ? __ldcg(lp + k * 16) : -CUDART_INF_F;
+      if (k < active) v[j] = load_part4(op + (size_t)k * 16 * DV);
+    }
+#pragma unroll
+    for (int j = 0; j < UV_LOADS; ++j)
+      if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);  // an empty partial adds nothing
+  }
+  s_m[sl][c] = st.m, s_s[sl][c] = st.s, s_acc[sl][c] = st.acc;
+  __syncthreads();
+  if (sl == 0) {
+#pragma unroll
+    for (int k = 1; k < UV_SLICES; ++k) st.add(s_m[k][c], s_s[k][c], s_acc[k][c]);
+    store_merged(st, s_o + 4 * c);
+  }
+}
+
+#ifdef K26_UV_CLUSTER
+// The cluster variant: block q of the row's CL = gridDim.y blocks merges float4 columns [q C, (q + 1) C), C = 128
+// / CL, over every split (thread t: column t / SL, splits t % SL + SL i, SL = 512 / C lanes of one warp, combined
+// by shuffles in a fixed order), then reads the other blocks' merged dims from their shared memory.
+constexpr int UV_CL_LOADS = 8;  // 16 lanes a column at CL = 4: 128 splits in one round
+__device__ __forceinline__ void merge_row_cluster(const MergeUV& m, int b, int r, int active, __nv_bfloat16* s_o) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int CL = gridDim.y, q = blockIdx.y, C = UV_COLS / CL, SL = UV_THREADS / C;
+  const int tid = threadIdx.x, c = q * C + tid / SL, sl = tid % SL;
+  const float* lp = m.lse_part + (size_t)b * m.S_max * 16 + r;
+  const PartT* op = m.o_part + ((size_t)b * m.S_max * 16 + r) * DV + 4 * c;
+  Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+  for (int k0 = sl; k0 < active; k0 += SL * UV_CL_LOADS) {
+    float l[UV_CL_LOADS];
+    float4 v[UV_CL_LOADS];
+#pragma unroll
+    for (int j = 0; j < UV_CL_LOADS; ++j) {
+      const int k = k0 + j * SL;
+      l[j] = k < active ? __ldcg(lp + k * 16) : -CUDART_INF_F;
+      if (k < active) v[j] = load_part4(op + (size_t)k * 16 * DV);
+    }
+#pragma unroll
+    for (int j = 0; j < UV_CL_LOADS; ++j)
+      if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);
+  }
+  for (int off = SL / 2; off > 0; off >>= 1) {  // SL <= 32: the column's lanes are one warp's
+    const float m2 = __shfl_xor_sync(0xffffffffu, st.m, off), s2 = __shfl_xor_sync(0xffffffffu, st.s, off);
+    float4 a2;
+    a2.x = __shfl_xor_sync(0xffffffffu, st.acc.x, off), a2.y = __shfl_xor_sync(0xffffffffu, st.acc.y, off);
+    a2.z = __shfl_xor_sync(0xffffffffu, st.acc.z, off), a2.w = __shfl_xor_sync(0xffffffffu, st.acc.w, off);
+    st.add(m2, s2, a2);
+  }
+  if (sl == 0) store_merged(st, s_o + 4 * c);
+  cluster.sync();  // every block's share is in its shared memory
+  for (int i = tid; i < DV / 8; i += UV_THREADS) {  // 16-B pieces of the row from the blocks that own them
+    const int owner = i * 2 / C;  // piece i holds dims [8 i, 8 i + 8): columns 2 i, 2 i + 1
+    if (owner != q) {
+      const uint4* src = reinterpret_cast<const uint4*>(cluster.map_shared_rank(s_o, owner));
+      reinterpret_cast<uint4*>(s_o)[i] = src[i];
+    }
+  }
+  cluster.sync();  // no block leaves (its shared memory) while another still reads it
+}
+#endif
+
+// grid (R, V / UV_ROWS, B): block (r, j, b) writes y[b, r, j UV_ROWS .. +UV_ROWS).
+static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) {
   __shared__ __align__(16) __nv_bfloat16 s_o[DV];
   const int r = blockIdx.x, b = blockIdx.z, h = r % m.H, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int v0 = blockIdx.y * UV_ROWS + warp * UV_ROWS_PER_WARP;
@@ -75,39 +166,22 @@ static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) 
   }
   const int L = static_cast<int>(m.prefix[b]);  // final before this step (the attention read it early too)
   pdl_wait();
+#ifndef K26_UV_LATE_TRIGGER
   pdl_trigger();
+#endif
   const int active = uv_active_splits(m, L);
   if (active > 1 && active <= m.defer_max) {
-    const int c = tid % UV_COLS, sl = tid / UV_COLS;
-    const float* lp = m.lse_part + (size_t)b * m.S_max * 16 + r;
-    const PartT* op = m.o_part + ((size_t)b * m.S_max * 16 + r) * DV + 4 * c;
-    Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-    for (int k0 = sl; k0 < active; k0 += UV_SLICES * UV_LOADS) {
-      float l[UV_LOADS];
-      float4 v[UV_LOADS];
-#pragma unroll
-      for (int j = 0; j < UV_LOADS; ++j) {
-        const int k = k0 + j * UV_SLICES;
-        l[j] = k < active ? __ldcg(lp + k * 16) : -CUDART_INF_F;
-        if (k < active) v[j] = load_part4(op + (size_t)k * 16 * DV);
-      }
-#pragma unroll
-      for (int j = 0; j < UV_LOADS; ++j)
-        if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);  // an empty partial adds nothing
-    }
-    s_m[sl][c] = st.m, s_s[sl][c] = st.s, s_acc[sl][c] = st.acc;
-    __syncthreads();
-    if (sl == 0) {
-#pragma unroll
-      for (int k = 1; k < UV_SLICES; ++k) st.add(s_m[k][c], s_s[k][c], s_acc[k][c]);
-      const float inv = st.s > 0.f ? 1.f / st.s : 0.f;
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(s_o + 4 * c);
-      o[0] = __floats2bfloat162_rn(st.acc.x * inv, st.acc.y * inv);
-      o[1] = __floats2bfloat162_rn(st.acc.z * inv, st.acc.w * inv);
-    }
-  } else if (tid < DV / 8) {
+#ifdef K26_UV_CLUSTER
+    merge_row_cluster(m, b, r, active, s_o);
+#else
+    merge_row(m, b, r, active, s_o);
+#endif
+  } else if (tid < DV / 8) {  // (the same branch in every block of a row: a cluster's barriers all match)
     reinterpret_cast<uint4*>(s_o)[tid] = __ldcg(reinterpret_cast<const uint4*>(m.out + ((size_t)b * m.R + r) * DV) + tid);
   }
+#ifdef K26_UV_LATE_TRIGGER
+  pdl_trigger();
+#endif
   __syncthreads();
   float acc[UV_ROWS_PER_WARP] = {};
 #pragma unroll
