@@ -53,10 +53,11 @@ def test_each_heads_w_uv_applies_to_the_attention_output(rotary):
         (lambda a: {6: a[6][0]}, r"mla_tree_attention_uv: w_uv must be \[H, V, latent\]"),
         (lambda a: {6: a[6][:2]}, "mla_tree_attention_uv: w_uv has 2 heads, q 3"),
         (lambda a: {6: a[6].double()}, "mla_tree_attention_uv: w_uv dtype torch.float64 differs"),
-        (lambda a: {6: torch.randn(3, 8, 41)}, "v_dim=41 must lie in"),  # (W_UV's latent width)
-        (lambda a: {3: a[3][:1]}, r"rows and prefix_lens must be \[B=2\]"),
+        (lambda a: {6: torch.randn(3, 8, 41)}, r"_uv: w_uv's latent width 41 must lie in \(0, 40\]"),
+        (lambda a: {6: a[6].to("meta")}, "mla_tree_attention_uv: w_uv is on meta, q on cpu"),
+        (lambda a: {3: a[3][:1]}, r"mla_tree_attention_uv: rows and prefix_lens must be \[B=2\]"),
     ],
-    ids=["two_dims", "heads", "dtype", "latent_width", "prefix"],
+    ids=["two_dims", "heads", "dtype", "latent_width", "device", "prefix"],
 )
 def test_bad_inputs_are_named(change, match):
     args = list(uv_inputs())
@@ -66,14 +67,16 @@ def test_bad_inputs_are_named(change, match):
         torch.ops.k26.mla_tree_attention_uv(*args)
 
 
-def test_the_front_door_merges_in_w_uvs_kernel_only_for_one_row_tile():
+def test_w_uvs_kernel_merges_only_one_row_tile_a_sequence_and_small_batches():
     w = torch.zeros(8, 128, 512)
-    assert attention_uv_cuda._merge_unsupported(w, 1, 8) is None  # TP8 decode
-    assert attention_uv_cuda._merge_unsupported(w, 2, 8) is None  # 16 rows: still one tile
-    assert attention_uv_cuda._merge_unsupported(torch.zeros(16, 128, 512), 1, 16) is None  # TP4 decode
-    assert "3 x 8 query rows" in attention_uv_cuda._merge_unsupported(w, 3, 8)
-    assert "1 x 64 query rows" in attention_uv_cuda._merge_unsupported(torch.zeros(64, 128, 512), 1, 64)
-    assert "100 value rows" in attention_uv_cuda._merge_unsupported(torch.zeros(8, 100, 512), 1, 8)
+    assert attention_uv_cuda._merge_unsupported(w, 1, 1, 8) is None  # TP8 decode
+    assert attention_uv_cuda._merge_unsupported(w, 1, 2, 8) is None  # 16 rows: still one tile
+    assert attention_uv_cuda._merge_unsupported(torch.zeros(16, 128, 512), 1, 1, 16) is None  # TP4 decode
+    assert attention_uv_cuda._merge_unsupported(w, 8, 1, 8) is None  # 64 rows a batch
+    assert "3 x 8 query rows a sequence" in attention_uv_cuda._merge_unsupported(w, 1, 3, 8)
+    assert "1 x 64 query rows" in attention_uv_cuda._merge_unsupported(torch.zeros(64, 128, 512), 1, 1, 64)
+    assert "9 x 1 x 8 query rows a batch" in attention_uv_cuda._merge_unsupported(w, 9, 1, 8)
+    assert "100 value rows" in attention_uv_cuda._merge_unsupported(torch.zeros(8, 100, 512), 1, 1, 8)
 
 
 def test_reference_is_the_attention_then_the_value_projection():

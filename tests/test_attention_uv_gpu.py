@@ -37,8 +37,12 @@ def rel(got, ref):
 
 
 def poison():
-    torch.full((1 << 27,), float("nan"), device="cuda")
+    """NaN into the memory the next allocations take: the caching allocator's large pool and its small one
+    (blocks of at most 1 MB, where the op's outputs of a few KB come from)."""
+    big = torch.full((1 << 27,), float("nan"), device="cuda")
+    small = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]
     torch.cuda.synchronize()
+    del big, small
 
 
 def splits(L, N=1):
@@ -50,9 +54,9 @@ def splits(L, N=1):
     return (T + chunk - 1) // chunk
 
 
-# Lengths: one split (0, 1, 63), a few (64, 65), 4K decode (64, 65 splits), the deferral's bound (8191: 128
-# splits; 8192: 129, merged in the attention), long (20011).
-LENS = [0, 1, 63, 64, 65, 1000, 4095, 4096, 8191, 8192, 20011]
+# Lengths: one split (0, 1, 63), a few (64, 65), 4K decode (64, 65 splits), the deferral's bound (one token:
+# 8191 keys 128 splits, 8192 129 merged in the attention; two tokens: 8190 and 8191), long (20011).
+LENS = [0, 1, 63, 64, 65, 1000, 4095, 4096, 8190, 8191, 8192, 20011]
 
 
 @pytest.mark.parametrize("L", LENS)
@@ -95,9 +99,10 @@ def test_the_rotary_query_matches_the_reference():
 
 
 def test_shapes_it_does_not_merge_run_the_two_kernels_and_match():
-    """Three tokens of 8 heads (24 rows: two attention tiles) and 64 heads: attention + linear_grouped."""
-    for N, H in ((3, 8), (1, 64)):
-        args = uv_case(1, N, H, [4095], seed=51 + N)
+    """Three tokens of 8 heads (24 rows: two attention tiles), 64 heads, and a batch of 9 x 8 rows (past
+    MAX_BATCH_ROWS): attention + linear_grouped."""
+    for B, N, H in ((1, 3, 8), (1, 1, 64), (9, 1, 8)):
+        args = uv_case(B, N, H, [4095] * B, seed=51 + N + B)
         poison()
         y = torch.ops.k26.mla_tree_attention_uv(*args[:5], SCALE, args[5])
         assert rel(y, want(*args)) <= 3e-3, (N, H)

@@ -75,6 +75,7 @@ def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
         ("linear_smallm.cu", "linear_tile_kernelILi2ELi2ELi2E", 8),
         ("add_rmsnorm.cu", "add_rmsnorm_kernel", 4),  # the norm weight: a thread's 4 vectors
         ("allreduce_fused.cu", "allreduce_add_rmsnorm_kernel", 4),
+        ("mla_tree_attn.cu", "merge_uv_kernel", 4),  # W_UV: a lane's 2 rows x 2 vectors
     ],
 )
 def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, source, kernel, weight_loads):

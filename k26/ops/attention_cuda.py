@@ -222,7 +222,6 @@ class _Launch:
     prefix: torch.Tensor  # int64, what the kernel read
     splits: int
     min_keys: int
-    early_ok: bool  # PDL: the kernel's early inputs are the caller's own
 
 
 def attend(
@@ -278,4 +277,4 @@ def attend(
     )
     if err:
         raise RuntimeError(f"mla_tree_attention: CUDA launch failed with error {err}")
-    return _Launch(out, lse, ws, prefix64, S, min_keys, early_ok)
+    return _Launch(out, lse, ws, prefix64, S, min_keys)

@@ -19,6 +19,10 @@ from .log import say_once
 DEFER_MAX_SPLITS = 128
 UV_ROWS = 32  # W_UV rows a block (csrc/mla_merge_uv.cuh): V must be a multiple
 MAX_ROWS = 16  # query rows a sequence: one 16-row attention tile
+# Query rows of the whole batch: each merging block reads its 32 W_UV rows (32 KB) and its row's partials, so
+# a large decode batch would read W_UV from L2 once a row (and has few splits a sequence to merge anyway);
+# measured at B = 1 (profiling/results/2026-12-07-attention-uv-session41.md).
+MAX_BATCH_ROWS = 64
 
 
 def check_inputs(
@@ -31,19 +35,23 @@ def check_inputs(
             raise ValueError(f"mla_tree_attention_uv: {msg}")
 
     need(isinstance(w_uv, torch.Tensor) and w_uv.dim() == 3, "w_uv must be [H, V, latent]")
-    latent = w_uv.shape[2]
-    args = (q, cache, rows, prefix_lens, mask_words, latent, q_pe, positions, inv_freq)
-    C = attention_cuda.check_inputs(*args)
+    try:  # (v_dim 1 is always valid: the latent width is checked below, naming w_uv)
+        C = attention_cuda.check_inputs(q, cache, rows, prefix_lens, mask_words, 1, q_pe, positions, inv_freq)
+    except ValueError as e:
+        raise ValueError(str(e).replace("mla_tree_attention:", "mla_tree_attention_uv:", 1)) from None
+    need(0 < w_uv.shape[2] <= C, f"w_uv's latent width {w_uv.shape[2]} must lie in (0, {C}] (the key width)")
     need(w_uv.shape[0] == q.shape[2], f"w_uv has {w_uv.shape[0]} heads, q {q.shape[2]}")
     need(w_uv.dtype == q.dtype, f"w_uv dtype {w_uv.dtype} differs from q's {q.dtype}")
     need(w_uv.device == q.device, f"w_uv is on {w_uv.device}, q on {q.device}")
     return C
 
 
-def _merge_unsupported(w_uv: torch.Tensor, N: int, H: int) -> str | None:
+def _merge_unsupported(w_uv: torch.Tensor, B: int, N: int, H: int) -> str | None:
     """Why W_UV's kernel does not merge for these shapes (None: it does)."""
     if N * H > MAX_ROWS:
         return f"{N} x {H} query rows a sequence (it merges up to {MAX_ROWS})"
+    if B * N * H > MAX_BATCH_ROWS:
+        return f"{B} x {N} x {H} query rows a batch (it merges up to {MAX_BATCH_ROWS})"
     if w_uv.shape[1] % UV_ROWS:
         return f"{w_uv.shape[1]} value rows a head (not a multiple of {UV_ROWS})"
     return None
@@ -66,9 +74,9 @@ def _(
     C = check_inputs(q, cache, rows, prefix_lens, mask_words, w_uv, q_pe, positions, inv_freq)
     B, N, H, _ = q.shape
     V, v_dim = w_uv.shape[1], w_uv.shape[2]
-    if B * N * H == 0:
+    if B * N * H * V == 0:
         return q.new_empty(B, N, H, V)
-    why = attention_cuda.fallback_reason(q, C, v_dim, q_pe) or _merge_unsupported(w_uv, N, H)
+    why = attention_cuda.fallback_reason(q, C, v_dim, q_pe) or _merge_unsupported(w_uv, B, N, H)
     if why is not None:  # the two ops (each runs its own kernel, or its reference where it has none)
         say_once(__name__, logging.INFO, f"k26.mla_tree_attention_uv: {why}: attention and W_UV apart")
         out, _ = torch.ops.k26.mla_tree_attention(

@@ -20,7 +20,9 @@
 // the dot products in a fixed lane order: the same bits on every run. They differ from the in-kernel merge +
 // linear_grouped composition by rounding only (tests/test_attention_uv_gpu.py: against the fp32 reference).
 //
-// Legality: plain and .cg loads, shuffles, 25 KB of static shared memory, griddepcontrol: sm_90a and sm_120a.
+// Legality: plain and .cg loads, shuffles, 13 KB of static shared memory, griddepcontrol: sm_90a and sm_120a
+// (the -DK26_UV_CLUSTER variant adds thread-block clusters of <= 8 and distributed shared memory, which sm_90
+// and sm_120 both have).
 
 #pragma once
 

@@ -263,7 +263,7 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
 // W_UV after a k26_mla_tree_attn call of the same (B, N, H, max_len, S_max, min_keys, defer_max) on this stream, its
 // workspace and its output `out`: y [B, N, H, V] = W_UV[h] . o (csrc/mla_merge_uv.cuh), merging the splits of the
 // sequences the attention left unmerged. w: head h's row v at w + h * w_h + v * w_v (512 contiguous bf16, 16-B
-// aligned). Returns a cudaError_t; the front door (k26/ops/attention_cuda.py) checks shapes.
+// aligned). Returns a cudaError_t; the front door (k26/ops/attention_uv_cuda.py) checks shapes.
 K26_EXPORT int k26_mla_merge_uv(const void* workspace, const void* out, const int64_t* prefix, const void* w,
                                 long long w_h, long long w_v, void* y, int B, int N, int H, int V, int max_len,
                                 int S_max, int min_keys, int defer_max, int pdl, void* stream) {

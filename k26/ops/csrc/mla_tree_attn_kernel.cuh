@@ -27,7 +27,9 @@
 //
 // Split-KV merge in the same launch, one level (details in csrc/mla_attn_merge.cuh): each live split writes its
 // partial to the workspace, the tile's splits meet at a kernel-owned barrier, and each merges an equal share
-// of the output over every split.
+// of the output over every split. Deferred (Params::defer_max, `mla_tree_attention_uv` at one-tile decode): a
+// 16-row tile of 2..defer_max live splits only writes its partials; W_UV's kernel merges them
+// (csrc/mla_merge_uv.cuh) — the barrier and the merge leave the attention's path.
 //
 // Programmatic dependent launch (csrc/pdl.cuh): launched before the query's projection has finished, every
 // block issues its first prefix key tiles, waits for it, then lets W_UV's launch start (see the kernel). The
