@@ -180,6 +180,7 @@ def library_bound():
 
 
 def fallback_reason(q, C: int, v_dim: int, q_pe) -> str | None:
+    """Why these inputs run the reference (None: the kernel takes them)."""
     from .build import available  # lazily: `python -m k26.ops.build` must not import itself first
 
     return _unsupported(q, C, v_dim, q_pe) or (None if available() else "no kernel library")

@@ -204,9 +204,6 @@ VARIANTS: dict[str, list[str]] = {
     # W_UV's kernel (behind the kernel boundary the step pays anyway) could save. Measured 2026-12-07 (H100):
     # the 4K decode step 4.36 -> 4.07 ms, 4.8 µs a layer at most (2026-12-07-session39-h100.md)
     "-DK26_ATTN_PROBE_NO_MERGE": ["mla_tree_attn.cu"],
-    # W_UV's merging kernel (csrc/mla_merge_uv.cuh): the late trigger, the cluster merge
-    "-DK26_UV_LATE_TRIGGER": ["mla_tree_attn.cu"],
-    "-DK26_UV_CLUSTER": ["mla_tree_attn.cu"],
 }
 
 

@@ -20,9 +20,13 @@
 // the dot products in a fixed lane order: the same bits on every run. They differ from the in-kernel merge +
 // linear_grouped composition by rounding only (tests/test_attention_uv_gpu.py: against the fp32 reference).
 //
-// Legality: plain and .cg loads, shuffles, 13 KB of static shared memory, griddepcontrol: sm_90a and sm_120a
-// (the -DK26_UV_CLUSTER variant adds thread-block clusters of <= 8 and distributed shared memory, which sm_90
-// and sm_120 both have).
+// Measured (H100, 2026-12-07-attention-uv-session41.md): the attention + W_UV pair at 4K decode 13.5 -> 10.1 µs
+// alone, the 61-layer decode step 4.33 -> 4.23 ms. Tried and dropped (one step run each against 4.26 ms, in
+// 3807997): a row's 4 blocks as a thread-block cluster, each merging a quarter of the dims and reading the rest
+// through distributed shared memory (a quarter of the bytes a block) — 4.34 ms, the cluster barriers cost more
+// than the bytes; o_proj released after the merge's loads instead of at the wait — 4.29 ms.
+//
+// Legality: plain and .cg loads, shuffles, 13 KB of static shared memory, griddepcontrol: sm_90a and sm_120a.
 
 #pragma once
 
@@ -30,20 +34,12 @@
 #include "mla_attn_merge.cuh"  // Lse4
 #include "pdl.cuh"
 
-#ifdef K26_UV_CLUSTER
-#include <cooperative_groups.h>
-#endif
-
 namespace k26_attn {
 
 constexpr int UV_THREADS = 512;           // 16 warps
 constexpr int UV_COLS = DV / 4;           // float4 columns of a latent row
 constexpr int UV_SLICES = UV_THREADS / UV_COLS;  // 4: thread t merges splits t / 128 + 4 i of column t % 128
 constexpr int UV_LOADS = 17;              // (partial, lse) loads in flight a thread: 68 splits in one round
-// Variants for an A/B (k26/ops/build.py VARIANTS): -DK26_UV_LATE_TRIGGER (o_proj's blocks start once the merge
-// has its loads back, not while they are in flight); -DK26_UV_CLUSTER (the V / UV_ROWS blocks of a row form a
-// cluster: each merges its share of the 512 dims and reads the others' through distributed shared memory, a
-// quarter of the bytes a block).
 constexpr int UV_ROWS = 32;               // W_UV rows (outputs) a block: 2 a warp
 constexpr int UV_ROWS_PER_WARP = UV_ROWS / (UV_THREADS / 32);
 
@@ -106,51 +102,6 @@ __device__ __forceinline__ void merge_row(const MergeUV& m, int b, int r, int ac
   }
 }
 
-#ifdef K26_UV_CLUSTER
-// The cluster variant: block q of the row's CL = gridDim.y blocks merges float4 columns [q C, (q + 1) C), C = 128
-// / CL, over every split (thread t: column t / SL, splits t % SL + SL i, SL = 512 / C lanes of one warp, combined
-// by shuffles in a fixed order), then reads the other blocks' merged dims from their shared memory.
-constexpr int UV_CL_LOADS = 8;  // 16 lanes a column at CL = 4: 128 splits in one round
-__device__ __forceinline__ void merge_row_cluster(const MergeUV& m, int b, int r, int active, __nv_bfloat16* s_o) {
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int CL = gridDim.y, q = blockIdx.y, C = UV_COLS / CL, SL = UV_THREADS / C;
-  const int tid = threadIdx.x, c = q * C + tid / SL, sl = tid % SL;
-  const float* lp = m.lse_part + (size_t)b * m.S_max * 16 + r;
-  const PartT* op = m.o_part + ((size_t)b * m.S_max * 16 + r) * DV + 4 * c;
-  Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-  for (int k0 = sl; k0 < active; k0 += SL * UV_CL_LOADS) {
-    float l[UV_CL_LOADS];
-    float4 v[UV_CL_LOADS];
-#pragma unroll
-    for (int j = 0; j < UV_CL_LOADS; ++j) {
-      const int k = k0 + j * SL;
-      l[j] = k < active ? __ldcg(lp + k * 16) : -CUDART_INF_F;
-      if (k < active) v[j] = load_part4(op + (size_t)k * 16 * DV);
-    }
-#pragma unroll
-    for (int j = 0; j < UV_CL_LOADS; ++j)
-      if (l[j] != -CUDART_INF_F) st.add(l[j], 1.f, v[j]);
-  }
-  for (int off = SL / 2; off > 0; off >>= 1) {  // SL <= 32: the column's lanes are one warp's
-    const float m2 = __shfl_xor_sync(0xffffffffu, st.m, off), s2 = __shfl_xor_sync(0xffffffffu, st.s, off);
-    float4 a2;
-    a2.x = __shfl_xor_sync(0xffffffffu, st.acc.x, off), a2.y = __shfl_xor_sync(0xffffffffu, st.acc.y, off);
-    a2.z = __shfl_xor_sync(0xffffffffu, st.acc.z, off), a2.w = __shfl_xor_sync(0xffffffffu, st.acc.w, off);
-    st.add(m2, s2, a2);
-  }
-  if (sl == 0) store_merged(st, s_o + 4 * c);
-  cluster.sync();  // every block's share is in its shared memory
-  for (int i = tid; i < DV / 8; i += UV_THREADS) {  // 16-B pieces of the row from the blocks that own them
-    const int owner = i * 2 / C;  // piece i holds dims [8 i, 8 i + 8): columns 2 i, 2 i + 1
-    if (owner != q) {
-      const uint4* src = reinterpret_cast<const uint4*>(cluster.map_shared_rank(s_o, owner));
-      reinterpret_cast<uint4*>(s_o)[i] = src[i];
-    }
-  }
-  cluster.sync();  // no block leaves (its shared memory) while another still reads it
-}
-#endif
 
 // grid (R, V / UV_ROWS, B): block (r, j, b) writes y[b, r, j UV_ROWS .. +UV_ROWS).
 static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) {
@@ -168,22 +119,13 @@ static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) 
   }
   const int L = static_cast<int>(m.prefix[b]);  // final before this step (the attention read it early too)
   pdl_wait();
-#ifndef K26_UV_LATE_TRIGGER
-  pdl_trigger();
-#endif
+  pdl_trigger();  // o_proj's blocks stream their weights beside the merge (a trigger after it: slower, below)
   const int active = uv_active_splits(m, L);
   if (active > 1 && active <= m.defer_max) {
-#ifdef K26_UV_CLUSTER
-    merge_row_cluster(m, b, r, active, s_o);
-#else
     merge_row(m, b, r, active, s_o);
-#endif
-  } else if (tid < DV / 8) {  // (the same branch in every block of a row: a cluster's barriers all match)
+  } else if (tid < DV / 8) {
     reinterpret_cast<uint4*>(s_o)[tid] = __ldcg(reinterpret_cast<const uint4*>(m.out + ((size_t)b * m.R + r) * DV) + tid);
   }
-#ifdef K26_UV_LATE_TRIGGER
-  pdl_trigger();
-#endif
   __syncthreads();
   float acc[UV_ROWS_PER_WARP] = {};
 #pragma unroll

@@ -273,19 +273,6 @@ K26_EXPORT int k26_mla_merge_uv(const void* workspace, const void* out, const in
   MergeUV m{reinterpret_cast<const float*>(ws + lay.lse), reinterpret_cast<const PartT*>(ws + lay.o),
             (const __nv_bfloat16*)out, prefix, (const __nv_bfloat16*)w, w_h, w_v, (__nv_bfloat16*)y,
             N, H, N * H, V, max_len, S_max, min_keys < BN ? BN : min_keys, defer_max};
-#ifdef K26_UV_CLUSTER
-  if (V / UV_ROWS > 8 || UV_COLS % (V / UV_ROWS) || UV_COLS / (V / UV_ROWS) < 16) return (int)cudaErrorInvalidValue;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1, attr[0].val.clusterDim.y = V / UV_ROWS, attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(N * H, V / UV_ROWS, B), c.blockDim = dim3(UV_THREADS), c.stream = static_cast<cudaStream_t>(stream);
-  c.attrs = attr, c.numAttrs = pdl ? 2 : 1;
-  return (int)cudaLaunchKernelEx(&c, merge_uv_kernel, m);
-#else
   return (int)launch_pdl(merge_uv_kernel, dim3(N * H, V / UV_ROWS, B), dim3(UV_THREADS), 0, pdl != 0,
                          static_cast<cudaStream_t>(stream), m);
-#endif
 }
