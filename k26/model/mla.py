@@ -139,7 +139,7 @@ class MLA(nn.Module):
             attn = (q_lat, cache_RLC, batch.rows_B, batch.prefix_lens_B, words, scale)
             rot = (batch.static, q_pe_raw, batch.positions_BN, rope.inv_freq)
             w_uv = w_kv[:, nope:]  # W_UV per head: kv_b's rows as a strided view, no copy
-            if (self.kv_b_proj.use_kernel or short) and q_lat.dtype == w_uv.dtype:
+            if self.kv_b_proj.use_kernel or short:
                 # one op: on CUDA W_UV's kernel merges short decode's attention splits (attention_uv_cuda)
                 o_BNHV = torch.ops.k26.mla_tree_attention_uv(*attn, w_uv, *rot)
             else:

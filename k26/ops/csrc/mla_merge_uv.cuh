@@ -11,10 +11,11 @@
 // Why: at 4K decode the attention's barrier and merge are ~4-5 µs of its ~12 µs in the step, latency of two
 // grid-wide round trips (2026-12-07-session39-h100.md: the probe without them took the decode step 4.36 -> 4.07
 // ms). Here the kernel boundary to W_UV is the barrier (~0.8 µs, boundary_probe.py), and the merge is one round
-// of loads per block: a block owns one query row (its head's 512-dim latent) and V / J of its outputs, merges
-// the row's partials into shared memory (4 slices of the splits x 128 float4 columns, LOADS loads in flight a
-// thread, the online log-sum-exp of csrc/mla_attn_merge.cuh), rounds the merged row to bf16 as the attention's
-// output would be, and multiplies it by its W_UV rows, which it loaded before its grid-dependency wait.
+// of loads per block: a block owns one query row (its head's 512-dim latent) and UV_ROWS of its V outputs,
+// merges the row's partials into shared memory (4 slices of the splits x 128 float4 columns, UV_LOADS loads in
+// flight a thread, the online log-sum-exp of csrc/mla_attn_merge.cuh), rounds the merged row to bf16 as the
+// attention's output would be, and multiplies it by its W_UV rows, which it loaded before its grid-dependency
+// wait.
 //
 // Bits: the merge combines the splits in a fixed order (a slice's splits in order, then the slices in order),
 // the dot products in a fixed lane order: the same bits on every run. They differ from the in-kernel merge +
@@ -102,7 +103,6 @@ __device__ __forceinline__ void merge_row(const MergeUV& m, int b, int r, int ac
   }
 }
 
-
 // grid (R, V / UV_ROWS, B): block (r, j, b) writes y[b, r, j UV_ROWS .. +UV_ROWS).
 static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) {
   __shared__ __align__(16) __nv_bfloat16 s_o[DV];
@@ -119,12 +119,13 @@ static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) 
   }
   const int L = static_cast<int>(m.prefix[b]);  // final before this step (the attention read it early too)
   pdl_wait();
-  pdl_trigger();  // o_proj's blocks stream their weights beside the merge (a trigger after it: slower, below)
+  pdl_trigger();  // o_proj's blocks stream their weights beside the merge (a later trigger measured slower)
   const int active = uv_active_splits(m, L);
   if (active > 1 && active <= m.defer_max) {
     merge_row(m, b, r, active, s_o);
-  } else if (tid < DV / 8) {
-    reinterpret_cast<uint4*>(s_o)[tid] = __ldcg(reinterpret_cast<const uint4*>(m.out + ((size_t)b * m.R + r) * DV) + tid);
+  } else if (tid < DV / 8) {  // the attention's own output: merged there, or a single split
+    const uint4* row = reinterpret_cast<const uint4*>(m.out + ((size_t)b * m.R + r) * DV);
+    reinterpret_cast<uint4*>(s_o)[tid] = __ldcg(row + tid);
   }
   __syncthreads();
   float acc[UV_ROWS_PER_WARP] = {};
