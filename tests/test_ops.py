@@ -7,7 +7,7 @@ import torch
 from oracles import random_int4_experts
 
 import k26.ops  # noqa: F401  (registers the ops)
-from k26.ops import OPS, causal_words, reference
+from k26.ops import OPS, causal_words, reference, reference_tree
 
 
 def test_ops_lists_every_registered_op():
@@ -256,7 +256,7 @@ def test_ddtree_front_door_names_the_argument(args, needle):
 def test_ddtree_admissible_children_made_on_the_device_match_the_rule(budget, K, width):
     """The reference's candidate children, made from tensors (graph-safe), are exactly the (i, j) with
     (i+1)(j+1) <= budget, i < width, j < K, parent-major."""
-    pi, pj = reference._admissible(budget, K, width, "cpu")
+    pi, pj = reference_tree._admissible(budget, K, width, "cpu")
     want = [(i, j) for i in range(min(budget, width)) for j in range(K) if (i + 1) * (j + 1) <= budget]
     assert list(zip(pi.tolist(), pj.tolist())) == want
 

@@ -5,7 +5,7 @@ kernel holds is graph-capturable, and the kernel's scratch is planned once per s
 import pytest
 import torch
 
-from k26.ops import reference, tree_cuda
+from k26.ops import reference_tree, tree_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +54,7 @@ def tied_inputs(B, L, V, k, seed, steps):
 
 
 def assert_op_equals_reference(lp, tok, budget):
-    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
+    want = reference_tree.ddtree_build(lp.cpu(), tok.cpu(), budget)
     poison_allocator()
     got = torch.ops.k26.ddtree_build(lp, tok, budget)
     torch.cuda.synchronize()
@@ -123,7 +123,7 @@ def test_a_frontier_wider_than_the_warp_gives_the_references_tree(flat):
         lp, tok = top.values.cuda(), top.indices.cuda()
     else:
         lp, tok = tied_inputs(1, L, V, budget, seed=3, steps=1)
-    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
+    want = reference_tree.ddtree_build(lp.cpu(), tok.cpu(), budget)
     assert max(frontier_sizes(tok.cpu(), want, budget)) > 32  # the case this test is for
     assert_op_equals_reference(lp, tok, budget)
 
@@ -165,7 +165,7 @@ def test_deep_tree_runs_the_reference_inside_a_graph(budget):
     fresh = topk_inputs(2, L, 400, budget, seed=8)
     lp.copy_(fresh[0]), tok.copy_(fresh[1])
     g.replay()
-    want = reference.ddtree_build(lp.cpu(), tok.cpu(), budget)
+    want = reference_tree.ddtree_build(lp.cpu(), tok.cpu(), budget)
     assert all(torch.equal(o.cpu(), w) for o, w in zip(out, want))
 
 

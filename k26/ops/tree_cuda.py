@@ -1,11 +1,11 @@
 """Front door of the DDTree builder: `torch.ops.k26.ddtree_build`, its fake, input checks before any launch,
 the per-shape plan (the kernel's scratch workspace, allocated once) and the CUDA kernel
-(csrc/ddtree_build.cu, one thread block per tree); the pure-torch reference `reference.ddtree_build` (the
+(csrc/ddtree_build.cu, one thread block per tree); the pure-torch reference `reference_tree.ddtree_build` (the
 specification) on every other device and for shapes the kernel does not hold.
 
     ddtree_build(lp [B, L, K] float, tok [B, L, K] int, budget) -> (tokens, parents, depths, valid, words,
         scores): [B, 1 + budget] int64 x3, bool, int64 words [B, 1 + budget, ceil((1 + budget) / 64)],
-        float64; nodes in pop order, root first, padded with invalid nodes (see reference.ddtree_build)
+        float64; nodes in pop order, root first, padded with invalid nodes (see reference_tree.ddtree_build)
 
 `lp` / `tok` are the drafter's per-depth top-K, sorted descending (what `Tensor.topk` returns): the
 builder relies on that order and does not check it (a check would read the data back to the host).
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from . import reference
+from . import reference_tree
 
 # csrc/ddtree_build.cu: MAX_BUDGET (its shared-memory candidate arrays), and the per-depth beam widths it
 # keeps in a 16-entry array (L <= 15: a block of 16, the largest DFlash drafters ship)
@@ -43,7 +43,7 @@ def ddtree_build(
     lp: torch.Tensor, tok: torch.Tensor, budget: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_inputs(lp, tok, budget)
-    return reference.ddtree_build(lp, tok, budget)
+    return reference_tree.ddtree_build(lp, tok, budget)
 
 
 @ddtree_build.register_fake
@@ -129,7 +129,7 @@ def _(lp, tok, budget):
     check_inputs(lp, tok, budget)
     B, L, K = lp.shape
     if budget > MAX_BUDGET or L > MAX_DEPTH or B == 0 or not available():
-        return reference.ddtree_build(lp, tok, budget)  # graph-safe too: no host reads, no host tables
+        return reference_tree.ddtree_build(lp, tok, budget)  # graph-safe too: no host reads, no host tables
     lib = _library()
     out = _outputs(lp, budget, torch.empty)
     scratch = PLANS.scratch(lib, lp.device, B, L, budget)

@@ -1,8 +1,8 @@
 """DDTree trees: `DraftTree` (what a step verifies), `build_ddtree` — the `budget` most probable prefixes
 under the product of the drafter's per-depth marginals (Prop. 2 of the DDTree paper), batched, static
 shapes, no host sync — through the op `torch.ops.k26.ddtree_build` (the level-by-level reference in
-k26/ops/reference.py is its specification, csrc/ddtree_build.cu its CUDA kernel); `build_ddtree_heap`, the
-best-first heap both must equal (the oracle); the DFlash chain; bucket padding.
+k26/ops/reference_tree.py is its specification, csrc/ddtree_build.cu its CUDA kernel); `build_ddtree_heap`,
+the best-first heap both must equal (the oracle); the DFlash chain; bucket padding.
 
 Order and ties: nodes are ranked by (score desc, depth asc, rank tuple asc) — the order in which a
 best-first heap pops them when ties go to the shallower node, then to the smaller rank tuple. Every
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import tree_mask_to_words, words_to_tree_mask
-from ..ops.reference import ancestors_from_parents  # noqa: F401  (re-exported: tests, benches)
+from ..ops.reference_tree import ancestors_from_parents  # noqa: F401  (re-exported: tests, benches)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 // pushes its next sibling (p, d, r + 1) and its first child (node, d + 1, 0). The pops follow the total order of
 // k26/spec/tree.py — (score desc, depth asc, rank tuple asc) — because every node's parent and previous sibling
 // come before it in that order, so the best remaining node is always on the frontier; the top `budget` nodes of
-// that order are the level-by-level reference's (k26/ops/reference.py) whenever the fp64 sums are exact (fp32
+// that order are the level-by-level reference's (k26/ops/reference_tree.py) whenever the fp64 sums are exact (fp32
 // log-probabilities within 2^29 of one another: every input a drafter gives). Work: `budget` pops, whatever the
 // depth L (the level-by-level kernel takes L barrier-separated rounds of candidate sorts: 45 µs at budget 16,
 // depth 15, on an H200).
