@@ -73,7 +73,7 @@ def groups_from_ids(M: int, topk: int, E: int, D: int, inter: int, shared: bool)
 def route_table_groups(M: int, topk: int, E: int, nt: int, shared: bool) -> int:
     """Upper bound on the routing table's groups (csrc/moe_route.cuh: route_groups)."""
     P, S, gt = M * topk, M if shared else 0, 8 * nt
-    return min(P, (P + (gt - 1) * min(P, E)) // gt) + (S + gt - 1) // gt
+    return min(P, E) + P // gt + 1 + (S + gt - 1) // gt
 
 
 def route_table_size(M: int, topk: int, E: int, nt: int, shared: bool) -> int:

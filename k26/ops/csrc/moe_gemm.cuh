@@ -180,9 +180,6 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB, RT == 2 &&
       // grp < the grid's G groups, so the group's fields are in bounds: read with the count, one round trip
       const int ng = __ldcg(num_groups), ge = __ldcg(grp_expert + grp), gs = __ldcg(grp_start + grp),
                 gl = __ldcg(grp_len + grp);
-#ifdef K26_MOE_PROBE_ROWS
-      if (grp == (int)gridDim.y - 1 && ng > (int)gridDim.y) __trap();  // the probe's cap dropped live groups
-#endif
       if (grp >= ng) return;
       e = ge, start = gs, len = gl;
       if (GATED) early_weights<RT, NT, WK, WM>(w, s, e, n_tiles, K >> 6);

@@ -197,12 +197,7 @@ cudaError_t launch(const void* x, const void* w13, const void* s13, const void* 
   constexpr int WK1 = 8;
   const int tiles13 = I / 8;
   auto* gate_up = gemm_kernel<RT1, NT, WK1, 1, true, (NT == 1 ? 3 : 1)>;
-#ifdef K26_MOE_PROBE_ROWS  // a probe, wrong unless the live groups fit: the grid's rows capped (A/B of empty rows)
-  const int rows13 = direct ? G : min(G, K26_MOE_PROBE_ROWS);
-#else
-  const int rows13 = G;
-#endif
-  cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, rows13), dim3(32 * WK1), 0, pdl, st,
+  cudaError_t err = launch_pdl(gate_up, dim3(tiles13 / RT1, G), dim3(32 * WK1), 0, pdl, st,
                                (const __nv_bfloat16*)x, (const uint4*)w13, (const uint32_t*)s13, D, tiles13, topk,
                                rt.sorted, rt.expert, rt.start, rt.len, rt.num_groups, ws.act, I, E, P, S, sh.gate,
                                sh.up, direct, own ? ids : nullptr);
