@@ -6,6 +6,9 @@
 # appended; its table rows (lines starting with "|") are printed under a "== side round" header.
 # A flag A/B in one snapshot: the same directory twice and NEW_ARGS (and / or OLD_ARGS), appended to that
 # side's command, e.g. NEW_ARGS=--no-pdl bash profiling/ab.sh .snap .snap 2 python3 profiling/bench_k26.py ...
+# Each snapshot compiles into its own inductor cache (<snapshot>/.inductor_cache): with one shared cache a side
+# whose custom op's fake gave other sizes (a routing table's bound, 2026-12-07) loaded the other side's compiled
+# graph and failed its size assertion (expected 535, the cached graph's 586).
 set -u
 OLD=$(cd "$1" && pwd) NEW=$(cd "$2" && pwd) ROUNDS=$3
 shift 3
@@ -17,6 +20,7 @@ for r in $(seq 1 "$ROUNDS"); do
     out="$OUT/$side$r.md"
     # shellcheck disable=SC2086  # the extra arguments split on spaces on purpose
     (cd "$d" && PYTHONPATH=$d K26_COMMIT=$(cat COMMIT) K26_OPS_LIB=$(ls "$d"/k26/ops/_build/*.so) \
+      TORCHINDUCTOR_CACHE_DIR=$d/.inductor_cache \
       timeout "${AB_TIMEOUT:-300}" "$@" $extra --out "$out" > "$OUT/$side$r.log" 2>&1)
     rc=$?
     echo "== $side $r ($(cat "$d/COMMIT")${extra:+ $extra}, rc $rc)"
