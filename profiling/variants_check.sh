@@ -18,8 +18,9 @@ BASE=$1
 for d in "$@"; do
   [ -e "$ROOT/k26/default" ] && ln -sfn "$ROOT/k26/default" "$d/k26/default"
   log="$OUT/tests_$(basename "$d").txt"
-  (cd "$d" && PYTHONPATH=$PWD K26_OPS_LIB=$(ls "$PWD"/k26/ops/_build/*.so) timeout 300 \
-    python3 -m pytest -q -p no:cacheprovider $TESTS > "$log" 2>&1)
+  # its own inductor cache, as profiling/ab.sh's sides (a shared one can hand a snapshot another's graphs)
+  (cd "$d" && PYTHONPATH=$PWD K26_OPS_LIB=$(ls "$PWD"/k26/ops/_build/*.so) \
+    TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor_cache timeout 300 python3 -m pytest -q -p no:cacheprovider $TESTS > "$log" 2>&1)
   echo "== tests $d ($(cat "$d/COMMIT")): $(tail -1 "$log")"
   grep -E "^FAILED" "$log" | head -5
 done
