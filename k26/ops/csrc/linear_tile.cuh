@@ -45,7 +45,18 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 }
 
 // x (the previous kernel's output, read after the wait; L2-resident): coherent, never hoisted above the wait.
+#ifdef K26_LINEAR_X_L1
+// Variant (an A/B side): x through L1 (ld.global.ca), so the blocks sharing an SM (o_proj: 448 blocks, the
+// lm_head shard: 1280) read each x line from L2 once instead of once a block. After the wait, so the previous
+// kernel's writes are visible (griddepcontrol.wait's contract); asm volatile keeps it below the wait.
+__device__ __forceinline__ uint4 ld_x(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.ca.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+#else
 __device__ __forceinline__ uint4 ld_x(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+#endif
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
