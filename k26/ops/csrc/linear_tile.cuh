@@ -28,7 +28,7 @@ struct Params {
 // Loads and griddepcontrol.wait. ptxas treats a non-coherent (.nc) load as free to move across the wait (.nc
 // promises data read-only for the kernel's lifetime, which PDL's overlap with the previous kernel breaks), and
 // a coherent one as not (scripts/sass_schedule.py shows the SASS order):
-// - x is the previous kernel's output, read after the wait: coherent (__ldcg, L2). With __ldg (until
+// - x is the previous kernel's output, read after the wait: coherent (ld.global.ca, below). With __ldg (until
 //   2026-12-05) the sm_120a build of the deep kernels (linear_tile_kernel<1 | 2, 4, 1>) had one x load hoisted
 //   above the wait, a race on the target GPU (tests/test_sass_schedule.py checks every tile kernel now).
 // - the weights are constants, loaded coherently so that the batches meant to be in flight across the wait
@@ -44,19 +44,18 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return v;
 }
 
-// x (the previous kernel's output, read after the wait; L2-resident): coherent, never hoisted above the wait.
-#ifdef K26_LINEAR_X_L1
-// Variant (an A/B side): x through L1 (ld.global.ca), so the blocks sharing an SM (o_proj: 448 blocks, the
-// lm_head shard: 1280) read each x line from L2 once instead of once a block. After the wait, so the previous
-// kernel's writes are visible (griddepcontrol.wait's contract); asm volatile keeps it below the wait.
+// x (the previous kernel's output, read after the wait): through L1 (ld.global.ca), so the blocks sharing an SM
+// (o_proj: 448 blocks, the lm_head shard: 1280) read each x line from L2 once, not once a block; the weights
+// bypass L1, so x has it to itself. Visible: griddepcontrol.wait makes the previous grid's writes visible to
+// every load after it; asm volatile keeps the loads below the wait (tests/test_sass_schedule.py). Measured
+// against __ldcg (L2 only) on an H100, 2026-12-07 (profiling/results/2026-12-07-x-through-l1-session43-h100.md):
+// o_proj at M = 16 9.55 -> 8.76 µs, the lm_head shard 112.2 -> 107.7, the verify N = 16 step 7.30 -> 7.27 ms;
+// M = 1 and the one-block-per-SM projections unchanged.
 __device__ __forceinline__ uint4 ld_x(const void* p) {
   uint4 v;
   asm volatile("ld.global.ca.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-#else
-__device__ __forceinline__ uint4 ld_x(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
-#endif
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {

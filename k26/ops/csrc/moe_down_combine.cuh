@@ -175,7 +175,7 @@ static __global__ void __launch_bounds__(32 * kDownCombineWarps, 2) down_combine
     for (int c = 0; c < kDownCombineMaxChunks; ++c)
 #pragma unroll
       for (int q = 0; q < 2; ++q)
-        bv[c][0][q] = c < KC && brow[0] ? __ldcg(brow[0] + c * 8 + q) : make_uint4(0, 0, 0, 0);  // act: pdl.cuh
+        bv[c][0][q] = c < KC && brow[0] ? ld_act(brow[0] + c * 8 + q) : make_uint4(0, 0, 0, 0);  // act: pdl.cuh
 #pragma unroll
     for (int c = 0; c < kDownCombineMaxChunks; ++c) {
       if (c >= KC) break;

@@ -261,8 +261,8 @@ static __global__ void __launch_bounds__(32 * WK * WM, K26_MINB(MINB, RT == 2 &&
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             if (brow[nt] != nullptr) {
-              bv[u][nt][0] = __ldcg(brow[nt] + c * 8);  // x / act: coherent (pdl.cuh)
-              bv[u][nt][1] = __ldcg(brow[nt] + c * 8 + 1);
+              bv[u][nt][0] = ld_act(brow[nt] + c * 8);  // x / act: coherent (pdl.cuh)
+              bv[u][nt][1] = ld_act(brow[nt] + c * 8 + 1);
             } else {
               bv[u][nt][0] = make_uint4(0, 0, 0, 0);
               bv[u][nt][1] = make_uint4(0, 0, 0, 0);

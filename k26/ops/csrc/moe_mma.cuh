@@ -26,6 +26,19 @@ constexpr bool kGateUpThreePerSM = true;
 // linear's ld.global.nc.L1::no_allocate measured no faster here: 2026-12-05-session22-h200.md.)
 __device__ __forceinline__ uint4 ld_weight(const uint4* p) { return __ldcs(p); }
 
+// An activation load after the grid-dependency wait (x, act): coherent through L2 (__ldcg). Variant
+// -DK26_MOE_X_L1 (an A/B side): through L1 (ld.global.ca, asm volatile: never above the wait), so blocks sharing an
+// SM read a row's lines from L2 once.
+__device__ __forceinline__ uint4 ld_act(const uint4* p) {
+#ifdef K26_MOE_X_L1
+  uint4 v;
+  asm volatile("ld.global.ca.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+#else
+  return __ldcg(p);
+#endif
+}
+
 __device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t mask, uint32_t ex) {
   uint32_t r;  // (a & mask) | ex in one instruction
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(ex));

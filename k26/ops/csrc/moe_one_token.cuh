@@ -102,7 +102,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
           sv[u] = __ldg(s2 + (base + c0 + u) * 16 + 2 * g + (t >> 1));
 #pragma unroll
           for (int q = 0; q < 2; ++q)  // act, the gate/up's output: coherent (pdl.cuh)
-            bv[u][q] = brow[0] ? __ldcg(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
+            bv[u][q] = brow[0] ? ld_act(brow[0] + (c0 + u) * 8 + q) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
       for (int u = 0; u < kDownOneTokU; ++u) {
