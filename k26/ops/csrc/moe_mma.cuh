@@ -24,7 +24,16 @@ constexpr bool kGateUpThreePerSM = true;
 
 // A weight load: streamed once, ld.global.cs (evict-first in L1 and L2, so L2 keeps the activations). (The small-M
 // linear's ld.global.nc.L1::no_allocate measured no faster here: 2026-12-05-session22-h200.md.)
+#ifdef K26_MOE_W_NOALLOC
+// Variant (an A/B side, with -DK26_MOE_X_L1): weights bypass L1 (as the small-M linear's), leaving it to x / act.
+__device__ __forceinline__ uint4 ld_weight(const uint4* p) {
+  uint4 v;
+  asm("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+#else
 __device__ __forceinline__ uint4 ld_weight(const uint4* p) { return __ldcs(p); }
+#endif
 
 // An activation load after the grid-dependency wait (x, act): coherent through L2 (__ldcg). Variant
 // -DK26_MOE_X_L1 (an A/B side): through L1 (ld.global.ca, asm volatile: never above the wait), so blocks sharing an
