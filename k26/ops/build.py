@@ -189,10 +189,6 @@ VARIANTS: dict[str, list[str]] = {
     # session 30): N = 64 at 128K 817 -> 746, B = 4 N = 64 at 32K 844 -> 733, but H = 64 N = 64 at 4K
     # 200 -> 373 and N = 256 at 4K 115 -> 124 (2026-12-06-moe-groups-tree-heap-session30-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
-    # MoE: the activations (x, act) read after the grid-dependency wait through L1 (ld.global.ca), not L2
-    # only. An A/B side, 2026-12-07
-    "-DK26_MOE_X_L1": ["moe_w4a16.cu"],
-    "-DK26_MOE_X_L1 -DK26_MOE_W_NOALLOC": ["moe_w4a16.cu"],  # ... and the weights bypassing L1
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)

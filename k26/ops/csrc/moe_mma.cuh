@@ -24,28 +24,20 @@ constexpr bool kGateUpThreePerSM = true;
 
 // A weight load: streamed once, ld.global.cs (evict-first in L1 and L2, so L2 keeps the activations). (The small-M
 // linear's ld.global.nc.L1::no_allocate measured no faster here: 2026-12-05-session22-h200.md.)
-#ifdef K26_MOE_W_NOALLOC
-// Variant (an A/B side, with -DK26_MOE_X_L1): weights bypass L1 (as the small-M linear's), leaving it to x / act.
-__device__ __forceinline__ uint4 ld_weight(const uint4* p) {
-  uint4 v;
-  asm("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-#else
 __device__ __forceinline__ uint4 ld_weight(const uint4* p) { return __ldcs(p); }
-#endif
 
-// An activation load after the grid-dependency wait (x, act): coherent through L2 (__ldcg). Variant
-// -DK26_MOE_X_L1 (an A/B side): through L1 (ld.global.ca, asm volatile: never above the wait), so blocks sharing an
-// SM read a row's lines from L2 once.
+// An activation load after the grid-dependency wait (x, act): through L1 (ld.global.ca), so the blocks sharing an
+// SM read a token row's lines from L2 once, not once a block (with skewed routing most groups hold most tokens).
+// Visible: griddepcontrol.wait makes the previous grids' writes visible to every load after it; asm volatile keeps
+// it below the wait. (The shared expert's blocks read x before their wait: shared_acc keeps __ldcg.) Measured
+// against __ldcg on an H100, 2026-12-07 (profiling/results/2026-12-07-x-through-l1-session43-h100.md): the verify
+// N = 16 step with skewed routing 6.25 -> 6.13 ms, the whole DDTree budget-15 step 7.18 / 7.22 -> 7.03 / 7.05,
+// bench_moe's skewed M = 16 block 42.8 -> 40.3 µs; uniform routing and one token unchanged. Weights bypassing L1
+// beside it (ld.global.L1::no_allocate) measured slower: verify 7.42 ms, the skewed block 44.5 µs.
 __device__ __forceinline__ uint4 ld_act(const uint4* p) {
-#ifdef K26_MOE_X_L1
   uint4 v;
   asm volatile("ld.global.ca.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
-#else
-  return __ldcg(p);
-#endif
 }
 
 __device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t mask, uint32_t ex) {
