@@ -10,6 +10,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 namespace k26_linear {
 
 constexpr int kUnit = 32;      // k per unit: one 16-byte load per lane per operand row
@@ -44,18 +46,13 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return v;
 }
 
-// x (the previous kernel's output, read after the wait): through L1 (ld.global.ca), so the blocks sharing an SM
-// (o_proj: 448 blocks, the lm_head shard: 1280) read each x line from L2 once, not once a block; the weights
-// bypass L1, so x has it to itself. Visible: griddepcontrol.wait makes the previous grid's writes visible to
-// every load after it; asm volatile keeps the loads below the wait (tests/test_sass_schedule.py). Measured
-// against __ldcg (L2 only) on an H100, 2026-12-07 (profiling/results/2026-12-07-x-through-l1-session43-h100.md):
-// o_proj at M = 16 9.55 -> 8.76 µs, the lm_head shard 112.2 -> 107.7, the verify N = 16 step 7.30 -> 7.27 ms;
-// M = 1 and the one-block-per-SM projections unchanged.
-__device__ __forceinline__ uint4 ld_x(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.ca.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+// x (the previous kernel's output, read after the wait): through L1 (csrc/pdl.cuh ld_after_wait), so the blocks
+// sharing an SM (o_proj: 448 blocks, the lm_head shard: 1280) read each x line from L2 once, not once a block; the
+// weights bypass L1, so x has it to itself. tests/test_sass_schedule.py checks that x stays below the wait.
+// Measured against __ldcg (L2 only) on an H100, 2026-12-07
+// (profiling/results/2026-12-07-x-through-l1-session43-h100.md): o_proj at M = 16 9.55 -> 8.76 µs, the lm_head
+// shard 112.2 -> 107.7, the verify N = 16 step 7.30 -> 7.27 ms; M = 1 and the one-block-per-SM projections unchanged.
+__device__ __forceinline__ uint4 ld_x(const void* p) { return ld_after_wait(p); }
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {

@@ -9,6 +9,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 namespace k26_moe {
 
 // The two-tile gate/up GEMM (csrc/moe_gemm.cuh: more than 64 pairs, nt = 1) runs three blocks per SM on sm_90:
@@ -26,19 +28,14 @@ constexpr bool kGateUpThreePerSM = true;
 // linear's ld.global.nc.L1::no_allocate measured no faster here: 2026-12-05-session22-h200.md.)
 __device__ __forceinline__ uint4 ld_weight(const uint4* p) { return __ldcs(p); }
 
-// An activation load after the grid-dependency wait (x, act): through L1 (ld.global.ca), so the blocks sharing an
-// SM read a token row's lines from L2 once, not once a block (with skewed routing most groups hold most tokens).
-// Visible: griddepcontrol.wait makes the previous grids' writes visible to every load after it; asm volatile keeps
-// it below the wait. (The shared expert's blocks read x before their wait: shared_acc keeps __ldcg.) Measured
-// against __ldcg on an H100, 2026-12-07 (profiling/results/2026-12-07-x-through-l1-session43-h100.md): the verify
-// N = 16 step with skewed routing 6.25 -> 6.13 ms, the whole DDTree budget-15 step 7.18 / 7.22 -> 7.03 / 7.05,
-// bench_moe's skewed M = 16 block 42.8 -> 40.3 µs; uniform routing and one token unchanged. Weights bypassing L1
-// beside it (ld.global.L1::no_allocate) measured slower: verify 7.42 ms, the skewed block 44.5 µs.
-__device__ __forceinline__ uint4 ld_act(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.ca.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+// An activation load after the grid-dependency wait (x, act): through L1 (csrc/pdl.cuh ld_after_wait), so the
+// blocks sharing an SM read a token row's lines from L2 once, not once a block (with skewed routing most groups hold
+// most tokens). The shared expert's blocks read x before their wait: shared_acc keeps __ldcg. Measured against
+// __ldcg on an H100, 2026-12-07 (profiling/results/2026-12-07-x-through-l1-session43-h100.md): the verify N = 16
+// step with skewed routing 6.25 -> 6.13 ms, the whole DDTree budget-15 step 7.18 / 7.22 -> 7.03 / 7.05, bench_moe's
+// skewed M = 16 block 42.8 -> 40.3 µs; uniform routing and one token unchanged. Weights bypassing L1 beside it
+// (ld.global.L1::no_allocate) measured slower: verify 7.42 ms, the skewed block 44.5 µs.
+__device__ __forceinline__ uint4 ld_act(const uint4* p) { return ld_after_wait(p); }
 
 __device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t mask, uint32_t ex) {
   uint32_t r;  // (a & mask) | ex in one instruction

@@ -11,6 +11,8 @@
 // coherent loads (an __ldg of it was hoisted above the wait in the sm_120a build of the deep tile-mode linear:
 // a race), and a constant meant to be in flight across the wait needs a coherent load or cp.async too (.nc
 // weight batches "before the wait" were sunk below it). tests/test_sass_schedule.py checks every kernel.
+// Such data can also go through L1 (ld_after_wait below): the wait makes the earlier grids' writes visible to every
+// load after it, and L1 lets the blocks sharing an SM fetch a line from L2 once (2026-12-07).
 //
 // Legality: griddepcontrol (sm_90 and sm_120 both have it) and cudaLaunchKernelEx.
 
@@ -20,6 +22,15 @@
 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// 16 bytes an earlier kernel wrote, read after pdl_wait(): ld.global.ca (coherent, cached in L1), asm volatile so
+// that it stays below the wait. The small-M linear's x (csrc/linear_tile.cuh ld_x) and the MoE kernels'
+// activations (csrc/moe_mma.cuh ld_act).
+__device__ __forceinline__ uint4 ld_after_wait(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.ca.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
 
 // `kernel<<<grid, block, smem, st>>>(args...)`, with programmatic stream serialization when `pdl`.
 template <typename... Params, typename... Args>
