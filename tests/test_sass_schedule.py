@@ -88,6 +88,43 @@ def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, sour
         assert set(counts) == {"LDG.E.NA.128"}, counts
 
 
+def loads_after_wait(events: list[str]) -> dict[str, int]:
+    """{load opcode: how many} after a schedule's first grid-dependency wait."""
+    pairs = [(int(n), op) for n, op in (e.split() for e in events)]
+    ops = [op for _, op in pairs]
+    counts: dict[str, int] = {}
+    for n, op in pairs[ops.index("ACQBULK") + 1 :]:
+        if op.startswith("LDG"):
+            counts[op] = counts.get(op, 0) + n
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_tile_linear_kernels_read_x_through_l1(every_kernel, arch):
+    # x through L1 (ld.global.ca: LDG.E.128.STRONG.SM), so the blocks sharing an SM fetch its lines from L2
+    # once (o_proj at M = 16 9.55 -> 8.76 µs on an H100, 2026-12-07); the weights bypass L1 (LDG.E.NA.128).
+    found = pick(every_kernel, arch, "linear_smallm.cu", "linear_tile_kernel")
+    assert len(found) >= 6, list(found)
+    for name, events in found.items():
+        wide = {op for op in loads_after_wait(events) if ".128" in op}
+        assert wide == {"LDG.E.NA.128", "LDG.E.128.STRONG.SM"}, (name, wide)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_the_moe_expert_kernels_read_activations_through_l1(every_kernel, arch):
+    # The routed groups' x / act loads after the wait go through L1 (csrc/moe_mma.cuh ld_act; the verify step
+    # with skewed routing 6.25 -> 6.13 ms on an H100, 2026-12-07): every register-fed expert GEMM has some.
+    # (The staged one-token down copies act by cp.async; the shared expert's x stays L2-only.)
+    found = {
+        k: ev
+        for k, ev in pick(every_kernel, arch, "moe_w4a16.cu", "").items()
+        if ("gemm_kernel" in k or "down_combine" in k) and "staged" not in k
+    }
+    assert len(found) >= 8, list(found)
+    for name, events in found.items():
+        assert loads_after_wait(events).get("LDG.E.128.STRONG.SM", 0) >= 2, name  # a chunk: two 16-byte loads
+
+
 def test_no_kernel_reads_a_vector_through_the_nc_path_before_its_wait(every_kernel):
     # A 64- / 128-bit .nc load (LDG.E.64 / 128.CONSTANT, not the weights' LDG.E.NA) ahead of the wait is how
     # a hoisted read of the previous kernel's output shows (the tile linears' x on sm_120a until 2026-12-05);
