@@ -269,3 +269,75 @@ def test_the_reference_path_names_bad_inputs_too(change, match):
         torch.ops.k26.moe_router(*args, True, 1.0)
     with pytest.raises(ValueError, match=match):
         torch.ops.k26.moe_router_table(*args, True, 1.0, False)
+
+
+def test_router_opcheck_with_an_l2_ahead_hint():
+    x, w, bias = router_inputs(5, 16, 64)
+    hint = torch.zeros(32, 256, dtype=torch.bfloat16)  # rows of 512 bytes: 8 ranges of 64
+    args = (x, w, bias, router_barrier("cpu"), 4, 2, 3, True, 1.5, hint)
+    torch.library.opcheck(
+        torch.ops.k26.moe_router.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+    table_args = (*args[:-1], True, hint)
+    torch.library.opcheck(
+        torch.ops.k26.moe_router_table.default, table_args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_the_outputs_do_not_depend_on_l2_ahead():
+    x, w, bias = router_inputs(9, 16, 64, seed=4)
+    args = (x, w, bias, router_barrier("cpu"), 4, 2, 3, True, 1.5)
+    hint = torch.randn(32, 256).to(torch.bfloat16)
+    for got, want in zip(torch.ops.k26.moe_router(*args, hint), torch.ops.k26.moe_router(*args), strict=True):
+        assert torch.equal(got, want)
+    with_hint = torch.ops.k26.moe_router_table(*args, True, hint)
+    for got, want in zip(with_hint, torch.ops.k26.moe_router_table(*args, True), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "hint,match",
+    [
+        (torch.zeros(512, dtype=torch.bfloat16), "l2_ahead must be a contiguous 2-D weight"),
+        (torch.zeros(64, 32, dtype=torch.bfloat16).T, "l2_ahead must be a contiguous 2-D weight"),
+        (torch.zeros(4, 100, dtype=torch.bfloat16), "l2_ahead's rows \\(200 bytes\\) must split into 8"),
+        (torch.zeros(4, 256, dtype=torch.bfloat16, device="meta"), "l2_ahead is on meta"),
+    ],
+)
+def test_a_bad_l2_ahead_is_named(hint, match):
+    x, w, bias = router_inputs(3, 16, 64)
+    args = (x, w, bias, router_barrier("cpu"), 4, 2, 4)
+    with pytest.raises(ValueError, match=match):
+        check_inputs(*args, kernel=False, l2_ahead=hint)
+    if hint.device.type == "meta":  # (the ops would dispatch to their fakes: the check above is theirs)
+        return
+    with pytest.raises(ValueError, match=match):
+        torch.ops.k26.moe_router(*args, True, 1.0, hint)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.k26.moe_router_table(*args, True, 1.0, True, hint)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 16])
+def test_an_l2_ahead_hint_changes_no_bit(M):
+    """The hint only prefetches (a -DK26_ROUTER_L2_AHEAD library; the default one ignores it): ids, weights
+    and the routing table equal the plain call's, in a graph too, and the counters end at zero."""
+    x, w, bias = router_inputs(M, 384, 7168, device="cuda", seed=40 + M)
+    hint = torch.randn(2112, 7168, device="cuda").to(torch.bfloat16)  # K2.6's stacked q_a / kv_a
+    barrier = router_barrier("cuda")
+    args = (x, w, bias, barrier, 1, 1, 8, True, 2.827)
+    plain = torch.ops.k26.moe_router(*args)
+    poison_allocator()
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.k26.moe_router(*args, hint), plain, strict=True))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.k26.moe_router_table(*args, True, hint)
+    g.replay()
+    want = torch.ops.k26.moe_router_table(*args, True)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    if M > 1:  # (one token routes straight from its ids: no table is read)
+        nt = pick_nt(M * 8, 384)
+        assert_same_table(
+            canonical_table(out[2], M, 8, 384, nt, True), canonical_table(want[2], M, 8, 384, nt, True)
+        )
+    assert barrier.tolist() == [0] * 5
