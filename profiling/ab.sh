@@ -9,6 +9,9 @@
 # Each snapshot compiles into its own inductor cache (<snapshot>/.inductor_cache): with one shared cache a side
 # whose custom op's fake gave other sizes (a routing table's bound, 2026-12-07) loaded the other side's compiled
 # graph and failed its size assertion (expected 535, the cached graph's 586).
+# AB_ROWS (an extended regex, optional): only the table rows matching it are printed, e.g. AB_ROWS='decode|verify'
+# for bench_k26's step rows without its per-op tables — a device call returns only the last 12,000 characters of
+# its output, which a few rounds of whole tables overflow (2026-12-07). The full tables stay in $OUT.
 set -u
 OLD=$(cd "$1" && pwd) NEW=$(cd "$2" && pwd) ROUNDS=$3
 shift 3
@@ -24,6 +27,6 @@ for r in $(seq 1 "$ROUNDS"); do
       timeout "${AB_TIMEOUT:-300}" "$@" $extra --out "$out" > "$OUT/$side$r.log" 2>&1)
     rc=$?
     echo "== $side $r ($(cat "$d/COMMIT")${extra:+ $extra}, rc $rc)"
-    grep "^|" "$out" 2>/dev/null || tail -3 "$OUT/$side$r.log"
+    grep "^|" "$out" 2>/dev/null | grep -E "${AB_ROWS:-.}" || tail -3 "$OUT/$side$r.log"
   done
 done
