@@ -1,8 +1,8 @@
 """Runs `torch.ops.k26.linear` on one projection shape a few times, eagerly, over distinct weight copies: a
 target for ncu (its cache flush between launches keeps every launch cold).
 
-ncu --clock-control none -k regex:linear_tile -s 3 -c 1 \
-    python profiling/debug/linear_one.py --n 2112 --k 7168 --m 16
+    ncu --clock-control none -k regex:linear_tile -s 3 -c 1 python profiling/debug/linear_one.py --m 16
+(q_a + kv_a's shape by default; profiling/debug/ncu_linear.sh runs it in a snapshot.)
 """
 
 import argparse
