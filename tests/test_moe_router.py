@@ -341,3 +341,22 @@ def test_an_l2_ahead_hint_changes_no_bit(M):
             canonical_table(out[2], M, 8, 384, nt, True), canonical_table(want[2], M, 8, 384, nt, True)
         )
     assert barrier.tolist() == [0] * 5
+
+
+def test_a_compiled_router_takes_its_l2_ahead_hint():
+    """`Router.l2_ahead` (another module's weight, a plain attribute) passes through torch.compile's fullgraph
+    capture (the model compiles each decoder layer) and the compiled router equals the eager one."""
+    from k26.config import ModelConfig
+    from k26.model.moe import Router
+    from k26.tiny import DEFAULT_SIZES, text_config
+
+    cfg = ModelConfig.from_dict(text_config(DEFAULT_SIZES, 384, "none"))
+    router = Router(cfg, torch.bfloat16)
+    router.weight.data.normal_(0, 0.02)
+    router.fuse_()
+    router.l2_ahead = torch.randn(32, 256).to(torch.bfloat16)
+    x = torch.randn(5, cfg.hidden_size).to(torch.bfloat16)
+    torch._dynamo.reset()
+    got = torch.compile(router, fullgraph=True, dynamic=False)(x)
+    for a, b in zip(got, router(x), strict=True):
+        assert torch.equal(a, b)
