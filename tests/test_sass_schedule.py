@@ -23,19 +23,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def loads_before_wait(events: list[str]) -> dict[str, int]:
-    """{load opcode: how many} before a schedule's first grid-dependency wait ("  16 LDG.E.NA.128" lines).
-    In address order: a kernel whose branches each wait (mla_glue_linear's kv half and tile path) is checked
-    only up to the first branch's wait (telling a later branch's prologue from the first's post-wait code
-    needs the control-flow graph)."""
+def loads_around_wait(events: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """({load opcode: how many} before a schedule's first grid-dependency wait, the same after it), from its
+    "  16 LDG.E.NA.128" lines. In address order: a kernel whose branches each wait (mla_glue_linear's kv half
+    and tile path) is split at the first branch's wait (telling a later branch's prologue from the first's
+    post-wait code needs the control-flow graph)."""
     pairs = [(int(n), op) for n, op in (e.split() for e in events)]
     ops = [op for _, op in pairs]
     assert "ACQBULK" in ops, "the kernel has no grid-dependency wait"
-    counts: dict[str, int] = {}
-    for n, op in pairs[: ops.index("ACQBULK")]:
-        if op.startswith("LDG"):
-            counts[op] = counts.get(op, 0) + n
-    return counts
+    at = ops.index("ACQBULK")
+    sides: tuple[dict[str, int], dict[str, int]] = ({}, {})
+    for i, (n, op) in enumerate(pairs):
+        if op.startswith("LDG") and i != at:
+            side = sides[i > at]
+            side[op] = side.get(op, 0) + n
+    return sides
+
+
+def loads_before_wait(events: list[str]) -> dict[str, int]:
+    return loads_around_wait(events)[0]
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +95,7 @@ def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, sour
 
 
 def loads_after_wait(events: list[str]) -> dict[str, int]:
-    """{load opcode: how many} after a schedule's first grid-dependency wait."""
-    pairs = [(int(n), op) for n, op in (e.split() for e in events)]
-    ops = [op for _, op in pairs]
-    counts: dict[str, int] = {}
-    for n, op in pairs[ops.index("ACQBULK") + 1 :]:
-        if op.startswith("LDG"):
-            counts[op] = counts.get(op, 0) + n
-    return counts
+    return loads_around_wait(events)[1]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
