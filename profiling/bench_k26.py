@@ -130,12 +130,6 @@ def main() -> None:
         help="one token's MoE block as moe_one_token (two launches), not router + expert op (the A/B)",
     )
     ap.add_argument(
-        "--l2-ahead",
-        action="store_true",
-        help="each MoE router prefetches the next layer's q_a / kv_a weight into L2 (KimiK2.l2_ahead_; "
-        "acts with a -DK26_ROUTER_L2_AHEAD library only): the A/B",
-    )
-    ap.add_argument(
         "--step-kernels",
         action="store_true",
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
@@ -180,8 +174,6 @@ def main() -> None:
             m.one_token_block = a.two_launch_moe
     if a.fused:
         model.fuse_dense_()
-        if a.l2_ahead:
-            print(f"l2_ahead: {model.l2_ahead_()} MoE routers prefetch the next layer's q_a / kv_a")
     if a.compile:
         torch._dynamo.config.cache_size_limit = 64  # a body per (variant, N, dense / MoE layer)
         torch._dynamo.config.accumulated_cache_size_limit = (

@@ -307,19 +307,3 @@ def test_the_cuda_door_refuses_a_span_outside_the_cache_before_its_reference_fal
     with pytest.raises(ValueError, match="k26.mla_glue: prefix_lens"):
         cuda_mla_glue(**a)
     assert torch.equal(a["cache"], before)
-
-
-def test_l2_ahead_gives_each_moe_router_the_next_layers_stacked_q_a_kv_a():
-    """`KimiK2.l2_ahead_` (after `fuse_dense_`): each MoE layer's router holds the next layer's stacked q_a /
-    kv_a weight as its prefetch hint (`Router.l2_ahead`), the last layer's none; off clears them."""
-    _, model = random_tiny(torch.bfloat16, 5)
-    model.fuse_dense_()
-    layers = model.layers
-    moe = [i for i, layer in enumerate(layers) if not layer.dense]
-    assert moe and moe[-1] == len(layers) - 1, moe  # MoE layers, the last among them: both cases seen
-    assert model.l2_ahead_() == len(moe) - 1
-    for i in moe:
-        want = layers[i + 1].self_attn.qkv_a if i + 1 < len(layers) else None
-        assert layers[i].mlp.gate.l2_ahead is want
-    assert model.l2_ahead_(False) == 0
-    assert all(layers[i].mlp.gate.l2_ahead is None for i in moe)

@@ -100,18 +100,6 @@ class KimiK2(nn.Module):
         for norm in self.residual_norms():
             norm.use_kernel = True
 
-    def l2_ahead_(self, on: bool = True) -> int:
-        """Each MoE layer's fused router prefetches the next layer's stacked q_a / kv_a weight into L2 once
-        its own reads are done (`Router.l2_ahead`; only a `-DK26_ROUTER_L2_AHEAD` kernel library acts on
-        it: an A/B side, not measured yet); off: none. After `fuse_dense_`. Returns the routers given one."""
-        n = 0
-        for layer, nxt in zip(self.layers, self.layers[1:]):
-            if isinstance(layer.mlp, MoE):
-                w = nxt.self_attn.qkv_a
-                layer.mlp.gate.l2_ahead = w if on and w is not None else None
-                n += layer.mlp.gate.l2_ahead is not None
-        return n
-
     def residual_norms(self) -> list[RMSNorm]:
         """The norms that follow a residual add (`TPInfo.reduce_add_norm`): each layer's post-attention
         norm, the input norms of layers 1.. (layer 0's normalises the embedding: no add), the final norm."""

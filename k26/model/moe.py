@@ -36,9 +36,6 @@ class Router(nn.Module):
         # (H100, 2026-12-05: the MoE block 25.2 -> 25.8 µs, the 61-layer decode step 4.48 -> 4.76 ms;
         # profiling/results/2026-12-05-moe-two-launch-session25-h100.md).
         self.one_token_block = False
-        # The next layer's stacked q_a / kv_a weight for the fused kernel to prefetch into L2 once its own
-        # reads are done (`KimiK2.l2_ahead_`; a hint, no output depends on it): None unless asked.
-        self.l2_ahead: torch.Tensor | None = None
 
     @torch.no_grad()
     def fuse_(self) -> None:
@@ -60,8 +57,9 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.barrier is not None and x_TD.dtype == torch.bfloat16:
-            x, bias = x_TD.contiguous(), self.e_score_correction_bias
-            return torch.ops.k26.moe_router(x, self.weight, bias, self.barrier, *self.params(), self.l2_ahead)
+            return torch.ops.k26.moe_router(
+                x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self.params()
+            )
         return reference.moe_router(x_TD, self.weight, self.e_score_correction_bias, *self.params())
 
     def serves_block(self, x_TD: torch.Tensor) -> bool:
@@ -86,7 +84,7 @@ class Router(nn.Module):
         if not (table and self.writes_table and fused and M > 1 and pairs <= TABLE_MAX_PAIRS):
             return (*self(x_TD), None)
         args = (x_TD.contiguous(), self.weight, self.e_score_correction_bias, self.barrier, *self.params())
-        return torch.ops.k26.moe_router_table(*args, shared, self.l2_ahead)
+        return torch.ops.k26.moe_router_table(*args, shared)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

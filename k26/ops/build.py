@@ -189,11 +189,6 @@ VARIANTS: dict[str, list[str]] = {
     # session 30): N = 64 at 128K 817 -> 746, B = 4 N = 64 at 32K 844 -> 733, but H = 64 N = 64 at 4K
     # 200 -> 373 and N = 256 at 4K 115 -> 124 (2026-12-06-moe-groups-tree-heap-session30-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
-    # MoE router: the blocks done after phase 1 prefetch the next layer's q_a / kv_a weight into L2 (the
-    # first third of each warp's k range of every row: csrc/moe_router.cu l2_ahead_share) while the memory
-    # system serves only the shared expert's gate/up; bench_k26 --l2-ahead passes the weight. Not measured
-    # yet (2026-12-07)
-    "-DK26_ROUTER_L2_AHEAD": ["moe_router.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)

@@ -7,11 +7,6 @@ The op returns what `moe_w4a16_repacked` takes: fp32 weights [M, topk] and int64
 `barrier` is the kernel's grid-barrier scratch: int32 [5], zero before and after every call; its owner
 (the model's `Router`) allocates it once with `router_barrier`; `moe_one_token` (moe_block_cuda) uses the same
 scratch. The reference ignores it.
-
-`l2_ahead` (optional, both ops): a weight the kernel prefetches into L2 once its own DRAM reads are done — the
-next layer's stacked q_a / kv_a, whose small-M linear reads it next (`KimiK2.l2_ahead_`). A hint: no output
-depends on it; the reference and the default kernel build ignore it (only a `-DK26_ROUTER_L2_AHEAD` library
-prefetches: an A/B side, not measured yet).
 """
 
 from __future__ import annotations
@@ -31,13 +26,6 @@ from .moe_cuda import pick_nt, route_table, route_table_size
 BARRIER_INTS = 5
 
 
-# l2_ahead's segments: the first 1/L2_AHEAD_PART of each of a row's L2_AHEAD_SPLITS equal column ranges, the
-# k ranges of the small-M linear's 8 warps (csrc/linear_tile.cuh kTileWarps), so every warp of the projection
-# finds the start of its range in L2 (a prefix of the rows would leave the other blocks, and so the kernel, as
-# slow as without).
-L2_AHEAD_SPLITS, L2_AHEAD_PART = 8, 3
-
-
 def router_barrier(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(BARRIER_INTS, dtype=torch.int32, device=device)
 
@@ -53,14 +41,13 @@ def moe_router(
     topk: int,
     renormalize: bool,
     scale: float,
-    l2_ahead: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, kernel=False, l2_ahead=l2_ahead)
+    check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, kernel=False)
     return reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
 
 
 @moe_router.register_fake
-def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, l2_ahead=None):
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
     M = x.shape[0]
     return x.new_empty(M, topk, dtype=torch.float32), x.new_empty(M, topk, dtype=torch.int64)
 
@@ -77,21 +64,20 @@ def moe_router_table(
     renormalize: bool,
     scale: float,
     shared: bool,
-    l2_ahead: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`moe_router` plus the routing table `moe_w4a16_repacked(..., table=)` takes for these ids: groups of
     the expert op's 8·nt tokens (nt = moe_cuda.pick_nt(M * topk, E), derived here so the two always
     agree), the shared expert's slots when `shared`. The kernel orders the pairs inside a group arbitrarily
     and leaves the groups past the count unwritten (the expert op reads neither); the reference is
     `route_table`'s order."""
-    check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, kernel=False, l2_ahead=l2_ahead)
+    check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, kernel=False)
     w, ids = reference.moe_router(x, weight, bias, n_group, topk_group, topk, renormalize, scale)
     E = weight.shape[0]
     return w, ids, route_table(ids, E, pick_nt(ids.numel(), E), shared)
 
 
 @moe_router_table.register_fake
-def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared, l2_ahead=None):
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
     M, E = x.shape[0], weight.shape[0]
     n = route_table_size(M, topk, E, pick_nt(M * topk, E), shared)
     return (
@@ -105,7 +91,7 @@ MAX_EXPERTS, MAX_TOPK, MAX_GROUPS = 1024, 32, 32  # csrc/moe_router.cu: kMaxE, k
 
 
 def check_inputs(
-    x, weight, bias, barrier, n_group: int, topk_group: int, topk: int, kernel: bool = True, l2_ahead=None
+    x, weight, bias, barrier, n_group: int, topk_group: int, topk: int, kernel: bool = True
 ) -> tuple[int, int, int]:
     """Every shape/dtype/device problem as a ValueError naming the argument: of the CUDA path (`kernel`: bf16
     x and weight, fp32 bias, the kernel's limits, contiguous, the barrier), or of the reference's (any float
@@ -153,22 +139,7 @@ def check_inputs(
     ):
         need(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
         need(not kernel or t.is_contiguous(), f"{name} must be contiguous")
-    if l2_ahead is not None:
-        check_l2_ahead(l2_ahead, x, kernel, need)
     return M, D, E
-
-
-def check_l2_ahead(t: torch.Tensor, x: torch.Tensor, kernel: bool, need) -> None:
-    """The prefetch hint: a contiguous 2-D weight on x's device whose rows split into L2_AHEAD_SPLITS ranges
-    of 16-byte multiples (`kernel`: 16-byte aligned, as the bulk prefetches need)."""
-    need(t.dim() == 2 and t.is_contiguous(), f"l2_ahead must be a contiguous 2-D weight, got {list(t.shape)}")
-    need(t.device == x.device, f"l2_ahead is on {t.device}, x on {x.device}")
-    row = t.shape[1] * t.element_size()
-    need(
-        row % (16 * L2_AHEAD_SPLITS) == 0,
-        f"l2_ahead's rows ({row} bytes) must split into {L2_AHEAD_SPLITS} ranges of 16-byte multiples",
-    )
-    need(not kernel or t.data_ptr() % 16 == 0, "l2_ahead must be 16-byte aligned")
 
 
 @functools.cache  # once per process, like build.library
@@ -181,17 +152,16 @@ def _library() -> ctypes.CDLL:
     lib.k26_moe_router_workspace.argtypes = [ctypes.c_int] * 3
     lib.k26_moe_router.restype = ctypes.c_int
     # x, weight, bias, barrier, workspace, out_w, out_ids, table; M, D, E, n_group, topk_group, topk,
-    # renormalize, table_gt, table_S; scale; ahead, its rows, row bytes, splits, head; pdl; stream
+    # renormalize, table_gt, table_S; scale; pdl; stream
     ptrs, ints = [ctypes.c_void_p] * 8, [ctypes.c_int] * 9
-    ahead = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
-    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, *ahead, ctypes.c_int, ctypes.c_void_p]
+    lib.k26_moe_router.argtypes = [*ptrs, *ints, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
-def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared, l2_ahead):
+def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
     """The CUDA kernel (or the reference for an unsupported hidden size); `shared` (bool) to build the routing
     table too (groups of the expert op's pick_nt), None for none. Returns (weights, ids, table or None)."""
-    M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk, l2_ahead=l2_ahead)
+    M, D, E = check_inputs(x, weight, bias, barrier, n_group, topk_group, topk)
     nt = pick_nt(M * topk, E)
 
     def torch_table(ids):  # the reference's table where the kernel does not run
@@ -234,7 +204,6 @@ def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale
         gt,
         S,
         scale,
-        *_ahead_args(l2_ahead),
         int(pdl.ENABLED),  # csrc/moe_router.cu: the first weight batch streams in under the previous kernel
         torch.cuda.current_stream(x.device).cuda_stream,
     )
@@ -243,21 +212,11 @@ def _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale
     return out_w, out_ids, table
 
 
-def _ahead_args(t: torch.Tensor | None) -> tuple:
-    """csrc/moe_router.cu's L2Ahead: pointer, rows, row bytes, splits, bytes a segment (its first 1/PART)."""
-    if t is None:
-        return (None, 0, 0, 0, 0)
-    row = t.shape[1] * t.element_size()
-    head = max(16, row // L2_AHEAD_SPLITS // L2_AHEAD_PART // 16 * 16)
-    return (t.data_ptr(), t.shape[0], row, L2_AHEAD_SPLITS, head)
-
-
 @moe_router.register_kernel("cuda")
-def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, l2_ahead=None):
-    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, None, l2_ahead)[:2]
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale):
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, None)[:2]
 
 
 @moe_router_table.register_kernel("cuda")
-def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared, l2_ahead=None):
-    args = (x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale)
-    return _run(*args, bool(shared), l2_ahead)
+def _(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, shared):
+    return _run(x, weight, bias, barrier, n_group, topk_group, topk, renormalize, scale, bool(shared))

@@ -48,6 +48,9 @@
 // as the opt-in `moe_one_token`: two launches, but 25.2 -> 25.8 µs and the decode step 4.48 -> 4.76 ms. And no
 // early release of the expert op (its gate/up blocks spread over an idle GPU instead of where the router leaves
 // room): the block at one token 25.2 -> 25.9 µs, the decode / verify N = 16 steps 4.48 / 7.38 -> 4.55 / 7.54 ms.
+// And (2026-12-07-router-l2-ahead-session44-h100.md, H100): the blocks done after phase 1 bulk-prefetching into L2
+// the first third of the next layer's q_a / kv_a rows (10 of 30 MB): the projection gained ~1 µs a layer, the
+// expert op's first loads lost more — decode 4.21 -> 4.23 ms, verify N = 16 7.11 -> 7.18 (code in 0a43a0f).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -116,24 +119,6 @@ __device__ bool last_arrival(int* count, int n) {
   return s_last;
 }
 
-#ifdef K26_ROUTER_L2_AHEAD
-// Block `part` of `parts` prefetches its equal share of `a`'s segments into L2 (bulk prefetches: one request a
-// segment). Called by the blocks with nothing left to do once phase 1 is over (one token: every block but the
-// last to arrive; more: the blocks past the M of phase 2), while the memory system serves only the shared
-// expert's gate/up, so the next layer's q_a / kv_a projection reads part of its weight from L2. Built with
-// -DK26_ROUTER_L2_AHEAD only (an A/B side, k26/ops/build.py VARIANTS: not measured yet, 2026-12-07); without it
-// the kernel ignores `ahead`.
-__device__ void l2_ahead_share(const L2Ahead& a, int part, int parts) {
-  if (a.ptr == nullptr || parts <= 0) return;
-  const long long items = a.rows * a.splits, per = (items + parts - 1) / parts;
-  const long long i1 = min(items, (part + 1) * per), seg = a.row_bytes / a.splits;
-  for (long long i = part * per + threadIdx.x; i < i1; i += blockDim.x) {
-    const char* at = a.ptr + (i / a.splits) * a.row_bytes + (i % a.splits) * seg;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(a.head) : "memory");
-  }
-}
-#endif
-
 #include "moe_router_gate_up.cuh"  // GateUpArgs: router_kernel<1, GateUpArgs>, the one-token block's first launch
 
 constexpr int kKsBatch = 8;  // phase 2's partial loads in flight per expert (plan: ks <= D / 1024, 7 at K2.6)
@@ -170,16 +155,10 @@ __global__ void __launch_bounds__(kThreads, 2) router_kernel(A a) {
   if (a.M == 1) {
     if (!last_arrival(a.barrier, gridDim.x)) {
       if constexpr (GU) gate_up_items(a, red);
-#ifdef K26_ROUTER_L2_AHEAD
-      else l2_ahead_share(a.ahead, blockIdx.x, gridDim.x);  // (the last block's share is left out)
-#endif
       return;
     }
   } else {
     grid_barrier(a.barrier);
-#ifdef K26_ROUTER_L2_AHEAD
-    if (!GU && (int)blockIdx.x >= a.M) l2_ahead_share(a.ahead, blockIdx.x - a.M, gridDim.x - a.M);
-#endif
   }
   TRACE(3);
   for (int tok = first; tok < a.M; tok += gridDim.x) {
@@ -306,24 +285,15 @@ K26_EXPORT size_t k26_moe_router_workspace(int M, int D, int E) {
 // D % 64 == 0, E <= 1024, topk <= min(32, E), n_group <= 32 dividing E, topk_group <= n_group.
 // table (null: none): the expert op's routing table of these ids (csrc/moe_route.cuh) for groups of table_gt
 // tokens and table_S shared-expert slots, route_table_ints(M * topk, table_S, E, table_gt) ints.
-// ahead (null: none): a weight prefetched into L2 once phase 1 is over (L2Ahead: ahead_rows rows ahead_row_bytes
-// apart, the first ahead_head bytes of each of their ahead_splits column ranges; all multiples of 16).
 K26_EXPORT int k26_moe_router(const void* x, const void* w, const float* bias, int* barrier, float* workspace,
                               float* out_w, int64_t* out_ids, int* table, int M, int D, int E, int n_group,
                               int topk_group, int topk, int renormalize, int table_gt, int table_S, float scale,
-                              const void* ahead, long long ahead_rows, long long ahead_row_bytes, int ahead_splits,
-                              int ahead_head, int pdl, void* stream) {
+                              int pdl, void* stream) {
   if (E > kMaxE || topk > kMaxTopk || topk > E || n_group > kMaxGroups || D % 64) return (int)cudaErrorInvalidValue;
   if (table && (table_gt < 8 || table_gt % 8 || table_S < 0)) return (int)cudaErrorInvalidValue;
-  if (ahead && (ahead_splits < 1 || ahead_row_bytes % (16LL * ahead_splits) || ahead_head % 16 || ahead_head < 16 ||
-                ahead_head > ahead_row_bytes / ahead_splits || (uintptr_t)ahead % 16))
-    return (int)cudaErrorInvalidValue;
   const Plan p = plan(M, D, E);
   Args a{(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, bias, barrier, workspace, out_w, out_ids, table,
          M, D, E, n_group, topk_group, topk, renormalize, p.ks, p.chunks_per_ks, table_gt, table_S, scale};
-#ifdef K26_ROUTER_L2_AHEAD
-  a.ahead = L2Ahead{(const char*)ahead, ahead_rows, ahead_row_bytes, ahead_splits, ahead_head};
-#endif
   cudaStream_t st = static_cast<cudaStream_t>(stream);
 #ifdef K26_ROUTER_POLL
   if (M == 1 && n_group == 1 && topk <= kFastTopk && E <= kPollE && p.ks <= kPollKs && p.grid <= resident_grid<router_poll_kernel>())

@@ -20,16 +20,6 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// A weight the kernel prefetches into L2 once its own DRAM reads are done (csrc/moe_router.cu l2_ahead_share):
-// for each of `rows` rows (`row_bytes` apart), the first `head` bytes of each of its `splits` equal column ranges,
-// so that every warp of a kernel splitting its rows' K that way (the small-M linear's tile mode: 8 warps) finds
-// the start of its range in L2. A hint: no value depends on it; null `ptr`: nothing.
-struct L2Ahead {
-  const char* ptr;  // 16-byte aligned, as row_bytes / splits and head (the front door checks)
-  long long rows, row_bytes;
-  int splits, head;
-};
-
 struct Args {
   const __nv_bfloat16* x;  // [M, D]
   const __nv_bfloat16* w;  // [E, D]
@@ -43,9 +33,6 @@ struct Args {
   int M, D, E, n_group, topk_group, topk, renormalize, ks, chunks_per_ks;
   int table_gt, table_S;   // the table's group size (8 nt) and shared-expert slots (M or 0)
   float scale;
-#ifdef K26_ROUTER_L2_AHEAD  // (a field of its own changes the default kernel's code: kept out of its Args)
-  L2Ahead ahead;           // the next projection's weight to prefetch into L2 (moe_router.cu), or none
-#endif
 };
 
 // Phase 1, one warp: 16 W rows x (8·NT tokens) over chunks [c0, c1) of 64 k. kRelease: dependents released
