@@ -137,7 +137,8 @@ def main() -> None:
     ap.add_argument(
         "--drafter-linear-kernel",
         action="store_true",
-        help="the drafter's own projections in the small-M kernel (use_linear_kernel), not its logits' head",
+        help="the drafter's own projections in the small-M kernel (use_linear_kernel; q/k/v and gate/up stay "
+        "stacked, one call each), not its logits' head",
     )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -58,13 +58,11 @@ def test_compile_static_serves_more_buckets_than_dynamo_s_default_limit():
     assert torch._dynamo.config.recompile_limit == 8
 
 
-def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
-    """`CompiledDrafter` (the block forward under torch.compile, CPU inductor) equals the eager forward on
-    random weights and ragged contexts, and `fuse_` (q / k / v and gate / up stacked, residual adds + norms
-    as one op) changes no value beyond fp32 summation order, in the forward and the context K/V; the
-    drafter's other attributes are its own."""
+def tiny_drafter_and_block(seed: int):
+    """A 2-layer fp32 DFlash drafter with random weights (seeded), a 2-row cache, a block of 4 queries and
+    their ragged context lengths: (drafter, (x, pos, cache_k, cache_v, rows, lens))."""
     from k26.drafter_config import DrafterConfig
-    from k26.model.drafter import CompiledDrafter, DFlashDrafter
+    from k26.model.drafter import DFlashDrafter
 
     raw = {
         "hidden_size": 64,
@@ -80,13 +78,23 @@ def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
         "block_size": 4,
         "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 299},
     }
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     drafter = DFlashDrafter(DrafterConfig.from_dict(raw), torch.float32).eval()
     for p in drafter.parameters():
         p.data.normal_(0, 0.2)
     ck, cv = torch.randn(2, 3, 40, 2, 16), torch.randn(2, 3, 40, 2, 16)
     x, pos = torch.randn(2, 4, 64), torch.tensor([[11, 12, 13, 14], [30, 31, 32, 33]])
-    rows, lens = torch.tensor([2, 0]), torch.tensor([11, 30])
+    return drafter, (x, pos, ck, cv, torch.tensor([2, 0]), torch.tensor([11, 30]))
+
+
+def test_compiled_drafter_and_fused_norms_equal_the_eager_forward():
+    """`CompiledDrafter` (the block forward under torch.compile, CPU inductor) equals the eager forward on
+    random weights and ragged contexts, and `fuse_` (q / k / v and gate / up stacked, residual adds + norms
+    as one op) changes no value beyond fp32 summation order, in the forward and the context K/V; the
+    drafter's other attributes are its own."""
+    from k26.model.drafter import CompiledDrafter
+
+    drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(0)
     with torch.no_grad():
         want = drafter(x, pos, ck, cv, rows, lens, static=True)
         fwd = CompiledDrafter(drafter)
@@ -156,3 +164,43 @@ def test_a_forward_checks_its_cache_spans_once_not_per_layer(monkeypatch, mode):
     rows, prefix = torch.tensor([0, 1]), torch.tensor([5, 29])
     with pytest.raises(ValueError, match="mla_write_cache"):
         torch.ops.k26.mla_write_cache(cache[0], torch.randn(2, 4, cfg.latent_dim), rows, prefix)
+
+
+def test_drafter_fuse_stacks_for_the_small_m_kernel_too():
+    """With the drafter's projections in the small-M kernel (`use_linear_kernel`), `fuse_` still stacks q / k
+    / v and gate / up, and each stack is one `torch.ops.k26.linear` call: a block forward runs 4 a layer
+    (q/k/v, o_proj, gate/up, down), the context K/V fc + one K/V call a layer; the values equal the
+    unfused cuBLAS-path forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k26.model.layers import use_linear_kernel
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.weights: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.k26.linear.default:
+                self.weights.append(tuple(args[1].shape))
+            return func(*args, **(kwargs or {}))
+
+    drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(1)
+    feat, cpos = torch.randn(2, 5, 128), torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]])
+    with torch.no_grad():
+        want, kv_want = drafter(x, pos, ck, cv, rows, lens, static=True), drafter.context_kv(feat, cpos)
+        assert use_linear_kernel(drafter) > 0
+        drafter.fuse_()
+        attn, mlp = drafter.layers[0].self_attn, drafter.layers[0].mlp
+        assert attn.qkv is not None and mlp.gate_up is not None
+        with Calls() as calls:
+            got = drafter(x, pos, ck, cv, rows, lens, static=True)
+        layer = [tuple(attn.qkv.shape), tuple(attn.o_proj.weight.shape), tuple(mlp.gate_up.shape)]
+        assert calls.weights == (layer + [tuple(mlp.down_proj.weight.shape)]) * 2
+        with Calls() as calls:
+            kv_got = drafter.context_kv(feat, cpos)
+        kv_rows = attn.qkv.shape[0] - attn.q_proj.weight.shape[0]
+        assert calls.weights == [tuple(drafter.fc.weight.shape)] + [(kv_rows, 64)] * 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got_t, want_t in zip(kv_got, kv_want, strict=True):
+        torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)

@@ -54,6 +54,22 @@ def test_k26_projection_shapes(name, M):
     check(M, *K26_SHAPES[name], seed=M)
 
 
+@pytest.mark.parametrize("M", [1, 8, 16])
+def test_a_stack_equals_its_parts_bit_for_bit(M):
+    """Tile mode's rows are independent: the drafter's stacked q / k / v (`stack_`, one call) equals the
+    three projections run apart, bit for bit, and the K / V rows' view of the stack (`DrafterAttention.kv`)
+    equals its two; fresh random inputs, outputs poisoned first."""
+    gen = torch.Generator(device="cuda").manual_seed(500 + M)
+    K = 7168
+    parts = [rand(n, K, gen=gen, scale=K**-0.5) for n in (1024, 128, 128)]
+    stack, x = torch.cat(parts), rand(M, K, gen=gen)
+    poison_allocator()
+    alone = [torch.ops.k26.linear(x, w) for w in parts]
+    close(alone[0], linear_reference(x, parts[0]))
+    assert torch.equal(torch.ops.k26.linear(x, stack), torch.cat(alone, dim=-1))
+    assert torch.equal(torch.ops.k26.linear(x, stack[1024:]), torch.cat(alone[1:], dim=-1))
+
+
 @pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 15, 16, 17, 31, 33, 48, 63, 64])
 def test_every_m_up_to_64(M):
     check(M, 200, 1000, seed=100 + M)

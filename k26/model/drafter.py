@@ -19,7 +19,7 @@ from ..compiling import compile_static
 from ..drafter_config import DrafterConfig
 from ..ops import drafter_attn_cuda  # noqa: F401  (registers torch.ops.k26.drafter_attention)
 from ..ops.reference import gqa_attention, live_keys
-from .layers import MLP, RMSNorm, TPInfo, linear, stack_
+from .layers import MLP, RMSNorm, TPInfo, linear, project, stack_
 from .rope import yarn_inv_freq
 
 
@@ -60,16 +60,17 @@ class DrafterAttention(nn.Module):
         self.qkv: torch.Tensor | None = None  # fuse_: [q; k; v] stacked, one GEMM for the three
 
     def fuse_(self) -> None:
-        """Stack q / k / v (same input: one GEMM for the three; `stack_`), unless they run in the small-M
-        kernel (`use_linear_kernel`), as `MLP.fuse_`."""
-        if self.qkv is None and not any(m.use_kernel for m in (self.q_proj, self.k_proj, self.v_proj)):
+        """Stack q / k / v (same input: one launch for the three, in cuBLAS or the small-M kernel as q_proj's
+        `use_kernel` says at call time; `stack_`), as `MLP.fuse_`."""
+        if self.qkv is None:
             self.qkv = stack_(self.q_proj, self.k_proj, self.v_proj)
 
     def kv(self, h_BTD: torch.Tensor, pos_BT: torch.Tensor, rope: NeoxRope):
         """Keys (normed, rotated) and values [B, T, kv_heads, hd] of rows h (one GEMM after `fuse_`)."""
         if self.qkv is None:
             return self._kv_heads(self.k_proj(h_BTD), self.v_proj(h_BTD), pos_BT, rope)
-        k, v = F.linear(h_BTD, self.qkv[self.heads * self.cfg.head_dim :]).chunk(2, dim=-1)
+        kv = self.qkv[self.heads * self.cfg.head_dim :]  # the K and V rows: a contiguous view
+        k, v = project(h_BTD, kv, self.q_proj.use_kernel).chunk(2, dim=-1)
         return self._kv_heads(k, v, pos_BT, rope)
 
     def _kv_heads(self, k_BTX, v_BTX, pos_BT, rope: NeoxRope):
@@ -86,7 +87,7 @@ class DrafterAttention(nn.Module):
             q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, hd)), pos_BS)
             return (q, *self.kv(h_BSD, pos_BS, rope))
         kv = self.kv_heads * hd
-        q, k, v = F.linear(h_BSD, self.qkv).split([self.heads * hd, kv, kv], dim=-1)
+        q, k, v = project(h_BSD, self.qkv, self.q_proj.use_kernel).split([self.heads * hd, kv, kv], dim=-1)
         q = rope(self.q_norm(q.view(B, S, -1, hd)), pos_BS)
         return (q, *self._kv_heads(k, v, pos_BS, rope))
 

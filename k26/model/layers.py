@@ -79,6 +79,14 @@ class TPInfo:
         return n // self.size
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """x @ weight.T (no bias): `torch.ops.k26.linear`, the small-M streaming kernel, with `use_kernel`, else
+    F.linear (cuBLAS). The one place a projection picks between them: a Linear, the head, and the matrices
+    `stack_` builds (their rows are independent in the kernel's tile mode, so a stack's output equals its
+    parts' outputs bit for bit there)."""
+    return torch.ops.k26.linear(x, weight) if use_kernel else F.linear(x, weight)
+
+
 class Linear(nn.Linear):
     """A bias-free projection. With `use_kernel` (see `use_linear_kernel`) it runs `torch.ops.k26.linear`,
     the small-M streaming kernel; that op runs F.linear itself for shapes the kernel does not serve
@@ -88,7 +96,7 @@ class Linear(nn.Linear):
     use_kernel: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.k26.linear(x, self.weight) if self.use_kernel else F.linear(x, self.weight)
+        return project(x, self.weight, self.use_kernel)
 
 
 def linear(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
@@ -137,13 +145,14 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # fuse_: [gate; up] stacked, one GEMM for both
 
     def fuse_(self) -> None:
-        """Stack gate / up (same input: one GEMM, one launch fewer; `stack_`)."""
-        if self.gate_up is None and not (self.gate_proj.use_kernel or self.up_proj.use_kernel):
+        """Stack gate / up (same input: one launch for both, in cuBLAS or the small-M kernel as gate_proj's
+        `use_kernel` says at call time; `stack_`)."""
+        if self.gate_up is None:
             self.gate_up = stack_(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            gate, up = project(x, self.gate_up, self.gate_proj.use_kernel).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -181,7 +190,7 @@ class VocabHead(nn.Module):
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's fp32 logits."""
-        return (torch.ops.k26.linear(x, self.weight) if self.use_kernel else F.linear(x, self.weight)).float()
+        return project(x, self.weight, self.use_kernel).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.gather(self.local_logits(x))
