@@ -47,7 +47,6 @@ from k26.config import ModelConfig
 from k26.kv_cache import DrafterCache
 from k26.model import AttnBatch, KimiK2, TPInfo
 from k26.model.drafter import CompiledDrafter, DFlashDrafter
-from k26.model.layers import use_linear_kernel
 from k26.model.moe import Int4Experts, MoE, Router
 from k26.ops import moe_cuda, pdl
 from k26.sampling import RowSampling
@@ -137,8 +136,8 @@ def main() -> None:
     ap.add_argument(
         "--drafter-linear-kernel",
         action="store_true",
-        help="the drafter's own projections in the small-M kernel (use_linear_kernel; q/k/v and gate/up stay "
-        "stacked, one call each), not its logits' head",
+        help="the drafter's own projections in the small-M kernel (DFlashDrafter.use_linear_kernel_: q/k/v "
+        "and gate/up stacked, one call each; up to 64 rows), not its logits' head",
     )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -189,7 +188,7 @@ def main() -> None:
     randomize(drafter, False)
     drafter.rope.reset_buffers()
     if a.drafter_linear_kernel:
-        use_linear_kernel(drafter)
+        drafter.use_linear_kernel_()
     if a.fused:
         drafter.fuse_()  # as the loader does
     if a.compile:

@@ -5,6 +5,7 @@ one compiled graph per shape for all layers of a kind (profiling/bench_compile.p
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k26.config import ModelConfig
 from k26.model import AttnBatch, CompiledLayers, KimiK2
@@ -166,24 +167,25 @@ def test_a_forward_checks_its_cache_spans_once_not_per_layer(monkeypatch, mode):
         torch.ops.k26.mla_write_cache(cache[0], torch.randn(2, 4, cfg.latent_dim), rows, prefix)
 
 
+class LinearCalls(TorchDispatchMode):
+    """Records the weight shape of every `torch.ops.k26.linear` call under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.k26.linear.default:
+            self.weights.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
 def test_drafter_fuse_stacks_for_the_small_m_kernel_too():
     """With the drafter's projections in the small-M kernel (`use_linear_kernel`), `fuse_` still stacks q / k
     / v and gate / up, and each stack is one `torch.ops.k26.linear` call: a block forward runs 4 a layer
     (q/k/v, o_proj, gate/up, down), the context K/V fc + one K/V call a layer; the values equal the
     unfused cuBLAS-path forward."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from k26.model.layers import use_linear_kernel
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.weights: list[tuple[int, ...]] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.k26.linear.default:
-                self.weights.append(tuple(args[1].shape))
-            return func(*args, **(kwargs or {}))
 
     drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(1)
     feat, cpos = torch.randn(2, 5, 128), torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]])
@@ -193,14 +195,39 @@ def test_drafter_fuse_stacks_for_the_small_m_kernel_too():
         drafter.fuse_()
         attn, mlp = drafter.layers[0].self_attn, drafter.layers[0].mlp
         assert attn.qkv is not None and mlp.gate_up is not None
-        with Calls() as calls:
+        with LinearCalls() as calls:
             got = drafter(x, pos, ck, cv, rows, lens, static=True)
         layer = [tuple(attn.qkv.shape), tuple(attn.o_proj.weight.shape), tuple(mlp.gate_up.shape)]
         assert calls.weights == (layer + [tuple(mlp.down_proj.weight.shape)]) * 2
-        with Calls() as calls:
+        with LinearCalls() as calls:
             kv_got = drafter.context_kv(feat, cpos)
         kv_rows = attn.qkv.shape[0] - attn.q_proj.weight.shape[0]
         assert calls.weights == [tuple(drafter.fc.weight.shape)] + [(kv_rows, 64)] * 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got_t, want_t in zip(kv_got, kv_want, strict=True):
+        torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+
+
+def test_drafter_projections_above_the_row_bound_stay_on_cublas():
+    """`use_linear_kernel(max_rows=)` (the drafter's `use_linear_kernel_` passes a prefill's crossover): an
+    input of at most that many rows runs the small-M kernel, one of more (a prompt's context K/V) F.linear,
+    stacks included; the values equal the cuBLAS-path forward's either way."""
+    from k26.model.layers import use_linear_kernel
+    from k26.model.mla import PREFILL_KERNEL_MAX_M
+
+    drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(2)  # a block of 2 x 4 = 8 rows
+    feat, cpos = torch.randn(2, 5, 128), torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]])  # 10 rows
+    with torch.no_grad():
+        want, kv_want = drafter(x, pos, ck, cv, rows, lens, static=True), drafter.context_kv(feat, cpos)
+        drafter.fuse_()
+        use_linear_kernel(drafter, max_rows=8)
+        with LinearCalls() as calls:
+            got = drafter(x, pos, ck, cv, rows, lens, static=True)
+        assert len(calls.weights) == 4 * len(drafter.layers)  # q/k/v, o_proj, gate/up, down: the kernel
+        with LinearCalls() as calls:
+            kv_got = drafter.context_kv(feat, cpos)
+        assert calls.weights == []  # 10 rows > 8: cuBLAS
+        assert drafter.use_linear_kernel_() > 0 and drafter.fc.kernel_max_rows == PREFILL_KERNEL_MAX_M
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got_t, want_t in zip(kv_got, kv_want, strict=True):
         torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,8 @@ from ..compiling import compile_static
 from ..drafter_config import DrafterConfig
 from ..ops import drafter_attn_cuda  # noqa: F401  (registers torch.ops.k26.drafter_attention)
 from ..ops.reference import gqa_attention, live_keys
-from .layers import MLP, RMSNorm, TPInfo, linear, project, stack_
+from .layers import MLP, RMSNorm, TPInfo, linear, project, stack_, use_linear_kernel
+from .mla import PREFILL_KERNEL_MAX_M
 from .rope import yarn_inv_freq
 
 
@@ -61,7 +62,7 @@ class DrafterAttention(nn.Module):
 
     def fuse_(self) -> None:
         """Stack q / k / v (same input: one launch for the three, in cuBLAS or the small-M kernel as q_proj's
-        `use_kernel` says at call time; `stack_`), as `MLP.fuse_`."""
+        `kernel_for` says at call time; `stack_`), as `MLP.fuse_`."""
         if self.qkv is None:
             self.qkv = stack_(self.q_proj, self.k_proj, self.v_proj)
 
@@ -70,7 +71,7 @@ class DrafterAttention(nn.Module):
         if self.qkv is None:
             return self._kv_heads(self.k_proj(h_BTD), self.v_proj(h_BTD), pos_BT, rope)
         kv = self.qkv[self.heads * self.cfg.head_dim :]  # the K and V rows: a contiguous view
-        k, v = project(h_BTD, kv, self.q_proj.use_kernel).chunk(2, dim=-1)
+        k, v = project(h_BTD, kv, self.q_proj.kernel_for(h_BTD)).chunk(2, dim=-1)
         return self._kv_heads(k, v, pos_BT, rope)
 
     def _kv_heads(self, k_BTX, v_BTX, pos_BT, rope: NeoxRope):
@@ -87,7 +88,8 @@ class DrafterAttention(nn.Module):
             q = rope(self.q_norm(self.q_proj(h_BSD).view(B, S, -1, hd)), pos_BS)
             return (q, *self.kv(h_BSD, pos_BS, rope))
         kv = self.kv_heads * hd
-        q, k, v = project(h_BSD, self.qkv, self.q_proj.use_kernel).split([self.heads * hd, kv, kv], dim=-1)
+        qkv = project(h_BSD, self.qkv, self.q_proj.kernel_for(h_BSD))
+        q, k, v = qkv.split([self.heads * hd, kv, kv], dim=-1)
         q = rope(self.q_norm(q.view(B, S, -1, hd)), pos_BS)
         return (q, *self._kv_heads(k, v, pos_BS, rope))
 
@@ -172,6 +174,13 @@ class DFlashDrafter(nn.Module):
             layer.mlp.fuse_()
         for norm in self.residual_norms():
             norm.use_kernel = True
+
+    def use_linear_kernel_(self) -> int:
+        """Its projections (each stack of `fuse_` one launch) in the small-M kernel up to a prefill's
+        crossover, mla.PREFILL_KERNEL_MAX_M rows: a prompt's context K/V, more rows, stays on cuBLAS. Opt-in
+        (`bench_k26 --drafter-linear-kernel`): a draft ~0.02 ms faster on an H200
+        (2026-12-07-drafter-stacked-kernel-session44-h200.md); the engine's GPU tests have not run it yet."""
+        return use_linear_kernel(self, max_rows=PREFILL_KERNEL_MAX_M)
 
     def residual_norms(self) -> list[RMSNorm]:
         """The norms that follow a residual add (`DrafterLayer.fused`): each layer's post-attention norm,

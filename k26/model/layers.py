@@ -94,9 +94,17 @@ class Linear(nn.Linear):
     up to MAX_ROWS takes the kernel, prefills too: MLA routes its own projections, `AttnBatch.prefill`.)"""
 
     use_kernel: bool = False
+    # Inputs of more rows than this take F.linear even with `use_kernel` (None: no bound). The drafter's
+    # prefill context K/V runs at the prompt's length, where 64-row kernel launches lose to cuBLAS 2-4x.
+    kernel_max_rows: int | None = None
+
+    def kernel_for(self, x: torch.Tensor) -> bool:
+        """Whether x's projection (or a stack's this module leads) runs the small-M kernel."""
+        bound = self.kernel_max_rows
+        return self.use_kernel and (bound is None or x.numel() // x.shape[-1] <= bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.use_kernel)
+        return project(x, self.weight, self.kernel_for(x))
 
 
 def linear(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
@@ -146,13 +154,13 @@ class MLP(nn.Module):
 
     def fuse_(self) -> None:
         """Stack gate / up (same input: one launch for both, in cuBLAS or the small-M kernel as gate_proj's
-        `use_kernel` says at call time; `stack_`)."""
+        `kernel_for` says at call time; `stack_`)."""
         if self.gate_up is None:
             self.gate_up = stack_(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = project(x, self.gate_up, self.gate_proj.use_kernel).chunk(2, dim=-1)
+            gate, up = project(x, self.gate_up, self.gate_proj.kernel_for(x)).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -237,12 +245,16 @@ class VocabHead(nn.Module):
         return StepLogprobs(chosen - lse[..., 0], i.gather(-1, j), v - lse)
 
 
-def use_linear_kernel(model: nn.Module, on: bool = True) -> int:
+def use_linear_kernel(model: nn.Module, on: bool = True, max_rows: int | None = None) -> int:
     """Route every Linear, VocabHead and MLA W_UV of `model` through torch.ops.k26.linear / linear_grouped
-    (or back to cuBLAS with on=False); returns how many modules switched. Opt-in for the whole model:
-    measured on an H200 (profiling/results/2026-12-01-bench_k26-glue-h200.md) it wins for the stacked
-    q_a / kv_a and the MLA projections the loader switches (`KimiK2.fuse_dense_`), not for every layer."""
+    (or back to cuBLAS with on=False); returns how many modules switched. `max_rows`: the Linears' inputs of
+    more rows stay on cuBLAS (`Linear.kernel_max_rows`). Opt-in for the whole model: measured on an H200
+    (profiling/results/2026-12-01-bench_k26-glue-h200.md) it wins for the stacked q_a / kv_a and the MLA
+    projections the loader switches (`KimiK2.fuse_dense_`), not for every layer; for the drafter, with its
+    stacks, by ~0.02 ms a draft (2026-12-07-drafter-stacked-kernel-session44-h200.md)."""
     mods = [m for m in model.modules() if isinstance(m, (Linear, VocabHead))]
     for m in mods:
         m.use_kernel = on
+        if isinstance(m, Linear):
+            m.kernel_max_rows = max_rows
     return len(mods)
