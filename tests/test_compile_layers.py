@@ -167,6 +167,18 @@ def test_a_forward_checks_its_cache_spans_once_not_per_layer(monkeypatch, mode):
         torch.ops.k26.mla_write_cache(cache[0], torch.randn(2, 4, cfg.latent_dim), rows, prefix)
 
 
+def context_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """Target features [2, 5, 128] of two sequences' context rows and their positions (10 rows)."""
+    return torch.randn(2, 5, 128), torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]])
+
+
+def assert_block_and_kv_close(got, want) -> None:
+    """(block forward, context (k, v)) pairs equal within fp32 summation order."""
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for got_t, want_t in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+
+
 class LinearCalls(TorchDispatchMode):
     """Records the weight shape of every `torch.ops.k26.linear` call under it."""
 
@@ -188,7 +200,7 @@ def test_drafter_fuse_stacks_for_the_small_m_kernel_too():
     from k26.model.layers import use_linear_kernel
 
     drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(1)
-    feat, cpos = torch.randn(2, 5, 128), torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]])
+    feat, cpos = context_rows()
     with torch.no_grad():
         want, kv_want = drafter(x, pos, ck, cv, rows, lens, static=True), drafter.context_kv(feat, cpos)
         assert use_linear_kernel(drafter) > 0
@@ -203,9 +215,7 @@ def test_drafter_fuse_stacks_for_the_small_m_kernel_too():
             kv_got = drafter.context_kv(feat, cpos)
         kv_rows = attn.qkv.shape[0] - attn.q_proj.weight.shape[0]
         assert calls.weights == [tuple(drafter.fc.weight.shape)] + [(kv_rows, 64)] * 2
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for got_t, want_t in zip(kv_got, kv_want, strict=True):
-        torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+    assert_block_and_kv_close((got, kv_got), (want, kv_want))
 
 
 def test_drafter_projections_above_the_row_bound_stay_on_cublas():
@@ -216,7 +226,7 @@ def test_drafter_projections_above_the_row_bound_stay_on_cublas():
     from k26.model.mla import PREFILL_KERNEL_MAX_M
 
     drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(2)  # a block of 2 x 4 = 8 rows
-    feat, cpos = torch.randn(2, 5, 128), torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]])  # 10 rows
+    feat, cpos = context_rows()  # 10 rows
     with torch.no_grad():
         want, kv_want = drafter(x, pos, ck, cv, rows, lens, static=True), drafter.context_kv(feat, cpos)
         drafter.fuse_()
@@ -228,6 +238,4 @@ def test_drafter_projections_above_the_row_bound_stay_on_cublas():
             kv_got = drafter.context_kv(feat, cpos)
         assert calls.weights == []  # 10 rows > 8: cuBLAS
         assert drafter.use_linear_kernel_() > 0 and drafter.fc.kernel_max_rows == PREFILL_KERNEL_MAX_M
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for got_t, want_t in zip(kv_got, kv_want, strict=True):
-        torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+    assert_block_and_kv_close((got, kv_got), (want, kv_want))

@@ -44,6 +44,10 @@ def loads_before_wait(events: list[str]) -> dict[str, int]:
     return loads_around_wait(events)[0]
 
 
+def loads_after_wait(events: list[str]) -> dict[str, int]:
+    return loads_around_wait(events)[1]
+
+
 @pytest.fixture(scope="module")
 def every_kernel():
     """{(arch, source, kernel): schedule} of every kernel of k26/ops/csrc on both archs (default build)."""
@@ -92,10 +96,6 @@ def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, sour
     assert sum(counts.values()) >= weight_loads, counts
     if "linear" in source:  # nothing but weights before the wait: x (a strong GPU-scope load) comes after
         assert set(counts) == {"LDG.E.NA.128"}, counts
-
-
-def loads_after_wait(events: list[str]) -> dict[str, int]:
-    return loads_around_wait(events)[1]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
