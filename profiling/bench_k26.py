@@ -134,13 +134,16 @@ def main() -> None:
         help="per whole step and the draft forward: one replay's kernels summed by name (kernel_table)",
     )
     ap.add_argument(
-        "--drafter-linear-kernel",
+        "--drafter-cublas",
         action="store_true",
-        help="the drafter's own projections in the small-M kernel (DFlashDrafter.use_linear_kernel_: q/k/v "
-        "and gate/up stacked, one call each; up to 64 rows), not its logits' head",
+        help="with --fused, the drafter's own projections on cuBLAS (the A/B side); by default they run as "
+        "the loader's do, in the small-M kernel (DFlashDrafter.use_linear_kernel_: q/k/v and gate/up "
+        "stacked, one call each; up to 64 rows)",
     )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.drafter_cublas and not a.fused:
+        ap.error("--drafter-cublas is the A/B side of --fused's drafter path: pass --fused too")
     if a.fused and a.variants:
         ap.error("--fused applies the loader's path for good; --variants switches paths itself: pick one")
     names = a.variants.split(",") if a.variants else []
@@ -187,10 +190,10 @@ def main() -> None:
     drafter.to_empty(device=dev)
     randomize(drafter, False)
     drafter.rope.reset_buffers()
-    if a.drafter_linear_kernel:
-        drafter.use_linear_kernel_()
     if a.fused:
         drafter.fuse_()  # as the loader does
+        if not a.drafter_cublas:
+            drafter.use_linear_kernel_()
     if a.compile:
         drafter = CompiledDrafter(drafter)  # as the engine's captured steps run it
     copy_bw = copy_bandwidth()

@@ -183,6 +183,36 @@ def test_model_with_the_kernel_matches_cublas(tiny_k25):
     assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 
+def test_the_loaded_drafter_runs_its_projections_in_the_kernel(tiny_k25, drafter_dir):
+    """The loader puts the drafter's projections in the small-M kernel (bounded at a prefill's crossover):
+    a draft block forward on fresh random inputs is one `k26.linear` call per stack and projection (4 a
+    layer), and equals the same drafter's cuBLAS-path forward."""
+    from test_compile_layers import LinearCalls
+
+    from k26.config import ModelConfig
+    from k26.loader import load_drafter
+    from k26.model.layers import use_linear_kernel
+    from k26.model.mla import PREFILL_KERNEL_MAX_M
+
+    drafter = load_drafter(drafter_dir, ModelConfig.from_dir(tiny_k25), device="cuda")
+    assert drafter.fc.use_kernel and drafter.fc.kernel_max_rows == PREFILL_KERNEL_MAX_M
+    cfg, gen = drafter.cfg, torch.Generator(device="cuda").manual_seed(41)
+    hd, kv = cfg.head_dim, cfg.num_key_value_heads
+    ck, cv = (rand(cfg.num_hidden_layers, 3, 40, kv, hd, gen=gen) for _ in range(2))
+    x = rand(2, cfg.block_size, cfg.hidden_size, gen=gen)
+    pos = (torch.arange(cfg.block_size, device="cuda") + 30).expand(2, -1)
+    rows, lens = torch.tensor([0, 2], device="cuda"), torch.tensor([30, 17], device="cuda")
+    with torch.no_grad():
+        poison_allocator()
+        with LinearCalls() as calls:
+            got = drafter(x, pos, ck, cv, rows, lens, static=True)
+        assert len(calls.weights) == 4 * cfg.num_hidden_layers
+        use_linear_kernel(drafter, False)
+        poison_allocator()
+        want = drafter(x, pos, ck, cv, rows, lens, static=True)
+    close(got, want, tol=2e-2)
+
+
 @pytest.mark.parametrize("grouped", [False, True])
 def test_a_weight_the_door_copies_is_launched_without_pdl(monkeypatch, grouped):
     """The kernel loads weights before its grid-dependency wait: a weight the front door had to copy (a

@@ -177,9 +177,9 @@ class DFlashDrafter(nn.Module):
 
     def use_linear_kernel_(self) -> int:
         """Its projections (each stack of `fuse_` one launch) in the small-M kernel up to a prefill's
-        crossover, mla.PREFILL_KERNEL_MAX_M rows: a prompt's context K/V, more rows, stays on cuBLAS. Opt-in
-        (`bench_k26 --drafter-linear-kernel`): a draft ~0.02 ms faster on an H200
-        (2026-12-07-drafter-stacked-kernel-session44-h200.md); the engine's GPU tests have not run it yet."""
+        crossover, mla.PREFILL_KERNEL_MAX_M rows: a prompt's context K/V, more rows, stays on cuBLAS. The
+        loader turns it on after `fuse_` (CUDA, bf16): a draft ~0.02 ms faster than cuBLAS on an H200
+        (2026-12-07-drafter-stacked-kernel-session44-h200.md; A/B: `bench_k26 --fused --drafter-cublas`)."""
         return use_linear_kernel(self, max_rows=PREFILL_KERNEL_MAX_M)
 
     def residual_norms(self) -> list[RMSNorm]:
