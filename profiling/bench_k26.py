@@ -140,10 +140,16 @@ def main() -> None:
         "the loader's do, in the small-M kernel (DFlashDrafter.use_linear_kernel_: q/k/v and gate/up "
         "stacked, one call each; up to 64 rows)",
     )
+    ap.add_argument(
+        "--dense-mlp-cublas",
+        action="store_true",
+        help="with --fused, the dense layers' MLP (K2.6: layer 0) on cuBLAS (the A/B side); by default as "
+        "the loader runs it, in the small-M kernel (gate / up with SiLU·up one launch)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if a.drafter_cublas and not a.fused:
-        ap.error("--drafter-cublas is the A/B side of --fused's drafter path: pass --fused too")
+    if (a.drafter_cublas or a.dense_mlp_cublas) and not a.fused:
+        ap.error("--drafter-cublas and --dense-mlp-cublas are A/B sides of --fused's path: pass --fused too")
     if a.fused and a.variants:
         ap.error("--fused applies the loader's path for good; --variants switches paths itself: pick one")
     names = a.variants.split(",") if a.variants else []
@@ -177,6 +183,8 @@ def main() -> None:
             m.one_token_block = a.two_launch_moe
     if a.fused:
         model.fuse_dense_()
+        if a.dense_mlp_cublas:
+            model.fuse_mlp_(kernel=False)
     if a.compile:
         torch._dynamo.config.cache_size_limit = 64  # a body per (variant, N, dense / MoE layer)
         torch._dynamo.config.accumulated_cache_size_limit = (

@@ -8,8 +8,10 @@ median of replays. In the same run and the same way:
   - floor: a pure read of the same weight bytes as one kernel (16-byte loads, four in flight per thread,
     256 threads per block, best grid of 1 / 4 / 8 blocks per SM, loads issued before the grid-dependency
     wait, programmatic dependent launch on), written below (FLOOR_CU) and built with nvcc at start;
-  - k26: `torch.ops.k26.linear` / `linear_grouped` through its launcher, PDL on (and off: "no PDL");
-  - cuBLAS: F.linear (or the einsum of the grouped shapes), what the model ran before.
+  - k26: `torch.ops.k26.linear` / `linear_grouped` through its launcher, PDL on (and off: "no PDL"); rows
+    named "SiLU·up": `torch.ops.k26.linear_swiglu` (the gate / up stack with SiLU·up in its epilogue);
+  - cuBLAS: F.linear (or the einsum of the grouped shapes; F.linear, F.silu and the product for SiLU·up),
+    what the model ran before.
 "x floor" = k26 / floor: the target is <= 1.2 at M = 1 and M = 16. "% copy" = weight bytes / time against
 the eager device-to-device copy rate (read + write bytes) measured at start. `--sweep` adds the best
 split count found by trying 1..32 splits next to the planned one.
@@ -93,8 +95,12 @@ def shapes(tp: int) -> list[tuple[str, int, int, int]]:
         ("drafter q+k+v", 1, (64 // tp + 2 * max(1, 8 // tp)) * 128, H),
         ("drafter o", 1, H, 64 // tp * 128),
         ("drafter gate+up", 1, 2 * INTER // tp, H),
+        ("drafter gate+up, SiLU·up", 1, 2 * INTER // tp, H),  # linear_swiglu (SWIGLU below)
         ("drafter down", 1, H, INTER // tp),
     ]
+
+
+SWIGLU = "SiLU·up"  # a shape so named runs torch.ops.k26.linear_swiglu (cuBLAS side: F.linear, F.silu, mul)
 
 
 def floor_lib() -> ctypes.CDLL:
@@ -169,20 +175,31 @@ def bench_m(name, G, N, K, M, ws, floor, R, copy_bw, sweep) -> str:
         N if G > 1 else 0,
     )
 
+    swiglu = SWIGLU in name
+
     def k26(i, splits=None):
-        launch(x, ws[i], None, y, groups=G, strides=strides, splits=splits)
+        if swiglu:  # tile mode only
+            torch.ops.k26.linear_swiglu(x, ws[i])
+        else:
+            launch(x, ws[i], None, y, groups=G, strides=strides, splits=splits)
+
+    def cublas_swiglu(i):
+        gate, up = F.linear(x, ws[i]).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     t = chain_us(k26, R)
     with pdl.disabled():  # read at capture
         t_nopdl = chain_us(k26, R)
-    if G > 1:
+    if swiglu:
+        t_cublas = chain_us(cublas_swiglu, R)
+    elif G > 1:
         x3 = x.view(M, G, K)
         t_cublas = chain_us(lambda i: torch.einsum("mgk,gnk->mgn", x3, ws[i]), R)
     else:
         t_cublas = chain_us(lambda i: F.linear(x, ws[i]), R)
     S, _ = plan_splits(M, N, K, G)
     best = ""
-    if sweep:
+    if sweep and not swiglu:
         tried = {s: chain_us(lambda i, s=s: k26(i, splits=s), R) for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)}
         s_best = min(tried, key=tried.get)
         best = f"{plan_splits(M, N, K, G, s_best)[0]} ({tried[s_best]:.1f})"

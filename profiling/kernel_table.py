@@ -32,7 +32,7 @@ CATEGORIES = (  # first match wins; lower-case substrings of the kernel name (Tr
     ("MLA glue (norms + RoPE + cache write)", ("mla_glue",)),
     ("fused all-reduce + add + RMSNorm (k26)", ("allreduce_add_rmsnorm",)),
     ("residual add + RMSNorm (k26)", ("add_rmsnorm",)),
-    ("dense projection (k26 small-M linear)", ("linear_smallm", "linear_tile")),
+    ("dense projection (k26 small-M linear)", ("linear_smallm", "linear_tile", "linear_swiglu")),
     ("vocabulary top-k (k26)", ("topk_chunk", "topk_merge")),
     ("drafter attention (k26)", ("split_kernel<", "merge_kernel<")),  # csrc/drafter_attn.cu
     ("MLA tree attention", (ATTN,)),
@@ -245,6 +245,8 @@ def apply_variant(model, name: str) -> None:
         if fused:
             m.fuse_(kernel_max_m=64)
     use_linear_kernel(model, name == "fused-all")
+    if fused:
+        model.fuse_mlp_()  # as fuse_dense_: the dense layers' MLP in the small-M kernel (SiLU·up fused)
     for norm in model.residual_norms():  # the residual add + norm as one op (csrc/add_rmsnorm.cu)
         norm.use_kernel = fused
 

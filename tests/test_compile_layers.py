@@ -180,23 +180,27 @@ def assert_block_and_kv_close(got, want) -> None:
 
 
 class LinearCalls(TorchDispatchMode):
-    """Records the weight shape of every `torch.ops.k26.linear` call under it."""
+    """Records the weight shape of every small-M kernel call under it (`torch.ops.k26.linear` and
+    `linear_swiglu`, in call order), the SwiGLU ones also in `swiglu`."""
 
     def __init__(self):
         super().__init__()
         self.weights: list[tuple[int, ...]] = []
+        self.swiglu: list[tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.k26.linear.default:
+        if func in (torch.ops.k26.linear.default, torch.ops.k26.linear_swiglu.default):
             self.weights.append(tuple(args[1].shape))
+        if func is torch.ops.k26.linear_swiglu.default:
+            self.swiglu.append(tuple(args[1].shape))
         return func(*args, **(kwargs or {}))
 
 
 def test_drafter_fuse_stacks_for_the_small_m_kernel_too():
     """With the drafter's projections in the small-M kernel (`use_linear_kernel`), `fuse_` still stacks q / k
-    / v and gate / up, and each stack is one `torch.ops.k26.linear` call: a block forward runs 4 a layer
-    (q/k/v, o_proj, gate/up, down), the context K/V fc + one K/V call a layer; the values equal the
-    unfused cuBLAS-path forward."""
+    / v and gate / up, and each stack is one small-M kernel call: a block forward runs 4 a layer (q/k/v,
+    o_proj, gate/up with SiLU·up as `linear_swiglu`, down), the context K/V fc + one K/V call a layer; the
+    values equal the unfused cuBLAS-path forward."""
     from k26.model.layers import use_linear_kernel
 
     drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(1)
@@ -211,6 +215,7 @@ def test_drafter_fuse_stacks_for_the_small_m_kernel_too():
             got = drafter(x, pos, ck, cv, rows, lens, static=True)
         layer = [tuple(attn.qkv.shape), tuple(attn.o_proj.weight.shape), tuple(mlp.gate_up.shape)]
         assert calls.weights == (layer + [tuple(mlp.down_proj.weight.shape)]) * 2
+        assert calls.swiglu == [tuple(mlp.gate_up.shape)] * 2  # gate / up with SiLU·up: one call
         with LinearCalls() as calls:
             kv_got = drafter.context_kv(feat, cpos)
         kv_rows = attn.qkv.shape[0] - attn.q_proj.weight.shape[0]

@@ -274,21 +274,46 @@ def test_fused_mla_runs_o_proj_in_the_small_m_kernel():
     """After `fuse_dense_`, decode / verify rows run o_proj through `k26::linear` as well as the stacked q_a /
     kv_a (q_b goes with the glue, W_UK / W_UV through `k26::linear_grouped`): a verify step then reproduces
     decode's MLA projections bit for bit. With `short_k_max_m` at 0 o_proj is the module's cuBLAS again (one
-    call a layer fewer), and the output the same (on the CPU the op is the reference)."""
+    call a layer fewer), and the output the same (on the CPU the op is the reference). (A dense layer's MLP
+    adds one call, its down projection: its gate / up runs as `k26::linear_swiglu`.)"""
     cfg, model = random_tiny(torch.bfloat16, 5)
     model.fuse_dense_()
     ids = torch.randint(0, cfg.vocab_size, (2, 3))
     batch = AttnBatch.causal(torch.tensor([2, 5]), 3)
     cache = torch.randn(cfg.num_hidden_layers, 2, 12, cfg.latent_dim).bfloat16()
-    L = cfg.num_hidden_layers
+    L, dense = cfg.num_hidden_layers, sum(layer.dense for layer in model.layers)
     with torch.no_grad():
-        assert _op_calls(model, ids, batch, cache.clone()) == 2 * L
+        assert _op_calls(model, ids, batch, cache.clone()) == 2 * L + dense
         h0, _ = model(ids, batch, cache.clone())
         for layer in model.layers:
             layer.self_attn.short_k_max_m = 0
-        assert _op_calls(model, ids, batch, cache.clone()) == L
+        assert _op_calls(model, ids, batch, cache.clone()) == L + dense
         h1, _ = model(ids, batch, cache.clone())
     torch.testing.assert_close(h0.float(), h1.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fuse_dense_runs_the_dense_mlp_gate_up_as_one_swiglu_call():
+    """After `fuse_dense_` each dense layer's MLP (the tiny config's layer 0) runs gate / up with SiLU·up as
+    one `k26::linear_swiglu` call up to a prefill's crossover of rows (more: cuBLAS), `fuse_mlp_(False)` puts
+    it back on cuBLAS, and the output is the unfused model's (on the CPU the op is the reference)."""
+    cfg, model = random_tiny(torch.bfloat16, 6)
+    ids = torch.randint(0, cfg.vocab_size, (2, 3))
+    batch = AttnBatch.causal(torch.tensor([2, 5]), 3)
+    cache = torch.randn(cfg.num_hidden_layers, 2, 12, cfg.latent_dim).bfloat16()
+    dense = sum(layer.dense for layer in model.layers)
+    assert dense >= 1
+    with torch.no_grad():
+        h0, _ = model(ids, batch, cache.clone())
+        model.fuse_dense_()
+        assert _op_calls(model, ids, batch, cache.clone(), "k26::linear_swiglu") == dense
+        h1, _ = model(ids, batch, cache.clone())
+        long_ids = torch.randint(0, cfg.vocab_size, (2, 40))  # 80 rows > PREFILL_KERNEL_MAX_M: cuBLAS
+        long_cache = torch.randn(cfg.num_hidden_layers, 2, 48, cfg.latent_dim).bfloat16()
+        long_batch = AttnBatch.causal(torch.tensor([2, 5]), 40)
+        assert _op_calls(model, long_ids, long_batch, long_cache, "k26::linear_swiglu") == 0
+        model.fuse_mlp_(kernel=False)
+        assert _op_calls(model, ids, batch, cache.clone(), "k26::linear_swiglu") == 0
+    torch.testing.assert_close(h1.float(), h0.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("field, value", [("rows", -1), ("prefix_lens", -2), ("prefix_lens", 18)])

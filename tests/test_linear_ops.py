@@ -99,3 +99,34 @@ def test_split_plan_covers_k_and_fits_shared_memory(M, N, K, G):
 
 def test_padded_m_is_a_kernel_instance():
     assert [padded_m(m) for m in (1, 8, 9, 16, 17, 32, 33, MAX_M)] == [8, 8, 16, 16, 32, 32, 64, 64]
+
+
+def test_swiglu_is_silu_of_the_gate_rows_times_the_up_rows():
+    """linear_swiglu(x, [gate; up]) is the eager bf16 MLP product: each projection rounded, F.silu's bf16
+    result, then the bf16 product (the rounding points the kernel's epilogue follows)."""
+    x, gate, up = rand(3, 5, 72, seed=13), rand(24, 72, seed=14), rand(24, 72, seed=15)
+    got = torch.ops.k26.linear_swiglu(x, torch.cat([gate, up]))
+    want = torch.nn.functional.silu(torch.ops.k26.linear(x, gate)) * torch.ops.k26.linear(x, up)
+    assert got.shape == (3, 5, 24) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_swiglu_opcheck():
+    args = (rand(7, 48, seed=16), rand(40, 48, seed=17))
+    torch.library.opcheck(
+        torch.ops.k26.linear_swiglu.default, args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+@pytest.mark.parametrize(
+    "x,w,wdtype,match",
+    [
+        ((3, 64), (16, 32), torch.bfloat16, "x has K=64"),
+        ((3, 64), (15, 64), torch.bfloat16, "weight must be the stacked \\[gate; up\\] .*got \\[15, 64\\]"),
+        ((3, 64), (16, 64, 1), torch.bfloat16, "weight must be the stacked \\[gate; up\\]"),
+        ((3, 64), (16, 64), torch.float32, "weight dtype torch.float32 differs"),
+    ],
+)
+def test_swiglu_bad_inputs_are_named(x, w, wdtype, match):
+    with pytest.raises(ValueError, match=f"k26.linear_swiglu: {match}"):
+        torch.ops.k26.linear_swiglu(rand(*x), rand(*w, dtype=wdtype))

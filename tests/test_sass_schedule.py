@@ -67,10 +67,16 @@ def pick(every_kernel, arch, source, kernel):
     return {k[2]: ev for k, ev in every_kernel.items() if k[0] == arch and k[1] == source and kernel in k[2]}
 
 
+def tile_kernels(every_kernel, arch):
+    """The small-M linear's tile-mode kernels: the plain ones and the SwiGLU ones (the same loop)."""
+    found = pick(every_kernel, arch, "linear_smallm.cu", "linear_tile_kernel")
+    return found | pick(every_kernel, arch, "linear_smallm.cu", "linear_swiglu_kernel")
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
-    found = pick(every_kernel, arch, "linear_smallm.cu", "linear_tile_kernel")
-    assert len(found) >= 6, list(found)  # MT 1 / 2 / 4 / 8 and the deep MT 1 / 2
+    found = tile_kernels(every_kernel, arch)
+    assert len(found) >= 12, list(found)  # MT 1 / 2 / 4 / 8 and the deep MT 1 / 2, plain and SwiGLU
     for name, events in found.items():
         counts = loads_before_wait(events)
         assert set(counts) <= {"LDG.E.NA.128", "LDG.E.NA.128.CONSTANT"}, (name, counts)  # weights only
@@ -102,8 +108,8 @@ def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, sour
 def test_tile_linear_kernels_read_x_through_l1(every_kernel, arch):
     # x through L1 (ld.global.ca: LDG.E.128.STRONG.SM), so the blocks sharing an SM fetch its lines from L2
     # once (o_proj at M = 16 9.55 -> 8.76 µs on an H100, 2026-12-07); the weights bypass L1 (LDG.E.NA.128).
-    found = pick(every_kernel, arch, "linear_smallm.cu", "linear_tile_kernel")
-    assert len(found) >= 6, list(found)
+    found = tile_kernels(every_kernel, arch)
+    assert len(found) >= 12, list(found)
     for name, events in found.items():
         wide = {op for op in loads_after_wait(events) if ".128" in op}
         assert wide == {"LDG.E.NA.128", "LDG.E.128.STRONG.SM"}, (name, wide)

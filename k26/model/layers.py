@@ -153,16 +153,18 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # fuse_: [gate; up] stacked, one GEMM for both
 
     def fuse_(self) -> None:
-        """Stack gate / up (same input: one launch for both, in cuBLAS or the small-M kernel as gate_proj's
-        `kernel_for` says at call time; `stack_`)."""
+        """Stack gate / up (same input: one launch for both, as gate_proj's `kernel_for` says at call time:
+        cuBLAS, or the small-M kernel with SiLU·up in its epilogue, `torch.ops.k26.linear_swiglu`)."""
         if self.gate_up is None:
             self.gate_up = stack_(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = project(x, self.gate_up, self.gate_proj.kernel_for(x)).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_proj.kernel_for(x):  # the stack and SiLU·up in one small-M launch
+            return self.down_proj(torch.ops.k26.linear_swiglu(x, self.gate_up))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class VocabEmbedding(nn.Module):

@@ -152,6 +152,7 @@ from . import (
     glue_cuda,  # noqa: F401  (registers mla_glue and mla_glue_linear with their CUDA kernels)
     linear_cuda,  # noqa: F401  (registers linear / linear_grouped with their CUDA kernel)
     moe_block_cuda,  # noqa: F401  (registers moe_one_token with its two launches)
+    swiglu_cuda,  # noqa: F401  (registers linear_swiglu with the small-M kernel's SwiGLU mode)
     topk_cuda,  # noqa: F401  (registers logits_topk with its CUDA kernels)
     tree_cuda,  # noqa: F401  (registers ddtree_build with its CUDA kernel)
 )
@@ -167,6 +168,7 @@ OPS = (
     "mla_tree_attention_uv",
     "linear",
     "linear_grouped",
+    "linear_swiglu",
     "ddtree_build",
     "logits_topk",
     "mla_glue",

@@ -8,6 +8,10 @@
 // Split-K (S >= 1, on request; linear_smallm_kernel): grid (N / 64 row blocks, S k-splits, G groups); 4 warps
 // per block, each warp owns one 16-row tile of W over the split's k range, x of that range staged once in
 // shared memory (cp.async; rows padded by 64 B so the 8 rows of a quarter-warp read hit distinct banks).
+// SwiGLU mode (k26_linear_swiglu, torch.ops.k26.linear_swiglu; tile mode only): W is an MLP's [gate; up] stack
+// [2 I, K]; a block owns 8 output features, its 16-row tile the 8 gate rows (a lane's row g) and the 8 matching
+// up rows (row g + 8, I rows further), and its epilogue writes swiglu(gate, up) (linear_tile.cuh): gate / up and
+// SiLU·up in one launch, I columns out. Its sums are the plain tile mode's of the same rows, bit for bit.
 // Both stream W with 16-byte ld.global.nc loads, two register batches of units (32 k each) in flight per lane
 // (software double buffer). Groups (blockIdx.z) are independent matrices at fixed strides (the per-head W_UV
 // of MLA); a plain linear is G = 1.
@@ -184,17 +188,31 @@ __global__ void __launch_bounds__(kThreads) linear_smallm_kernel(const Params p)
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (stream order; PDL waits on completion)
 }
 
-// Tile mode (S == 0): csrc/linear_tile.cuh.
-template <int MT, int B, int MINB>
-__global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const Params p) {
+// The current device's SM count (host side, queried once per device; threads racing on the first query
+// store the same value). Only the variant's speed depends on it, never the bits.
+int sms() {
+  static std::atomic<int> count[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int n = count[dev].load(std::memory_order_relaxed);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+    count[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// Tile mode (S == 0): csrc/linear_tile.cuh. SWIGLU (linear_swiglu_kernel): a block owns 8 output features, its
+// 16-row tile the 8 gate rows (the lanes' row g) and the 8 matching up rows (row g + 8, p.up rows further).
+template <int MT, int B, bool SWIGLU>
+__device__ __forceinline__ void tile_body(const Params& p) {
   __shared__ float red[kTileWarps][MT * 4][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, kt = 8 * t;
-  const int grp = blockIdx.z, n_tile = blockIdx.x * 16;
+  const int grp = blockIdx.z, n_tile = blockIdx.x * (SWIGLU ? 8 : 16);
   const int units = (p.K + kUnit - 1) / kUnit;
   const int u_begin = warp * units / kTileWarps, u_end = (warp + 1) * units / kTileWarps;
   const __nv_bfloat16* wg = p.w + grp * p.w_gs;
   const __nv_bfloat16* w_lo = wg + (long long)min(n_tile + g, p.N - 1) * p.w_ld;  // clamped rows are discarded
-  const __nv_bfloat16* w_hi = wg + (long long)min(n_tile + g + 8, p.N - 1) * p.w_ld;
+  const __nv_bfloat16* w_hi =
+      wg + (long long)(SWIGLU ? p.up + min(n_tile + g, p.N - 1) : min(n_tile + g + 8, p.N - 1)) * p.w_ld;
   const __nv_bfloat16* xr = p.x + grp * p.x_gs + g * p.x_ld + kt;
   const long long x_tile = 8 * p.x_ld;
   const int tiles_live = (p.M - g + 7) / 8;  // j with 8j + g < M
@@ -210,22 +228,41 @@ __global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const P
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaTriggerProgrammaticLaunchCompletion();  // the next kernel may start streaming its weights
 #endif
-  tile_store<MT>(acc, red, p, grp, n_tile);
+  tile_store<MT, SWIGLU>(acc, red, p, grp, n_tile);
+}
+template <int MT, int B, int MINB>
+__global__ void __launch_bounds__(kTileThreads, MINB) linear_tile_kernel(const Params p) {
+  tile_body<MT, B, false>(p);
+}
+template <int MT, int B, int MINB>
+__global__ void __launch_bounds__(kTileThreads, MINB) linear_swiglu_kernel(const Params p) {
+  tile_body<MT, B, true>(p);
 }
 // The tile kernel of MT token tiles at its default batch and occupancy.
-template <int MT>
-constexpr auto tile_kernel() { return linear_tile_kernel<MT, tile_batch<MT>(), tile_blocks<MT>()>; }
+template <int MT, bool SWIGLU>
+constexpr auto tile_kernel() {
+  if constexpr (SWIGLU) return linear_swiglu_kernel<MT, tile_batch<MT>(), tile_blocks<MT>()>;
+  else return linear_tile_kernel<MT, tile_batch<MT>(), tile_blocks<MT>()>;
+}
+template <int MT, bool SWIGLU>
+constexpr auto deep_kernel() {
+  if constexpr (SWIGLU) return linear_swiglu_kernel<MT, kDeepBatch, 1>;
+  else return linear_tile_kernel<MT, kDeepBatch, 1>;
+}
 
-// The current device's SM count (host side, queried once per device; threads racing on the first query
-// store the same value). Only the variant's speed depends on it, never the bits.
-int sms() {
-  static std::atomic<int> count[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  int n = count[dev].load(std::memory_order_relaxed);
-  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
-    count[dev].store(n, std::memory_order_relaxed);
-  return n;
+// Tile mode's launch: the deep variant where the grid is at most one block per SM (MT <= 2), else the default.
+template <bool SWIGLU>
+cudaError_t launch_tile(const Params& p, dim3 grid, bool pdl, cudaStream_t st) {
+  const int mt = (p.M + 7) / 8;
+  const dim3 block(kTileThreads);
+  const bool deep = (long long)grid.x * grid.z <= sms();
+  if (mt == 1 && deep) return launch_pdl(deep_kernel<1, SWIGLU>(), grid, block, 0, pdl, st, p);
+  if (mt == 2 && deep) return launch_pdl(deep_kernel<2, SWIGLU>(), grid, block, 0, pdl, st, p);
+  if (mt == 1) return launch_pdl(tile_kernel<1, SWIGLU>(), grid, block, 0, pdl, st, p);
+  if (mt == 2) return launch_pdl(tile_kernel<2, SWIGLU>(), grid, block, 0, pdl, st, p);
+  if (mt <= 4) return launch_pdl(tile_kernel<4, SWIGLU>(), grid, block, 0, pdl, st, p);
+  if (mt <= 8) return launch_pdl(tile_kernel<8, SWIGLU>(), grid, block, 0, pdl, st, p);
+  return cudaErrorInvalidValue;
 }
 
 template <int MT>
@@ -256,21 +293,23 @@ K26_EXPORT int k26_linear_smallm(const void* x, const void* w, const void* resid
   p.M = M, p.N = N, p.K = K, p.S = S, p.units_per_split = units_per_split;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int mt = (M + 7) / 8;
-  if (S == 0) {  // tile mode
-    const dim3 grid((N + 15) / 16, 1, G);
-    const dim3 block(kTileThreads);
-    const bool deep = (long long)grid.x * G <= sms(), on = pdl != 0;  // deep: one block per SM at most
-    if (mt == 1 && deep) return (int)launch_pdl(linear_tile_kernel<1, kDeepBatch, 1>, grid, block, 0, on, st, p);
-    if (mt == 2 && deep) return (int)launch_pdl(linear_tile_kernel<2, kDeepBatch, 1>, grid, block, 0, on, st, p);
-    if (mt == 1) return (int)launch_pdl(tile_kernel<1>(), grid, block, 0, on, st, p);
-    if (mt == 2) return (int)launch_pdl(tile_kernel<2>(), grid, block, 0, on, st, p);
-    if (mt <= 4) return (int)launch_pdl(tile_kernel<4>(), grid, block, 0, on, st, p);
-    if (mt <= 8) return (int)launch_pdl(tile_kernel<8>(), grid, block, 0, on, st, p);
-    return (int)cudaErrorInvalidValue;
-  }
+  if (S == 0) return (int)launch_tile<false>(p, dim3((N + 15) / 16, 1, G), pdl != 0, st);  // tile mode
   if (mt == 1) return (int)launch<1>(p, G, pdl, st);
   if (mt == 2) return (int)launch<2>(p, G, pdl, st);
   if (mt <= 4) return (int)launch<4>(p, G, pdl, st);
   if (mt <= 8) return (int)launch<8>(p, G, pdl, st);
   return (int)cudaErrorInvalidValue;
+}
+
+// y[m, n] = swiglu(x[m] . w[n], x[m] . w[I + n]) for n < I: the stacked [gate; up] weight [2 I, K] (rows w_ld
+// apart) in tile mode, 8 output features a block (linear_swiglu_kernel). Shapes, strides and alignment are
+// validated by the Python front door (k26/ops/swiglu_cuda.py).
+K26_EXPORT int k26_linear_swiglu(const void* x, const void* w, void* y, int M, int I, int K, long long x_ld,
+                                 long long w_ld, long long y_ld, int pdl, void* stream) {
+  Params p{};
+  p.x = static_cast<const __nv_bfloat16*>(x), p.w = static_cast<const __nv_bfloat16*>(w);
+  p.y = static_cast<__nv_bfloat16*>(y);
+  p.x_ld = x_ld, p.w_ld = w_ld, p.y_ld = y_ld;
+  p.M = M, p.N = I, p.K = K, p.up = I;
+  return (int)launch_tile<true>(p, dim3((I + 7) / 8, 1, 1), pdl != 0, static_cast<cudaStream_t>(stream));
 }

@@ -25,6 +25,7 @@ struct Params {
   int* counters;                  // [G, gridDim.x] zeros when S > 1
   long long x_ld, x_gs, w_ld, w_gs, y_ld, y_gs;
   int M, N, K, S, units_per_split;
+  int up = 0;  // linear_swiglu_kernel: the up rows' first row in w (gate rows [0, N), up rows [up, up + N))
 };
 
 // Loads and griddepcontrol.wait. ptxas treats a non-coherent (.nc) load as free to move across the wait (.nc
@@ -82,6 +83,14 @@ __device__ __forceinline__ __nv_bfloat16 finish(float v, const __nv_bfloat16* re
   // The reference's rounding points: bf16(x @ W^T), then bf16(that + residual).
   const __nv_bfloat16 r = __float2bfloat16(v);
   return residual ? __float2bfloat16(__bfloat162float(r) + __bfloat162float(residual[at])) : r;
+}
+
+// SwiGLU's rounding points, as the reference's eager bf16 ops: gate and up rounded as projections, F.silu's
+// bf16 result (fp32 inside, expf as ATen's kernel), then the bf16 product.
+__device__ __forceinline__ __nv_bfloat16 swiglu(float gate, float up) {
+  const float g = __bfloat162float(__float2bfloat16(gate)), u = __bfloat162float(__float2bfloat16(up));
+  const float s = __bfloat162float(__float2bfloat16(g / (1.f + expf(-g))));
+  return __float2bfloat16(s * u);
 }
 
 // Tile mode (S == 0; the default for every M <= 64; see the header): x comes straight from global memory
@@ -160,7 +169,9 @@ __device__ __forceinline__ void tile_loop(float (&acc)[MT][4], uint4 (&wa)[B][2]
 }
 
 // The block's 8 warps' sums in warp order (deterministic), rounded as the reference (+ residual), stored by warp 0.
-template <int MT>
+// SWIGLU (linear_swiglu_kernel): a lane's rows g and g + 8 are gate and up of output feature n_tile + g (the
+// tile's 8 features), stored as swiglu(gate, up).
+template <int MT, bool SWIGLU = false>
 __device__ __forceinline__ void tile_store(const float (&acc)[MT][4], float (&red)[kTileWarps][MT * 4][32],
                                            const Params& p, int grp, int n_tile) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -172,16 +183,34 @@ __device__ __forceinline__ void tile_store(const float (&acc)[MT][4], float (&re
   if (warp != 0) return;
   const __nv_bfloat16* res = p.residual ? p.residual + grp * p.y_gs : nullptr;
   __nv_bfloat16* yg = p.y + grp * p.y_gs;
-#pragma unroll 1  // unrolled, the 8 x 4 x MT shared loads were hoisted at once (255 registers at MT 8)
-  for (int j = 0; j < MT; ++j)
+  if constexpr (SWIGLU) {
+#pragma unroll 1
+    for (int j = 0; j < MT; ++j) {
+      float v[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      float v = 0.f;
+      for (int c = 0; c < 4; ++c) {
+        v[c] = 0.f;
 #pragma unroll
-      for (int q = 0; q < kTileWarps; ++q) v += red[q][j * 4 + c][lane];  // warp order: deterministic
-      const int n = n_tile + g + 8 * (c / 2), m = 8 * j + 2 * t + c % 2;  // accumulator (j, c)
-      if (n < p.N && m < p.M) yg[m * p.y_ld + n] = finish(v, res, m * p.y_ld + n);
+        for (int q = 0; q < kTileWarps; ++q) v[c] += red[q][j * 4 + c][lane];  // warp order: deterministic
+      }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {  // (gate, up) = accumulators (j, c) and (j, c + 2)
+        const int n = n_tile + g, m = 8 * j + 2 * t + c;
+        if (n < p.N && m < p.M) yg[m * p.y_ld + n] = swiglu(v[c], v[c + 2]);
+      }
     }
+  } else {
+#pragma unroll 1  // unrolled, the 8 x 4 x MT shared loads were hoisted at once (255 registers at MT 8)
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float v = 0.f;
+#pragma unroll
+        for (int q = 0; q < kTileWarps; ++q) v += red[q][j * 4 + c][lane];  // warp order: deterministic
+        const int n = n_tile + g + 8 * (c / 2), m = 8 * j + 2 * t + c % 2;  // accumulator (j, c)
+        if (n < p.N && m < p.M) yg[m * p.y_ld + n] = finish(v, res, m * p.y_ld + n);
+      }
+  }
 }
 
 }  // namespace k26_linear
