@@ -145,20 +145,23 @@ def test_a_fixed_budget_padded_into_a_user_bucket_reports_its_own_budget(tiny_k2
 
 
 @pytest.mark.parametrize("spec", [SpecConfig("dflash"), SpecConfig("ddtree", 12)], ids=str)
-def test_compiled_speculative_steps_are_lossless_and_never_recompile(tiny_k25, drafter_dir, spec):
+def test_compiled_speculative_steps_are_lossless_and_never_recompile(spec):
     """compile=True with a drafter: the captured steps run the compiled drafter (forward, context K/V) and
     the compiled acceptance walk; greedy output is the same (compiled) target's autoregressive decoding up to
     a bf16 near-tie (the first run, b410e5e, differed from token ~115 of 120: verify and decode round
-    differently), and 100+ more steps after the first request compile nothing."""
+    differently), and 100+ more steps after the first request compile nothing. The embedded trained pair
+    (on the CPU its DFlash steps emit ~1.9 tokens each on this prompt), so drafts are really accepted: with
+    the random tiny pair a DFlash chain's first draft matched about one step in 600, and whether a run
+    accepted any was luck (a rounding change in 2026-12-07's drafter left it at none)."""
     import torch._dynamo.utils as dynamo_utils
 
     kw = {"device": "cuda", "progress": False, "max_batch": 2, "max_model_len": 512}
-    llm = LLM(tiny_k25, drafter=drafter_dir, compile=True, **kw)
+    llm = LLM(compile=True, **kw)  # no model given: the embedded pair, its drafter included
     assert llm.decoder.ctx.drafter_fwd is not None and llm.decoder.ctx.models(llm.model_fwd).compiled
     sp = SamplingParams(max_tokens=10, stop_token_ids=[])
     llm.generate([[1, 2, 3]], sp, spec)  # compile + capture
     before = dynamo_utils.counters["stats"]["unique_graphs"]
-    ps = prompts(1, seed=21)
+    ps = [llm.tokenizer.encode("def read_config(path):\n    ")]
     long = SamplingParams(max_tokens=120, stop_token_ids=[])
     got = llm.generate(ps, long, spec)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == before
