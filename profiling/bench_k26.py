@@ -8,8 +8,9 @@ the same rank's shapes, against the byte roofline measured in the same run.
     --fused: the step rows, speculative steps included, on the loader's inference path, KimiK2.fuse_dense_)
 
 `--variants`: the decode / verify rows of each variant of the dense path in turn (base: the module glue and
-cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK, W_UV and o_proj in the small-M kernel
-and the residual adds + norms as torch.ops.k26.add_rmsnorm; fused-all: + every projection and the head in the
+cuBLAS; glue: torch.ops.k26.mla_glue; fused: + stacked q_a / kv_a, W_UK, W_UV, o_proj and the dense
+layer's MLP (gate / up with SiLU·up: linear_swiglu) in the small-M kernel and the residual adds + norms as
+torch.ops.k26.add_rmsnorm; fused-all: + every projection and the head in the
 small-M kernel), each with a per-kernel table of the
 graph-replayed step at `--table-nodes` (profiling/kernel_table.py).
 
