@@ -339,7 +339,7 @@ def load_drafter(
     if cuda_kernels and torch.device(device).type == "cuda" and dtype == torch.bfloat16:
         use_cuda_kernels(model)  # the target's switch: today nothing of the drafter's changes
         model.fuse_()  # residual adds + norms as one op
-        model.use_linear_kernel_()  # projections of <= 64 rows (a draft, an accepted path): small-M kernel
+        model.use_linear_kernel_()  # projections of <= 16 rows (a draft, an accepted path): small-M kernel
     return model.eval()
 
 

@@ -139,7 +139,7 @@ def main() -> None:
         action="store_true",
         help="with --fused, the drafter's own projections on cuBLAS (the A/B side); by default they run as "
         "the loader's do, in the small-M kernel (DFlashDrafter.use_linear_kernel_: q/k/v and gate/up "
-        "stacked, one call each; up to 64 rows)",
+        "stacked, one call each; up to layers.KERNEL_MAX_ROWS = 16 rows)",
     )
     ap.add_argument(
         "--dense-mlp-cublas",

@@ -227,8 +227,7 @@ def test_drafter_projections_above_the_row_bound_stay_on_cublas():
     """`use_linear_kernel(max_rows=)` (the drafter's `use_linear_kernel_` passes a prefill's crossover): an
     input of at most that many rows runs the small-M kernel, one of more (a prompt's context K/V) F.linear,
     stacks included; the values equal the cuBLAS-path forward's either way."""
-    from k26.model.layers import use_linear_kernel
-    from k26.model.mla import PREFILL_KERNEL_MAX_M
+    from k26.model.layers import KERNEL_MAX_ROWS, use_linear_kernel
 
     drafter, (x, pos, ck, cv, rows, lens) = tiny_drafter_and_block(2)  # a block of 2 x 4 = 8 rows
     feat, cpos = context_rows()  # 10 rows
@@ -242,5 +241,5 @@ def test_drafter_projections_above_the_row_bound_stay_on_cublas():
         with LinearCalls() as calls:
             kv_got = drafter.context_kv(feat, cpos)
         assert calls.weights == []  # 10 rows > 8: cuBLAS
-        assert drafter.use_linear_kernel_() > 0 and drafter.fc.kernel_max_rows == PREFILL_KERNEL_MAX_M
+        assert drafter.use_linear_kernel_() > 0 and drafter.fc.kernel_max_rows == KERNEL_MAX_ROWS
     assert_block_and_kv_close((got, kv_got), (want, kv_want))

@@ -294,7 +294,7 @@ def test_fused_mla_runs_o_proj_in_the_small_m_kernel():
 
 def test_fuse_dense_runs_the_dense_mlp_gate_up_as_one_swiglu_call():
     """After `fuse_dense_` each dense layer's MLP (the tiny config's layer 0) runs gate / up with SiLU·up as
-    one `k26::linear_swiglu` call up to a prefill's crossover of rows (more: cuBLAS), `fuse_mlp_(False)` puts
+    one `k26::linear_swiglu` call up to layers.KERNEL_MAX_ROWS rows (more: cuBLAS), `fuse_mlp_(False)` puts
     it back on cuBLAS, and the output is the unfused model's (on the CPU the op is the reference)."""
     cfg, model = random_tiny(torch.bfloat16, 6)
     ids = torch.randint(0, cfg.vocab_size, (2, 3))
@@ -307,9 +307,9 @@ def test_fuse_dense_runs_the_dense_mlp_gate_up_as_one_swiglu_call():
         model.fuse_dense_()
         assert _op_calls(model, ids, batch, cache.clone(), "k26::linear_swiglu") == dense
         h1, _ = model(ids, batch, cache.clone())
-        long_ids = torch.randint(0, cfg.vocab_size, (2, 40))  # 80 rows > PREFILL_KERNEL_MAX_M: cuBLAS
-        long_cache = torch.randn(cfg.num_hidden_layers, 2, 48, cfg.latent_dim).bfloat16()
-        long_batch = AttnBatch.causal(torch.tensor([2, 5]), 40)
+        long_ids = torch.randint(0, cfg.vocab_size, (2, 9))  # 18 rows > layers.KERNEL_MAX_ROWS: cuBLAS
+        long_cache = torch.randn(cfg.num_hidden_layers, 2, 16, cfg.latent_dim).bfloat16()
+        long_batch = AttnBatch.causal(torch.tensor([2, 5]), 9)
         assert _op_calls(model, long_ids, long_batch, long_cache, "k26::linear_swiglu") == 0
         model.fuse_mlp_(kernel=False)
         assert _op_calls(model, ids, batch, cache.clone(), "k26::linear_swiglu") == 0

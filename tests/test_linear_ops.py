@@ -102,8 +102,9 @@ def test_padded_m_is_a_kernel_instance():
 
 
 def test_swiglu_is_silu_of_the_gate_rows_times_the_up_rows():
-    """linear_swiglu(x, [gate; up]) is the eager bf16 MLP product: each projection rounded, F.silu's bf16
-    result, then the bf16 product (the rounding points the kernel's epilogue follows)."""
+    """The specification: linear_swiglu(x, [gate; up]) is the eager bf16 MLP product of the two halves —
+    each projection rounded, F.silu's bf16 result, then the bf16 product (one rounding of silu(g) * u in
+    fp32 would fail it); the kernel's epilogue follows these rounding points (its GPU test)."""
     x, gate, up = rand(3, 5, 72, seed=13), rand(24, 72, seed=14), rand(24, 72, seed=15)
     got = torch.ops.k26.linear_swiglu(x, torch.cat([gate, up]))
     want = torch.nn.functional.silu(torch.ops.k26.linear(x, gate)) * torch.ops.k26.linear(x, up)

@@ -68,9 +68,12 @@ def pick(every_kernel, arch, source, kernel):
 
 
 def tile_kernels(every_kernel, arch):
-    """The small-M linear's tile-mode kernels: the plain ones and the SwiGLU ones (the same loop)."""
-    found = pick(every_kernel, arch, "linear_smallm.cu", "linear_tile_kernel")
-    return found | pick(every_kernel, arch, "linear_smallm.cu", "linear_swiglu_kernel")
+    """The small-M linear's tile-mode kernels: the plain ones and the SwiGLU ones (the same loop), each MT 1 /
+    2 / 4 / 8 and the deep MT 1 / 2."""
+    plain = pick(every_kernel, arch, "linear_smallm.cu", "linear_tile_kernel")
+    swiglu = pick(every_kernel, arch, "linear_smallm.cu", "linear_swiglu_kernel")
+    assert len(plain) == len(swiglu) == 6, (list(plain), list(swiglu))
+    return plain | swiglu
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
@@ -89,6 +92,8 @@ def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
         ("linear_smallm.cu", "linear_tile_kernelILi1ELi4ELi1E", 16),  # deep: 2 batches x 4 units x 2 rows
         ("linear_smallm.cu", "linear_tile_kernelILi1ELi2ELi2E", 8),
         ("linear_smallm.cu", "linear_tile_kernelILi2ELi2ELi2E", 8),
+        ("linear_smallm.cu", "linear_swiglu_kernelILi1ELi4ELi1E", 16),  # the SwiGLU kernels: the same loop
+        ("linear_smallm.cu", "linear_swiglu_kernelILi1ELi2ELi2E", 8),
         ("add_rmsnorm.cu", "add_rmsnorm_kernel", 4),  # the norm weight: a thread's 4 vectors
         ("allreduce_fused.cu", "allreduce_add_rmsnorm_kernel", 4),
         ("mla_tree_attn.cu", "merge_uv_kernel", 4),  # W_UV: a lane's 2 rows x 2 vectors

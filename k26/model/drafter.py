@@ -19,8 +19,7 @@ from ..compiling import compile_static
 from ..drafter_config import DrafterConfig
 from ..ops import drafter_attn_cuda  # noqa: F401  (registers torch.ops.k26.drafter_attention)
 from ..ops.reference import gqa_attention, live_keys
-from .layers import MLP, RMSNorm, TPInfo, linear, project, stack_, use_linear_kernel
-from .mla import PREFILL_KERNEL_MAX_M
+from .layers import KERNEL_MAX_ROWS, MLP, RMSNorm, TPInfo, linear, project, stack_, use_linear_kernel
 from .rope import yarn_inv_freq
 
 
@@ -176,11 +175,12 @@ class DFlashDrafter(nn.Module):
             norm.use_kernel = True
 
     def use_linear_kernel_(self) -> int:
-        """Its projections (each stack of `fuse_` one launch) in the small-M kernel up to a prefill's
-        crossover, mla.PREFILL_KERNEL_MAX_M rows: a prompt's context K/V, more rows, stays on cuBLAS. The
-        loader turns it on after `fuse_` (CUDA, bf16): a draft ~0.02 ms faster than cuBLAS on an H200
-        (2026-12-07-drafter-stacked-kernel-session44-h200.md; A/B: `bench_k26 --fused --drafter-cublas`)."""
-        return use_linear_kernel(self, max_rows=PREFILL_KERNEL_MAX_M)
+        """Its projections (each stack of `fuse_` one launch) in the small-M kernel up to
+        layers.KERNEL_MAX_ROWS rows (a draft block of one or two sequences, an accepted path's context rows);
+        more (a batch's drafts, a prompt's context K/V) stay on cuBLAS. The loader turns it on after `fuse_`
+        (CUDA, bf16): a draft 0.60 -> 0.56 ms on an H200, SiLU·up fused included
+        (2026-12-07-drafter-kernel-swiglu-session45-h200.md; A/B: `bench_k26 --fused --drafter-cublas`)."""
+        return use_linear_kernel(self, max_rows=KERNEL_MAX_ROWS)
 
     def residual_norms(self) -> list[RMSNorm]:
         """The norms that follow a residual add (`DrafterLayer.fused`): each layer's post-attention norm,

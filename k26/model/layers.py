@@ -79,6 +79,15 @@ class TPInfo:
         return n // self.size
 
 
+# Rows up to which the drafter's projections and the dense MLP take the small-M kernel (more: cuBLAS), where
+# no bit-equality between batch sizes is needed (MLA's decode / verify projections take it at every row count
+# for that). Measured on an H200 (results/2026-12-07-drafter-kernel-swiglu-session45-h200.md): gate / up with
+# SiLU·up 22.1 / 23.2 / 26.6 µs at 1 / 8 / 16 rows against cuBLAS + silu·mul 24.8 / 27.6 / 27.4, the down
+# projection 11.0 / 11.4 / 13.1 against 10.8, and the step faster at the draft's 8 rows and the verify's 16;
+# at 64 rows tile mode is 2-4x slower than cuBLAS (csrc/linear_smallm.cu: every 16-row block reads all of x).
+KERNEL_MAX_ROWS = 16
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, use_kernel: bool) -> torch.Tensor:
     """x @ weight.T (no bias): `torch.ops.k26.linear`, the small-M streaming kernel, with `use_kernel`, else
     F.linear (cuBLAS). The one place a projection picks between them: a Linear, the head, and the matrices

@@ -16,8 +16,8 @@ from ..compiling import compile_static
 from ..config import ModelConfig
 from ..ops import reference
 from .batch import AttnBatch
-from .layers import MLP, RMSNorm, TPInfo, VocabEmbedding, VocabHead, use_linear_kernel
-from .mla import MLA, PREFILL_KERNEL_MAX_M
+from .layers import KERNEL_MAX_ROWS, MLP, RMSNorm, TPInfo, VocabEmbedding, VocabHead, use_linear_kernel
+from .mla import MLA
 from .moe import MoE
 from .rope import Rope
 
@@ -94,7 +94,7 @@ class KimiK2(nn.Module):
     def fuse_dense_(self) -> None:
         """After loading, for inference: each MLA's q_a / kv_a stacked into one matrix and its projections
         in the small-M linear kernel at the row counts where that measured faster (`MLA.fuse_`); the dense
-        layers' MLP (K2.6: layer 0) with gate / up stacked and, up to a prefill's crossover of rows, in the
+        layers' MLP (K2.6: layer 0) with gate / up stacked and, up to layers.KERNEL_MAX_ROWS rows, in the
         small-M kernel (gate / up with SiLU·up one launch, `linear_swiglu`, then down); each residual add
         with the norm after it as one op (`RMSNorm.use_kernel`)."""
         for layer in self.layers:
@@ -105,11 +105,11 @@ class KimiK2(nn.Module):
 
     def fuse_mlp_(self, kernel: bool = True) -> None:
         """The dense layers' MLP: gate / up stacked (for good) and, with `kernel`, in the small-M kernel up to
-        mla.PREFILL_KERNEL_MAX_M rows (more: cuBLAS); kernel False puts it back on cuBLAS (an A/B side)."""
+        layers.KERNEL_MAX_ROWS rows (more: cuBLAS); kernel False puts it back on cuBLAS (an A/B side)."""
         for layer in self.layers:
             if layer.dense:
                 layer.mlp.fuse_()
-                use_linear_kernel(layer.mlp, kernel, max_rows=PREFILL_KERNEL_MAX_M)
+                use_linear_kernel(layer.mlp, kernel, max_rows=KERNEL_MAX_ROWS)
 
     def residual_norms(self) -> list[RMSNorm]:
         """The norms that follow a residual add (`TPInfo.reduce_add_norm`): each layer's post-attention
