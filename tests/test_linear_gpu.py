@@ -198,7 +198,7 @@ def test_swiglu_matches_reference(M, I, K):
     own = torch.nn.functional.silu(torch.ops.k26.linear(x, w[:I])) * torch.ops.k26.linear(x, w[I:])
     # the same sums and rounding points: equal but where F.silu's exp may differ in a last fp32 bit (a skipped
     # rounding point would move a large share of the elements)
-    assert (got != own).float().mean().item() <= 1e-3
+    assert (got != own).sum().item() <= max(1, got.numel() // 1000)
 
 
 def test_swiglu_rows_are_batch_invariant():
