@@ -199,6 +199,9 @@ VARIANTS: dict[str, list[str]] = {
     # 7.7 µs against 6.7 by default: slower. One slot set per device: one router launch at a time (no
     # bounded spin), emptied before the next by the PDL chain's waits
     "-DK26_ROUTER_POLL": ["moe_router.cu"],
+    # small-M linear, 9-16 tokens beyond one wave (o_proj, the lm_head shard): two 16-row tiles a warp, each x
+    # fragment feeding both (half the x loads a weight byte); bit-identical. Prepared 2026-12-07, not measured
+    "-DK26_LINEAR_RT2": ["linear_smallm.cu"],
     # tree attention, a probe (wrong outputs: never a library anything but a bench loads): the splits store
     # their partials and leave, no barrier, no merge; the step's time then bounds what moving the merge into
     # W_UV's kernel (behind the kernel boundary the step pays anyway) could save. Measured 2026-12-07 (H100):

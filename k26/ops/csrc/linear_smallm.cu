@@ -238,6 +238,72 @@ template <int MT, int B, int MINB>
 __global__ void __launch_bounds__(kTileThreads, MINB) linear_swiglu_kernel(const Params p) {
   tile_body<MT, B, true>(p);
 }
+#ifdef K26_LINEAR_RT2
+// -DK26_LINEAR_RT2 (an A/B side, k26/ops/build.py VARIANTS; not measured yet): at 9-16 tokens on grids beyond one
+// wave (o_proj's 448 tiles, the lm_head shard's 1,280), a warp owns two 16-row tiles of W over its k range, so
+// each x fragment it loads feeds both: half the x loads a weight byte (at 16 tokens tile mode loads as many x
+// bytes as weight bytes, and o_proj reads 1.5x its floor against 1.3x at one token, H100 2026-12-07). One unit a
+// batch (B = 1) keeps the weight bytes in flight a warp as the default's. Each tile's units are accumulated in
+// the same order as the default's, so the bits are the same. (Session 22's two-tile variant, a block of two
+// tiles at <= 8 tokens with the x loads unchanged, measured slower: 2026-12-05-session22-h200.md.)
+// Two blocks an SM on sm_90a (120 registers); one on sm_120a, whose build spilled 16 B at the 128-register cap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define K26_RT2_MINB 1
+#else
+#define K26_RT2_MINB 2
+#endif
+template <int MT, int B>
+__global__ void __launch_bounds__(kTileThreads, K26_RT2_MINB) linear_tile2_kernel(const Params p) {
+  __shared__ float red[kTileWarps][MT * 4][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, kt = 8 * t;
+  const int grp = blockIdx.z, n0 = blockIdx.x * 32;
+  const int units = (p.K + kUnit - 1) / kUnit;
+  const int u_begin = warp * units / kTileWarps, u_end = (warp + 1) * units / kTileWarps;
+  const __nv_bfloat16* wg = p.w + grp * p.w_gs;
+  const __nv_bfloat16 *w_lo[2], *w_hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // clamped rows are discarded
+    w_lo[r] = wg + (long long)min(n0 + 16 * r + g, p.N - 1) * p.w_ld;
+    w_hi[r] = wg + (long long)min(n0 + 16 * r + g + 8, p.N - 1) * p.w_ld;
+  }
+  const __nv_bfloat16* xr = p.x + grp * p.x_gs + g * p.x_ld + kt;
+  const long long x_tile = 8 * p.x_ld;
+  const int tiles_live = (p.M - g + 7) / 8;
+
+  uint4 wa[2][B][2], wb[2][B][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // two weight batches of each tile in flight across the wait
+    load_batch(wa[r], w_lo[r], w_hi[r], u_begin, u_end, kt, p.K);
+    load_batch(wb[r], w_lo[r], w_hi[r], u_begin + B, u_end, kt, p.K);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();  // x may come from the previous kernel
+#endif
+  float acc[2][MT][4] = {};
+  uint4 xa[B][MT], xb[B][MT];
+  load_x<MT, B>(xa, xr, x_tile, tiles_live, u_begin, u_end, kt, p.K);
+  load_x<MT, B>(xb, xr, x_tile, tiles_live, u_begin + B, u_end, kt, p.K);
+  for (int u = u_begin; u < u_end; u += 2 * B) {  // tile_loop's order, each x batch used by both tiles
+#pragma unroll
+    for (int r = 0; r < 2; ++r) compute_tile_batch<MT, B>(acc[r], wa[r], xa, u, u_end);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) load_batch(wa[r], w_lo[r], w_hi[r], u + 2 * B, u_end, kt, p.K);
+    load_x<MT, B>(xa, xr, x_tile, tiles_live, u + 2 * B, u_end, kt, p.K);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) compute_tile_batch<MT, B>(acc[r], wb[r], xb, u + B, u_end);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) load_batch(wb[r], w_lo[r], w_hi[r], u + 3 * B, u_end, kt, p.K);
+    load_x<MT, B>(xb, xr, x_tile, tiles_live, u + 3 * B, u_end, kt, p.K);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+  tile_store<MT>(acc[0], red, p, grp, n0);
+  __syncthreads();  // warp 0 has read the first tile's sums before the second's are written
+  tile_store<MT>(acc[1], red, p, grp, n0 + 16);
+}
+#endif
+
 // The tile kernel of MT token tiles at its default batch and occupancy.
 template <int MT, bool SWIGLU>
 constexpr auto tile_kernel() {
@@ -256,6 +322,10 @@ cudaError_t launch_tile(const Params& p, dim3 grid, bool pdl, cudaStream_t st) {
   const int mt = (p.M + 7) / 8;
   const dim3 block(kTileThreads);
   const bool deep = (long long)grid.x * grid.z <= sms();
+#ifdef K26_LINEAR_RT2
+  if (!SWIGLU && mt == 2 && !deep)
+    return launch_pdl(linear_tile2_kernel<2, 1>, dim3((p.N + 31) / 32, 1, grid.z), block, 0, pdl, st, p);
+#endif
   if (mt == 1 && deep) return launch_pdl(deep_kernel<1, SWIGLU>(), grid, block, 0, pdl, st, p);
   if (mt == 2 && deep) return launch_pdl(deep_kernel<2, SWIGLU>(), grid, block, 0, pdl, st, p);
   if (mt == 1) return launch_pdl(tile_kernel<1, SWIGLU>(), grid, block, 0, pdl, st, p);
