@@ -159,17 +159,22 @@ def test_unsupported_runs_the_reference():
     assert torch.equal(torch.ops.k26.linear(xf, wf), linear_reference(xf, wf))
 
 
-def test_graph_replay_matches_eager():
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    x, w = rand(16, 7168, gen=gen), rand(2112, 7168, gen=gen, scale=0.01)
-    torch.ops.k26.linear(x, w)  # load the library and the counters before capture
+@pytest.mark.parametrize(
+    "op, M, N, scale, seed",
+    [("linear", 16, 2112, 0.01, 5), ("linear_swiglu", 8, 2 * 2304, 7168**-0.5, 78)],
+)
+def test_graph_replay_matches_eager(op, M, N, scale, seed):
+    fn = getattr(torch.ops.k26, op)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x, w = rand(M, 7168, gen=gen), rand(N, 7168, gen=gen, scale=scale)
+    fn(x, w)  # load the library and the counters before capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = torch.ops.k26.linear(x, w)
+        out = fn(x, w)
     for _ in range(2):
-        x.copy_(rand(16, 7168, gen=gen))
+        x.copy_(rand(M, 7168, gen=gen))
         g.replay()
-        assert torch.equal(out, torch.ops.k26.linear(x, w))
+        assert torch.equal(out, fn(x, w))
 
 
 def test_model_with_the_kernel_matches_cublas(tiny_k25):
@@ -207,19 +212,6 @@ def test_swiglu_rows_are_batch_invariant():
     full = torch.ops.k26.linear_swiglu(x, w)
     for M in (1, 8, 16, 33):
         assert torch.equal(torch.ops.k26.linear_swiglu(x[:M], w), full[:M]), M
-
-
-def test_swiglu_graph_replay_matches_eager():
-    gen = torch.Generator(device="cuda").manual_seed(78)
-    x, w = rand(8, 7168, gen=gen), rand(2 * 2304, 7168, gen=gen, scale=7168**-0.5)
-    torch.ops.k26.linear_swiglu(x, w)  # load the library before capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = torch.ops.k26.linear_swiglu(x, w)
-    for _ in range(2):
-        x.copy_(rand(8, 7168, gen=gen))
-        g.replay()
-        assert torch.equal(out, torch.ops.k26.linear_swiglu(x, w))
 
 
 def test_a_swiglu_weight_the_door_copies_is_launched_without_pdl(monkeypatch):

@@ -185,6 +185,16 @@ def _aligned(t: torch.Tensor, *strides: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
 
 
+def kernel_operands(x: torch.Tensor, weight: torch.Tensor, M: int, K: int) -> tuple[torch.Tensor, ...]:
+    """x as [M, K] rows and a [*, K] weight as the kernel reads them (16-byte aligned rows, unit column
+    stride): each the caller's own tensor where it already is, else a packed copy (not a fallback)."""
+    x2 = x.reshape(M, K)
+    if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
+        x2 = packed(x2)
+    w = weight if weight.stride(1) == 1 and _aligned(weight, weight.stride(0)) else packed(weight)
+    return x2, w
+
+
 def launch(
     x2, w, residual, y, *, groups: int, strides, splits: int | None = None, pdl_on: bool = True
 ) -> None:
@@ -248,10 +258,7 @@ def _(x, weight, residual=None):
     if why is not None:
         say_once(__name__, logging.INFO, f"k26.linear: {why} runs the reference (F.linear)")
         return linear_reference(x, weight, residual)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
-        x2 = packed(x2)  # a copy, not a fallback: the kernel reads 16-byte rows
-    w = weight if weight.stride(1) == 1 and _aligned(weight, weight.stride(0)) else packed(weight)
+    x2, w = kernel_operands(x, weight, M, K)
     r2 = packed(residual.reshape(M, N)) if residual is not None else None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     strides = (x2.stride(0), 0, w.stride(0), 0, N, 0)

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
-from .linear_cuda import MAX_M, _aligned, _need, _same_place, _unsupported
+from .linear_cuda import MAX_M, _need, _same_place, _unsupported, kernel_operands
 from .log import say_once
-from .packed import packed
 
 
 def linear_swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -83,10 +82,7 @@ def _(x, weight):
     if why is not None:
         say_once(__name__, logging.INFO, f"k26.linear_swiglu: {why} runs the reference")
         return linear_swiglu_reference(x, weight)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
-        x2 = packed(x2)  # a copy, not a fallback: the kernel reads 16-byte rows
-    w = weight if weight.stride(1) == 1 and _aligned(weight, weight.stride(0)) else packed(weight)
+    x2, w = kernel_operands(x, weight, M, K)
     y = torch.empty(M, I, dtype=x.dtype, device=x.device)
     on = int(pdl.enabled_as_given((w, weight)))  # a weight the door copied is still being written: no PDL
     stream = torch.cuda.current_stream(x.device).cuda_stream
