@@ -35,6 +35,12 @@ DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 ROLES = ("system", "developer", "user", "assistant", "tool")  # (developer: a system-class turn of its own)
 
 
+# A chat message dict's keys (OpenAI's, and "reasoning"); EMPTY_OK: what an SDK's own assistant message
+# carries back (`message.model_dump()`), fine while it says nothing.
+MESSAGE_KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "tool_calls", "tool_call_id"}
+EMPTY_OK = {"refusal", "annotations", "audio", "function_call"}
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str  # as the model writes it: "functions.{name}:{index in the turn}"
@@ -110,6 +116,9 @@ class Message:
             raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
                 f"a chat message must be a dict or a k26.Message, got {type(m).__name__}"
             )
+        odd = sorted(k for k in set(m) - MESSAGE_KEYS if k not in EMPTY_OK or m[k] not in (None, [], {}, ""))
+        if odd:  # (a misspelt "content" rendered an empty turn)
+            raise ValueError(f"chat message key {odd[0]!r} is not one of {', '.join(sorted(MESSAGE_KEYS))}")
         calls = m.get("tool_calls")
         if calls is not None and not isinstance(calls, (list, tuple)):  # (a dict iterated its keys)
             raise ValueError(
@@ -205,14 +214,50 @@ def _shipped_template(path: str, stamp: tuple) -> str | None:
     return text
 
 
+class PromptTooLong(ValueError):
+    """A conversation whose text alone cannot fit the prompt tokens allowed, seen before any of it is encoded;
+    `item`: its part that needs the most of them ("messages[3]", "tools"; "messages" when none needs half)."""
+
+    def __init__(self, item: str, tokens: int, chars: int, limit: int):
+        held = f" ({item}: {chars:,} characters of text)" if chars else ""
+        super().__init__(
+            f"{item}: the conversation renders to at least {tokens:,} tokens{held}, more than the {limit:,} "
+            "a prompt may have"
+        )
+        self.item = item
+
+
 def render(
     tok: Tokenizer,
     messages: list[Message | dict],
     fmt: ChatFormat = ChatFormat(),
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
+    max_tokens: int | None = None,
 ) -> list[int]:
-    """Prompt ids of a conversation (see the module doc); `tools`: OpenAI function declarations."""
+    """Prompt ids of a conversation (see the module doc); `tools`: OpenAI function declarations.
+    `max_tokens`: the most prompt tokens allowed; a conversation whose text cannot fit them whatever it
+    encodes to is refused (PromptTooLong) before any of it is encoded (tens of megabytes take seconds)."""
+    pieces = _pieces(tok, messages, fmt, tools, add_generation_prompt)
+    if max_tokens is not None:
+        _check_fits(pieces, max_tokens, tok.max_token_bytes)
+    ids: list[int] = []
+    for owner, p in pieces:
+        if isinstance(p, int):
+            ids.append(p)
+            continue
+        try:
+            ids += tok.encode(p)
+        except ValueError as e:  # (a lone surrogate): which message or declaration holds it
+            raise ValueError(f"{owner}: {e}") from None
+    return ids
+
+
+Part = tuple[str, "str | int"]  # (the part of the conversation it is in, a text to encode or a special id)
+
+
+def _pieces(tok: Tokenizer, messages, fmt: ChatFormat, tools, add_generation_prompt: bool) -> list[Part]:
+    """The conversation as the special ids this module inserts and the texts it encodes, in order."""
     sp = tok.token_id
     if isinstance(messages, (str, bytes, dict, Message)) or not hasattr(messages, "__iter__"):
         raise ValueError(  # (chat input errors are ValueError)
@@ -227,47 +272,79 @@ def render(
             raise ValueError(f"messages[{i}]: {e}") from None
     if not msgs:  # (only the system turn: nothing asked, as the server's 400 says too)
         raise ValueError("messages is empty: expected at least one chat message")
-    if fmt.default_system is not None and (not msgs or msgs[0].role != "system"):
+    owners = [f"messages[{i}]" for i in range(len(msgs))]
+    if fmt.default_system is not None and msgs[0].role != "system":
         msgs.insert(0, Message("system", fmt.default_system))
-    ids: list[int] = []
+        owners.insert(0, "the default system prompt")
+    out: list[Part] = []
     if tools:
-        ids += _turn(tok, "<|im_system|>", "tool_declare", tok.encode(declare_tools(tools, fmt)))
+        out += _turn(tok, "tools", "<|im_system|>", "tool_declare", [declare_tools(tools, fmt)])
     # K2.5 / K2.6 / K2-Thinking: assistant turns up to the last plain answer (no tool calls) keep an empty
     # think block; the turns after it (the tool-call rounds of the answer being built) keep their reasoning
     answers = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
     last_answer = answers[-1] if answers and not fmt.preserve_thinking else -1
     for i, m in enumerate(msgs):
         marker = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(m.role, "<|im_system|>")
-        label = m.name or m.role
+        body: list[str | int] = []
         if m.role == "tool":
-            body = tok.encode(f"## Return of {m.tool_call_id}\n{m.content}")
+            body = [f"## Return of {m.tool_call_id}\n{m.content}"]
         elif m.role == "assistant":
-            body = []
             if fmt.thinking is not None or fmt.think_history:
                 kept = (m.reasoning or "") if fmt.thinking is not False and i > last_answer else ""
-                body += [sp("<think>"), *tok.encode(kept), sp("</think>")]
-            body += tok.encode(m.content)
+                body += [sp("<think>"), kept, sp("</think>")]
+            body.append(m.content)
             if m.tool_calls:
                 body.append(sp("<|tool_calls_section_begin|>"))
                 for c in m.tool_calls:
-                    body += [sp("<|tool_call_begin|>"), *tok.encode(c.id), sp("<|tool_call_argument_begin|>")]
-                    body += [*tok.encode(c.arguments), sp("<|tool_call_end|>")]
+                    body += [sp("<|tool_call_begin|>"), c.id, sp("<|tool_call_argument_begin|>")]
+                    body += [c.arguments, sp("<|tool_call_end|>")]
                 body.append(sp("<|tool_calls_section_end|>"))
         else:
-            body = tok.encode(m.content)
-        ids += _turn(tok, marker, label, body)
+            body = [m.content]
+        out += _turn(tok, owners[i], marker, m.name or m.role, body)
     if add_generation_prompt:
-        ids += [sp("<|im_assistant|>"), *tok.encode("assistant"), sp("<|im_middle|>")]
+        prompt: list[str | int] = [sp("<|im_assistant|>"), "assistant", sp("<|im_middle|>")]
         if fmt.thinking is True:
-            ids.append(sp("<think>"))
+            prompt.append(sp("<think>"))
         elif fmt.thinking is False:
-            ids += [sp("<think>"), sp("</think>")]
-    return ids
+            prompt += [sp("<think>"), sp("</think>")]
+        out += [("the generation prompt", p) for p in prompt]
+    return out
 
 
-def _turn(tok: Tokenizer, marker: str, label: str, body: list[int]) -> list[int]:
+def _turn(tok: Tokenizer, owner: str, marker: str, label: str, body: list[str | int]) -> list[Part]:
     sp = tok.token_id
-    return [sp(marker), *tok.encode(label), sp("<|im_middle|>"), *body, sp("<|im_end|>")]
+    return [(owner, p) for p in (sp(marker), label, sp("<|im_middle|>"), *body, sp("<|im_end|>"))]
+
+
+def _check_fits(pieces: list[Part], max_tokens: int, token_bytes: int) -> None:
+    """PromptTooLong where the pieces need more than `max_tokens` tokens whatever their texts encode to: a
+    special id is one token, a text at least one per `token_bytes` bytes (the longest token's), so at least
+    one per `token_bytes` characters (a character is one byte or more)."""
+    need: dict[str, int] = {}
+    chars: dict[str, int] = {}
+    for owner, p in pieces:
+        if isinstance(p, int):
+            need[owner] = need.get(owner, 0) + 1
+        else:
+            need[owner] = need.get(owner, 0) - (-len(p) // token_bytes)
+            chars[owner] = chars.get(owner, 0) + len(p)
+    tokens = sum(need.values())
+    if tokens > max_tokens:
+        item = max(need, key=need.get)
+        if 2 * need[item] < tokens:  # many parts, none the cause (thousands of short messages)
+            item, held = "messages", sum(n for o, n in chars.items() if o.startswith("messages"))
+        else:
+            held = chars.get(item, 0)
+        raise PromptTooLong(item, tokens, held, max_tokens)
+
+
+# A function declaration's optional fields, as OpenAI types them (anything else would be declared as it came).
+TOOL_FIELDS = (
+    ("description", str, "a string"),
+    ("parameters", dict, "a JSON schema object"),
+    ("strict", bool, "a boolean"),
+)
 
 
 def _check_tools(tools) -> None:
@@ -285,6 +362,9 @@ def _check_tools(tools) -> None:
             raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., ...}}}}")
         if not isinstance(f.get("name"), str) or not f["name"]:
             raise ValueError(f"tools[{i}].function.name={f.get('name')!r}: expected a non-empty string")
+        for key, kind, what in TOOL_FIELDS:
+            if f.get(key) is not None and not isinstance(f[key], kind):
+                raise ValueError(f"tools[{i}].function.{key}: expected {what}, got {type(f[key]).__name__}")
 
 
 def declare_tools(tools: list[dict], fmt: ChatFormat) -> str:
@@ -295,4 +375,16 @@ def declare_tools(tools: list[dict], fmt: ChatFormat) -> str:
             return typescript_tools(tools)
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             pass  # (the reference's tokenizer falls back to the JSON on any failure of the conversion)
-    return json.dumps(tools, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+    try:
+        return json.dumps(tools, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError) as e:  # a set or an object in a schema (from Python): which declaration
+        bad = next(i for i, t in enumerate(tools) if not _is_json(t))
+        raise ValueError(f"tools[{bad}]: not JSON ({e})") from None
+
+
+def _is_json(x) -> bool:
+    try:
+        json.dumps(x, sort_keys=True)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -362,6 +362,7 @@ class LLM(OneShotCalls, ContinuousBatching):
 
     def chat_ids(self, messages: list[Message | dict], tools: list | None = None, thinking=None) -> list[int]:
         """A conversation's prompt ids in this model's chat format (`chat.render`; `thinking`: K2.5 / K2.6's
-        think block, None its default). The answer's ids read back: `chat_parser.ChatParser`."""
+        think block, None its default). The answer's ids read back: `chat_parser.ChatParser`. One that cannot
+        leave a token of the context to generate is refused (chat.PromptTooLong) before it is encoded."""
         fmt = ChatFormat.of_checkpoint(self.path, self.config.model_type).with_thinking(thinking)
-        return render(self.tokenizer, messages, fmt, tools)
+        return render(self.tokenizer, messages, fmt, tools, max_tokens=self.max_model_len - 1)

@@ -6,7 +6,7 @@ shape named rather than rendered. The output side (parsing) is in test_chat.py."
 import pytest
 import test_chat
 
-from k26.chat import DEFAULT_SYSTEM, ChatFormat, Message, ToolCall, render
+from k26.chat import DEFAULT_SYSTEM, ChatFormat, Message, PromptTooLong, ToolCall, render
 
 K25 = ChatFormat.for_model("kimi_k25")
 WEATHER = {
@@ -191,6 +191,28 @@ def test_bad_messages_are_named():
             [{"type": "function", "function": {}}],
             r"tools\[0\].function.name",
         ),
+        # (found in an audit: declared to the model as they came, a bare TypeError, an unnamed message)
+        (
+            [{"role": "user", "content": "x"}],
+            [{"type": "function", "function": {"name": "f", "description": 5}}],
+            r"tools\[0\].function.description: expected a string, got int",
+        ),
+        (
+            [{"role": "user", "content": "x"}],
+            [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+            r"tools\[0\].function.parameters: expected a JSON schema object",
+        ),
+        (
+            [{"role": "user", "content": "x"}],
+            [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"a": {1, 2}}}}],
+            r"tools\[1\]: not JSON",
+        ),
+        (
+            [{"role": "user", "content": "x"}, {"role": "user", "content": "a\ud800"}],
+            None,
+            r"messages\[1\]: text",
+        ),
+        ([{"role": "user", "contnet": "hi"}], None, r"messages\[0\]: chat message key 'contnet'"),
     ],
 )
 def test_inputs_of_the_wrong_shape_are_named_not_rendered(tok, messages, tools, needle):
@@ -224,3 +246,36 @@ def test_openai_shaped_dicts_render_as_messages(tok):
 def test_tools_as_a_tuple_render_as_the_list(tok):
     msgs = [{"role": "user", "content": "weather?"}]
     assert render(tok, msgs, K25, (WEATHER,)) == render(tok, msgs, K25, [WEATHER])
+
+
+def test_an_sdks_empty_assistant_fields_are_accepted(tok):
+    said = {"role": "assistant", "content": "a", "refusal": None, "annotations": [], "function_call": None}
+    assert render(tok, [said], K25) == render(tok, [Message("assistant", "a")], K25)
+    with pytest.raises(ValueError, match="'refusal'"):
+        render(tok, [{**said, "refusal": "no"}], K25)
+
+
+@pytest.mark.parametrize(
+    "messages,tools,item",
+    [
+        ([{"role": "user", "content": "q"}, {"role": "user", "content": "y" * 4000}], None, "messages[1]"),
+        (
+            [{"role": "user", "content": "q"}],
+            [{**WEATHER, "function": {"name": "f", "description": "w" * 4000}}],
+            "tools",
+        ),
+        ([{"role": "user", "content": "q"}] * 2000, None, "messages"),  # the turns' markers: no one message
+    ],
+)
+def test_a_conversation_that_cannot_fit_is_refused_before_it_is_encoded_naming_its_largest_part(
+    tok, monkeypatch, messages, tools, item
+):
+    fits = render(tok, messages[:1], K25, max_tokens=100)  # (a short one renders as without the bound)
+    assert fits == render(tok, messages[:1], K25)
+    calls = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: calls.append(text) or real(text))
+    limit = 4000 // tok.max_token_bytes
+    with pytest.raises(PromptTooLong) as e:
+        render(tok, messages, K25, tools, max_tokens=limit)
+    assert e.value.item == item and calls == [] and f"more than the {limit:,}" in str(e.value)

@@ -78,8 +78,13 @@ BAD = [
             p,
         )
         for extra, p in [
-            ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0]"),
-            ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1]"),
+            ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0].function.name"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
+            ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "tools[0].function.strict"),
+            (
+                {"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 5000}}]},
+                "tools",  # the conversation's largest part, refused before it is encoded
+            ),
             ({"tools": {"name": "f"}}, "tools"),
             (
                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
@@ -99,7 +104,21 @@ BAD = [
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
         400,
-        "messages[0]",
+        "messages[0].tool_call_id",
+    ),
+    # NaN / Infinity are no JSON (json.loads took them: into a tool schema, so into the prompt)
+    (
+        "/v1/chat/completions",
+        b'{"model": "k26-test", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+        b'"function": {"name": "f", "parameters": {"default": NaN}}}]}',
+        400,
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 4000},
+        400,
+        "messages",  # no message the cause: 4,000 turns' markers alone overflow the context
     ),
     (
         "/v1/chat/completions",

@@ -179,7 +179,8 @@ def test_chat_messages_longer_than_any_context_are_refused_before_they_are_rende
     status, err = raw(served["url"], "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"
     assert err["error"]["param"] == "messages" and calls == []  # contents summed over the messages
-    body["messages"][-1]["content"] = "y" * (bound - bound // 2 - 1)  # at the bound: rendered, then counted
+    # within the bound (which also counts each turn's markers and labels): rendered, then counted
+    body["messages"] = [{"role": "user", "content": "y" * (bound // 2)}]
     status, err = raw(served["url"], "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and calls and "tokens, but the context holds" in err["error"]["message"]
     # the other text render always encodes counts too: a label, a tool call's arguments (found in review)
@@ -192,6 +193,13 @@ def test_chat_messages_longer_than_any_context_are_refused_before_they_are_rende
         body = {"model": MODEL, "messages": [{"role": "user", "content": "q"}, msg]}
         status, err = raw(served["url"], "/v1/chat/completions", json.dumps(body).encode())
         assert status == 400 and err["error"]["code"] == "context_length_exceeded" and calls == [], msg
+
+
+def test_a_path_with_a_trailing_slash_and_the_schema_page_are_json_404s_not_redirects(served):
+    # (found in an audit: a bare 307 to the slash-less path; /openapi.json served the framework's schema)
+    for path, data in (("/v1/completions/", b"{}"), ("/v1/models/", None), ("/openapi.json", None)):
+        status, err = raw(served["url"], path, data)
+        assert status == 404 and isinstance(err, dict) and err["error"]["message"], (path, err)
 
 
 def test_the_model_card_route_answers_the_served_model_and_404_for_others(served):

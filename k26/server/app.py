@@ -58,7 +58,9 @@ def create_app(
 ) -> FastAPI:
     """The app; with `api_key` every route but /health and /metrics wants `Authorization: Bearer <key>`;
     a request body above `max_body_bytes` is refused (413) before it is held."""
-    app = FastAPI(title="k26", docs_url=None, redoc_url=None)
+    # No schema or docs pages (the API is OpenAI's), and no 307 to the slash-less path: a client posting to
+    # "/v1/completions/" gets the JSON 404 every unknown path gets, not a redirect without a body.
+    app = FastAPI(title="k26", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     s = Served(engine, model_name, max_body_bytes)
     if api_key:
         app.add_middleware(RequireKey, key=api_key)

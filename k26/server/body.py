@@ -102,8 +102,8 @@ def parse_json(raw: bytes):
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not UTF-8 text: {e}") from None
     try:
-        body = json.loads(text)
-    # (JSONDecodeError, a 4,300+ digit integer: ValueErrors; deep nesting recurses)
+        body = json.loads(text, parse_constant=_no_constant)
+    # (JSONDecodeError, a 4,300+ digit integer, NaN / Infinity: ValueErrors; deep nesting recurses)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     # A lone surrogate can only come as a \uD800-\uDFFF escape (UTF-8 input cannot hold one): without such
@@ -115,6 +115,12 @@ def parse_json(raw: bytes):
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name: str):
+    """json.loads takes NaN, Infinity and -Infinity, which JSON (RFC 8259) has not: a tool schema would pass
+    them into the prompt as they came."""
+    raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
 
 
 def unpaired_surrogate(x) -> str | None:

@@ -15,7 +15,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat import ChatFormat, Message, ToolCall, is_text_part, render, text_of
+from ..chat import (
+    EMPTY_OK,
+    TOOL_FIELDS,
+    ChatFormat,
+    Message,
+    PromptTooLong,
+    ToolCall,
+    is_text_part,
+    render,
+    text_of,
+)
 from ..chat_parser import ChatParser, Piece
 from ..sampling import stop_prefix_len
 from ..tokenizer import Tokenizer
@@ -32,8 +42,6 @@ ROLE_KEYS = {
     "assistant": {"role", "content", "name", "tool_calls", "reasoning_content"},
     "tool": {"role", "content", "tool_call_id", "name"},
 }
-# what an SDK's own assistant message carries back (`message.model_dump()`): fine while it says nothing
-EMPTY_OK = {"refusal", "annotations", "audio", "function_call"}
 
 
 @dataclass(frozen=True)
@@ -49,9 +57,9 @@ class ChatTurn:
 def parse_chat(
     body: dict, tok: Tokenizer, fmt: ChatFormat, max_len: int | None = None
 ) -> tuple[list[int], ChatTurn]:
-    """The prompt ids of a chat request and how to read its output; every bad item named. Messages whose
-    contents alone cannot fit `max_len` tokens are refused before the prompt is rendered and encoded (tens
-    of megabytes take seconds of a worker; completions' prompts get the same bound)."""
+    """The prompt ids of a chat request and how to read its output; every bad item named. A conversation whose
+    text alone cannot fit `max_len` tokens is refused before it is encoded, naming its largest part (tens of
+    megabytes take seconds of a worker; completions' prompts get the same bound)."""
     kw, KW = body.get("chat_template_kwargs"), "chat_template_kwargs"
     if kw is not None and (not isinstance(kw, dict) or set(kw) - {"thinking", "preserve_thinking"}):
         raise APIError(400, f"{KW}: only 'thinking' and 'preserve_thinking' (booleans) are supported", KW)
@@ -81,26 +89,12 @@ def parse_chat(
         raise APIError(400, msg, "parallel_tool_calls")
     declared = tools if choice != "none" else []
     msgs = _messages(body)
-    chars = sum(map(_rendered_chars, msgs))
-    if max_len is not None and chars > (max_len - 1) * tok.max_token_bytes:  # (bytes >= characters)
-        raise APIError(
-            400,
-            f"messages: {chars:,} characters of text, more than the {max_len} tokens of the context "
-            "(max_model_len) can hold",
-            "messages",
-            code="context_length_exceeded",
-        )
-    ids = render(tok, msgs, fmt, declared)
+    limit = None if max_len is None else max_len - 1  # a prompt leaves room for one token at least
+    try:
+        ids = render(tok, msgs, fmt, declared, max_tokens=limit)
+    except PromptTooLong as e:  # its tools or one message: before tens of megabytes are encoded
+        raise APIError(400, str(e), e.item, code="context_length_exceeded") from None
     return ids, ChatTurn(fmt.thinking is True, 1 if parallel is False else None, bool(declared))
-
-
-def _rendered_chars(m: Message) -> int:
-    """Characters of a message that chat.render always encodes as text — its content, its label (name), a
-    tool result's call id, its tool calls' ids and arguments; not its reasoning, kept only in some turns: a
-    lower bound on the text, so on the tokens (max_token_bytes bytes a token at most, a character a byte at
-    least)."""
-    calls = sum(len(c.id) + len(c.arguments) for c in m.tool_calls)
-    return len(m.content) + len(m.name or "") + len(m.tool_call_id or "") * (m.role == "tool") + calls
 
 
 def _tools(body: dict) -> list[dict]:
@@ -122,16 +116,16 @@ def _tools(body: dict) -> list[dict]:
         name = f.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             msg = f"{where}.function.name={short(name)}: expected 1-64 of a-z A-Z 0-9 _ -"
-            raise APIError(400, msg, where)
+            raise APIError(400, msg, f"{where}.function.name")
         if name in names:
-            raise APIError(400, f"{where}.function.name={short(name)}: declared twice", where)
+            msg = f"{where}.function.name={short(name)}: declared twice"
+            raise APIError(400, msg, f"{where}.function.name")
         names.add(name)
         if _depth(f.get("parameters")) > MAX_DEPTH:
             raise APIError(400, f"{where}.function.parameters: nested deeper than {MAX_DEPTH}", where)
-        checks = (("description", str), ("parameters", dict), ("strict", bool))
-        for key, kind in checks:
+        for key, kind, what in TOOL_FIELDS:
             if f.get(key) is not None and not isinstance(f[key], kind):
-                raise APIError(400, f"{where}.function.{key}: expected a {kind.__name__}", where)
+                raise APIError(400, f"{where}.function.{key}: expected {what}", f"{where}.function.{key}")
     return tools
 
 
@@ -177,7 +171,8 @@ def _messages(body: dict) -> list[Message]:
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise APIError(400, f"{where}.{key}: expected a string", f"{where}.{key}")
         if role == "tool" and m.get("tool_call_id") is None:
-            raise APIError(400, f"{where}.tool_call_id is missing (the call this result answers)", where)
+            msg = f"{where}.tool_call_id is missing (the call this result answers)"
+            raise APIError(400, msg, f"{where}.tool_call_id")
         out.append(
             Message(
                 role,
