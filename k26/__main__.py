@@ -137,9 +137,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     import torch
 
     from . import LLM
-    from .dist import env_int
+    from .dist import rank_and_world
 
-    rank0 = env_int("RANK", 0) == 0
+    # (RANK / WORLD_SIZE checked here too: a stale RANK=1 left every line unprinted, exit 0)
+    rank0 = rank_and_world()[0] == 0
     llm = LLM(
         plan.model,
         drafter=plan.drafter,

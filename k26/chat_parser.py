@@ -48,6 +48,10 @@ class ChatParser:
     not; text between calls is content. A call is returned only once its id has text."""
 
     def __init__(self, tok: Tokenizer, thinking: bool, tools: bool = True):
+        if not isinstance(tok, Tokenizer):  # (an LLM passed for its tokenizer failed on an attribute)
+            raise TypeError(
+                f"ChatParser: tok is a {type(tok).__name__}; expected a Tokenizer (llm.tokenizer)"
+            )
         for name, v in (("thinking", thinking), ("tools", tools)):  # ("no" was taken for True)
             if not isinstance(v, bool):
                 raise TypeError(f"ChatParser: {name}={v!r}: expected True or False")
@@ -73,6 +77,8 @@ class ChatParser:
             raise RuntimeError("ChatParser.push: the output was finished (finish() was called)")
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise TypeError(f"ChatParser.push: ids is a {type(ids).__name__}; expected a list of token ids")
+        if hasattr(ids, "tolist"):  # a tensor or an array: its ints, as generate() takes them
+            ids = ids.tolist()
         ids, n = list(ids), self.tok.n_words
         for at, t in enumerate(ids):
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < n:
@@ -153,7 +159,7 @@ class ChatParser:
     def tool_calls(self, limit: int | None = None) -> list[ToolCall]:
         """The turn's calls in order (a call cut short by max_tokens included: the finish reason says so),
         those without an id left out; `limit`: at most that many (parallel_tool_calls = false: one)."""
-        ids = [(c, i) for c, i in self._ids().items() if i][:limit]
+        ids = [(c, i) for c, i in self._ids().items() if i][: _limit(limit)]
         return [
             ToolCall(
                 i,
@@ -165,13 +171,18 @@ class ChatParser:
 
     def finish_reason(self, reason: str, limit: int | None = None) -> str:
         """ "tool_calls" when a turn that stopped by itself returns a complete call."""
-        returned = [c for c, i in self._ids().items() if i][:limit]
+        if not isinstance(reason, str):
+            raise TypeError(f"ChatParser.finish_reason: reason={reason!r}: expected a finish reason string")
+        returned = [c for c, i in self._ids().items() if i][: _limit(limit)]
         return "tool_calls" if reason == "stop" and any(c in self.closed for c in returned) else reason
 
     def take(self, upto: int, final: bool = False, limit: int | None = None) -> Piece:
         """What the stream has not sent of the plain text before `upto` (held back beyond it: what may
         begin a stop string). A call's id and name go out once its id is complete (its arguments began,
         or the end); its arguments then stream as fragments. `limit` as in `tool_calls`."""
+        if isinstance(upto, bool) or not isinstance(upto, numbers.Integral):
+            raise TypeError(f"ChatParser.take: upto={upto!r}: expected a position in the text (an int)")
+        limit = _limit(limit)
         piece, lo, ids = Piece(), self.sent, None
         for k, p in enumerate(self.parts):
             if p.kind in ("id", "args"):
@@ -211,3 +222,12 @@ MARKERS = (
     "<|tool_call_end|>",
     "<|tool_calls_section_end|>",
 )
+
+
+def _limit(limit) -> int | None:
+    """A call limit: None (all) or a positive int (limit=-1 dropped the last call, "x" a TypeError)."""
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1
+    ):
+        raise ValueError(f"ChatParser: limit={limit!r}: expected None or a positive integer")
+    return limit

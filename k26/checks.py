@@ -6,7 +6,8 @@ from __future__ import annotations
 import numbers
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -230,6 +231,8 @@ def check_ids(
                 f"{what} is a {ids.dim()}-d {ids.dtype} tensor; expected a 1-d integer tensor of token ids"
             )
         ids = ids.tolist()
+    if isinstance(ids, (AbstractSet, Mapping)):  # (their order is not the prompt's; a dict gave its keys)
+        raise TypeError(f"{what} is a {type(ids).__name__}; expected a list of token ids, in order")
     try:
         ids = list(ids)
     except TypeError:  # (an int or None: Python's "'int' object is not iterable" named no argument)

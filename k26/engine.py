@@ -10,6 +10,8 @@ continuous-batching calls (`open_batch`, `admit`, `step`, `release`) continuous_
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import time
 import weakref
@@ -46,7 +48,7 @@ from .dist import (
 )
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
-from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
+from .load_cache import check_cache_dir, compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
 from .memory_plan import check_host_caches, check_memory, plan_memory
 from .model import CompiledLayers, KimiK2
@@ -105,6 +107,7 @@ class LLM(OneShotCalls, ContinuousBatching):
         self.prefill_budget, self.capture_at_start = prefill_budget, capture
         for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
             check_path(value, name)
+        check_cache_dir(cache_dir)
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
 
@@ -316,6 +319,9 @@ class LLM(OneShotCalls, ContinuousBatching):
         """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
         graphs hangs), and stop the ranks it started; every later call is refused. A call running in another
         thread is waited for (its graphs are not freed under its replay), at most `wait` seconds if given."""
+        bad = isinstance(wait, bool) or not isinstance(wait, numbers.Real) or not 0 <= wait < math.inf
+        if wait is not None and bad:  # (before the LLM is marked closed: a bad value leaves it as it was)
+            raise ValueError(f"close(wait={wait!r}): expected None or a finite number of seconds >= 0")
         with self._calls.closing(wait) if hasattr(self, "_calls") else contextlib.nullcontext():
             self._close()
 

@@ -100,6 +100,18 @@ def test_bad_prompt_type(llm):
 def test_score_checks_ids(llm):
     with pytest.raises(ValueError, match="token_ids: token id 10000"):
         llm.score([1, 10000])
+    # (found in an audit: a set was scored in its own order, a dict as its keys)
+    for ids in ({3, 1, 2}, {1: 2}):
+        with pytest.raises(TypeError, match=f"token_ids is a {type(ids).__name__}; expected a list"):
+            llm.score(ids)
+
+
+@pytest.mark.parametrize("wait", ["x", -5, float("nan"), float("inf"), True])
+def test_a_bad_close_wait_is_named_and_leaves_the_llm_open(llm, wait):
+    # (found in an audit: a raw TypeError / OverflowError after the LLM was marked closed, nothing torn down)
+    with pytest.raises(ValueError, match=r"close\(wait="):
+        llm.close(wait=wait)
+    assert llm.score([1, 2]).shape[0] == 2
 
 
 @pytest.mark.parametrize(
@@ -145,6 +157,8 @@ def test_bad_constructor_args(tiny_k25):
         ({"buckets": [(99, 4)]}, "exceeds max_batch"),
         ({"drafter": "/nonexistent-drafter"}, "nonexistent-drafter"),
         ({"cache_dir": 5}, "cache_dir=5"),
+        ({"cache_dir": __file__}, "is a file; expected a directory"),  # (it warned after the load)
+        ({"cache_dir": __file__ + "/sub"}, "cannot be created"),
     ],
 )
 def test_bad_constructor_args_are_named_before_any_weight_is_read(tiny_k25, monkeypatch, kwargs, needle):

@@ -6,6 +6,7 @@ max_tokens cuts and parallel_tool_calls limits applied, and every character kept
 import random
 
 import pytest
+import torch
 
 from k26.chat import ToolCall
 from k26.chat_parser import MARKERS, ChatParser
@@ -263,3 +264,22 @@ def test_the_parser_names_what_it_cannot_read(tok):
     assert p.content() == "abc"
     with pytest.raises(RuntimeError, match="finished"):
         p.push([41])
+
+
+def test_chat_parser_arguments_are_checked_at_the_boundary(tok):
+    # (found in an audit: an LLM for its tokenizer an AttributeError, limit=-1 dropped the last call silently,
+    # limit="x" / take("x") a bare TypeError, a tensor of ids refused while generate() takes one)
+    with pytest.raises(TypeError, match="tok is a str; expected a Tokenizer"):
+        ChatParser("tok", thinking=False)
+    p = ChatParser(tok, thinking=False)
+    p.push(torch.tensor(tok.encode("hi")))
+    assert p.plain == "hi"
+    for limit in (-1, 0, "x", True):
+        with pytest.raises(ValueError, match="limit="):
+            p.tool_calls(limit)
+        with pytest.raises(ValueError, match="limit="):
+            p.take(2, limit=limit)
+    with pytest.raises(TypeError, match="upto="):
+        p.take("x")
+    with pytest.raises(TypeError, match="reason=5"):
+        p.finish_reason(5)

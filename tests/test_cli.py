@@ -197,6 +197,15 @@ def test_a_torchrun_variable_that_is_no_count_is_one_line_naming_it(monkeypatch,
     assert err.startswith(f"k26: error: {name}={value!r} in the environment: expected an integer >=")
 
 
+@pytest.mark.parametrize("env", [{"RANK": "5"}, {"RANK": "1", "WORLD_SIZE": "1"}])
+def test_a_stale_rank_is_one_line_not_a_silent_run(monkeypatch, capsys, no_loading, env):
+    # (found in an audit: RANK=5 left every line unprinted, rank 0's alone, and exited 0)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc, out, err = run(capsys, "generate", "--prompt", "hi")
+    assert rc == 2 and out == "" and err.startswith(f"k26: error: RANK={env['RANK']} in the environment")
+
+
 def test_drafter_without_spec_decodes_with_ddtree(capsys):
     rc, _, err = run(
         capsys,
