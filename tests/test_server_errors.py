@@ -80,7 +80,10 @@ BAD = [
         for extra, p in [
             ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0].function.name"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
-            ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "tools[0].function.strict"),
+            (
+                {"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+                "tools[0].function.strict",
+            ),
             (
                 {"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 5000}}]},
                 "tools",  # the conversation's largest part, refused before it is encoded
@@ -109,8 +112,10 @@ BAD = [
     # NaN / Infinity are no JSON (json.loads took them: into a tool schema, so into the prompt)
     (
         "/v1/chat/completions",
-        b'{"model": "k26-test", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
-        b'"function": {"name": "f", "parameters": {"default": NaN}}}]}',
+        (
+            b'{"model": "k26-test", "messages": [{"role": "user", "content": "x"}], '
+            b'"tools": [{"type": "function", "function": {"name": "f", "parameters": {"default": NaN}}}]}'
+        ),
         400,
         None,
     ),
