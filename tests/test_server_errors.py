@@ -52,7 +52,9 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": True}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**63 - 2, "n": 3}, 400, "seed"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt[1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 6, "a"]}, 400, "prompt[2]"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", None]}, 400, "prompt[1]"),
     # a token-id prompt's element that is no id, named by its index (found in a bug hunt: "prompt: expected a
     # string or a list of token ids, got list", the list itself)
     ("/v1/completions", {"model": MODEL, "prompt": [1, 1.5]}, 400, "prompt[1]"),
@@ -413,3 +415,15 @@ def test_a_step_that_breaks_the_llm_ends_the_engine_and_health_says_so(monkeypat
         engine.stop()
         monkeypatch.undo()
         llm.close()
+
+
+def test_logit_bias_keys_are_token_ids_whatever_their_leading_zeros():
+    # (found in an audit: "0005" was token 5 but "00005" was "not a token id": the length check came first)
+    from k26.server.errors import APIError
+    from k26.server.sampling_api import _logit_bias
+
+    assert _logit_bias({"0005": 1, "000": -2}, 100) == ((5, 1.0), (0, -2.0))
+    assert _logit_bias({"0" * 5000 + "7": 3}, 100) == ((7, 3.0),)
+    for bad in ({"00100": 1}, {"": 1}, {"05": 1, "5": 2}):
+        with pytest.raises(APIError):
+            _logit_bias(bad, 100)

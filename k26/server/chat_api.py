@@ -74,7 +74,8 @@ def parse_chat(
     tools = _tools(body)
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        what = "a named function" if isinstance(choice, dict) else repr(choice)
+        named = isinstance(choice, dict) and choice.get("type") == "function"  # (OpenAI's forced call)
+        what = "a named function" if named else short(choice)
         raise APIError(
             400,
             f"tool_choice={what} is not supported by this server (forcing a call needs constrained "

@@ -230,9 +230,12 @@ def _prompts(body: dict, tok: Tokenizer, vocab: int, max_len: int) -> list[list[
         raise APIError(400, "missing required parameter: 'prompt'", "prompt")
     several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
     if isinstance(p, list) and not several and any(isinstance(x, (str, list)) for x in p):
-        raise APIError(
-            400, "prompt: a list holds token ids, or prompts (strings or token-id lists), not both", "prompt"
-        )
+        # both kinds: the first element unlike prompt[0] is the odd one
+        first = isinstance(p[0], (str, list))
+        i = next(i for i, x in enumerate(p) if isinstance(x, (str, list)) != first)
+        want = "a prompt (a string or a list of token ids)" if first else "a token id"
+        msg = f"prompt[{i}]={short(p[i])}: expected {want}, as prompt[0] is (a list holds one kind)"
+        raise APIError(400, msg, f"prompt[{i}]")
     items = p if several else [p]
     if len(items) > MAX_PROMPTS:
         raise APIError(400, f"prompt: {len(items)} prompts, at most {MAX_PROMPTS} a request", "prompt")

@@ -110,6 +110,7 @@ def _logit_bias(lb: Any, vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
     for key, v in lb.items():
         k = key.strip() if isinstance(key, str) else ""
+        k = k.lstrip("0") or k[:1]  # ("0005" and "00005" alike: both 5, or both refused)
         # (the length first: int() of a 4,300+ digit string raises)
         if len(k) > len(str(vocab)) or not (k.isdigit() and k.isascii()) or int(k) >= vocab:
             raise APIError(400, f"logit_bias: {short(key)} is not a token id in [0, {vocab})", "logit_bias")
