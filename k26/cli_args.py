@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cache_dir import cache_dir_problem
 from .cli_parser import MAX_BUDGET
 from .embedded import default_drafter_dir, default_model_dir
 
@@ -91,18 +92,9 @@ def cache_dir_arg(value: str | None) -> None:
         raise ValueError("--cache-dir is empty: pass a directory (created on first use)")
     if value is None:
         return
-    if Path(value).exists() and not Path(value).is_dir():
-        raise ValueError(f"--cache-dir {value}: exists and is not a directory")
-    base = Path(value).resolve()
-    while not base.exists():  # the directory it will be created in (found unwritable only after the load)
-        base = base.parent
-    if not base.is_dir():
-        raise ValueError(f"--cache-dir {value}: cannot be created, {base} is not a directory")
-    try:  # (a probe file, as out_arg's: os.access says yes to root where nothing can be created)
-        with tempfile.NamedTemporaryFile(dir=base):
-            pass
-    except OSError as e:
-        raise ValueError(f"--cache-dir {value}: cannot write in {base} ({e.strerror})") from None
+    why = cache_dir_problem(value)
+    if why is not None:
+        raise ValueError(f"--cache-dir {value}: {why}")
 
 
 def resolved_pair(a: argparse.Namespace) -> tuple[Path, Path | None]:

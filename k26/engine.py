@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .batch_state import BatchState
+from .cache_dir import cache_dir_problem
 from .call_guard import CallGuard, one_at_a_time
 from .chat import ChatFormat, Message, render
 from .checks import (
@@ -48,7 +49,7 @@ from .dist import (
 )
 from .graphs.buckets import Bucket, default_batches
 from .kv_cache import DrafterCache, LatentCache
-from .load_cache import check_cache_dir, compile_cache_file, load_compile_cache, save_compile_cache
+from .load_cache import compile_cache_file, load_compile_cache, save_compile_cache
 from .loader import load_drafter, load_model
 from .memory_plan import check_host_caches, check_memory, plan_memory
 from .model import CompiledLayers, KimiK2
@@ -107,7 +108,8 @@ class LLM(OneShotCalls, ContinuousBatching):
         self.prefill_budget, self.capture_at_start = prefill_budget, capture
         for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
             check_path(value, name)
-        check_cache_dir(cache_dir)
+        if cache_dir is not None and (why := cache_dir_problem(cache_dir)) is not None:
+            raise ValueError(f"cache_dir={str(cache_dir)!r}: {why}")  # (it warned after the whole load)
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
 

@@ -9,7 +9,7 @@ k26 version and a digest of the code that shapes the parameters, the TP shard an
 checkpoint is loaded fresh and the entry rewritten. The entry holds the checkpoint layout (the int4 repack
 for the CUDA kernel runs after either path), so it stays valid across kernel layouts.
 A cache_dir that cannot be one (a file, under a file, in a read-only directory) is refused before the load
-(`check_cache_dir`); a write that fails later (a full disk) leaves no partial entry and only warns.
+(k26/cache_dir.py); a write that fails later (a full disk) leaves no partial entry and only warns.
 """
 
 from __future__ import annotations
@@ -28,21 +28,6 @@ import torch
 from .safetensors_file import DTYPES, file_stamp, read_header, tensor_spans
 from .shard_reader import Piece, ReadStats, fill_alone, io_read_bytes, staged_read
 from .stager import Stager
-
-
-def check_cache_dir(cache_dir) -> None:
-    """ValueError unless `cache_dir` (None: no cache) is a directory or one that can be created: its nearest
-    existing parent a writable directory."""
-    if cache_dir is None:
-        return
-    p = Path(cache_dir).expanduser()
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"cache_dir={str(cache_dir)!r} is a file; expected a directory (or one to create)")
-    base = next(q for q in (p, *p.parents) if q.exists())
-    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
-        why = "is not writable" if base == p else f"cannot be created: {str(base)!r} is no writable directory"
-        raise ValueError(f"cache_dir={str(cache_dir)!r} {why}")
-
 
 FORMAT = 3  # 2: shard stamps with ctime and inode; 3: keyed by the path in the checkpoint, not the file name
 _CODE = (

@@ -157,7 +157,7 @@ def test_bad_constructor_args(tiny_k25):
         ({"buckets": [(99, 4)]}, "exceeds max_batch"),
         ({"drafter": "/nonexistent-drafter"}, "nonexistent-drafter"),
         ({"cache_dir": 5}, "cache_dir=5"),
-        ({"cache_dir": __file__}, "is a file; expected a directory"),  # (it warned after the load)
+        ({"cache_dir": __file__}, "exists and is not a directory"),  # (it warned after the load)
         ({"cache_dir": __file__ + "/sub"}, "cannot be created"),
     ],
 )

@@ -105,7 +105,14 @@ def serve(a: argparse.Namespace) -> int:
     )
     name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
     engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting, logprobs=not a.no_logprobs)
-    where = f"http://{a.host}:{a.port}/v1"
+    sock, port = None, a.port
+    if port == 0:  # the system picks the port: bound here, so the line below can say which (it said ":0")
+        family, kind, _, _, address = socket.getaddrinfo(a.host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        port = sock.getsockname()[1]
+    where = f"http://{a.host}:{port}/v1"
     print(
         f"[k26] serving {name!r} ({spec_name}, max_batch {a.max_batch}, max_model_len {llm.max_model_len}) "
         f"on {where}",
@@ -116,7 +123,8 @@ def serve(a: argparse.Namespace) -> int:
     key = (a.api_key or os.environ.get("K26_API_KEY") or "").strip() or None
     interrupted = False
     try:
-        run_server(engine, name, a.host, a.port, api_key=key, max_body_bytes=int(a.max_request_mb * 2**20))
+        mb = int(a.max_request_mb * 2**20)
+        run_server(engine, name, a.host, port, sock=sock, api_key=key, max_body_bytes=mb)
     except KeyboardInterrupt:
         interrupted = True
         raise
