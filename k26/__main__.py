@@ -286,8 +286,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cache_dir_arg(a.cache_dir)
     check_device(a.device)
     check_args(a)
-    listen_arg(a.host, a.port)
-    return serve(a)
+    return serve(a, listen_arg(a.host, a.port))
 
 
 COMMANDS = {

@@ -26,3 +26,9 @@ def cache_dir_problem(cache_dir: str | os.PathLike) -> str | None:
     except OSError as e:
         return f"cannot write in {base} ({e.strerror})"
     return None
+
+
+def check_cache_dir(cache_dir) -> None:
+    """`LLM(cache_dir=)`: a ValueError naming it where `cache_dir_problem` finds one (None: no cache)."""
+    if cache_dir is not None and (why := cache_dir_problem(cache_dir)) is not None:
+        raise ValueError(f"cache_dir={str(cache_dir)!r}: {why}")  # (it warned after the whole load)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import numbers
 import os
 import sys
 import threading
@@ -55,6 +56,12 @@ class CallGuard:
         closes the LLM its engine thread may still be stepping), at most `wait` seconds if given (then it
         tears down regardless: a process on its way out), then marks the LLM closed and tears down with no
         call able to start meanwhile."""
+        # (checked before the mark: "x", -5, NaN or 1e12 raised after it, with nothing torn down)
+        most = threading.TIMEOUT_MAX
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, numbers.Real) or not 0 <= wait <= most
+        ):
+            raise ValueError(f"close(wait={wait!r}): expected None or seconds in [0, {most:g}]")
         self.closed = True  # first: a call that finds the guard held from here on is told it is closed
         held = self._lock.acquire(timeout=-1 if wait is None else wait)
         try:

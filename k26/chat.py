@@ -41,6 +41,13 @@ MESSAGE_KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "to
 EMPTY_OK = {"refusal", "annotations", "audio", "function_call"}
 
 
+def odd_keys(m: dict, allowed: set[str]):
+    """The first key of a message dict (in sorted order) outside `allowed` and not an empty EMPTY_OK one,
+    else None."""
+    odd = [k for k in m if k not in allowed and (k not in EMPTY_OK or m[k] not in (None, [], {}, ""))]
+    return min(odd, key=str) if odd else None
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str  # as the model writes it: "functions.{name}:{index in the turn}"
@@ -116,9 +123,10 @@ class Message:
             raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
                 f"a chat message must be a dict or a k26.Message, got {type(m).__name__}"
             )
-        odd = sorted(k for k in set(m) - MESSAGE_KEYS if k not in EMPTY_OK or m[k] not in (None, [], {}, ""))
-        if odd:  # (a misspelt "content" rendered an empty turn)
-            raise ValueError(f"chat message key {odd[0]!r} is not one of {', '.join(sorted(MESSAGE_KEYS))}")
+        if odd := odd_keys(m, MESSAGE_KEYS):  # (a misspelt "content" rendered an empty turn)
+            said = " holds a value (an SDK's field, taken only empty)" if odd in EMPTY_OK else ""
+            said = said or f" is not one of {', '.join(sorted(MESSAGE_KEYS))}"
+            raise ValueError(f"chat message key {odd!r}{said}")
         calls = m.get("tool_calls")
         if calls is not None and not isinstance(calls, (list, tuple)):  # (a dict iterated its keys)
             raise ValueError(
@@ -219,9 +227,9 @@ class PromptTooLong(ValueError):
     `item`: its part that needs the most of them ("messages[3]", "tools"; "messages" when none needs half)."""
 
     def __init__(self, item: str, tokens: int, chars: int, limit: int):
-        held = f" ({item}: {chars:,} characters of text)" if chars else ""
+        held = f"{chars:,} characters of text; " if chars else ""
         super().__init__(
-            f"{item}: the conversation renders to at least {tokens:,} tokens{held}, more than the {limit:,} "
+            f"{item}: {held}the conversation renders to at least {tokens:,} tokens, more than the {limit:,} "
             "a prompt may have"
         )
         self.item = item
@@ -240,7 +248,7 @@ def render(
     encodes to is refused (PromptTooLong) before any of it is encoded (tens of megabytes take seconds)."""
     pieces = _pieces(tok, messages, fmt, tools, add_generation_prompt)
     if max_tokens is not None:
-        _check_fits(pieces, max_tokens, tok.max_token_bytes)
+        _check_fits(pieces, max_tokens, tok)
     ids: list[int] = []
     for owner, p in pieces:
         if isinstance(p, int):
@@ -317,17 +325,16 @@ def _turn(tok: Tokenizer, owner: str, marker: str, label: str, body: list[str | 
     return [(owner, p) for p in (sp(marker), label, sp("<|im_middle|>"), *body, sp("<|im_end|>"))]
 
 
-def _check_fits(pieces: list[Part], max_tokens: int, token_bytes: int) -> None:
+def _check_fits(pieces: list[Part], max_tokens: int, tok: Tokenizer) -> None:
     """PromptTooLong where the pieces need more than `max_tokens` tokens whatever their texts encode to: a
-    special id is one token, a text at least one per `token_bytes` bytes (the longest token's), so at least
-    one per `token_bytes` characters (a character is one byte or more)."""
+    special id is one token, a text at least `tok.min_tokens` of it."""
     need: dict[str, int] = {}
     chars: dict[str, int] = {}
     for owner, p in pieces:
         if isinstance(p, int):
             need[owner] = need.get(owner, 0) + 1
         else:
-            need[owner] = need.get(owner, 0) - (-len(p) // token_bytes)
+            need[owner] = need.get(owner, 0) + tok.min_tokens(p)
             chars[owner] = chars.get(owner, 0) + len(p)
     tokens = sum(need.values())
     if tokens > max_tokens:

@@ -58,12 +58,17 @@ def out_arg(value: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {value}: not writable")
 
 
-def listen_arg(host: str, port: int) -> None:
+def listen_arg(host: str, port: int) -> socket.socket | None:
     """serve's --host / --port free to listen on now, not found taken (uvicorn's one ERROR line) after minutes
     of loading; bound as uvicorn's asyncio server binds: every address of the host, SO_REUSEADDR, IPv6 ones
-    v6-only. Port 0: any free one."""
+    v6-only. Port 0: the socket is bound here, on the host's first address, and returned (the server listens
+    on it), so the port the system picked can be announced (it said ":0")."""
     if port == 0:
-        return
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        return sock
     for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
         try:
             sock = socket.socket(family, kind, proto)
@@ -77,6 +82,7 @@ def listen_arg(host: str, port: int) -> None:
                 s.bind(addr)
             except OSError as e:
                 raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
+    return None
 
 
 def budget_arg(budget: int | str | None) -> None:

@@ -105,10 +105,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], **overrides: Any) -> ModelConfig:
         top_type = raw.get("model_type")
-        if top_type is None:  # (it said "model_type None is not supported")
-            raise ConfigError(f"config.json has no model_type; expected one of {_TOP_MODEL_TYPES}")
-        if top_type not in _TOP_MODEL_TYPES:
-            raise ConfigError(f"model_type {top_type!r} is not supported; expected one of {_TOP_MODEL_TYPES}")
+        if top_type not in _TOP_MODEL_TYPES:  # (none: it said "model_type None is not supported")
+            said = f"model_type {top_type!r} is not supported" if top_type else "config.json lacks model_type"
+            raise ConfigError(f"{said}; expected one of {_TOP_MODEL_TYPES}")
         if top_type == "kimi_k25":
             text = raw.get("text_config")
             if not isinstance(text, dict):

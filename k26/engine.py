@@ -10,8 +10,6 @@ continuous-batching calls (`open_batch`, `admit`, `step`, `release`) continuous_
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import os
 import time
 import weakref
@@ -21,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .batch_state import BatchState
-from .cache_dir import cache_dir_problem
+from .cache_dir import check_cache_dir
 from .call_guard import CallGuard, one_at_a_time
 from .chat import ChatFormat, Message, render
 from .checks import (
@@ -108,8 +106,7 @@ class LLM(OneShotCalls, ContinuousBatching):
         self.prefill_budget, self.capture_at_start = prefill_budget, capture
         for name, value in (("model_path", model_path), ("drafter", drafter), ("cache_dir", cache_dir)):
             check_path(value, name)
-        if cache_dir is not None and (why := cache_dir_problem(cache_dir)) is not None:
-            raise ValueError(f"cache_dir={str(cache_dir)!r}: {why}")  # (it warned after the whole load)
+        check_cache_dir(cache_dir)
         if model_path is None:  # the embedded pair
             from .embedded import default_drafter_dir, default_model_dir
 
@@ -321,9 +318,6 @@ class LLM(OneShotCalls, ContinuousBatching):
         """Destroy this LLM's CUDA graphs, then the process group (graphs first: NCCL teardown with live
         graphs hangs), and stop the ranks it started; every later call is refused. A call running in another
         thread is waited for (its graphs are not freed under its replay), at most `wait` seconds if given."""
-        bad = isinstance(wait, bool) or not isinstance(wait, numbers.Real) or not 0 <= wait < math.inf
-        if wait is not None and bad:  # (before the LLM is marked closed: a bad value leaves it as it was)
-            raise ValueError(f"close(wait={wait!r}): expected None or a finite number of seconds >= 0")
         with self._calls.closing(wait) if hasattr(self, "_calls") else contextlib.nullcontext():
             self._close()
 
@@ -370,7 +364,8 @@ class LLM(OneShotCalls, ContinuousBatching):
 
     def chat_ids(self, messages: list[Message | dict], tools: list | None = None, thinking=None) -> list[int]:
         """A conversation's prompt ids in this model's chat format (`chat.render`; `thinking`: K2.5 / K2.6's
-        think block, None its default). The answer's ids read back: `chat_parser.ChatParser`. One that cannot
-        leave a token of the context to generate is refused (chat.PromptTooLong) before it is encoded."""
+        think block, None its default). The answer's ids read back: `chat_parser.ChatParser`. A conversation
+        too long for the context whatever its text encodes to is refused before it is encoded (PromptTooLong,
+        a ValueError naming its largest part); others too long are refused by the call they are passed to."""
         fmt = ChatFormat.of_checkpoint(self.path, self.config.model_type).with_thinking(thinking)
         return render(self.tokenizer, messages, fmt, tools, max_tokens=self.max_model_len - 1)

@@ -55,7 +55,7 @@ class Tokenizer:
             name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials
         )
         self.n_words = self.enc.n_vocab
-        # A text of more bytes than n x this is more than n tokens: a bound checked before encoding it
+        # A text of more bytes than n x this is more than n tokens: `min_tokens`
         self.max_token_bytes = max(map(len, ranks), default=1)
 
     @classmethod
@@ -119,6 +119,11 @@ class Tokenizer:
             raise TokenizerError(f"{cfg_file}: {e}") from None
 
     # -- text ---------------------------------------------------------------------------------
+    def min_tokens(self, text: str) -> int:
+        """The fewest tokens `text` can encode to, from its length alone (no token holds more than
+        max_token_bytes bytes, and a character is one byte or more): what a bound checks before encoding."""
+        return -(-len(text) // self.max_token_bytes)
+
     def encode(self, text: str) -> list[int]:
         """Ordinary text to ids; special-token strings inside `text` stay plain text. A lone UTF-16 surrogate
         (no UTF-8 form: tiktoken encoded it as U+FFFD, silently) is a ValueError naming its position."""

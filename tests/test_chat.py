@@ -274,10 +274,10 @@ def test_chat_parser_arguments_are_checked_at_the_boundary(tok):
     p = ChatParser(tok, thinking=False)
     p.push(torch.tensor(tok.encode("hi")))
     assert p.plain == "hi"
-    for limit in (-1, 0, "x", True):
-        with pytest.raises(ValueError, match="limit="):
+    for limit, error in ((-1, ValueError), (0, ValueError), ("x", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="limit="):
             p.tool_calls(limit)
-        with pytest.raises(ValueError, match="limit="):
+        with pytest.raises(error, match="limit="):
             p.take(2, limit=limit)
     with pytest.raises(TypeError, match="upto="):
         p.take("x")

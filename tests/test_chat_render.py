@@ -3,6 +3,8 @@ lay them out (the default system turn, tools, tool calls, tool results, thinking
 text never turned into a special token, OpenAI-shaped dicts the same as `Message`s, and inputs of the wrong
 shape named rather than rendered. The output side (parsing) is in test_chat.py."""
 
+import random
+
 import pytest
 import test_chat
 
@@ -279,3 +281,16 @@ def test_a_conversation_that_cannot_fit_is_refused_before_it_is_encoded_naming_i
     with pytest.raises(PromptTooLong) as e:
         render(tok, messages, K25, tools, max_tokens=limit)
     assert e.value.item == item and calls == [] and f"more than the {limit:,}" in str(e.value)
+
+
+def test_the_bound_never_refuses_a_conversation_that_fits(tok):
+    # a true lower bound: at max_tokens = its own length every conversation renders, texts of the longest
+    # token (where the bound is tightest) included
+    pieces = (tok.decode([i]) for i in range(tok.num_base))
+    longest = max((t for t in pieces if t.isprintable()), key=len)
+    rng = random.Random(0)
+    for _ in range(30):
+        texts = [longest * rng.randint(1, 40) + "x" * rng.randint(0, 3) for _ in range(rng.randint(1, 4))]
+        msgs = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
+        ids = render(tok, msgs, K25, [WEATHER])
+        assert render(tok, msgs, K25, [WEATHER], max_tokens=len(ids)) == ids

@@ -272,3 +272,27 @@ def test_a_rank_count_from_torchrun_is_named_as_such(llm_kwargs, monkeypatch, ca
     assert main(["generate", "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "torchrun's WORLD_SIZE 3: tensor-parallel size 3" in err and "--tp" not in err and not llm_kwargs
+
+
+def test_port_zero_is_bound_before_loading_and_its_port_announced(monkeypatch, capsys):
+    # (found in an audit: serve --port 0 announced "http://127.0.0.1:0/v1"; the port the system picked showed
+    # only in uvicorn's own line)
+    import k26.server
+    from k26.cli_args import listen_arg
+
+    sock = listen_arg("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[1] > 0
+    finally:
+        sock.close()
+    got = {}
+
+    def run_server(engine, name, host, port, sock=None, **kw):
+        got.update(port=port, sock=sock)
+
+    monkeypatch.setattr(k26.server, "run_server", run_server)
+    assert main(["serve", "--spec", "ar", "--port", "0", "--max-batch", "1"]) == 0
+    said = capsys.readouterr().err
+    assert got["sock"] is not None and got["port"] == got["sock"].getsockname()[1] > 0
+    assert f"on http://127.0.0.1:{got['port']}/v1" in said
+    got["sock"].close()

@@ -227,7 +227,7 @@ def test_vision_tensors_are_skipped(tiny_k25):
     "edit,needle",
     [
         (lambda c: c.update(model_type="llama"), "model_type 'llama' is not supported"),
-        (lambda c: c.pop("model_type"), "config.json has no model_type"),  # (it said "model_type None")
+        (lambda c: c.pop("model_type"), "config.json lacks model_type"),  # (it said "model_type None")
         (lambda c: c["text_config"].pop("hidden_size"), "text_config.hidden_size is missing"),
         (lambda c: c["text_config"].update(num_hidden_layers=-1), "text_config.num_hidden_layers=-1"),
         (lambda c: c["text_config"].update(scoring_func="softmax"), "text_config.scoring_func='softmax'"),

@@ -128,6 +128,12 @@ def nested(depth: int) -> dict:
         ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(200)}}]}, "tools[0]"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+            "tools[0].function.strict",
+        ),
+        # the conversation's largest part, refused before it is encoded (it was blamed on "messages")
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 150000}}]}, "tools"),
     ],
 )
 def test_odd_inputs_are_named_4xx_not_500(client, extra, param):

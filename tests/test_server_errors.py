@@ -55,6 +55,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": ["a", 5]}, 400, "prompt[1]"),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 6, "a"]}, 400, "prompt[2]"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", None]}, 400, "prompt[1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": [None, "a"]}, 400, "prompt[0]"),  # (neither kind)
     # a token-id prompt's element that is no id, named by its index (found in a bug hunt: "prompt: expected a
     # string or a list of token ids, got list", the list itself)
     ("/v1/completions", {"model": MODEL, "prompt": [1, 1.5]}, 400, "prompt[1]"),
@@ -82,14 +83,6 @@ BAD = [
         for extra, p in [
             ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0].function.name"),
             ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
-            (
-                {"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
-                "tools[0].function.strict",
-            ),
-            (
-                {"tools": [{"type": "function", "function": {"name": "f", "description": "w " * 5000}}]},
-                "tools",  # the conversation's largest part, refused before it is encoded
-            ),
             ({"tools": {"name": "f"}}, "tools"),
             (
                 {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
@@ -120,12 +113,6 @@ BAD = [
         ),
         400,
         None,
-    ),
-    (
-        "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 4000},
-        400,
-        "messages",  # no message the cause: 4,000 turns' markers alone overflow the context
     ),
     (
         "/v1/chat/completions",
@@ -415,15 +402,3 @@ def test_a_step_that_breaks_the_llm_ends_the_engine_and_health_says_so(monkeypat
         engine.stop()
         monkeypatch.undo()
         llm.close()
-
-
-def test_logit_bias_keys_are_token_ids_whatever_their_leading_zeros():
-    # (found in an audit: "0005" was token 5 but "00005" was "not a token id": the length check came first)
-    from k26.server.errors import APIError
-    from k26.server.sampling_api import _logit_bias
-
-    assert _logit_bias({"0005": 1, "000": -2}, 100) == ((5, 1.0), (0, -2.0))
-    assert _logit_bias({"0" * 5000 + "7": 3}, 100) == ((7, 3.0),)
-    for bad in ({"00100": 1}, {"": 1}, {"05": 1, "5": 2}):
-        with pytest.raises(APIError):
-            _logit_bias(bad, 100)

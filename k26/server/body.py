@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 
@@ -102,8 +103,8 @@ def parse_json(raw: bytes):
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not UTF-8 text: {e}") from None
     try:
-        body = json.loads(text, parse_constant=_no_constant)
-    # (JSONDecodeError, a 4,300+ digit integer, NaN / Infinity: ValueErrors; deep nesting recurses)
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    # (JSONDecodeError, a 4,300+ digit integer, NaN / Infinity / 1e400: ValueErrors; deep nesting recurses)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     # A lone surrogate can only come as a \uD800-\uDFFF escape (UTF-8 input cannot hold one): without such
@@ -121,6 +122,15 @@ def _no_constant(name: str):
     """json.loads takes NaN, Infinity and -Infinity, which JSON (RFC 8259) has not: a tool schema would pass
     them into the prompt as they came."""
     raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or an exponent, refused where a float cannot hold it (1e400 read as
+    inf: rendered as Infinity into a tool schema, as the literal was)."""
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {text[:40]} is beyond a double's range")
+    return v
 
 
 def unpaired_surrogate(x) -> str | None:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat import (
-    EMPTY_OK,
     TOOL_FIELDS,
     ChatFormat,
     Message,
     PromptTooLong,
     ToolCall,
     is_text_part,
+    odd_keys,
     render,
     text_of,
 )
@@ -159,11 +159,8 @@ def _messages(body: dict) -> list[Message]:
                 f"{where}.role={short(role)}: expected 'system', 'developer', 'user', 'assistant' or 'tool'",
                 f"{where}.role",
             )
-        extra = sorted(
-            k for k in set(m) - ROLE_KEYS[role] if k not in EMPTY_OK or m[k] not in (None, [], {}, "")
-        )
-        if extra:
-            raise APIError(400, f"{where}.{extra[0]} is not supported by this server", f"{where}.{extra[0]}")
+        if (odd := odd_keys(m, ROLE_KEYS[role])) is not None:
+            raise APIError(400, f"{where}.{odd} is not supported by this server", f"{where}.{odd}")
         calls = _calls(m.get("tool_calls"), where) if role == "assistant" else ()
         content = m.get("content")
         if content is None and not (role == "assistant" and calls):

@@ -64,7 +64,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--max-model-len {a.max_model_len}: expected >= 2")
 
 
-def serve(a: argparse.Namespace) -> int:
+def serve(a: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """`python -m k26 serve`; `sock`: bound already (cli_args.listen_arg at --port 0), listened on."""
     check_args(a)
     import torch
 
@@ -105,13 +106,7 @@ def serve(a: argparse.Namespace) -> int:
     )
     name = a.served_model_name or ("k26-embedded" if not a.model else llm.path.name)
     engine = Engine(llm, spec, max_batch=a.max_batch, max_waiting=a.max_waiting, logprobs=not a.no_logprobs)
-    sock, port = None, a.port
-    if port == 0:  # the system picks the port: bound here, so the line below can say which (it said ":0")
-        family, kind, _, _, address = socket.getaddrinfo(a.host, 0, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        port = sock.getsockname()[1]
+    port = sock.getsockname()[1] if sock is not None else a.port  # (--port 0: the one the system picked)
     where = f"http://{a.host}:{port}/v1"
     print(
         f"[k26] serving {name!r} ({spec_name}, max_batch {a.max_batch}, max_model_len {llm.max_model_len}) "

@@ -230,11 +230,12 @@ def _prompts(body: dict, tok: Tokenizer, vocab: int, max_len: int) -> list[list[
         raise APIError(400, "missing required parameter: 'prompt'", "prompt")
     several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
     if isinstance(p, list) and not several and any(isinstance(x, (str, list)) for x in p):
-        # both kinds: the first element unlike prompt[0] is the odd one
+        # both kinds: the first element unlike prompt[0] is the odd one (prompt[0] itself where it is neither)
         first = isinstance(p[0], (str, list))
-        i = next(i for i, x in enumerate(p) if isinstance(x, (str, list)) != first)
-        want = "a prompt (a string or a list of token ids)" if first else "a token id"
-        msg = f"prompt[{i}]={short(p[i])}: expected {want}, as prompt[0] is (a list holds one kind)"
+        odd = (i for i, x in enumerate(p) if isinstance(x, (str, list)) != first)
+        i = next(odd) if first or is_int(p[0]) else 0
+        want = "a prompt (a string or a list of token ids)" if first or i == 0 else "a token id"
+        msg = f"prompt[{i}]={short(p[i])}: expected {want}; a list holds prompts or token ids, not both"
         raise APIError(400, msg, f"prompt[{i}]")
     items = p if several else [p]
     if len(items) > MAX_PROMPTS:
@@ -260,7 +261,7 @@ def _prompt(
     it is encoded (tokenizing tens of megabytes takes seconds). `at`: the prompt's place in the request, for
     naming one of its elements (default `where`)."""
     if isinstance(p, str):
-        if max_len is not None and len(p) > (max_len - 1) * tok.max_token_bytes:  # (bytes >= characters)
+        if max_len is not None and tok.min_tokens(p) > max_len - 1:
             raise APIError(
                 400,
                 f"{where}: {len(p):,} characters, more than the {max_len} tokens of the context "
