@@ -106,7 +106,7 @@ def test_score_checks_ids(llm):
             llm.score(ids)
 
 
-@pytest.mark.parametrize("wait", ["x", -5, float("nan"), float("inf"), True])
+@pytest.mark.parametrize("wait", ["x", -5, float("nan"), float("inf"), 1e12, True])
 def test_a_bad_close_wait_is_named_and_leaves_the_llm_open(llm, wait):
     # (found in an audit: a raw TypeError / OverflowError after the LLM was marked closed, nothing torn down)
     with pytest.raises(ValueError, match=r"close\(wait="):
