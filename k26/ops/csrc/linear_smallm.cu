@@ -238,7 +238,7 @@ template <int MT, int B, int MINB>
 __global__ void __launch_bounds__(kTileThreads, MINB) linear_swiglu_kernel(const Params p) {
   tile_body<MT, B, true>(p);
 }
-#ifdef K26_LINEAR_RT2
+#if defined(K26_LINEAR_RT2) || defined(K26_LINEAR_RT2_ALL)
 // -DK26_LINEAR_RT2 (an A/B side, k26/ops/build.py VARIANTS; not measured yet): at 9-16 tokens on grids beyond one
 // wave (o_proj's 448 tiles, the lm_head shard's 1,280), a warp owns two 16-row tiles of W over its k range, so
 // each x fragment it loads feeds both: half the x loads a weight byte (at 16 tokens tile mode loads as many x
@@ -246,25 +246,33 @@ __global__ void __launch_bounds__(kTileThreads, MINB) linear_swiglu_kernel(const
 // batch (B = 1) keeps the weight bytes in flight a warp as the default's. Each tile's units are accumulated in
 // the same order as the default's, so the bits are the same. (Session 22's two-tile variant, a block of two
 // tiles at <= 8 tokens with the x loads unchanged, measured slower: 2026-12-05-session22-h200.md.)
-// Two blocks an SM on sm_90a (120 registers); one on sm_120a, whose build spilled 16 B at the 128-register cap.
+// -DK26_LINEAR_RT2_ALL (another A/B side, not measured): the same from one token (MT 1) and for the SwiGLU
+// mode (two 8-feature tiles a block), beyond one wave. Session 22's variant, re-tried as its file asked once
+// the weight loads stay above the grid-dependency wait (session 24): the grids then fit one wave where the
+// default's do not — the drafter's gate / up (288 tiles over 264 two-a-SM slots on an H200), its down and
+// o_proj (448) — so no second wave's tail.
+// Two blocks an SM on sm_90a (<= 120 registers); on sm_120a one at 9-16 tokens (154 registers: at the
+// 128-register cap it spilled 16 B), two at one token.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 #define K26_RT2_MINB 1
 #else
 #define K26_RT2_MINB 2
 #endif
-template <int MT, int B>
-__global__ void __launch_bounds__(kTileThreads, K26_RT2_MINB) linear_tile2_kernel(const Params p) {
+template <int MT, int B, bool SWIGLU>
+__global__ void __launch_bounds__(kTileThreads, MT == 1 ? 2 : K26_RT2_MINB) linear_tile2_kernel(const Params p) {
   __shared__ float red[kTileWarps][MT * 4][32];
+  constexpr int TR = SWIGLU ? 8 : 16;  // output features a tile (SwiGLU: 8 gate rows and their 8 up rows)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, kt = 8 * t;
-  const int grp = blockIdx.z, n0 = blockIdx.x * 32;
+  const int grp = blockIdx.z, n0 = blockIdx.x * 2 * TR;
   const int units = (p.K + kUnit - 1) / kUnit;
   const int u_begin = warp * units / kTileWarps, u_end = (warp + 1) * units / kTileWarps;
   const __nv_bfloat16* wg = p.w + grp * p.w_gs;
   const __nv_bfloat16 *w_lo[2], *w_hi[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {  // clamped rows are discarded
-    w_lo[r] = wg + (long long)min(n0 + 16 * r + g, p.N - 1) * p.w_ld;
-    w_hi[r] = wg + (long long)min(n0 + 16 * r + g + 8, p.N - 1) * p.w_ld;
+  for (int r = 0; r < 2; ++r) {  // clamped rows are discarded (tile_body's rows for n_tile = n0 + TR r)
+    const int n = min(n0 + TR * r + g, p.N - 1);
+    w_lo[r] = wg + (long long)n * p.w_ld;
+    w_hi[r] = wg + (long long)(SWIGLU ? p.up + n : min(n0 + TR * r + g + 8, p.N - 1)) * p.w_ld;
   }
   const __nv_bfloat16* xr = p.x + grp * p.x_gs + g * p.x_ld + kt;
   const long long x_tile = 8 * p.x_ld;
@@ -298,9 +306,9 @@ __global__ void __launch_bounds__(kTileThreads, K26_RT2_MINB) linear_tile2_kerne
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaTriggerProgrammaticLaunchCompletion();
 #endif
-  tile_store<MT>(acc[0], red, p, grp, n0);
+  tile_store<MT, SWIGLU>(acc[0], red, p, grp, n0);
   __syncthreads();  // warp 0 has read the first tile's sums before the second's are written
-  tile_store<MT>(acc[1], red, p, grp, n0 + 16);
+  tile_store<MT, SWIGLU>(acc[1], red, p, grp, n0 + TR);
 }
 #endif
 
@@ -322,9 +330,15 @@ cudaError_t launch_tile(const Params& p, dim3 grid, bool pdl, cudaStream_t st) {
   const int mt = (p.M + 7) / 8;
   const dim3 block(kTileThreads);
   const bool deep = (long long)grid.x * grid.z <= sms();
-#ifdef K26_LINEAR_RT2
+#if defined(K26_LINEAR_RT2_ALL)
+  if (mt <= 2 && !deep) {  // two tiles a block: half the grid
+    const dim3 half((grid.x + 1) / 2, 1, grid.z);
+    if (mt == 1) return launch_pdl(linear_tile2_kernel<1, 1, SWIGLU>, half, block, 0, pdl, st, p);
+    return launch_pdl(linear_tile2_kernel<2, 1, SWIGLU>, half, block, 0, pdl, st, p);
+  }
+#elif defined(K26_LINEAR_RT2)
   if (!SWIGLU && mt == 2 && !deep)
-    return launch_pdl(linear_tile2_kernel<2, 1>, dim3((p.N + 31) / 32, 1, grid.z), block, 0, pdl, st, p);
+    return launch_pdl(linear_tile2_kernel<2, 1, false>, dim3((p.N + 31) / 32, 1, grid.z), block, 0, pdl, st, p);
 #endif
   if (mt == 1 && deep) return launch_pdl(deep_kernel<1, SWIGLU>(), grid, block, 0, pdl, st, p);
   if (mt == 2 && deep) return launch_pdl(deep_kernel<2, SWIGLU>(), grid, block, 0, pdl, st, p);
