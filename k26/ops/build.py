@@ -202,9 +202,9 @@ VARIANTS: dict[str, list[str]] = {
     # small-M linear, 9-16 tokens beyond one wave (o_proj, the lm_head shard): two 16-row tiles a warp, each x
     # fragment feeding both (half the x loads a weight byte); bit-identical. Prepared 2026-12-07, not measured
     "-DK26_LINEAR_RT2": ["linear_smallm.cu"],
-    # the same from one token and in the SwiGLU mode, beyond one wave: the drafter's gate / up, down and o_proj
-    # and the target's o_proj fit one wave (session 22's two-tile blocks, re-tried now that the weight loads
-    # stay above the wait); bit-identical. Prepared 2026-12-07, not measured
+    # the same from one token and in the SwiGLU mode, beyond one wave: the drafter's gate / up, down and
+    # o_proj and the target's o_proj fit one wave (session 22's two-tile blocks, re-tried now that the weight
+    # loads stay above the wait); bit-identical. Prepared 2026-12-07, not measured
     "-DK26_LINEAR_RT2_ALL": ["linear_smallm.cu"],
     # tree attention, a probe (wrong outputs: never a library anything but a bench loads): the splits store
     # their partials and leave, no barrier, no merge; the step's time then bounds what moving the merge into
