@@ -170,7 +170,9 @@ def test_tokenize_builds_the_prompt_the_endpoints_build_and_detokenize_reads_it(
             ("/tokenize", {"model": MODEL}, "prompt"),
             ("/tokenize", {"model": MODEL, "prompt": "x", "messages": []}, "prompt"),
             ("/tokenize", {"model": MODEL, "prompt": "x", "tools": TOOLS}, "tools"),
-            ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens"),
+            ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens[0]"),  # (the element, as prompt[i] is)
+            ("/detokenize", {"model": MODEL, "tokens": [1, "a"]}, "tokens[1]"),
+            ("/detokenize", {"model": MODEL, "tokens": 5}, "tokens"),
             ("/detokenize", {"model": "other", "tokens": [1]}, "model"),
         ]:
             status, r = post(url, path, body)

@@ -17,7 +17,7 @@ from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .chat_api import ChatTurn, parse_chat
 from .errors import APIError
-from .json_values import id_list, is_int, short
+from .json_values import is_int, short
 from .sampling_api import sampling_params
 
 COMMON = {
@@ -208,8 +208,12 @@ def token_ids(body: Any, vocab: int, *, model: str) -> list[int]:
     ids = body.get("tokens")
     if ids is None:  # (as every endpoint says a missing field)
         raise APIError(400, "missing required parameter: 'tokens'", "tokens")
-    if not id_list(ids, vocab):
-        raise APIError(400, f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
+    if not isinstance(ids, list):
+        raise APIError(400, f"tokens={short(ids)}: expected a list of token ids in [0, {vocab})", "tokens")
+    for i, t in enumerate(ids):  # the first element that is no id of this vocabulary, by its index
+        if not (is_int(t) and 0 <= t < vocab):
+            msg = f"tokens[{i}]={short(t)}: expected a token id in [0, {vocab})"
+            raise APIError(400, msg, f"tokens[{i}]")
     return ids
 
 
