@@ -24,11 +24,10 @@ import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .chat_tools import typescript_tools
+from .chat_tools import check_tools, declare_tools, declared_chars
 from .tokenizer import Tokenizer
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -246,6 +245,8 @@ def render(
     """Prompt ids of a conversation (see the module doc); `tools`: OpenAI function declarations.
     `max_tokens`: the most prompt tokens allowed; a conversation whose text cannot fit them whatever it
     encodes to is refused (PromptTooLong) before any of it is encoded (tens of megabytes take seconds)."""
+    if max_tokens is not None and tools:
+        _check_declarable(tools, max_tokens, tok)
     pieces = _pieces(tok, messages, fmt, tools, add_generation_prompt)
     if max_tokens is not None:
         _check_fits(pieces, max_tokens, tok)
@@ -271,7 +272,7 @@ def _pieces(tok: Tokenizer, messages, fmt: ChatFormat, tools, add_generation_pro
         raise ValueError(  # (chat input errors are ValueError)
             f"messages is a {type(messages).__name__}; expected a list of chat messages"
         )
-    _check_tools(tools)
+    check_tools(tools)
     msgs = []
     for i, m in enumerate(messages):
         try:
@@ -286,7 +287,9 @@ def _pieces(tok: Tokenizer, messages, fmt: ChatFormat, tools, add_generation_pro
         owners.insert(0, "the default system prompt")
     out: list[Part] = []
     if tools:
-        out += _turn(tok, "tools", "<|im_system|>", "tool_declare", [declare_tools(tools, fmt)])
+        out += _turn(
+            tok, "tools", "<|im_system|>", "tool_declare", [declare_tools(tools, fmt.typescript_tools)]
+        )
     # K2.5 / K2.6 / K2-Thinking: assistant turns up to the last plain answer (no tool calls) keep an empty
     # think block; the turns after it (the tool-call rounds of the answer being built) keep their reasoning
     answers = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
@@ -334,7 +337,7 @@ def _check_fits(pieces: list[Part], max_tokens: int, tok: Tokenizer) -> None:
         if isinstance(p, int):
             need[owner] = need.get(owner, 0) + 1
         else:
-            need[owner] = need.get(owner, 0) + tok.min_tokens(p)
+            need[owner] = need.get(owner, 0) + tok.min_tokens(len(p))
             chars[owner] = chars.get(owner, 0) + len(p)
     tokens = sum(need.values())
     if tokens > max_tokens:
@@ -346,52 +349,10 @@ def _check_fits(pieces: list[Part], max_tokens: int, tok: Tokenizer) -> None:
         raise PromptTooLong(item, tokens, held, max_tokens)
 
 
-# A function declaration's optional fields, as OpenAI types them (anything else would be declared as it came).
-TOOL_FIELDS = (
-    ("description", str, "a string"),
-    ("parameters", dict, "a JSON schema object"),
-    ("strict", bool, "a boolean"),
-)
-
-
-def _check_tools(tools) -> None:
-    """OpenAI function declarations in their shape (the server checks each field further, chat_api._tools):
-    anything else would be declared to the model as it came."""
-    if tools is None:
-        return
-    if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence):
-        raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
-            f"tools is a {type(tools).__name__}; expected a list of function declarations"
-        )
-    for i, t in enumerate(tools):
-        f = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
-            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., ...}}}}")
-        if not isinstance(f.get("name"), str) or not f["name"]:
-            raise ValueError(f"tools[{i}].function.name={f.get('name')!r}: expected a non-empty string")
-        for key, kind, what in TOOL_FIELDS:
-            if f.get(key) is not None and not isinstance(f[key], kind):
-                raise ValueError(f"tools[{i}].function.{key}: expected {what}, got {type(f[key]).__name__}")
-
-
-def declare_tools(tools: list[dict], fmt: ChatFormat) -> str:
-    """The text of the tool_declare turn: TypeScript-style where the format uses it and the schemas allow,
-    else compact, key-sorted JSON (what the reference falls back to)."""
-    if fmt.typescript_tools:
-        try:
-            return typescript_tools(tools)
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            pass  # (the reference's tokenizer falls back to the JSON on any failure of the conversion)
-    try:
-        return json.dumps(tools, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
-    except (TypeError, ValueError) as e:  # a set or an object in a schema (from Python): which declaration
-        bad = next(i for i, t in enumerate(tools) if not _is_json(t))
-        raise ValueError(f"tools[{bad}]: not JSON ({e})") from None
-
-
-def _is_json(x) -> bool:
-    try:
-        json.dumps(x, sort_keys=True)
-    except (TypeError, ValueError):
-        return False
-    return True
+def _check_declarable(tools, max_tokens: int, tok: Tokenizer) -> None:
+    """PromptTooLong before the tools' declaration is built (a 31 MB schema takes seconds to write out) where
+    the text every form of it holds (`declared_chars`) already needs more than `max_tokens` tokens."""
+    check_tools(tools)
+    held = declared_chars(tools)
+    if tok.min_tokens(held) > max_tokens:
+        raise PromptTooLong("tools", tok.min_tokens(held), held, max_tokens)

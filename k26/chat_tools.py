@@ -23,12 +23,16 @@ format's published description and its observed output; the rules above are the 
 follows. Checked byte for byte against the reference encoder on 240,000 random schemas; one known difference:
 a self-referring schema whose root additionalProperties is invalid (the reference renders it, we raise). A
 malformed schema raises `Unsupported` or a TypeError / KeyError / AttributeError: the caller
-(`chat.declare_tools`) falls back to JSON on any of them, as the reference's tokenizer does.
+(`declare_tools`) falls back to JSON on any of them, as the reference's tokenizer does.
+
+Also here: the declarations' checks (`check_tools`, `TOOL_FIELDS`) and `declared_chars`, the text every form
+of a declaration holds (what chat.render bounds before building it).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 IND = "  "
@@ -225,3 +229,70 @@ def _function(f: dict) -> str:
         parts.append(_comment(f["description"]))
     parts.append(f"type {f.get('name', 'function')} = (_: {body}) => any;")
     return "\n".join(parts)
+
+
+# A function declaration's optional fields, as OpenAI types them (anything else would be declared as it came).
+TOOL_FIELDS = (
+    ("description", str, "a string"),
+    ("parameters", dict, "a JSON schema object"),
+    ("strict", bool, "a boolean"),
+)
+
+
+def check_tools(tools) -> None:
+    """OpenAI function declarations in their shape (the server checks each field further, chat_api._tools):
+    anything else would be declared to the model as it came."""
+    if tools is None:
+        return
+    if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence):
+        raise ValueError(  # noqa: TRY004  (chat input errors are ValueError)
+            f"tools is a {type(tools).__name__}; expected a list of function declarations"
+        )
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
+            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise ValueError(f"tools[{i}].function.name={f.get('name')!r}: expected a non-empty string")
+        for key, kind, what in TOOL_FIELDS:
+            if f.get(key) is not None and not isinstance(f[key], kind):
+                raise ValueError(f"tools[{i}].function.{key}: expected {what}, got {type(f[key]).__name__}")
+
+
+def declare_tools(tools: list[dict], typescript: bool) -> str:
+    """The text of the tool_declare turn: TypeScript-style where the format uses it (`typescript`) and the
+    schemas allow, else compact, key-sorted JSON (what the reference falls back to)."""
+    if typescript:
+        try:
+            return typescript_tools(tools)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            pass  # (the reference's tokenizer falls back to the JSON on any failure of the conversion)
+    try:
+        return json.dumps(tools, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError) as e:  # a set or an object in a schema (from Python): which declaration
+        bad = next(i for i, t in enumerate(tools) if not _is_json(t))
+        raise ValueError(f"tools[{bad}]: not JSON ({e})") from None
+
+
+def _is_json(x) -> bool:
+    try:
+        json.dumps(x, sort_keys=True)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def declared_chars(tools: list[dict]) -> int:
+    """Characters every form of the declaration (TypeScript or JSON) holds at least, counted without building
+    it: each function's name and description, each top-level parameter's name and description (the
+    TypeScript form writes them as `name: type` and `//` lines, the JSON one as keys and strings, escaped or
+    longer). `tools` checked (`check_tools`)."""
+    held = 0
+    for t in tools:
+        f = t["function"]
+        props = (f.get("parameters") or {}).get("properties")
+        held += len(f["name"]) + len(f.get("description") or "")
+        for name, prop in props.items() if isinstance(props, dict) else ():
+            about = prop.get("description") if isinstance(prop, dict) else None
+            held += len(str(name)) + (len(about) if isinstance(about, str) else 0)
+    return held

@@ -119,10 +119,10 @@ class Tokenizer:
             raise TokenizerError(f"{cfg_file}: {e}") from None
 
     # -- text ---------------------------------------------------------------------------------
-    def min_tokens(self, text: str) -> int:
-        """The fewest tokens `text` can encode to, from its length alone (no token holds more than
+    def min_tokens(self, chars: int) -> int:
+        """The fewest tokens a text of `chars` characters can encode to (no token holds more than
         max_token_bytes bytes, and a character is one byte or more): what a bound checks before encoding."""
-        return -(-len(text) // self.max_token_bytes)
+        return -(-chars // self.max_token_bytes)
 
     def encode(self, text: str) -> list[int]:
         """Ordinary text to ids; special-token strings inside `text` stay plain text. A lone UTF-16 surrogate

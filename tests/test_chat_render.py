@@ -294,3 +294,26 @@ def test_the_bound_never_refuses_a_conversation_that_fits(tok):
         msgs = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
         ids = render(tok, msgs, K25, [WEATHER])
         assert render(tok, msgs, K25, [WEATHER], max_tokens=len(ids)) == ids
+
+
+def test_a_huge_tool_schema_is_refused_before_its_declaration_is_built(tok, monkeypatch):
+    # (found in an audit: 600k properties took ~6 s to write out as TypeScript before the bound refused them)
+    import k26.chat
+
+    class Declared(Exception):
+        pass
+
+    def declare(*a):
+        raise Declared
+
+    def tool(n: int) -> dict:
+        props = {f"p{i}": {"type": "string", "description": "d" * 20} for i in range(n)}
+        return {"type": "function", "function": {"name": "f", "parameters": {"properties": props}}}
+
+    ask = [{"role": "user", "content": "q"}]
+    monkeypatch.setattr(k26.chat, "declare_tools", declare)
+    with pytest.raises(PromptTooLong) as e:
+        render(tok, ask, K25, [tool(20_000)], max_tokens=1000)
+    assert e.value.item == "tools"
+    with pytest.raises(Declared):  # a schema that may fit is declared, then bounded with the rest
+        render(tok, ask, K25, [tool(2)], max_tokens=1000)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat import (
-    TOOL_FIELDS,
     ChatFormat,
     Message,
     PromptTooLong,
@@ -27,6 +26,7 @@ from ..chat import (
     text_of,
 )
 from ..chat_parser import ChatParser, Piece
+from ..chat_tools import TOOL_FIELDS
 from ..sampling import stop_prefix_len
 from ..tokenizer import Tokenizer
 from .errors import APIError

@@ -265,7 +265,7 @@ def _prompt(
     it is encoded (tokenizing tens of megabytes takes seconds). `at`: the prompt's place in the request, for
     naming one of its elements (default `where`)."""
     if isinstance(p, str):
-        if max_len is not None and tok.min_tokens(p) > max_len - 1:
+        if max_len is not None and tok.min_tokens(len(p)) > max_len - 1:
             raise APIError(
                 400,
                 f"{where}: {len(p):,} characters, more than the {max_len} tokens of the context "
