@@ -245,6 +245,7 @@ def render(
     """Prompt ids of a conversation (see the module doc); `tools`: OpenAI function declarations.
     `max_tokens`: the most prompt tokens allowed; a conversation whose text cannot fit them whatever it
     encodes to is refused (PromptTooLong) before any of it is encoded (tens of megabytes take seconds)."""
+    check_tools(tools)
     if max_tokens is not None and tools:
         _check_declarable(tools, max_tokens, tok)
     pieces = _pieces(tok, messages, fmt, tools, add_generation_prompt)
@@ -272,7 +273,6 @@ def _pieces(tok: Tokenizer, messages, fmt: ChatFormat, tools, add_generation_pro
         raise ValueError(  # (chat input errors are ValueError)
             f"messages is a {type(messages).__name__}; expected a list of chat messages"
         )
-    check_tools(tools)
     msgs = []
     for i, m in enumerate(messages):
         try:
@@ -351,8 +351,8 @@ def _check_fits(pieces: list[Part], max_tokens: int, tok: Tokenizer) -> None:
 
 def _check_declarable(tools, max_tokens: int, tok: Tokenizer) -> None:
     """PromptTooLong before the tools' declaration is built (a 31 MB schema takes seconds to write out) where
-    the text every form of it holds (`declared_chars`) already needs more than `max_tokens` tokens."""
-    check_tools(tools)
+    the text every form of it holds (`declared_chars`; the tools checked) already needs more than `max_tokens`
+    tokens."""
     held = declared_chars(tools)
-    if tok.min_tokens(held) > max_tokens:
-        raise PromptTooLong("tools", tok.min_tokens(held), held, max_tokens)
+    if (need := tok.min_tokens(held)) > max_tokens:
+        raise PromptTooLong("tools", need, held, max_tokens)

@@ -226,8 +226,10 @@ MARKERS = (
 
 def _limit(limit) -> int | None:
     """A call limit: None (all) or a positive int (limit=-1 dropped the last call silently)."""
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral)):
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
         raise TypeError(f"ChatParser: limit={limit!r}: expected None or a positive integer")
-    if limit is not None and limit < 1:
+    if limit < 1:
         raise ValueError(f"ChatParser: limit={limit!r}: expected None or a positive integer")
     return limit
