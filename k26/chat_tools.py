@@ -25,8 +25,8 @@ a self-referring schema whose root additionalProperties is invalid (the referenc
 malformed schema raises `Unsupported` or a TypeError / KeyError / AttributeError: the caller
 (`declare_tools`) falls back to JSON on any of them, as the reference's tokenizer does.
 
-Also here: the declarations' checks (`check_tools`, `TOOL_FIELDS`) and `declared_chars`, the text every form
-of a declaration holds (what chat.render bounds before building it).
+Also here: the declarations' checks (`check_tools`, `TOOL_FIELDS`, `odd_field`) and `declared_chars`, the text
+every form of a declaration holds (what chat.render bounds before building it).
 """
 
 from __future__ import annotations
@@ -254,9 +254,18 @@ def check_tools(tools) -> None:
             raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., ...}}}}")
         if not isinstance(f.get("name"), str) or not f["name"]:
             raise ValueError(f"tools[{i}].function.name={f.get('name')!r}: expected a non-empty string")
-        for key, kind, what in TOOL_FIELDS:
-            if f.get(key) is not None and not isinstance(f[key], kind):
-                raise ValueError(f"tools[{i}].function.{key}: expected {what}, got {type(f[key]).__name__}")
+        if (odd := odd_field(f)) is not None:
+            key, what = odd
+            raise ValueError(f"tools[{i}].function.{key}: expected {what}, got {type(f[key]).__name__}")
+
+
+def odd_field(f: dict) -> tuple[str, str] | None:
+    """(key, what it should be) of a function declaration's first optional field (`TOOL_FIELDS`) of another
+    type, else None."""
+    for key, kind, what in TOOL_FIELDS:
+        if f.get(key) is not None and not isinstance(f[key], kind):
+            return key, what
+    return None
 
 
 def declare_tools(tools: list[dict], typescript: bool) -> str:

@@ -26,7 +26,7 @@ from ..chat import (
     text_of,
 )
 from ..chat_parser import ChatParser, Piece
-from ..chat_tools import TOOL_FIELDS
+from ..chat_tools import odd_field
 from ..sampling import stop_prefix_len
 from ..tokenizer import Tokenizer
 from .errors import APIError
@@ -124,9 +124,9 @@ def _tools(body: dict) -> list[dict]:
         names.add(name)
         if _depth(f.get("parameters")) > MAX_DEPTH:
             raise APIError(400, f"{where}.function.parameters: nested deeper than {MAX_DEPTH}", where)
-        for key, kind, what in TOOL_FIELDS:
-            if f.get(key) is not None and not isinstance(f[key], kind):
-                raise APIError(400, f"{where}.function.{key}: expected {what}", f"{where}.function.{key}")
+        if (odd := odd_field(f)) is not None:
+            key, what = odd
+            raise APIError(400, f"{where}.function.{key}: expected {what}", f"{where}.function.{key}")
     return tools
 
 
