@@ -9,8 +9,8 @@ call still reads its KV from HBM). Bytes = the latent KV read once (B x (L + N) 
 FLOPs = 2 x (576 + 512) per (query row, visible key). roofline = max(bytes / copy BW, FLOPs / mma.sync
 peak); "x roofline" = time / roofline. `--tune` sweeps the minimum keys per split. `--rotary`: the query as
 the model passes it, q̃ [.., 512] and q_pe before RoPE (a strided view of a q_b-like output), rotated in the
-kernel. `--uv`: the attention followed by W_UV at one-tile decode shapes, as two ops (mla_tree_attention +
-linear_grouped) and as `mla_tree_attention_uv` (W_UV's kernel merging short decode's splits).
+kernel. `--uv`: the attention followed by W_UV at decode and verify-tree shapes, as two ops
+(mla_tree_attention + linear_grouped) and as `mla_tree_attention_uv` (W_UV's kernel merging the splits).
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def uv_table(gen) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     shapes = [(8, 1, L) for L in (1024, 4096, 8191, 8192, 32768, 131072)] + [(16, 1, 4096), (8, 2, 4096)]
+    shapes += [(8, 16, 4096), (8, 16, 32768)]  # the TP8 verify tree (its four 32-row tiles deferred too)
     for H, N, L in shapes:
         t2, t1 = measure_uv(H, N, L, gen)
         lines.append(f"| {H} | {N} | {L} | {t2 * 1e6:.1f} | {t1 * 1e6:.1f} | {(t2 - t1) * 1e6:.1f} |")
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep MIN_SPLIT_KEYS on a few shapes")
     ap.add_argument("--rotary", action="store_true", help="q̃ and q_pe apart, RoPE in the kernel")
     ap.add_argument("--shapes", default=None, help="H:N:L:B,... instead of the default shapes")
-    ap.add_argument("--uv", action="store_true", help="only the attention + W_UV table (one-tile decode)")
+    ap.add_argument("--uv", action="store_true", help="only the attention + W_UV table")
     a = ap.parse_args()
     copy_bw, mma_peak, gemm = copy_bandwidth(), mma_sync_peak(), gemm_rate()
     commit = source_commit()

@@ -7,20 +7,30 @@ import pytest
 import torch
 
 from k26.ops import attention_cuda, attention_uv_cuda, reference, tree_mask_to_words
+from k26.spec.tree import ancestors_from_parents
 
 pytestmark = pytest.mark.gpu
 
 SCALE = 0.1446796
 
 
+def random_tree(B, N, seed):
+    """Ancestor masks [B, N, N] of random trees (each node's parent drawn among the nodes before it)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)] for _ in range(B)]
+    return ancestors_from_parents(torch.tensor(parents))
+
+
 def uv_case(B, N, H, lens, seed, V=128):
+    """Fresh random inputs; more than two tokens a sequence form a random tree, fewer a chain."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     max_len = max(lens) + N + 3
     cache = torch.randn(B + 1, max_len, 576, generator=gen, device="cuda").to(torch.bfloat16)
     q = (torch.randn(B, N, H, 576, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
     rows = torch.randperm(B + 1, device="cuda")[:B]
     prefix = torch.tensor(lens, device="cuda")
-    words = tree_mask_to_words(torch.ones(B, N, N, dtype=torch.bool).tril()).cuda()
+    anc = random_tree(B, N, seed) if N > 2 else torch.ones(B, N, N, dtype=torch.bool).tril()
+    words = tree_mask_to_words(anc).cuda()
     # W_UV as the model passes it: the value rows of kv_b's weight, a strided view [H, V, 512]
     kv_b = (torch.randn(H, 128 + V, 512, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
     return q, cache, rows, prefix, words, kv_b[:, 128:]
@@ -57,10 +67,13 @@ def splits(L, N=1):
 # Lengths: one split (0, 1, 63), a few (64, 65), 4K decode (64, 65 splits), the deferral's bound (one token:
 # 8191 keys 128 splits, 8192 129 merged in the attention; two tokens: 8190 and 8191), long (20011).
 LENS = [0, 1, 63, 64, 65, 1000, 4095, 4096, 8190, 8191, 8192, 20011]
+# Query rows a sequence: one 16-row tile (decode at TP8 / TP4, two tokens), two 16-row tiles (3 x 8), two
+# 32-row tiles, the last part-filled (7 x 8), a verify tree's four (16 x 8: W_UV's 128-row blocks).
+SHAPES = [(1, 8), (2, 8), (1, 16), (3, 8), (7, 8), (16, 8)]
 
 
 @pytest.mark.parametrize("L", LENS)
-@pytest.mark.parametrize("N, H", [(1, 8), (2, 8), (1, 16)])
+@pytest.mark.parametrize("N, H", SHAPES)
 def test_matches_the_reference_on_both_sides_of_the_deferral(N, H, L):
     args = uv_case(1, N, H, [L], seed=100 * N + H + 7 * L)
     ref = want(*args)
@@ -76,10 +89,10 @@ def test_the_split_counts_of_the_lengths_cover_both_sides_of_the_bound():
     assert any(s > attention_uv_cuda.DEFER_MAX_SPLITS for s in counts), counts
 
 
-@pytest.mark.parametrize("B", [2, 4])
-def test_batches_with_mixed_lengths_match_the_reference(B):
+@pytest.mark.parametrize("B, N", [(2, 1), (4, 1), (2, 4), (4, 2)])
+def test_batches_with_mixed_lengths_match_the_reference(B, N):
     lens = [0, 4095, 20011, 700][:B]
-    args = uv_case(B, 1, 8, lens, seed=31 + B)
+    args = uv_case(B, N, 8, lens, seed=31 + B + 10 * N)
     poison()
     y = torch.ops.k26.mla_tree_attention_uv(*args[:5], SCALE, args[5])
     assert rel(y, want(*args)) <= 3e-3
@@ -99,41 +112,47 @@ def test_the_rotary_query_matches_the_reference():
 
 
 def test_shapes_it_does_not_merge_run_the_two_kernels_and_match():
-    """Three tokens of 8 heads (24 rows: two attention tiles), 64 heads, and a batch of 9 x 8 rows (past
-    MAX_BATCH_ROWS): attention + linear_grouped."""
-    for B, N, H in ((1, 3, 8), (1, 1, 64), (9, 1, 8)):
-        args = uv_case(B, N, H, [4095] * B, seed=51 + N + B)
+    """17 tokens of 8 heads (136 rows, past MAX_ROWS), 256 heads, a batch of 17 x 8 rows (past MAX_BATCH_ROWS)
+    and 96 value rows a head at 128 query rows (not a multiple of the 128-row blocks): attention +
+    linear_grouped."""
+    for B, N, H, V in ((1, 17, 8, 128), (1, 1, 256, 128), (17, 1, 8, 128), (1, 16, 8, 96)):
+        assert attention_uv_cuda._merge_unsupported(torch.empty(H, V, 512), B, N, H) is not None
+        args = uv_case(B, N, H, [4095] * B, seed=51 + N + B, V=V)
         poison()
         y = torch.ops.k26.mla_tree_attention_uv(*args[:5], SCALE, args[5])
-        assert rel(y, want(*args)) <= 3e-3, (N, H)
+        assert rel(y, want(*args)) <= 3e-3, (B, N, H, V)
 
 
 def test_the_attention_leaves_deferred_sequences_unmerged():
     """The deferral happens: with the bound the attention writes no output for a sequence of 2..bound splits
     (its poisoned rows stay NaN) and writes it for one split and past the bound."""
-    for L, deferred in ((30, False), (4096, True), (8191, True), (8192, False), (20011, False)):
-        q, cache, rows, prefix, words, _ = uv_case(1, 1, 8, [L], seed=61 + L)
-        out = torch.full((1, 1, 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cases = [(1, 30, False), (1, 4096, True), (1, 8191, True), (1, 8192, False), (1, 20011, False)]
+    cases += [(16, 20, False), (16, 4096, True), (16, 131000, True)]  # a verify tree's <= 33 splits
+    for N, L, deferred in cases:
+        q, cache, rows, prefix, words, _ = uv_case(1, N, 8, [L], seed=61 + L)
+        out = torch.full((1, N, 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         launch = attention_cuda.attend(
             q, cache, rows, prefix, words, SCALE, None, None, None, attention_uv_cuda.DEFER_MAX_SPLITS, out
         )
         torch.cuda.synchronize()
-        assert bool(torch.isnan(launch.out).all()) == deferred, L
-        assert deferred or bool(torch.isfinite(launch.out).all()), L
+        assert bool(torch.isnan(launch.out).all()) == deferred, (N, L)
+        assert deferred or bool(torch.isfinite(launch.out).all()), (N, L)
 
 
-def test_results_are_bitwise_deterministic():
-    args = uv_case(1, 1, 8, [4095], seed=71)
+@pytest.mark.parametrize("N", [1, 16])
+def test_results_are_bitwise_deterministic(N):
+    args = uv_case(1, N, 8, [4095], seed=71)
     a = torch.ops.k26.mla_tree_attention_uv(*args[:5], SCALE, args[5])
     b = torch.ops.k26.mla_tree_attention_uv(*args[:5], SCALE, args[5])
     assert torch.equal(a, b)
 
 
-def test_one_graph_replayed_back_to_back_follows_lengths_across_the_bound():
-    """Calls of one graph whose lengths put them at one split, deferred and merged in the attention (the
-    attention's barrier state and W_UV's reads share one workspace), replayed without a host sync between
-    replays: every call of every replay matches the reference, the first and last replays bitwise."""
-    q, cache, rows, _, words, w_uv = uv_case(1, 1, 8, [120000], seed=81)
+@pytest.mark.parametrize("N", [1, 16])
+def test_one_graph_replayed_back_to_back_follows_lengths_across_the_bound(N):
+    """Calls of one graph whose lengths put them at one split, deferred and (one token) merged in the
+    attention (the attention's barrier state and W_UV's reads share one workspace), replayed without a host
+    sync between replays: every call of every replay matches the reference, the first and last bitwise."""
+    q, cache, rows, _, words, w_uv = uv_case(1, N, 8, [120000], seed=81 + N)
     lens = [10, 5000, 64, 119000, 1, 700, 62, 33000, 8191, 8192]
     prefixes = [torch.tensor([n], device="cuda") for n in lens]
     torch.ops.k26.mla_tree_attention_uv(q, cache, rows, prefixes[0], words, SCALE, w_uv)  # loads the kernels

@@ -91,7 +91,7 @@ def _bind(lib) -> None:
         [ctypes.c_void_p] * 4
         + [ctypes.c_longlong] * 2
         + [ctypes.c_void_p]
-        + [ctypes.c_int] * 9
+        + [ctypes.c_int] * 10
         + [ctypes.c_void_p]
     )
     lib._k26_attn_bound = True

@@ -1,8 +1,9 @@
 """Front door of `torch.ops.k26.mla_tree_attention_uv` on CUDA: the MLA tree attention followed by the value
-up-projection W_UV, two launches. For a sequence of at most 16 query rows (one-token decode at K2.6's TP8 and
-TP4 head counts) whose live split count is at most `DEFER_MAX_SPLITS`, the attention's splits store their
-partials and leave, and W_UV's kernel merges them (csrc/mla_merge_uv.cuh): the kernel boundary stands in for
-the attention's grid-wide barrier and merge. Other shapes run `mla_tree_attention` and `linear_grouped`.
+up-projection W_UV, two launches. For a sequence of at most 128 query rows (one-token decode and a 16-token
+verify tree at K2.6's TP8 head count) whose live split count is at most `DEFER_MAX_SPLITS`, the attention's
+splits store their partials and leave, and W_UV's kernel merges them (csrc/mla_merge_uv.cuh): the kernel
+boundary stands in for the attention's grid-wide barrier and merge. Other shapes run `mla_tree_attention` and
+`linear_grouped`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ from .log import say_once
 # Split counts up to which W_UV merges (4K decode: 65 splits; the per-block merge reads 2 KB a split, so long
 # contexts keep the attention's merge spread over all its blocks).
 DEFER_MAX_SPLITS = 128
-UV_ROWS = 32  # W_UV rows a block (csrc/mla_merge_uv.cuh): V must be a multiple
-MAX_ROWS = 16  # query rows a sequence: one 16-row attention tile
-# Query rows of the whole batch: each merging block reads its 32 W_UV rows (32 KB) and its row's partials, so
-# a large decode batch would read W_UV from L2 once a row (and has few splits a sequence to merge anyway);
-# measured at B = 1 (profiling/results/2026-12-07-attention-uv-session41.md).
-MAX_BATCH_ROWS = 64
+# Query rows a sequence: up to a verify tree of 16 tokens x 8 heads (four 32-row attention tiles). Query rows
+# of the whole batch: every merging block reads its row's partials and its W_UV rows (32 or 128 KB), so a
+# large batch would read W_UV from L2 once a row (and has few splits a sequence to merge anyway). Measured at
+# B = 1: decode (profiling/results/2026-12-07-attention-uv-session41.md) and the verify tree (session 48).
+MAX_ROWS = 128
+MAX_BATCH_ROWS = 128
+# W_UV rows a merging block (16 warps): 32 up to FEW_ROWS query rows a batch — four blocks a K2.6 row, each
+# warp's rows loaded before the grid-dependency wait (4K decode) — else 128 (a verify tree's 128 rows: one
+# block a row, one wave; the rows loaded after the merge, csrc/mla_merge_uv.cuh). V must be a multiple.
+FEW_ROWS = 32
+
+
+def uv_block_rows(B: int, N: int, H: int) -> int:
+    return 32 if B * N * H <= FEW_ROWS else 128
 
 
 def check_inputs(
@@ -52,8 +61,9 @@ def _merge_unsupported(w_uv: torch.Tensor, B: int, N: int, H: int) -> str | None
         return f"{N} x {H} query rows a sequence (it merges up to {MAX_ROWS})"
     if B * N * H > MAX_BATCH_ROWS:
         return f"{B} x {N} x {H} query rows a batch (it merges up to {MAX_BATCH_ROWS})"
-    if w_uv.shape[1] % UV_ROWS:
-        return f"{w_uv.shape[1]} value rows a head (not a multiple of {UV_ROWS})"
+    rows = uv_block_rows(B, N, H)
+    if w_uv.shape[1] % rows:
+        return f"{w_uv.shape[1]} value rows a head (not a multiple of {rows})"
     return None
 
 
@@ -109,6 +119,7 @@ def _(
         launch.splits,
         launch.min_keys,
         DEFER_MAX_SPLITS,
+        uv_block_rows(B, N, H) // 16,
         int(pdl.enabled_as_given((w, w_uv))),
         torch.cuda.current_stream(q.device).cuda_stream,
     )

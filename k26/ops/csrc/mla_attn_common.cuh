@@ -156,7 +156,7 @@ struct Params {
   PartT* o_part;               // [B, RT, S_max, BM, 512]  each split's normalised partial
   int N, H, W, R, RT, max_len, S_max, min_keys;
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
-  // A 16-row tile whose live split count lies in (1, defer_max] stores its partials and leaves: the merge runs
+  // A tile whose live split count lies in (1, defer_max] stores its partials and leaves: the merge runs
   // in the next kernel (csrc/mla_merge_uv.cuh). 0: every tile merges here.
   int defer_max;
 };

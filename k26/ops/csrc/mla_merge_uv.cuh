@@ -1,4 +1,5 @@
-// The MLA value up-projection (W_UV) with the tree attention's split-KV merge in its prologue, for short decode:
+// The MLA value up-projection (W_UV) with the tree attention's split-KV merge in its prologue (decode and verify
+// trees of up to 128 query rows):
 //
 //   y[b, r, v] = sum_d W_UV[h][v, d] * o[b, r, d]        (r = n H + h; o = the attention's bf16 output)
 //
@@ -10,12 +11,13 @@
 //
 // Why: at 4K decode the attention's barrier and merge are ~4-5 µs of its ~12 µs in the step, latency of two
 // grid-wide round trips (2026-12-07-session39-h100.md: the probe without them took the decode step 4.36 -> 4.07
-// ms). Here the kernel boundary to W_UV is the barrier (~0.8 µs, boundary_probe.py), and the merge is one round
-// of loads per block: a block owns one query row (its head's 512-dim latent) and UV_ROWS of its V outputs,
-// merges the row's partials into shared memory (4 slices of the splits x 128 float4 columns, UV_LOADS loads in
-// flight a thread, the online log-sum-exp of csrc/mla_attn_merge.cuh), rounds the merged row to bf16 as the
-// attention's output would be, and multiplies it by its W_UV rows, which it loaded before its grid-dependency
-// wait.
+// ms); at the 16-token verify tree (four 32-row tiles, 33 splits) they were ~8.5 µs of ~20 (session 18's trace,
+// 2026-12-04-attn-trace-splits-session18-h200.md). Here the kernel boundary to W_UV is the barrier (~0.8 µs,
+// boundary_probe.py), and the merge is one round of loads per block: a block owns one query row (its head's
+// 512-dim latent) and 32 or 128 of its V outputs (merge_uv_kernel<RPW>), merges the row's partials into shared
+// memory (4 slices of the splits x 128 float4 columns, UV_LOADS loads in flight a thread, the online
+// log-sum-exp of csrc/mla_attn_merge.cuh), rounds the merged row to bf16 as the attention's output would be,
+// and multiplies it by its W_UV rows.
 //
 // Bits: the merge combines the splits in a fixed order (a slice's splits in order, then the slices in order),
 // the dot products in a fixed lane order: the same bits on every run. They differ from the in-kernel merge +
@@ -34,25 +36,26 @@
 #include "mla_attn_common.cuh"
 #include "mla_attn_merge.cuh"  // Lse4
 #include "pdl.cuh"
+#include "warp_mma.cuh"  // prefetch_l2
 
 namespace k26_attn {
 
 constexpr int UV_THREADS = 512;           // 16 warps
+constexpr int UV_WARPS = UV_THREADS / 32;
 constexpr int UV_COLS = DV / 4;           // float4 columns of a latent row
 constexpr int UV_SLICES = UV_THREADS / UV_COLS;  // 4: thread t merges splits t / 128 + 4 i of column t % 128
 constexpr int UV_LOADS = 17;              // (partial, lse) loads in flight a thread: 68 splits in one round
-constexpr int UV_ROWS = 32;               // W_UV rows (outputs) a block: 2 a warp
-constexpr int UV_ROWS_PER_WARP = UV_ROWS / (UV_THREADS / 32);
 
 struct MergeUV {
-  const float* lse_part;     // [B, S_max, 16]       the attention's workspace (one 16-row tile a sequence)
-  const PartT* o_part;       // [B, S_max, 16, 512]
+  const float* lse_part;     // [B, RT, S_max, BM]       the attention's workspace
+  const PartT* o_part;       // [B, RT, S_max, BM, 512]
   const __nv_bfloat16* out;  // [B, R, 512]          the attention's output where it merged (or had one split)
   const int64_t* prefix;     // [B]
   const __nv_bfloat16* w;    // W_UV: head h's row v at w + h * w_h + v * w_v, 512 contiguous values
   long long w_h, w_v;
   __nv_bfloat16* y;          // [B, R, V]
   int N, H, R, V, max_len, S_max, min_keys, defer_max;
+  int BM, RT;                // the attention's row tiles: row r's partials in tile (b RT + r / BM), row r % BM
 };
 
 // A merged row's 4 values in bf16, the attention's output rounding.
@@ -78,8 +81,9 @@ __device__ __forceinline__ void merge_row(const MergeUV& m, int b, int r, int ac
   __shared__ float s_m[UV_SLICES][UV_COLS], s_s[UV_SLICES][UV_COLS];
   __shared__ float4 s_acc[UV_SLICES][UV_COLS];
   const int tid = threadIdx.x, c = tid % UV_COLS, sl = tid / UV_COLS;
-  const float* lp = m.lse_part + (size_t)b * m.S_max * 16 + r;
-  const PartT* op = m.o_part + ((size_t)b * m.S_max * 16 + r) * DV + 4 * c;
+  const size_t first = ((size_t)b * m.RT + r / m.BM) * m.S_max * m.BM + r % m.BM;  // split 0's row
+  const float* lp = m.lse_part + first;
+  const PartT* op = m.o_part + first * DV + 4 * c;
   Lse4 st{-CUDART_INF_F, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
   for (int k0 = sl; k0 < active; k0 += UV_SLICES * UV_LOADS) {
     float l[UV_LOADS];
@@ -87,8 +91,8 @@ __device__ __forceinline__ void merge_row(const MergeUV& m, int b, int r, int ac
 #pragma unroll
     for (int j = 0; j < UV_LOADS; ++j) {
       const int k = k0 + j * UV_SLICES;
-      l[j] = k < active ? __ldcg(lp + k * 16) : -CUDART_INF_F;
-      if (k < active) v[j] = load_part4(op + (size_t)k * 16 * DV);
+      l[j] = k < active ? __ldcg(lp + k * m.BM) : -CUDART_INF_F;
+      if (k < active) v[j] = load_part4(op + (size_t)k * m.BM * DV);
     }
 #pragma unroll
     for (int j = 0; j < UV_LOADS; ++j)
@@ -103,19 +107,35 @@ __device__ __forceinline__ void merge_row(const MergeUV& m, int b, int r, int ac
   }
 }
 
-// grid (R, V / UV_ROWS, B): block (r, j, b) writes y[b, r, j UV_ROWS .. +UV_ROWS).
-static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) {
-  __shared__ __align__(16) __nv_bfloat16 s_o[DV];
-  const int r = blockIdx.x, b = blockIdx.z, h = r % m.H, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int v0 = blockIdx.y * UV_ROWS + warp * UV_ROWS_PER_WARP;
-  // This warp's W_UV rows, lane l holding dims [8 l, +8) and [256 + 8 l, +8): constants, loaded (coherently:
-  // csrc/pdl.cuh) before the wait, so their DRAM round trip overlaps the attention's tail.
-  uint4 wv[UV_ROWS_PER_WARP][2];
+// A warp's RPW W_UV rows, lane l holding dims [8 l, +8) and [256 + 8 l, +8).
+template <int RPW>
+__device__ __forceinline__ void load_w_rows(const MergeUV& m, int h, int v0, int lane, uint4 (&wv)[RPW][2]) {
 #pragma unroll
-  for (int i = 0; i < UV_ROWS_PER_WARP; ++i) {
+  for (int i = 0; i < RPW; ++i) {
     const __nv_bfloat16* row = m.w + h * m.w_h + (long long)(v0 + i) * m.w_v;
 #pragma unroll
     for (int k = 0; k < 2; ++k) wv[i][k] = __ldcg(reinterpret_cast<const uint4*>(row + k * 256 + lane * 8));
+  }
+}
+
+// grid (R, V / (16 RPW), B): block (r, j, b) writes y[b, r, 16 RPW j .. +16 RPW), RPW rows a warp.
+// RPW = 2 (few query rows: 4 blocks a K2.6 row): the warp's W_UV rows are loaded (coherently: csrc/pdl.cuh)
+// before the grid-dependency wait, so their DRAM round trip overlaps the attention's tail. RPW = 8 (a verify
+// tree's 128 rows: one block a row, one wave, each row's partials read once): 64 registers of W_UV would not
+// fit beside the merge's loads at 512 threads (127 registers at RPW = 2), so the rows are only prefetched into
+// L2 before the wait and loaded after the merge.
+template <int RPW>
+static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) {
+  __shared__ __align__(16) __nv_bfloat16 s_o[DV];
+  const int r = blockIdx.x, b = blockIdx.z, h = r % m.H, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int v0 = (blockIdx.y * UV_WARPS + warp) * RPW;
+  constexpr bool kEarly = RPW <= 2;
+  uint4 wv[RPW][2];
+  if constexpr (kEarly) {
+    load_w_rows<RPW>(m, h, v0, lane, wv);
+  } else {  // the warp's RPW rows of 1 KB: 8 lines a row, a lane's line at 128 B (lane % 8) of row lane / 8
+#pragma unroll
+    for (int i = lane / 8; i < RPW; i += 4) prefetch_l2(m.w + h * m.w_h + (long long)(v0 + i) * m.w_v + lane % 8 * 64);
   }
   const int L = static_cast<int>(m.prefix[b]);  // final before this step (the attention read it early too)
   pdl_wait();
@@ -127,14 +147,15 @@ static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) 
     const uint4* row = reinterpret_cast<const uint4*>(m.out + ((size_t)b * m.R + r) * DV);
     reinterpret_cast<uint4*>(s_o)[tid] = __ldcg(row + tid);
   }
+  if constexpr (!kEarly) load_w_rows<RPW>(m, h, v0, lane, wv);
   __syncthreads();
-  float acc[UV_ROWS_PER_WARP] = {};
+  float acc[RPW] = {};
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const uint4 ov = reinterpret_cast<const uint4*>(s_o + k * 256)[lane];
     const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&ov);
 #pragma unroll
-    for (int i = 0; i < UV_ROWS_PER_WARP; ++i) {
+    for (int i = 0; i < RPW; ++i) {
       const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[i][k]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -144,14 +165,14 @@ static __global__ void __launch_bounds__(UV_THREADS) merge_uv_kernel(MergeUV m) 
     }
   }
 #pragma unroll
-  for (int i = 0; i < UV_ROWS_PER_WARP; ++i) {
+  for (int i = 0; i < RPW; ++i) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], off);
   }
-  if (lane < UV_ROWS_PER_WARP) {
+  if (lane < RPW) {
     float a = acc[0];
 #pragma unroll
-    for (int i = 1; i < UV_ROWS_PER_WARP; ++i) a = lane == i ? acc[i] : a;
+    for (int i = 1; i < RPW; ++i) a = lane == i ? acc[i] : a;
     m.y[((size_t)b * m.R + r) * m.V + v0 + lane] = __float2bfloat16_rn(a);
   }
 }

@@ -106,6 +106,10 @@ Layout layout(int B, int N, int H, int S_max) {
   return w;
 }
 
+// The layouts whose partials k26_mla_merge_uv reads: the 16- and 32-row tiles of tree_attn_kernel (the wide and
+// union kernels merge in the kernel).
+bool deferrable(const Layout& w) { return w.BM <= 32 && !w.Sw; }
+
 template <int BM>
 cudaError_t allow_smem() {
   return smem_opt_in<kernel_of<BM, false>(), kernel_of<BM, true>()>((int)smem_of<BM>());
@@ -229,7 +233,7 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
                                  int pdl, void* stream) {
   if (S_max < 1) return (int)cudaErrorInvalidValue;
   const Layout w = layout(B, N, H, S_max);
-  if (defer_max && !(w.BM == 16 && w.RT == 1)) return (int)cudaErrorInvalidValue;  // what k26_mla_merge_uv reads
+  if (defer_max && !deferrable(w)) return (int)cudaErrorInvalidValue;  // what k26_mla_merge_uv reads
   char* ws = static_cast<char*>(workspace);
   Params p;
   p.q = (const __nv_bfloat16*)q, p.cache = (const __nv_bfloat16*)cache, p.rows = rows, p.prefix = prefix,
@@ -263,16 +267,22 @@ K26_EXPORT int k26_mla_tree_attn(const void* q, const void* cache, const int64_t
 // W_UV after a k26_mla_tree_attn call of the same (B, N, H, max_len, S_max, min_keys, defer_max) on this stream, its
 // workspace and its output `out`: y [B, N, H, V] = W_UV[h] . o (csrc/mla_merge_uv.cuh), merging the splits of the
 // sequences the attention left unmerged. w: head h's row v at w + h * w_h + v * w_v (512 contiguous bf16, 16-B
-// aligned). Returns a cudaError_t; the front door (k26/ops/attention_uv_cuda.py) checks shapes.
+// aligned). rows_per_warp: 2 or 8 W_UV rows a warp (16 warps a block; V a multiple of the block's rows), chosen
+// by the front door. Returns a cudaError_t; the front door (k26/ops/attention_uv_cuda.py) checks shapes.
 K26_EXPORT int k26_mla_merge_uv(const void* workspace, const void* out, const int64_t* prefix, const void* w,
                                 long long w_h, long long w_v, void* y, int B, int N, int H, int V, int max_len,
-                                int S_max, int min_keys, int defer_max, int pdl, void* stream) {
+                                int S_max, int min_keys, int defer_max, int rows_per_warp, int pdl,
+                                void* stream) {
   const Layout lay = layout(B, N, H, S_max);
-  if (S_max < 1 || V % UV_ROWS || !(lay.BM == 16 && lay.RT == 1)) return (int)cudaErrorInvalidValue;
+  const int rows = UV_WARPS * rows_per_warp;  // W_UV rows a block
+  if (S_max < 1 || (rows_per_warp != 2 && rows_per_warp != 8) || V % rows || !deferrable(lay))
+    return (int)cudaErrorInvalidValue;
   const char* ws = static_cast<const char*>(workspace);
   MergeUV m{reinterpret_cast<const float*>(ws + lay.lse), reinterpret_cast<const PartT*>(ws + lay.o),
             (const __nv_bfloat16*)out, prefix, (const __nv_bfloat16*)w, w_h, w_v, (__nv_bfloat16*)y,
-            N, H, N * H, V, max_len, S_max, min_keys < BN ? BN : min_keys, defer_max};
-  return (int)launch_pdl(merge_uv_kernel, dim3(N * H, V / UV_ROWS, B), dim3(UV_THREADS), 0, pdl != 0,
-                         static_cast<cudaStream_t>(stream), m);
+            N, H, N * H, V, max_len, S_max, min_keys < BN ? BN : min_keys, defer_max, lay.BM, lay.RT};
+  const dim3 grid(N * H, V / rows, B);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return (int)(rows_per_warp == 2 ? launch_pdl(merge_uv_kernel<2>, grid, dim3(UV_THREADS), 0, pdl != 0, st, m)
+                                   : launch_pdl(merge_uv_kernel<8>, grid, dim3(UV_THREADS), 0, pdl != 0, st, m));
 }
