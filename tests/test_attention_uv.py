@@ -67,20 +67,32 @@ def test_bad_inputs_are_named(change, match):
         torch.ops.k26.mla_tree_attention_uv(*args)
 
 
-def test_w_uvs_kernel_merges_up_to_a_verify_tree_a_sequence_and_small_batches():
-    w = torch.zeros(8, 128, 512)
-    assert attention_uv_cuda._merge_unsupported(w, 1, 1, 8) is None  # TP8 decode
-    assert attention_uv_cuda._merge_unsupported(w, 1, 2, 8) is None  # 16 rows: one tile
-    assert attention_uv_cuda._merge_unsupported(torch.zeros(16, 128, 512), 1, 1, 16) is None  # TP4 decode
-    assert attention_uv_cuda._merge_unsupported(w, 1, 16, 8) is None  # the TP8 verify tree: four tiles
-    assert attention_uv_cuda._merge_unsupported(w, 16, 1, 8) is None  # 128 rows a batch
-    assert "17 x 8 query rows a sequence" in attention_uv_cuda._merge_unsupported(w, 1, 17, 8)
-    assert "1 x 256 query rows" in attention_uv_cuda._merge_unsupported(torch.zeros(256, 128, 512), 1, 1, 256)
-    assert "17 x 1 x 8 query rows a batch" in attention_uv_cuda._merge_unsupported(w, 17, 1, 8)
-    assert "100 value rows" in attention_uv_cuda._merge_unsupported(torch.zeros(8, 100, 512), 1, 1, 8)
+def test_w_uvs_kernel_merges_only_one_row_tile_a_sequence_and_small_batches():
+    w, why = torch.zeros(8, 128, 512), attention_uv_cuda._merge_unsupported
+    decode = attention_uv_cuda.DECODE  # the default library's bounds
+    assert why(w, 1, 1, 8, decode) is None  # TP8 decode
+    assert why(w, 1, 2, 8, decode) is None  # 16 rows: still one tile
+    assert why(torch.zeros(16, 128, 512), 1, 1, 16, decode) is None  # TP4 decode
+    assert why(w, 8, 1, 8, decode) is None  # 64 rows a batch
+    assert "3 x 8 query rows a sequence" in why(w, 1, 3, 8, decode)
+    assert "1 x 64 query rows" in why(torch.zeros(64, 128, 512), 1, 1, 64, decode)
+    assert "9 x 1 x 8 query rows a batch" in why(w, 9, 1, 8, decode)
+    assert "100 value rows" in why(torch.zeros(8, 100, 512), 1, 1, 8, decode)
+
+
+def test_a_verify_deferring_library_merges_up_to_the_tp8_verify_tree():
+    w, why = torch.zeros(8, 128, 512), attention_uv_cuda._merge_unsupported
+    verify = attention_uv_cuda.VERIFY  # a library built with -DK26_ATTN_DEFER_VERIFY
+    assert why(w, 1, 1, 8, verify) is None
+    assert why(w, 1, 3, 8, verify) is None  # two 16-row tiles
+    assert why(w, 1, 16, 8, verify) is None  # the TP8 verify tree: four 32-row tiles
+    assert why(w, 16, 1, 8, verify) is None  # 128 rows a batch
+    assert "17 x 8 query rows a sequence" in why(w, 1, 17, 8, verify)
+    assert "1 x 256 query rows" in why(torch.zeros(256, 128, 512), 1, 1, 256, verify)
+    assert "17 x 1 x 8 query rows a batch" in why(w, 17, 1, 8, verify)
     # W_UV's blocks take 32 value rows up to 32 query rows a batch, 128 beyond: 96 fits only the first
-    assert attention_uv_cuda._merge_unsupported(torch.zeros(8, 96, 512), 4, 1, 8) is None
-    assert "96 value rows" in attention_uv_cuda._merge_unsupported(torch.zeros(8, 96, 512), 1, 16, 8)
+    assert why(torch.zeros(8, 96, 512), 4, 1, 8, verify) is None
+    assert "96 value rows" in why(torch.zeros(8, 96, 512), 1, 16, 8, verify)
 
 
 def test_reference_is_the_attention_then_the_value_projection():

@@ -111,12 +111,21 @@ def test_the_rotary_query_matches_the_reference():
     assert rel(y, ref) <= 3e-3
 
 
+def bounds():
+    """The loaded library's merge bounds (a -DK26_ATTN_DEFER_VERIFY build merges the verify tree too)."""
+    return attention_uv_cuda.merge_bounds(attention_cuda.library_bound())
+
+
 def test_shapes_it_does_not_merge_run_the_two_kernels_and_match():
-    """17 tokens of 8 heads (136 rows, past MAX_ROWS), 256 heads, a batch of 17 x 8 rows (past MAX_BATCH_ROWS)
-    and 96 value rows a head at 128 query rows (not a multiple of the 128-row blocks): attention +
-    linear_grouped."""
-    for B, N, H, V in ((1, 17, 8, 128), (1, 1, 256, 128), (17, 1, 8, 128), (1, 16, 8, 96)):
-        assert attention_uv_cuda._merge_unsupported(torch.empty(H, V, 512), B, N, H) is not None
+    """Shapes past the library's bounds — the default's: three tokens of 8 heads (two tiles), 64 heads, a
+    batch of 9 x 8 rows; a verify-deferring build's: 17 tokens of 8 heads, 256 heads, a batch of 17 x 8 rows,
+    96 value rows a head at 128 query rows — run attention + linear_grouped and match."""
+    shapes = [(1, 3, 8, 128), (1, 1, 64, 128), (9, 1, 8, 128)]
+    shapes += [(1, 17, 8, 128), (1, 1, 256, 128), (17, 1, 8, 128), (1, 16, 8, 96)]
+    why = attention_uv_cuda._merge_unsupported
+    past = [s for s in shapes if why(torch.empty(s[2], s[3], 512), *s[:3], bounds())]
+    assert len(past) >= 4, past
+    for B, N, H, V in past:
         args = uv_case(B, N, H, [4095] * B, seed=51 + N + B, V=V)
         poison()
         y = torch.ops.k26.mla_tree_attention_uv(*args[:5], SCALE, args[5])
@@ -127,7 +136,8 @@ def test_the_attention_leaves_deferred_sequences_unmerged():
     """The deferral happens: with the bound the attention writes no output for a sequence of 2..bound splits
     (its poisoned rows stay NaN) and writes it for one split and past the bound."""
     cases = [(1, 30, False), (1, 4096, True), (1, 8191, True), (1, 8192, False), (1, 20011, False)]
-    cases += [(16, 20, False), (16, 4096, True), (16, 131000, True)]  # a verify tree's <= 33 splits
+    if bounds().seq_rows >= 16 * 8:  # a verify-deferring build: the tree's four tiles of <= 33 splits
+        cases += [(16, 20, False), (16, 4096, True), (16, 131000, True)]
     for N, L, deferred in cases:
         q, cache, rows, prefix, words, _ = uv_case(1, N, 8, [L], seed=61 + L)
         out = torch.full((1, N, 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -140,7 +140,7 @@ class MLA(nn.Module):
             rot = (batch.static, q_pe_raw, batch.positions_BN, rope.inv_freq)
             w_uv = w_kv[:, nope:]  # W_UV per head: kv_b's rows as a strided view, no copy
             if self.kv_b_proj.use_kernel or short:
-                # one op: on CUDA W_UV's kernel merges the attention splits of decode and verify (attention_uv_cuda)
+                # one op: on CUDA W_UV's kernel merges short decode's attention splits (attention_uv_cuda)
                 o_BNHV = torch.ops.k26.mla_tree_attention_uv(*attn, w_uv, *rot)
             else:
                 o_lat, _ = torch.ops.k26.mla_tree_attention(*attn, r, *rot)

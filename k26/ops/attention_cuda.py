@@ -77,6 +77,8 @@ def _bind(lib) -> None:
         getattr(lib, name).argtypes = [ctypes.c_int] * 4
     lib.k26_mla_tree_attn_tile_rows.restype = ctypes.c_int
     lib.k26_mla_tree_attn_tile_rows.argtypes = [ctypes.c_int] * 2
+    lib.k26_mla_merge_uv_defers_verify.restype = ctypes.c_int
+    lib.k26_mla_merge_uv_defers_verify.argtypes = []
     lib.k26_mla_tree_attn_plan.restype = ctypes.c_int
     lib.k26_mla_tree_attn_plan.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p]
     lib.k26_mla_tree_attn.restype = ctypes.c_int

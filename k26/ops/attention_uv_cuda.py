@@ -1,14 +1,15 @@
 """Front door of `torch.ops.k26.mla_tree_attention_uv` on CUDA: the MLA tree attention followed by the value
-up-projection W_UV, two launches. For a sequence of at most 128 query rows (one-token decode and a 16-token
-verify tree at K2.6's TP8 head count) whose live split count is at most `DEFER_MAX_SPLITS`, the attention's
-splits store their partials and leave, and W_UV's kernel merges them (csrc/mla_merge_uv.cuh): the kernel
-boundary stands in for the attention's grid-wide barrier and merge. Other shapes run `mla_tree_attention` and
-`linear_grouped`.
+up-projection W_UV, two launches. For a sequence of at most 16 query rows (one-token decode at K2.6's TP8 and
+TP4 head counts; with a library built with -DK26_ATTN_DEFER_VERIFY up to 128, the TP8 verify tree) whose live
+split count is at most `DEFER_MAX_SPLITS`, the attention's splits store their partials and leave, and W_UV's
+kernel merges them (csrc/mla_merge_uv.cuh): the kernel boundary stands in for the attention's grid-wide
+barrier and merge. Other shapes run `mla_tree_attention` and `linear_grouped`.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -18,20 +19,33 @@ from .log import say_once
 # Split counts up to which W_UV merges (4K decode: 65 splits; the per-block merge reads 2 KB a split, so long
 # contexts keep the attention's merge spread over all its blocks).
 DEFER_MAX_SPLITS = 128
-# Query rows a sequence: up to a verify tree of 16 tokens x 8 heads (four 32-row attention tiles). Query rows
-# of the whole batch: every merging block reads its row's partials and its W_UV rows (32 or 128 KB), so a
-# large batch would read W_UV from L2 once a row (and has few splits a sequence to merge anyway). Measured at
-# B = 1: decode (profiling/results/2026-12-07-attention-uv-session41.md) and the verify tree (session 48).
-MAX_ROWS = 128
-MAX_BATCH_ROWS = 128
-# W_UV rows a merging block (16 warps): 32 up to FEW_ROWS query rows a batch — four blocks a K2.6 row, each
-# warp's rows loaded before the grid-dependency wait (4K decode) — else 128 (a verify tree's 128 rows: one
-# block a row, one wave; the rows loaded after the merge, csrc/mla_merge_uv.cuh). V must be a multiple.
-FEW_ROWS = 32
 
 
-def uv_block_rows(B: int, N: int, H: int) -> int:
-    return 32 if B * N * H <= FEW_ROWS else 128
+@dataclass(frozen=True)
+class MergeBounds:
+    """Which calls W_UV's kernel merges, by query rows: a sequence's (its attention tiles must defer, a
+    library property), the whole batch's (every merging block reads its row's partials and its W_UV rows,
+    so a large batch would read W_UV from L2 once a row, and has few splits a sequence to merge anyway), and
+    up to how many a batch its blocks take 32 W_UV rows (four blocks a K2.6 row, each warp's rows loaded
+    before the grid-dependency wait) rather than 128 (one block a row, one wave at 128 rows; the rows
+    prefetched into L2, loaded after the merge: csrc/mla_merge_uv.cuh). V: a multiple of a block's rows."""
+
+    seq_rows: int
+    batch_rows: int
+    few_rows: int
+
+    def block_rows(self, B: int, N: int, H: int) -> int:
+        return 32 if B * N * H <= self.few_rows else 128
+
+
+# The default library: one-tile decode (measured: profiling/results/2026-12-07-attention-uv-session41.md).
+DECODE = MergeBounds(seq_rows=16, batch_rows=64, few_rows=64)
+# A library built with -DK26_ATTN_DEFER_VERIFY: the TP8 verify tree's 16 x 8 rows too (four 32-row tiles).
+VERIFY = MergeBounds(seq_rows=128, batch_rows=128, few_rows=32)
+
+
+def merge_bounds(lib) -> MergeBounds:
+    return VERIFY if lib.k26_mla_merge_uv_defers_verify() else DECODE
 
 
 def check_inputs(
@@ -55,13 +69,13 @@ def check_inputs(
     return C
 
 
-def _merge_unsupported(w_uv: torch.Tensor, B: int, N: int, H: int) -> str | None:
+def _merge_unsupported(w_uv: torch.Tensor, B: int, N: int, H: int, bounds: MergeBounds) -> str | None:
     """Why W_UV's kernel does not merge for these shapes (None: it does)."""
-    if N * H > MAX_ROWS:
-        return f"{N} x {H} query rows a sequence (it merges up to {MAX_ROWS})"
-    if B * N * H > MAX_BATCH_ROWS:
-        return f"{B} x {N} x {H} query rows a batch (it merges up to {MAX_BATCH_ROWS})"
-    rows = uv_block_rows(B, N, H)
+    if N * H > bounds.seq_rows:
+        return f"{N} x {H} query rows a sequence (it merges up to {bounds.seq_rows})"
+    if B * N * H > bounds.batch_rows:
+        return f"{B} x {N} x {H} query rows a batch (it merges up to {bounds.batch_rows})"
+    rows = bounds.block_rows(B, N, H)
     if w_uv.shape[1] % rows:
         return f"{w_uv.shape[1]} value rows a head (not a multiple of {rows})"
     return None
@@ -86,7 +100,8 @@ def _(
     V, v_dim = w_uv.shape[1], w_uv.shape[2]
     if B * N * H * V == 0:
         return q.new_empty(B, N, H, V)
-    why = attention_cuda.fallback_reason(q, C, v_dim, q_pe) or _merge_unsupported(w_uv, B, N, H)
+    bounds = merge_bounds(attention_cuda.library_bound())
+    why = attention_cuda.fallback_reason(q, C, v_dim, q_pe) or _merge_unsupported(w_uv, B, N, H, bounds)
     if why is not None:  # the two ops (each runs its own kernel, or its reference where it has none)
         say_once(__name__, logging.INFO, f"k26.mla_tree_attention_uv: {why}: attention and W_UV apart")
         out, _ = torch.ops.k26.mla_tree_attention(
@@ -119,7 +134,7 @@ def _(
         launch.splits,
         launch.min_keys,
         DEFER_MAX_SPLITS,
-        uv_block_rows(B, N, H) // 16,
+        bounds.block_rows(B, N, H) // 16,  # W_UV rows a warp
         int(pdl.enabled_as_given((w, w_uv))),
         torch.cuda.current_stream(q.device).cuda_stream,
     )

@@ -189,6 +189,10 @@ VARIANTS: dict[str, list[str]] = {
     # session 30): N = 64 at 128K 817 -> 746, B = 4 N = 64 at 32K 844 -> 733, but H = 64 N = 64 at 4K
     # 200 -> 373 and N = 256 at 4K 115 -> 124 (2026-12-06-moe-groups-tree-heap-session30-h100.md)
     "-DK26_ATTN_UNION": ["mla_tree_attn.cu"],
+    # tree attention + W_UV: the verify tree's 32-row tiles (up to 128 query rows a sequence) defer their
+    # split merge to W_UV's kernel as one-tile decode does (csrc/mla_merge_uv.cuh, 128-row blocks): at 4K the
+    # N = 16 attention's barrier + merge were ~8.5 of ~20 µs (session 18). Unmeasured (session 48: no device)
+    "-DK26_ATTN_DEFER_VERIFY": ["mla_tree_attn.cu"],
     # MoE one token: gate/up warps L2-prefetch the rest of their k range behind the first register batch
     # (the second batch hits L2); bit-identical. Measured 2026-12-05 (H200, bench_moe --block): no gain (with
     # the staged down kernel, now the default, the block at one token 25.0 µs against 23.8 without it)

@@ -156,10 +156,19 @@ struct Params {
   PartT* o_part;               // [B, RT, S_max, BM, 512]  each split's normalised partial
   int N, H, W, R, RT, max_len, S_max, min_keys;
   float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
-  // A tile whose live split count lies in (1, defer_max] stores its partials and leaves: the merge runs
-  // in the next kernel (csrc/mla_merge_uv.cuh). 0: every tile merges here.
+  // A tile (of at most 16 kDeferMT rows) whose live split count lies in (1, defer_max] stores its partials and
+  // leaves: the merge runs in the next kernel (csrc/mla_merge_uv.cuh). 0: every tile merges here.
   int defer_max;
 };
+
+// The row tiles that may defer their merge to W_UV's kernel: the 16-row (decode) tiles; built with
+// -DK26_ATTN_DEFER_VERIFY also the 32-row (verify) tiles, up to 128 query rows a sequence (an A/B side until
+// measured: k26/ops/build.py VARIANTS; the front door reads the bound from k26_mla_merge_uv_defers_verify).
+#ifdef K26_ATTN_DEFER_VERIFY
+constexpr int kDeferMT = 2;
+#else
+constexpr int kDeferMT = 1;
+#endif
 
 // The query's rotary part apart from q (tree_attn_kernel<MT, true>): a second kernel argument, not fields of
 // Params, whose local copy the kernel keeps (Params grown by these 32 bytes cost the plain query's kernel

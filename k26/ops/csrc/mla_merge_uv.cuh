@@ -1,5 +1,5 @@
-// The MLA value up-projection (W_UV) with the tree attention's split-KV merge in its prologue (decode and verify
-// trees of up to 128 query rows):
+// The MLA value up-projection (W_UV) with the tree attention's split-KV merge in its prologue (decode; built with
+// -DK26_ATTN_DEFER_VERIFY verify trees of up to 128 query rows too):
 //
 //   y[b, r, v] = sum_d W_UV[h][v, d] * o[b, r, d]        (r = n H + h; o = the attention's bf16 output)
 //

@@ -106,9 +106,9 @@ Layout layout(int B, int N, int H, int S_max) {
   return w;
 }
 
-// The layouts whose partials k26_mla_merge_uv reads: the 16- and 32-row tiles of tree_attn_kernel (the wide and
+// The layouts whose partials k26_mla_merge_uv reads: tree_attn_kernel's tiles that defer (kDeferMT; the wide and
 // union kernels merge in the kernel).
-bool deferrable(const Layout& w) { return w.BM <= 32 && !w.Sw; }
+bool deferrable(const Layout& w) { return w.BM <= 16 * kDeferMT && !w.Sw; }
 
 template <int BM>
 cudaError_t allow_smem() {
@@ -212,6 +212,8 @@ K26_EXPORT size_t k26_mla_tree_attn_counter_bytes(int B, int N, int H, int S_max
 K26_TRACE_EXPORTS(k26_mla_tree_attn_trace, k26_mla_tree_attn_trace_reset, g_attn_trace)
 #endif
 K26_EXPORT int k26_mla_tree_attn_tile_rows(int N, int H) { return tile_rows(N, H); }
+// 1 when built with -DK26_ATTN_DEFER_VERIFY: the verify tree's 32-row tiles defer their merge to W_UV's kernel.
+K26_EXPORT int k26_mla_merge_uv_defers_verify() { return kDeferMT > 1; }
 // The launch plan for (B, N, H) on the current device: splits per row tile.
 K26_EXPORT int k26_mla_tree_attn_plan(int B, int N, int H, int* splits) {
   switch (tile_rows(N, H)) {

@@ -27,9 +27,10 @@
 //
 // Split-KV merge in the same launch, one level (details in csrc/mla_attn_merge.cuh): each live split writes its
 // partial to the workspace, the tile's splits meet at a kernel-owned barrier, and each merges an equal share
-// of the output over every split. Deferred (Params::defer_max, `mla_tree_attention_uv`: decode and verify trees of
-// up to 128 query rows): a tile of 2..defer_max live splits only writes its partials; W_UV's kernel merges them
-// (csrc/mla_merge_uv.cuh) — the barrier and the merge leave the attention's path.
+// of the output over every split. Deferred (Params::defer_max, `mla_tree_attention_uv`: decode; with
+// -DK26_ATTN_DEFER_VERIFY verify trees of up to 128 query rows too): a tile of 2..defer_max live splits only writes
+// its partials; W_UV's kernel merges them (csrc/mla_merge_uv.cuh) — the barrier and the merge leave the attention's
+// path.
 //
 // Programmatic dependent launch (csrc/pdl.cuh): launched before the query's projection has finished, every
 // block issues its first prefix key tiles, waits for it, then lets W_UV's launch start (see the kernel). The
@@ -469,7 +470,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       __stcg(lp + split * BM + tid, l);
   }
   if (active == 1) return;
-  if (active <= p.defer_max) return;  // merged by W_UV's kernel (csrc/mla_merge_uv.cuh)
+  if (MT <= kDeferMT && active <= p.defer_max) return;  // merged by W_UV's kernel (csrc/mla_merge_uv.cuh)
 #ifdef K26_ATTN_PROBE_NO_MERGE
   // measurement only, wrong output: the step's time without the barrier + merge (an upper bound). A
   // condition the compiler cannot decide keeps the merge's code, and so the register allocation, of the default
