@@ -96,7 +96,7 @@ def test_tile_linear_kernels_read_x_only_after_the_wait(every_kernel, arch):
         ("linear_smallm.cu", "linear_swiglu_kernelILi1ELi2ELi2E", 8),
         ("add_rmsnorm.cu", "add_rmsnorm_kernel", 4),  # the norm weight: a thread's 4 vectors
         ("allreduce_fused.cu", "allreduce_add_rmsnorm_kernel", 4),
-        ("mla_tree_attn.cu", "merge_uv_kernel", 4),  # W_UV: a lane's 2 rows x 2 vectors
+        ("mla_tree_attn.cu", "merge_uv_kernelILi2E", 4),  # W_UV: a lane's 2 rows x 2 vectors (32-row blocks)
     ],
 )
 def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, source, kernel, weight_loads):
@@ -107,6 +107,18 @@ def test_weights_are_loaded_before_the_wait_and_x_after(every_kernel, arch, sour
     assert sum(counts.values()) >= weight_loads, counts
     if "linear" in source:  # nothing but weights before the wait: x (a strong GPU-scope load) comes after
         assert set(counts) == {"LDG.E.NA.128"}, counts
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_the_128_row_merge_uv_kernel_prefetches_w_uv_before_the_wait(every_kernel, arch):
+    # Its blocks keep W_UV out of registers until the merge is done (64 of them would spill beside the merge's
+    # loads): the rows go into L2 before the wait (prefetch: CCTL.E.PF2), no wide load precedes it.
+    found = pick(every_kernel, arch, "mla_tree_attn.cu", "merge_uv_kernelILi8E")
+    assert len(found) == 1, list(found)
+    events = [e.split() for e in next(iter(found.values()))]
+    at = [op for _, op in events].index("ACQBULK")
+    assert sum(int(n) for n, op in events[:at] if op.startswith("CCTL") and "PF" in op) >= 2, events[:at]
+    assert not [op for op in loads_before_wait(next(iter(found.values()))) if ".128" in op]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
