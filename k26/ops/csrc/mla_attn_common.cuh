@@ -94,6 +94,33 @@ struct Cfg {
   static_assert(K % 16 == 0 && S % 16 == 0 && P % 16 == 0, "16-B aligned regions (ldmatrix, float4)");
 };
 
+// The block's dynamic shared memory as Cfg<MT> sizes it: key stages | partial scores ([KQ][BM][LDSS]; the batch:
+// Q staged here first, then [KQ][BM][LDSB]) | P | each row's mask words ([BM][4]) | alpha | row max m | row sum l.
+template <int MT>
+struct BlockSmem {
+  using C = Cfg<MT>;
+  __nv_bfloat16* sK;
+  float* sS;
+  __nv_bfloat16* sP;
+  int64_t* sWords;
+  float *sAlpha, *sM, *sL;
+  __device__ __forceinline__ explicit BlockSmem(uint8_t* smem)
+      : sK(reinterpret_cast<__nv_bfloat16*>(smem)),
+        sS(reinterpret_cast<float*>(smem + C::K)),
+        sP(reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S)),
+        sWords(reinterpret_cast<int64_t*>(smem + C::K + C::S + C::P)),
+        sAlpha(reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS)),
+        sM(sAlpha + C::SBUF * C::BM),
+        sL(sM + C::BM) {}
+};
+
+// A thread's place in the block (tree_attn_body): tid, warp, lane, the mma fragments' row group g and thread t
+// in it, the S phase's key n-tile nt and dim quarter kq, the softmax's row sr. Passed to the body's helpers, not
+// recomputed from threadIdx there: recomputed, ptxas scheduled the 32-row kernel differently (its SASS changed).
+struct Roles {
+  int tid, warp, lane, g, t, nt, kq, sr;
+};
+
 // One 16-key tile of the cache row kv (keys key0 .. key0 + 15, those from k1 on zero-filled) into dst by cp.async.
 template <int MT>
 __device__ __forceinline__ void copy_key_tile(const __nv_bfloat16* kv, int key0, int k1, __nv_bfloat16* dst,
@@ -252,5 +279,21 @@ struct RotaryPairs {
     }
   }
 };
+
+// O += P V over this warp's 64 output columns: P's A fragments pa, V = the first 512 dims of the key tile tK.
+template <int MT>
+__device__ __forceinline__ void pv_mma(float (&o)[MT][8][4], const __nv_bfloat16* tK, const uint32_t (&pa)[MT][4],
+                                       int lane, int warp) {
+#pragma unroll
+  for (int n2 = 0; n2 < 4; ++n2) {
+    uint32_t vb[4];
+    ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      mma_bf16(o[m][2 * n2], pa[m], vb[0], vb[1]);
+      mma_bf16(o[m][2 * n2 + 1], pa[m], vb[2], vb[3]);
+    }
+  }
+}
 
 }  // namespace k26_attn

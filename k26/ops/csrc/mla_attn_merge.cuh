@@ -163,4 +163,65 @@ __device__ __noinline__ void merge_share(const float* lp, const PartT* op, __nv_
   TRACE(7);
 }
 
+// The split's end: its rows' sums reduced over their lanes, then its normalised partial straight from the
+// registers (the final bf16 output when the split is the sequence's only one, else fp32 into the workspace)
+// and, unless W_UV's kernel merges (kDeferMT), the tile's barrier and this split's share of the merge.
+template <int MT>
+__device__ __forceinline__ void finish_split(const Params& p, const BlockSmem<MT>& sm, const Roles& ro,
+                                             const float (&o)[MT][8][4], float m_run, float l_run, int rt, int split,
+                                             int b, int active) {
+  constexpr int BM = 16 * MT, LPR = 16 / MT;
+  const int tid = ro.tid, warp = ro.warp, g = ro.g, t = ro.t, sr = ro.sr, row0 = rt * BM;
+  float* const sM = sm.sM;
+  float* const sL = sm.sL;
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off >>= 1) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);
+  if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
+  __syncthreads();
+
+  const int rows_real = min(BM, p.R - row0);
+  const size_t tile = (size_t)b * p.RT + rt;
+  int* bar = p.counters + 4 * tile;
+  const unsigned gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
+  __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
+  float* lse = p.lse + (size_t)b * p.R + row0;
+  float* lp = p.lse_part + tile * p.S_max * BM;
+  PartT* op = p.o_part + tile * p.S_max * BM * DV;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = m * 16 + g + hh * 8;
+      if (r >= rows_real) continue;
+      const float l = sL[r], inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int c = warp * 64 + n * 8 + 2 * t;
+        const float2 v = make_float2(o[m][n][2 * hh] * inv, o[m][n][2 * hh + 1] * inv);
+        if (active == 1)
+          *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
+        else
+          store_part2(op + ((size_t)split * BM + r) * DV + c, v);
+      }
+    }
+  }
+  if (tid < rows_real) {
+    const float l = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
+    if (active == 1)
+      lse[tid] = l;
+    else
+      __stcg(lp + split * BM + tid, l);
+  }
+  if (active == 1) return;
+  if (MT <= kDeferMT && active <= p.defer_max) return;  // merged by W_UV's kernel (csrc/mla_merge_uv.cuh)
+#ifdef K26_ATTN_PROBE_NO_MERGE
+  // measurement only, wrong output: the step's time without the barrier + merge (an upper bound). A
+  // condition the compiler cannot decide keeps the merge's code, and so the register allocation, of the default
+  if (active > 0) return;
+#endif
+  tile_barrier(bar, gen, active, split == 0);
+  TRACE(3);
+  merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
+}
+
 }  // namespace k26_attn

@@ -25,7 +25,7 @@
 // split of at most 4 tiles (<= 64 keys: a 4K decode's 65 splits) runs as one batch instead (kBatch): S of all its
 // tiles, one softmax, P V of all — two barriers a split.
 //
-// Split-KV merge in the same launch, one level (details in csrc/mla_attn_merge.cuh): each live split writes its
+// Split-KV merge in the same launch, one level (csrc/mla_attn_merge.cuh, finish_split): each live split writes its
 // partial to the workspace, the tile's splits meet at a kernel-owned barrier, and each merges an equal share
 // of the output over every split. Deferred (Params::defer_max, `mla_tree_attention_uv`: decode; with
 // -DK26_ATTN_DEFER_VERIFY verify trees of up to 128 query rows too): a tile of 2..defer_max live splits only writes
@@ -71,14 +71,12 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   constexpr int BM = C::BM;
   constexpr int LPR = 16 / MT;  // softmax lanes per query row (MT keys each)
   extern __shared__ __align__(16) uint8_t smem[];
-  __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem);
-  // [KQ][BM][LDSS] (the batch: Q staged here first, then [KQ][BM][LDSB])
-  float* sS = reinterpret_cast<float*>(smem + C::K);
-  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::K + C::S);
-  int64_t* sWords = reinterpret_cast<int64_t*>(smem + C::K + C::S + C::P);  // [BM][4]
-  float* sAlpha = reinterpret_cast<float*>(smem + C::K + C::S + C::P + C::WORDS);
-  float* sM = sAlpha + C::SBUF * BM;
-  float* sL = sM + BM;
+  const BlockSmem<MT> sm(smem);
+  __nv_bfloat16* const sK = sm.sK;
+  float* const sS = sm.sS;
+  __nv_bfloat16* const sP = sm.sP;
+  int64_t* const sWords = sm.sWords;
+  float* const sAlpha = sm.sAlpha;
 
   TRACE(8);  // resident (trace builds: profiling/debug/attn_step_trace.py)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -158,6 +156,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   const int sr = tid / LPR, sc = (tid % LPR) * MT;
   stage_words<BM>(p, b, row0, sWords, tid);
   const int64_t* my_words = sWords + sr * 4;
+  const Roles ro{tid, warp, lane, g, t, nt, kq, sr};
   float m_run = -CUDART_INF_F, l_run = 0.f;
 
   float o[MT][8][4];
@@ -268,20 +267,6 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
     if (tid % LPR == 0) sAlpha[buf * BM + sr] = alpha;
   };
 
-  // O += P V over this warp's 64 output columns: P's A fragments pa, V = the first 512 dims of the key tile tK.
-  auto pv_mma = [&](const __nv_bfloat16* tK, const uint32_t (&pa)[MT][4]) {
-#pragma unroll
-    for (int n2 = 0; n2 < 4; ++n2) {
-      uint32_t vb[4];
-      ldsm_x4_t(vb, tK + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + warp * 64 + n2 * 16 + (lane >> 4) * 8);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        mma_bf16(o[m][2 * n2], pa[m], vb[0], vb[1]);
-        mma_bf16(o[m][2 * n2 + 1], pa[m], vb[2], vb[3]);
-      }
-    }
-  };
-
   // O = alpha * O + P V, V = the tile in `stage`.
   auto pv_tile = [&](int stage, int buf) {
     const __nv_bfloat16* tK = sK + stage * BN * LDS;
@@ -300,7 +285,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
       }
       ldsm_x4(pa[m], sP + buf * (BM * LDP) + (m * 16 + (lane & 15)) * LDP + (lane >> 4) * 8);
     }
-    pv_mma(tK, pa);
+    pv_mma<MT>(o, tK, pa, lane, warp);
   };
 
   // One batch (kBatch): the split's n <= NSTAGE tiles, all landed with Q. Scores of every tile (independent MMA
@@ -376,7 +361,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
         if (j >= n) continue;
         uint32_t pa[MT][4];
         ldsm_x4(pa[0], sP + (lane & 15) * LDPB + j * BN + (lane >> 4) * 8);
-        pv_mma(sK + j * BN * LDS, pa);
+        pv_mma<MT>(o, sK + j * BN * LDS, pa, lane, warp);
       }
     }
   };
@@ -429,56 +414,7 @@ __device__ __forceinline__ void tree_attn_body(const Params& p, const Rotary& ro
   TRACE(2);
   cp_wait<0>();  // no copy may land in shared memory after the block exits
 
-#pragma unroll
-  for (int off = LPR / 2; off > 0; off >>= 1) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);
-  if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
-  __syncthreads();
-
-  // This split's normalised partial, straight from the registers: the final bf16 output when the split is
-  // the sequence's only one, else fp32 into the workspace for the merge (csrc/mla_attn_merge.cuh).
-  const int rows_real = min(BM, p.R - row0);
-  const size_t tile = (size_t)b * p.RT + rt;
-  int* bar = p.counters + 4 * tile;
-  const unsigned gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
-  __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
-  float* lse = p.lse + (size_t)b * p.R + row0;
-  float* lp = p.lse_part + tile * p.S_max * BM;
-  PartT* op = p.o_part + tile * p.S_max * BM * DV;
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = m * 16 + g + hh * 8;
-      if (r >= rows_real) continue;
-      const float l = sL[r], inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const int c = warp * 64 + n * 8 + 2 * t;
-        const float2 v = make_float2(o[m][n][2 * hh] * inv, o[m][n][2 * hh + 1] * inv);
-        if (active == 1)
-          *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
-        else
-          store_part2(op + ((size_t)split * BM + r) * DV + c, v);
-      }
-    }
-  }
-  if (tid < rows_real) {
-    const float l = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
-    if (active == 1)
-      lse[tid] = l;
-    else
-      __stcg(lp + split * BM + tid, l);
-  }
-  if (active == 1) return;
-  if (MT <= kDeferMT && active <= p.defer_max) return;  // merged by W_UV's kernel (csrc/mla_merge_uv.cuh)
-#ifdef K26_ATTN_PROBE_NO_MERGE
-  // measurement only, wrong output: the step's time without the barrier + merge (an upper bound). A
-  // condition the compiler cannot decide keeps the merge's code, and so the register allocation, of the default
-  if (active > 0) return;
-#endif
-  tile_barrier(bar, gen, active, split == 0);
-  TRACE(3);
-  merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
+  finish_split<MT>(p, sm, ro, o, m_run, l_run, rt, split, b, active);
 }
 
 // Two 16-row blocks an SM where they fit (sm_90: 2 x 96 KB); on sm_120 (100 KB an SM) one, so no register cap
