@@ -1,0 +1,82 @@
+"""Does a kernel change leave the machine code as it was? Compiles CUDA sources from the working tree and from
+a git revision, for each arch and define set, and compares every function's SASS instruction stream. For a
+refactor made on a machine without a GPU: identical SASS is identical behaviour and speed, no device run
+needed (mla_tree_attn_kernel.cuh's split, 2026-12-08: every function of six builds x two archs identical).
+
+    python scripts/sass_same.py k26/ops/csrc/mla_tree_attn.cu [--rev HEAD] [--arch sm_90a,sm_120a]
+        [--variant K26_ATTN_NO_BATCH] [--variant K26_ATTN_WIDE,K26_ATTN_MERGE_LOADS_32=24] ...
+
+The default build is always compared; each --variant adds a build with its comma-separated defines.
+
+Exit status 0 when every function of every build matches, 1 otherwise (the differing ones are listed). The
+comparison is of opcodes and operands in order (addresses and encodings left out); a function present on one
+side only counts as a difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from sass_schedule import cuobjdump, instructions
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from k26.ops.build import _nvcc_cmd  # the library's flags: the code compared is the code built
+
+
+def functions(source: Path, arch: str, defines: list[str], tmp: Path) -> dict[str, str]:
+    """{mangled name: digest of its instruction stream} of one source's cubin."""
+    cubin = tmp / "out.cubin"
+    cmd = [*_nvcc_cmd((arch,)), "-cubin", *defines, "-o", str(cubin), str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        sys.exit(f"nvcc failed on {source} ({arch} {' '.join(defines)}):\n{proc.stderr[-2000:]}")
+    sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], capture_output=True, text=True, check=True)
+    out: dict[str, str] = {}
+    for chunk in sass.stdout.split("Function : ")[1:]:
+        name, _, body = chunk.partition("\n")
+        stream = "\n".join(f"{op}{args}" for _, op, args in instructions(body))
+        out[name.strip()] = hashlib.sha256(stream.encode()).hexdigest()[:16]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sources", nargs="+", type=Path, help="CUDA sources, relative to the repository root")
+    ap.add_argument("--rev", default="HEAD", help="the revision to compare the working tree against")
+    ap.add_argument("--arch", default="sm_90a,sm_120a")
+    ap.add_argument("--variant", action="append", default=[], help="NAME[=VALUE],...: a build with them")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        old_tree = tmp / "old"
+        old_tree.mkdir()
+        git = ["git", "-C", str(ROOT), "archive", a.rev, "k26/ops/csrc"]
+        archive = subprocess.run(git, capture_output=True, check=False)
+        if archive.returncode:
+            sys.exit(f"git archive {a.rev} failed: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive.stdout, check=True)
+        differ, total = [], 0
+        for src in a.sources:
+            for arch in a.arch.split(","):
+                for dset in ["", *a.variant]:
+                    defines = [f"-D{d}" for d in dset.split(",") if d]
+                    new = functions(ROOT / src, arch, defines, tmp)
+                    old = functions(old_tree / src, arch, defines, tmp)
+                    for name in sorted(set(new) | set(old)):
+                        total += 1
+                        if new.get(name) != old.get(name):
+                            differ.append(f"{src.name} {arch} [{dset or 'default'}] {name}")
+    print(f"{total - len(differ)} of {total} functions identical to {a.rev}")
+    for d in differ:
+        print(f"  differs: {d}")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
