@@ -163,6 +163,30 @@ __device__ __noinline__ void merge_share(const float* lp, const PartT* op, __nv_
   TRACE(7);
 }
 
+// Where split `split` of row tile rt of sequence b puts its normalised partial: the tile's rows of the output
+// and lse when it is the sequence's only split, else its slots in the workspace; the tile's barrier and its
+// generation, read by thread 0 before the block's partial stores (a relaxed load the stores need not wait for).
+template <int BM>
+struct SplitOut {
+  int rows_real;  // the tile's rows that exist (the last tile may be part-filled)
+  int* bar;
+  unsigned gen;   // thread 0's only
+  __nv_bfloat16* out;
+  float *lse, *lp;
+  PartT* op;
+  __device__ __forceinline__ SplitOut(const Params& p, int b, int rt, int active, int tid) {
+    const int row0 = rt * BM;
+    rows_real = min(BM, p.R - row0);
+    const size_t tile = (size_t)b * p.RT + rt;
+    bar = p.counters + 4 * tile;
+    gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;
+    out = p.out + ((size_t)b * p.R + row0) * DV;
+    lse = p.lse + (size_t)b * p.R + row0;
+    lp = p.lse_part + tile * p.S_max * BM;
+    op = p.o_part + tile * p.S_max * BM * DV;
+  }
+};
+
 // The split's end: its rows' sums reduced over their lanes, then its normalised partial straight from the
 // registers (the final bf16 output when the split is the sequence's only one, else fp32 into the workspace)
 // and, unless W_UV's kernel merges (kDeferMT), the tile's barrier and this split's share of the merge.
@@ -171,7 +195,7 @@ __device__ __forceinline__ void finish_split(const Params& p, const BlockSmem<MT
                                              const float (&o)[MT][8][4], float m_run, float l_run, int rt, int split,
                                              int b, int active) {
   constexpr int BM = 16 * MT, LPR = 16 / MT;
-  const int tid = ro.tid, warp = ro.warp, g = ro.g, t = ro.t, sr = ro.sr, row0 = rt * BM;
+  const int tid = ro.tid, warp = ro.warp, g = ro.g, t = ro.t, sr = ro.sr;
   float* const sM = sm.sM;
   float* const sL = sm.sL;
 #pragma unroll
@@ -179,38 +203,31 @@ __device__ __forceinline__ void finish_split(const Params& p, const BlockSmem<MT
   if (tid % LPR == 0) sM[sr] = m_run, sL[sr] = l_run;
   __syncthreads();
 
-  const int rows_real = min(BM, p.R - row0);
-  const size_t tile = (size_t)b * p.RT + rt;
-  int* bar = p.counters + 4 * tile;
-  const unsigned gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
-  __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
-  float* lse = p.lse + (size_t)b * p.R + row0;
-  float* lp = p.lse_part + tile * p.S_max * BM;
-  PartT* op = p.o_part + tile * p.S_max * BM * DV;
+  const SplitOut<BM> so(p, b, rt, active, tid);
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = m * 16 + g + hh * 8;
-      if (r >= rows_real) continue;
+      if (r >= so.rows_real) continue;
       const float l = sL[r], inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
         const int c = warp * 64 + n * 8 + 2 * t;
         const float2 v = make_float2(o[m][n][2 * hh] * inv, o[m][n][2 * hh + 1] * inv);
         if (active == 1)
-          *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
+          *reinterpret_cast<__nv_bfloat162*>(so.out + (size_t)r * DV + c) = __float22bfloat162_rn(v);
         else
-          store_part2(op + ((size_t)split * BM + r) * DV + c, v);
+          store_part2(so.op + ((size_t)split * BM + r) * DV + c, v);
       }
     }
   }
-  if (tid < rows_real) {
+  if (tid < so.rows_real) {
     const float l = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
     if (active == 1)
-      lse[tid] = l;
+      so.lse[tid] = l;
     else
-      __stcg(lp + split * BM + tid, l);
+      __stcg(so.lp + split * BM + tid, l);
   }
   if (active == 1) return;
   if (MT <= kDeferMT && active <= p.defer_max) return;  // merged by W_UV's kernel (csrc/mla_merge_uv.cuh)
@@ -219,9 +236,9 @@ __device__ __forceinline__ void finish_split(const Params& p, const BlockSmem<MT
   // condition the compiler cannot decide keeps the merge's code, and so the register allocation, of the default
   if (active > 0) return;
 #endif
-  tile_barrier(bar, gen, active, split == 0);
+  tile_barrier(so.bar, so.gen, active, split == 0);
   TRACE(3);
-  merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
+  merge_share<BM>(so.lp, so.op, so.out, so.lse, active, so.rows_real, split, active);
 }
 
 }  // namespace k26_attn

@@ -230,39 +230,32 @@ __device__ __forceinline__ void tree_attn_wide_body(const Params& p, const Rotar
     l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
   }
   // This split's normalised partial, straight from the registers (as tree_attn_kernel).
-  const int rows_real = min(BM, p.R - row0);
-  const size_t tile = (size_t)b * p.RT + rt;
-  int* bar = p.counters + 4 * tile;
-  const unsigned gen = active > 1 && tid == 0 ? ld_relaxed(bar) : 0;  // only thread 0's is used
-  __nv_bfloat16* out = p.out + ((size_t)b * p.R + row0) * DV;
-  float* lse = p.lse + (size_t)b * p.R + row0;
-  float* lp = p.lse_part + tile * p.S_max * BM;
-  PartT* op = p.o_part + tile * p.S_max * BM * DV;
+  const SplitOut<BM> so(p, b, rt, active, tid);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int r = grp * 16 + g + hh * 8;
-    if (r >= rows_real) continue;
+    if (r >= so.rows_real) continue;
     const float inv = l_run[hh] > 0.f ? 1.f / l_run[hh] : 0.f;
 #pragma unroll
     for (int n = 0; n < C::VCOLS / 8; ++n) {
       const int c = half * C::VCOLS + n * 8 + 2 * t;
       const float2 val = make_float2(o[n][2 * hh] * inv, o[n][2 * hh + 1] * inv);
       if (active == 1)
-        *reinterpret_cast<__nv_bfloat162*>(out + (size_t)r * DV + c) = __float22bfloat162_rn(val);
+        *reinterpret_cast<__nv_bfloat162*>(so.out + (size_t)r * DV + c) = __float22bfloat162_rn(val);
       else
-        store_part2(op + ((size_t)split * BM + r) * DV + c, val);
+        store_part2(so.op + ((size_t)split * BM + r) * DV + c, val);
     }
     if (half == 0 && t == 0) {
       const float l = l_run[hh] > 0.f ? (m_run[hh] + __log2f(l_run[hh])) * 0.69314718055994531f : -CUDART_INF_F;
       if (active == 1)
-        lse[r] = l;
+        so.lse[r] = l;
       else
-        __stcg(lp + split * BM + r, l);
+        __stcg(so.lp + split * BM + r, l);
     }
   }
   if (active == 1) return;
-  tile_barrier(bar, gen, active, split == 0);
-  merge_share<BM>(lp, op, out, lse, active, rows_real, split, active);
+  tile_barrier(so.bar, so.gen, active, split == 0);
+  merge_share<BM>(so.lp, so.op, so.out, so.lse, active, so.rows_real, split, active);
 }
 
 template <bool ROPE>
