@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from k26.ops.build import _nvcc_cmd  # the library's flags: the code compared is the code built
 
+# An anonymous namespace's (or a file-local symbol's) mangled name carries hashes of the source's path and of
+# the compiling process: the two trees' would never match. c++filt's "(anonymous namespace)" has none; a name
+# it cannot demangle loses them by pattern.
+HASHED = re.compile(r"(_GLOBAL__N_|_INTERNAL_)_?\w*?_cu_[0-9a-f]{8}(_\d+)?")
+
+
+def unhashed(names: list[str]) -> list[str]:
+    if shutil.which("c++filt") is None:
+        demangled = names
+    else:
+        filt = subprocess.run(["c++filt", *names], capture_output=True, text=True, check=True)
+        demangled = filt.stdout.split("\n")
+    return [d if d != n else HASHED.sub(r"\1", n) for n, d in zip(names, demangled, strict=False)]
+
 
 def functions(source: Path, arch: str, defines: list[str], tmp: Path) -> dict[str, str]:
     """{mangled name: digest of its instruction stream} of one source's cubin."""
@@ -37,12 +53,13 @@ def functions(source: Path, arch: str, defines: list[str], tmp: Path) -> dict[st
     if proc.returncode:
         sys.exit(f"nvcc failed on {source} ({arch} {' '.join(defines)}):\n{proc.stderr[-2000:]}")
     sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], capture_output=True, text=True, check=True)
-    out: dict[str, str] = {}
+    names, digests = [], []
     for chunk in sass.stdout.split("Function : ")[1:]:
         name, _, body = chunk.partition("\n")
         stream = "\n".join(f"{op}{args}" for _, op, args in instructions(body))
-        out[name.strip()] = hashlib.sha256(stream.encode()).hexdigest()[:16]
-    return out
+        names.append(name.strip())
+        digests.append(hashlib.sha256(stream.encode()).hexdigest()[:16])
+    return dict(zip(unhashed(names), digests, strict=True)) if names else {}
 
 
 def main() -> int:
