@@ -55,6 +55,21 @@ __device__ __forceinline__ void one_token_combine(float (*ys)[16], const float* 
   MOE_TRACE(1, 3);
 }
 
+// Warp `warp`'s routed expert in a one-token down + combine block (-1: the shared warp, or an id outside [0, E)):
+// the router's ids and weights, complete before the gate/up GEMM's routed blocks let the grid launch, read once
+// (coherently); lane 0 records the pair's liveness and weight for the combine, which reads them from shared memory.
+__device__ __forceinline__ int pair_expert(const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk,
+                                           int E, bool shared, int warp, int lane, int* live, float* weight) {
+  int e = -1;
+  float wgt = 0.f;
+  if (!shared && warp < topk) {
+    const int64_t id = __ldcg(ids + warp);
+    if (id >= 0 && id < E) e = (int)id, wgt = __ldcg(topw + warp);
+  }
+  if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
+  return e;
+}
+
 static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_token(
     const __nv_bfloat16* __restrict__ act, const uint4* __restrict__ w2, const uint32_t* __restrict__ s2, int I,
     int n_tiles, const int64_t* __restrict__ ids, const float* __restrict__ topw, int topk, int E,
@@ -67,15 +82,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads) down_combine_one_to
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, KC = I >> 6;
   const bool shared = warp == kDownOneTokPairs;
-  // ids and weights come from the router, complete before the gate/up GEMM's routed blocks let this grid
-  // launch; read once here (the combine at the end reads them from shared memory).
-  int e = -1;
-  float wgt = 0.f;
-  if (!shared && warp < topk) {
-    const int64_t id = __ldcg(ids + warp);
-    if (id >= 0 && id < E) e = (int)id, wgt = __ldcg(topw + warp);  // the router's: coherent
-  }
-  if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
+  const int e = pair_expert(ids, topw, topk, E, shared, warp, lane, live, weight);
   const bool busy = shared ? sd != nullptr : e >= 0;
   const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
   if (busy && !shared)  // the pair's weights into L2 while the gate/up GEMM finishes
@@ -158,13 +165,7 @@ static __global__ void __launch_bounds__(kDownOneTokThreads, 4) down_combine_one
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, KC = I >> 6;
   const bool shared = warp == kDownOneTokPairs;
-  int e = -1;  // ids and weights: complete at launch (see the kernel above)
-  float wgt = 0.f;
-  if (!shared && warp < topk) {
-    const int64_t id = __ldcg(ids + warp);
-    if (id >= 0 && id < E) e = (int)id, wgt = __ldcg(topw + warp);  // the router's: coherent
-  }
-  if (!shared && lane == 0) live[warp] = e >= 0, weight[warp] = wgt;
+  const int e = pair_expert(ids, topw, topk, E, shared, warp, lane, live, weight);
   const bool busy = shared ? sd != nullptr : e >= 0;
   const size_t base = ((size_t)max(e, 0) * n_tiles + tile) * KC;
   if (busy && !shared) {  // the pair's weights into shared memory while the gate/up GEMM finishes
