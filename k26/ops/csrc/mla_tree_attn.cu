@@ -9,6 +9,9 @@
 #include "mla_merge_uv.cuh"
 #include "mla_tree_attn_kernel.cuh"
 #ifdef K26_ATTN_WIDE
+#if defined(K26_ATTN_DEFER_VERIFY)
+#error "K26_ATTN_DEFER_VERIFY defers the 32-row tiles' merge; K26_ATTN_WIDE's 64-row tiles merge in the kernel: one or the other"
+#endif
 #include "mla_tree_attn_wide.cuh"
 #endif
 #ifdef K26_ATTN_UNION
