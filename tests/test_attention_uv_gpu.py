@@ -67,9 +67,10 @@ def splits(L, N=1):
 # Lengths: one split (0, 1, 63), a few (64, 65), 4K decode (64, 65 splits), the deferral's bound (one token:
 # 8191 keys 128 splits, 8192 129 merged in the attention; two tokens: 8190 and 8191), long (20011).
 LENS = [0, 1, 63, 64, 65, 1000, 4095, 4096, 8190, 8191, 8192, 20011]
-# Query rows a sequence: one 16-row tile (decode at TP8 / TP4, two tokens), two 16-row tiles (3 x 8), two
-# 32-row tiles, the last part-filled (7 x 8), a verify tree's four (16 x 8: W_UV's 128-row blocks).
-SHAPES = [(1, 8), (2, 8), (1, 16), (3, 8), (7, 8), (16, 8)]
+# Query rows a sequence: one 16-row tile (decode at TP8 / TP4, two tokens), two 16-row tiles (3 x 8), one
+# 32-row tile (4 x 8: W_UV's 32-row blocks), two 32-row tiles, the last part-filled (7 x 8: W_UV's 128-row
+# blocks), a verify tree's four (16 x 8).
+SHAPES = [(1, 8), (2, 8), (1, 16), (3, 8), (4, 8), (7, 8), (16, 8)]
 
 
 @pytest.mark.parametrize("L", LENS)
