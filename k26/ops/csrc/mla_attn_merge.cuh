@@ -185,6 +185,14 @@ struct SplitOut {
     lp = p.lse_part + tile * p.S_max * BM;
     op = p.o_part + tile * p.S_max * BM * DV;
   }
+  // Row r's lse, natural log, from its running max m and sum l in the exp2 domain (-inf: an empty row).
+  __device__ __forceinline__ void put_lse(int r, int split, int active, float m, float l) const {
+    const float v = l > 0.f ? (m + __log2f(l)) * 0.69314718055994531f : -CUDART_INF_F;
+    if (active == 1)
+      lse[r] = v;
+    else
+      __stcg(lp + split * BM + r, v);
+  }
 };
 
 // The split's end: its rows' sums reduced over their lanes, then its normalised partial straight from the
@@ -222,13 +230,7 @@ __device__ __forceinline__ void finish_split(const Params& p, const BlockSmem<MT
       }
     }
   }
-  if (tid < so.rows_real) {
-    const float l = sL[tid] > 0.f ? (sM[tid] + __log2f(sL[tid])) * 0.69314718055994531f : -CUDART_INF_F;
-    if (active == 1)
-      so.lse[tid] = l;
-    else
-      __stcg(so.lp + split * BM + tid, l);
-  }
+  if (tid < so.rows_real) so.put_lse(tid, split, active, sM[tid], sL[tid]);
   if (active == 1) return;
   if (MT <= kDeferMT && active <= p.defer_max) return;  // merged by W_UV's kernel (csrc/mla_merge_uv.cuh)
 #ifdef K26_ATTN_PROBE_NO_MERGE

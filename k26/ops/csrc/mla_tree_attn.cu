@@ -10,7 +10,8 @@
 #include "mla_tree_attn_kernel.cuh"
 #ifdef K26_ATTN_WIDE
 #if defined(K26_ATTN_DEFER_VERIFY)
-#error "K26_ATTN_DEFER_VERIFY defers the 32-row tiles' merge; K26_ATTN_WIDE's 64-row tiles merge in the kernel: one or the other"
+// K26_ATTN_DEFER_VERIFY defers the 32-row tiles' merge; the wide 64-row tiles always merge in the kernel.
+#error "build K26_ATTN_DEFER_VERIFY or K26_ATTN_WIDE, not both"
 #endif
 #include "mla_tree_attn_wide.cuh"
 #endif

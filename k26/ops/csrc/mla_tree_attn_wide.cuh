@@ -245,13 +245,7 @@ __device__ __forceinline__ void tree_attn_wide_body(const Params& p, const Rotar
       else
         store_part2(so.op + ((size_t)split * BM + r) * DV + c, val);
     }
-    if (half == 0 && t == 0) {
-      const float l = l_run[hh] > 0.f ? (m_run[hh] + __log2f(l_run[hh])) * 0.69314718055994531f : -CUDART_INF_F;
-      if (active == 1)
-        so.lse[r] = l;
-      else
-        __stcg(so.lp + split * BM + r, l);
-    }
+    if (half == 0 && t == 0) so.put_lse(r, split, active, m_run[hh], l_run[hh]);
   }
   if (active == 1) return;
   tile_barrier(so.bar, so.gen, active, split == 0);
