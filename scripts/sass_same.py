@@ -24,11 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sass_schedule import cuobjdump, instructions
+from sass_schedule import instructions, kernel_sass
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from k26.ops.build import _nvcc_cmd  # the library's flags: the code compared is the code built
 
 # An anonymous namespace's (or a file-local symbol's) mangled name carries hashes of the source's path and of
 # the compiling process: the two trees' would never match. c++filt's "(anonymous namespace)" has none; a name
@@ -45,21 +43,13 @@ def unhashed(names: list[str]) -> list[str]:
     return [d if d != n else HASHED.sub(r"\1", n) for n, d in zip(names, demangled, strict=False)]
 
 
-def functions(source: Path, arch: str, defines: list[str], tmp: Path) -> dict[str, str]:
-    """{mangled name: digest of its instruction stream} of one source's cubin."""
-    cubin = tmp / "out.cubin"
-    cmd = [*_nvcc_cmd((arch,)), "-cubin", *defines, "-o", str(cubin), str(source)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        sys.exit(f"nvcc failed on {source} ({arch} {' '.join(defines)}):\n{proc.stderr[-2000:]}")
-    sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], capture_output=True, text=True, check=True)
-    names, digests = [], []
-    for chunk in sass.stdout.split("Function : ")[1:]:
-        name, _, body = chunk.partition("\n")
-        stream = "\n".join(f"{op}{args}" for _, op, args in instructions(body))
-        names.append(name.strip())
-        digests.append(hashlib.sha256(stream.encode()).hexdigest()[:16])
-    return dict(zip(unhashed(names), digests, strict=True)) if names else {}
+def functions(source: Path, arch: str, defines: list[str]) -> dict[str, str]:
+    """{function name (demangled where c++filt can): digest of its instruction stream} of one source's cubin,
+    compiled by sass_schedule.kernel_sass (defines as NAME[=VALUE])."""
+    sass = kernel_sass(source, "", arch, defines)
+    streams = ("\n".join(f"{op}{args}" for _, op, args in instructions(body)) for body in sass.values())
+    digests = [hashlib.sha256(stream.encode()).hexdigest()[:16] for stream in streams]
+    return dict(zip(unhashed(list(sass)), digests, strict=True)) if sass else {}
 
 
 def main() -> int:
@@ -82,9 +72,12 @@ def main() -> int:
         for src in a.sources:
             for arch in a.arch.split(","):
                 for dset in ["", *a.variant]:
-                    defines = [f"-D{d}" for d in dset.split(",") if d]
-                    new = functions(ROOT / src, arch, defines, tmp)
-                    old = functions(old_tree / src, arch, defines, tmp)
+                    defines = [d for d in dset.split(",") if d]
+                    try:
+                        new = functions(ROOT / src, arch, defines)
+                        old = functions(old_tree / src, arch, defines)
+                    except RuntimeError as e:  # nvcc's message, which names the source
+                        sys.exit(f"{src} ({arch} {dset or 'default'}): {e}")
                     for name in sorted(set(new) | set(old)):
                         total += 1
                         if new.get(name) != old.get(name):

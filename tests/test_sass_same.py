@@ -30,7 +30,7 @@ def digests(tmp_path, op, side):
     src = tmp_path / side / "k.cu"
     src.parent.mkdir(exist_ok=True)
     src.write_text(SOURCE.replace("OP", op))
-    return sass_same.functions(src, "sm_90a", [], tmp_path)
+    return sass_same.functions(src, "sm_90a", [])
 
 
 def test_one_changed_operation_changes_only_its_functions_digest(tmp_path):
