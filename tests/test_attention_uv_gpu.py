@@ -5,20 +5,13 @@ that the attention really leaves the deferred sequences' merge to W_UV's kernel.
 
 import pytest
 import torch
+from test_tree_attn_gpu import random_ancestors
 
 from k26.ops import attention_cuda, attention_uv_cuda, reference, tree_mask_to_words
-from k26.spec.tree import ancestors_from_parents
 
 pytestmark = pytest.mark.gpu
 
 SCALE = 0.1446796
-
-
-def random_tree(B, N, seed):
-    """Ancestor masks [B, N, N] of random trees (each node's parent drawn among the nodes before it)."""
-    g = torch.Generator().manual_seed(seed)
-    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)] for _ in range(B)]
-    return ancestors_from_parents(torch.tensor(parents))
 
 
 def uv_case(B, N, H, lens, seed, V=128):
@@ -29,7 +22,8 @@ def uv_case(B, N, H, lens, seed, V=128):
     q = (torch.randn(B, N, H, 576, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
     rows = torch.randperm(B + 1, device="cuda")[:B]
     prefix = torch.tensor(lens, device="cuda")
-    anc = random_tree(B, N, seed) if N > 2 else torch.ones(B, N, N, dtype=torch.bool).tril()
+    chain = torch.ones(B, N, N, dtype=torch.bool).tril()
+    anc = random_ancestors(B, N, torch.Generator().manual_seed(seed)) if N > 2 else chain
     words = tree_mask_to_words(anc).cuda()
     # W_UV as the model passes it: the value rows of kv_b's weight, a strided view [H, V, 512]
     kv_b = (torch.randn(H, 128 + V, 512, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)

@@ -115,10 +115,11 @@ def test_the_128_row_merge_uv_kernel_prefetches_w_uv_before_the_wait(every_kerne
     # loads): the rows go into L2 before the wait (prefetch: CCTL.E.PF2), no wide load precedes it.
     found = pick(every_kernel, arch, "mla_tree_attn.cu", "merge_uv_kernelILi8E")
     assert len(found) == 1, list(found)
-    events = [e.split() for e in next(iter(found.values()))]
+    (schedule,) = found.values()
+    events = [e.split() for e in schedule]
     at = [op for _, op in events].index("ACQBULK")
     assert sum(int(n) for n, op in events[:at] if op.startswith("CCTL") and "PF" in op) >= 2, events[:at]
-    assert not [op for op in loads_before_wait(next(iter(found.values()))) if ".128" in op]
+    assert not [op for op in loads_before_wait(schedule) if ".128" in op]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
