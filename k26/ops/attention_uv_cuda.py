@@ -8,6 +8,7 @@ barrier and merge. Other shapes run `mla_tree_attention` and `linear_grouped`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ DECODE = MergeBounds(seq_rows=16, batch_rows=64, few_rows=64)
 VERIFY = MergeBounds(seq_rows=128, batch_rows=128, few_rows=32)
 
 
+@functools.cache  # a property of the loaded library: asked once, not on every call of the op
 def merge_bounds(lib) -> MergeBounds:
     return VERIFY if lib.k26_mla_merge_uv_defers_verify() else DECODE
 
